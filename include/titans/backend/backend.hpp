@@ -1,0 +1,71 @@
+#pragma once
+// titans/backend/backend.hpp: what a compute backend is (policy, kernels, capability traits).
+//
+// A backend is a tag type (titans::backend::Cpu, later titans::backend::Cuda) passed as the
+// `Backend` template parameter of the algorithms (NeuralMemory<T, Backend>). The algorithms
+// never name a backend: they use MemoryKernels<Backend, T>, whose primary template below fails
+// to compile, and ask BackendTraits<Backend> for capabilities. Each backend specialises both
+// in its own folder (backend/cpu/, backend/cuda/). The concept MemoryBackend lists what a
+// specialisation must provide; see docs/design.md.
+
+#include <concepts>
+#include <vector>
+
+#include "../memory/config.hpp"
+#include "../memory/params.hpp"
+#include "../types.hpp"
+
+namespace titans {
+
+template <class T>
+struct Diagnostics;
+
+namespace backend {
+
+template <class>
+inline constexpr bool dependent_false = false;
+
+/// Capability traits of a backend. Specialised per backend.
+template <class Backend>
+struct BackendTraits {
+    static_assert(dependent_false<Backend>,
+                  "titans: no BackendTraits specialization for this backend policy "
+                  "(include the backend's header, e.g. <titans/backend/cpu/cpu.hpp>)");
+};
+
+/// The kernels of the neural memory on a backend. Specialised per backend and scalar type.
+template <class Backend, class T>
+struct MemoryKernels {
+    static_assert(dependent_false<Backend>,
+                  "titans: no MemoryKernels specialization for this backend policy");
+};
+
+/// What MemoryKernels<B, T> must provide for NeuralMemory<T, B> to run on it:
+///   State                         a stream batch's state (memory weights, momentum, pending
+///                                 chunk, conv tails, position), owned by the caller
+///   make_state(cfg, params, B)    a fresh state for B sequences
+///   forward(cfg, params, state, x, y, diag)
+///                                 SPEC §1-5 over a piece of the stream: x (B*N) x d in,
+///                                 y (B*N) x d out, diag optional (nullptr)
+///   current_weights / current_momentum(cfg, state, b, h)
+///                                 the memory as it is after the last token seen, materialised
+/// and BackendTraits<B> must say whether its results are host accessible and if it supports T.
+template <class B, class T>
+concept MemoryBackend =
+    requires(const MemoryConfig& cfg, const MemoryParams<T>& p,
+             typename MemoryKernels<B, T>::State& s, const typename MemoryKernels<B, T>::State& cs,
+             const Matrix<T>& x, Matrix<T>& y, Diagnostics<T>* diag, int i) {
+        typename MemoryKernels<B, T>::State;
+        { MemoryKernels<B, T>::make_state(cfg, p, i) } ->
+            std::same_as<typename MemoryKernels<B, T>::State>;
+        MemoryKernels<B, T>::forward(cfg, p, s, x, y, diag);
+        { MemoryKernels<B, T>::current_weights(cfg, cs, i, i) } ->
+            std::same_as<std::vector<Matrix<T>>>;
+        { MemoryKernels<B, T>::current_momentum(cfg, cs, i, i) } ->
+            std::same_as<std::vector<Matrix<T>>>;
+        { BackendTraits<B>::host_accessible } -> std::convertible_to<bool>;
+        { BackendTraits<B>::template supports<T> } -> std::convertible_to<bool>;
+    };
+
+}  // namespace backend
+}  // namespace titans

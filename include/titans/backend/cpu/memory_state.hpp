@@ -1,0 +1,79 @@
+#pragma once
+// titans/backend/cpu/memory_state.hpp: the state of a stream batch on the CPU backend.
+
+#include <cstdint>
+#include <vector>
+
+#include "../../memory/config.hpp"
+#include "../../types.hpp"
+
+namespace titans {
+
+namespace backend {
+template <class Backend, class T>
+struct MemoryKernels;
+struct Cpu;
+}  // namespace backend
+
+/// State of B independent streams of one NeuralMemory on the CPU (SPEC §3-5): per sequence
+/// and head the chunk-start memory weights W^s and momentum S^s of every layer, the pending
+/// rows (activations, back-propagated errors, gate logits) of the chunk in progress, the conv
+/// tails, the absolute position, and the workspaces the hot path reuses (so a forward call
+/// allocates per call, never per token).
+///
+/// Made by NeuralMemory::make_state(B); copyable (a copy is a snapshot of the streams).
+/// Between chunk boundaries the memory "after the last token" is not stored but derived from
+/// W^s, S^s and the pending rows in closed form: NeuralMemory::current_weights().
+template <class T>
+class MemoryState {
+public:
+    MemoryState() = default;
+
+    [[nodiscard]] int batch() const { return batch_; }
+    /// Tokens seen per sequence (absolute position of the next token).
+    [[nodiscard]] std::int64_t position() const { return position_; }
+    /// Tokens of the chunk in progress (position mod b; 0 for UpdateMode::PerToken).
+    [[nodiscard]] int pending() const {
+        return static_cast<int>(position_ % static_cast<std::int64_t>(chunk_));
+    }
+    /// Chunk-start weights W^s of sequence b, head h (layer l at index l-1).
+    [[nodiscard]] const std::vector<Matrix<T>>& chunk_start_weights(int b, int h) const {
+        return heads_[index(b, h)].w;
+    }
+    /// Chunk-start momentum S^s of sequence b, head h.
+    [[nodiscard]] const std::vector<Matrix<T>>& chunk_start_momentum(int b, int h) const {
+        return heads_[index(b, h)].s;
+    }
+    /// The configuration the state was made for.
+    [[nodiscard]] const MemoryConfig& config() const { return cfg_; }
+
+private:
+    template <class, class>
+    friend struct backend::MemoryKernels;
+
+    struct Head {
+        std::vector<Matrix<T>> w, s;          // W^s_l, S^s_l: layer_in(l) x layer_out(l)
+        std::vector<Matrix<T>> a, delta;      // pending chunk: A_{l-1} (b x in), Delta_l (b x out)
+        Matrix<T> gates;                      // b x 3: logits (theta, eta, alpha) per token
+        // Workspaces.
+        std::vector<Matrix<T>> z;             // b x out(l): pre-activations, then act'(Z_l)
+        std::vector<Matrix<T>> hid;           // b x out(l): retrieval activations
+        Matrix<T> t1, t2;                     // b x max width
+        Matrix<T> scores, G;                  // b x b
+        Matrix<T> coef;                       // 8 x b: theta, eta, alpha, beta, c, g, s
+    };
+
+    [[nodiscard]] std::size_t index(int b, int h) const {
+        return static_cast<std::size_t>(b) * static_cast<std::size_t>(cfg_.n_heads) +
+               static_cast<std::size_t>(h);
+    }
+
+    MemoryConfig cfg_{};
+    int batch_ = 0;
+    int chunk_ = 1;
+    std::int64_t position_ = 0;
+    std::vector<Head> heads_;             // B * H, index b * H + h
+    std::vector<Matrix<T>> conv_tail_;    // B of (K-1) x 3D: last pre-conv q|k|v projections
+};
+
+}  // namespace titans

@@ -1,0 +1,71 @@
+#pragma once
+// titans/detail/activation.hpp: scalar nonlinearities and their derivatives (SPEC §1-2).
+//
+// Written once as TITANS_HOST_DEVICE functions so the CPU backend and a CUDA backend evaluate
+// the same formulas.
+
+#include <cmath>
+
+#include "../config.hpp"
+#include "../memory/config.hpp"
+
+namespace titans::detail {
+
+template <class T>
+TITANS_HOST_DEVICE T sigmoid(T z) {
+    // Two branches so that exp never overflows.
+    if (z >= T(0)) {
+        return T(1) / (T(1) + std::exp(-z));
+    }
+    const T e = std::exp(z);
+    return e / (T(1) + e);
+}
+
+/// SiLU(z) = z * sigmoid(z).
+template <class T>
+TITANS_HOST_DEVICE T silu(T z) {
+    return z * sigmoid(z);
+}
+
+/// d/dz SiLU(z) = s + z s (1 - s), s = sigmoid(z).
+template <class T>
+TITANS_HOST_DEVICE T silu_grad(T z) {
+    const T s = sigmoid(z);
+    return s * (T(1) + z * (T(1) - s));
+}
+
+/// Exact GELU(z) = z * Phi(z) = z/2 * (1 + erf(z / sqrt 2)).
+template <class T>
+TITANS_HOST_DEVICE T gelu(T z) {
+    return T(0.5) * z * (T(1) + std::erf(z * T(0.70710678118654752440)));
+}
+
+/// d/dz GELU(z) = Phi(z) + z * phi(z).
+template <class T>
+TITANS_HOST_DEVICE T gelu_grad(T z) {
+    const T cdf = T(0.5) * (T(1) + std::erf(z * T(0.70710678118654752440)));
+    const T pdf = T(0.39894228040143267794) * std::exp(T(-0.5) * z * z);
+    return cdf + z * pdf;
+}
+
+template <class T>
+TITANS_HOST_DEVICE T activate(Activation a, T z) {
+    switch (a) {
+        case Activation::SiLU: return silu(z);
+        case Activation::GELU: return gelu(z);
+        case Activation::Identity: break;
+    }
+    return z;
+}
+
+template <class T>
+TITANS_HOST_DEVICE T activate_grad(Activation a, T z) {
+    switch (a) {
+        case Activation::SiLU: return silu_grad(z);
+        case Activation::GELU: return gelu_grad(z);
+        case Activation::Identity: break;
+    }
+    return T(1);
+}
+
+}  // namespace titans::detail

@@ -1,0 +1,147 @@
+#pragma once
+// titans/memory/config.hpp: MemoryConfig, every setting of the neural long-term memory.
+
+#include <cmath>
+#include <string>
+
+#include "../error.hpp"
+
+namespace titans {
+
+/// Element-wise nonlinearity. The memory MLP uses SiLU or GELU (exact, erf-based); the q/k/v
+/// projections use SiLU or Identity (SPEC §1-2).
+enum class Activation { SiLU, GELU, Identity };
+
+/// How the gates theta (learning rate), eta (momentum decay) and alpha (forget) are made
+/// (SPEC §1).
+enum class GateMode {
+    DataDependent,  ///< per token and head: sigmoid(x_t w + b) (theta scaled by theta_max)
+    Constant,       ///< fixed scalars constant_theta, constant_eta, constant_alpha
+    PerChunk,       ///< one value per chunk and head, from the chunk's mean input
+};
+
+/// Which gradients the write uses (SPEC §3 vs §4).
+enum class UpdateMode {
+    Chunked,   ///< SPEC §4: gradients at the chunk-start weights, closed-form chunk end
+    PerToken,  ///< SPEC §3: true per-token recurrence (the reference; equals Chunked with b = 1)
+};
+
+/// How queries read the memory (SPEC §5).
+enum class Retrieval {
+    Lagged,   ///< y_i = M_{W^s}(q_i): chunk-start weights (b = 1: read, then write)
+    InChunk,  ///< y_i = M_{W_i}(q_i): weights after token i's own write (b = 1: write, then read)
+};
+
+[[nodiscard]] inline const char* to_string(Activation a) {
+    switch (a) {
+        case Activation::SiLU: return "SiLU";
+        case Activation::GELU: return "GELU";
+        case Activation::Identity: return "Identity";
+    }
+    return "?";
+}
+[[nodiscard]] inline const char* to_string(GateMode g) {
+    switch (g) {
+        case GateMode::DataDependent: return "DataDependent";
+        case GateMode::Constant: return "Constant";
+        case GateMode::PerChunk: return "PerChunk";
+    }
+    return "?";
+}
+[[nodiscard]] inline const char* to_string(UpdateMode u) {
+    return u == UpdateMode::Chunked ? "Chunked" : "PerToken";
+}
+[[nodiscard]] inline const char* to_string(Retrieval r) {
+    return r == Retrieval::Lagged ? "Lagged" : "InChunk";
+}
+
+/// Every setting of a NeuralMemory (SPEC §1-5). Aggregate: use designated initialisers,
+///
+///     titans::MemoryConfig cfg{.d_model = 512, .n_heads = 8, .depth = 2, .chunk = 64};
+///
+/// then `cfg.validate()` (the NeuralMemory constructor calls it) throws ConfigError naming the
+/// first bad field.
+struct MemoryConfig {
+    // Shapes.
+    int d_model = 64;    ///< d, width of the tokens in and out
+    int n_heads = 1;     ///< H
+    int d_head = 0;      ///< d_h; 0 means d_model / n_heads
+    // Memory model (SPEC §2).
+    int depth = 2;       ///< L >= 1 weight matrices; 1 is the linear (matrix) memory
+    int expansion = 4;   ///< e: hidden width e * d_h (used when depth >= 2)
+    Activation activation = Activation::SiLU;  ///< act between layers: SiLU or GELU
+    bool residual = false;                     ///< M(z) = z + MLP(z)
+    // Projections (SPEC §1).
+    bool use_conv = true;      ///< causal depthwise conv on q, k, v
+    int conv_kernel = 4;       ///< its kernel size
+    Activation qkv_activation = Activation::SiLU;  ///< phi: SiLU or Identity
+    bool normalize_qk = true;  ///< L2-normalise q and k over the head dimension
+    // Gates (SPEC §1).
+    GateMode gates = GateMode::DataDependent;
+    double theta_max = 0.1;        ///< theta_t = theta_max * sigmoid(.) (larger diverges easily for L >= 2)
+    double constant_theta = 0.1;   ///< GateMode::Constant: learning rate >= 0
+    double constant_eta = 0.9;     ///< GateMode::Constant: momentum decay in [0, 1]
+    double constant_alpha = 0.01;  ///< GateMode::Constant: forget rate in [0, 1]
+    // Algorithm (SPEC §3-5).
+    UpdateMode update = UpdateMode::Chunked;
+    Retrieval retrieval = Retrieval::Lagged;
+    int chunk = 64;  ///< b, tokens per chunk (chunk boundaries are absolute positions)
+
+    /// d_h after defaulting.
+    [[nodiscard]] int head_dim() const { return d_head > 0 ? d_head : d_model / n_heads; }
+    /// Hidden width of the memory MLP.
+    [[nodiscard]] int hidden_dim() const { return depth >= 2 ? expansion * head_dim() : head_dim(); }
+    /// Input width of memory layer l (1-based, SPEC §2): d_h for l = 1, e*d_h otherwise.
+    [[nodiscard]] int layer_in(int l) const { return l == 1 ? head_dim() : hidden_dim(); }
+    /// Output width of memory layer l: d_h for l = L, e*d_h otherwise.
+    [[nodiscard]] int layer_out(int l) const { return l == depth ? head_dim() : hidden_dim(); }
+    /// H * d_h, the width of the concatenated heads.
+    [[nodiscard]] int inner_dim() const { return n_heads * head_dim(); }
+    /// The chunk size the algorithm runs with (PerToken is the b = 1 case).
+    [[nodiscard]] int effective_chunk() const { return update == UpdateMode::PerToken ? 1 : chunk; }
+
+    /// Throws ConfigError naming the first invalid field and what it must be.
+    void validate() const {
+        constexpr const char* w = "MemoryConfig";
+        using detail::require;
+        require<ConfigError>(d_model >= 1, w, "d_model", d_model, ">= 1");
+        require<ConfigError>(n_heads >= 1, w, "n_heads", n_heads, ">= 1");
+        require<ConfigError>(d_head >= 0, w, "d_head", d_head, ">= 0 (0 means d_model / n_heads)");
+        if (d_head == 0) {
+            require<ConfigError>(d_model % n_heads == 0, w, "d_model", d_model,
+                                 detail::concat("a multiple of n_heads = ", n_heads,
+                                                " when d_head = 0"));
+        }
+        require<ConfigError>(depth >= 1, w, "depth", depth, ">= 1");
+        require<ConfigError>(expansion >= 1, w, "expansion", expansion, ">= 1");
+        require<ConfigError>(activation == Activation::SiLU || activation == Activation::GELU, w,
+                             "activation", to_string(activation), "SiLU or GELU");
+        require<ConfigError>(conv_kernel >= 1, w, "conv_kernel", conv_kernel, ">= 1");
+        require<ConfigError>(
+            qkv_activation == Activation::SiLU || qkv_activation == Activation::Identity, w,
+            "qkv_activation", to_string(qkv_activation), "SiLU or Identity");
+        require<ConfigError>(std::isfinite(theta_max) && theta_max >= 0, w, "theta_max",
+                             theta_max, "a finite value >= 0");
+        require<ConfigError>(std::isfinite(constant_theta) && constant_theta >= 0, w,
+                             "constant_theta", constant_theta, "a finite value >= 0");
+        require<ConfigError>(constant_eta >= 0 && constant_eta <= 1, w, "constant_eta",
+                             constant_eta, "a value in [0, 1]");
+        require<ConfigError>(constant_alpha >= 0 && constant_alpha <= 1, w, "constant_alpha",
+                             constant_alpha, "a value in [0, 1]");
+        require<ConfigError>(chunk >= 1, w, "chunk", chunk, ">= 1");
+        // Per-chunk gates are a function of the whole chunk's mean input. Only the lagged,
+        // chunked mode never lets a token's output depend on later tokens of its chunk
+        // (its outputs read W^s; the gates enter only the chunk-end write).
+        if (gates == GateMode::PerChunk) {
+            require<ConfigError>(update == UpdateMode::Chunked, w, "update", to_string(update),
+                                 "Chunked when gates = PerChunk (per-chunk gates would read "
+                                 "future tokens of the chunk)");
+            require<ConfigError>(retrieval == Retrieval::Lagged, w, "retrieval",
+                                 to_string(retrieval),
+                                 "Lagged when gates = PerChunk (per-chunk gates would read "
+                                 "future tokens of the chunk)");
+        }
+    }
+};
+
+}  // namespace titans

@@ -1,0 +1,137 @@
+#pragma once
+// titans/memory/neural_memory.hpp: NeuralMemory<T, Backend>, the neural long-term memory.
+
+#include <utility>
+#include <vector>
+
+#include "../fwd.hpp"
+#include "../backend/backend.hpp"
+#include "../backend/cpu/cpu.hpp"
+#include "../error.hpp"
+#include "../types.hpp"
+#include "config.hpp"
+#include "diagnostics.hpp"
+#include "params.hpp"
+
+namespace titans {
+
+/// The neural long-term memory of Titans (SPEC §1-5) as a sequence layer that learns at test
+/// time. Per head, an MLP memory M (depth L) is written with the momentum/forget update
+///     S_t = eta_t S_{t-1} - theta_t grad l(M_{t-1}; k_t, v_t),   M_t = (1 - alpha_t) M_{t-1} + S_t
+/// (chunked, SPEC §4, or per token, SPEC §3) and read as y_t = M*(q_t) (lagged or in-chunk,
+/// SPEC §5); heads are concatenated and projected by W_O.
+///
+/// Shapes: a call takes x of (B*N) x d_model (B sequences of N tokens, stacked
+/// sequence-major) and returns (B*N) x d_model. B is fixed by the state; N may differ between
+/// calls: feeding a stream in pieces of any length gives the same outputs and state as one call.
+///
+///     titans::MemoryConfig cfg{.d_model = 64, .n_heads = 4, .depth = 2, .chunk = 16};
+///     titans::NeuralMemory<float> mem(cfg, titans::MemoryParams<float>::random(cfg, 42));
+///     auto state = mem.make_state(1);
+///     titans::Matrixf y = mem.forward(state, x);  // x: N x 64
+///
+/// Thread safety: a NeuralMemory is immutable after construction; distinct states may be used
+/// from distinct threads concurrently.
+template <class T, class Backend>
+class NeuralMemory {
+    static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
+                  "titans::NeuralMemory: T must be float or double");
+    static_assert(backend::MemoryBackend<Backend, T>,
+                  "titans::NeuralMemory: Backend does not satisfy titans::backend::MemoryBackend");
+    using Kernels = backend::MemoryKernels<Backend, T>;
+
+public:
+    using Scalar = T;
+    using State = typename Kernels::State;
+
+    /// Validates both (ConfigError, ShapeError, NonFiniteError) and keeps copies.
+    NeuralMemory(MemoryConfig config, MemoryParams<T> params)
+        : cfg_(std::move(config)), params_(std::move(params)) {
+        cfg_.validate();
+        params_.validate(cfg_);
+    }
+
+    [[nodiscard]] const MemoryConfig& config() const { return cfg_; }
+    [[nodiscard]] const MemoryParams<T>& params() const { return params_; }
+
+    /// A fresh state for `batch` independent sequences: M_0 = memory_init, S_0 = 0,
+    /// conv history zero, position 0.
+    [[nodiscard]] State make_state(int batch = 1) const {
+        detail::require<ConfigError>(batch >= 1, "NeuralMemory::make_state", "batch", batch,
+                                     ">= 1");
+        return Kernels::make_state(cfg_, params_, batch);
+    }
+
+    /// Processes the next piece of every stream. x: (B*N) x d_model with B = state.batch();
+    /// returns (B*N) x d_model. If `diag` is given it receives per-token surprise.
+    [[nodiscard]] Matrix<T> forward(State& state, const Matrix<T>& x,
+                                    Diagnostics<T>* diag = nullptr) const {
+        Matrix<T> y;
+        forward(state, x, y, diag);
+        return y;
+    }
+
+    /// As above, writing into `y` (resized to (B*N) x d_model; reuse it to avoid allocation).
+    void forward(State& state, const Matrix<T>& x, Matrix<T>& y,
+                 Diagnostics<T>* diag = nullptr) const {
+        check_state(state, "NeuralMemory::forward");
+        if (x.cols() != cfg_.d_model) {
+            throw ShapeError(detail::concat("NeuralMemory::forward: x has ", x.cols(),
+                                            " columns, expected d_model = ", cfg_.d_model));
+        }
+        if (x.rows() % state.batch() != 0) {
+            throw ShapeError(detail::concat("NeuralMemory::forward: x has ", x.rows(),
+                                            " rows, expected a multiple of the state's batch = ",
+                                            state.batch(), " (B*N rows, sequence-major)"));
+        }
+        if (!x.allFinite()) {
+            throw NonFiniteError("NeuralMemory::forward: x has a NaN or infinite entry");
+        }
+        if (&x == &y) {
+            throw ShapeError("NeuralMemory::forward: x and y are the same matrix, expected "
+                             "distinct matrices");
+        }
+        Kernels::forward(cfg_, params_, state, x, y, diag);
+    }
+
+    /// The memory weights of sequence b, head h after the last token seen (W_t of SPEC §3;
+    /// layer l at index l-1), materialised from the chunk-start weights and the pending rows.
+    [[nodiscard]] std::vector<Matrix<T>> current_weights(const State& state, int b, int h) const {
+        check_index(state, b, h, "NeuralMemory::current_weights");
+        return Kernels::current_weights(cfg_, state, b, h);
+    }
+
+    /// The momentum S_t of sequence b, head h after the last token seen.
+    [[nodiscard]] std::vector<Matrix<T>> current_momentum(const State& state, int b, int h) const {
+        check_index(state, b, h, "NeuralMemory::current_momentum");
+        return Kernels::current_momentum(cfg_, state, b, h);
+    }
+
+private:
+    void check_state(const State& state, const char* where) const {
+        const MemoryConfig& s = state.config();
+        const bool same = state.batch() >= 1 && s.d_model == cfg_.d_model &&
+                          s.n_heads == cfg_.n_heads && s.head_dim() == cfg_.head_dim() &&
+                          s.depth == cfg_.depth && s.hidden_dim() == cfg_.hidden_dim() &&
+                          s.effective_chunk() == cfg_.effective_chunk() &&
+                          s.use_conv == cfg_.use_conv && s.conv_kernel == cfg_.conv_kernel &&
+                          s.gates == cfg_.gates && s.update == cfg_.update;
+        if (!same) {
+            throw ConfigError(detail::concat(
+                where, ": state was made for a different configuration (or default-constructed),"
+                       " expected a state from make_state() of a memory with this configuration"));
+        }
+    }
+    void check_index(const State& state, int b, int h, const char* where) const {
+        check_state(state, where);
+        detail::require<ShapeError>(b >= 0 && b < state.batch(), where, "b", b,
+                                    detail::concat("in [0, ", state.batch(), ")"));
+        detail::require<ShapeError>(h >= 0 && h < cfg_.n_heads, where, "h", h,
+                                    detail::concat("in [0, ", cfg_.n_heads, ")"));
+    }
+
+    MemoryConfig cfg_;
+    MemoryParams<T> params_;
+};
+
+}  // namespace titans

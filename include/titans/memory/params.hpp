@@ -1,0 +1,127 @@
+#pragma once
+// titans/memory/params.hpp: MemoryParams<T>, the outer parameters of a neural memory.
+//
+// Outer parameters are fixed at test time (SPEC §1): they are what a training run learns and
+// what a checkpoint stores. Shapes (d = d_model, H = n_heads, d_h = head_dim, K = conv_kernel,
+// D = H * d_h, L = depth):
+//
+//   w_q, w_k, w_v            d x D      q/k/v projections, head h is columns [h*d_h, (h+1)*d_h)
+//   conv_q, conv_k, conv_v   K x D      depthwise causal conv: out_t = sum_j conv[j] * in_{t-K+1+j}
+//                                       (row K-1 is the current token's tap; unused if !use_conv)
+//   w_theta, w_eta, w_alpha  d x H      gate projections (unused for GateMode::Constant)
+//   b_theta, b_eta, b_alpha  1 x H      gate biases
+//   memory_init[h][l-1]      layer_in(l) x layer_out(l)   initial memory weights W_l^0 of head h
+//   w_o                      D x d      output projection
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "../detail/random.hpp"
+#include "../error.hpp"
+#include "../types.hpp"
+#include "config.hpp"
+
+namespace titans {
+
+template <class T>
+struct MemoryParams {
+    Matrix<T> w_q, w_k, w_v;
+    Matrix<T> conv_q, conv_k, conv_v;
+    Matrix<T> w_theta, w_eta, w_alpha;
+    RowVector<T> b_theta, b_eta, b_alpha;
+    std::vector<std::vector<Matrix<T>>> memory_init;
+    Matrix<T> w_o;
+
+    /// Parameters drawn from a seeded generator (identical on every platform): projections
+    /// N(0, 1/fan_in), conv taps N(0, 0.1^2) with 1 added to the current-token tap, gate
+    /// weights N(0, 1/d) with biases 0 (theta), 2 (eta) and -4 (alpha).
+    [[nodiscard]] static MemoryParams random(const MemoryConfig& cfg, std::uint64_t seed) {
+        cfg.validate();
+        detail::SplitMix64 rng(seed);
+        const int d = cfg.d_model, H = cfg.n_heads, D = cfg.inner_dim(), K = cfg.conv_kernel;
+        auto gauss = [&rng](int rows, int cols, double stddev) {
+            Matrix<T> m(rows, cols);
+            for (Eigen::Index i = 0; i < m.size(); ++i) {
+                m.data()[i] = static_cast<T>(stddev * rng.normal());
+            }
+            return m;
+        };
+        MemoryParams p;
+        const double sd = 1.0 / std::sqrt(static_cast<double>(d));
+        p.w_q = gauss(d, D, sd);
+        p.w_k = gauss(d, D, sd);
+        p.w_v = gauss(d, D, sd);
+        for (Matrix<T>* c : {&p.conv_q, &p.conv_k, &p.conv_v}) {
+            *c = gauss(K, D, 0.1);
+            c->row(K - 1).array() += T(1);
+        }
+        p.w_theta = gauss(d, H, sd);
+        p.w_eta = gauss(d, H, sd);
+        p.w_alpha = gauss(d, H, sd);
+        p.b_theta = RowVector<T>::Constant(H, T(0));
+        p.b_eta = RowVector<T>::Constant(H, T(2));
+        p.b_alpha = RowVector<T>::Constant(H, T(-4));
+        p.memory_init.resize(static_cast<std::size_t>(H));
+        for (auto& head : p.memory_init) {
+            for (int l = 1; l <= cfg.depth; ++l) {
+                head.push_back(gauss(cfg.layer_in(l), cfg.layer_out(l),
+                                     1.0 / std::sqrt(static_cast<double>(cfg.layer_in(l)))));
+            }
+        }
+        p.w_o = gauss(D, d, 1.0 / std::sqrt(static_cast<double>(D)));
+        return p;
+    }
+
+    /// Throws ShapeError if a tensor's shape disagrees with `cfg`, NonFiniteError if a value
+    /// is NaN or infinite.
+    void validate(const MemoryConfig& cfg) const {
+        const Eigen::Index d = cfg.d_model, H = cfg.n_heads, D = cfg.inner_dim(),
+                           K = cfg.conv_kernel;
+        auto check = [](const auto& m, const char* name, Eigen::Index rows, Eigen::Index cols) {
+            if (m.rows() != rows || m.cols() != cols) {
+                throw ShapeError(detail::concat("MemoryParams: ", name, " is ", m.rows(), " x ",
+                                                m.cols(), ", expected ", rows, " x ", cols));
+            }
+            if (!m.allFinite()) {
+                throw NonFiniteError(detail::concat("MemoryParams: ", name,
+                                                    " has a NaN or infinite entry"));
+            }
+        };
+        check(w_q, "w_q", d, D);
+        check(w_k, "w_k", d, D);
+        check(w_v, "w_v", d, D);
+        if (cfg.use_conv) {
+            check(conv_q, "conv_q", K, D);
+            check(conv_k, "conv_k", K, D);
+            check(conv_v, "conv_v", K, D);
+        }
+        if (cfg.gates != GateMode::Constant) {
+            check(w_theta, "w_theta", d, H);
+            check(w_eta, "w_eta", d, H);
+            check(w_alpha, "w_alpha", d, H);
+            check(b_theta, "b_theta", 1, H);
+            check(b_eta, "b_eta", 1, H);
+            check(b_alpha, "b_alpha", 1, H);
+        }
+        if (memory_init.size() != static_cast<std::size_t>(H)) {
+            throw ShapeError(detail::concat("MemoryParams: memory_init has ", memory_init.size(),
+                                            " heads, expected n_heads = ", H));
+        }
+        for (std::size_t h = 0; h < memory_init.size(); ++h) {
+            if (memory_init[h].size() != static_cast<std::size_t>(cfg.depth)) {
+                throw ShapeError(detail::concat("MemoryParams: memory_init[", h, "] has ",
+                                                memory_init[h].size(),
+                                                " layers, expected depth = ", cfg.depth));
+            }
+            for (int l = 1; l <= cfg.depth; ++l) {
+                const std::string name = detail::concat("memory_init[", h, "][", l - 1, "]");
+                check(memory_init[h][static_cast<std::size_t>(l - 1)], name.c_str(),
+                      cfg.layer_in(l), cfg.layer_out(l));
+            }
+        }
+        check(w_o, "w_o", D, d);
+    }
+};
+
+}  // namespace titans

@@ -1,0 +1,20 @@
+#pragma once
+// titans/titans.hpp: the umbrella header, the one way in.
+//
+// Neural long-term memory of "Titans: Learning to Memorize at Test Time" (Behrouz, Zhong,
+// Mirrokni, 2025). See README.md and docs/ for the design and the math.
+
+#include "config.hpp"
+#include "error.hpp"
+#include "fwd.hpp"
+#include "types.hpp"
+
+#include "memory/chunk_coefficients.hpp"
+#include "memory/config.hpp"
+#include "memory/diagnostics.hpp"
+#include "memory/mlp.hpp"
+#include "memory/neural_memory.hpp"
+#include "memory/params.hpp"
+
+#include "backend/backend.hpp"
+#include "backend/cpu/cpu.hpp"

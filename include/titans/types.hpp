@@ -1,0 +1,24 @@
+#pragma once
+// titans/types.hpp: the dense matrix types of the CPU API.
+//
+// Tokens are row vectors (SPEC conventions), so every matrix is row-major: a sequence of N
+// tokens of width d is an `N x d` Matrix and a linear layer is `x * W`. A batch of B
+// sequences of N tokens is stacked sequence-major into a `(B*N) x d` Matrix: rows
+// [b*N, (b+1)*N) belong to sequence b.
+
+#include <Eigen/Core>
+
+namespace titans {
+
+template <class T>
+using Matrix = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+template <class T>
+using RowVector = Eigen::Matrix<T, 1, Eigen::Dynamic, Eigen::RowMajor>;
+
+using Matrixf = Matrix<float>;
+using Matrixd = Matrix<double>;
+using RowVectorf = RowVector<float>;
+using RowVectord = RowVector<double>;
+
+}  // namespace titans
