@@ -47,6 +47,7 @@ struct MemoryKernels {
 ///   forward(cfg, params, state, x, y, diag)
 ///                                 SPEC §1-5 over a piece of the stream: x (B*N) x d in,
 ///                                 y (B*N) x d out, diag optional (nullptr)
+///   read(cfg, params, state, x, y)  read-only retrieval with the memory after the last token
 ///   current_weights / current_momentum(cfg, state, b, h)
 ///                                 the memory as it is after the last token seen, materialised
 /// and BackendTraits<B> must say whether its results are host accessible and if it supports T.
@@ -59,6 +60,7 @@ concept MemoryBackend =
         { MemoryKernels<B, T>::make_state(cfg, p, i) } ->
             std::same_as<typename MemoryKernels<B, T>::State>;
         MemoryKernels<B, T>::forward(cfg, p, s, x, y, diag);
+        MemoryKernels<B, T>::read(cfg, p, cs, x, y);
         { MemoryKernels<B, T>::current_weights(cfg, cs, i, i) } ->
             std::same_as<std::vector<Matrix<T>>>;
         { MemoryKernels<B, T>::current_momentum(cfg, cs, i, i) } ->

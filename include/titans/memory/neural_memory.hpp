@@ -75,23 +75,24 @@ public:
     void forward(State& state, const Matrix<T>& x, Matrix<T>& y,
                  Diagnostics<T>* diag = nullptr) const {
         check_state(state, "NeuralMemory::forward");
-        if (x.cols() != cfg_.d_model) {
-            throw ShapeError(detail::concat("NeuralMemory::forward: x has ", x.cols(),
-                                            " columns, expected d_model = ", cfg_.d_model));
-        }
-        if (x.rows() % state.batch() != 0) {
-            throw ShapeError(detail::concat("NeuralMemory::forward: x has ", x.rows(),
-                                            " rows, expected a multiple of the state's batch = ",
-                                            state.batch(), " (B*N rows, sequence-major)"));
-        }
-        if (!x.allFinite()) {
-            throw NonFiniteError("NeuralMemory::forward: x has a NaN or infinite entry");
-        }
+        check_input(state, x, "NeuralMemory::forward");
         if (&x == &y) {
             throw ShapeError("NeuralMemory::forward: x and y are the same matrix, expected "
                              "distinct matrices");
         }
         Kernels::forward(cfg_, params_, state, x, y, diag);
+    }
+
+    /// Reads the memory without writing it: x is projected like forward's queries (q path of
+    /// SPEC §1; the conv continues the stream but its tail is not updated), every query reads
+    /// the memory as it is after the last token seen, y = M_{W_t}(q) per head, then W_O.
+    /// x: (B*N) x d_model -> (B*N) x d_model. The state is unchanged.
+    [[nodiscard]] Matrix<T> read(const State& state, const Matrix<T>& x) const {
+        check_state(state, "NeuralMemory::read");
+        check_input(state, x, "NeuralMemory::read");
+        Matrix<T> y;
+        Kernels::read(cfg_, params_, state, x, y);
+        return y;
     }
 
     /// The memory weights of sequence b, head h after the last token seen (W_t of SPEC §3;
@@ -120,6 +121,20 @@ private:
             throw ConfigError(detail::concat(
                 where, ": state was made for a different configuration (or default-constructed),"
                        " expected a state from make_state() of a memory with this configuration"));
+        }
+    }
+    void check_input(const State& state, const Matrix<T>& x, const char* where) const {
+        if (x.cols() != cfg_.d_model) {
+            throw ShapeError(detail::concat(where, ": x has ", x.cols(),
+                                            " columns, expected d_model = ", cfg_.d_model));
+        }
+        if (x.rows() % state.batch() != 0) {
+            throw ShapeError(detail::concat(where, ": x has ", x.rows(),
+                                            " rows, expected a multiple of the state's batch = ",
+                                            state.batch(), " (B*N rows, sequence-major)"));
+        }
+        if (!x.allFinite()) {
+            throw NonFiniteError(detail::concat(where, ": x has a NaN or infinite entry"));
         }
     }
     void check_index(const State& state, int b, int h, const char* where) const {

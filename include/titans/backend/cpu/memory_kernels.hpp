@@ -86,7 +86,7 @@ struct MemoryKernels<Cpu, T> {
             causal_conv(cfg, p, st, qkv, N);
         }
         if (cfg.qkv_activation == Activation::SiLU) {
-            qkv = qkv.unaryExpr([](T v) { return detail::silu(v); });
+            activate_in_place(Activation::SiLU, qkv);
         }
         if (cfg.normalize_qk) {
             for (Eigen::Index r = 0; r < qkv.rows(); ++r) {
@@ -130,6 +130,65 @@ struct MemoryKernels<Cpu, T> {
         y.noalias() = yh * p.w_o;
     }
 
+    /// Read-only retrieval: q path of SPEC §1 for x (conv continuing the stream, tails not
+    /// updated), y = M_{W_t}(q) per head with the memory after the last token, then W_O.
+    static void read(const MemoryConfig& cfg, const MemoryParams<T>& p, const State& st,
+                     const Mat& x, Mat& y) {
+        const int B = st.batch_, H = cfg.n_heads, dh = cfg.head_dim(), D = cfg.inner_dim();
+        const Eigen::Index N = x.rows() / B;
+        y.resize(x.rows(), cfg.d_model);
+        if (N == 0) {
+            return;
+        }
+        Mat q = x * p.w_q;
+        if (cfg.use_conv) {
+            const int K = cfg.conv_kernel;
+            Mat ext(K - 1 + N, D);
+            for (int s = 0; s < B; ++s) {
+                ext.topRows(K - 1) = st.conv_tail_[static_cast<std::size_t>(s)].leftCols(D);
+                ext.bottomRows(N) = q.middleRows(static_cast<Eigen::Index>(s) * N, N);
+                for (Eigen::Index t = 0; t < N; ++t) {
+                    auto out = q.row(static_cast<Eigen::Index>(s) * N + t);
+                    out.setZero();
+                    for (int j = 0; j < K; ++j) {
+                        out.array() += p.conv_q.row(j).array() * ext.row(t + j).array();
+                    }
+                }
+            }
+        }
+        if (cfg.qkv_activation == Activation::SiLU) {
+            activate_in_place(Activation::SiLU, q);
+        }
+        if (cfg.normalize_qk) {
+            for (Eigen::Index r = 0; r < q.rows(); ++r) {
+                for (int h = 0; h < H; ++h) {
+                    auto seg = q.row(r).segment(h * dh, dh);
+                    seg /= std::max(seg.norm(), T(1e-12));
+                }
+            }
+        }
+        Mat yh(x.rows(), D);
+        for (int s = 0; s < B; ++s) {
+            for (int h = 0; h < H; ++h) {
+                const std::vector<Mat> W = materialise(cfg, st, s, h, true);
+                Mat a = q.block(static_cast<Eigen::Index>(s) * N, h * dh, N, dh);
+                const Mat q0 = a;
+                for (std::size_t l = 0; l < W.size(); ++l) {
+                    Mat z = a * W[l];
+                    if (l + 1 < W.size()) {
+                        activate_in_place(cfg.activation, z);
+                    }
+                    a = std::move(z);
+                }
+                if (cfg.residual) {
+                    a += q0;
+                }
+                yh.block(static_cast<Eigen::Index>(s) * N, h * dh, N, dh) = a;
+            }
+        }
+        y.noalias() = yh * p.w_o;
+    }
+
     static std::vector<Mat> current_weights(const MemoryConfig& cfg, const State& st, int b,
                                             int h) {
         return materialise(cfg, st, b, h, true);
@@ -151,32 +210,35 @@ private:
         auto v(Eigen::Index t, Eigen::Index m) const { return qkv.block(r0 + t, 2 * D + h * dh, m, dh); }
     };
 
-    /// Depthwise causal conv over time of each sequence's pre-conv q|k|v, using and updating
-    /// the state's tail (the last K-1 pre-conv rows): out_t = sum_j conv[j] . u_{t-K+1+j}.
+    /// Depthwise causal conv over time of each sequence's pre-conv q|k|v, in place, using and
+    /// updating the state's tail (the last K-1 pre-conv rows): out_t = sum_j conv[j] . u_{t-K+1+j}.
+    /// Rows are rewritten from the last to the first, so every row still reads unmodified inputs.
     static void causal_conv(const MemoryConfig& cfg, const MemoryParams<T>& p, State& st, Mat& qkv,
                             Eigen::Index N) {
         const int K = cfg.conv_kernel, D = cfg.inner_dim();
-        if (K == 1) {
-            qkv.leftCols(D).array().rowwise() *= p.conv_q.row(0).array();
-            qkv.middleCols(D, D).array().rowwise() *= p.conv_k.row(0).array();
-            qkv.rightCols(D).array().rowwise() *= p.conv_v.row(0).array();
-            return;
-        }
         Mat taps(K, 3 * D);
         taps << p.conv_q, p.conv_k, p.conv_v;
-        Mat ext(K - 1 + N, 3 * D);
+        Mat new_tail(K - 1, 3 * D);
         for (int s = 0; s < st.batch_; ++s) {
             Mat& tail = st.conv_tail_[static_cast<std::size_t>(s)];
-            ext.topRows(K - 1) = tail;
-            ext.bottomRows(N) = qkv.middleRows(static_cast<Eigen::Index>(s) * N, N);
-            for (Eigen::Index t = 0; t < N; ++t) {
-                auto out = qkv.row(static_cast<Eigen::Index>(s) * N + t);
-                out = (taps.row(0).array() * ext.row(t).array()).matrix();
-                for (int j = 1; j < K; ++j) {
-                    out.array() += taps.row(j).array() * ext.row(t + j).array();
+            auto u = qkv.middleRows(static_cast<Eigen::Index>(s) * N, N);
+            // Input row at time t - K + 1 + j: from the tail when negative.
+            using RowArray = Eigen::Map<const Eigen::Array<T, 1, Eigen::Dynamic>>;
+            auto input = [&](Eigen::Index t) {
+                return RowArray(t >= 0 ? &u(t, 0) : &tail(t + K - 1, 0), 3 * D);
+            };
+            // The new tail: the last K-1 inputs of [old tail | u].
+            for (int r = 0; r < K - 1; ++r) {
+                new_tail.row(r) = input(N - (K - 1) + r).matrix();
+            }
+            for (Eigen::Index t = N - 1; t >= 0; --t) {
+                auto out = u.row(t);
+                out.array() *= taps.row(K - 1).array();
+                for (int j = 0; j < K - 1; ++j) {
+                    out.array() += taps.row(j).array() * input(t - K + 1 + j);
                 }
             }
-            tail = ext.bottomRows(K - 1);
+            tail = new_tail;
         }
     }
 
@@ -219,9 +281,35 @@ private:
         }
     }
 
+    // Vectorised nonlinearities. SiLU goes through Eigen's SIMD exp (a scalar libm call per
+    // element costs as much as the products around it); GELU stays on std::erf. exp(-z)
+    // overflowing to inf gives sigmoid 0 and SiLU -0, the right limits.
     template <class Src, class Dst>
     static void activate_into(Activation act, const Src& src, Dst&& dst) {
-        dst = src.unaryExpr([act](T v) { return detail::activate(act, v); });
+        if (act == Activation::SiLU) {
+            dst.array() = src.array() / (T(1) + (-src.array()).exp());
+        } else if (act == Activation::GELU) {
+            dst = src.unaryExpr([](T v) { return detail::gelu(v); });
+        } else {
+            dst = src;
+        }
+    }
+    template <class Z>
+    static void activate_in_place(Activation act, Z&& z) {
+        activate_into(act, z, z);
+    }
+    /// act(z) into `out`, then z <- act'(z) (SiLU: s (1 + z (1 - s)), s = sigmoid(z) kept in
+    /// `tmp`, a workspace of z's shape).
+    template <class Z, class Out, class Tmp>
+    static void activate_and_grad(Activation act, Z&& z, Out&& out, Tmp&& tmp) {
+        if (act == Activation::SiLU) {
+            tmp.array() = T(1) / (T(1) + (-z.array()).exp());
+            out.array() = z.array() * tmp.array();
+            z.array() = tmp.array() * (T(1) + z.array() * (T(1) - tmp.array()));
+        } else {
+            out = z.unaryExpr([act](T v) { return detail::activate(act, v); });
+            z = z.unaryExpr([act](T v) { return detail::activate_grad(act, v); });
+        }
     }
 
     /// SPEC §4 over tokens [t, t+m) of one (sequence, head), which sit at rows [o, o+m) of the
@@ -237,8 +325,8 @@ private:
             auto z = hd.z[static_cast<std::size_t>(l)].topRows(m);
             z.noalias() = hd.a[static_cast<std::size_t>(l)].middleRows(o, m) * hd.w[static_cast<std::size_t>(l)];
             if (l + 1 < L) {
-                activate_into(act, z, hd.a[static_cast<std::size_t>(l + 1)].middleRows(o, m));
-                z = z.unaryExpr([act](T v) { return detail::activate_grad(act, v); });
+                activate_and_grad(act, z, hd.a[static_cast<std::size_t>(l + 1)].middleRows(o, m),
+                                  hd.t1.topLeftCorner(m, z.cols()));
             }
         }
         // Delta_L = M(k) - v, then back-propagate: Delta_l = (Delta_{l+1} W_{l+1}^T) . act'(Z_l).
@@ -294,7 +382,7 @@ private:
                 out.noalias() = hd.hid[static_cast<std::size_t>(l - 1)].topRows(m) * hd.w[static_cast<std::size_t>(l)];
             }
             if (l + 1 < L) {
-                out = out.unaryExpr([act = cfg.activation](T v) { return detail::activate(act, v); });
+                activate_in_place(cfg.activation, out);
             }
         }
         y = hd.hid[static_cast<std::size_t>(L - 1)].topRows(m);
@@ -340,7 +428,7 @@ private:
                 run(t2);
             }
             if (l + 1 < L) {
-                out = out.unaryExpr([act = cfg.activation](T v) { return detail::activate(act, v); });
+                activate_in_place(cfg.activation, out);
             }
         }
         y = hd.hid[static_cast<std::size_t>(L - 1)].topRows(m);
@@ -406,8 +494,7 @@ private:
                 auto z = hd.z[li].row(0);
                 z.noalias() = hd.a[li].row(0) * hd.w[li];
                 if (l + 1 < L) {
-                    hd.a[li + 1].row(0) = z.unaryExpr([act](T v) { return detail::activate(act, v); });
-                    z = z.unaryExpr([act](T v) { return detail::activate_grad(act, v); });
+                    activate_and_grad(act, z, hd.a[li + 1].row(0), hd.t1.row(0).head(z.cols()));
                 }
             }
             auto dL = hd.delta[static_cast<std::size_t>(L - 1)].row(0);
