@@ -7,6 +7,7 @@
 #include "../fwd.hpp"
 #include "../backend/backend.hpp"
 #include "../backend/cpu/cpu.hpp"
+#include "../detail/float_env.hpp"
 #include "../error.hpp"
 #include "../types.hpp"
 #include "config.hpp"
@@ -80,6 +81,7 @@ public:
             throw ShapeError("NeuralMemory::forward: x and y are the same matrix, expected "
                              "distinct matrices");
         }
+        const detail::DenormalFlushScope flush(cfg_.flush_denormals);
         Kernels::forward(cfg_, params_, state, x, y, diag);
     }
 
@@ -91,6 +93,7 @@ public:
         check_state(state, "NeuralMemory::read");
         check_input(state, x, "NeuralMemory::read");
         Matrix<T> y;
+        const detail::DenormalFlushScope flush(cfg_.flush_denormals);
         Kernels::read(cfg_, params_, state, x, y);
         return y;
     }
@@ -133,7 +136,7 @@ private:
                                             " rows, expected a multiple of the state's batch = ",
                                             state.batch(), " (B*N rows, sequence-major)"));
         }
-        if (!x.allFinite()) {
+        if (!detail::all_finite(x)) {
             throw NonFiniteError(detail::concat(where, ": x has a NaN or infinite entry"));
         }
     }

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "../../detail/activation.hpp"
+#include "../../detail/float_env.hpp"
 #include "../../error.hpp"
 #include "../../memory/chunk_coefficients.hpp"
 #include "../../memory/diagnostics.hpp"
@@ -89,6 +90,9 @@ struct MemoryKernels<Cpu, T> {
             activate_in_place(Activation::SiLU, qkv);
         }
         if (cfg.normalize_qk) {
+#if defined(_OPENMP)
+#pragma omp parallel for schedule(static) if (qkv.rows() >= 256)
+#endif
             for (Eigen::Index r = 0; r < qkv.rows(); ++r) {
                 for (int part = 0; part < 2; ++part) {
                     for (int h = 0; h < H; ++h) {
@@ -116,6 +120,8 @@ struct MemoryKernels<Cpu, T> {
 #pragma omp parallel for schedule(dynamic, 1) if (pairs > 1)
 #endif
         for (int bh = 0; bh < pairs; ++bh) {
+            // OpenMP workers have their own floating-point environment.
+            const detail::DenormalFlushScope flush(cfg.flush_denormals);
             const int s = bh / H, h = bh % H;
             Head& hd = st.heads_[st.index(s, h)];
             const Eigen::Index r0 = static_cast<Eigen::Index>(s) * N;
