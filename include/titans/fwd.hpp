@@ -23,4 +23,35 @@ using NeuralMemoryd = NeuralMemory<double>;
 using MemoryParamsf = MemoryParams<float>;
 using MemoryParamsd = MemoryParams<double>;
 
+// Attention (titans/attention/attention.hpp) and the basic layers (titans/layers/).
+struct AttentionConfig;
+template <class T>
+struct AttentionParams;
+template <class T>
+class AttentionState;
+template <class T>
+class Attention;
+template <class T>
+class RMSNorm;
+struct FeedForwardConfig;
+template <class T>
+struct FeedForwardParams;
+template <class T>
+class FeedForward;
+template <class T>
+class PersistentMemory;
+
+using Attentionf = Attention<float>;
+using Attentiond = Attention<double>;
+using AttentionParamsf = AttentionParams<float>;
+using AttentionParamsd = AttentionParams<double>;
+using RMSNormf = RMSNorm<float>;
+using RMSNormd = RMSNorm<double>;
+using FeedForwardf = FeedForward<float>;
+using FeedForwardd = FeedForward<double>;
+using FeedForwardParamsf = FeedForwardParams<float>;
+using FeedForwardParamsd = FeedForwardParams<double>;
+using PersistentMemoryf = PersistentMemory<float>;
+using PersistentMemoryd = PersistentMemory<double>;
+
 }  // namespace titans

@@ -16,5 +16,12 @@
 #include "memory/neural_memory.hpp"
 #include "memory/params.hpp"
 
+#include "attention/attention.hpp"
+#include "attention/rope.hpp"
+
+#include "layers/feed_forward.hpp"
+#include "layers/persistent_memory.hpp"
+#include "layers/rms_norm.hpp"
+
 #include "backend/backend.hpp"
 #include "backend/cpu/cpu.hpp"

@@ -15,7 +15,9 @@
 #include "../../detail/float_env.hpp"
 #include "../../error.hpp"
 #include "../../memory/chunk_coefficients.hpp"
+#include "../../memory/config.hpp"
 #include "../../memory/diagnostics.hpp"
+#include "../../memory/params.hpp"
 #include "memory_state.hpp"
 
 namespace titans::backend {

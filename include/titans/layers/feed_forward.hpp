@@ -1,0 +1,185 @@
+#pragma once
+// titans/layers/feed_forward.hpp: FeedForward<T>, the position-wise feed-forward sub-block that
+// follows the mixing sub-block of every Titans block (SPEC §7): SwiGLU or a GELU MLP.
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+#include <utility>
+
+#include "../detail/activation.hpp"
+#include "../detail/random.hpp"
+#include "../error.hpp"
+#include "../fwd.hpp"
+#include "../types.hpp"
+
+namespace titans {
+
+/// The two feed-forward variants of SPEC §7.
+enum class FeedForwardKind {
+    SwiGLU,  ///< y = (silu(x W1) ⊙ (x W3)) W2   (Shazeer, 2020)
+    GELU,    ///< y = gelu(x W1) W2               (exact, erf-based GELU)
+};
+
+[[nodiscard]] inline const char* to_string(FeedForwardKind k) {
+    return k == FeedForwardKind::SwiGLU ? "SwiGLU" : "GELU";
+}
+
+/// Settings of a FeedForward. Aggregate:
+///
+///     titans::FeedForwardConfig cfg{.d_model = 64, .kind = titans::FeedForwardKind::SwiGLU};
+///
+/// `hidden = 0` picks the default width (see hidden_dim()).
+struct FeedForwardConfig {
+    int d_model = 64;                             ///< d, width in and out
+    FeedForwardKind kind = FeedForwardKind::SwiGLU;
+    int hidden = 0;                               ///< hidden width; 0 means the default
+
+    /// The hidden width. Default: GELU 4d; SwiGLU 8d/3 rounded up to a multiple of 8, which
+    /// gives its three matrices about the parameter count (8 d^2) of the two of a 4d GELU MLP,
+    /// as in PaLM / LLaMA (d = 64 -> 176, d = 512 -> 1368).
+    [[nodiscard]] int hidden_dim() const {
+        if (hidden > 0) return hidden;
+        if (kind == FeedForwardKind::GELU) return 4 * d_model;
+        const int h = (8 * d_model + 2) / 3;  // ceil(8d / 3)
+        return (h + 7) / 8 * 8;
+    }
+
+    /// Throws ConfigError naming the first invalid field.
+    void validate() const {
+        constexpr const char* w = "FeedForwardConfig";
+        detail::require<ConfigError>(d_model >= 1, w, "d_model", d_model, ">= 1");
+        detail::require<ConfigError>(
+            kind == FeedForwardKind::SwiGLU || kind == FeedForwardKind::GELU, w, "kind",
+            static_cast<int>(kind), "SwiGLU or GELU");
+        detail::require<ConfigError>(hidden >= 0, w, "hidden", hidden,
+                                     ">= 0 (0 means the default width)");
+    }
+};
+
+/// The outer parameters of a FeedForward (no biases). Shapes (d = d_model, h = hidden_dim()):
+///
+///   w1   d x h    input projection (the SiLU / GELU branch)
+///   w3   d x h    SwiGLU gate branch (empty, unused, for GELU)
+///   w2   h x d    output projection
+template <class T>
+struct FeedForwardParams {
+    Matrix<T> w1, w3, w2;
+
+    /// Parameters drawn from a seeded generator (identical on every platform): w1, w3 N(0, 1/d),
+    /// w2 N(0, 1/h).
+    [[nodiscard]] static FeedForwardParams random(const FeedForwardConfig& cfg,
+                                                  std::uint64_t seed) {
+        cfg.validate();
+        detail::SplitMix64 rng(seed);
+        const int d = cfg.d_model, h = cfg.hidden_dim();
+        auto gauss = [&rng](int rows, int cols, double stddev) {
+            Matrix<T> m(rows, cols);
+            for (Eigen::Index i = 0; i < m.size(); ++i) {
+                m.data()[i] = static_cast<T>(stddev * rng.normal());
+            }
+            return m;
+        };
+        FeedForwardParams p;
+        const double sd = 1.0 / std::sqrt(static_cast<double>(d));
+        p.w1 = gauss(d, h, sd);
+        if (cfg.kind == FeedForwardKind::SwiGLU) {
+            p.w3 = gauss(d, h, sd);
+        }
+        p.w2 = gauss(h, d, 1.0 / std::sqrt(static_cast<double>(h)));
+        return p;
+    }
+
+    /// Throws ShapeError if a matrix's shape disagrees with `cfg`, NonFiniteError if a value is
+    /// NaN or infinite.
+    void validate(const FeedForwardConfig& cfg) const {
+        const Eigen::Index d = cfg.d_model, h = cfg.hidden_dim();
+        auto check = [](const Matrix<T>& m, const char* name, Eigen::Index rows,
+                        Eigen::Index cols) {
+            if (m.rows() != rows || m.cols() != cols) {
+                throw ShapeError(detail::concat("FeedForwardParams: ", name, " is ", m.rows(),
+                                                " x ", m.cols(), ", expected ", rows, " x ", cols));
+            }
+            if (!m.allFinite()) {
+                throw NonFiniteError(detail::concat("FeedForwardParams: ", name,
+                                                    " has a NaN or infinite entry"));
+            }
+        };
+        check(w1, "w1", d, h);
+        if (cfg.kind == FeedForwardKind::SwiGLU) {
+            check(w3, "w3", d, h);
+        }
+        check(w2, "w2", h, d);
+    }
+};
+
+/// The position-wise feed-forward sub-block of a Titans block (SPEC §7), row-wise on tokens:
+///
+///     SwiGLU:  y = (silu(x W1) ⊙ (x W3)) W2,     silu(z) = z σ(z)
+///     GELU:    y = gelu(x W1) W2,                 gelu(z) = z Φ(z)   (exact, erf-based)
+///
+/// Shapes: forward takes any rows x d matrix (e.g. (B*N) x d) and returns rows x d; the hidden
+/// activations are rows x hidden_dim().
+///
+///     titans::FeedForwardConfig cfg{.d_model = 64};                       // SwiGLU, h = 176
+///     titans::FeedForward<float> ff(cfg, titans::FeedForwardParams<float>::random(cfg, 3));
+///     titans::Matrixf y = ff.forward(x);                                  // x: N x 64
+///
+/// Immutable after construction (safe to share between threads).
+template <class T>
+class FeedForward {
+    static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
+                  "titans::FeedForward: T must be float or double");
+
+public:
+    using Scalar = T;
+
+    /// Validates both (ConfigError, ShapeError, NonFiniteError) and keeps copies.
+    FeedForward(FeedForwardConfig config, FeedForwardParams<T> params)
+        : cfg_(std::move(config)), params_(std::move(params)) {
+        cfg_.validate();
+        params_.validate(cfg_);
+    }
+
+    [[nodiscard]] const FeedForwardConfig& config() const { return cfg_; }
+    [[nodiscard]] const FeedForwardParams<T>& params() const { return params_; }
+
+    /// x: rows x d -> rows x d. Throws ShapeError (width), NonFiniteError (NaN / inf in x).
+    [[nodiscard]] Matrix<T> forward(const Matrix<T>& x) const {
+        Matrix<T> y;
+        forward(x, y);
+        return y;
+    }
+
+    /// As above, writing into `y` (resized; must not be `x`).
+    void forward(const Matrix<T>& x, Matrix<T>& y) const {
+        constexpr const char* where = "FeedForward::forward";
+        if (x.cols() != cfg_.d_model) {
+            throw ShapeError(detail::concat(where, ": x has ", x.cols(),
+                                            " columns, expected d_model = ", cfg_.d_model));
+        }
+        if (!x.allFinite()) {
+            throw NonFiniteError(detail::concat(where, ": x has a NaN or infinite entry"));
+        }
+        if (&x == &y) {
+            throw ShapeError(detail::concat(where, ": y is x, expected a distinct matrix"));
+        }
+        Matrix<T> a(x.rows(), params_.w1.cols());
+        a.noalias() = x * params_.w1;
+        if (cfg_.kind == FeedForwardKind::SwiGLU) {
+            Matrix<T> g(x.rows(), params_.w3.cols());
+            g.noalias() = x * params_.w3;
+            a = a.unaryExpr([](T z) { return detail::silu(z); }).cwiseProduct(g);
+        } else {
+            a = a.unaryExpr([](T z) { return detail::gelu(z); });
+        }
+        y.resize(x.rows(), cfg_.d_model);
+        y.noalias() = a * params_.w2;
+    }
+
+private:
+    FeedForwardConfig cfg_;
+    FeedForwardParams<T> params_;
+};
+
+}  // namespace titans

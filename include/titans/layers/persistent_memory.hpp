@@ -1,0 +1,96 @@
+#pragma once
+// titans/layers/persistent_memory.hpp: PersistentMemory<T>, the learnable input-independent
+// tokens of SPEC §6.
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+#include <utility>
+
+#include "../detail/random.hpp"
+#include "../error.hpp"
+#include "../fwd.hpp"
+#include "../types.hpp"
+
+namespace titans {
+
+/// Persistent memory (SPEC §6): N_p learnable, input-independent tokens P = [p_1 .. p_{N_p}]
+/// (N_p x d, N_p >= 0), prepended to the sequence an attention layer sees, x̃ = P ‖ x. They are
+/// outer parameters: never updated at test time.
+///
+/// Two ways to use them: pass tokens() as the always-visible prefix of Attention::forward (the
+/// streaming form of P ‖ x: every query sees P whatever its window), or materialise P ‖ x with
+/// prepend() for a layer that should process the persistent tokens as sequence tokens.
+///
+///     auto P = titans::PersistentMemory<float>::random(/*n_tokens=*/4, /*d_model=*/64, 11);
+///     titans::Matrixf y = attn.forward(state, x, &P.tokens());   // x̃ = P ‖ x, P always visible
+///     titans::Matrixf xt = P.prepend(x);                         // (4 + N) x 64
+template <class T>
+class PersistentMemory {
+    static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
+                  "titans::PersistentMemory: T must be float or double");
+
+public:
+    using Scalar = T;
+
+    /// From given tokens: N_p x d with d >= 1 (N_p = 0 is allowed: no persistent memory), finite.
+    explicit PersistentMemory(Matrix<T> tokens) : tokens_(std::move(tokens)) {
+        detail::require<ShapeError>(tokens_.cols() >= 1, "PersistentMemory", "tokens.cols()",
+                                    tokens_.cols(), ">= 1 (d_model)");
+        if (!tokens_.allFinite()) {
+            throw NonFiniteError("PersistentMemory: tokens has a NaN or infinite entry");
+        }
+    }
+
+    /// N_p tokens of width d drawn from a seeded generator (identical on every platform), entries
+    /// N(0, stddev^2); the default stddev 1 matches the scale of normalised inputs.
+    [[nodiscard]] static PersistentMemory random(int n_tokens, int d_model, std::uint64_t seed,
+                                                 double stddev = 1.0) {
+        constexpr const char* w = "PersistentMemory::random";
+        detail::require<ConfigError>(n_tokens >= 0, w, "n_tokens", n_tokens, ">= 0");
+        detail::require<ConfigError>(d_model >= 1, w, "d_model", d_model, ">= 1");
+        detail::require<ConfigError>(std::isfinite(stddev) && stddev >= 0, w, "stddev", stddev,
+                                     "a finite value >= 0");
+        detail::SplitMix64 rng(seed);
+        Matrix<T> m(n_tokens, d_model);
+        for (Eigen::Index i = 0; i < m.size(); ++i) {
+            m.data()[i] = static_cast<T>(stddev * rng.normal());
+        }
+        return PersistentMemory(std::move(m));
+    }
+
+    /// N_p.
+    [[nodiscard]] int size() const { return static_cast<int>(tokens_.rows()); }
+    /// d.
+    [[nodiscard]] int d_model() const { return static_cast<int>(tokens_.cols()); }
+    /// P, N_p x d.
+    [[nodiscard]] const Matrix<T>& tokens() const { return tokens_; }
+
+    /// P ‖ x for `batch` sequences stacked sequence-major: x is (B*N) x d, the result
+    /// (B*(N_p + N)) x d with rows [b*(N_p+N), b*(N_p+N) + N_p) = P and the next N rows =
+    /// sequence b. With the default batch = 1: x is N x d, the result (N_p + N) x d.
+    [[nodiscard]] Matrix<T> prepend(const Matrix<T>& x, int batch = 1) const {
+        constexpr const char* w = "PersistentMemory::prepend";
+        detail::require<ConfigError>(batch >= 1, w, "batch", batch, ">= 1");
+        if (x.cols() != tokens_.cols()) {
+            throw ShapeError(detail::concat(w, ": x has ", x.cols(), " columns, expected d = ",
+                                            tokens_.cols()));
+        }
+        if (x.rows() % batch != 0) {
+            throw ShapeError(detail::concat(w, ": x has ", x.rows(),
+                                            " rows, expected a multiple of batch = ", batch));
+        }
+        const Eigen::Index n = x.rows() / batch, np = tokens_.rows();
+        Matrix<T> out(static_cast<Eigen::Index>(batch) * (np + n), x.cols());
+        for (Eigen::Index b = 0; b < batch; ++b) {
+            out.middleRows(b * (np + n), np) = tokens_;
+            out.middleRows(b * (np + n) + np, n) = x.middleRows(b * n, n);
+        }
+        return out;
+    }
+
+private:
+    Matrix<T> tokens_;
+};
+
+}  // namespace titans

@@ -1,0 +1,711 @@
+// Attention (SPEC §6-7) and the basic layers: prefix_window_attention against a plain reference
+// that builds the full masked score matrix, window edges, prefix visibility, causality, RoPE
+// (against explicit 2x2 rotations, and its relative-position property), the Attention layer
+// against the reference and streamed in pieces against one call, RMSNorm, FeedForward,
+// PersistentMemory, and the error paths.
+#include "test_common.hpp"
+
+#include "reference/reference_attention.hpp"
+
+#include <climits>
+
+using namespace titans_test;
+using titans::Attention;
+using titans::AttentionConfig;
+using titans::AttentionParams;
+using titans::ConfigError;
+using titans::FeedForward;
+using titans::FeedForwardConfig;
+using titans::FeedForwardKind;
+using titans::FeedForwardParams;
+using titans::NonFiniteError;
+using titans::PersistentMemory;
+using titans::PrefixSharing;
+using titans::RMSNorm;
+using titans::RowVector;
+using titans::ShapeError;
+
+namespace {
+
+template <class T>
+Matrix<T> to(const Matrixd& m) {
+    return m.cast<T>();
+}
+
+/// Inputs of one prefix_window_attention call, already rounded through T.
+struct CoreCase {
+    int H = 1, dh = 1, w = 1;
+    Eigen::Index n = 0, p = 0, f = 0;
+    Matrixd q, kp, vp, ks, vs;
+
+    [[nodiscard]] std::string describe() const {
+        std::ostringstream os;
+        os << "H=" << H << " d_h=" << dh << " n=" << n << " p=" << p << " window=" << w
+           << " first_query=" << f << " m=" << ks.rows();
+        return os.str();
+    }
+};
+
+/// window_kind: 0 -> w = 1; 1 -> w >= f + n (full causal; sometimes INT_MAX); 2 -> in between.
+template <class T>
+CoreCase make_core_case(Rng& rng, int window_kind, double q_scale = 1.5) {
+    CoreCase c;
+    c.H = uniform_int(rng, 1, 3);
+    c.dh = uniform_int(rng, 1, 6);
+    switch (uniform_int(rng, 0, 4)) {
+        case 0: c.n = 0; break;
+        case 1: c.n = 1; break;
+        default: c.n = uniform_int(rng, 2, 90); break;
+    }
+    c.p = uniform_int(rng, 0, 2) == 0 ? 0 : uniform_int(rng, 1, 6);
+    c.f = uniform_int(rng, 0, 1) == 0 ? 0 : uniform_int(rng, 1, 12);
+    const Eigen::Index m = c.f + c.n + uniform_int(rng, 0, 3);  // rows past f + n are never read
+    const int reach = static_cast<int>(c.f + c.n);
+    if (window_kind == 0) {
+        c.w = 1;
+    } else if (window_kind == 1) {
+        c.w = uniform_int(rng, 0, 3) == 0 ? INT_MAX : reach + uniform_int(rng, 0, 5);
+        c.w = std::max(c.w, 1);
+    } else {
+        c.w = uniform_int(rng, 2, std::max(2, reach - 1));
+    }
+    const Eigen::Index D = static_cast<Eigen::Index>(c.H) * c.dh;
+    c.q = round_through<T>(random_matrix(c.n, D, rng, -q_scale, q_scale));
+    c.kp = round_through<T>(random_matrix(c.p, D, rng, -1.5, 1.5));
+    c.vp = round_through<T>(random_matrix(c.p, D, rng));
+    c.ks = round_through<T>(random_matrix(m, D, rng, -1.5, 1.5));
+    c.vs = round_through<T>(random_matrix(m, D, rng));
+    return c;
+}
+
+template <class T>
+Matrix<T> run_core(const CoreCase& c) {
+    return titans::prefix_window_attention(to<T>(c.q), to<T>(c.kp), to<T>(c.vp), to<T>(c.ks),
+                                           to<T>(c.vs), c.H, c.dh, c.w, c.f);
+}
+
+Matrixd run_reference(const CoreCase& c) {
+    return titans::reference::attention(c.q, c.kp, c.vp, c.ks, c.vs, c.H, c.dh, c.w, c.f);
+}
+
+/// Largest |a - b| over row r.
+template <class A, class B>
+double row_diff(const A& a, const B& b, Eigen::Index r) {
+    return (a.row(r).template cast<double>() - b.row(r).template cast<double>())
+        .cwiseAbs()
+        .maxCoeff();
+}
+
+/// A random attention configuration for the layer tests: H in 1..3, even d_h in 2..6, d_model
+/// H * d_h or (explicit d_head) anything in 2..20.
+AttentionConfig random_attention_config(Rng& rng, bool rope, int window) {
+    AttentionConfig c;
+    c.n_heads = uniform_int(rng, 1, 3);
+    const int dh = 2 * uniform_int(rng, 1, 3);
+    if (uniform_int(rng, 0, 2) == 0) {
+        c.d_head = dh;
+        c.d_model = uniform_int(rng, 2, 20);
+    } else {
+        c.d_model = c.n_heads * dh;
+    }
+    c.window = window;
+    c.rope = rope;
+    c.rope_base = pick(rng, std::vector<double>{10000.0, 100.0, 10.0});
+    c.validate();
+    return c;
+}
+
+template <class T>
+AttentionParams<double> random_attention_params(const AttentionConfig& cfg, Rng& rng) {
+    const auto p = AttentionParams<double>::random(cfg, rng());
+    AttentionParams<double> r;
+    r.w_q = round_through<T>(p.w_q);
+    r.w_k = round_through<T>(p.w_k);
+    r.w_v = round_through<T>(p.w_v);
+    r.w_o = round_through<T>(p.w_o);
+    return r;
+}
+
+template <class T>
+AttentionParams<T> cast_attention_params(const AttentionParams<double>& p) {
+    AttentionParams<T> r;
+    r.w_q = to<T>(p.w_q);
+    r.w_k = to<T>(p.w_k);
+    r.w_v = to<T>(p.w_v);
+    r.w_o = to<T>(p.w_o);
+    return r;
+}
+
+/// Rows [t0, t1) of every sequence of x ((B*N) x cols), stacked sequence-major.
+template <class M>
+M take_tokens(const M& x, int B, Eigen::Index N, Eigen::Index t0, Eigen::Index t1) {
+    M r(B * (t1 - t0), x.cols());
+    for (int b = 0; b < B; ++b) r.middleRows(b * (t1 - t0), t1 - t0) = x.middleRows(b * N + t0, t1 - t0);
+    return r;
+}
+
+template <class M>
+void put_tokens(M& x, const M& piece, int B, Eigen::Index N, Eigen::Index t0, Eigen::Index t1) {
+    for (int b = 0; b < B; ++b) x.middleRows(b * N + t0, t1 - t0) = piece.middleRows(b * (t1 - t0), t1 - t0);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// prefix_window_attention
+
+TEMPLATE_TEST_CASE("prefix_window_attention equals the full masked reference (window 1, window "
+                   ">= n, windows in between, empty and non-empty prefix, first_query > 0)",
+                   "[attention]", float, double) {
+    using T = TestType;
+    const std::string name = "pwa reference";
+    int case_index = 0;
+    for (int kind = 0; kind < 3; ++kind) {
+        for (int rep = 0; rep < 25; ++rep) {
+            Rng rng(seed_for(name, static_cast<std::uint64_t>(case_index++)));
+            const CoreCase c = make_core_case<T>(rng, kind);
+            INFO(c.describe());
+            const Matrix<T> out = run_core<T>(c);
+            const Matrixd ref = run_reference(c);
+            REQUIRE(out.rows() == c.n);
+            REQUIRE(out.cols() == c.H * c.dh);
+            if (c.n > 0) {
+                CHECK(note_error<T>("attention: prefix_window_attention vs reference",
+                                    rel_error(out, ref)) <= tol<T>());
+            }
+        }
+    }
+}
+
+TEMPLATE_TEST_CASE("prefix_window_attention on a larger problem (many tiles; the OpenMP path "
+                   "when built with OpenMP)",
+                   "[attention]", float, double) {
+    using T = TestType;
+    for (int w : {50, 1000}) {
+        Rng rng(seed_for("pwa larger", static_cast<std::uint64_t>(w)));
+        CoreCase c;
+        c.H = 4;
+        c.dh = 16;
+        c.w = w;
+        c.p = 4;
+        c.f = 7;
+        c.n = 300;
+        const Eigen::Index D = 64;
+        c.q = round_through<T>(random_matrix(c.n, D, rng, -1.5, 1.5));
+        c.kp = round_through<T>(random_matrix(c.p, D, rng, -1.5, 1.5));
+        c.vp = round_through<T>(random_matrix(c.p, D, rng));
+        c.ks = round_through<T>(random_matrix(c.f + c.n, D, rng, -1.5, 1.5));
+        c.vs = round_through<T>(random_matrix(c.f + c.n, D, rng));
+        INFO(c.describe());
+        CHECK(note_error<T>("attention: prefix_window_attention vs reference",
+                            rel_error(run_core<T>(c), run_reference(c))) <= tol<T>());
+    }
+}
+
+TEMPLATE_TEST_CASE("prefix_window_attention on views (blocks of larger matrices) equals the "
+                   "Matrix overload",
+                   "[attention]", float, double) {
+    using T = TestType;
+    Rng rng(seed_for("pwa views"));
+    const CoreCase c = make_core_case<T>(rng, 2);
+    const Eigen::Index D = c.q.cols(), n = c.n;
+    // Embed every input at an offset inside a wider, taller matrix.
+    auto embed = [&](const Matrixd& m) {
+        Matrix<T> big = to<T>(random_matrix(m.rows() + 3, D + 5, rng));
+        big.block(2, 3, m.rows(), D) = to<T>(m);
+        return big;
+    };
+    const Matrix<T> q = embed(c.q), kp = embed(c.kp), vp = embed(c.vp), ks = embed(c.ks),
+                    vs = embed(c.vs);
+    Matrix<T> big_out = Matrix<T>::Constant(n + 4, D + 2, T(7));
+    titans::prefix_window_attention<T>(q.block(2, 3, n, D), kp.block(2, 3, c.p, D),
+                                       vp.block(2, 3, c.p, D), ks.block(2, 3, c.ks.rows(), D),
+                                       vs.block(2, 3, c.vs.rows(), D), c.H, c.dh, c.w, c.f,
+                                       big_out.block(1, 1, n, D));
+    INFO(c.describe());
+    CHECK(rel_error(big_out.block(1, 1, n, D), run_core<T>(c)) <= tol<T>());
+    // Nothing outside the output block was written.
+    CHECK((big_out.row(0).array() == T(7)).all());
+    CHECK((big_out.col(0).array() == T(7)).all());
+    CHECK((big_out.col(D + 1).array() == T(7)).all());
+}
+
+TEMPLATE_TEST_CASE("prefix_window_attention is numerically stable for very large scores",
+                   "[attention]", float, double) {
+    using T = TestType;
+    for (int i = 0; i < 6; ++i) {
+        Rng rng(seed_for("pwa large scores", static_cast<std::uint64_t>(i)));
+        const CoreCase c = make_core_case<T>(rng, 2, /*q_scale=*/400.0);
+        INFO(c.describe());
+        const Matrix<T> out = run_core<T>(c);
+        REQUIRE(out.allFinite());
+        if (c.n > 0) {
+            // Scores of order 1e3 amplify the rounding of q.k by exp: a looser bound.
+            CHECK(rel_error(out, run_reference(c)) <= (std::is_same_v<T, float> ? 2e-3 : 1e-9));
+        }
+    }
+}
+
+TEMPLATE_TEST_CASE("window edges: positions w-1, w, w+1 match the reference; the key at "
+                   "distance w is not seen, the key at distance w-1 is",
+                   "[attention]", float, double) {
+    using T = TestType;
+    for (int w : {1, 2, 5, 16, 17, 40}) {
+        for (int p : {0, 2}) {
+            Rng rng(seed_for("pwa window edges", static_cast<std::uint64_t>(w * 10 + p)));
+            CoreCase c;
+            c.H = 2;
+            c.dh = 3;
+            c.w = w;
+            c.p = p;
+            c.f = 0;
+            c.n = w + 2 + 20;  // positions up to w + 21 (several tiles for small windows)
+            const Eigen::Index D = 6;
+            c.q = round_through<T>(random_matrix(c.n, D, rng, -1.5, 1.5));
+            c.kp = round_through<T>(random_matrix(p, D, rng));
+            c.vp = round_through<T>(random_matrix(p, D, rng));
+            c.ks = round_through<T>(random_matrix(c.n, D, rng, -1.5, 1.5));
+            c.vs = round_through<T>(random_matrix(c.n, D, rng));
+            INFO(c.describe());
+            const Matrix<T> out = run_core<T>(c);
+            const Matrixd ref = run_reference(c);
+            for (Eigen::Index t : {w - 1, w, w + 1}) {
+                INFO("position " << t);
+                CHECK(rel_error(out.row(t), ref.row(t)) <= tol<T>());
+            }
+            for (Eigen::Index t : {static_cast<Eigen::Index>(w), static_cast<Eigen::Index>(w) + 1,
+                                   static_cast<Eigen::Index>(w) + 19}) {
+                INFO("query at position " << t);
+                // Distance exactly w: key/value j = t - w is outside the window.
+                CoreCase far = c;
+                far.ks.row(t - w).array() += 0.75;
+                far.vs.row(t - w).array() -= 0.5;
+                const Matrix<T> out_far = run_core<T>(far);
+                CHECK(identical(out_far.row(t), out.row(t)));
+                // Distance w - 1: key/value j = t - w + 1 is the oldest one inside.
+                CoreCase near = c;
+                near.ks.row(t - w + 1).array() += 0.75;
+                near.vs.row(t - w + 1).array() -= 0.5;
+                const Matrix<T> out_near = run_core<T>(near);
+                CHECK(row_diff(out_near, out, t) > 1e-4);
+                CHECK(rel_error(out_near, run_reference(near)) <= tol<T>());
+            }
+        }
+    }
+}
+
+TEMPLATE_TEST_CASE("prefix keys are visible to every query; sequence keys only causally",
+                   "[attention]", float, double) {
+    using T = TestType;
+    for (int w : {1, 3, 1000}) {
+        Rng rng(seed_for("pwa prefix and causality", static_cast<std::uint64_t>(w)));
+        CoreCase c;
+        c.H = 2;
+        c.dh = 4;
+        c.w = w;
+        c.p = 3;
+        c.f = 0;
+        c.n = 70;
+        const Eigen::Index D = 8;
+        c.q = round_through<T>(random_matrix(c.n, D, rng));
+        c.kp = round_through<T>(random_matrix(c.p, D, rng));
+        c.vp = round_through<T>(random_matrix(c.p, D, rng));
+        c.ks = round_through<T>(random_matrix(c.n, D, rng));
+        c.vs = round_through<T>(random_matrix(c.n, D, rng));
+        INFO(c.describe());
+        const Matrix<T> out = run_core<T>(c);
+
+        // A prefix key: every output row changes.
+        CoreCase pk = c;
+        pk.kp.row(1).array() += 0.5;
+        const Matrix<T> out_pk = run_core<T>(pk);
+        for (Eigen::Index i = 0; i < c.n; ++i) {
+            INFO("row " << i);
+            CHECK(row_diff(out_pk, out, i) > 1e-5);
+        }
+
+        // Sequence token j: rows before j unchanged; rows j .. j + w - 1 change; later unchanged.
+        for (Eigen::Index j : {0, 17, 40, 69}) {
+            CoreCase sj = c;
+            sj.ks.row(j).array() += 0.5;
+            sj.vs.row(j).array() += 0.5;
+            const Matrix<T> out_sj = run_core<T>(sj);
+            for (Eigen::Index i = 0; i < c.n; ++i) {
+                INFO("perturbed token " << j << ", row " << i);
+                if (i < j || i >= j + w) {
+                    CHECK(identical(out_sj.row(i), out.row(i)));
+                } else {
+                    CHECK(row_diff(out_sj, out, i) > 1e-5);
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// RoPE
+
+TEMPLATE_TEST_CASE("apply_rope equals explicit 2x2 rotations at absolute positions",
+                   "[attention]", float, double) {
+    using T = TestType;
+    for (int i = 0; i < 8; ++i) {
+        Rng rng(seed_for("rope rotations", static_cast<std::uint64_t>(i)));
+        const int H = uniform_int(rng, 1, 3), dh = 2 * uniform_int(rng, 1, 4);
+        const Eigen::Index rows = uniform_int(rng, 0, 12);
+        const std::int64_t pos = pick(rng, std::vector<std::int64_t>{0, 5, 1000, 123456});
+        const double base = pick(rng, std::vector<double>{10000.0, 500.0, 2.0});
+        const Matrixd x = round_through<T>(random_matrix(rows, H * dh, rng));
+        Matrix<T> y = to<T>(x);
+        titans::apply_rope(y, H, dh, pos, base);
+        INFO("H=" << H << " d_h=" << dh << " rows=" << rows << " pos=" << pos << " base=" << base);
+        CHECK(rel_error(y, titans::reference::rope(x, H, dh, pos, base)) <= tol<T>());
+        // Norm of every pair is preserved; position 0 is the identity.
+        if (pos == 0 && rows > 0) {
+            CHECK(identical(y.row(0), to<T>(x).row(0)));
+        }
+    }
+    // Position 0 of a single token, first pair: angle 0. Position 1, first pair: angle 1 rad.
+    Matrix<T> x(2, 2);
+    x << T(1), T(0), T(1), T(0);
+    titans::apply_rope(x, 1, 2, 0, 10000.0);
+    CHECK(x(0, 0) == T(1));
+    CHECK(x(0, 1) == T(0));
+    CHECK(std::abs(static_cast<double>(x(1, 0)) - std::cos(1.0)) <= tol<T>());
+    CHECK(std::abs(static_cast<double>(x(1, 1)) - std::sin(1.0)) <= tol<T>());
+}
+
+TEMPLATE_TEST_CASE("RoPE scores depend only on the relative position", "[attention]", float,
+                   double) {
+    using T = TestType;
+    Rng rng(seed_for("rope relative"));
+    const int H = 2, dh = 8;
+    for (int i = 0; i < 20; ++i) {
+        const Matrix<T> q = to<T>(random_matrix(1, H * dh, rng));
+        const Matrix<T> k = to<T>(random_matrix(1, H * dh, rng));
+        const std::int64_t a = uniform_int(rng, 0, 50), b = uniform_int(rng, 0, 50);
+        const std::int64_t s = uniform_int(rng, 1, 1000);
+        auto scores = [&](std::int64_t pa, std::int64_t pb) {
+            Matrix<T> qa = q, kb = k;
+            titans::apply_rope(qa, H, dh, pa, 10000.0);
+            titans::apply_rope(kb, H, dh, pb, 10000.0);
+            Matrixd sc(1, H);
+            for (int h = 0; h < H; ++h) {
+                sc(0, h) = static_cast<double>(qa.row(0).segment(h * dh, dh).dot(kb.row(0).segment(h * dh, dh)));
+            }
+            return sc;
+        };
+        INFO("a=" << a << " b=" << b << " s=" << s);
+        CHECK(rel_error(scores(a + s, b + s), scores(a, b)) <= 10 * tol<T>());
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The Attention layer
+
+TEMPLATE_TEST_CASE("Attention::forward equals the reference layer (RoPE, shared and "
+                   "per-sequence prefix, B = 2)",
+                   "[attention]", float, double) {
+    using T = TestType;
+    for (int i = 0; i < 24; ++i) {
+        Rng rng(seed_for("attention layer reference", static_cast<std::uint64_t>(i)));
+        const int N = uniform_int(rng, 1, 40);
+        const int window = pick(rng, std::vector<int>{1, 2, 5, 16, 100});
+        const bool rope = (i % 2) == 1;
+        const AttentionConfig cfg = random_attention_config(rng, rope, window);
+        const auto pd = random_attention_params<T>(cfg, rng);
+        const int B = 2;
+        const Matrixd x = round_through<T>(random_matrix(B * N, cfg.d_model, rng));
+        const int prefix_kind = (i / 2) % 3;  // none, shared, per sequence
+        const int p = uniform_int(rng, 1, 4);
+        const Matrixd prefix =
+            round_through<T>(random_matrix(prefix_kind == 2 ? B * p : p, cfg.d_model, rng));
+        const Matrixd* pref = prefix_kind == 0 ? nullptr : &prefix;
+
+        Attention<T> attn(cfg, cast_attention_params<T>(pd));
+        auto st = attn.make_state(B);
+        const Matrix<T> prefix_t = to<T>(prefix);
+        const Matrix<T> y = attn.forward(st, to<T>(x), pref ? &prefix_t : nullptr,
+                                         prefix_kind == 2 ? PrefixSharing::PerSequence
+                                                          : PrefixSharing::Shared);
+        const Matrixd ref = titans::reference::attention_layer(cfg, pd, x, B, pref, prefix_kind == 2);
+        INFO("d_model=" << cfg.d_model << " H=" << cfg.n_heads << " d_h=" << cfg.head_dim()
+                        << " window=" << window << " rope=" << rope << " N=" << N
+                        << " prefix_kind=" << prefix_kind);
+        CHECK(note_error<T>("attention: layer vs reference", rel_error(y, ref)) <= tol<T>());
+        CHECK(st.position() == N);
+        CHECK(st.keys(0).rows() == std::min(window - 1, N));
+    }
+}
+
+TEMPLATE_TEST_CASE("Attention streamed token by token and in random pieces equals one call "
+                   "(B = 2)",
+                   "[attention]", float, double) {
+    using T = TestType;
+    for (int i = 0; i < 16; ++i) {
+        Rng rng(seed_for("attention streaming", static_cast<std::uint64_t>(i)));
+        const int N = uniform_int(rng, 1, 45);
+        const int window = pick(rng, std::vector<int>{1, 2, 3, 7, 20, 64});
+        const AttentionConfig cfg = random_attention_config(rng, (i % 2) == 0, window);
+        const auto pd = random_attention_params<T>(cfg, rng);
+        const int B = 2;
+        const Matrix<T> x = to<T>(random_matrix(B * N, cfg.d_model, rng));
+        const Matrix<T> prefix = to<T>(random_matrix(uniform_int(rng, 0, 3), cfg.d_model, rng));
+        const Matrix<T>* pref = (i % 4) < 2 ? &prefix : nullptr;
+        Attention<T> attn(cfg, cast_attention_params<T>(pd));
+        INFO("d_model=" << cfg.d_model << " H=" << cfg.n_heads << " window=" << window
+                        << " rope=" << cfg.rope << " N=" << N);
+
+        auto st_one = attn.make_state(B);
+        const Matrix<T> y_one = attn.forward(st_one, x, pref);
+
+        // Token by token.
+        {
+            auto st = attn.make_state(B);
+            Matrix<T> y(B * N, cfg.d_model);
+            for (int t = 0; t < N; ++t) {
+                put_tokens(y, attn.forward(st, take_tokens(x, B, N, t, t + 1), pref), B, N, t, t + 1);
+            }
+            CHECK(note_error<T>("attention: token-by-token vs one call", rel_error(y, y_one)) <= tol<T>());
+            CHECK(st.position() == N);
+            for (int b = 0; b < B; ++b) {
+                CHECK(rel_error(st.keys(b), st_one.keys(b)) <= tol<T>());
+                CHECK(rel_error(st.values(b), st_one.values(b)) <= tol<T>());
+            }
+        }
+        // Random pieces: empty, single tokens, pieces shorter and longer than the window.
+        {
+            auto st = attn.make_state(B);
+            Matrix<T> y(B * N, cfg.d_model);
+            int t = 0;
+            while (t < N) {
+                int len = 0;
+                switch (uniform_int(rng, 0, 3)) {
+                    case 0: len = 0; break;
+                    case 1: len = 1; break;
+                    case 2: len = uniform_int(rng, 1, window + 1); break;
+                    default: len = uniform_int(rng, 1, 2 * window + 3); break;
+                }
+                len = std::min(len, N - t);
+                const Matrix<T> piece = take_tokens(x, B, N, t, t + len);
+                const Matrix<T> yp = attn.forward(st, piece, pref);
+                REQUIRE(yp.rows() == B * len);
+                put_tokens(y, yp, B, N, t, t + len);
+                t += len;
+            }
+            CHECK(note_error<T>("attention: random pieces vs one call", rel_error(y, y_one)) <= tol<T>());
+            CHECK(st.position() == N);
+        }
+    }
+}
+
+TEMPLATE_TEST_CASE("Attention is causal: perturbing token j leaves earlier outputs and the other "
+                   "sequence unchanged",
+                   "[attention]", float, double) {
+    using T = TestType;
+    Rng rng(seed_for("attention layer causality"));
+    const AttentionConfig cfg{.d_model = 8, .n_heads = 2, .window = 6, .rope = true};
+    const Attention<T> attn(cfg, AttentionParams<T>::random(cfg, 5));
+    const int B = 2, N = 30;
+    const Matrix<T> x = to<T>(random_matrix(B * N, cfg.d_model, rng));
+    const Matrix<T> prefix = to<T>(random_matrix(2, cfg.d_model, rng));
+    auto st = attn.make_state(B);
+    const Matrix<T> y = attn.forward(st, x, &prefix);
+    for (int j : {0, 11, 29}) {
+        Matrix<T> xj = x;
+        xj.row(j).array() += T(0.5);  // sequence 0, token j
+        auto sj = attn.make_state(B);
+        const Matrix<T> yj = attn.forward(sj, xj, &prefix);
+        for (int i = 0; i < N; ++i) {
+            INFO("perturbed token " << j << ", row " << i);
+            if (i < j || i >= j + cfg.window) {
+                CHECK(identical(yj.row(i), y.row(i)));
+            } else {
+                CHECK(row_diff(yj, y, i) > 1e-6);
+            }
+        }
+        CHECK(identical(yj.bottomRows(N), y.bottomRows(N)));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Basic layers
+
+TEMPLATE_TEST_CASE("RMSNorm equals a hand-computed value and the loop reference", "[layers]",
+                   float, double) {
+    using T = TestType;
+    // x = (3, 4): mean(x^2) = 12.5; weight (1, 2).
+    RowVector<T> wgt(2);
+    wgt << T(1), T(2);
+    const RMSNorm<T> norm(wgt, 1e-6);
+    Matrix<T> x(1, 2);
+    x << T(3), T(4);
+    const Matrix<T> y = norm.forward(x);
+    const double rms = std::sqrt(12.5 + 1e-6);
+    CHECK(std::abs(static_cast<double>(y(0, 0)) - 3.0 / rms) <= tol<T>());
+    CHECK(std::abs(static_cast<double>(y(0, 1)) - 8.0 / rms) <= tol<T>());
+
+    Rng rng(seed_for("rms norm"));
+    const Matrixd xr = round_through<T>(random_matrix(7, 13, rng, -3, 3));
+    const Matrixd wr = round_through<T>(random_matrix(1, 13, rng));
+    RMSNorm<T> n2(13);
+    CHECK(n2.dim() == 13);
+    CHECK((n2.weight().array() == T(1)).all());
+    n2.set_weight(to<T>(wr));
+    CHECK(note_error<T>("layers: RMSNorm vs reference",
+                        rel_error(n2.forward(to<T>(xr)), titans::reference::rms_norm(xr, wr, 1e-6))) <= tol<T>());
+    // In place.
+    Matrix<T> xi = to<T>(xr);
+    n2.forward(xi, xi);
+    CHECK(rel_error(xi, titans::reference::rms_norm(xr, wr, 1e-6)) <= tol<T>());
+}
+
+TEMPLATE_TEST_CASE("FeedForward (SwiGLU and GELU) equals the loop reference", "[layers]", float,
+                   double) {
+    using T = TestType;
+    CHECK(FeedForwardConfig{.d_model = 64}.hidden_dim() == 176);
+    CHECK(FeedForwardConfig{.d_model = 512}.hidden_dim() == 1368);
+    CHECK(FeedForwardConfig{.d_model = 64, .kind = FeedForwardKind::GELU}.hidden_dim() == 256);
+    CHECK(FeedForwardConfig{.d_model = 64, .hidden = 10}.hidden_dim() == 10);
+    for (FeedForwardKind kind : {FeedForwardKind::SwiGLU, FeedForwardKind::GELU}) {
+        for (int i = 0; i < 3; ++i) {
+            Rng rng(seed_for(std::string("feed forward ") + titans::to_string(kind),
+                             static_cast<std::uint64_t>(i)));
+            const FeedForwardConfig cfg{.d_model = uniform_int(rng, 1, 12), .kind = kind,
+                                        .hidden = i == 0 ? 0 : uniform_int(rng, 1, 20)};
+            const auto p = FeedForwardParams<double>::random(cfg, rng());
+            FeedForwardParams<double> pd;
+            pd.w1 = round_through<T>(p.w1);
+            pd.w3 = round_through<T>(p.w3);
+            pd.w2 = round_through<T>(p.w2);
+            FeedForwardParams<T> pt;
+            pt.w1 = to<T>(pd.w1);
+            pt.w3 = to<T>(pd.w3);
+            pt.w2 = to<T>(pd.w2);
+            const FeedForward<T> ff(cfg, pt);
+            const Matrixd x = round_through<T>(random_matrix(uniform_int(rng, 0, 9), cfg.d_model, rng, -2, 2));
+            const Matrix<T> y = ff.forward(to<T>(x));
+            INFO(titans::to_string(kind) << " d=" << cfg.d_model << " h=" << cfg.hidden_dim());
+            REQUIRE(y.rows() == x.rows());
+            REQUIRE(y.cols() == cfg.d_model);
+            if (x.rows() > 0) {
+                CHECK(note_error<T>(std::string("layers: FeedForward ") + titans::to_string(kind),
+                                    rel_error(y, titans::reference::feed_forward(cfg, pd, x))) <= tol<T>());
+            }
+        }
+    }
+}
+
+TEMPLATE_TEST_CASE("PersistentMemory: seeded tokens, prepend for one and several sequences",
+                   "[layers]", float, double) {
+    using T = TestType;
+    const auto P = PersistentMemory<T>::random(3, 5, 42);
+    CHECK(P.size() == 3);
+    CHECK(P.d_model() == 5);
+    CHECK(identical(P.tokens(), PersistentMemory<T>::random(3, 5, 42).tokens()));
+    CHECK_FALSE(identical(P.tokens(), PersistentMemory<T>::random(3, 5, 43).tokens()));
+    Rng rng(seed_for("persistent memory"));
+    const Matrix<T> x = to<T>(random_matrix(2 * 4, 5, rng));
+    const Matrix<T> one = P.prepend(x.topRows(4).eval());
+    REQUIRE(one.rows() == 7);
+    CHECK(identical(one.topRows(3), P.tokens()));
+    CHECK(identical(one.bottomRows(4), x.topRows(4)));
+    const Matrix<T> two = P.prepend(x, 2);
+    REQUIRE(two.rows() == 14);
+    CHECK(identical(two.middleRows(0, 3), P.tokens()));
+    CHECK(identical(two.middleRows(3, 4), x.topRows(4)));
+    CHECK(identical(two.middleRows(7, 3), P.tokens()));
+    CHECK(identical(two.middleRows(10, 4), x.bottomRows(4)));
+    // No persistent memory at all.
+    const auto none = PersistentMemory<T>::random(0, 5, 1);
+    CHECK(identical(none.prepend(x), x));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Errors
+
+TEMPLATE_TEST_CASE("attention and layer errors throw the right types and name the argument",
+                   "[attention][layers]", float, double) {
+    using T = TestType;
+    // Configurations.
+    REQUIRE_THROWS_NAMING((AttentionConfig{.d_model = 0}.validate()), ConfigError, "d_model");
+    REQUIRE_THROWS_NAMING((AttentionConfig{.d_model = 6, .n_heads = 4}.validate()), ConfigError, "d_model");
+    REQUIRE_THROWS_NAMING((AttentionConfig{.n_heads = 0}.validate()), ConfigError, "n_heads");
+    REQUIRE_THROWS_NAMING((AttentionConfig{.window = 0}.validate()), ConfigError, "window");
+    REQUIRE_THROWS_NAMING((AttentionConfig{.d_model = 6, .n_heads = 2, .rope = true}.validate()),
+                          ConfigError, "d_head");
+    REQUIRE_THROWS_NAMING((AttentionConfig{.rope = true, .rope_base = 0.0}.validate()), ConfigError,
+                          "rope_base");
+    // Parameters.
+    const AttentionConfig cfg{.d_model = 8, .n_heads = 2, .window = 4, .rope = true};
+    auto bad = AttentionParams<T>::random(cfg, 1);
+    bad.w_k.resize(8, 3);
+    REQUIRE_THROWS_NAMING((Attention<T>(cfg, bad)), ShapeError, "w_k");
+    auto nan = AttentionParams<T>::random(cfg, 1);
+    nan.w_o(1, 1) = std::numeric_limits<T>::quiet_NaN();
+    REQUIRE_THROWS_NAMING((Attention<T>(cfg, nan)), NonFiniteError, "w_o");
+    // The layer.
+    const Attention<T> attn(cfg, AttentionParams<T>::random(cfg, 1));
+    REQUIRE_THROWS_NAMING(attn.make_state(0), ConfigError, "batch");
+    auto st = attn.make_state(2);
+    REQUIRE_THROWS_NAMING(attn.forward(st, Matrix<T>::Zero(4, 7)), ShapeError, "x");
+    REQUIRE_THROWS_NAMING(attn.forward(st, Matrix<T>::Zero(3, 8)), ShapeError, "batch");
+    Matrix<T> xn = Matrix<T>::Zero(4, 8);
+    xn(2, 3) = std::numeric_limits<T>::infinity();
+    REQUIRE_THROWS_NAMING(attn.forward(st, xn), NonFiniteError, "x");
+    const Matrix<T> pw = Matrix<T>::Zero(2, 5);
+    REQUIRE_THROWS_NAMING(attn.forward(st, Matrix<T>::Zero(4, 8), &pw), ShapeError, "prefix");
+    const Matrix<T> p3 = Matrix<T>::Zero(3, 8);
+    REQUIRE_THROWS_NAMING(attn.forward(st, Matrix<T>::Zero(4, 8), &p3, PrefixSharing::PerSequence),
+                          ShapeError, "prefix");
+    const AttentionConfig other{.d_model = 8, .n_heads = 2, .window = 5, .rope = true};
+    auto st_other = Attention<T>(other, AttentionParams<T>::random(other, 1)).make_state(2);
+    REQUIRE_THROWS_NAMING(attn.forward(st_other, Matrix<T>::Zero(4, 8)), ConfigError, "state");
+    titans::AttentionState<T> st_default;
+    REQUIRE_THROWS_NAMING(attn.forward(st_default, Matrix<T>::Zero(4, 8)), ConfigError, "state");
+    CHECK(st.position() == 0);  // failed calls leave the state alone
+    // The core primitive.
+    const Matrix<T> q = Matrix<T>::Zero(3, 6), k = Matrix<T>::Zero(4, 6), e(0, 6);
+    REQUIRE_THROWS_NAMING(titans::prefix_window_attention(q, e, e, k, k, 2, 3, 2, 2), ShapeError,
+                          "k_seq.rows()");
+    REQUIRE_THROWS_NAMING(titans::prefix_window_attention(q, e, e, k, k, 2, 3, 0, 0), ConfigError,
+                          "window");
+    REQUIRE_THROWS_NAMING(titans::prefix_window_attention(q, e, e, k, k, 2, 2, 1, 0), ShapeError,
+                          "q");
+    REQUIRE_THROWS_NAMING(titans::prefix_window_attention(q, k, e, k, k, 2, 3, 1, 0), ShapeError,
+                          "v_prefix.rows()");
+    REQUIRE_THROWS_NAMING(titans::prefix_window_attention(q, e, e, k, k.topRows(3).eval(), 2, 3, 1, 0),
+                          ShapeError, "v_seq.rows()");
+    Matrix<T> small_out(2, 6);
+    REQUIRE_THROWS_NAMING(titans::prefix_window_attention<T>(q, e, e, k, k, 2, 3, 1, 0,
+                                                             Eigen::Ref<Matrix<T>>(small_out)),
+                          ShapeError, "out");
+    Matrix<T> alias = q;
+    REQUIRE_THROWS_NAMING(titans::prefix_window_attention(alias, e, e, k, k, 2, 3, 1, 0, alias),
+                          ShapeError, "out");
+    // RoPE.
+    Matrix<T> r = Matrix<T>::Zero(2, 6);
+    REQUIRE_THROWS_NAMING(titans::apply_rope(r, 2, 3, 0, 10000.0), ConfigError, "d_head");
+    REQUIRE_THROWS_NAMING(titans::apply_rope(r, 2, 4, 0, 10000.0), ShapeError, "x");
+    REQUIRE_THROWS_NAMING(titans::apply_rope(r, 3, 2, -1, 10000.0), ConfigError, "first_position");
+    // RMSNorm.
+    REQUIRE_THROWS_NAMING(RMSNorm<T>(4, 0.0), ConfigError, "eps");
+    REQUIRE_THROWS_NAMING(RMSNorm<T>(0), ConfigError, "d_model");
+    const RMSNorm<T> norm(4);
+    REQUIRE_THROWS_NAMING(norm.forward(Matrix<T>::Zero(2, 3)), ShapeError, "x");
+    Matrix<T> xr = Matrix<T>::Zero(2, 4);
+    xr(1, 1) = std::numeric_limits<T>::quiet_NaN();
+    REQUIRE_THROWS_NAMING(norm.forward(xr), NonFiniteError, "x");
+    // FeedForward.
+    REQUIRE_THROWS_NAMING((FeedForwardConfig{.hidden = -1}.validate()), ConfigError, "hidden");
+    const FeedForwardConfig fcfg{.d_model = 4, .kind = FeedForwardKind::SwiGLU, .hidden = 6};
+    auto fp = FeedForwardParams<T>::random(fcfg, 2);
+    fp.w3.resize(0, 0);
+    REQUIRE_THROWS_NAMING((FeedForward<T>(fcfg, fp)), ShapeError, "w3");
+    const FeedForward<T> ff(fcfg, FeedForwardParams<T>::random(fcfg, 2));
+    REQUIRE_THROWS_NAMING(ff.forward(Matrix<T>::Zero(1, 5)), ShapeError, "x");
+    // PersistentMemory.
+    REQUIRE_THROWS_NAMING(PersistentMemory<T>::random(-1, 4, 0), ConfigError, "n_tokens");
+    const auto P = PersistentMemory<T>::random(2, 4, 0);
+    REQUIRE_THROWS_NAMING(P.prepend(Matrix<T>::Zero(3, 5)), ShapeError, "x");
+    REQUIRE_THROWS_NAMING(P.prepend(Matrix<T>::Zero(3, 4), 2), ShapeError, "batch");
+}
