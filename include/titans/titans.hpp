@@ -25,3 +25,6 @@
 
 #include "backend/backend.hpp"
 #include "backend/cpu/cpu.hpp"
+
+#include "models/block.hpp"
+#include "models/model.hpp"

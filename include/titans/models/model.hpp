@@ -1,0 +1,186 @@
+#pragma once
+// titans/models/model.hpp: a stack of Titans blocks with an embedding (or raw vectors in),
+// a final RMSNorm and an output head.
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "../error.hpp"
+#include "../layers/rms_norm.hpp"
+#include "../types.hpp"
+#include "block.hpp"
+
+namespace titans {
+
+/// Settings of a Model. vocab_size > 0: token ids in, logits (vocab_size wide) out.
+/// vocab_size = 0: raw d_model-wide vectors in, d_out-wide vectors out (d_out = 0: d_model).
+struct ModelConfig {
+    int vocab_size = 0;
+    int d_model = 64;
+    int d_out = 0;
+    std::vector<BlockConfig> blocks;  ///< one per layer; kinds may be mixed
+    double norm_eps = 1e-6;
+
+    /// `n_layers` blocks of one kind (see BlockConfig::make).
+    [[nodiscard]] static ModelConfig uniform(BlockKind kind, int n_layers, int d, int heads,
+                                             int depth, int span, int vocab = 0, int chunk = 64) {
+        ModelConfig c;
+        c.vocab_size = vocab;
+        c.d_model = d;
+        for (int i = 0; i < n_layers; ++i) {
+            c.blocks.push_back(BlockConfig::make(kind, d, heads, depth, span, chunk));
+        }
+        return c;
+    }
+
+    [[nodiscard]] int output_dim() const {
+        return vocab_size > 0 ? vocab_size : (d_out > 0 ? d_out : d_model);
+    }
+
+    void validate() const {
+        constexpr const char* w = "ModelConfig";
+        detail::require<ConfigError>(vocab_size >= 0, w, "vocab_size", vocab_size,
+                                     ">= 0 (0 means vectors in and out)");
+        detail::require<ConfigError>(d_model >= 1, w, "d_model", d_model, ">= 1");
+        detail::require<ConfigError>(d_out >= 0, w, "d_out", d_out, ">= 0");
+        detail::require<ConfigError>(!blocks.empty(), w, "blocks.size()", blocks.size(), ">= 1");
+        detail::require<ConfigError>(norm_eps > 0, w, "norm_eps", norm_eps, "> 0");
+        for (std::size_t i = 0; i < blocks.size(); ++i) {
+            blocks[i].validate();
+            detail::require<ConfigError>(blocks[i].d_model == d_model, w,
+                                         detail::concat("blocks[", i, "].d_model").c_str(),
+                                         blocks[i].d_model, detail::concat("d_model = ", d_model));
+        }
+    }
+};
+
+/// Outer parameters of a Model: embedding (vocab_size x d; empty without a vocabulary),
+/// blocks, norm_final (1 x d), head (d x output_dim()).
+template <class T>
+struct ModelParams {
+    Matrix<T> embedding;
+    std::vector<BlockParams<T>> blocks;
+    RowVector<T> norm_final;
+    Matrix<T> head;
+
+    [[nodiscard]] static ModelParams random(const ModelConfig& cfg, std::uint64_t seed) {
+        cfg.validate();
+        ModelParams p;
+        detail::SplitMix64 rng(seed * 1000003 + 7);
+        auto gauss = [&rng](Eigen::Index r, Eigen::Index c, double sd) {
+            Matrix<T> m(r, c);
+            for (Eigen::Index i = 0; i < m.size(); ++i) {
+                m.data()[i] = static_cast<T>(sd * rng.normal());
+            }
+            return m;
+        };
+        if (cfg.vocab_size > 0) {
+            p.embedding = gauss(cfg.vocab_size, cfg.d_model, 1.0);
+        }
+        for (std::size_t i = 0; i < cfg.blocks.size(); ++i) {
+            p.blocks.push_back(BlockParams<T>::random(cfg.blocks[i], seed * 131 + i + 1));
+        }
+        p.norm_final = RowVector<T>::Ones(cfg.d_model);
+        p.head = gauss(cfg.d_model, cfg.output_dim(), 1.0 / std::sqrt(double(cfg.d_model)));
+        return p;
+    }
+};
+
+/// The state of B streams through a Model: one BlockState per layer and the position.
+template <class T>
+struct ModelState {
+    std::vector<BlockState<T>> blocks;
+    int batch = 0;
+    std::int64_t position = 0;
+};
+
+/// A Titans model (SPEC §7): embedding -> blocks -> RMSNorm -> head, streaming.
+///
+///     auto cfg = titans::ModelConfig::uniform(titans::BlockKind::MAC, 2, 64, 4, 2, 32, 256);
+///     titans::Model<float> model(cfg, titans::ModelParams<float>::random(cfg, 1));
+///     auto st = model.make_state(1);
+///     titans::Matrixf logits = model.forward_tokens(st, ids);  // ids.size() x 256
+template <class T>
+class Model {
+public:
+    using State = ModelState<T>;
+
+    Model(ModelConfig config, ModelParams<T> params)
+        : cfg_(std::move(config)), params_(std::move(params)),
+          norm_final_(RowVector<T>::Ones(1), 1e-6) {
+        cfg_.validate();
+        if (params_.blocks.size() != cfg_.blocks.size()) {
+            throw ShapeError(detail::concat("ModelParams: blocks has ", params_.blocks.size(),
+                                            " entries, expected ", cfg_.blocks.size()));
+        }
+        auto check = [](const auto& m, const char* name, Eigen::Index r, Eigen::Index c) {
+            if (m.rows() != r || m.cols() != c) {
+                throw ShapeError(detail::concat("ModelParams: ", name, " is ", m.rows(), " x ",
+                                                m.cols(), ", expected ", r, " x ", c));
+            }
+            if (!m.allFinite()) {
+                throw NonFiniteError(detail::concat("ModelParams: ", name,
+                                                    " has a NaN or infinite entry"));
+            }
+        };
+        check(params_.embedding, "embedding", cfg_.vocab_size > 0 ? cfg_.vocab_size : 0,
+              cfg_.vocab_size > 0 ? cfg_.d_model : 0);
+        check(params_.norm_final, "norm_final", 1, cfg_.d_model);
+        check(params_.head, "head", cfg_.d_model, cfg_.output_dim());
+        norm_final_ = RMSNorm<T>(params_.norm_final, cfg_.norm_eps);
+        for (std::size_t i = 0; i < cfg_.blocks.size(); ++i) {
+            blocks_.emplace_back(cfg_.blocks[i], params_.blocks[i]);
+        }
+    }
+
+    [[nodiscard]] const ModelConfig& config() const { return cfg_; }
+    [[nodiscard]] const ModelParams<T>& params() const { return params_; }
+    [[nodiscard]] const std::vector<Block<T>>& blocks() const { return blocks_; }
+
+    [[nodiscard]] State make_state(int batch = 1) const {
+        detail::require<ConfigError>(batch >= 1, "Model::make_state", "batch", batch, ">= 1");
+        State st;
+        st.batch = batch;
+        for (const auto& b : blocks_) {
+            st.blocks.push_back(b.make_state(batch));
+        }
+        return st;
+    }
+
+    /// Vectors in: x (B*N) x d_model -> (B*N) x output_dim().
+    [[nodiscard]] Matrix<T> forward(State& state, const Matrix<T>& x) const {
+        if (state.batch < 1 || state.blocks.size() != blocks_.size()) {
+            throw ConfigError("Model::forward: state was made for a different model (or "
+                              "default-constructed), expected a state from make_state()");
+        }
+        Matrix<T> h = x;
+        for (std::size_t i = 0; i < blocks_.size(); ++i) {
+            h = blocks_[i].forward(state.blocks[i], h);
+        }
+        state.position += x.rows() / state.batch;
+        return norm_final_.forward(h) * params_.head;
+    }
+
+    /// Token ids in (B*N of them, sequence-major) -> logits (B*N) x vocab_size.
+    [[nodiscard]] Matrix<T> forward_tokens(State& state, const std::vector<int>& ids) const {
+        detail::require<ConfigError>(cfg_.vocab_size > 0, "Model::forward_tokens", "vocab_size",
+                                     cfg_.vocab_size, "> 0 (this model takes vectors: forward)");
+        Matrix<T> x(static_cast<Eigen::Index>(ids.size()), cfg_.d_model);
+        for (std::size_t i = 0; i < ids.size(); ++i) {
+            detail::require<ShapeError>(ids[i] >= 0 && ids[i] < cfg_.vocab_size,
+                                        "Model::forward_tokens", "token id", ids[i],
+                                        detail::concat("in [0, ", cfg_.vocab_size, ")"));
+            x.row(static_cast<Eigen::Index>(i)) = params_.embedding.row(ids[i]);
+        }
+        return forward(state, x);
+    }
+
+private:
+    ModelConfig cfg_;
+    ModelParams<T> params_;
+    std::vector<Block<T>> blocks_;
+    RMSNorm<T> norm_final_;
+};
+
+}  // namespace titans
