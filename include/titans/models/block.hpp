@@ -189,6 +189,7 @@ public:
 private:
     friend class Block<T>;
     BlockKind kind_ = BlockKind::LMM;
+    int segment_ = 0, n_persistent_ = 0, d_model_ = 0, attention_dim_ = 0;  // buffer sizes
     int batch_ = 0;
     std::int64_t position_ = 0;
     MemoryState<T> memory_;
@@ -242,6 +243,10 @@ public:
     [[nodiscard]] State make_state(int batch = 1) const {
         State st;
         st.kind_ = cfg_.kind;
+        st.segment_ = cfg_.segment;
+        st.n_persistent_ = cfg_.n_persistent;
+        st.d_model_ = cfg_.d_model;
+        st.attention_dim_ = cfg_.attention.inner_dim();
         st.batch_ = batch;
         st.memory_ = memory_.make_state(batch);
         if (cfg_.kind != BlockKind::LMM) {
@@ -300,7 +305,9 @@ public:
 
 private:
     void check(const State& state, const Matrix<T>& x, const char* where) const {
-        if (state.batch_ < 1 || state.kind_ != cfg_.kind) {
+        if (state.batch_ < 1 || state.kind_ != cfg_.kind || state.segment_ != cfg_.segment ||
+            state.n_persistent_ != cfg_.n_persistent || state.d_model_ != cfg_.d_model ||
+            state.attention_dim_ != cfg_.attention.inner_dim()) {
             throw ConfigError(detail::concat(where, ": state was made for a different block (or "
                                                     "default-constructed), expected a state from "
                                                     "make_state() of this block"));
