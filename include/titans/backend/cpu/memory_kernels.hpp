@@ -118,8 +118,17 @@ struct MemoryKernels<Cpu, T> {
         Mat yh(x.rows(), D);
         const int pairs = B * H;
         const std::int64_t pos0 = st.position_;
+        // Threads only when the piece carries enough work: waking a team for a token or two
+        // costs more than it saves (and far more on an oversubscribed machine).
+        double work = 0;
+        for (int l = 1; l <= cfg.depth; ++l) {
+            work += static_cast<double>(cfg.layer_in(l)) * cfg.layer_out(l);
+        }
+        work *= static_cast<double>(N) * pairs;
+        const bool parallel = pairs > 1 && work >= 1.0e6;
+        (void)parallel;
 #if defined(_OPENMP)
-#pragma omp parallel for schedule(dynamic, 1) if (pairs > 1)
+#pragma omp parallel for schedule(dynamic, 1) if (parallel)
 #endif
         for (int bh = 0; bh < pairs; ++bh) {
             // OpenMP workers have their own floating-point environment.

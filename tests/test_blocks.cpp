@@ -1,0 +1,1034 @@
+// The Titans compositions (SPEC §6-7): Block<T> of every kind (LMM, MAC, MAG, MAL) against the
+// plain whole-sequence reference of tests/reference/reference_blocks.hpp (block output, mixer
+// output, memory state, position), causality, the order of MAC's memory write (y, not the block
+// input), the window edges of MAG / MAL and what the persistent tokens can reach, streaming in
+// pieces, Model<T> (a mixed stack with a vocabulary) and the error paths.
+//
+// Float tests draw parameters and inputs in double, round them to float, run the float library
+// and compare with the double reference run on the rounded values cast back to double.
+#include "test_common.hpp"
+
+#include "reference/reference_blocks.hpp"
+
+#include <limits>
+#include <string>
+#include <vector>
+
+using namespace titans_test;
+using titans::AttentionConfig;
+using titans::AttentionParams;
+using titans::Block;
+using titans::BlockConfig;
+using titans::BlockKind;
+using titans::BlockParams;
+using titans::BlockState;
+using titans::ConfigError;
+using titans::FeedForwardKind;
+using titans::FeedForwardParams;
+using titans::Model;
+using titans::ModelConfig;
+using titans::ModelParams;
+using titans::NonFiniteError;
+using titans::RowVectord;
+using titans::ShapeError;
+
+namespace {
+
+constexpr BlockKind kAllKinds[] = {BlockKind::LMM, BlockKind::MAC, BlockKind::MAG, BlockKind::MAL};
+
+// ---------------------------------------------------------------------------------------------
+// Parameter casts.
+
+template <class To, class From>
+AttentionParams<To> cast_attention(const AttentionParams<From>& p) {
+    AttentionParams<To> r;
+    r.w_q = p.w_q.template cast<To>();
+    r.w_k = p.w_k.template cast<To>();
+    r.w_v = p.w_v.template cast<To>();
+    r.w_o = p.w_o.template cast<To>();
+    return r;
+}
+
+template <class To, class From>
+FeedForwardParams<To> cast_ffn(const FeedForwardParams<From>& p) {
+    FeedForwardParams<To> r;
+    r.w1 = p.w1.template cast<To>();
+    r.w3 = p.w3.template cast<To>();
+    r.w2 = p.w2.template cast<To>();
+    return r;
+}
+
+template <class To, class From>
+BlockParams<To> cast_block(const BlockParams<From>& p) {
+    BlockParams<To> r;
+    r.norm_mix = p.norm_mix.template cast<To>();
+    r.norm_ffn = p.norm_ffn.template cast<To>();
+    r.memory = cast_params<To>(p.memory);
+    r.attention = cast_attention<To>(p.attention);
+    r.persistent = p.persistent.template cast<To>();
+    r.norm_y = p.norm_y.template cast<To>();
+    r.norm_m = p.norm_m.template cast<To>();
+    r.ffn = cast_ffn<To>(p.ffn);
+    return r;
+}
+
+template <class To, class From>
+ModelParams<To> cast_model(const ModelParams<From>& p) {
+    ModelParams<To> r;
+    r.embedding = p.embedding.template cast<To>();
+    for (const auto& b : p.blocks) r.blocks.push_back(cast_block<To>(b));
+    r.norm_final = p.norm_final.template cast<To>();
+    r.head = p.head.template cast<To>();
+    return r;
+}
+
+template <class T>
+double round_scalar(double v) {
+    return static_cast<double>(static_cast<T>(v));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Random configurations, parameters and cases.
+
+struct BlockOptions {
+    BlockKind kind = BlockKind::MAG;
+    int batch = 1;
+    bool use_ffn = true;
+    int n_persistent = 2;
+    Retrieval retrieval = Retrieval::Lagged;
+    int d_model = 0;       // 0: drawn from {8, 12, 16}
+    int max_tokens = 30;
+};
+
+/// A random block configuration: d in {8, 12, 16}, memory H 1-2 (d_head derived or explicit),
+/// depth 1-2, random flags / gates / update / chunk 1-4, attention H 1-2 (RoPE on or off),
+/// window = segment in 3..7 (MAC: attention.window 1-2, which MAC must not use), FFN SwiGLU or
+/// GELU with a small hidden width. Scalars the library rounds to T are rounded here too.
+template <class T>
+BlockConfig random_block_config(const BlockOptions& o, Rng& rng) {
+    BlockConfig c;
+    c.kind = o.kind;
+    const int d = o.d_model > 0 ? o.d_model : pick(rng, std::vector<int>{8, 12, 16});
+    c.d_model = d;
+    MemoryConfig& m = c.memory;
+    m.d_model = d;
+    m.n_heads = uniform_int(rng, 1, 2);
+    m.d_head = uniform_int(rng, 0, 2) == 0 ? uniform_int(rng, 2, 5) : 0;
+    m.depth = uniform_int(rng, 1, 2);
+    m.expansion = pick(rng, std::vector<int>{1, 2, 4});
+    const Modes flags = random_flags(Modes{}, rng);
+    m.activation = flags.activation;
+    m.residual = flags.residual;
+    m.use_conv = flags.use_conv;
+    m.qkv_activation = flags.qkv_activation;
+    m.normalize_qk = flags.normalize_qk;
+    m.conv_kernel = uniform_int(rng, 1, 4);
+    m.retrieval = o.retrieval;
+    m.update = uniform_int(rng, 0, 4) == 0 ? UpdateMode::PerToken : UpdateMode::Chunked;
+    switch (uniform_int(rng, 0, 2)) {
+        case 0: m.gates = GateMode::DataDependent; break;
+        case 1: m.gates = GateMode::Constant; break;
+        default:
+            m.gates = (o.retrieval == Retrieval::Lagged && m.update == UpdateMode::Chunked)
+                          ? GateMode::PerChunk
+                          : GateMode::DataDependent;
+            break;
+    }
+    m.theta_max = round_scalar<T>(uniform(rng, 0.02, 0.15));
+    m.constant_theta = round_scalar<T>(uniform(rng, 0.02, 0.15));
+    m.constant_eta = round_scalar<T>(uniform(rng, 0.0, 0.8));
+    m.constant_alpha = round_scalar<T>(uniform(rng, 0.0, 0.3));
+    m.chunk = pick(rng, std::vector<int>{1, 2, 3, 3, 4, 4});
+    AttentionConfig& a = c.attention;
+    a.d_model = d;
+    a.n_heads = uniform_int(rng, 1, 2);
+    a.d_head = uniform_int(rng, 0, 3) == 0 ? pick(rng, std::vector<int>{2, 4}) : 0;
+    a.rope = uniform_int(rng, 0, 1) == 1;
+    a.rope_base = pick(rng, std::vector<double>{10000.0, 100.0, 10.0});
+    const int span = uniform_int(rng, 3, 7);
+    a.window = o.kind == BlockKind::MAC ? uniform_int(rng, 1, 2) : span;
+    c.segment = span;
+    c.n_persistent = o.n_persistent;
+    c.use_ffn = o.use_ffn;
+    c.ffn.d_model = d;
+    c.ffn.kind = uniform_int(rng, 0, 1) == 0 ? FeedForwardKind::SwiGLU : FeedForwardKind::GELU;
+    c.ffn.hidden = pick(rng, std::vector<int>{0, 6, 12});
+    c.norm_eps = round_scalar<T>(pick(rng, std::vector<double>{1e-6, 1e-5}));
+    c.validate();
+    return c;
+}
+
+/// Random parameters, rounded through T: memory as in test_common's random_params (random gate
+/// biases, values of norm about 1), attention and FFN from the library's seeded init, norm
+/// weights uniform in [0.5, 1.5] (so that a missing weight is seen), P uniform in [-1.5, 1.5].
+template <class T>
+BlockParams<double> random_block_params(const BlockConfig& cfg, Rng& rng) {
+    BlockParams<double> p = BlockParams<double>::random(cfg, rng());
+    const int d = cfg.d_model;
+    p.memory = random_params(cfg.memory, rng);
+    p.norm_mix = random_matrix(1, d, rng, 0.5, 1.5);
+    p.norm_ffn = random_matrix(1, d, rng, 0.5, 1.5);
+    if (cfg.kind != BlockKind::LMM) {
+        p.persistent = random_matrix(cfg.n_persistent, d, rng, -1.5, 1.5);
+    }
+    if (cfg.kind == BlockKind::MAG) {
+        p.norm_y = random_matrix(1, d, rng, 0.5, 1.5);
+        p.norm_m = random_matrix(1, d, rng, 0.5, 1.5);
+    }
+    return cast_block<double>(cast_block<T>(p));
+}
+
+struct BlockCase {
+    BlockConfig cfg;
+    BlockParams<double> params;
+    Matrixd x;
+    int batch = 1;
+    int tokens = 0;
+    std::uint64_t seed = 0;
+
+    [[nodiscard]] std::string describe() const {
+        const MemoryConfig& m = cfg.memory;
+        const AttentionConfig& a = cfg.attention;
+        std::ostringstream os;
+        os << "seed=" << seed << " kind=" << titans::to_string(cfg.kind) << " d=" << cfg.d_model
+           << " | memory H=" << m.n_heads << " d_h=" << m.head_dim() << " depth=" << m.depth
+           << " e=" << m.expansion << " act=" << titans::to_string(m.activation)
+           << " residual=" << m.residual << " conv=" << m.use_conv << "(K=" << m.conv_kernel
+           << ") qkv=" << titans::to_string(m.qkv_activation) << " norm=" << m.normalize_qk
+           << " gates=" << titans::to_string(m.gates) << " update=" << titans::to_string(m.update)
+           << " retrieval=" << titans::to_string(m.retrieval) << " chunk=" << m.chunk
+           << " | attention H=" << a.n_heads << " d_h=" << a.head_dim() << " window=" << a.window
+           << " rope=" << a.rope << "(" << a.rope_base << ") | segment=" << cfg.segment
+           << " N_p=" << cfg.n_persistent << " ffn=" << cfg.use_ffn << "("
+           << titans::to_string(cfg.ffn.kind) << ", h=" << cfg.ffn.hidden_dim() << ")"
+           << " eps=" << cfg.norm_eps << " | B=" << batch << " N=" << tokens;
+        return os.str();
+    }
+};
+
+/// The reference's dynamics stay tame (finite, below `bound`): a diverging test-time memory
+/// amplifies rounding without limit, so relative tolerances would say nothing there.
+bool tame(const titans::reference::BlockResult& r, double bound = 100.0) {
+    auto ok = [bound](const Matrixd& m) {
+        return m.allFinite() && (m.size() == 0 || m.cwiseAbs().maxCoeff() <= bound);
+    };
+    if (!ok(r.out) || !ok(r.mix)) return false;
+    for (const auto& per_b : r.weights)
+        for (const auto& per_h : per_b)
+            for (const Matrixd& w : per_h)
+                if (!ok(w)) return false;
+    return true;
+}
+
+/// Counts a case feature; printed at exit with TITANS_TEST_ERRORS=1 (shows what was covered).
+void count_case(const std::string& what) {
+    std::lock_guard<std::mutex> lock(error_log.mu);
+    ++error_log.counts[what];
+}
+
+void count_coverage(const BlockConfig& c) {
+    const std::string k = std::string("block cases ") + titans::to_string(c.kind) + ": ";
+    count_case(k + "drawn");
+    if (c.attention.rope && c.kind != BlockKind::LMM) count_case(k + "rope");
+    if (c.n_persistent == 0) count_case(k + "N_p = 0");
+    if (c.use_ffn) count_case(k + "ffn");
+    if (c.memory.depth == 2) count_case(k + "depth 2");
+    if (c.memory.retrieval == Retrieval::InChunk) count_case(k + "retrieval InChunk");
+    if (c.memory.update == UpdateMode::PerToken) count_case(k + "update PerToken");
+    if (c.memory.gates == GateMode::PerChunk) count_case(k + "gates PerChunk");
+    if (c.memory.gates == GateMode::Constant) count_case(k + "gates Constant");
+    if (c.memory.use_conv) count_case(k + "conv");
+}
+
+/// N in [lo, max] and not a multiple of the segment / window or of the memory chunk (> 1).
+int draw_tokens(const BlockConfig& cfg, Rng& rng, int lo, int max_tokens) {
+    const int span = cfg.kind == BlockKind::MAC ? cfg.segment : cfg.attention.window;
+    const int chunk = cfg.memory.effective_chunk();
+    for (int attempt = 0;; ++attempt) {
+        const int n = uniform_int(rng, std::min(lo, max_tokens), max_tokens);
+        if (attempt > 100) return n;
+        if (n % span == 0) continue;
+        if (chunk > 1 && n % chunk == 0) continue;
+        return n;
+    }
+}
+
+/// A random case (config, rounded parameters, rounded input (B*N) x d with N > span + 1 when
+/// max_tokens allows), redrawn while the reference diverges.
+template <class T>
+BlockCase make_block_case(const BlockOptions& o, std::uint64_t seed) {
+    for (int attempt = 0;; ++attempt) {
+        Rng rng(seed);
+        BlockCase c;
+        c.seed = seed;
+        c.cfg = random_block_config<T>(o, rng);
+        c.params = random_block_params<T>(c.cfg, rng);
+        c.batch = o.batch;
+        c.tokens = draw_tokens(c.cfg, rng, c.cfg.segment + 2, o.max_tokens);
+        c.x = round_through<T>(random_matrix(static_cast<Eigen::Index>(c.batch) * c.tokens,
+                                             c.cfg.d_model, rng));
+        if (attempt == 20 || tame(titans::reference::block_forward(c.cfg, c.params, c.x, c.batch))) {
+            count_coverage(c.cfg);
+            return c;
+        }
+        count_case("block cases redrawn (diverging reference dynamics)");
+        seed = mix64(seed);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Running the library.
+
+template <class T>
+using Weights = std::vector<std::vector<std::vector<Matrix<T>>>>;  // [b][h][l-1]
+
+template <class T>
+Weights<T> block_weights(const Block<T>& blk, const BlockState<T>& st) {
+    Weights<T> w(static_cast<std::size_t>(st.batch()));
+    for (int b = 0; b < st.batch(); ++b)
+        for (int h = 0; h < blk.config().memory.n_heads; ++h)
+            w[static_cast<std::size_t>(b)].push_back(blk.memory().current_weights(st.memory(), b, h));
+    return w;
+}
+
+template <class T>
+Weights<T> memory_weights(const NeuralMemory<T>& mem, const typename NeuralMemory<T>::State& st) {
+    Weights<T> w(static_cast<std::size_t>(st.batch()));
+    for (int b = 0; b < st.batch(); ++b)
+        for (int h = 0; h < mem.config().n_heads; ++h)
+            w[static_cast<std::size_t>(b)].push_back(mem.current_weights(st, b, h));
+    return w;
+}
+
+/// Largest per-(b, h) rel_error of two weight sets.
+template <class TA, class TB>
+double weights_error(const Weights<TA>& a, const std::vector<std::vector<std::vector<Matrix<TB>>>>& b) {
+    if (a.size() != b.size()) return std::numeric_limits<double>::infinity();
+    double e = 0.0;
+    for (std::size_t i = 0; i < a.size(); ++i) {
+        if (a[i].size() != b[i].size()) return std::numeric_limits<double>::infinity();
+        for (std::size_t h = 0; h < a[i].size(); ++h) e = std::max(e, rel_error(a[i][h], b[i][h]));
+    }
+    return e;
+}
+
+/// Rows [t0, t1) of every sequence of x ((B*N) x cols), stacked sequence-major.
+template <class M>
+M take_tokens(const M& x, int B, Eigen::Index N, Eigen::Index t0, Eigen::Index t1) {
+    M r(B * (t1 - t0), x.cols());
+    for (int b = 0; b < B; ++b) r.middleRows(b * (t1 - t0), t1 - t0) = x.middleRows(b * N + t0, t1 - t0);
+    return r;
+}
+
+template <class M>
+void put_tokens(M& x, const M& piece, int B, Eigen::Index N, Eigen::Index t0, Eigen::Index t1) {
+    for (int b = 0; b < B; ++b) x.middleRows(b * N + t0, t1 - t0) = piece.middleRows(b * (t1 - t0), t1 - t0);
+}
+
+/// Random piece lengths summing to N: empty pieces, single tokens, pieces inside one span and
+/// pieces across several; an empty piece at the end.
+std::vector<int> random_pieces(Rng& rng, int N, int span) {
+    std::vector<int> pieces;
+    int left = N;
+    while (left > 0) {
+        int len = 0;
+        switch (uniform_int(rng, 0, 4)) {
+            case 0: len = 0; break;
+            case 1: len = 1; break;
+            case 2: len = uniform_int(rng, 1, span); break;
+            default: len = uniform_int(rng, span + 1, 3 * span + 2); break;
+        }
+        len = std::min(len, left);
+        pieces.push_back(len);
+        left -= len;
+    }
+    pieces.push_back(0);
+    return pieces;
+}
+
+/// Largest |a - b| over row r.
+template <class A, class B>
+double row_diff(const A& a, const B& b, Eigen::Index r) {
+    return (a.row(r).template cast<double>() - b.row(r).template cast<double>()).cwiseAbs().maxCoeff();
+}
+
+std::string kind_name(BlockKind k) { return titans::to_string(k); }
+
+}  // namespace
+
+// =============================================================================================
+// Blocks against the reference.
+
+TEMPLATE_TEST_CASE("every block kind (LMM, MAC, MAG, MAL) equals the plain reference: block "
+                   "output, mixer output, memory state and position (B 1-2, with/without FFN, "
+                   "N_p 0/2, lagged/in-chunk retrieval, depth 1-2)",
+                   "[blocks]", float, double) {
+    using T = TestType;
+    const int combo = GENERATE(range(0, 40));
+    const BlockKind kind = kAllKinds[combo % 4];
+    const int i = combo / 4;  // 0..9
+    BlockOptions o;
+    o.kind = kind;
+    o.batch = 1 + (i & 1);
+    o.use_ffn = ((i >> 1) & 1) == 0;
+    o.n_persistent = ((i >> 2) & 1) == 0 ? 2 : 0;
+    o.retrieval = ((i / 2 + i) % 2 == 0) ? Retrieval::Lagged : Retrieval::InChunk;
+    const BlockCase c = make_block_case<T>(o, seed_for(std::string("blocks/reference/") + type_name<T>(),
+                                                        static_cast<std::uint64_t>(combo)));
+    INFO(c.describe());
+    const std::string cat = kind_name(kind);
+
+    const Block<T> blk(c.cfg, cast_block<T>(c.params));
+    auto st = blk.make_state(c.batch);
+    const Matrix<T> out = blk.forward(st, c.x.cast<T>());
+    const titans::reference::BlockResult ref =
+        titans::reference::block_forward(c.cfg, c.params, c.x, c.batch);
+    CHECK(note_error<T>(cat + ": block output vs reference", rel_error(out, ref.out)) <= tol<T>());
+    CHECK(note_error<T>(cat + ": memory weights vs reference",
+                        weights_error(block_weights(blk, st), ref.weights)) <= tol<T>());
+    CHECK(st.position() == c.tokens);
+    CHECK(st.batch() == c.batch);
+
+    // The mixer alone on the same normalised input (no residual to dilute its error).
+    const Matrixd u = round_through<T>(ref.u);
+    auto st_mix = blk.make_state(c.batch);
+    const Matrix<T> o_mix = blk.mix(st_mix, u.cast<T>());
+    const titans::reference::BlockResult ref_mix =
+        titans::reference::block_mix(c.cfg, c.params, u, c.batch);
+    CHECK(note_error<T>(cat + ": mixer output vs reference", rel_error(o_mix, ref_mix.mix)) <= tol<T>());
+    CHECK(st_mix.position() == c.tokens);
+    // The window edges w-1, w, w+1 (MAG / MAL) and the first rows of the second and third
+    // segments (MAC) are rows of the comparison above (N > span + 1); check them by name too.
+    const Eigen::Index span = kind == BlockKind::MAC ? c.cfg.segment : c.cfg.attention.window;
+    const double scale = ref_mix.mix.cwiseAbs().maxCoeff();
+    for (Eigen::Index t : {span - 1, span, span + 1}) {
+        if (t >= c.tokens) continue;
+        INFO("row " << t << " of sequence 0");
+        CHECK(rel_error(o_mix.row(t), ref_mix.mix.row(t), scale) <= tol<T>());
+    }
+}
+
+TEMPLATE_TEST_CASE("BlockConfig::make sets every width and MAC's in-chunk retrieval; the seeded "
+                   "parameters have the documented shapes",
+                   "[blocks]", float, double) {
+    using T = TestType;
+    for (BlockKind kind : kAllKinds) {
+        const BlockConfig c = BlockConfig::make(kind, 12, 2, 2, 5, 3);
+        INFO(kind_name(kind));
+        CHECK(c.memory.d_model == 12);
+        CHECK(c.attention.d_model == 12);
+        CHECK(c.ffn.d_model == 12);
+        CHECK(c.memory.chunk == 3);
+        CHECK(c.segment == 5);
+        CHECK(c.attention.window == 5);
+        CHECK(c.memory.retrieval == (kind == BlockKind::MAC ? Retrieval::InChunk : Retrieval::Lagged));
+        const auto p = BlockParams<T>::random(c, 3);
+        CHECK(p.persistent.rows() == (kind == BlockKind::LMM ? 0 : c.n_persistent));
+        CHECK(p.norm_y.cols() == (kind == BlockKind::MAG ? 12 : 0));
+        CHECK_NOTHROW(static_cast<void>(Block<T>(c, p)));
+    }
+}
+
+// =============================================================================================
+// Causality.
+
+TEMPLATE_TEST_CASE("every block kind is causal: perturbing token j of one sequence leaves every "
+                   "earlier output of it and the whole other sequence bit-for-bit unchanged",
+                   "[blocks]", float, double) {
+    using T = TestType;
+    for (int combo = 0; combo < 8; ++combo) {
+        BlockOptions o;
+        o.kind = kAllKinds[combo % 4];
+        o.batch = 2;
+        o.use_ffn = combo < 4;
+        o.n_persistent = 2;
+        o.retrieval = combo % 3 == 0 ? Retrieval::InChunk : Retrieval::Lagged;
+        o.max_tokens = 20;
+        const BlockCase c = make_block_case<T>(o, seed_for(std::string("blocks/causality/") + type_name<T>(),
+                                                            static_cast<std::uint64_t>(combo)));
+        INFO(c.describe());
+        Rng rng(c.seed + 17);
+        const Block<T> blk(c.cfg, cast_block<T>(c.params));
+        const Matrix<T> x = c.x.cast<T>();
+        const int N = c.tokens;
+        auto st = blk.make_state(2);
+        const Matrix<T> out = blk.forward(st, x);
+        for (int j : {0, uniform_int(rng, 1, N - 2), N - 1}) {
+            for (int b : {0, 1}) {
+                INFO("perturbed sequence " << b << " token " << j);
+                Matrix<T> xj = x;
+                xj.row(b * N + j).array() += T(0.5);
+                auto sj = blk.make_state(2);
+                const Matrix<T> outj = blk.forward(sj, xj);
+                for (int t = 0; t < j; ++t) {
+                    INFO("row " << t);
+                    CHECK(identical(outj.row(b * N + t), out.row(b * N + t)));
+                }
+                CHECK(row_diff(outj, out, b * N + j) > 1e-3);  // the perturbed token itself
+                const int other = 1 - b;
+                CHECK(identical(outj.middleRows(other * N, N), out.middleRows(other * N, N)));
+            }
+        }
+    }
+}
+
+// =============================================================================================
+// MAC: the memory is written with the attention outputs y.
+
+TEMPLATE_TEST_CASE("MAC writes its memory with the attention outputs y: the block's memory state "
+                   "equals a separate NeuralMemory fed with the reference y, and differs from "
+                   "one fed with the block's normalised input u (or raw input x)",
+                   "[blocks]", float, double) {
+    using T = TestType;
+    for (int i = 0; i < 6; ++i) {
+        BlockOptions o;
+        o.kind = BlockKind::MAC;
+        o.batch = 1 + (i % 2);
+        o.use_ffn = i % 3 != 0;
+        o.n_persistent = i < 3 ? 2 : 0;
+        o.retrieval = (i / 2) % 2 == 0 ? Retrieval::InChunk : Retrieval::Lagged;
+        const BlockCase c = make_block_case<T>(o, seed_for(std::string("blocks/mac-order/") + type_name<T>(),
+                                                            static_cast<std::uint64_t>(i)));
+        INFO(c.describe());
+        const Block<T> blk(c.cfg, cast_block<T>(c.params));
+        auto st = blk.make_state(c.batch);
+        (void)blk.forward(st, c.x.cast<T>());
+        const Weights<T> lib = block_weights(blk, st);
+        const auto ref = titans::reference::block_forward(c.cfg, c.params, c.x, c.batch);
+
+        const NeuralMemory<T> mem(c.cfg.memory, cast_params<T>(c.params.memory));
+        auto feed = [&](const Matrixd& input) {
+            auto s = mem.make_state(c.batch);
+            (void)mem.forward(s, input.cast<T>());
+            return memory_weights(mem, s);
+        };
+        const double e_y = weights_error(lib, feed(ref.y));
+        const double e_u = weights_error(lib, feed(ref.u));
+        const double e_x = weights_error(lib, feed(c.x));
+        note_error<T>("MAC: memory state vs NeuralMemory fed with reference y", e_y);
+        CHECK(e_y <= tol<T>());
+        CHECK(e_u > 1e-3);
+        CHECK(e_x > 1e-3);
+        // ... and the memory was written at all.
+        Weights<T> init(static_cast<std::size_t>(c.batch));
+        for (int b = 0; b < c.batch; ++b)
+            for (const auto& w : c.params.memory.memory_init) init[static_cast<std::size_t>(b)].push_back(cast_layers<T>(w));
+        CHECK(weights_error(lib, init) > 1e-3);
+    }
+}
+
+// =============================================================================================
+// MAG / MAL: window edges and the reach of the persistent tokens.
+
+namespace {
+
+/// A case whose memory never learns (constant gates, theta = 0, alpha = 0) and has no conv, so
+/// that the memory output of a token depends on that token alone: what remains of the mixing is
+/// the attention and its window.
+template <class T>
+BlockCase frozen_memory_case(BlockKind kind, std::uint64_t seed) {
+    BlockOptions o;
+    o.kind = kind;
+    o.batch = 1;
+    o.n_persistent = 2;
+    o.use_ffn = true;
+    BlockCase c = make_block_case<T>(o, seed);
+    c.cfg.memory.gates = GateMode::Constant;
+    c.cfg.memory.constant_theta = 0.0;
+    c.cfg.memory.constant_alpha = 0.0;
+    c.cfg.memory.use_conv = false;
+    c.cfg.validate();
+    return c;
+}
+
+template <class T>
+Matrix<T> run_once(const BlockCase& c, const BlockParams<double>& p, const Matrixd& x) {
+    const Block<T> blk(c.cfg, cast_block<T>(p));
+    auto st = blk.make_state(c.batch);
+    return blk.forward(st, x.cast<T>());
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("MAG window edges: with a frozen memory, token j reaches exactly outputs "
+                   "j .. j+w-1; the persistent tokens reach every output, also after position w",
+                   "[blocks]", float, double) {
+    using T = TestType;
+    for (int i = 0; i < 3; ++i) {
+        const BlockCase c = frozen_memory_case<T>(
+            BlockKind::MAG, seed_for(std::string("blocks/mag-window/") + type_name<T>(), static_cast<std::uint64_t>(i)));
+        INFO(c.describe());
+        const int N = c.tokens, w = c.cfg.attention.window;
+        REQUIRE(N > w + 1);
+        const Matrix<T> out = run_once<T>(c, c.params, c.x);
+        // The frozen-memory block still equals the reference (rows w-1, w, w+1 included).
+        const auto ref = titans::reference::block_forward(c.cfg, c.params, c.x, c.batch);
+        CHECK(note_error<T>("MAG frozen memory: block output vs reference", rel_error(out, ref.out)) <= tol<T>());
+        for (int j : {0, 1, N - w - 1}) {
+            Matrixd xj = c.x;
+            xj.row(j).array() += 0.5;
+            const Matrix<T> outj = run_once<T>(c, c.params, xj);
+            for (int t = 0; t < N; ++t) {
+                INFO("perturbed token " << j << ", row " << t);
+                if (t < j || t >= j + w) {
+                    CHECK(identical(outj.row(t), out.row(t)));
+                } else {
+                    CHECK(row_diff(outj, out, t) > 1e-6);
+                }
+            }
+        }
+        // P is visible to every query: perturbing it changes every output, those after w too.
+        BlockParams<double> pp = c.params;
+        pp.persistent.array() += 0.5;
+        pp = cast_block<double>(cast_block<T>(pp));
+        const Matrix<T> out_p = run_once<T>(c, pp, c.x);
+        for (int t = 0; t < N; ++t) {
+            INFO("perturbed P, row " << t);
+            CHECK(row_diff(out_p, out, t) > 1e-6);
+        }
+    }
+}
+
+TEMPLATE_TEST_CASE("MAL window edges: with a frozen memory, token j reaches exactly outputs "
+                   "j .. j+w-1 and the persistent tokens (first positions of the window) reach "
+                   "exactly outputs 0 .. w-2; with a learning memory P reaches later outputs "
+                   "through the memory",
+                   "[blocks]", float, double) {
+    using T = TestType;
+    for (int i = 0; i < 3; ++i) {
+        const BlockCase c = frozen_memory_case<T>(
+            BlockKind::MAL, seed_for(std::string("blocks/mal-window/") + type_name<T>(), static_cast<std::uint64_t>(i)));
+        INFO(c.describe());
+        const int N = c.tokens, w = c.cfg.attention.window;
+        REQUIRE(N > w + 1);
+        const Matrix<T> out = run_once<T>(c, c.params, c.x);
+        const auto ref = titans::reference::block_forward(c.cfg, c.params, c.x, c.batch);
+        CHECK(note_error<T>("MAL frozen memory: block output vs reference", rel_error(out, ref.out)) <= tol<T>());
+        for (int j : {0, 1, N - w - 1}) {
+            Matrixd xj = c.x;
+            xj.row(j).array() += 0.5;
+            const Matrix<T> outj = run_once<T>(c, c.params, xj);
+            for (int t = 0; t < N; ++t) {
+                INFO("perturbed token " << j << ", row " << t);
+                if (t < j || t >= j + w) {
+                    CHECK(identical(outj.row(t), out.row(t)));
+                } else {
+                    CHECK(row_diff(outj, out, t) > 1e-6);
+                }
+            }
+        }
+        // P sits at positions 0 .. N_p-1 of the window's sequence; token t at N_p + t sees
+        // positions > N_p + t - w, so P's last row leaves the window at t = w - 1.
+        BlockParams<double> pp = c.params;
+        pp.persistent.array() += 0.5;
+        pp = cast_block<double>(cast_block<T>(pp));
+        const Matrix<T> out_p = run_once<T>(c, pp, c.x);
+        for (int t = 0; t < N; ++t) {
+            INFO("perturbed P, row " << t);
+            if (t < w - 1) {
+                CHECK(row_diff(out_p, out, t) > 1e-6);
+            } else {
+                CHECK(identical(out_p.row(t), out.row(t)));
+            }
+        }
+        // A learning memory (theta > 0) carries P further than the window.
+        BlockCase learn = c;
+        learn.cfg.memory.constant_theta = round_scalar<T>(0.1);
+        learn.cfg.memory.constant_eta = round_scalar<T>(0.5);
+        const Matrix<T> lo = run_once<T>(learn, learn.params, learn.x);
+        const Matrix<T> lp = run_once<T>(learn, pp, learn.x);
+        double later = 0.0;
+        for (int t = w - 1; t < N; ++t) later = std::max(later, row_diff(lp, lo, t));
+        CHECK(later > 1e-6);
+    }
+}
+
+// =============================================================================================
+// Streaming.
+
+TEMPLATE_TEST_CASE("every block kind streamed token by token and in random pieces (empty pieces "
+                   "included) equals one call: outputs, memory state, position (B = 2)",
+                   "[blocks]", float, double) {
+    using T = TestType;
+    const int combo = GENERATE(range(0, 12));
+    BlockOptions o;
+    o.kind = kAllKinds[combo % 4];
+    o.batch = 2;
+    o.use_ffn = (combo / 4) != 1;
+    o.n_persistent = (combo / 4) == 2 ? 0 : 2;
+    o.retrieval = combo % 3 == 0 ? Retrieval::Lagged : Retrieval::InChunk;
+    const BlockCase c = make_block_case<T>(o, seed_for(std::string("blocks/streaming/") + type_name<T>(),
+                                                        static_cast<std::uint64_t>(combo)));
+    INFO(c.describe());
+    const std::string cat = kind_name(o.kind);
+    const int B = 2, N = c.tokens;
+    const Block<T> blk(c.cfg, cast_block<T>(c.params));
+    const Matrix<T> x = c.x.cast<T>();
+    auto st_one = blk.make_state(B);
+    const Matrix<T> one = blk.forward(st_one, x);
+    REQUIRE(one.rows() == B * N);
+    CHECK(st_one.position() == N);
+    const Weights<T> w_one = block_weights(blk, st_one);
+
+    Rng rng(c.seed + 99);
+    const int span = o.kind == BlockKind::MAC ? c.cfg.segment : c.cfg.attention.window;
+    std::vector<std::vector<int>> plans = {std::vector<int>(static_cast<std::size_t>(N), 1),
+                                           random_pieces(rng, N, span), random_pieces(rng, N, span)};
+    for (std::size_t k = 0; k < plans.size(); ++k) {
+        std::ostringstream os;
+        for (int len : plans[k]) os << len << ' ';
+        INFO((k == 0 ? "token by token" : "pieces: ") << (k == 0 ? std::string() : os.str()));
+        auto st = blk.make_state(B);
+        Matrix<T> y = Matrix<T>::Constant(B * N, c.cfg.d_model, T(12345));
+        int t0 = 0;
+        for (int len : plans[k]) {
+            const Matrix<T> yp = blk.forward(st, take_tokens(x, B, N, t0, t0 + len));
+            REQUIRE(yp.rows() == B * len);
+            REQUIRE(yp.cols() == c.cfg.d_model);
+            put_tokens(y, yp, B, N, t0, t0 + len);
+            t0 += len;
+            CHECK(st.position() == t0);
+        }
+        REQUIRE(t0 == N);
+        CHECK(note_error<T>(cat + ": streamed vs one call", rel_error(y, one)) <= tol<T>());
+        CHECK(note_error<T>(cat + ": streamed memory state vs one call",
+                            weights_error(block_weights(blk, st), w_one)) <= tol<T>());
+    }
+}
+
+// =============================================================================================
+// Model.
+
+namespace {
+
+struct ModelCase {
+    ModelConfig cfg;
+    ModelParams<double> params;
+};
+
+/// A 2-layer model of the given kinds, width d, rounded through T.
+template <class T>
+ModelCase make_model_case(BlockKind k0, BlockKind k1, int d, int vocab, int d_out, Rng& rng) {
+    ModelCase m;
+    m.cfg.vocab_size = vocab;
+    m.cfg.d_model = d;
+    m.cfg.d_out = d_out;
+    m.cfg.norm_eps = round_scalar<T>(1e-5);
+    int layer = 0;
+    for (BlockKind k : {k0, k1}) {
+        BlockOptions o;
+        o.kind = k;
+        o.d_model = d;
+        o.use_ffn = layer == 0;
+        o.n_persistent = 2;
+        o.retrieval = k == BlockKind::MAC ? Retrieval::InChunk : Retrieval::Lagged;
+        m.cfg.blocks.push_back(random_block_config<T>(o, rng));
+        ++layer;
+    }
+    m.params = ModelParams<double>::random(m.cfg, rng());
+    for (std::size_t i = 0; i < m.cfg.blocks.size(); ++i) {
+        m.params.blocks[i] = random_block_params<T>(m.cfg.blocks[i], rng);
+    }
+    m.params.norm_final = random_matrix(1, d, rng, 0.5, 1.5);
+    m.params = cast_model<double>(cast_model<T>(m.params));
+    return m;
+}
+
+std::vector<int> random_ids(Rng& rng, int count, int vocab) {
+    std::vector<int> ids(static_cast<std::size_t>(count));
+    for (int& id : ids) id = uniform_int(rng, 0, vocab - 1);
+    return ids;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("Model (MAC then MAG, with a vocabulary): logits shape, forward_tokens equals "
+                   "forward on the embedded rows and the reference stack; streaming equals one "
+                   "call",
+                   "[model]", float, double) {
+    using T = TestType;
+    for (int i = 0; i < 3; ++i) {
+        Rng rng(seed_for(std::string("model/mixed/") + type_name<T>(), static_cast<std::uint64_t>(i)));
+        const int vocab = 11, B = 2, N = uniform_int(rng, 9, 17);
+        const ModelCase mc = make_model_case<T>(BlockKind::MAC, BlockKind::MAG, 8, vocab, 0, rng);
+        INFO("case " << i << " N=" << N);
+        const Model<T> model(mc.cfg, cast_model<T>(mc.params));
+        REQUIRE(model.blocks().size() == 2);
+        const std::vector<int> ids = random_ids(rng, B * N, vocab);
+
+        auto st = model.make_state(B);
+        const Matrix<T> logits = model.forward_tokens(st, ids);
+        REQUIRE(logits.rows() == B * N);
+        REQUIRE(logits.cols() == vocab);
+        CHECK(st.position == N);
+        for (const auto& bs : st.blocks) CHECK(bs.position() == N);
+
+        const Matrixd x = titans::reference::embed(mc.params, ids);
+        auto st_x = model.make_state(B);
+        CHECK(identical(model.forward(st_x, x.cast<T>()), logits));
+
+        const Matrixd ref = titans::reference::model_forward(mc.cfg, mc.params, x, B);
+        CHECK(note_error<T>("model (MAC, MAG): logits vs reference", rel_error(logits, ref)) <= tol<T>());
+
+        // Streaming the ids in pieces.
+        auto ss = model.make_state(B);
+        Matrix<T> streamed = Matrix<T>::Constant(B * N, vocab, T(12345));
+        int t0 = 0;
+        for (int len : random_pieces(rng, N, 4)) {
+            std::vector<int> piece;
+            for (int b = 0; b < B; ++b)
+                for (int t = t0; t < t0 + len; ++t) piece.push_back(ids[static_cast<std::size_t>(b * N + t)]);
+            const Matrix<T> lp = model.forward_tokens(ss, piece);
+            REQUIRE(lp.rows() == B * len);
+            put_tokens(streamed, lp, B, N, t0, t0 + len);
+            t0 += len;
+            CHECK(ss.position == t0);
+        }
+        CHECK(note_error<T>("model (MAC, MAG): streamed vs one call", rel_error(streamed, logits)) <= tol<T>());
+    }
+}
+
+TEMPLATE_TEST_CASE("Model without a vocabulary (MAL then LMM, d_out 5): vectors in, d_out out, "
+                   "equal to the reference stack",
+                   "[model]", float, double) {
+    using T = TestType;
+    Rng rng(seed_for(std::string("model/vectors/") + type_name<T>()));
+    const int B = 2, N = 13;
+    const ModelCase mc = make_model_case<T>(BlockKind::MAL, BlockKind::LMM, 12, 0, 5, rng);
+    const Model<T> model(mc.cfg, cast_model<T>(mc.params));
+    const Matrixd x = round_through<T>(random_matrix(B * N, 12, rng));
+    auto st = model.make_state(B);
+    const Matrix<T> y = model.forward(st, x.cast<T>());
+    REQUIRE(y.rows() == B * N);
+    REQUIRE(y.cols() == 5);
+    CHECK(note_error<T>("model (MAL, LMM): output vs reference",
+                        rel_error(y, titans::reference::model_forward(mc.cfg, mc.params, x, B))) <= tol<T>());
+    CHECK(st.position == N);
+}
+
+// =============================================================================================
+// Errors.
+
+TEMPLATE_TEST_CASE("block errors: BlockConfig, BlockParams and Block::forward / mix / make_state "
+                   "throw the right types and name the argument",
+                   "[blocks]", float, double) {
+    using T = TestType;
+    const T nan = std::numeric_limits<T>::quiet_NaN();
+    // Configurations.
+    const BlockConfig base = BlockConfig::make(BlockKind::MAC, 8, 2, 2, 4, 3);
+    REQUIRE_NOTHROW(base.validate());
+    {
+        BlockConfig c = base;
+        c.memory.d_model = 12;
+        REQUIRE_THROWS_NAMING(c.validate(), ConfigError, "memory.d_model");
+        REQUIRE_THROWS_NAMING((Block<T>(c, BlockParams<T>::random(base, 1))), ConfigError, "memory.d_model");
+    }
+    {
+        BlockConfig c = base;
+        c.attention.d_model = 12;
+        REQUIRE_THROWS_NAMING(c.validate(), ConfigError, "attention.d_model");
+    }
+    {
+        BlockConfig c = base;
+        c.ffn.d_model = 4;
+        REQUIRE_THROWS_NAMING(c.validate(), ConfigError, "ffn.d_model");
+    }
+    {
+        BlockConfig c = base;
+        c.segment = 0;
+        REQUIRE_THROWS_NAMING(c.validate(), ConfigError, "segment");
+        REQUIRE_THROWS_NAMING(BlockParams<T>::random(c, 1), ConfigError, "segment");
+    }
+    {
+        BlockConfig c = BlockConfig::make(BlockKind::MAG, 8, 2, 2, 4, 3);
+        c.n_persistent = -1;
+        REQUIRE_THROWS_NAMING(c.validate(), ConfigError, "n_persistent");
+    }
+    for (double eps : {0.0, -1e-6}) {
+        BlockConfig c = base;
+        c.norm_eps = eps;
+        REQUIRE_THROWS_NAMING(c.validate(), ConfigError, "norm_eps");
+    }
+    {
+        BlockConfig c = base;
+        c.d_model = 0;
+        REQUIRE_THROWS_NAMING(c.validate(), ConfigError, "d_model");
+    }
+    {
+        BlockConfig c = base;
+        c.memory.chunk = 0;  // a bad nested field is reported by its own validate()
+        REQUIRE_THROWS_NAMING(c.validate(), ConfigError, "chunk");
+    }
+
+    // Parameters.
+    const BlockConfig mag = BlockConfig::make(BlockKind::MAG, 8, 2, 2, 4, 3);
+    const BlockParams<T> good = BlockParams<T>::random(mag, 2);
+    REQUIRE_NOTHROW(static_cast<void>(Block<T>(mag, good)));
+    {
+        BlockParams<T> p = good;
+        p.persistent = Matrix<T>::Zero(mag.n_persistent + 1, 8);
+        REQUIRE_THROWS_NAMING((Block<T>(mag, p)), ShapeError, "persistent");
+        p.persistent = Matrix<T>::Zero(mag.n_persistent, 7);
+        REQUIRE_THROWS_NAMING((Block<T>(mag, p)), ShapeError, "persistent");
+        p = good;
+        p.persistent(0, 1) = nan;
+        REQUIRE_THROWS_NAMING((Block<T>(mag, p)), NonFiniteError, "persistent");
+    }
+    {
+        BlockParams<T> p = good;
+        p.norm_mix = titans::RowVector<T>::Ones(7);
+        REQUIRE_THROWS_NAMING((Block<T>(mag, p)), ShapeError, "norm_mix");
+        p = good;
+        p.norm_ffn = titans::RowVector<T>::Ones(9);
+        REQUIRE_THROWS_NAMING((Block<T>(mag, p)), ShapeError, "norm_ffn");
+        p = good;
+        p.norm_y = titans::RowVector<T>();
+        REQUIRE_THROWS_NAMING((Block<T>(mag, p)), ShapeError, "norm_y");
+        p = good;
+        p.norm_m(0, 3) = nan;
+        REQUIRE_THROWS_NAMING((Block<T>(mag, p)), NonFiniteError, "norm_m");
+        p = good;
+        p.memory.w_q = Matrix<T>::Zero(8, 3);
+        REQUIRE_THROWS_NAMING((Block<T>(mag, p)), ShapeError, "w_q");
+        p = good;
+        p.attention.w_o = Matrix<T>::Zero(8, 9);
+        REQUIRE_THROWS_NAMING((Block<T>(mag, p)), ShapeError, "w_o");
+        p = good;
+        p.ffn.w2 = Matrix<T>::Zero(3, 8);
+        REQUIRE_THROWS_NAMING((Block<T>(mag, p)), ShapeError, "w2");
+    }
+
+    // forward / mix / make_state.
+    for (BlockKind kind : kAllKinds) {
+        INFO(kind_name(kind));
+        const BlockConfig cfg = BlockConfig::make(kind, 8, 2, 2, 4, 3);
+        const Block<T> blk(cfg, BlockParams<T>::random(cfg, 5));
+        REQUIRE_THROWS_NAMING(blk.make_state(0), ConfigError, "batch");
+        auto st = blk.make_state(2);
+        REQUIRE_THROWS_NAMING(blk.forward(st, Matrix<T>::Zero(4, 9)), ShapeError, "x has 9 columns");
+        REQUIRE_THROWS_NAMING(blk.forward(st, Matrix<T>::Zero(3, 8)), ShapeError,
+                              "multiple of the state's batch");
+        Matrix<T> xn = Matrix<T>::Ones(4, 8);
+        xn(3, 2) = nan;
+        REQUIRE_THROWS_NAMING(blk.forward(st, xn), NonFiniteError, "x has a NaN");
+        xn(3, 2) = std::numeric_limits<T>::infinity();
+        REQUIRE_THROWS_NAMING(blk.forward(st, xn), NonFiniteError, "x has a NaN or infinite");
+        REQUIRE_THROWS_NAMING(blk.mix(st, Matrix<T>::Zero(4, 7)), ShapeError, "Block::mix");
+        // A state of another kind, and a default-constructed one.
+        const BlockKind other_kind = kind == BlockKind::MAG ? BlockKind::MAL : BlockKind::MAG;
+        const BlockConfig ocfg = BlockConfig::make(other_kind, 8, 2, 2, 4, 3);
+        auto st_other = Block<T>(ocfg, BlockParams<T>::random(ocfg, 5)).make_state(2);
+        REQUIRE_THROWS_NAMING(blk.forward(st_other, Matrix<T>::Ones(4, 8)), ConfigError,
+                              "state was made for a different block");
+        REQUIRE_THROWS_NAMING(blk.mix(st_other, Matrix<T>::Ones(4, 8)), ConfigError, "Block::mix");
+        BlockState<T> st_default;
+        REQUIRE_THROWS_NAMING(blk.forward(st_default, Matrix<T>::Ones(4, 8)), ConfigError,
+                              "state was made for a different block");
+        CHECK(st.position() == 0);  // failed calls leave the state alone
+        // The state still works after the failed calls.
+        CHECK_NOTHROW(static_cast<void>(blk.forward(st, Matrix<T>::Ones(4, 8))));
+        CHECK(st.position() == 2);
+    }
+}
+
+TEMPLATE_TEST_CASE("block errors: a state of a block of the same kind with another shape is "
+                   "rejected (MAG window, LMM memory, MAC segment)",
+                   "[blocks]", float, double) {
+    using T = TestType;
+    const Matrix<T> x = Matrix<T>::Ones(2, 8);
+    {
+        const BlockConfig a = BlockConfig::make(BlockKind::MAG, 8, 2, 2, 4, 3);
+        const BlockConfig b = BlockConfig::make(BlockKind::MAG, 8, 2, 2, 5, 3);
+        const Block<T> blk(a, BlockParams<T>::random(a, 1));
+        auto st = Block<T>(b, BlockParams<T>::random(b, 1)).make_state(1);
+        REQUIRE_THROWS_NAMING(blk.forward(st, x), ConfigError, "state");
+    }
+    {
+        const BlockConfig a = BlockConfig::make(BlockKind::LMM, 8, 2, 2, 4, 3);
+        const BlockConfig b = BlockConfig::make(BlockKind::LMM, 8, 2, 1, 4, 3);
+        const Block<T> blk(a, BlockParams<T>::random(a, 1));
+        auto st = Block<T>(b, BlockParams<T>::random(b, 1)).make_state(1);
+        REQUIRE_THROWS_NAMING(blk.forward(st, x), ConfigError, "state");
+    }
+    {
+        // Same widths, heads and memory; only the segment differs. The other block's segment is
+        // the LONGER one, so that a library that does not check this reads no memory out of
+        // bounds here (a shorter one would make it write past the end of its segment buffers).
+        const BlockConfig a = BlockConfig::make(BlockKind::MAC, 8, 2, 2, 3, 3);
+        const BlockConfig b = BlockConfig::make(BlockKind::MAC, 8, 2, 2, 6, 3);
+        const Block<T> blk(a, BlockParams<T>::random(a, 1));
+        auto st = Block<T>(b, BlockParams<T>::random(b, 1)).make_state(1);
+        REQUIRE_THROWS_NAMING(blk.forward(st, x), ConfigError, "state");
+    }
+}
+
+TEMPLATE_TEST_CASE("model errors: token id out of range, forward_tokens without a vocabulary, "
+                   "mismatched or default states, bad ModelConfig / ModelParams",
+                   "[model]", float, double) {
+    using T = TestType;
+    ModelConfig cfg;
+    cfg.vocab_size = 7;
+    cfg.d_model = 8;
+    cfg.blocks = {BlockConfig::make(BlockKind::MAC, 8, 2, 1, 3, 2), BlockConfig::make(BlockKind::MAG, 8, 2, 1, 3, 2)};
+    const ModelParams<T> params = ModelParams<T>::random(cfg, 3);
+    const Model<T> model(cfg, params);
+    auto st = model.make_state(1);
+    REQUIRE_THROWS_NAMING((model.forward_tokens(st, {1, 7})), ShapeError, "token id");
+    REQUIRE_THROWS_NAMING((model.forward_tokens(st, {-1})), ShapeError, "token id");
+    CHECK(st.position == 0);
+    REQUIRE_THROWS_NAMING(model.make_state(0), ConfigError, "batch");
+    REQUIRE_THROWS_NAMING(model.forward(st, Matrix<T>::Ones(2, 5)), ShapeError, "columns");
+
+    // Without a vocabulary.
+    ModelConfig vcfg = cfg;
+    vcfg.vocab_size = 0;
+    const Model<T> vmodel(vcfg, ModelParams<T>::random(vcfg, 3));
+    auto vst = vmodel.make_state(1);
+    REQUIRE_THROWS_NAMING((vmodel.forward_tokens(vst, {0, 1})), ConfigError, "vocab_size");
+
+    // Mismatched states: other layer count, other kinds in the same count, default.
+    ModelConfig one = cfg;
+    one.blocks.pop_back();
+    auto st_one = Model<T>(one, ModelParams<T>::random(one, 3)).make_state(1);
+    REQUIRE_THROWS_NAMING((model.forward_tokens(st_one, {1, 2})), ConfigError, "different model");
+    ModelConfig swapped = cfg;
+    std::swap(swapped.blocks[0], swapped.blocks[1]);
+    auto st_swapped = Model<T>(swapped, ModelParams<T>::random(swapped, 3)).make_state(1);
+    REQUIRE_THROWS_NAMING((model.forward_tokens(st_swapped, {1, 2})), ConfigError, "different block");
+    titans::ModelState<T> st_default;
+    REQUIRE_THROWS_NAMING((model.forward_tokens(st_default, {1, 2})), ConfigError, "different model");
+
+    // ModelConfig.
+    {
+        ModelConfig c = cfg;
+        c.blocks.clear();
+        REQUIRE_THROWS_NAMING(c.validate(), ConfigError, "blocks.size()");
+        c = cfg;
+        c.blocks[1] = BlockConfig::make(BlockKind::MAG, 12, 2, 1, 3, 2);
+        REQUIRE_THROWS_NAMING(c.validate(), ConfigError, "blocks[1].d_model");
+        c = cfg;
+        c.vocab_size = -1;
+        REQUIRE_THROWS_NAMING(c.validate(), ConfigError, "vocab_size");
+        c = cfg;
+        c.norm_eps = 0.0;
+        REQUIRE_THROWS_NAMING(c.validate(), ConfigError, "norm_eps");
+    }
+    // ModelParams.
+    {
+        ModelParams<T> p = params;
+        p.blocks.pop_back();
+        REQUIRE_THROWS_NAMING((Model<T>(cfg, p)), ShapeError, "blocks");
+        p = params;
+        p.head = Matrix<T>::Zero(8, 6);
+        REQUIRE_THROWS_NAMING((Model<T>(cfg, p)), ShapeError, "head");
+        p = params;
+        p.embedding = Matrix<T>::Zero(6, 8);
+        REQUIRE_THROWS_NAMING((Model<T>(cfg, p)), ShapeError, "embedding");
+        p = params;
+        p.norm_final = titans::RowVector<T>::Ones(3);
+        REQUIRE_THROWS_NAMING((Model<T>(cfg, p)), ShapeError, "norm_final");
+        p = params;
+        p.blocks[0].persistent(0, 0) = std::numeric_limits<T>::infinity();
+        REQUIRE_THROWS_NAMING((Model<T>(cfg, p)), NonFiniteError, "persistent");
+    }
+}
