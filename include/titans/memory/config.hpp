@@ -105,6 +105,17 @@ struct MemoryConfig {
     /// The chunk size the algorithm runs with (PerToken is the b = 1 case).
     [[nodiscard]] int effective_chunk() const { return update == UpdateMode::PerToken ? 1 : chunk; }
 
+    /// Field-by-field equality.
+    bool operator==(const MemoryConfig&) const = default;
+
+    /// True if a state made for `other` can be continued by a memory with this configuration:
+    /// every setting equal except flush_denormals (which changes no stored value's meaning).
+    [[nodiscard]] bool same_stream(const MemoryConfig& other) const {
+        MemoryConfig a = *this;
+        a.flush_denormals = other.flush_denormals;
+        return a == other;
+    }
+
     /// Throws ConfigError naming the first invalid field and what it must be.
     void validate() const {
         constexpr const char* w = "MemoryConfig";

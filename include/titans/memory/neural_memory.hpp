@@ -113,13 +113,7 @@ public:
 
 private:
     void check_state(const State& state, const char* where) const {
-        const MemoryConfig& s = state.config();
-        const bool same = state.batch() >= 1 && s.d_model == cfg_.d_model &&
-                          s.n_heads == cfg_.n_heads && s.head_dim() == cfg_.head_dim() &&
-                          s.depth == cfg_.depth && s.hidden_dim() == cfg_.hidden_dim() &&
-                          s.effective_chunk() == cfg_.effective_chunk() &&
-                          s.use_conv == cfg_.use_conv && s.conv_kernel == cfg_.conv_kernel &&
-                          s.gates == cfg_.gates && s.update == cfg_.update;
+        const bool same = state.batch() >= 1 && cfg_.same_stream(state.config());
         if (!same) {
             throw ConfigError(detail::concat(
                 where, ": state was made for a different configuration (or default-constructed),"
