@@ -303,3 +303,46 @@ TEST_CASE("memory_forward, associative_loss and associative_gradient reject mism
     REQUIRE_THROWS_NAMING(titans::associative_gradient<double>(W_none, k, v, act, false), ShapeError, "W");
     REQUIRE_THROWS_NAMING(titans::memory_forward<double>(W_none, k, act, false), ShapeError, "W");
 }
+
+TEST_CASE("a state is rejected by a memory whose configuration differs in a setting that shaped "
+          "the state's pending rows or its write (activation, residual, q/k/v path, gate scale) "
+          "- docs/errors.md: 'the state came from make_state of a memory with the same "
+          "configuration'",
+          "[errors][forward][state-config]") {
+    // The state holds, for the chunk in progress, the activations A and back-propagated errors
+    // Delta computed with the writing memory's activation, residual and q/k/v path, and gate
+    // logits turned into gates at the chunk end with theta_max / constant gates: continuing it
+    // with a memory that differs in any of these silently mixes two memories.
+    const MemoryConfig base = valid_config();
+    const std::vector<std::pair<std::function<void(MemoryConfig&)>, const char*>> changes = {
+        {[](MemoryConfig& c) { c.activation = Activation::GELU; }, "activation"},
+        {[](MemoryConfig& c) { c.residual = true; }, "residual"},
+        {[](MemoryConfig& c) { c.qkv_activation = Activation::Identity; }, "qkv_activation"},
+        {[](MemoryConfig& c) { c.normalize_qk = false; }, "normalize_qk"},
+        {[](MemoryConfig& c) { c.theta_max = 0.05; }, "theta_max"},
+    };
+    Rng rng(seed_for("state-config-mismatch"));
+    const titans::MemoryParamsd p = titans::MemoryParamsd::random(base, 21);
+    const NeuralMemory<double> writer(base, p);
+    auto st = writer.make_state(1);
+    (void)writer.forward(st, random_matrix(4, base.d_model, rng));  // mid-chunk (chunk 3)
+    const Matrixd x = random_matrix(2, base.d_model, rng);
+    for (const auto& [change, field] : changes) {
+        MemoryConfig other = base;
+        change(other);
+        const NeuralMemory<double> reader(other, p);
+        auto copy = st;
+        INFO("configurations differ in " << field);
+        CHECK_THROWS_AS(static_cast<void>(reader.forward(copy, x)), ConfigError);
+    }
+    {
+        MemoryConfig c1 = base, c2 = base;
+        c1.gates = c2.gates = GateMode::Constant;
+        c2.constant_theta = 0.5;
+        const NeuralMemory<double> w1(c1, p), w2(c2, p);
+        auto s1 = w1.make_state(1);
+        (void)w1.forward(s1, random_matrix(4, base.d_model, rng));
+        INFO("configurations differ in constant_theta");
+        CHECK_THROWS_AS(static_cast<void>(w2.forward(s1, x)), ConfigError);
+    }
+}

@@ -78,7 +78,7 @@ struct MemoryConfig {
     bool normalize_qk = true;  ///< L2-normalise q and k over the head dimension
     // Gates (SPEC §1).
     GateMode gates = GateMode::DataDependent;
-    double theta_max = 0.1;        ///< theta_t = theta_max * sigmoid(.) (larger diverges easily for L >= 2)
+    double theta_max = 0.01;       ///< theta_t = theta_max * sigmoid(.); stable at b = 64 (docs/math.md §7)
     double constant_theta = 0.1;   ///< GateMode::Constant: learning rate >= 0
     double constant_eta = 0.9;     ///< GateMode::Constant: momentum decay in [0, 1]
     double constant_alpha = 0.01;  ///< GateMode::Constant: forget rate in [0, 1]

@@ -35,7 +35,7 @@ struct MemoryParams {
 
     /// Parameters drawn from a seeded generator (identical on every platform): projections
     /// N(0, 1/fan_in), conv taps N(0, 0.1^2) with 1 added to the current-token tap, gate
-    /// weights N(0, 1/d) with biases 0 (theta), 2 (eta) and -5 (alpha).
+    /// weights N(0, 1/d) with biases 0 (theta), 2 (eta) and -8 (alpha).
     [[nodiscard]] static MemoryParams random(const MemoryConfig& cfg, std::uint64_t seed) {
         cfg.validate();
         detail::SplitMix64 rng(seed);
@@ -61,7 +61,7 @@ struct MemoryParams {
         p.w_alpha = gauss(d, H, sd);
         p.b_theta = RowVector<T>::Constant(H, T(0));
         p.b_eta = RowVector<T>::Constant(H, T(2));
-        p.b_alpha = RowVector<T>::Constant(H, T(-5));
+        p.b_alpha = RowVector<T>::Constant(H, T(-8));
         p.memory_init.resize(static_cast<std::size_t>(H));
         for (auto& head : p.memory_init) {
             for (int l = 1; l <= cfg.depth; ++l) {

@@ -1,0 +1,311 @@
+// Long streams: a Titans model reads any number of tokens in constant memory (SPEC §7).
+//
+// A small model of each variant (LMM, MAC, MAG, MAL: 2 layers, d = 64, 4 heads, memory depth
+// 2, window / segment 128, memory chunk 64, vectors in and out) reads one long stream (200K
+// tokens by default, --tokens 1000000 for a million) in pieces of 1024 tokens, keeping its
+// state between pieces. The tokens are random vectors made piece by piece; the whole sequence
+// never exists in memory. What the state holds does not grow with the stream: the memory's
+// weights and momentum, a conv tail, the attention's last w - 1 keys/values (MAG, MAL) or the
+// current segment (MAC). So
+//
+//   time     grows linearly in N: every 10% of the stream takes about as long as the last
+//   memory   stays flat: resident memory (VmRSS from /proc/self/status) at 10% = at 100%.
+//
+// Each variant prints a progress line every ~10% (tokens so far, tokens/s over the last 10%
+// and overall, VmRSS), the mean |output| of its last piece (finite: the stream did not
+// diverge), and a summary table ends the run. Times are of Model::forward only (making the
+// random inputs is not counted).
+//
+// Options:
+//   --tokens N   tokens per variant (default 200,000, see below)
+//   --piece N    tokens per forward call (default 1024)
+//   --quick      600 tokens through a tiny model (d = 16, 2 heads, span 16, chunk 8) in
+//                pieces of 200, for CI (~0.1 s single-threaded in Release, ~1.5 s under ASan)
+//   --help       this text
+//
+// Why 200K and not 1M by default: on the shared 2-core machine this was written on, 1M tokens
+// x 4 variants took under 2 minutes single-threaded (OMP_NUM_THREADS=1), but over 20 minutes
+// with the default 2 OpenMP threads while other jobs kept the cores busy: the parallel regions
+// (Eigen's GEMMs, the per-head memory loops, the attention tiles) are short for a d = 64
+// model, and each one waits for whichever thread the busy machine has descheduled. 200K took
+// ~20 s single-threaded there and ~6 minutes with 2 threads.
+//
+// Parameters: ModelParams<float>::random, with the memory's theta_max = 0.01 and forget-gate
+// bias b_alpha = -8 (alpha ~ 3e-4) in every layer. The library's defaults (theta_max = 0.1,
+// b_alpha = -5) are not meant for a long run of an untrained model: with chunk 64 the
+// chunked write at theta_max = 0.1 diverges within the first few hundred tokens (a larger
+// chunk takes a larger step from stale weights; 32 is still stable at 0.1), and with
+// theta_max = 0.01 but b_alpha = -5 the forget gate wins and some memories decay to zero.
+
+#include <titans/titans.hpp>
+
+#include <Eigen/Core>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <fstream>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace {
+
+using titans::BlockKind;
+using titans::Matrixf;
+
+constexpr const char* kHelp =
+    "Usage: 02_long_stream [--tokens N] [--piece N] [--quick] [--help]\n"
+    "\n"
+    "Streams N random 64-wide vectors through a 2-layer Titans model of each variant (LMM,\n"
+    "MAC, MAG, MAL; d = 64, 4 heads, memory depth 2, span 128), in pieces of --piece tokens\n"
+    "(default 1024), and shows that time grows linearly with N while resident memory stays\n"
+    "flat.\n"
+    "\n"
+    "  --tokens N  tokens per variant; default 200,000, not 1,000,000: 1M x 4 variants took\n"
+    "              ~2 minutes single-threaded on a shared 2-core machine, but over 20 minutes\n"
+    "              with 2 OpenMP threads there (they wait for each other when the cores are\n"
+    "              busy; OMP_NUM_THREADS=1 helps on such a machine)\n"
+    "  --piece N   tokens per forward call, default 1024\n"
+    "  --quick     600 tokens through a tiny model (d = 16, 2 heads, span 16) in pieces of\n"
+    "              200 (for CI)\n";
+
+struct Settings {
+    long tokens = 200'000;
+    long piece = 1024;
+    bool quick = false;
+    int d = 64, heads = 4, depth = 2, span = 128, chunk = 64, layers = 2;
+};
+
+long parse_count(const std::string& flag, const char* text) {
+    char* end = nullptr;
+    const long v = std::strtol(text, &end, 10);
+    if (end == text || *end != '\0' || v < 1) {
+        throw std::invalid_argument(flag + " needs a positive integer, got '" + text + "'");
+    }
+    return v;
+}
+
+Settings parse(int argc, char** argv) {
+    Settings s;
+    long tokens = -1, piece = -1;
+    for (int i = 1; i < argc; ++i) {
+        const std::string a = argv[i];
+        auto value = [&](const std::string& flag) -> const char* {
+            if (a == flag) {
+                if (i + 1 >= argc) throw std::invalid_argument(flag + " needs a value");
+                return argv[++i];
+            }
+            return a.c_str() + flag.size() + 1;  // --flag=value
+        };
+        if (a == "--quick") {
+            s.quick = true;
+        } else if (a == "--help" || a == "-h") {
+            std::fputs(kHelp, stdout);
+            std::exit(0);
+        } else if (a == "--tokens" || a.rfind("--tokens=", 0) == 0) {
+            tokens = parse_count("--tokens", value("--tokens"));
+        } else if (a == "--piece" || a.rfind("--piece=", 0) == 0) {
+            piece = parse_count("--piece", value("--piece"));
+        } else {
+            throw std::invalid_argument("unknown argument '" + a +
+                                        "' (expected --tokens N, --piece N, --quick, --help)");
+        }
+    }
+    if (s.quick) {
+        s.tokens = 600;
+        s.piece = 100;
+        s.d = 16;
+        s.heads = 2;
+        s.span = 16;
+        s.chunk = 8;
+    }
+    if (tokens > 0) s.tokens = tokens;
+    if (piece > 0) s.piece = piece;
+    return s;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Inputs and measurements.
+
+/// Random tokens, piece by piece: entries uniform in [-sqrt(3), sqrt(3)] (unit variance) from
+/// SplitMix64, identical on every platform.
+class TokenSource {
+public:
+    explicit TokenSource(std::uint64_t seed) : state_(seed) {}
+    void next_piece(Matrixf& x) {
+        for (Eigen::Index i = 0; i < x.size(); ++i) {
+            const double u = (static_cast<double>(next() >> 11) + 0.5) * 0x1.0p-53;  // (0, 1)
+            x.data()[i] = static_cast<float>((2.0 * u - 1.0) * 1.7320508075688772);
+        }
+    }
+
+private:
+    std::uint64_t next() {
+        std::uint64_t z = (state_ += 0x9e3779b97f4a7c15ULL);
+        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+        z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+        return z ^ (z >> 31);
+    }
+    std::uint64_t state_;
+};
+
+/// Resident memory of this process in MiB (VmRSS of /proc/self/status), -1 if unavailable.
+double rss_mib() {
+    std::ifstream f("/proc/self/status");
+    std::string line;
+    while (std::getline(f, line)) {
+        if (line.rfind("VmRSS:", 0) == 0) {
+            return std::strtod(line.c_str() + 6, nullptr) / 1024.0;  // the value is in kB
+        }
+    }
+    return -1.0;
+}
+
+std::string mib(double v) {
+    char buf[32];
+    if (v < 0) return "n/a";
+    std::snprintf(buf, sizeof buf, "%.1f MiB", v);
+    return buf;
+}
+
+std::string grouped(double v) {  // 1234567 -> "1,234,567"
+    if (!std::isfinite(v)) return "-";
+    std::string digits = std::to_string(static_cast<long long>(std::llround(v)));
+    std::string out;
+    const int n = static_cast<int>(digits.size());
+    for (int i = 0; i < n; ++i) {
+        out += digits[static_cast<std::size_t>(i)];
+        if (i < n - 1 && (n - 1 - i) % 3 == 0) out += ',';
+    }
+    return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// One variant.
+
+struct Result {
+    BlockKind kind = BlockKind::LMM;
+    double seconds = 0;             // Model::forward time over the whole stream
+    double first_half = 0, second_half = 0;  // ... over tokens [0, N/2) and [N/2, N)
+    double rss_10 = -1, rss_100 = -1;
+    double mean_abs_last = 0;
+    bool finite = true;
+};
+
+titans::ModelConfig model_config(BlockKind kind, const Settings& s) {
+    auto cfg = titans::ModelConfig::uniform(kind, s.layers, s.d, s.heads, s.depth, s.span,
+                                            /*vocab=*/0, s.chunk);
+    for (auto& b : cfg.blocks) {
+        b.memory.theta_max = 0.01;  // see the header comment
+    }
+    return cfg;
+}
+
+Result run_variant(BlockKind kind, const Settings& s) {
+    const titans::ModelConfig cfg = model_config(kind, s);
+    auto params = titans::ModelParams<float>::random(cfg, 1);
+    for (auto& b : params.blocks) {
+        b.memory.b_alpha.setConstant(-8.0f);  // see the header comment
+    }
+    const titans::Model<float> model(cfg, std::move(params));
+    auto state = model.make_state(1);
+    TokenSource source(0x5eed + static_cast<std::uint64_t>(kind));
+
+    std::printf("\n== %s: %zu layers, d = %d, %d heads, memory depth %d, %s %d, chunk %d ==\n",
+                titans::to_string(kind), cfg.blocks.size(), s.d, s.heads, s.depth,
+                kind == BlockKind::MAC ? "segment" : "window", s.span, s.chunk);
+    std::printf("%12s %10s %14s %14s %12s\n", "tokens", "seconds", "tokens/s last", "tokens/s all",
+                "VmRSS");
+
+    Result r;
+    r.kind = kind;
+    Matrixf x(s.piece, s.d), y;
+    long done = 0;
+    int next_mark = 1;  // progress at next_mark * 10% of the stream
+    double mark_seconds = 0;
+    long mark_tokens = 0;
+    while (done < s.tokens) {
+        const long n = std::min(s.piece, s.tokens - done);
+        if (x.rows() != n) x.resize(n, s.d);
+        source.next_piece(x);
+        const auto t0 = std::chrono::steady_clock::now();
+        try {
+            y = model.forward(state, x);
+        } catch (const titans::NonFiniteError& e) {  // a layer met a NaN the memory produced
+            r.finite = false;
+            std::printf("diverged in the piece ending at token %ld: %s\n", done + n, e.what());
+            break;
+        }
+        const double dt =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        r.seconds += dt;
+        (done < s.tokens / 2 ? r.first_half : r.second_half) += dt;
+        done += n;
+        if (!y.allFinite()) {
+            r.finite = false;
+            std::printf("non-finite output in the piece ending at token %ld\n", done);
+            break;
+        }
+        if (done * 10 >= next_mark * s.tokens) {
+            const double rss = rss_mib();
+            if (next_mark == 1) r.rss_10 = rss;
+            const double rate_last =
+                static_cast<double>(done - mark_tokens) / (r.seconds - mark_seconds);
+            std::printf("%12s %10.2f %14s %14s %12s\n",
+                        grouped(static_cast<double>(done)).c_str(), r.seconds,
+                        grouped(rate_last).c_str(),
+                        grouped(static_cast<double>(done) / r.seconds).c_str(), mib(rss).c_str());
+            std::fflush(stdout);  // progress shows up even when stdout is a file or a pipe
+            mark_seconds = r.seconds;
+            mark_tokens = done;
+            while (done * 10 >= next_mark * s.tokens) ++next_mark;
+        }
+    }
+    r.rss_100 = rss_mib();
+    r.mean_abs_last = y.size() > 0 ? y.array().abs().mean() : NAN;
+    r.finite = r.finite && std::isfinite(r.mean_abs_last);
+    std::printf("mean |output| of the last piece: %.4f (%s)\n", r.mean_abs_last,
+                r.finite ? "finite" : "NOT FINITE");
+    return r;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    try {
+        const Settings s = parse(argc, argv);
+        std::printf("Streaming %s tokens per variant in pieces of %ld (threads: %d)%s\n",
+                    grouped(static_cast<double>(s.tokens)).c_str(), s.piece, Eigen::nbThreads(),
+                    s.quick ? ", --quick: tiny model" : "");
+        std::vector<Result> results;
+        for (BlockKind kind : {BlockKind::LMM, BlockKind::MAC, BlockKind::MAG, BlockKind::MAL}) {
+            results.push_back(run_variant(kind, s));
+        }
+
+        std::printf("\nSummary (%s tokens each; time of Model::forward)\n",
+                    grouped(static_cast<double>(s.tokens)).c_str());
+        std::printf("%-8s %10s %12s %16s %12s %12s %12s\n", "variant", "seconds", "tokens/s",
+                    "2nd/1st half", "RSS at 10%", "RSS at 100%", "mean|out|");
+        bool ok = true;
+        for (const Result& r : results) {
+            ok = ok && r.finite;
+            std::printf("%-8s %10.2f %12s %16.2f %12s %12s %12.4f%s\n", titans::to_string(r.kind),
+                        r.seconds, grouped(static_cast<double>(s.tokens) / r.seconds).c_str(),
+                        r.first_half > 0 ? r.second_half / r.first_half : 0.0,
+                        mib(r.rss_10).c_str(), mib(r.rss_100).c_str(), r.mean_abs_last,
+                        r.finite ? "" : "  NOT FINITE");
+        }
+        std::printf("2nd/1st half: time of the second half of the stream over the first "
+                    "(1.00 = linear in N).\n");
+        return ok ? 0 : 1;
+    } catch (const std::exception& e) {
+        std::fprintf(stderr, "02_long_stream: %s\n", e.what());
+        return 1;
+    }
+}
