@@ -1,8 +1,8 @@
 // Long streams: a Titans model reads any number of tokens in constant memory (SPEC §7).
 //
 // A small model of each variant (LMM, MAC, MAG, MAL: 2 layers, d = 64, 4 heads, memory depth
-// 2, window / segment 128, memory chunk 64, vectors in and out) reads one long stream (200K
-// tokens by default, --tokens 1000000 for a million) in pieces of 1024 tokens, keeping its
+// 2, window / segment 128, memory chunk 64, vectors in and out) reads one long stream (1M
+// tokens by default, --tokens N for another length) in pieces of 1024 tokens, keeping its
 // state between pieces. The tokens are random vectors made piece by piece; the whole sequence
 // never exists in memory. What the state holds does not grow with the stream: the memory's
 // weights and momentum, a conv tail, the attention's last w - 1 keys/values (MAG, MAL) or the
@@ -17,25 +17,22 @@
 // random inputs is not counted).
 //
 // Options:
-//   --tokens N   tokens per variant (default 200,000, see below)
+//   --tokens N   tokens per variant (default 1,000,000, see below)
 //   --piece N    tokens per forward call (default 1024)
 //   --quick      600 tokens through a tiny model (d = 16, 2 heads, span 16, chunk 8) in
-//                pieces of 200, for CI (~0.1 s single-threaded in Release, ~1.5 s under ASan)
+//                pieces of 100, for CI (~0.1 s single-threaded in Release, ~1.5 s under ASan)
 //   --help       this text
 //
-// Why 200K and not 1M by default: on the shared 2-core machine this was written on, 1M tokens
-// x 4 variants took under 2 minutes single-threaded (OMP_NUM_THREADS=1), but over 20 minutes
-// with the default 2 OpenMP threads while other jobs kept the cores busy: the parallel regions
-// (Eigen's GEMMs, the per-head memory loops, the attention tiles) are short for a d = 64
-// model, and each one waits for whichever thread the busy machine has descheduled. 200K took
-// ~20 s single-threaded there and ~6 minutes with 2 threads.
+// Time: on the shared 2-core machine this was written on, 1M tokens x 4 variants took under 2
+// minutes single-threaded (OMP_NUM_THREADS=1), but over 20 minutes with 2 OpenMP threads while
+// other jobs kept the cores busy: the parallel regions of a d = 64 model are short, and each
+// waits for whichever thread the busy machine has descheduled. On such a machine run it with
+// OMP_NUM_THREADS=1, or pass a smaller --tokens.
 //
 // Parameters: ModelParams<float>::random, with the memory's theta_max = 0.01 and forget-gate
-// bias b_alpha = -8 (alpha ~ 3e-4) in every layer. The library's defaults (theta_max = 0.1,
-// b_alpha = -5) are not meant for a long run of an untrained model: with chunk 64 the
-// chunked write at theta_max = 0.1 diverges within the first few hundred tokens (a larger
-// chunk takes a larger step from stale weights; 32 is still stable at 0.1), and with
-// theta_max = 0.01 but b_alpha = -5 the forget gate wins and some memories decay to zero.
+// bias b_alpha = -8 (alpha ~ 3e-4) in every layer (set explicitly; they are also the library's
+// defaults). A larger theta_max diverges at chunk 64 (a larger chunk takes a larger step from
+// stale weights; docs/math.md §7), and a stronger forget bias lets some memories decay to zero.
 
 #include <titans/titans.hpp>
 
@@ -67,16 +64,15 @@ constexpr const char* kHelp =
     "(default 1024), and shows that time grows linearly with N while resident memory stays\n"
     "flat.\n"
     "\n"
-    "  --tokens N  tokens per variant; default 200,000, not 1,000,000: 1M x 4 variants took\n"
-    "              ~2 minutes single-threaded on a shared 2-core machine, but over 20 minutes\n"
-    "              with 2 OpenMP threads there (they wait for each other when the cores are\n"
-    "              busy; OMP_NUM_THREADS=1 helps on such a machine)\n"
+    "  --tokens N  tokens per variant, default 1,000,000 (~2 minutes for all four variants\n"
+    "              single-threaded on a 2-core machine; on a busy machine OMP_NUM_THREADS=1\n"
+    "              is much faster than 2 threads)\n"
     "  --piece N   tokens per forward call, default 1024\n"
     "  --quick     600 tokens through a tiny model (d = 16, 2 heads, span 16) in pieces of\n"
-    "              200 (for CI)\n";
+    "              100 (for CI)\n";
 
 struct Settings {
-    long tokens = 200'000;
+    long tokens = 1'000'000;
     long piece = 1024;
     bool quick = false;
     int d = 64, heads = 4, depth = 2, span = 128, chunk = 64, layers = 2;
