@@ -10,6 +10,7 @@
 #include "../attention/attention.hpp"
 #include "../attention/rope.hpp"
 #include "../detail/activation.hpp"
+#include "../detail/eigen_math.hpp"
 #include "../detail/float_env.hpp"
 #include "../error.hpp"
 #include "../layers/feed_forward.hpp"
@@ -368,16 +369,14 @@ private:
         const int H = mc.n_heads, dh = mc.head_dim();
         Matrix<T> q = u * mp.w_q;
         if (mc.qkv_activation == Activation::SiLU) {
-            q = q.unaryExpr([](T v) { return detail::silu(v); });
+            detail::activate_in_place(Activation::SiLU, q);
+        }
+        if (mc.normalize_qk) {
+            detail::l2_normalize_heads(q, H, dh);
         }
         Matrix<T> heads(u.rows(), mc.inner_dim());
         for (int h = 0; h < H; ++h) {
-            Matrix<T> qh = q.middleCols(h * dh, dh);
-            if (mc.normalize_qk) {
-                for (Eigen::Index r = 0; r < qh.rows(); ++r) {
-                    qh.row(r) /= std::max(qh.row(r).norm(), T(1e-12));
-                }
-            }
+            const Matrix<T> qh = q.middleCols(h * dh, dh);
             const auto& W = st.snapshot_[static_cast<std::size_t>(b * H + h)];
             heads.middleCols(h * dh, dh) = memory_forward(W, qh, mc.activation, mc.residual);
         }

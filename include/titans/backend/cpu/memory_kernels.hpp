@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "../../detail/activation.hpp"
+#include "../../detail/eigen_math.hpp"
 #include "../../detail/float_env.hpp"
 #include "../../error.hpp"
 #include "../../memory/chunk_coefficients.hpp"
@@ -89,20 +90,10 @@ struct MemoryKernels<Cpu, T> {
             causal_conv(cfg, p, st, qkv, N);
         }
         if (cfg.qkv_activation == Activation::SiLU) {
-            activate_in_place(Activation::SiLU, qkv);
+            detail::activate_in_place(Activation::SiLU, qkv);
         }
         if (cfg.normalize_qk) {
-#if defined(_OPENMP)
-#pragma omp parallel for schedule(static) if (qkv.rows() >= 256)
-#endif
-            for (Eigen::Index r = 0; r < qkv.rows(); ++r) {
-                for (int part = 0; part < 2; ++part) {
-                    for (int h = 0; h < H; ++h) {
-                        auto seg = qkv.row(r).segment(part * D + h * dh, dh);
-                        seg /= std::max(seg.norm(), T(1e-12));
-                    }
-                }
-            }
+            detail::l2_normalize_heads(qkv.leftCols(2 * D), 2 * H, dh);  // q and k heads
         }
         Mat logits;
         if (cfg.gates != GateMode::Constant) {
@@ -125,8 +116,7 @@ struct MemoryKernels<Cpu, T> {
             work += static_cast<double>(cfg.layer_in(l)) * cfg.layer_out(l);
         }
         work *= static_cast<double>(N) * pairs;
-        const bool parallel = pairs > 1 && work >= 1.0e6;
-        (void)parallel;
+        [[maybe_unused]] const bool parallel = pairs > 1 && work >= 1.0e6;
 #if defined(_OPENMP)
 #pragma omp parallel for schedule(dynamic, 1) if (parallel)
 #endif
@@ -159,30 +149,17 @@ struct MemoryKernels<Cpu, T> {
         }
         Mat q = x * p.w_q;
         if (cfg.use_conv) {
-            const int K = cfg.conv_kernel;
-            Mat ext(K - 1 + N, D);
             for (int s = 0; s < B; ++s) {
-                ext.topRows(K - 1) = st.conv_tail_[static_cast<std::size_t>(s)].leftCols(D);
-                ext.bottomRows(N) = q.middleRows(static_cast<Eigen::Index>(s) * N, N);
-                for (Eigen::Index t = 0; t < N; ++t) {
-                    auto out = q.row(static_cast<Eigen::Index>(s) * N + t);
-                    out.setZero();
-                    for (int j = 0; j < K; ++j) {
-                        out.array() += p.conv_q.row(j).array() * ext.row(t + j).array();
-                    }
-                }
+                detail::causal_conv_in_place(
+                    p.conv_q, st.conv_tail_[static_cast<std::size_t>(s)].leftCols(D),
+                    q.middleRows(static_cast<Eigen::Index>(s) * N, N));
             }
         }
         if (cfg.qkv_activation == Activation::SiLU) {
-            activate_in_place(Activation::SiLU, q);
+            detail::activate_in_place(Activation::SiLU, q);
         }
         if (cfg.normalize_qk) {
-            for (Eigen::Index r = 0; r < q.rows(); ++r) {
-                for (int h = 0; h < H; ++h) {
-                    auto seg = q.row(r).segment(h * dh, dh);
-                    seg /= std::max(seg.norm(), T(1e-12));
-                }
-            }
+            detail::l2_normalize_heads(q, H, dh);
         }
         Mat yh(x.rows(), D);
         for (int s = 0; s < B; ++s) {
@@ -193,7 +170,7 @@ struct MemoryKernels<Cpu, T> {
                 for (std::size_t l = 0; l < W.size(); ++l) {
                     Mat z = a * W[l];
                     if (l + 1 < W.size()) {
-                        activate_in_place(cfg.activation, z);
+                        detail::activate_in_place(cfg.activation, z);
                     }
                     a = std::move(z);
                 }
@@ -227,34 +204,26 @@ private:
         auto v(Eigen::Index t, Eigen::Index m) const { return qkv.block(r0 + t, 2 * D + h * dh, m, dh); }
     };
 
-    /// Depthwise causal conv over time of each sequence's pre-conv q|k|v, in place, using and
-    /// updating the state's tail (the last K-1 pre-conv rows): out_t = sum_j conv[j] . u_{t-K+1+j}.
-    /// Rows are rewritten from the last to the first, so every row still reads unmodified inputs.
+    /// SPEC §1 conv of each sequence's pre-conv q|k|v, in place, continuing from the state's
+    /// tail (the last K-1 pre-conv rows), which is then advanced.
     static void causal_conv(const MemoryConfig& cfg, const MemoryParams<T>& p, State& st, Mat& qkv,
                             Eigen::Index N) {
-        const int K = cfg.conv_kernel, D = cfg.inner_dim();
-        Mat taps(K, 3 * D);
+        const int K = cfg.conv_kernel;
+        Mat taps(K, qkv.cols());
         taps << p.conv_q, p.conv_k, p.conv_v;
-        Mat new_tail(K - 1, 3 * D);
+        Mat new_tail(K - 1, qkv.cols());  // the last K-1 inputs of [old tail | u]
         for (int s = 0; s < st.batch_; ++s) {
             Mat& tail = st.conv_tail_[static_cast<std::size_t>(s)];
             auto u = qkv.middleRows(static_cast<Eigen::Index>(s) * N, N);
-            // Input row at time t - K + 1 + j: from the tail when negative.
-            using RowArray = Eigen::Map<const Eigen::Array<T, 1, Eigen::Dynamic>>;
-            auto input = [&](Eigen::Index t) {
-                return RowArray(t >= 0 ? &u(t, 0) : &tail(t + K - 1, 0), 3 * D);
-            };
-            // The new tail: the last K-1 inputs of [old tail | u].
             for (int r = 0; r < K - 1; ++r) {
-                new_tail.row(r) = input(N - (K - 1) + r).matrix();
-            }
-            for (Eigen::Index t = N - 1; t >= 0; --t) {
-                auto out = u.row(t);
-                out.array() *= taps.row(K - 1).array();
-                for (int j = 0; j < K - 1; ++j) {
-                    out.array() += taps.row(j).array() * input(t - K + 1 + j);
+                const Eigen::Index t = N - (K - 1) + r;
+                if (t >= 0) {
+                    new_tail.row(r) = u.row(t);
+                } else {
+                    new_tail.row(r) = tail.row(t + K - 1);
                 }
             }
+            detail::causal_conv_in_place(taps, tail, u);
             tail = new_tail;
         }
     }
@@ -298,37 +267,6 @@ private:
         }
     }
 
-    // Vectorised nonlinearities. SiLU goes through Eigen's SIMD exp (a scalar libm call per
-    // element costs as much as the products around it); GELU stays on std::erf. exp(-z)
-    // overflowing to inf gives sigmoid 0 and SiLU -0, the right limits.
-    template <class Src, class Dst>
-    static void activate_into(Activation act, const Src& src, Dst&& dst) {
-        if (act == Activation::SiLU) {
-            dst.array() = src.array() / (T(1) + (-src.array()).exp());
-        } else if (act == Activation::GELU) {
-            dst = src.unaryExpr([](T v) { return detail::gelu(v); });
-        } else {
-            dst = src;
-        }
-    }
-    template <class Z>
-    static void activate_in_place(Activation act, Z&& z) {
-        activate_into(act, z, z);
-    }
-    /// act(z) into `out`, then z <- act'(z) (SiLU: s (1 + z (1 - s)), s = sigmoid(z) kept in
-    /// `tmp`, a workspace of z's shape).
-    template <class Z, class Out, class Tmp>
-    static void activate_and_grad(Activation act, Z&& z, Out&& out, Tmp&& tmp) {
-        if (act == Activation::SiLU) {
-            tmp.array() = T(1) / (T(1) + (-z.array()).exp());
-            out.array() = z.array() * tmp.array();
-            z.array() = tmp.array() * (T(1) + z.array() * (T(1) - tmp.array()));
-        } else {
-            out = z.unaryExpr([act](T v) { return detail::activate(act, v); });
-            z = z.unaryExpr([act](T v) { return detail::activate_grad(act, v); });
-        }
-    }
-
     /// SPEC §4 over tokens [t, t+m) of one (sequence, head), which sit at rows [o, o+m) of the
     /// chunk in progress: keys forward and backward at W^s (batched), retrieval, and the
     /// closed-form chunk end when the chunk completes.
@@ -342,7 +280,7 @@ private:
             auto z = hd.z[static_cast<std::size_t>(l)].topRows(m);
             z.noalias() = hd.a[static_cast<std::size_t>(l)].middleRows(o, m) * hd.w[static_cast<std::size_t>(l)];
             if (l + 1 < L) {
-                activate_and_grad(act, z, hd.a[static_cast<std::size_t>(l + 1)].middleRows(o, m),
+                detail::activate_and_grad(act, z, hd.a[static_cast<std::size_t>(l + 1)].middleRows(o, m),
                                   hd.t1.topLeftCorner(m, z.cols()));
             }
         }
@@ -399,7 +337,7 @@ private:
                 out.noalias() = hd.hid[static_cast<std::size_t>(l - 1)].topRows(m) * hd.w[static_cast<std::size_t>(l)];
             }
             if (l + 1 < L) {
-                activate_in_place(cfg.activation, out);
+                detail::activate_in_place(cfg.activation, out);
             }
         }
         y = hd.hid[static_cast<std::size_t>(L - 1)].topRows(m);
@@ -445,7 +383,7 @@ private:
                 run(t2);
             }
             if (l + 1 < L) {
-                activate_in_place(cfg.activation, out);
+                detail::activate_in_place(cfg.activation, out);
             }
         }
         y = hd.hid[static_cast<std::size_t>(L - 1)].topRows(m);
@@ -511,7 +449,7 @@ private:
                 auto z = hd.z[li].row(0);
                 z.noalias() = hd.a[li].row(0) * hd.w[li];
                 if (l + 1 < L) {
-                    activate_and_grad(act, z, hd.a[li + 1].row(0), hd.t1.row(0).head(z.cols()));
+                    detail::activate_and_grad(act, z, hd.a[li + 1].row(0), hd.t1.row(0).head(z.cols()));
                 }
             }
             auto dL = hd.delta[static_cast<std::size_t>(L - 1)].row(0);
