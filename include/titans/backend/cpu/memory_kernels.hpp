@@ -228,10 +228,10 @@ private:
         }
     }
 
-    /// Gate values (theta, eta, alpha) of pending rows [0, n) into hd.coef rows 0..2.
+    /// Gate values (theta, eta, alpha) of pending rows [0, n) into coef rows 0..2.
     /// PerChunk: every row gets the gates of the mean logit (= gates of the mean input).
-    static void gate_values(const MemoryConfig& cfg, Head& hd, int n) {
-        auto th = hd.coef.row(0), et = hd.coef.row(1), al = hd.coef.row(2);
+    static void gate_values(const MemoryConfig& cfg, const Head& hd, int n, Mat& coef) {
+        auto th = coef.row(0), et = coef.row(1), al = coef.row(2);
         if (cfg.gates == GateMode::Constant) {
             th.head(n).setConstant(static_cast<T>(cfg.constant_theta));
             et.head(n).setConstant(static_cast<T>(cfg.constant_eta));
@@ -321,7 +321,7 @@ private:
         }
         // SPEC §4: chunk end.
         if (o + m == b) {
-            apply_chunk_end(cfg, hd, b, hd.w, hd.s);
+            apply_chunk_end(cfg, hd, b, hd.coef, hd.t1, hd.w, hd.s);
         }
     }
 
@@ -351,7 +351,7 @@ private:
     template <class Q, class Y>
     static void read_in_chunk(const MemoryConfig& cfg, Head& hd, const Q& q, int o, int m, Y& y) {
         const int L = cfg.depth, n = o + m;
-        gate_values(cfg, hd, n);
+        gate_values(cfg, hd, n, hd.coef);
         auto beta = hd.coef.row(3).head(m);
         auto c = hd.coef.row(4).head(m);
         chunk_row_coefficients<T>(n, o, hd.coef.row(0).data(), hd.coef.row(1).data(),
@@ -394,19 +394,20 @@ private:
 
     /// Takes (W, S) from the chunk start over the n pending rows:
     /// W <- beta_n W + c_n S - A^T diag(g) Delta,  S <- P_n S - A^T diag(s) Delta.
-    static void apply_chunk_end(const MemoryConfig& cfg, Head& hd, int n, std::vector<Mat>& W,
-                                std::vector<Mat>& S) {
-        gate_values(cfg, hd, n);
+    /// coef (8 x >= n) and scratch (>= n x widest) are workspaces; hd is only read.
+    static void apply_chunk_end(const MemoryConfig& cfg, const Head& hd, int n, Mat& coef,
+                                Mat& scratch, std::vector<Mat>& W, std::vector<Mat>& S) {
+        gate_values(cfg, hd, n, coef);
         T beta_end, c_end, p_end;
-        chunk_end_coefficients<T>(n, hd.coef.row(0).data(), hd.coef.row(1).data(),
-                                  hd.coef.row(2).data(), hd.coef.row(5).data(),
-                                  hd.coef.row(6).data(), &beta_end, &c_end, &p_end);
-        const auto g = hd.coef.row(5).head(n);
-        const auto s = hd.coef.row(6).head(n);
+        chunk_end_coefficients<T>(n, coef.row(0).data(), coef.row(1).data(), coef.row(2).data(),
+                                  coef.row(5).data(), coef.row(6).data(), &beta_end, &c_end,
+                                  &p_end);
+        const auto g = coef.row(5).head(n);
+        const auto s = coef.row(6).head(n);
         for (std::size_t l = 0; l < W.size(); ++l) {
             const auto A = hd.a[l].topRows(n);
             const auto Dl = hd.delta[l].topRows(n);
-            auto sd = hd.t1.topLeftCorner(n, Dl.cols());
+            auto sd = scratch.topLeftCorner(n, Dl.cols());
             sd = g.transpose().asDiagonal() * Dl;
             W[l] *= beta_end;
             W[l] += c_end * S[l];
@@ -436,7 +437,7 @@ private:
         const Activation act = cfg.activation;
         for (Eigen::Index t = 0; t < N; ++t) {
             store_logits(cfg, hd, in, t, 0, 1);
-            gate_values(cfg, hd, 1);
+            gate_values(cfg, hd, 1, hd.coef);
             const T theta = hd.coef(0, 0), eta = hd.coef(1, 0), alpha = hd.coef(2, 0);
             auto y = yh.block(in.r0 + t, in.h * in.dh, 1, in.dh);
             if (cfg.retrieval == Retrieval::Lagged) {
@@ -494,9 +495,9 @@ private:
         if (n == 0) {
             return weights ? src.w : src.s;
         }
-        Head hd = src;  // scratch copy: the coefficients are written into its workspaces
+        Mat coef(src.coef.rows(), src.coef.cols()), scratch(src.t1.rows(), src.t1.cols());
         std::vector<Mat> W = src.w, S = src.s;
-        apply_chunk_end(cfg, hd, n, W, S);
+        apply_chunk_end(cfg, src, n, coef, scratch, W, S);
         return weights ? W : S;
     }
 };
