@@ -4,6 +4,7 @@
 //     h = x + Mixer(RMSNorm(x)),   out = h + FFN(RMSNorm(h))
 
 #include <cstdint>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -230,10 +231,19 @@ public:
         : cfg_(std::move(config)),
           params_(std::move(params)),
           memory_(validated(cfg_, params_).memory, params_.memory),
-          attention_(make_attention(cfg_, params_)),
-          ffn_(make_ffn(cfg_, params_)),
           norm_mix_(params_.norm_mix, cfg_.norm_eps),
-          norm_ffn_(params_.norm_ffn, cfg_.norm_eps) {}
+          norm_ffn_(params_.norm_ffn, cfg_.norm_eps) {
+        if (cfg_.kind != BlockKind::LMM) {
+            attention_.emplace(cfg_.attention, params_.attention);
+        }
+        if (cfg_.kind == BlockKind::MAG) {
+            norm_y_.emplace(params_.norm_y, cfg_.norm_eps);
+            norm_m_.emplace(params_.norm_m, cfg_.norm_eps);
+        }
+        if (cfg_.use_ffn) {
+            ffn_.emplace(cfg_.ffn, params_.ffn);
+        }
+    }
 
     [[nodiscard]] const BlockConfig& config() const { return cfg_; }
     [[nodiscard]] const BlockParams<T>& params() const { return params_; }
@@ -251,7 +261,7 @@ public:
         st.batch_ = batch;
         st.memory_ = memory_.make_state(batch);
         if (cfg_.kind != BlockKind::LMM) {
-            st.attention_ = attention_.make_state(batch);
+            st.attention_ = attention_->make_state(batch);
         }
         const Eigen::Index np = cfg_.n_persistent;
         if ((cfg_.kind == BlockKind::MAG || cfg_.kind == BlockKind::MAL) && np > 0) {
@@ -261,7 +271,7 @@ public:
             }
             Matrix<T> yp = memory_.forward(st.memory_, p);
             if (cfg_.kind == BlockKind::MAL) {
-                (void)attention_.forward(st.attention_, yp);
+                (void)attention_->forward(st.attention_, yp);
             }
         }
         if (cfg_.kind == BlockKind::MAC) {
@@ -282,7 +292,7 @@ public:
         const Matrix<T> u = norm_mix_.forward(x);
         Matrix<T> h = x + mix(state, u);
         if (cfg_.use_ffn) {
-            h += ffn_.forward(norm_ffn_.forward(h));
+            h += ffn_->forward(norm_ffn_.forward(h));
         }
         return h;
     }
@@ -296,7 +306,7 @@ public:
             case BlockKind::LMM: o = memory_.forward(state.memory_, u); break;
             case BlockKind::MAG: o = mix_mag(state, u); break;
             case BlockKind::MAL:
-                o = attention_.forward(state.attention_, memory_.forward(state.memory_, u));
+                o = attention_->forward(state.attention_, memory_.forward(state.memory_, u));
                 break;
             case BlockKind::MAC: o = mix_mac(state, u); break;
         }
@@ -332,33 +342,15 @@ private:
         p.validate(cfg);
         return cfg;
     }
-    static Attention<T> make_attention(const BlockConfig& cfg, const BlockParams<T>& p) {
-        if (cfg.kind == BlockKind::LMM) {
-            AttentionConfig a;  // unused placeholder of the right width
-            a.d_model = cfg.d_model;
-            return Attention<T>(a, AttentionParams<T>::random(a, 0));
-        }
-        return Attention<T>(cfg.attention, p.attention);
-    }
-    static FeedForward<T> make_ffn(const BlockConfig& cfg, const BlockParams<T>& p) {
-        if (!cfg.use_ffn) {
-            FeedForwardConfig f;  // unused placeholder
-            f.d_model = cfg.d_model;
-            return FeedForward<T>(f, FeedForwardParams<T>::random(f, 0));
-        }
-        return FeedForward<T>(cfg.ffn, p.ffn);
-    }
-
     static T sigmoid(T v) { return detail::sigmoid(v); }
 
     Matrix<T> mix_mag(State& st, const Matrix<T>& u) const {
         const Matrix<T>* prefix = cfg_.n_persistent > 0 ? &params_.persistent : nullptr;
-        const Matrix<T> y = attention_.forward(st.attention_, u, prefix);
+        const Matrix<T> y = attention_->forward(st.attention_, u, prefix);
         const Matrix<T> m = memory_.forward(st.memory_, u);
-        const RMSNorm<T> ny(params_.norm_y, cfg_.norm_eps), nm(params_.norm_m, cfg_.norm_eps);
-        Matrix<T> gate = nm.forward(m);
+        Matrix<T> gate = norm_m_->forward(m);
         gate = gate.unaryExpr([](T v) { return sigmoid(v); });
-        return (ny.forward(y).array() * gate.array()).matrix();
+        return (norm_y_->forward(y).array() * gate.array()).matrix();
     }
 
     /// h rows of MAC: the memory's query path (W_Q, phi, L2 norm; no conv) read through the
@@ -454,9 +446,10 @@ private:
     BlockConfig cfg_;
     BlockParams<T> params_;
     NeuralMemory<T> memory_;
-    Attention<T> attention_;
-    FeedForward<T> ffn_;
     RMSNorm<T> norm_mix_, norm_ffn_;
+    std::optional<Attention<T>> attention_;    // all kinds but LMM
+    std::optional<RMSNorm<T>> norm_y_, norm_m_;  // MAG
+    std::optional<FeedForward<T>> ffn_;        // if use_ffn
 };
 
 }  // namespace titans
