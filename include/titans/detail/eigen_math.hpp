@@ -70,9 +70,12 @@ void causal_conv_in_place(const Taps& taps, const Tail& tail, U&& u) {
     using T = typename std::decay_t<U>::Scalar;
     const Eigen::Index K = taps.rows(), C = taps.cols();
     using RowArray = Eigen::Map<const Eigen::Array<T, 1, Eigen::Dynamic>, 0, Eigen::InnerStride<>>;
+    // Raw row views through data() and the strides: works for const and mutable blocks of
+    // either storage order (a const block's operator() returns by value, not by reference).
     auto input = [&](Eigen::Index t) {
-        return t >= 0 ? RowArray(&u(t, 0), C, Eigen::InnerStride<>(1))
-                      : RowArray(&tail(t + K - 1, 0), C, Eigen::InnerStride<>(1));
+        return t >= 0 ? RowArray(u.data() + t * u.rowStride(), C, Eigen::InnerStride<>(u.colStride()))
+                      : RowArray(tail.data() + (t + K - 1) * tail.rowStride(), C,
+                                 Eigen::InnerStride<>(tail.colStride()));
     };
     for (Eigen::Index t = u.rows() - 1; t >= 0; --t) {
         auto out = u.row(t);
