@@ -59,6 +59,8 @@
 
 #include <titans/titans.hpp>
 
+#include "bench_common.hpp"
+
 #include <Eigen/Core>
 
 #include <algorithm>
@@ -140,41 +142,52 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-void BM_Block(benchmark::State& state, BlockKind kind) {
+// The timed loop shared by every streaming benchmark: each iteration restores `st` from
+// `fresh` (untimed), then streams `tokens` tokens through `step` in pieces of `piece`.
+// Skips the benchmark with `what` if an output is not finite or a layer throws; otherwise
+// sets the rate counters and mean_abs_output and returns true.
+template <class State, class Step>
+bool time_stream(benchmark::State& state, State& st, const State& fresh, Step&& step,
+                 const char* what) {
     const Eigen::Index piece = state.range(0);
     const long tokens = static_cast<long>(state.range(1));
-    const titans::BlockConfig cfg = block_config(kind);
-    const titans::Block<float> block(cfg, block_params(cfg));
-    const auto fresh = block.make_state(1);
-    auto st = fresh;
     const std::vector<Matrixf> pool = input_pool(piece);
     Matrixf y;
     bool finite = true;
     double seconds = 0.0;
-
     try {
         for (auto _ : state) {
             state.PauseTiming();
             st = fresh;
             state.ResumeTiming();
             const auto t0 = std::chrono::steady_clock::now();
-            finite = stream([&](const Matrixf& x) { return block.forward(st, x); }, pool, tokens,
-                            piece, y) &&
-                     finite;
+            finite = stream(step, pool, tokens, piece, y) && finite;
             benchmark::DoNotOptimize(y.data());
             benchmark::ClobberMemory();
             seconds += seconds_since(t0);
         }
     } catch (const titans::Error& e) {  // a layer met a NaN from a diverged state
         state.SkipWithError(e.what());
-        return;
+        return false;
     }
     if (!finite) {
-        state.SkipWithError("non-finite block output (state diverged)");
-        return;
+        state.SkipWithError(what);
+        return false;
     }
     set_rate_counters(state, tokens, seconds);
     state.counters["mean_abs_output"] = benchmark::Counter(y.array().abs().mean());
+    return true;
+}
+
+void BM_Block(benchmark::State& state, BlockKind kind) {
+    const titans::BlockConfig cfg = block_config(kind);
+    const titans::Block<float> block(cfg, block_params(cfg));
+    const auto fresh = block.make_state(1);
+    auto st = fresh;
+    if (!time_stream(state, st, fresh, [&](const Matrixf& x) { return block.forward(st, x); },
+                     "non-finite block output (state diverged)")) {
+        return;
+    }
     double sq = 0.0, count = 0.0;
     for (int h = 0; h < kHeads; ++h) {
         for (const Matrixf& w : block.memory().current_weights(st.memory(), 0, h)) {
@@ -192,101 +205,30 @@ titans::AttentionConfig full_attention_config(long tokens) {
 }
 
 void BM_FullAttention(benchmark::State& state) {
-    const Eigen::Index piece = state.range(0);
-    const long tokens = static_cast<long>(state.range(1));
-    const titans::AttentionConfig cfg = full_attention_config(tokens);
+    const titans::AttentionConfig cfg = full_attention_config(static_cast<long>(state.range(1)));
     const titans::Attention<float> attn(cfg, titans::AttentionParams<float>::random(cfg, 2));
     const auto fresh = attn.make_state(1);
     auto st = fresh;
-    const std::vector<Matrixf> pool = input_pool(piece);
-    Matrixf y;
-    bool finite = true;
-    double seconds = 0.0;
-
-    try {
-        for (auto _ : state) {
-            state.PauseTiming();
-            st = fresh;
-            state.ResumeTiming();
-            const auto t0 = std::chrono::steady_clock::now();
-            finite = stream([&](const Matrixf& x) { return attn.forward(st, x); }, pool, tokens,
-                            piece, y) &&
-                     finite;
-            benchmark::DoNotOptimize(y.data());
-            benchmark::ClobberMemory();
-            seconds += seconds_since(t0);
-        }
-    } catch (const titans::Error& e) {  // a layer met a NaN from a diverged state
-        state.SkipWithError(e.what());
-        return;
-    }
-    if (!finite) {
-        state.SkipWithError("non-finite attention output");
-        return;
-    }
-    set_rate_counters(state, tokens, seconds);
-    state.counters["mean_abs_output"] = benchmark::Counter(y.array().abs().mean());
+    time_stream(state, st, fresh, [&](const Matrixf& x) { return attn.forward(st, x); },
+                "non-finite attention output");
 }
 
 void BM_FullAttentionBlock(benchmark::State& state) {
-    const Eigen::Index piece = state.range(0);
-    const long tokens = static_cast<long>(state.range(1));
-    const titans::AttentionConfig cfg = full_attention_config(tokens);
+    const titans::AttentionConfig cfg = full_attention_config(static_cast<long>(state.range(1)));
     const titans::Attention<float> attn(cfg, titans::AttentionParams<float>::random(cfg, 2));
     const titans::FeedForwardConfig fcfg = block_config(BlockKind::MAG).ffn;
     const titans::FeedForward<float> ffn(fcfg, titans::FeedForwardParams<float>::random(fcfg, 3));
     const titans::RMSNorm<float> norm_mix(kD), norm_ffn(kD);
     const auto fresh = attn.make_state(1);
     auto st = fresh;
-    const std::vector<Matrixf> pool = input_pool(piece);
-    Matrixf y;
-    bool finite = true;
-    double seconds = 0.0;
-
     auto step = [&](const Matrixf& x) {
         Matrixf h = x + attn.forward(st, norm_mix.forward(x));
         h += ffn.forward(norm_ffn.forward(h));
         return h;
     };
-    try {
-        for (auto _ : state) {
-            state.PauseTiming();
-            st = fresh;
-            state.ResumeTiming();
-            const auto t0 = std::chrono::steady_clock::now();
-            finite = stream(step, pool, tokens, piece, y) && finite;
-            benchmark::DoNotOptimize(y.data());
-            benchmark::ClobberMemory();
-            seconds += seconds_since(t0);
-        }
-    } catch (const titans::Error& e) {  // a layer met a NaN from a diverged state
-        state.SkipWithError(e.what());
-        return;
-    }
-    if (!finite) {
-        state.SkipWithError("non-finite attention block output");
-        return;
-    }
-    set_rate_counters(state, tokens, seconds);
-    state.counters["mean_abs_output"] = benchmark::Counter(y.array().abs().mean());
+    time_stream(state, st, fresh, step, "non-finite attention block output");
 }
 
-void BM_Gemm(benchmark::State& state) {
-    const Eigen::Index n = state.range(0);
-    const Matrixf A = Matrixf::Random(n, n);
-    const Matrixf B = Matrixf::Random(n, n);
-    Matrixf C(n, n);
-    for (auto _ : state) {
-        C.noalias() = A * B;
-        benchmark::DoNotOptimize(C.data());
-        benchmark::ClobberMemory();
-    }
-    const double nd = static_cast<double>(n);
-    const double flops = 2.0 * nd * nd * nd;
-    state.counters["GFLOPS"] = benchmark::Counter(
-        static_cast<double>(state.iterations()) * flops / 1e9, benchmark::Counter::kIsRate);
-    state.counters["eigen_threads"] = benchmark::Counter(Eigen::nbThreads());
-}
 
 // Streams of N >= kLongStream tokens run one iteration: at ~10^4 tokens/s that is already
 // seconds to minutes.
@@ -361,7 +303,7 @@ int main(int argc, char** argv) {
     const long max_attention = take_flag(argc, argv, "max_attention_tokens",
                                          kDefaultMaxAttentionTokens);
 
-    benchmark::RegisterBenchmark("BM_Gemm", BM_Gemm)
+    benchmark::RegisterBenchmark("BM_Gemm", titans_bench::BM_Gemm)
         ->Arg(512)
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime();
@@ -378,13 +320,7 @@ int main(int argc, char** argv) {
     if (benchmark::ReportUnrecognizedArguments(argc, argv)) {
         return 1;
     }
-    benchmark::AddCustomContext("eigen_threads", std::to_string(Eigen::nbThreads()));
-    benchmark::AddCustomContext("eigen_simd", Eigen::SimdInstructionSetsInUse());
-#if defined(_OPENMP)
-    benchmark::AddCustomContext("openmp", std::to_string(_OPENMP));
-#else
-    benchmark::AddCustomContext("openmp", "off");
-#endif
+    titans_bench::add_machine_context();
     benchmark::RunSpecifiedBenchmarks();
     benchmark::Shutdown();
     return 0;

@@ -41,6 +41,8 @@
 
 #include <titans/titans.hpp>
 
+#include "bench_common.hpp"
+
 #include <Eigen/Core>
 
 #include <limits>
@@ -179,21 +181,6 @@ void run_memory(benchmark::State& state, titans::UpdateMode update) {
 void BM_MemoryChunked(benchmark::State& state) { run_memory(state, titans::UpdateMode::Chunked); }
 void BM_MemoryPerToken(benchmark::State& state) { run_memory(state, titans::UpdateMode::PerToken); }
 
-void BM_Gemm(benchmark::State& state) {
-    const Eigen::Index n = state.range(0);
-    const Matrixf A = Matrixf::Random(n, n);
-    const Matrixf B = Matrixf::Random(n, n);
-    Matrixf C(n, n);
-    for (auto _ : state) {
-        C.noalias() = A * B;
-        benchmark::DoNotOptimize(C.data());
-        benchmark::ClobberMemory();
-    }
-    const double flops = 2.0 * static_cast<double>(n) * static_cast<double>(n) * static_cast<double>(n);
-    state.counters["GFLOPS"] = benchmark::Counter(static_cast<double>(state.iterations()) * flops / 1e9,
-                                                  benchmark::Counter::kIsRate);
-    state.counters["eigen_threads"] = benchmark::Counter(Eigen::nbThreads());
-}
 
 // Arguments: b, L, d_h, B, retrieval (0 lagged, 1 in-chunk), N.
 const std::vector<std::string> kArgNames{"b", "L", "dh", "B", "inchunk", "N"};
@@ -235,7 +222,7 @@ void per_token_args(benchmark::internal::Benchmark* bm) {
 
 }  // namespace
 
-BENCHMARK(BM_Gemm)->Arg(512)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(titans_bench::BM_Gemm)->Arg(512)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_MemoryChunked)->Apply(chunked_args)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_MemoryPerToken)->Apply(per_token_args)->Unit(benchmark::kMillisecond)->UseRealTime();
 
@@ -244,13 +231,7 @@ int main(int argc, char** argv) {
     if (benchmark::ReportUnrecognizedArguments(argc, argv)) {
         return 1;
     }
-    benchmark::AddCustomContext("eigen_threads", std::to_string(Eigen::nbThreads()));
-    benchmark::AddCustomContext("eigen_simd", Eigen::SimdInstructionSetsInUse());
-#if defined(_OPENMP)
-    benchmark::AddCustomContext("openmp", std::to_string(_OPENMP));
-#else
-    benchmark::AddCustomContext("openmp", "off");
-#endif
+    titans_bench::add_machine_context();
     benchmark::RunSpecifiedBenchmarks();
     benchmark::Shutdown();
     return 0;
