@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "../detail/random.hpp"
+#include "../detail/visit.hpp"
 #include "../error.hpp"
 #include "../fwd.hpp"
 #include "../types.hpp"
@@ -54,6 +55,20 @@ struct AttentionConfig {
     [[nodiscard]] int head_dim() const { return d_head > 0 ? d_head : d_model / n_heads; }
     /// D = H * d_h, the width of the concatenated heads.
     [[nodiscard]] int inner_dim() const { return n_heads * head_dim(); }
+
+    /// Serialization hook: calls v(name, field) for every setting, in declaration order, with
+    /// name a std::string and field an int, double or bool reference (const if Self is).
+    template <class Self, class V>
+    static void fields(Self& self, V&& v) {
+        static_assert(std::is_same_v<std::remove_const_t<Self>, AttentionConfig>);
+        using S = std::string;
+        v(S("d_model"), self.d_model);
+        v(S("n_heads"), self.n_heads);
+        v(S("d_head"), self.d_head);
+        v(S("window"), self.window);
+        v(S("rope"), self.rope);
+        v(S("rope_base"), self.rope_base);
+    }
 
     /// Throws ConfigError naming the first invalid field and what it must be.
     void validate() const {
@@ -107,6 +122,18 @@ struct AttentionParams {
         p.w_v = gauss(d, D, sd);
         p.w_o = gauss(D, d, 1.0 / std::sqrt(static_cast<double>(D)));
         return p;
+    }
+
+    /// Serialization hook: calls v(name, tensor) for w_q, w_k, w_v, w_o, tensor the member
+    /// itself (Matrix<T>&, const if Self is). `cfg` is unused (every tensor is always used).
+    template <class Self, class V>
+    static void tensors(Self& self, [[maybe_unused]] const AttentionConfig& cfg, V&& v) {
+        static_assert(std::is_same_v<std::remove_const_t<Self>, AttentionParams>);
+        using S = std::string;
+        v(S("w_q"), self.w_q);
+        v(S("w_k"), self.w_k);
+        v(S("w_v"), self.w_v);
+        v(S("w_o"), self.w_o);
     }
 
     /// Throws ShapeError if a matrix's shape disagrees with `cfg`, NonFiniteError if a value is
@@ -357,6 +384,25 @@ public:
     [[nodiscard]] const Matrix<T>& values(int b) const { return v_hist_[static_cast<std::size_t>(b)]; }
     /// The configuration the state was made for.
     [[nodiscard]] const AttentionConfig& config() const { return cfg_; }
+
+    /// Serialization hook (checkpoints): calls v(name, x) for everything a resumed stream needs
+    /// to continue bit-identically, x a Matrix<T>& or std::int64_t& (const if Self is):
+    ///     position   std::int64_t
+    ///     k.{b}      keys (rotated if rope) of sequence b: min(w - 1, position) x D
+    ///     v.{b}      values of sequence b:                 min(w - 1, position) x D
+    /// The ROW COUNT of k.{b} and v.{b} varies with position (0 rows at position 0): a loader
+    /// must accept any h x D with h = min(w - 1, position) and assign (resize) the member.
+    template <class Self, class V>
+    static void tensors(Self& self, V&& v) {
+        static_assert(std::is_same_v<std::remove_const_t<Self>, AttentionState>);
+        v(std::string("position"), self.position_);
+        for (std::size_t b = 0; b < self.k_hist_.size(); ++b) {
+            v(detail::visit_name("k", b), self.k_hist_[b]);
+        }
+        for (std::size_t b = 0; b < self.v_hist_.size(); ++b) {
+            v(detail::visit_name("v", b), self.v_hist_[b]);
+        }
+    }
 
 private:
     friend class Attention<T>;

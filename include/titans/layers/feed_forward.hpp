@@ -4,11 +4,14 @@
 
 #include <cmath>
 #include <cstdint>
+#include <string>
+#include <string_view>
 #include <type_traits>
 #include <utility>
 
 #include "../detail/activation.hpp"
 #include "../detail/random.hpp"
+#include "../detail/visit.hpp"
 #include "../error.hpp"
 #include "../fwd.hpp"
 #include "../types.hpp"
@@ -23,6 +26,17 @@ enum class FeedForwardKind {
 
 [[nodiscard]] inline const char* to_string(FeedForwardKind k) {
     return k == FeedForwardKind::SwiGLU ? "SwiGLU" : "GELU";
+}
+
+/// Inverse of to_string: sets `out` and returns true if `s` names an enumerator, else false.
+[[nodiscard]] inline bool from_string(std::string_view s, FeedForwardKind& out) {
+    for (FeedForwardKind k : {FeedForwardKind::SwiGLU, FeedForwardKind::GELU}) {
+        if (s == to_string(k)) {
+            out = k;
+            return true;
+        }
+    }
+    return false;
 }
 
 /// Settings of a FeedForward. Aggregate:
@@ -43,6 +57,16 @@ struct FeedForwardConfig {
         if (kind == FeedForwardKind::GELU) return 4 * d_model;
         const int h = (8 * d_model + 2) / 3;  // ceil(8d / 3)
         return (h + 7) / 8 * 8;
+    }
+
+    /// Serialization hook: calls v(name, field) for d_model, kind, hidden (name a std::string,
+    /// field a reference, const if Self is).
+    template <class Self, class V>
+    static void fields(Self& self, V&& v) {
+        static_assert(std::is_same_v<std::remove_const_t<Self>, FeedForwardConfig>);
+        v(std::string("d_model"), self.d_model);
+        v(std::string("kind"), self.kind);
+        v(std::string("hidden"), self.hidden);
     }
 
     /// Throws ConfigError naming the first invalid field.
@@ -88,6 +112,18 @@ struct FeedForwardParams {
         }
         p.w2 = gauss(h, d, 1.0 / std::sqrt(static_cast<double>(h)));
         return p;
+    }
+
+    /// Serialization hook: calls v(name, tensor) for w1, w3 (SwiGLU only), w2, tensor the
+    /// member itself (Matrix<T>&, const if Self is).
+    template <class Self, class V>
+    static void tensors(Self& self, const FeedForwardConfig& cfg, V&& v) {
+        static_assert(std::is_same_v<std::remove_const_t<Self>, FeedForwardParams>);
+        v(std::string("w1"), self.w1);
+        if (cfg.kind == FeedForwardKind::SwiGLU) {
+            v(std::string("w3"), self.w3);
+        }
+        v(std::string("w2"), self.w2);
     }
 
     /// Throws ShapeError if a matrix's shape disagrees with `cfg`, NonFiniteError if a value is

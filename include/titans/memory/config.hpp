@@ -3,6 +3,8 @@
 
 #include <cmath>
 #include <string>
+#include <string_view>
+#include <type_traits>
 
 #include "../error.hpp"
 
@@ -53,6 +55,45 @@ enum class Retrieval {
 }
 [[nodiscard]] inline const char* to_string(Retrieval r) {
     return r == Retrieval::Lagged ? "Lagged" : "InChunk";
+}
+
+/// Inverses of to_string: set `out` and return true if `s` is an enumerator's name (exact,
+/// case-sensitive); leave `out` unchanged and return false otherwise.
+[[nodiscard]] inline bool from_string(std::string_view s, Activation& out) {
+    for (Activation a : {Activation::SiLU, Activation::GELU, Activation::Identity}) {
+        if (s == to_string(a)) {
+            out = a;
+            return true;
+        }
+    }
+    return false;
+}
+[[nodiscard]] inline bool from_string(std::string_view s, GateMode& out) {
+    for (GateMode g : {GateMode::DataDependent, GateMode::Constant, GateMode::PerChunk}) {
+        if (s == to_string(g)) {
+            out = g;
+            return true;
+        }
+    }
+    return false;
+}
+[[nodiscard]] inline bool from_string(std::string_view s, UpdateMode& out) {
+    for (UpdateMode u : {UpdateMode::Chunked, UpdateMode::PerToken}) {
+        if (s == to_string(u)) {
+            out = u;
+            return true;
+        }
+    }
+    return false;
+}
+[[nodiscard]] inline bool from_string(std::string_view s, Retrieval& out) {
+    for (Retrieval r : {Retrieval::Lagged, Retrieval::InChunk}) {
+        if (s == to_string(r)) {
+            out = r;
+            return true;
+        }
+    }
+    return false;
 }
 
 /// Every setting of a NeuralMemory (SPEC §1-5). Aggregate: use designated initialisers,
@@ -114,6 +155,34 @@ struct MemoryConfig {
         MemoryConfig a = *this;
         a.flush_denormals = other.flush_denormals;
         return a == other;
+    }
+
+    /// Serialization hook: calls v(name, field) for every setting, in declaration order, with
+    /// name a std::string and field an int, double, bool or enum reference (const if Self is).
+    /// flush_denormals is not visited: it is not part of a stream's identity (same_stream).
+    template <class Self, class V>
+    static void fields(Self& self, V&& v) {
+        static_assert(std::is_same_v<std::remove_const_t<Self>, MemoryConfig>);
+        using S = std::string;
+        v(S("d_model"), self.d_model);
+        v(S("n_heads"), self.n_heads);
+        v(S("d_head"), self.d_head);
+        v(S("depth"), self.depth);
+        v(S("expansion"), self.expansion);
+        v(S("activation"), self.activation);
+        v(S("residual"), self.residual);
+        v(S("use_conv"), self.use_conv);
+        v(S("conv_kernel"), self.conv_kernel);
+        v(S("qkv_activation"), self.qkv_activation);
+        v(S("normalize_qk"), self.normalize_qk);
+        v(S("gates"), self.gates);
+        v(S("theta_max"), self.theta_max);
+        v(S("constant_theta"), self.constant_theta);
+        v(S("constant_eta"), self.constant_eta);
+        v(S("constant_alpha"), self.constant_alpha);
+        v(S("update"), self.update);
+        v(S("retrieval"), self.retrieval);
+        v(S("chunk"), self.chunk);
     }
 
     /// Throws ConfigError naming the first invalid field and what it must be.

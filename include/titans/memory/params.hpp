@@ -15,9 +15,12 @@
 
 #include <cmath>
 #include <cstdint>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 #include "../detail/random.hpp"
+#include "../detail/visit.hpp"
 #include "../error.hpp"
 #include "../types.hpp"
 #include "config.hpp"
@@ -71,6 +74,57 @@ struct MemoryParams {
         }
         p.w_o = gauss(D, d, 1.0 / std::sqrt(static_cast<double>(D)));
         return p;
+    }
+
+    /// Serialization hook: calls v(name, tensor) for every tensor `cfg` uses, in this order:
+    /// w_q, w_k, w_v, conv_q, conv_k, conv_v (if use_conv), w_theta, w_eta, w_alpha, b_theta,
+    /// b_eta, b_alpha (unless GateMode::Constant), memory_init.{h}.{l} (head h, layer index
+    /// l = 0..L-1), w_o. tensor is the member itself (Matrix<T>& or RowVector<T>&, const if
+    /// Self is). Non-const: memory_init is first resized to n_heads x depth, so a
+    /// default-constructed MemoryParams can be filled; const: its counts must match (ShapeError).
+    template <class Self, class V>
+    static void tensors(Self& self, const MemoryConfig& cfg, V&& v) {
+        static_assert(std::is_same_v<std::remove_const_t<Self>, MemoryParams>);
+        using S = std::string;
+        const auto H = static_cast<std::size_t>(cfg.n_heads);
+        const auto L = static_cast<std::size_t>(cfg.depth);
+        if constexpr (std::is_const_v<Self>) {
+            bool ok = self.memory_init.size() == H;
+            for (std::size_t h = 0; ok && h < H; ++h) {
+                ok = self.memory_init[h].size() == L;
+            }
+            if (!ok) {
+                throw ShapeError(detail::concat("MemoryParams::tensors: memory_init is not ",
+                                                "n_heads x depth = ", H, " x ", L));
+            }
+        } else {
+            self.memory_init.resize(H);
+            for (auto& head : self.memory_init) {
+                head.resize(L);
+            }
+        }
+        v(S("w_q"), self.w_q);
+        v(S("w_k"), self.w_k);
+        v(S("w_v"), self.w_v);
+        if (cfg.use_conv) {
+            v(S("conv_q"), self.conv_q);
+            v(S("conv_k"), self.conv_k);
+            v(S("conv_v"), self.conv_v);
+        }
+        if (cfg.gates != GateMode::Constant) {
+            v(S("w_theta"), self.w_theta);
+            v(S("w_eta"), self.w_eta);
+            v(S("w_alpha"), self.w_alpha);
+            v(S("b_theta"), self.b_theta);
+            v(S("b_eta"), self.b_eta);
+            v(S("b_alpha"), self.b_alpha);
+        }
+        for (std::size_t h = 0; h < H; ++h) {
+            for (std::size_t l = 0; l < L; ++l) {
+                v(detail::visit_name("memory_init", h, l), self.memory_init[h][l]);
+            }
+        }
+        v(S("w_o"), self.w_o);
     }
 
     /// Throws ShapeError if a tensor's shape disagrees with `cfg`, NonFiniteError if a value

@@ -5,6 +5,9 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
+#include <string_view>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -13,6 +16,7 @@
 #include "../detail/activation.hpp"
 #include "../detail/eigen_math.hpp"
 #include "../detail/float_env.hpp"
+#include "../detail/visit.hpp"
 #include "../error.hpp"
 #include "../layers/feed_forward.hpp"
 #include "../layers/rms_norm.hpp"
@@ -38,6 +42,17 @@ enum class BlockKind {
         case BlockKind::MAL: return "MAL";
     }
     return "?";
+}
+
+/// Inverse of to_string: sets `out` and returns true if `s` names an enumerator, else false.
+[[nodiscard]] inline bool from_string(std::string_view s, BlockKind& out) {
+    for (BlockKind k : {BlockKind::LMM, BlockKind::MAC, BlockKind::MAG, BlockKind::MAL}) {
+        if (s == to_string(k)) {
+            out = k;
+            return true;
+        }
+    }
+    return false;
 }
 
 /// Settings of one block. `memory.d_model`, `attention.d_model` and `ffn.d_model` must all
@@ -73,6 +88,24 @@ struct BlockConfig {
         c.segment = span;
         c.ffn.d_model = d;
         return c;
+    }
+
+    /// Serialization hook: calls v(name, field) for every setting, in declaration order: kind,
+    /// d_model, memory.* (MemoryConfig::fields), attention.*, n_persistent, segment, use_ffn,
+    /// ffn.*, norm_eps. Every field is visited whatever the kind (attention.* for LMM too).
+    template <class Self, class V>
+    static void fields(Self& self, V&& v) {
+        static_assert(std::is_same_v<std::remove_const_t<Self>, BlockConfig>);
+        using S = std::string;
+        v(S("kind"), self.kind);
+        v(S("d_model"), self.d_model);
+        MemoryConfig::fields(self.memory, detail::prefixed("memory", v));
+        AttentionConfig::fields(self.attention, detail::prefixed("attention", v));
+        v(S("n_persistent"), self.n_persistent);
+        v(S("segment"), self.segment);
+        v(S("use_ffn"), self.use_ffn);
+        FeedForwardConfig::fields(self.ffn, detail::prefixed("ffn", v));
+        v(S("norm_eps"), self.norm_eps);
     }
 
     void validate() const {
@@ -142,6 +175,30 @@ struct BlockParams {
         return p;
     }
 
+    /// Serialization hook: calls v(name, tensor) for every tensor `cfg` uses, in this order:
+    /// norm_mix, norm_ffn, memory.*, attention.* and persistent (not LMM), norm_y and norm_m
+    /// (MAG), ffn.* (use_ffn); tensor is the member itself (const if Self is).
+    template <class Self, class V>
+    static void tensors(Self& self, const BlockConfig& cfg, V&& v) {
+        static_assert(std::is_same_v<std::remove_const_t<Self>, BlockParams>);
+        using S = std::string;
+        v(S("norm_mix"), self.norm_mix);
+        v(S("norm_ffn"), self.norm_ffn);
+        MemoryParams<T>::tensors(self.memory, cfg.memory, detail::prefixed("memory", v));
+        if (cfg.kind != BlockKind::LMM) {
+            AttentionParams<T>::tensors(self.attention, cfg.attention,
+                                        detail::prefixed("attention", v));
+            v(S("persistent"), self.persistent);
+        }
+        if (cfg.kind == BlockKind::MAG) {
+            v(S("norm_y"), self.norm_y);
+            v(S("norm_m"), self.norm_m);
+        }
+        if (cfg.use_ffn) {
+            FeedForwardParams<T>::tensors(self.ffn, cfg.ffn, detail::prefixed("ffn", v));
+        }
+    }
+
     /// Throws ShapeError / NonFiniteError naming the first bad tensor.
     void validate(const BlockConfig& cfg) const {
         const Eigen::Index d = cfg.d_model;
@@ -187,6 +244,40 @@ public:
     [[nodiscard]] std::int64_t position() const { return position_; }
     [[nodiscard]] const MemoryState<T>& memory() const { return memory_; }
     [[nodiscard]] const AttentionState<T>& attention() const { return attention_; }
+
+    /// Serialization hook (checkpoints): calls v(name, x) for everything a resumed stream needs
+    /// to continue bit-identically, x a Matrix<T>& or std::int64_t& (const if Self is):
+    ///     position               std::int64_t (block tokens; the memory's own position
+    ///                            also counts the persistent tokens for MAG and MAL)
+    ///     memory.*               MemoryState::tensors
+    ///     attention.*            AttentionState::tensors (MAG, MAL; its k/v rows vary)
+    ///     seg_k.{b}, seg_v.{b}   MAC: keys/values of the segment in progress, 2C x D_att
+    ///     snapshot.{b}.{h}.{l}   MAC: memory weights at the segment start, layer_in x layer_out
+    /// Load into a state from make_state() of the same block. P W_K and P W_V (MAC) are not
+    /// visited: make_state derives them from the parameters.
+    template <class Self, class V>
+    static void tensors(Self& self, V&& v) {
+        static_assert(std::is_same_v<std::remove_const_t<Self>, BlockState>);
+        v(std::string("position"), self.position_);
+        MemoryState<T>::tensors(self.memory_, detail::prefixed("memory", v));
+        if (self.kind_ == BlockKind::MAG || self.kind_ == BlockKind::MAL) {
+            AttentionState<T>::tensors(self.attention_, detail::prefixed("attention", v));
+        }
+        if (self.kind_ == BlockKind::MAC) {
+            for (std::size_t b = 0; b < self.seg_k_.size(); ++b) {
+                v(detail::visit_name("seg_k", b), self.seg_k_[b]);
+            }
+            for (std::size_t b = 0; b < self.seg_v_.size(); ++b) {
+                v(detail::visit_name("seg_v", b), self.seg_v_[b]);
+            }
+            const auto H = static_cast<std::size_t>(self.memory_.config().n_heads);
+            for (std::size_t i = 0; i < self.snapshot_.size(); ++i) {
+                for (std::size_t l = 0; l < self.snapshot_[i].size(); ++l) {
+                    v(detail::visit_name("snapshot", i / H, i % H, l), self.snapshot_[i][l]);
+                }
+            }
+        }
+    }
 
 private:
     friend class Block<T>;
@@ -278,8 +369,15 @@ public:
             const int D = cfg_.attention.inner_dim();
             st.seg_k_.assign(static_cast<std::size_t>(batch), Matrix<T>::Zero(2 * cfg_.segment, D));
             st.seg_v_ = st.seg_k_;
-            st.snapshot_.resize(static_cast<std::size_t>(batch) *
-                                static_cast<std::size_t>(cfg_.memory.n_heads));
+            // Filled now (refreshed at every segment start) so every entry has a fixed shape.
+            const int Hm = cfg_.memory.n_heads;
+            st.snapshot_.resize(static_cast<std::size_t>(batch) * static_cast<std::size_t>(Hm));
+            for (int b = 0; b < batch; ++b) {
+                for (int h = 0; h < Hm; ++h) {
+                    st.snapshot_[static_cast<std::size_t>(b * Hm + h)] =
+                        memory_.current_weights(st.memory_, b, h);
+                }
+            }
             st.k_prefix_ = params_.persistent * params_.attention.w_k;
             st.v_prefix_ = params_.persistent * params_.attention.w_v;
         }

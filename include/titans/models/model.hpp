@@ -3,9 +3,12 @@
 // a final RMSNorm and an output head.
 
 #include <cstdint>
+#include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "../detail/visit.hpp"
 #include "../error.hpp"
 #include "../layers/rms_norm.hpp"
 #include "../types.hpp"
@@ -36,6 +39,23 @@ struct ModelConfig {
 
     [[nodiscard]] int output_dim() const {
         return vocab_size > 0 ? vocab_size : (d_out > 0 ? d_out : d_model);
+    }
+
+    /// Serialization hook: calls v(name, field) for every setting, in declaration order:
+    /// vocab_size, d_model, d_out, blocks.{i}.* (BlockConfig::fields) for every block,
+    /// norm_eps. The number of blocks is not a field: a reader sizes `blocks` before visiting.
+    template <class Self, class V>
+    static void fields(Self& self, V&& v) {
+        static_assert(std::is_same_v<std::remove_const_t<Self>, ModelConfig>);
+        using S = std::string;
+        v(S("vocab_size"), self.vocab_size);
+        v(S("d_model"), self.d_model);
+        v(S("d_out"), self.d_out);
+        for (std::size_t i = 0; i < self.blocks.size(); ++i) {
+            BlockConfig::fields(self.blocks[i],
+                                detail::prefixed(detail::visit_name("blocks", i), v));
+        }
+        v(S("norm_eps"), self.norm_eps);
     }
 
     void validate() const {
@@ -85,6 +105,35 @@ struct ModelParams {
         p.head = gauss(cfg.d_model, cfg.output_dim(), 1.0 / std::sqrt(double(cfg.d_model)));
         return p;
     }
+
+    /// Serialization hook: calls v(name, tensor) for every tensor `cfg` uses, in this order:
+    /// embedding (vocab_size > 0), blocks.{i}.* (BlockParams::tensors), norm_final, head;
+    /// tensor is the member itself (const if Self is). Non-const: `blocks` is first resized to
+    /// cfg.blocks.size(), so a default-constructed ModelParams can be filled; const: the counts
+    /// must match (ShapeError).
+    template <class Self, class V>
+    static void tensors(Self& self, const ModelConfig& cfg, V&& v) {
+        static_assert(std::is_same_v<std::remove_const_t<Self>, ModelParams>);
+        using S = std::string;
+        if constexpr (std::is_const_v<Self>) {
+            if (self.blocks.size() != cfg.blocks.size()) {
+                throw ShapeError(detail::concat("ModelParams::tensors: blocks has ",
+                                                self.blocks.size(), " entries, expected ",
+                                                cfg.blocks.size()));
+            }
+        } else {
+            self.blocks.resize(cfg.blocks.size());
+        }
+        if (cfg.vocab_size > 0) {
+            v(S("embedding"), self.embedding);
+        }
+        for (std::size_t i = 0; i < cfg.blocks.size(); ++i) {
+            BlockParams<T>::tensors(self.blocks[i], cfg.blocks[i],
+                                    detail::prefixed(detail::visit_name("blocks", i), v));
+        }
+        v(S("norm_final"), self.norm_final);
+        v(S("head"), self.head);
+    }
 };
 
 /// The state of B streams through a Model: one BlockState per layer and the position.
@@ -93,6 +142,19 @@ struct ModelState {
     std::vector<BlockState<T>> blocks;
     int batch = 0;
     std::int64_t position = 0;
+
+    /// Serialization hook (checkpoints): calls v(name, x) for position (std::int64_t&) and
+    /// blocks.{i}.* (BlockState::tensors) of every block, x const if Self is. Load into a
+    /// state from make_state() of the same model.
+    template <class Self, class V>
+    static void tensors(Self& self, V&& v) {
+        static_assert(std::is_same_v<std::remove_const_t<Self>, ModelState>);
+        v(std::string("position"), self.position);
+        for (std::size_t i = 0; i < self.blocks.size(); ++i) {
+            BlockState<T>::tensors(self.blocks[i],
+                                   detail::prefixed(detail::visit_name("blocks", i), v));
+        }
+    }
 };
 
 /// A Titans model (SPEC §7): embedding -> blocks -> RMSNorm -> head, streaming.

@@ -2,8 +2,11 @@
 // titans/backend/cpu/memory_state.hpp: the state of a stream batch on the CPU backend.
 
 #include <cstdint>
+#include <string>
+#include <type_traits>
 #include <vector>
 
+#include "../../detail/visit.hpp"
 #include "../../memory/config.hpp"
 #include "../../types.hpp"
 
@@ -46,6 +49,53 @@ public:
     }
     /// The configuration the state was made for.
     [[nodiscard]] const MemoryConfig& config() const { return cfg_; }
+
+    /// Serialization hook (checkpoints): calls v(name, x) for everything a resumed stream needs
+    /// to continue bit-identically, x a Matrix<T>& or std::int64_t& (const if Self is):
+    ///     position                          std::int64_t
+    ///     heads.{b}.{h}.w.{l}, .s.{l}       W^s_l, S^s_l: layer_in x layer_out (l = 0..L-1)
+    ///     heads.{b}.{h}.a.{l}, .delta.{l}   pending chunk rows: b x layer_in, b x layer_out
+    ///     heads.{b}.{h}.gates               pending gate logits: b x 3 (unless Constant)
+    ///     conv_tail.{b}                     (K-1) x 3D (if use_conv and K > 1)
+    /// with b the chunk size; a, delta and gates only for UpdateMode::Chunked (per token they
+    /// are one-row workspaces). Every shape is fixed by the configuration and batch: load into
+    /// a state from make_state(). Workspaces (z, hid, t1, t2, scores, G, coef) are not
+    /// visited: each call writes them before reading them.
+    template <class Self, class V>
+    static void tensors(Self& self, V&& v) {
+        static_assert(std::is_same_v<std::remove_const_t<Self>, MemoryState>);
+        const MemoryConfig& cfg = self.cfg_;
+        const bool pending_rows = cfg.update == UpdateMode::Chunked;
+        v(std::string("position"), self.position_);
+        for (int b = 0; b < self.batch_; ++b) {
+            for (int h = 0; h < cfg.n_heads; ++h) {
+                auto& hd = self.heads_[self.index(b, h)];
+                for (std::size_t l = 0; l < hd.w.size(); ++l) {
+                    v(detail::visit_name("heads", b, h, "w", l), hd.w[l]);
+                }
+                for (std::size_t l = 0; l < hd.s.size(); ++l) {
+                    v(detail::visit_name("heads", b, h, "s", l), hd.s[l]);
+                }
+                if (!pending_rows) {
+                    continue;
+                }
+                for (std::size_t l = 0; l < hd.a.size(); ++l) {
+                    v(detail::visit_name("heads", b, h, "a", l), hd.a[l]);
+                }
+                for (std::size_t l = 0; l < hd.delta.size(); ++l) {
+                    v(detail::visit_name("heads", b, h, "delta", l), hd.delta[l]);
+                }
+                if (cfg.gates != GateMode::Constant) {
+                    v(detail::visit_name("heads", b, h, "gates"), hd.gates);
+                }
+            }
+        }
+        if (cfg.use_conv && cfg.conv_kernel > 1) {
+            for (int b = 0; b < self.batch_; ++b) {
+                v(detail::visit_name("conv_tail", b), self.conv_tail_[static_cast<std::size_t>(b)]);
+            }
+        }
+    }
 
 private:
     template <class, class>
