@@ -34,6 +34,20 @@ public:
     using Error::Error;
 };
 
+/// A file whose content is malformed, truncated or unsupported (safetensors header, offsets,
+/// dtype, a checkpoint's version or missing tensors). The message names the file, the tensor
+/// or field, and what was expected.
+class FormatError : public Error {
+public:
+    using Error::Error;
+};
+
+/// A file that cannot be opened, read or written (the message carries the OS reason).
+class FileError : public Error {
+public:
+    using Error::Error;
+};
+
 namespace detail {
 
 template <class... Parts>

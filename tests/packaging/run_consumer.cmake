@@ -5,7 +5,7 @@
 #         [-DPREFIX=<install prefix>] [-DTITANS_SOURCE_DIR=<src>] [-DGENERATOR=...]
 #         [-DGENERATOR_PLATFORM=...] [-DGENERATOR_TOOLSET=...] [-DMAKE_PROGRAM=...]
 #         [-DCXX_COMPILER=...] [-DEIGEN3_DIR=...] [-DUSE_OPENMP=ON|OFF] [-DEXPECT_OPENMP=ON|OFF]
-#         [-DEXPECT_VERSION=x.y.z] -P run_consumer.cmake
+#         [-DEXPECT_VERSION=x.y.z] [-DWITH_IO=ON] -P run_consumer.cmake
 foreach(_v MODE CONSUMER_SOURCE_DIR CONSUMER_BINARY_DIR)
   if(NOT DEFINED ${_v} OR "${${_v}}" STREQUAL "")
     message(FATAL_ERROR "run_consumer.cmake: ${_v} is required")
@@ -42,6 +42,9 @@ endif()
 if(EXPECT_VERSION)
   list(APPEND _args "-DTITANS_CONSUMER_EXPECT_VERSION=${EXPECT_VERSION}")
 endif()
+if(WITH_IO)
+  list(APPEND _args "-DTITANS_CONSUMER_WITH_IO=ON")
+endif()
 
 if(MODE STREQUAL "find_package")
   if(NOT PREFIX OR NOT IS_DIRECTORY "${PREFIX}")
@@ -68,4 +71,7 @@ file(REMOVE_RECURSE "${CONSUMER_BINARY_DIR}")
 _run(configure "${CMAKE_COMMAND}" ${_args})
 _run(build "${CMAKE_COMMAND}" --build "${CONSUMER_BINARY_DIR}" --config Release)
 _run(run "${CONSUMER_BINARY_DIR}/bin/titans_consumer")
+if(WITH_IO)
+  _run(run-io "${CONSUMER_BINARY_DIR}/bin/titans_io_consumer" "${CONSUMER_BINARY_DIR}/roundtrip.safetensors")
+endif()
 message(STATUS "consumer (${MODE}) OK")
