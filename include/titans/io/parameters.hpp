@@ -23,34 +23,29 @@ namespace detail {
 
 template <class P>
 struct ParamsTraits;
-template <class T>
-struct ParamsTraits<MemoryParams<T>> {
-    using Config = MemoryConfig;
+template <class C, class T>
+struct ParamsInfo {
+    using Config = C;
     using Scalar = T;
+};
+template <class T>
+struct ParamsTraits<MemoryParams<T>> : ParamsInfo<MemoryConfig, T> {
     static constexpr const char* object = "memory";
 };
 template <class T>
-struct ParamsTraits<AttentionParams<T>> {
-    using Config = AttentionConfig;
-    using Scalar = T;
+struct ParamsTraits<AttentionParams<T>> : ParamsInfo<AttentionConfig, T> {
     static constexpr const char* object = "attention";
 };
 template <class T>
-struct ParamsTraits<FeedForwardParams<T>> {
-    using Config = FeedForwardConfig;
-    using Scalar = T;
+struct ParamsTraits<FeedForwardParams<T>> : ParamsInfo<FeedForwardConfig, T> {
     static constexpr const char* object = "feed_forward";
 };
 template <class T>
-struct ParamsTraits<BlockParams<T>> {
-    using Config = BlockConfig;
-    using Scalar = T;
+struct ParamsTraits<BlockParams<T>> : ParamsInfo<BlockConfig, T> {
     static constexpr const char* object = "block";
 };
 template <class T>
-struct ParamsTraits<ModelParams<T>> {
-    using Config = ModelConfig;
-    using Scalar = T;
+struct ParamsTraits<ModelParams<T>> : ParamsInfo<ModelConfig, T> {
     static constexpr const char* object = "model";
 };
 

@@ -13,6 +13,7 @@
 #include "../detail/random.hpp"
 #include "../detail/visit.hpp"
 #include "../error.hpp"
+#include "../detail/enum_names.hpp"
 #include "../fwd.hpp"
 #include "../types.hpp"
 
@@ -30,13 +31,7 @@ enum class FeedForwardKind {
 
 /// Inverse of to_string: sets `out` and returns true if `s` names an enumerator, else false.
 [[nodiscard]] inline bool from_string(std::string_view s, FeedForwardKind& out) {
-    for (FeedForwardKind k : {FeedForwardKind::SwiGLU, FeedForwardKind::GELU}) {
-        if (s == to_string(k)) {
-            out = k;
-            return true;
-        }
-    }
-    return false;
+    return detail::enum_from_string(s, out, {FeedForwardKind::SwiGLU, FeedForwardKind::GELU});
 }
 
 /// Settings of a FeedForward. Aggregate:

@@ -7,6 +7,7 @@
 #include <type_traits>
 
 #include "../error.hpp"
+#include "../detail/enum_names.hpp"
 
 namespace titans {
 
@@ -60,40 +61,18 @@ enum class Retrieval {
 /// Inverses of to_string: set `out` and return true if `s` is an enumerator's name (exact,
 /// case-sensitive); leave `out` unchanged and return false otherwise.
 [[nodiscard]] inline bool from_string(std::string_view s, Activation& out) {
-    for (Activation a : {Activation::SiLU, Activation::GELU, Activation::Identity}) {
-        if (s == to_string(a)) {
-            out = a;
-            return true;
-        }
-    }
-    return false;
+    return detail::enum_from_string(s, out,
+                                    {Activation::SiLU, Activation::GELU, Activation::Identity});
 }
 [[nodiscard]] inline bool from_string(std::string_view s, GateMode& out) {
-    for (GateMode g : {GateMode::DataDependent, GateMode::Constant, GateMode::PerChunk}) {
-        if (s == to_string(g)) {
-            out = g;
-            return true;
-        }
-    }
-    return false;
+    return detail::enum_from_string(s, out,
+                                    {GateMode::DataDependent, GateMode::Constant, GateMode::PerChunk});
 }
 [[nodiscard]] inline bool from_string(std::string_view s, UpdateMode& out) {
-    for (UpdateMode u : {UpdateMode::Chunked, UpdateMode::PerToken}) {
-        if (s == to_string(u)) {
-            out = u;
-            return true;
-        }
-    }
-    return false;
+    return detail::enum_from_string(s, out, {UpdateMode::Chunked, UpdateMode::PerToken});
 }
 [[nodiscard]] inline bool from_string(std::string_view s, Retrieval& out) {
-    for (Retrieval r : {Retrieval::Lagged, Retrieval::InChunk}) {
-        if (s == to_string(r)) {
-            out = r;
-            return true;
-        }
-    }
-    return false;
+    return detail::enum_from_string(s, out, {Retrieval::Lagged, Retrieval::InChunk});
 }
 
 /// Every setting of a NeuralMemory (SPEC §1-5). Aggregate: use designated initialisers,

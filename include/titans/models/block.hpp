@@ -15,6 +15,7 @@
 #include "../attention/rope.hpp"
 #include "../detail/activation.hpp"
 #include "../detail/eigen_math.hpp"
+#include "../detail/enum_names.hpp"
 #include "../detail/float_env.hpp"
 #include "../detail/visit.hpp"
 #include "../error.hpp"
@@ -46,13 +47,8 @@ enum class BlockKind {
 
 /// Inverse of to_string: sets `out` and returns true if `s` names an enumerator, else false.
 [[nodiscard]] inline bool from_string(std::string_view s, BlockKind& out) {
-    for (BlockKind k : {BlockKind::LMM, BlockKind::MAC, BlockKind::MAG, BlockKind::MAL}) {
-        if (s == to_string(k)) {
-            out = k;
-            return true;
-        }
-    }
-    return false;
+    return detail::enum_from_string(s, out,
+                                    {BlockKind::LMM, BlockKind::MAC, BlockKind::MAG, BlockKind::MAL});
 }
 
 /// Settings of one block. `memory.d_model`, `attention.d_model` and `ffn.d_model` must all
