@@ -35,21 +35,22 @@ Matrix<T> to(const Matrixd& m) {
 /// Inputs of one prefix_window_attention call, already rounded through T.
 struct CoreCase {
     int H = 1, dh = 1, w = 1;
-    Eigen::Index n = 0, p = 0, f = 0;
+    Eigen::Index n = 0, p = 0, f = 0, s = 1;  // s: query stride
     Matrixd q, kp, vp, ks, vs;
 
     [[nodiscard]] std::string describe() const {
         std::ostringstream os;
         os << "H=" << H << " d_h=" << dh << " n=" << n << " p=" << p << " window=" << w
-           << " first_query=" << f << " m=" << ks.rows();
+           << " first_query=" << f << " query_stride=" << s << " m=" << ks.rows();
         return os.str();
     }
 };
 
 /// window_kind: 0 -> w = 1; 1 -> w >= f + n (full causal; sometimes INT_MAX); 2 -> in between.
 template <class T>
-CoreCase make_core_case(Rng& rng, int window_kind, double q_scale = 1.5) {
+CoreCase make_core_case(Rng& rng, int window_kind, double q_scale = 1.5, Eigen::Index stride = 1) {
     CoreCase c;
+    c.s = stride;
     c.H = uniform_int(rng, 1, 3);
     c.dh = uniform_int(rng, 1, 6);
     switch (uniform_int(rng, 0, 4)) {
@@ -59,8 +60,9 @@ CoreCase make_core_case(Rng& rng, int window_kind, double q_scale = 1.5) {
     }
     c.p = uniform_int(rng, 0, 2) == 0 ? 0 : uniform_int(rng, 1, 6);
     c.f = uniform_int(rng, 0, 1) == 0 ? 0 : uniform_int(rng, 1, 12);
-    const Eigen::Index m = c.f + c.n + uniform_int(rng, 0, 3);  // rows past f + n are never read
-    const int reach = static_cast<int>(c.f + c.n);
+    // Rows past the last query's position f + s (n - 1) are never read.
+    const Eigen::Index m = c.f + (c.n > 0 ? c.s * (c.n - 1) + 1 : 0) + uniform_int(rng, 0, 3);
+    const int reach = static_cast<int>(c.f + c.s * c.n);
     if (window_kind == 0) {
         c.w = 1;
     } else if (window_kind == 1) {
@@ -80,12 +82,18 @@ CoreCase make_core_case(Rng& rng, int window_kind, double q_scale = 1.5) {
 
 template <class T>
 Matrix<T> run_core(const CoreCase& c) {
-    return titans::prefix_window_attention(to<T>(c.q), to<T>(c.kp), to<T>(c.vp), to<T>(c.ks),
-                                           to<T>(c.vs), c.H, c.dh, c.w, c.f);
+    if (c.s == 1) {
+        return titans::prefix_window_attention(to<T>(c.q), to<T>(c.kp), to<T>(c.vp), to<T>(c.ks),
+                                               to<T>(c.vs), c.H, c.dh, c.w, c.f);
+    }
+    Matrix<T> out(c.n, static_cast<Eigen::Index>(c.H) * c.dh);
+    titans::prefix_window_attention<T>(to<T>(c.q), to<T>(c.kp), to<T>(c.vp), to<T>(c.ks),
+                                       to<T>(c.vs), c.H, c.dh, c.w, c.f, out, c.s);
+    return out;
 }
 
 Matrixd run_reference(const CoreCase& c) {
-    return titans::reference::attention(c.q, c.kp, c.vp, c.ks, c.vs, c.H, c.dh, c.w, c.f);
+    return titans::reference::attention(c.q, c.kp, c.vp, c.ks, c.vs, c.H, c.dh, c.w, c.f, c.s);
 }
 
 /// Largest |a - b| over row r.
@@ -175,6 +183,38 @@ TEMPLATE_TEST_CASE("prefix_window_attention equals the full masked reference (wi
             }
         }
     }
+}
+
+TEMPLATE_TEST_CASE("prefix_window_attention with a query stride of 2 or 3 equals the reference "
+                   "(queries at every s-th key position, as MAC's interleaved keys use)",
+                   "[attention]", float, double) {
+    using T = TestType;
+    int case_index = 0;
+    for (Eigen::Index stride : {2, 3}) {
+        for (int kind = 0; kind < 3; ++kind) {
+            for (int rep = 0; rep < 15; ++rep) {
+                Rng rng(seed_for("pwa stride", static_cast<std::uint64_t>(case_index++)));
+                const CoreCase c = make_core_case<T>(rng, kind, 1.5, stride);
+                INFO(c.describe());
+                const Matrix<T> out = run_core<T>(c);
+                REQUIRE(out.rows() == c.n);
+                if (c.n > 0) {
+                    CHECK(note_error<T>("attention: prefix_window_attention vs reference",
+                                        rel_error(out, run_reference(c))) <= tol<T>());
+                }
+            }
+        }
+    }
+    // The last query's position must be a key row; the stride must be >= 1.
+    Rng rng(seed_for("pwa stride errors"));
+    const Matrix<T> q = random_matrix(3, 4, rng).cast<T>(), k = random_matrix(5, 4, rng).cast<T>();
+    const Matrix<T> none(0, 4);
+    Matrix<T> out(3, 4);
+    REQUIRE_THROWS_NAMING(titans::prefix_window_attention<T>(q, none, none, k, k, 2, 2, 4, 0, out, 3),
+                          titans::ShapeError, "k_seq.rows() = 5");
+    REQUIRE_NOTHROW(titans::prefix_window_attention<T>(q, none, none, k, k, 2, 2, 4, 0, out, 2));
+    REQUIRE_THROWS_NAMING(titans::prefix_window_attention<T>(q, none, none, k, k, 2, 2, 4, 0, out, 0),
+                          titans::ConfigError, "query_stride = 0");
 }
 
 TEMPLATE_TEST_CASE("prefix_window_attention on a larger problem (many tiles; the OpenMP path "

@@ -24,11 +24,12 @@
 
 namespace titans::reference {
 
-/// out (n x H*dh), query i at position t = f + i sees all p prefix rows and sequence rows j with
-/// t - w < j <= t. Scores s = q.k / sqrt(dh); masked entries are -inf in the full score matrix.
+/// out (n x H*dh), query i at position t = f + stride * i sees all p prefix rows and sequence
+/// rows j with t - w < j <= t. Scores s = q.k / sqrt(dh); masked entries are -inf in the full
+/// score matrix.
 inline Matrixd attention(const Matrixd& q, const Matrixd& kp, const Matrixd& vp,
                          const Matrixd& ks, const Matrixd& vs, int H, int dh, int w,
-                         long long f) {
+                         long long f, long long stride = 1) {
     const long long n = q.rows(), p = kp.rows(), m = ks.rows();
     Matrixd out = Matrixd::Zero(n, static_cast<long long>(H) * dh);
     const double ninf = -std::numeric_limits<double>::infinity();
@@ -37,7 +38,7 @@ inline Matrixd attention(const Matrixd& q, const Matrixd& kp, const Matrixd& vp,
         // Full score matrix over [prefix ; sequence] columns.
         Matrixd S(n, p + m);
         for (long long i = 0; i < n; ++i) {
-            const long long t = f + i;
+            const long long t = f + stride * i;
             for (long long c = 0; c < p + m; ++c) {
                 bool visible = true;
                 if (c >= p) {

@@ -177,13 +177,14 @@ void prefix_window_attention_impl(const Eigen::Ref<const Matrix<T>>& q,
                                   const Eigen::Ref<const Matrix<T>>& k_seq,
                                   const Eigen::Ref<const Matrix<T>>& v_seq, int n_heads,
                                   int d_head, int window, Eigen::Index first_query,
-                                  Eigen::Ref<Matrix<T>> out) {
+                                  Eigen::Ref<Matrix<T>> out, Eigen::Index query_stride = 1) {
     using Index = Eigen::Index;
     constexpr const char* w = "prefix_window_attention";
     require<ConfigError>(n_heads >= 1, w, "n_heads", n_heads, ">= 1");
     require<ConfigError>(d_head >= 1, w, "d_head", d_head, ">= 1");
     require<ConfigError>(window >= 1, w, "window", window, ">= 1");
     require<ShapeError>(first_query >= 0, w, "first_query", first_query, ">= 0");
+    require<ConfigError>(query_stride >= 1, w, "query_stride", query_stride, ">= 1");
     const Index D = static_cast<Index>(n_heads) * d_head;
     const Index n = q.rows(), p = k_prefix.rows(), m = k_seq.rows();
     auto width = [&](const auto& x, const char* name) {
@@ -201,8 +202,10 @@ void prefix_window_attention_impl(const Eigen::Ref<const Matrix<T>>& q,
                         concat("k_prefix.rows() = ", p));
     require<ShapeError>(v_seq.rows() == m, w, "v_seq.rows()", v_seq.rows(),
                         concat("k_seq.rows() = ", m));
-    require<ShapeError>(m >= first_query + n, w, "k_seq.rows()", m,
-                        concat(">= first_query + q.rows() = ", first_query + n));
+    // The last query's position (first_query + query_stride * (n - 1)) must be a key row.
+    const Index last_pos = first_query + query_stride * (std::max<Index>(n, 1) - 1);
+    require<ShapeError>(m > last_pos || n == 0, w, "k_seq.rows()", m,
+                        concat("> first_query + query_stride * (q.rows() - 1) = ", last_pos));
     if (out.rows() != n || out.cols() != D) {
         throw ShapeError(concat(w, ": out is ", out.rows(), " x ", out.cols(), ", expected ", n,
                                 " x ", D, " (q.rows() x n_heads * d_head)"));
@@ -219,13 +222,14 @@ void prefix_window_attention_impl(const Eigen::Ref<const Matrix<T>>& q,
     }
 
     // Softmax(Q K^T / sqrt(d_h)) V, one (query tile, head) unit at a time. A tile of queries
-    // [i0, i0 + t) at positions [P0, P0 + t) reads sequence keys [js, P0 + t) with
-    // js = max(0, P0 - w + 1): O(t (p + t + w) d_h) work per unit, linear in n overall.
+    // [i0, i0 + t) at positions P0, P0 + s, ..., P0 + s (t - 1) (s = query_stride) reads
+    // sequence keys [js, P0 + s (t - 1) + 1) with js = max(0, P0 - w + 1):
+    // O(t (p + s t + w) d_h) work per unit, linear in n overall.
     const Index tile = attention_query_tile(window);
     const Index n_tiles = (n + tile - 1) / tile;
     const Index units = n_tiles * n_heads;
     const Index wl = window;
-    const Index span_cap = std::min<Index>(tile + wl - 1, m);
+    const Index span_cap = std::min<Index>(query_stride * (tile - 1) + wl, m);
     const T scale = T(1) / std::sqrt(static_cast<T>(d_head));
 
 #if defined(_OPENMP)
@@ -246,9 +250,9 @@ void prefix_window_attention_impl(const Eigen::Ref<const Matrix<T>>& q,
             const Index c0 = (u % n_heads) * d_head;
             const Index i0 = tile_idx * tile;
             const Index t = std::min(tile, n - i0);
-            const Index P0 = first_query + i0;  // position of the tile's first query
+            const Index P0 = first_query + query_stride * i0;  // the tile's first query
             const Index js = std::max<Index>(0, P0 - wl + 1);
-            const Index L = P0 + t - js;  // key span [js, P0 + t)
+            const Index L = P0 + query_stride * (t - 1) + 1 - js;  // key span [js, js + L)
             const auto qh = q.block(i0, c0, t, d_head);
             auto S = ss.topLeftCorner(t, L);
             S.noalias() = qh * k_seq.block(js, c0, L, d_head).transpose();
@@ -257,8 +261,8 @@ void prefix_window_attention_impl(const Eigen::Ref<const Matrix<T>>& q,
                 Sp.noalias() = qh * k_prefix.block(0, c0, p, d_head).transpose();
             }
             for (Index r = 0; r < t; ++r) {
-                // Visible span columns of query r (position P0 + r): [lo, hi].
-                const Index pos = P0 + r;
+                // Visible span columns of query r (position P0 + s r): [lo, hi].
+                const Index pos = P0 + query_stride * r;
                 const Index lo = std::max<Index>(pos - wl + 1, js) - js;
                 const Index hi = pos - js;
                 auto vis = S.row(r).segment(lo, hi - lo + 1);
@@ -297,18 +301,21 @@ void prefix_window_attention_impl(const Eigen::Ref<const Matrix<T>>& q,
 ///     win(i) = { j : t - window < j <= t },   t = first_query + i,
 ///
 /// per head h (columns [h*d_h, (h+1)*d_h) of every matrix). Query row i sits at position
-/// first_query + i of the k_seq / v_seq rows; it sees ALL prefix rows and the sequence keys of
-/// its window (itself and the window - 1 before it, fewer at the start).
+/// first_query + i of the k_seq / v_seq rows (first_query + query_stride * i in general: with a
+/// stride of 2, queries sit at every other key position, as MAC's interleaved keys need); it
+/// sees ALL prefix rows and the sequence keys of its window (itself and the window - 1 before
+/// it, fewer at the start).
 ///
 /// Shapes (D = n_heads * d_head): q n x D; k_prefix, v_prefix p x D (p may be 0; a 0 x 0 matrix
-/// is accepted too); k_seq, v_seq m x D with m >= first_query + n; out n x D (must not share
-/// storage with an input). Rows of k_seq beyond first_query + n - 1 are never read.
+/// is accepted too); k_seq, v_seq m x D with m > first_query + query_stride * (n - 1); out
+/// n x D (must not share storage with an input). Rows of k_seq beyond the last query's position
+/// are never read.
 ///
 /// Computed in tiles of 16-64 queries against only the key span their windows cover, with
 /// Eigen GEMMs and a softmax that subtracts the row maximum over prefix and window scores:
 /// O(n (p + window + tile) d_h) work per head and O(tile (p + window + tile)) workspace per
 /// thread, never an n x m score matrix. Parallel over (tile, head) under OpenMP. Checks shapes
-/// (ShapeError) and n_heads, d_head, window >= 1 (ConfigError), not finiteness.
+/// (ShapeError) and n_heads, d_head, window, query_stride >= 1 (ConfigError), not finiteness.
 ///
 ///     // MAC segment: prefix = P ‖ h_t projected, full causal attention inside the segment.
 ///     titans::prefix_window_attention<float>(q, kp, vp, ks, vs, H, d_h, /*window=*/C,
@@ -322,9 +329,10 @@ void prefix_window_attention(const Eigen::Ref<const Matrix<T>>& q,
                              const Eigen::Ref<const Matrix<T>>& v_prefix,
                              const Eigen::Ref<const Matrix<T>>& k_seq,
                              const Eigen::Ref<const Matrix<T>>& v_seq, int n_heads, int d_head,
-                             int window, Eigen::Index first_query, Eigen::Ref<Matrix<T>> out) {
+                             int window, Eigen::Index first_query, Eigen::Ref<Matrix<T>> out,
+                             Eigen::Index query_stride = 1) {
     detail::prefix_window_attention_impl<T>(q, k_prefix, v_prefix, k_seq, v_seq, n_heads, d_head,
-                                            window, first_query, out);
+                                            window, first_query, out, query_stride);
 }
 
 /// As above with Matrix arguments; `out` is resized to q.rows() x (n_heads * d_head).

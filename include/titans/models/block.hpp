@@ -501,26 +501,20 @@ private:
                 const Matrix<T> kh = hrows * ap.w_k, vh = hrows * ap.w_v;
                 Matrix<T>& sk = st.seg_k_[static_cast<std::size_t>(b)];
                 Matrix<T>& sv = st.seg_v_[static_cast<std::size_t>(b)];
-                Matrix<T> qi(2 * m, qs.cols());
                 for (int i = 0; i < m; ++i) {
                     sk.row(2 * (o + i)) = kh.row(i);
                     sv.row(2 * (o + i)) = vh.row(i);
                     sk.row(2 * (o + i) + 1) = ks.row(i);
                     sv.row(2 * (o + i) + 1) = vs.row(i);
-                    qi.row(2 * i) = qs.row(i);  // even rows: placeholders, discarded
-                    qi.row(2 * i + 1) = qs.row(i);
                 }
-                // Query of token o+i sits at interleaved position 2(o+i)+1 and sees P, then
-                // h_0..h_{o+i} and s_0..s_{o+i}: causal over the segment, h included.
-                Matrix<T> att(2 * m, qs.cols());
-                prefix_window_attention<T>(qi, st.k_prefix_, st.v_prefix_,
+                // Query of token o+i sits at interleaved position 2(o+i)+1 (query stride 2) and
+                // sees P, then h_0..h_{o+i} and s_0..s_{o+i}: causal over the segment, h
+                // included.
+                Matrix<T> att(m, qs.cols());
+                prefix_window_attention<T>(qs, st.k_prefix_, st.v_prefix_,
                                            sk.topRows(2 * (o + m)), sv.topRows(2 * (o + m)), Ha,
-                                           dha, 2 * C, 2 * o, att);
-                Matrix<T> odd(m, qs.cols());
-                for (int i = 0; i < m; ++i) {
-                    odd.row(i) = att.row(2 * i + 1);
-                }
-                y.middleRows(static_cast<Eigen::Index>(b) * m, m) = odd * ap.w_o;
+                                           dha, 2 * C, 2 * o + 1, att, /*query_stride=*/2);
+                y.middleRows(static_cast<Eigen::Index>(b) * m, m) = att * ap.w_o;
             }
             // Write the memory with y, read the updated memory: o = y ⊙ σ(M*_t(y)).
             const Matrix<T> r = memory_.forward(st.memory_, y);
