@@ -750,3 +750,39 @@ TEST_CASE("from_string inverts to_string for every enumerator and rejects other 
     CHECK_FALSE(titans::from_string("constant", g));  // case-sensitive
     CHECK(g == GateMode::Constant);
 }
+
+TEST_CASE("Params::zeros has the shapes of Params::random for every parameter struct, without its draws",
+          "[visitors]") {
+    Rng rng(seed_for("params zeros"));
+    ModelConfig cfg = ModelConfig::uniform(BlockKind::MAC, 1, 12, 2, 3, 5, 17, 4);
+    cfg.blocks.push_back(BlockConfig::make(BlockKind::MAG, 12, 3, 1, 4, 3));
+    cfg.blocks.push_back(BlockConfig::make(BlockKind::MAL, 12, 2, 2, 6, 2));
+    cfg.blocks.back().ffn.kind = FeedForwardKind::GELU;
+    cfg.blocks[1].memory.use_conv = false;
+    const auto r = ModelParams<double>::random(cfg, rng());
+    const auto z = ModelParams<double>::zeros(cfg);
+    std::vector<std::pair<Eigen::Index, Eigen::Index>> rs, zs;
+    std::size_t nonzero_random = 0;
+    std::size_t zero_bias = 0;  // b_theta is 0 in random() too
+    ModelParams<double>::tensors(r, cfg, [&](const std::string& name, const auto& m) {
+        rs.emplace_back(m.rows(), m.cols());
+        nonzero_random += (m.array() != 0.0).count() > 0 ? 1 : 0;
+        zero_bias += name.find("b_theta") != std::string::npos ? 1 : 0;
+    });
+    ModelParams<double>::tensors(z, cfg, [&](const std::string& name, const auto& m) {
+        zs.emplace_back(m.rows(), m.cols());
+        // Drawn tensors are zero; only the constant parts (norm weights 1, gate biases, the
+        // conv's current-token tap 1) are set.
+        const bool constant_part = name.find("norm") != std::string::npos ||
+                                   name.find("memory.b_") != std::string::npos ||
+                                   name.find("conv_") != std::string::npos;
+        if (!constant_part) {
+            CAPTURE(name);
+            CHECK(m.isZero(0.0));
+        }
+    });
+    REQUIRE(rs == zs);
+    REQUIRE(zero_bias == 3);
+    REQUIRE(nonzero_random == rs.size() - zero_bias);  // random() really draws
+    REQUIRE(rs.size() > 30);
+}

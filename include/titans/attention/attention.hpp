@@ -105,16 +105,19 @@ struct AttentionParams {
     /// Parameters drawn from a seeded generator (identical on every platform): w_q, w_k, w_v
     /// N(0, 1/d), w_o N(0, 1/D).
     [[nodiscard]] static AttentionParams random(const AttentionConfig& cfg, std::uint64_t seed) {
+        return generate(cfg, seed, true);
+    }
+    /// Every tensor at its shape, zero-filled, without the generator's work: what a loader
+    /// (titans::io::load_parameters) fills. Not a usable initialisation.
+    [[nodiscard]] static AttentionParams zeros(const AttentionConfig& cfg) {
+        return generate(cfg, 0, false);
+    }
+    /// random() (draw) or zeros() (!draw).
+    [[nodiscard]] static AttentionParams generate(const AttentionConfig& cfg, std::uint64_t seed,
+                                                  bool draw) {
         cfg.validate();
-        detail::SplitMix64 rng(seed);
+        detail::TensorDraw<T> gauss(seed, draw);
         const int d = cfg.d_model, D = cfg.inner_dim();
-        auto gauss = [&rng](int rows, int cols, double stddev) {
-            Matrix<T> m(rows, cols);
-            for (Eigen::Index i = 0; i < m.size(); ++i) {
-                m.data()[i] = static_cast<T>(stddev * rng.normal());
-            }
-            return m;
-        };
         AttentionParams p;
         const double sd = 1.0 / std::sqrt(static_cast<double>(d));
         p.w_q = gauss(d, D, sd);

@@ -8,6 +8,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "../types.hpp"
+
 namespace titans::detail {
 
 class SplitMix64 {
@@ -31,6 +33,30 @@ public:
 
 private:
     std::uint64_t state_;
+};
+
+/// The tensors of the parameter structs' random(): rows x cols of N(0, stddev^2) drawn in
+/// row-major order from SplitMix64(seed), or, with draw = false, zeros of the same shapes (for
+/// zeros(): a loader needs the shapes, not the generator's work).
+template <class T>
+class TensorDraw {
+public:
+    TensorDraw(std::uint64_t seed, bool draw) : rng_(seed), draw_(draw) {}
+
+    [[nodiscard]] Matrix<T> operator()(Eigen::Index rows, Eigen::Index cols, double stddev) {
+        if (!draw_) {
+            return Matrix<T>::Zero(rows, cols);
+        }
+        Matrix<T> m(rows, cols);
+        for (Eigen::Index i = 0; i < m.size(); ++i) {
+            m.data()[i] = static_cast<T>(stddev * rng_.normal());
+        }
+        return m;
+    }
+
+private:
+    SplitMix64 rng_;
+    bool draw_;
 };
 
 }  // namespace titans::detail

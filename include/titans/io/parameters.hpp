@@ -189,7 +189,7 @@ template <class Params, class Config>
     static_assert(std::is_same_v<Config, typename Traits::Config>,
                   "titans::io: parameters and configuration types do not match");
     detail::check_format(f, "titans.params", /*required=*/false);
-    Params p = Params::random(cfg, 0);  // every tensor at its expected shape
+    Params p = Params::zeros(cfg);  // every tensor at its expected shape
     std::unordered_set<std::string> used;
     Params::tensors(p, cfg, [&](const std::string& name, auto& m) {
         detail::read_expected(f, name, m);

@@ -561,9 +561,16 @@ public:
         } else {
             shape = {static_cast<std::uint64_t>(m.rows()), static_cast<std::uint64_t>(m.cols())};
         }
-        const Matrix<T> rm = m;  // row-major, contiguous
-        add_raw(name, dtype_of<T>(), std::move(shape),
-                std::as_bytes(std::span<const T>(rm.data(), static_cast<std::size_t>(rm.size()))));
+        if constexpr (std::is_same_v<Derived, Matrix<T>> || std::is_same_v<Derived, RowVector<T>>) {
+            // Already row-major and contiguous: no copy.
+            add_raw(name, dtype_of<T>(), std::move(shape),
+                    std::as_bytes(std::span<const T>(m.derived().data(),
+                                                     static_cast<std::size_t>(m.size()))));
+        } else {
+            const Matrix<T> rm = m;  // row-major, contiguous
+            add_raw(name, dtype_of<T>(), std::move(shape),
+                    std::as_bytes(std::span<const T>(rm.data(), static_cast<std::size_t>(rm.size()))));
+        }
     }
     /// Adds an I64 tensor of shape [values.size()].
     void add_integers(const std::string& name, std::span<const std::int64_t> values) {

@@ -89,16 +89,19 @@ struct FeedForwardParams {
     /// w2 N(0, 1/h).
     [[nodiscard]] static FeedForwardParams random(const FeedForwardConfig& cfg,
                                                   std::uint64_t seed) {
+        return generate(cfg, seed, true);
+    }
+    /// Every tensor at its shape, zero-filled, without the generator's work: what a loader
+    /// (titans::io::load_parameters) fills. Not a usable initialisation.
+    [[nodiscard]] static FeedForwardParams zeros(const FeedForwardConfig& cfg) {
+        return generate(cfg, 0, false);
+    }
+    /// random() (draw) or zeros() (!draw).
+    [[nodiscard]] static FeedForwardParams generate(const FeedForwardConfig& cfg,
+                                                    std::uint64_t seed, bool draw) {
         cfg.validate();
-        detail::SplitMix64 rng(seed);
+        detail::TensorDraw<T> gauss(seed, draw);
         const int d = cfg.d_model, h = cfg.hidden_dim();
-        auto gauss = [&rng](int rows, int cols, double stddev) {
-            Matrix<T> m(rows, cols);
-            for (Eigen::Index i = 0; i < m.size(); ++i) {
-                m.data()[i] = static_cast<T>(stddev * rng.normal());
-            }
-            return m;
-        };
         FeedForwardParams p;
         const double sd = 1.0 / std::sqrt(static_cast<double>(d));
         p.w1 = gauss(d, h, sd);

@@ -40,16 +40,17 @@ struct MemoryParams {
     /// N(0, 1/fan_in), conv taps N(0, 0.1^2) with 1 added to the current-token tap, gate
     /// weights N(0, 1/d) with biases 0 (theta), 2 (eta) and -8 (alpha).
     [[nodiscard]] static MemoryParams random(const MemoryConfig& cfg, std::uint64_t seed) {
+        return generate(cfg, seed, true);
+    }
+    /// Every tensor at its shape, zero-filled, without the generator's work: what a loader
+    /// (titans::io::load_parameters) fills. Not a usable initialisation.
+    [[nodiscard]] static MemoryParams zeros(const MemoryConfig& cfg) { return generate(cfg, 0, false); }
+    /// random() (draw) or zeros() (!draw).
+    [[nodiscard]] static MemoryParams generate(const MemoryConfig& cfg, std::uint64_t seed,
+                                               bool draw) {
         cfg.validate();
-        detail::SplitMix64 rng(seed);
+        detail::TensorDraw<T> gauss(seed, draw);
         const int d = cfg.d_model, H = cfg.n_heads, D = cfg.inner_dim(), K = cfg.conv_kernel;
-        auto gauss = [&rng](int rows, int cols, double stddev) {
-            Matrix<T> m(rows, cols);
-            for (Eigen::Index i = 0; i < m.size(); ++i) {
-                m.data()[i] = static_cast<T>(stddev * rng.normal());
-            }
-            return m;
-        };
         MemoryParams p;
         const double sd = 1.0 / std::sqrt(static_cast<double>(d));
         p.w_q = gauss(d, D, sd);

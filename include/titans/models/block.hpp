@@ -18,6 +18,7 @@
 #include "../detail/enum_names.hpp"
 #include "../detail/float_env.hpp"
 #include "../detail/visit.hpp"
+#include "../detail/random.hpp"
 #include "../error.hpp"
 #include "../layers/feed_forward.hpp"
 #include "../layers/rms_norm.hpp"
@@ -147,26 +148,30 @@ struct BlockParams {
 
     /// Seeded parameters: norms 1, persistent tokens N(0, 1), the rest from each part's random().
     [[nodiscard]] static BlockParams random(const BlockConfig& cfg, std::uint64_t seed) {
+        return generate(cfg, seed, true);
+    }
+    /// Every tensor at its shape, zero-filled, without the generator's work: what a loader
+    /// (titans::io::load_parameters) fills. Not a usable initialisation.
+    [[nodiscard]] static BlockParams zeros(const BlockConfig& cfg) { return generate(cfg, 0, false); }
+    /// random() (draw) or zeros() (!draw).
+    [[nodiscard]] static BlockParams generate(const BlockConfig& cfg, std::uint64_t seed,
+                                              bool draw) {
         cfg.validate();
         BlockParams p;
         const int d = cfg.d_model;
         p.norm_mix = RowVector<T>::Ones(d);
         p.norm_ffn = RowVector<T>::Ones(d);
-        p.memory = MemoryParams<T>::random(cfg.memory, seed * 4 + 1);
+        p.memory = MemoryParams<T>::generate(cfg.memory, seed * 4 + 1, draw);
         if (cfg.kind != BlockKind::LMM) {
-            p.attention = AttentionParams<T>::random(cfg.attention, seed * 4 + 2);
-            detail::SplitMix64 rng(seed * 4 + 3);
-            p.persistent.resize(cfg.n_persistent, d);
-            for (Eigen::Index i = 0; i < p.persistent.size(); ++i) {
-                p.persistent.data()[i] = static_cast<T>(rng.normal());
-            }
+            p.attention = AttentionParams<T>::generate(cfg.attention, seed * 4 + 2, draw);
+            p.persistent = detail::TensorDraw<T>(seed * 4 + 3, draw)(cfg.n_persistent, d, 1.0);
         }
         if (cfg.kind == BlockKind::MAG) {
             p.norm_y = RowVector<T>::Ones(d);
             p.norm_m = RowVector<T>::Ones(d);
         }
         if (cfg.use_ffn) {
-            p.ffn = FeedForwardParams<T>::random(cfg.ffn, seed * 4 + 4);
+            p.ffn = FeedForwardParams<T>::generate(cfg.ffn, seed * 4 + 4, draw);
         }
         return p;
     }

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "../detail/visit.hpp"
+#include "../detail/random.hpp"
 #include "../error.hpp"
 #include "../layers/rms_norm.hpp"
 #include "../types.hpp"
@@ -85,21 +86,22 @@ struct ModelParams {
     Matrix<T> head;
 
     [[nodiscard]] static ModelParams random(const ModelConfig& cfg, std::uint64_t seed) {
+        return generate(cfg, seed, true);
+    }
+    /// Every tensor at its shape, zero-filled, without the generator's work: what a loader
+    /// (titans::io::load_parameters) fills. Not a usable initialisation.
+    [[nodiscard]] static ModelParams zeros(const ModelConfig& cfg) { return generate(cfg, 0, false); }
+    /// random() (draw) or zeros() (!draw).
+    [[nodiscard]] static ModelParams generate(const ModelConfig& cfg, std::uint64_t seed,
+                                              bool draw) {
         cfg.validate();
         ModelParams p;
-        detail::SplitMix64 rng(seed * 1000003 + 7);
-        auto gauss = [&rng](Eigen::Index r, Eigen::Index c, double sd) {
-            Matrix<T> m(r, c);
-            for (Eigen::Index i = 0; i < m.size(); ++i) {
-                m.data()[i] = static_cast<T>(sd * rng.normal());
-            }
-            return m;
-        };
+        detail::TensorDraw<T> gauss(seed * 1000003 + 7, draw);
         if (cfg.vocab_size > 0) {
             p.embedding = gauss(cfg.vocab_size, cfg.d_model, 1.0);
         }
         for (std::size_t i = 0; i < cfg.blocks.size(); ++i) {
-            p.blocks.push_back(BlockParams<T>::random(cfg.blocks[i], seed * 131 + i + 1));
+            p.blocks.push_back(BlockParams<T>::generate(cfg.blocks[i], seed * 131 + i + 1, draw));
         }
         p.norm_final = RowVector<T>::Ones(cfg.d_model);
         p.head = gauss(cfg.d_model, cfg.output_dim(), 1.0 / std::sqrt(double(cfg.d_model)));
