@@ -316,12 +316,5 @@ int main(int argc, char** argv) {
     register_stream("BM_FullAttentionBlock", BM_FullAttentionBlock,
                     lengths(1024, 2, max_attention));
 
-    benchmark::Initialize(&argc, argv);
-    if (benchmark::ReportUnrecognizedArguments(argc, argv)) {
-        return 1;
-    }
-    titans_bench::add_machine_context();
-    benchmark::RunSpecifiedBenchmarks();
-    benchmark::Shutdown();
-    return 0;
+    return titans_bench::run(argc, argv);
 }

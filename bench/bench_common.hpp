@@ -42,4 +42,17 @@ inline void add_machine_context() {
 #endif
 }
 
+/// The end of every benchmark main(): parse the flags (unknown ones are an error), add the
+/// machine context, run what was registered. Returns the exit code.
+inline int run(int argc, char** argv) {
+    benchmark::Initialize(&argc, argv);
+    if (benchmark::ReportUnrecognizedArguments(argc, argv)) {
+        return 1;
+    }
+    add_machine_context();
+    benchmark::RunSpecifiedBenchmarks();
+    benchmark::Shutdown();
+    return 0;
+}
+
 }  // namespace titans_bench

@@ -101,9 +101,5 @@ BENCHMARK(BM_SaveCheckpoint)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_RestoreCheckpoint)->Unit(benchmark::kMillisecond);
 
 int main(int argc, char** argv) {
-    benchmark::Initialize(&argc, argv);
-    titans_bench::add_machine_context();
-    benchmark::RunSpecifiedBenchmarks();
-    benchmark::Shutdown();
-    return 0;
+    return titans_bench::run(argc, argv);
 }

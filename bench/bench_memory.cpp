@@ -227,12 +227,5 @@ BENCHMARK(BM_MemoryChunked)->Apply(chunked_args)->Unit(benchmark::kMillisecond)-
 BENCHMARK(BM_MemoryPerToken)->Apply(per_token_args)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 int main(int argc, char** argv) {
-    benchmark::Initialize(&argc, argv);
-    if (benchmark::ReportUnrecognizedArguments(argc, argv)) {
-        return 1;
-    }
-    titans_bench::add_machine_context();
-    benchmark::RunSpecifiedBenchmarks();
-    benchmark::Shutdown();
-    return 0;
+    return titans_bench::run(argc, argv);
 }

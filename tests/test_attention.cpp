@@ -144,18 +144,6 @@ AttentionParams<T> cast_attention_params(const AttentionParams<double>& p) {
     return r;
 }
 
-/// Rows [t0, t1) of every sequence of x ((B*N) x cols), stacked sequence-major.
-template <class M>
-M take_tokens(const M& x, int B, Eigen::Index N, Eigen::Index t0, Eigen::Index t1) {
-    M r(B * (t1 - t0), x.cols());
-    for (int b = 0; b < B; ++b) r.middleRows(b * (t1 - t0), t1 - t0) = x.middleRows(b * N + t0, t1 - t0);
-    return r;
-}
-
-template <class M>
-void put_tokens(M& x, const M& piece, int B, Eigen::Index N, Eigen::Index t0, Eigen::Index t1) {
-    for (int b = 0; b < B; ++b) x.middleRows(b * N + t0, t1 - t0) = piece.middleRows(b * (t1 - t0), t1 - t0);
-}
 
 }  // namespace
 

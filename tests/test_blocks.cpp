@@ -312,39 +312,6 @@ double weights_error(const Weights<TA>& a, const std::vector<std::vector<std::ve
     return e;
 }
 
-/// Rows [t0, t1) of every sequence of x ((B*N) x cols), stacked sequence-major.
-template <class M>
-M take_tokens(const M& x, int B, Eigen::Index N, Eigen::Index t0, Eigen::Index t1) {
-    M r(B * (t1 - t0), x.cols());
-    for (int b = 0; b < B; ++b) r.middleRows(b * (t1 - t0), t1 - t0) = x.middleRows(b * N + t0, t1 - t0);
-    return r;
-}
-
-template <class M>
-void put_tokens(M& x, const M& piece, int B, Eigen::Index N, Eigen::Index t0, Eigen::Index t1) {
-    for (int b = 0; b < B; ++b) x.middleRows(b * N + t0, t1 - t0) = piece.middleRows(b * (t1 - t0), t1 - t0);
-}
-
-/// Random piece lengths summing to N: empty pieces, single tokens, pieces inside one span and
-/// pieces across several; an empty piece at the end.
-std::vector<int> random_pieces(Rng& rng, int N, int span) {
-    std::vector<int> pieces;
-    int left = N;
-    while (left > 0) {
-        int len = 0;
-        switch (uniform_int(rng, 0, 4)) {
-            case 0: len = 0; break;
-            case 1: len = 1; break;
-            case 2: len = uniform_int(rng, 1, span); break;
-            default: len = uniform_int(rng, span + 1, 3 * span + 2); break;
-        }
-        len = std::min(len, left);
-        pieces.push_back(len);
-        left -= len;
-    }
-    pieces.push_back(0);
-    return pieces;
-}
 
 /// Largest |a - b| over row r.
 template <class A, class B>
@@ -550,6 +517,30 @@ Matrix<T> run_once(const BlockCase& c, const BlockParams<double>& p, const Matri
 
 }  // namespace
 
+namespace {
+
+/// With a frozen memory, perturbing token j (0, 1 and N-w-1) changes exactly the outputs
+/// j .. j+w-1 of the block and leaves every other row bit-identical.
+template <class T>
+void check_window_reach(const BlockCase& c, const Matrix<T>& out) {
+    const int N = c.tokens, w = c.cfg.attention.window;
+    for (int j : {0, 1, N - w - 1}) {
+        Matrixd xj = c.x;
+        xj.row(j).array() += 0.5;
+        const Matrix<T> outj = run_once<T>(c, c.params, xj);
+        for (int t = 0; t < N; ++t) {
+            INFO("perturbed token " << j << ", row " << t);
+            if (t < j || t >= j + w) {
+                CHECK(identical(outj.row(t), out.row(t)));
+            } else {
+                CHECK(row_diff(outj, out, t) > 1e-6);
+            }
+        }
+    }
+}
+
+}  // namespace
+
 TEMPLATE_TEST_CASE("MAG window edges: with a frozen memory, token j reaches exactly outputs "
                    "j .. j+w-1; the persistent tokens reach every output, also after position w",
                    "[blocks]", float, double) {
@@ -564,19 +555,7 @@ TEMPLATE_TEST_CASE("MAG window edges: with a frozen memory, token j reaches exac
         // The frozen-memory block still equals the reference (rows w-1, w, w+1 included).
         const auto ref = titans::reference::block_forward(c.cfg, c.params, c.x, c.batch);
         CHECK(note_error<T>("MAG frozen memory: block output vs reference", rel_error(out, ref.out)) <= tol<T>());
-        for (int j : {0, 1, N - w - 1}) {
-            Matrixd xj = c.x;
-            xj.row(j).array() += 0.5;
-            const Matrix<T> outj = run_once<T>(c, c.params, xj);
-            for (int t = 0; t < N; ++t) {
-                INFO("perturbed token " << j << ", row " << t);
-                if (t < j || t >= j + w) {
-                    CHECK(identical(outj.row(t), out.row(t)));
-                } else {
-                    CHECK(row_diff(outj, out, t) > 1e-6);
-                }
-            }
-        }
+        check_window_reach<T>(c, out);
         // P is visible to every query: perturbing it changes every output, those after w too.
         BlockParams<double> pp = c.params;
         pp.persistent.array() += 0.5;
@@ -604,19 +583,7 @@ TEMPLATE_TEST_CASE("MAL window edges: with a frozen memory, token j reaches exac
         const Matrix<T> out = run_once<T>(c, c.params, c.x);
         const auto ref = titans::reference::block_forward(c.cfg, c.params, c.x, c.batch);
         CHECK(note_error<T>("MAL frozen memory: block output vs reference", rel_error(out, ref.out)) <= tol<T>());
-        for (int j : {0, 1, N - w - 1}) {
-            Matrixd xj = c.x;
-            xj.row(j).array() += 0.5;
-            const Matrix<T> outj = run_once<T>(c, c.params, xj);
-            for (int t = 0; t < N; ++t) {
-                INFO("perturbed token " << j << ", row " << t);
-                if (t < j || t >= j + w) {
-                    CHECK(identical(outj.row(t), out.row(t)));
-                } else {
-                    CHECK(row_diff(outj, out, t) > 1e-6);
-                }
-            }
-        }
+        check_window_reach<T>(c, out);
         // P sits at positions 0 .. N_p-1 of the window's sequence; token t at N_p + t sees
         // positions > N_p + t - w, so P's last row leaves the window at t = w - 1.
         BlockParams<double> pp = c.params;

@@ -615,4 +615,47 @@ void check_against_reference(const LibRun<T>& lib, const titans::reference::Resu
     CHECK(lib.position == c.tokens);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Streams in pieces.
+
+/// Rows of tokens [t0, t1) of every sequence of x ((B*N) x cols, sequence-major), stacked
+/// sequence-major: (B*(t1-t0)) x cols.
+template <class M>
+M take_tokens(const M& x, int B, Eigen::Index N, Eigen::Index t0, Eigen::Index t1) {
+    M r(static_cast<Eigen::Index>(B) * (t1 - t0), x.cols());
+    for (int b = 0; b < B; ++b) {
+        r.middleRows(static_cast<Eigen::Index>(b) * (t1 - t0), t1 - t0) = x.middleRows(b * N + t0, t1 - t0);
+    }
+    return r;
+}
+
+/// The inverse of take_tokens: writes piece into rows [t0, t1) of every sequence of x.
+template <class M>
+void put_tokens(M& x, const M& piece, int B, Eigen::Index N, Eigen::Index t0, Eigen::Index t1) {
+    for (int b = 0; b < B; ++b) {
+        x.middleRows(b * N + t0, t1 - t0) = piece.middleRows(static_cast<Eigen::Index>(b) * (t1 - t0), t1 - t0);
+    }
+}
+
+/// Random piece lengths summing to N: empty pieces, single tokens, pieces within one span
+/// (chunk or segment) and pieces across several, and an empty call at the end.
+inline std::vector<int> random_pieces(Rng& rng, int N, int span) {
+    std::vector<int> pieces;
+    int left = N;
+    while (left > 0) {
+        int len = 0;
+        switch (uniform_int(rng, 0, 4)) {
+            case 0: len = 0; break;
+            case 1: len = 1; break;
+            case 2: len = uniform_int(rng, 1, span + 1); break;
+            default: len = uniform_int(rng, span + 1, 3 * span + 2); break;
+        }
+        len = std::min(len, left);
+        pieces.push_back(len);
+        left -= len;
+    }
+    pieces.push_back(0);
+    return pieces;
+}
+
 }  // namespace titans_test

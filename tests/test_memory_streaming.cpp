@@ -10,45 +10,6 @@ using namespace titans_test;
 
 namespace {
 
-/// Rows of tokens [t0, t1) of every sequence of x ((B*N) x cols, sequence-major), stacked
-/// sequence-major: (B*(t1-t0)) x cols.
-template <class M>
-M take_tokens(const M& x, int B, int N, int t0, int t1) {
-    M r(static_cast<Eigen::Index>(B) * (t1 - t0), x.cols());
-    for (int b = 0; b < B; ++b)
-        r.middleRows(static_cast<Eigen::Index>(b) * (t1 - t0), t1 - t0) =
-            x.middleRows(static_cast<Eigen::Index>(b) * N + t0, t1 - t0);
-    return r;
-}
-
-/// The inverse of take_tokens: writes piece into rows [t0, t1) of every sequence of x.
-template <class M>
-void put_tokens(M& x, const M& piece, int B, int N, int t0, int t1) {
-    for (int b = 0; b < B; ++b)
-        x.middleRows(static_cast<Eigen::Index>(b) * N + t0, t1 - t0) =
-            piece.middleRows(static_cast<Eigen::Index>(b) * (t1 - t0), t1 - t0);
-}
-
-/// Random piece lengths summing to N: empty pieces, single tokens, short pieces and pieces of
-/// up to three chunks and more.
-std::vector<int> random_pieces(Rng& rng, int N, int chunk) {
-    std::vector<int> pieces;
-    int left = N;
-    while (left > 0) {
-        int len = 0;
-        switch (uniform_int(rng, 0, 4)) {
-            case 0: len = 0; break;
-            case 1: len = 1; break;
-            case 2: len = uniform_int(rng, 1, chunk + 1); break;
-            default: len = uniform_int(rng, chunk + 1, 3 * chunk + 2); break;
-        }
-        len = std::min(len, left);
-        pieces.push_back(len);
-        left -= len;
-    }
-    pieces.push_back(0);  // and an empty call at the end
-    return pieces;
-}
 
 /// Streams c in the given pieces; checks every piece's bookkeeping and returns the assembled
 /// outputs, diagnostics and final state.

@@ -24,6 +24,7 @@
 #include <utility>
 #include <vector>
 
+#include "../detail/check.hpp"
 #include "../detail/random.hpp"
 #include "../detail/visit.hpp"
 #include "../error.hpp"
@@ -143,17 +144,7 @@ struct AttentionParams {
     /// NaN or infinite.
     void validate(const AttentionConfig& cfg) const {
         const Eigen::Index d = cfg.d_model, D = cfg.inner_dim();
-        auto check = [](const Matrix<T>& m, const char* name, Eigen::Index rows,
-                        Eigen::Index cols) {
-            if (m.rows() != rows || m.cols() != cols) {
-                throw ShapeError(detail::concat("AttentionParams: ", name, " is ", m.rows(), " x ",
-                                                m.cols(), ", expected ", rows, " x ", cols));
-            }
-            if (!m.allFinite()) {
-                throw NonFiniteError(detail::concat("AttentionParams: ", name,
-                                                    " has a NaN or infinite entry"));
-            }
-        };
+        const detail::TensorCheck check{"AttentionParams"};
         check(w_q, "w_q", d, D);
         check(w_k, "w_k", d, D);
         check(w_v, "w_v", d, D);

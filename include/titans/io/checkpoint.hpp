@@ -216,23 +216,22 @@ template <class Object>
                           "written with");
     }
     const int batch = detail::parse_batch(meta("batch"), src);
-    // A state's fixed-shape tensors grow linearly with the batch: before allocating one for
-    // `batch` streams, make sure the file holds at least half that many bytes, so a hostile
-    // batch number cannot make us allocate more than about twice the file's size. (A file that
-    // merely lacks some tensors passes here and is rejected below, naming the first missing.)
+    // Every fixed-shape state tensor belongs to one stream, so a state of `batch` streams holds
+    // batch times the bytes of a one-stream state. Before allocating it, make sure the file
+    // holds at least half that, so a hostile batch number cannot make us allocate more than
+    // about twice the file's size. (A file that merely lacks some tensors passes here and is
+    // rejected below, naming the first missing.)
     {
-        auto fixed_bytes = [&object](int b) {
-            const State s = object.make_state(b);
-            std::uint64_t n = 0;
-            State::tensors(s, [&n](const std::string& name, const auto& x) {
-                if constexpr (!std::is_same_v<std::decay_t<decltype(x)>, std::int64_t>) {
-                    if (!detail::variable_rows(name)) n += static_cast<std::uint64_t>(x.size()) * sizeof(T);
+        std::uint64_t per_stream = 0;
+        const State one = object.make_state(1);
+        State::tensors(one, [&per_stream](const std::string& name, const auto& x) {
+            if constexpr (!std::is_same_v<std::decay_t<decltype(x)>, std::int64_t>) {
+                if (!detail::variable_rows(name)) {
+                    per_stream += static_cast<std::uint64_t>(x.size()) * sizeof(T);
                 }
-            });
-            return n;
-        };
-        const std::uint64_t one = fixed_bytes(1), per_stream = fixed_bytes(2) - one;
-        const std::uint64_t need = one + per_stream * static_cast<std::uint64_t>(batch - 1);
+            }
+        });
+        const std::uint64_t need = per_stream * static_cast<std::uint64_t>(batch);
         std::uint64_t have = 0;
         for (const TensorInfo& t : f.tensors()) have += t.end - t.begin;
         if (have < need / 2) {

@@ -9,6 +9,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "../detail/check.hpp"
 #include "../detail/activation.hpp"
 #include "../detail/random.hpp"
 #include "../detail/visit.hpp"
@@ -128,17 +129,7 @@ struct FeedForwardParams {
     /// NaN or infinite.
     void validate(const FeedForwardConfig& cfg) const {
         const Eigen::Index d = cfg.d_model, h = cfg.hidden_dim();
-        auto check = [](const Matrix<T>& m, const char* name, Eigen::Index rows,
-                        Eigen::Index cols) {
-            if (m.rows() != rows || m.cols() != cols) {
-                throw ShapeError(detail::concat("FeedForwardParams: ", name, " is ", m.rows(),
-                                                " x ", m.cols(), ", expected ", rows, " x ", cols));
-            }
-            if (!m.allFinite()) {
-                throw NonFiniteError(detail::concat("FeedForwardParams: ", name,
-                                                    " has a NaN or infinite entry"));
-            }
-        };
+        const detail::TensorCheck check{"FeedForwardParams"};
         check(w1, "w1", d, h);
         if (cfg.kind == FeedForwardKind::SwiGLU) {
             check(w3, "w3", d, h);

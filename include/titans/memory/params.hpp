@@ -19,6 +19,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "../detail/check.hpp"
 #include "../detail/random.hpp"
 #include "../detail/visit.hpp"
 #include "../error.hpp"
@@ -133,16 +134,7 @@ struct MemoryParams {
     void validate(const MemoryConfig& cfg) const {
         const Eigen::Index d = cfg.d_model, H = cfg.n_heads, D = cfg.inner_dim(),
                            K = cfg.conv_kernel;
-        auto check = [](const auto& m, const char* name, Eigen::Index rows, Eigen::Index cols) {
-            if (m.rows() != rows || m.cols() != cols) {
-                throw ShapeError(detail::concat("MemoryParams: ", name, " is ", m.rows(), " x ",
-                                                m.cols(), ", expected ", rows, " x ", cols));
-            }
-            if (!m.allFinite()) {
-                throw NonFiniteError(detail::concat("MemoryParams: ", name,
-                                                    " has a NaN or infinite entry"));
-            }
-        };
+        const detail::TensorCheck check{"MemoryParams"};
         check(w_q, "w_q", d, D);
         check(w_k, "w_k", d, D);
         check(w_v, "w_v", d, D);

@@ -13,6 +13,7 @@
 
 #include "../attention/attention.hpp"
 #include "../attention/rope.hpp"
+#include "../detail/check.hpp"
 #include "../detail/activation.hpp"
 #include "../detail/eigen_math.hpp"
 #include "../detail/enum_names.hpp"
@@ -203,16 +204,7 @@ struct BlockParams {
     /// Throws ShapeError / NonFiniteError naming the first bad tensor.
     void validate(const BlockConfig& cfg) const {
         const Eigen::Index d = cfg.d_model;
-        auto check = [](const auto& m, const char* name, Eigen::Index rows, Eigen::Index cols) {
-            if (m.rows() != rows || m.cols() != cols) {
-                throw ShapeError(detail::concat("BlockParams: ", name, " is ", m.rows(), " x ",
-                                                m.cols(), ", expected ", rows, " x ", cols));
-            }
-            if (!m.allFinite()) {
-                throw NonFiniteError(detail::concat("BlockParams: ", name,
-                                                    " has a NaN or infinite entry"));
-            }
-        };
+        const detail::TensorCheck check{"BlockParams"};
         check(norm_mix, "norm_mix", 1, d);
         check(norm_ffn, "norm_ffn", 1, d);
         memory.validate(cfg.memory);

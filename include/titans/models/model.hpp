@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "../detail/check.hpp"
 #include "../detail/visit.hpp"
 #include "../detail/random.hpp"
 #include "../error.hpp"
@@ -171,28 +172,9 @@ public:
     using State = ModelState<T>;
 
     Model(ModelConfig config, ModelParams<T> params)
-        : cfg_(std::move(config)), params_(std::move(params)),
-          norm_final_(RowVector<T>::Ones(1), 1e-6) {
-        cfg_.validate();
-        if (params_.blocks.size() != cfg_.blocks.size()) {
-            throw ShapeError(detail::concat("ModelParams: blocks has ", params_.blocks.size(),
-                                            " entries, expected ", cfg_.blocks.size()));
-        }
-        auto check = [](const auto& m, const char* name, Eigen::Index r, Eigen::Index c) {
-            if (m.rows() != r || m.cols() != c) {
-                throw ShapeError(detail::concat("ModelParams: ", name, " is ", m.rows(), " x ",
-                                                m.cols(), ", expected ", r, " x ", c));
-            }
-            if (!m.allFinite()) {
-                throw NonFiniteError(detail::concat("ModelParams: ", name,
-                                                    " has a NaN or infinite entry"));
-            }
-        };
-        check(params_.embedding, "embedding", cfg_.vocab_size > 0 ? cfg_.vocab_size : 0,
-              cfg_.vocab_size > 0 ? cfg_.d_model : 0);
-        check(params_.norm_final, "norm_final", 1, cfg_.d_model);
-        check(params_.head, "head", cfg_.d_model, cfg_.output_dim());
-        norm_final_ = RMSNorm<T>(params_.norm_final, cfg_.norm_eps);
+        : cfg_(std::move(config)),
+          params_(std::move(params)),
+          norm_final_(validated(cfg_, params_).norm_final, cfg_.norm_eps) {
         for (std::size_t i = 0; i < cfg_.blocks.size(); ++i) {
             blocks_.emplace_back(cfg_.blocks[i], params_.blocks[i]);
         }
@@ -241,6 +223,21 @@ public:
     }
 
 private:
+    /// Validates the configuration and the model-level tensors (the blocks validate theirs).
+    static const ModelParams<T>& validated(const ModelConfig& cfg, const ModelParams<T>& p) {
+        cfg.validate();
+        if (p.blocks.size() != cfg.blocks.size()) {
+            throw ShapeError(detail::concat("ModelParams: blocks has ", p.blocks.size(),
+                                            " entries, expected ", cfg.blocks.size()));
+        }
+        const detail::TensorCheck check{"ModelParams"};
+        check(p.embedding, "embedding", cfg.vocab_size > 0 ? cfg.vocab_size : 0,
+              cfg.vocab_size > 0 ? cfg.d_model : 0);
+        check(p.norm_final, "norm_final", 1, cfg.d_model);
+        check(p.head, "head", cfg.d_model, cfg.output_dim());
+        return p;
+    }
+
     ModelConfig cfg_;
     ModelParams<T> params_;
     std::vector<Block<T>> blocks_;
