@@ -368,6 +368,8 @@ inline MemoryConfig random_config(const Modes& m, Rng& rng, const Limits& lim = 
     c.update = m.update;
     c.retrieval = m.retrieval;
     c.chunk = pick(rng, std::vector<int>{1, 2, 3, 5, 8});
+    // SPEC §10 clipping: off, always active (0.05), often active, rarely active.
+    c.max_grad_norm = pick(rng, std::vector<double>{0.0, 0.05, 0.3, 1.0, 4.0});
     c.validate();
     return c;
 }
@@ -419,7 +421,7 @@ struct Case {
            << ") qkv=" << titans::to_string(cfg.qkv_activation) << " norm=" << cfg.normalize_qk
            << " gates=" << titans::to_string(cfg.gates) << " update=" << titans::to_string(cfg.update)
            << " retrieval=" << titans::to_string(cfg.retrieval) << " chunk=" << cfg.chunk
-           << " B=" << batch << " N=" << tokens;
+           << " max_grad_norm=" << cfg.max_grad_norm << " B=" << batch << " N=" << tokens;
         return os.str();
     }
 };
@@ -534,7 +536,7 @@ Case draw_case(const Modes& m, std::uint64_t seed, const Limits& limits) {
     c.seed = seed;
     c.cfg = random_config(m, rng, lim);
     for (double* v : {&c.cfg.theta_max, &c.cfg.constant_theta, &c.cfg.constant_eta,
-                      &c.cfg.constant_alpha}) {
+                      &c.cfg.constant_alpha, &c.cfg.max_grad_norm}) {
         *v = static_cast<double>(static_cast<T>(*v));  // the library rounds them to T
     }
     c.params = cast_params<double>(cast_params<T>(random_params(c.cfg, rng)));

@@ -179,10 +179,18 @@ TEST_CASE("eta = 0 is online gradient descent with decay: W_1 = (1 - alpha) W_0 
                     const std::vector<Matrixd>& W0 = c.params.memory_init[static_cast<std::size_t>(h)];
                     const auto g0 = titans::associative_gradient<double>(W0, head_kv(c, b, h, 0, false),
                                                                          head_kv(c, b, h, 0, true), act, res);
+                    // SPEC §10: theta * min(1, c / ||g||_F) when max_grad_norm = c > 0.
+                    auto clipped = [&](const std::vector<Matrixd>& g) {
+                        double n2 = 0;
+                        for (const Matrixd& m : g) n2 += m.squaredNorm();
+                        const double c_max = c.cfg.max_grad_norm, n = std::sqrt(n2);
+                        return c_max > 0 && n > c_max ? theta * c_max / n : theta;
+                    };
+                    const double th0 = clipped(g0);
                     std::vector<Matrixd> W1, S1;
                     for (std::size_t l = 0; l < W0.size(); ++l) {
-                        W1.push_back((1.0 - alpha) * W0[l] - theta * g0[l]);
-                        S1.push_back(-theta * g0[l]);
+                        W1.push_back((1.0 - alpha) * W0[l] - th0 * g0[l]);
+                        S1.push_back(-th0 * g0[l]);
                     }
                     if (b == 0 && h == 0) (void)mem.forward(st, tokens(0, 1));
                     CHECK(note_error<double>("eta = 0: one step by hand",
@@ -194,7 +202,8 @@ TEST_CASE("eta = 0 is online gradient descent with decay: W_1 = (1 - alpha) W_0 
                     const auto g1 = titans::associative_gradient<double>(Wg, head_kv(c, b, h, 1, false),
                                                                          head_kv(c, b, h, 1, true), act, res);
                     std::vector<Matrixd> W2;
-                    for (std::size_t l = 0; l < W0.size(); ++l) W2.push_back((1.0 - alpha) * W1[l] - theta * g1[l]);
+                    const double th1 = clipped(g1);
+                    for (std::size_t l = 0; l < W0.size(); ++l) W2.push_back((1.0 - alpha) * W1[l] - th1 * g1[l]);
                     auto st2 = st;
                     if (st2.position() == 1) (void)mem.forward(st2, tokens(1, 2));
                     CHECK(note_error<double>("eta = 0: two steps by hand",

@@ -5,6 +5,7 @@
 // parameters, batch, missing / unexpected / misshapen / mistyped / non-finite tensors and
 // positions that contradict each other.
 #include "test_common.hpp"
+#include "io/temp_dir.hpp"
 
 #include <titans/io/checkpoint.hpp>
 
@@ -31,23 +32,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-/// A fresh directory under the system temp dir, removed at scope exit. Its name is unique per
-/// instance (ctest runs test cases, float and double instances included, in parallel).
-struct TempDir {
-    fs::path path;
-    explicit TempDir(const std::string& name) {
-        path = fs::temp_directory_path() /
-               ("titans_test_" + name + "_" + std::to_string(std::random_device{}()) + "_" +
-                std::to_string(reinterpret_cast<std::uintptr_t>(this)));
-        fs::remove_all(path);
-        fs::create_directories(path);
-    }
-    ~TempDir() {
-        std::error_code ec;
-        fs::remove_all(path, ec);
-    }
-    fs::path operator/(const std::string& f) const { return path / f; }
-};
 
 template <class T>
 Matrix<T> random_input(Eigen::Index rows, int d, Rng& rng) {

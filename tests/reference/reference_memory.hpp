@@ -399,6 +399,16 @@ inline void step(std::vector<Matrixd>& W, std::vector<Matrixd>& S, const std::ve
             }
 }
 
+/// SPEC §10: theta * min(1, c / ||u||_F) with c = cfg.max_grad_norm (0: no clipping) and
+/// ||u||_F the Frobenius norm of the token's whole gradient (every layer).
+inline double clipped_theta(const MemoryConfig& cfg, double theta, const std::vector<Matrixd>& u) {
+    const double n = grad_norm_of(u);
+    if (cfg.max_grad_norm > 0 && n > cfg.max_grad_norm) {
+        return theta * (cfg.max_grad_norm / n);
+    }
+    return theta;
+}
+
 inline std::vector<Matrixd> zero_state(const std::vector<Matrixd>& W0) {
     std::vector<Matrixd> S;
     for (const Matrixd& m : W0) S.push_back(zeros_like(m));
@@ -442,7 +452,8 @@ inline Result per_token(const MemoryConfig& cfg, const MemoryParams<double>& p, 
                 const std::vector<Matrixd> u = assoc_grad(W, k, v, act, res);
                 r.loss(b * N + t, h) = assoc_loss(W, k, v, act, res);
                 r.grad_norm(b * N + t, h) = grad_norm_of(u);
-                detail_ref::step(W, S, u, g.theta(t, h), g.eta(t, h), g.alpha(t, h));
+                detail_ref::step(W, S, u, detail_ref::clipped_theta(cfg, g.theta(t, h), u),
+                                 g.eta(t, h), g.alpha(t, h));
                 if (cfg.retrieval == Retrieval::InChunk) {
                     detail_ref::put_head(yheads[static_cast<std::size_t>(t)],
                                          mlp_forward(W, q, act, res), h, dh);
@@ -497,7 +508,8 @@ inline Result chunk_start_loop(const MemoryConfig& cfg, const MemoryParams<doubl
                 // The recurrence, token by token.
                 for (Eigen::Index t = c0; t < c1; ++t) {
                     const Matrixd q = head_row(pr.q, t, h, dh);
-                    detail_ref::step(W, S, u[static_cast<std::size_t>(t - c0)], g.theta(t, h),
+                    const std::vector<Matrixd>& ut = u[static_cast<std::size_t>(t - c0)];
+                    detail_ref::step(W, S, ut, detail_ref::clipped_theta(cfg, g.theta(t, h), ut),
                                      g.eta(t, h), g.alpha(t, h));
                     const std::vector<Matrixd>& Wread =
                         cfg.retrieval == Retrieval::Lagged ? Ws : W;

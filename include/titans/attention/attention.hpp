@@ -25,10 +25,12 @@
 #include <vector>
 
 #include "../detail/check.hpp"
+#include "../detail/float_env.hpp"
 #include "../detail/random.hpp"
 #include "../detail/visit.hpp"
 #include "../error.hpp"
 #include "../fwd.hpp"
+#include "../limits.hpp"
 #include "../types.hpp"
 #include "rope.hpp"
 
@@ -71,25 +73,76 @@ struct AttentionConfig {
         v(S("rope_base"), self.rope_base);
     }
 
-    /// Throws ConfigError naming the first invalid field and what it must be.
+    /// Elements of the AttentionParams of this configuration (4 d x D), in 64 bits
+    /// (saturating). Meaningful for a validated configuration.
+    [[nodiscard]] std::int64_t parameter_count() const {
+        return detail::sat_mul(4, d_model, inner_dim64());
+    }
+
+    /// Bytes of the state make_state(batch) builds once it is full (the last w - 1 keys and
+    /// values of every sequence, plus limits::matrix_overhead_bytes per matrix),
+    /// `scalar_bytes` per element, in 64 bits (saturating).
+    [[nodiscard]] std::int64_t state_bytes(std::int64_t batch, std::int64_t scalar_bytes) const {
+        using detail::sat_add;
+        using detail::sat_mul;
+        const std::int64_t per_sequence =
+            sat_add(sat_mul(2, window - 1, inner_dim64(), scalar_bytes),
+                    sat_mul(2, limits::matrix_overhead_bytes));
+        return sat_mul(batch, per_sequence);
+    }
+
+    /// Throws ConfigError naming the first invalid field and what it must be: every field in
+    /// its range (upper limits in titans/limits.hpp), rope_base finite and > 0, and the
+    /// parameters and the full batch-1 state within limits::max_allocation_bytes at 4 bytes
+    /// (float) per element. validate_for<T>() also counts sizeof(T) and checks rope_base is
+    /// representable in T.
     void validate() const {
         constexpr const char* w = "AttentionConfig";
         using detail::require;
-        require<ConfigError>(d_model >= 1, w, "d_model", d_model, ">= 1");
-        require<ConfigError>(n_heads >= 1, w, "n_heads", n_heads, ">= 1");
-        require<ConfigError>(d_head >= 0, w, "d_head", d_head, ">= 0 (0 means d_model / n_heads)");
+        using detail::require_in_range;
+        require_in_range(d_model, 1, limits::max_d_model, w, "d_model");
+        require_in_range(n_heads, 1, limits::max_heads, w, "n_heads");
+        require_in_range(d_head, 0, limits::max_head_dim, w, "d_head",
+                         " (0 means d_model / n_heads)");
         if (d_head == 0) {
             require<ConfigError>(d_model % n_heads == 0, w, "d_model", d_model,
                                  detail::concat("a multiple of n_heads = ", n_heads,
                                                 " when d_head = 0"));
         }
-        require<ConfigError>(window >= 1, w, "window", window, ">= 1");
+        require_in_range(window, 1, limits::max_window, w, "window");
         if (rope) {
             require<ConfigError>(head_dim() % 2 == 0, w, "d_head", head_dim(),
                                  "an even number when rope = true (RoPE rotates pairs)");
-            require<ConfigError>(std::isfinite(rope_base) && rope_base > 0, w, "rope_base",
-                                 rope_base, "a finite value > 0");
         }
+        require<ConfigError>(std::isfinite(rope_base) && rope_base > 0, w, "rope_base",
+                             rope_base, "a finite value > 0");
+        check_budget(4, "float");
+    }
+
+    /// validate(), then rope_base representable in T and the parameters and batch-1 state
+    /// within the budget at sizeof(T) bytes per element. Called by Attention<T> and
+    /// AttentionParams<T>::random / zeros.
+    template <class T>
+    void validate_for() const {
+        validate();
+        detail::require_representable<T>(rope_base, "AttentionConfig", "rope_base");
+        check_budget(static_cast<std::int64_t>(sizeof(T)), detail::scalar_name<T>());
+    }
+
+    /// H * d_h in 64 bits (saturating; 0 rather than a division by zero when n_heads < 1).
+    [[nodiscard]] std::int64_t inner_dim64() const {
+        const std::int64_t dh = d_head > 0 ? d_head : (n_heads > 0 ? d_model / n_heads : 0);
+        return detail::sat_mul(n_heads, dh);
+    }
+
+private:
+    void check_budget(std::int64_t scalar_bytes, const char* scalar) const {
+        constexpr const char* w = "AttentionConfig";
+        detail::require_budget(detail::sat_mul(parameter_count(), scalar_bytes), w,
+                               "parameter size", scalar, "reduce d_model, n_heads or d_head");
+        detail::require_budget(state_bytes(1, scalar_bytes), w, "state size for batch 1", scalar,
+                               "reduce window, n_heads or d_head (the state keeps the last "
+                               "window - 1 keys and values)");
     }
 };
 
@@ -116,7 +169,7 @@ struct AttentionParams {
     /// random() (draw) or zeros() (!draw).
     [[nodiscard]] static AttentionParams generate(const AttentionConfig& cfg, std::uint64_t seed,
                                                   bool draw) {
-        cfg.validate();
+        cfg.validate_for<T>();  // field limits, T-representable settings, allocation budget
         detail::TensorDraw<T> gauss(seed, draw);
         const int d = cfg.d_model, D = cfg.inner_dim();
         AttentionParams p;
@@ -413,6 +466,13 @@ private:
     int batch_ = 0;
     std::int64_t position_ = 0;
     std::vector<Matrix<T>> k_hist_, v_hist_;  // B of h x D, h = min(w - 1, position)
+    // The open transaction (Attention::begin): position and histories at its start, the
+    // histories swapped out (not copied) by the first call that replaces them.
+    struct Undo {
+        bool open = false, saved = false;
+        std::int64_t position = 0;
+        std::vector<Matrix<T>> k, v;
+    } undo_;
 };
 
 /// A causal sliding-window multi-head attention layer over a batch of streams, with an optional
@@ -450,7 +510,7 @@ public:
     /// Validates both (ConfigError, ShapeError, NonFiniteError) and keeps copies.
     Attention(AttentionConfig config, AttentionParams<T> params)
         : cfg_(std::move(config)), params_(std::move(params)) {
-        cfg_.validate();
+        cfg_.validate_for<T>();
         params_.validate(cfg_);
     }
 
@@ -459,7 +519,9 @@ public:
 
     /// A fresh state for `batch` independent sequences: no history, position 0.
     [[nodiscard]] State make_state(int batch = 1) const {
-        detail::require<ConfigError>(batch >= 1, "Attention::make_state", "batch", batch, ">= 1");
+        detail::require_state_batch(
+            "Attention::make_state", batch, detail::scalar_name<T>(),
+            [&](std::int64_t b) { return cfg_.state_bytes(b, std::int64_t{sizeof(T)}); });
         State s;
         s.cfg_ = cfg_;
         s.batch_ = batch;
@@ -484,6 +546,7 @@ public:
     void forward(State& state, const Matrix<T>& x, Matrix<T>& y, const Matrix<T>* prefix = nullptr,
                  PrefixSharing sharing = PrefixSharing::Shared) const {
         constexpr const char* where = "Attention::forward";
+        detail::check_position_advance(where, state.position_, x.rows(), state.batch_);
         check_state(state, where);
         check_input(state, x, prefix, sharing, where);
         if (&x == &y || (prefix != nullptr && prefix == &y)) {
@@ -516,11 +579,67 @@ public:
             p = sharing == PrefixSharing::Shared ? prefix->rows() : prefix->rows() / B;
         }
 
+        const bool own = begin(state);
+        try {
+            attend(state, q, k, v, kp, vp, p, sharing, y);
+        } catch (...) {
+            rollback(state);
+            throw;
+        }
+        if (own) {
+            commit(state);
+        }
+    }
+
+    /// Throws ConfigError unless `state` can be continued by this layer: made by make_state()
+    /// of an attention with the same heads, widths, window and RoPE settings.
+    void validate_state(const State& state) const { check_state(state, "Attention"); }
+
+    /// Transactions, as NeuralMemory::begin/commit/rollback: forward calls after begin(state)
+    /// are undone together by rollback(state) or kept by commit(state); without one each call
+    /// is its own (a call that throws leaves the state as it was). begin returns false if one
+    /// is already open.
+    bool begin(State& state) const {
+        check_state(state, "Attention::begin");
+        auto& u = state.undo_;
+        if (u.open) {
+            return false;
+        }
+        u.open = true;
+        u.saved = false;
+        u.position = state.position_;
+        return true;
+    }
+    void commit(State& state) const { state.undo_.open = false; }
+    void rollback(State& state) const {
+        auto& u = state.undo_;
+        if (!u.open) {
+            return;
+        }
+        if (u.saved) {
+            for (std::size_t b = 0; b < state.k_hist_.size(); ++b) {
+                state.k_hist_[b].swap(u.k[b]);
+                state.v_hist_[b].swap(u.v[b]);
+            }
+        }
+        state.position_ = u.position;
+        u.open = false;
+    }
+
+private:
+    /// The attention proper on projected q, k, v (and prefix kp, vp of p rows per sequence),
+    /// then the new histories and W_O; NonFiniteError if the output is not finite.
+    void attend(State& state, const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
+                const Matrix<T>& kp, const Matrix<T>& vp, Eigen::Index p, PrefixSharing sharing,
+                Matrix<T>& y) const {
+        using Index = Eigen::Index;
+        const int B = state.batch_, H = cfg_.n_heads, dh = cfg_.head_dim(), D = cfg_.inner_dim();
+        const Index N = q.rows() / B;
         // Per sequence: keys/values = [history (h rows) ; this piece (N rows)], queries at
         // positions h .. h + N - 1 of them.
         const Index w1 = static_cast<Index>(cfg_.window) - 1;
         const Index h = state.k_hist_[0].rows();
-        Matrix<T> ks(h + N, D), vs(h + N, D), o(x.rows(), D);
+        Matrix<T> ks(h + N, D), vs(h + N, D), o(q.rows(), D);
         const Index keep = std::min<Index>(w1, h + N);
         for (int b = 0; b < B; ++b) {
             auto& kh = state.k_hist_[static_cast<std::size_t>(b)];
@@ -533,14 +652,28 @@ public:
             detail::prefix_window_attention_impl<T>(
                 q.middleRows(b * N, N), kp.middleRows(pr0, p), vp.middleRows(pr0, p), ks, vs, H,
                 dh, cfg_.window, h, o.middleRows(b * N, N));
+            if (state.undo_.open && !state.undo_.saved) {  // keep the old history: O(1) swaps
+                state.undo_.k.resize(state.k_hist_.size());
+                state.undo_.v.resize(state.v_hist_.size());
+                kh.swap(state.undo_.k[static_cast<std::size_t>(b)]);
+                vh.swap(state.undo_.v[static_cast<std::size_t>(b)]);
+            }
             kh = ks.bottomRows(keep);
             vh = vs.bottomRows(keep);
         }
-        state.position_ += N;
+        state.undo_.saved = state.undo_.open;
         y.noalias() = o * params_.w_o;
+        if (!detail::all_finite(y)) {
+            Index r = 0;
+            while (r + 1 < y.rows() && detail::all_finite(y.row(r))) ++r;
+            throw NonFiniteError(detail::concat(
+                "Attention::forward: the output is not finite at sequence ", r / N, ", position ",
+                state.position_ + r % N, " (the projections overflow), expected finite values; "
+                "the state is unchanged"));
+        }
+        state.position_ += N;
     }
 
-private:
     void check_state(const State& state, const char* where) const {
         const AttentionConfig& s = state.cfg_;
         const bool same = state.batch_ >= 1 && s.d_model == cfg_.d_model &&

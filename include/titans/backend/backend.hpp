@@ -50,6 +50,10 @@ struct MemoryKernels {
 ///   read(cfg, params, state, x, y)  read-only retrieval with the memory after the last token
 ///   current_weights / current_momentum(cfg, state, b, h)
 ///                                 the memory as it is after the last token seen, materialised
+///   begin(state) -> bool, commit(state), rollback(state)
+///                                 a transaction over several forward calls: rollback puts the
+///                                 state back as it was at begin (forward opens and commits its
+///                                 own when none is open, and rolls back when it throws)
 /// and BackendTraits<B> must say whether its results are host accessible and if it supports T.
 template <class B, class T>
 concept MemoryBackend =
@@ -65,6 +69,9 @@ concept MemoryBackend =
             std::same_as<std::vector<Matrix<T>>>;
         { MemoryKernels<B, T>::current_momentum(cfg, cs, i, i) } ->
             std::same_as<std::vector<Matrix<T>>>;
+        { MemoryKernels<B, T>::begin(s) } -> std::convertible_to<bool>;
+        MemoryKernels<B, T>::commit(s);
+        MemoryKernels<B, T>::rollback(s);
         { BackendTraits<B>::host_accessible } -> std::convertible_to<bool>;
         { BackendTraits<B>::template supports<T> } -> std::convertible_to<bool>;
     };

@@ -23,8 +23,9 @@ namespace titans::io {
 
 namespace detail {
 
-/// Positions beyond 2^62 would overflow as the stream advances: reject them.
-inline constexpr std::int64_t max_position = std::int64_t{1} << 62;
+/// Positions beyond 2^62 would overflow as the stream advances: reject them (the library-wide
+/// limit, titans/limits.hpp; forward refuses to pass it too).
+using titans::limits::max_position;
 
 [[noreturn]] inline void inconsistent(const std::string& src, const std::string& name,
                                       std::int64_t value, const std::string& expected) {
@@ -80,6 +81,9 @@ struct CheckpointTraits<NeuralMemory<T>> {
     using Scalar = T;
     static constexpr const char* object = "memory";
     static int batch(const MemoryState<T>& st) { return st.batch(); }
+    static void check_structure(const NeuralMemory<T>& mem, const MemoryState<T>& st) {
+        mem.validate_state(st);
+    }
     static void check(const NeuralMemory<T>&, const MemoryState<T>& st, const std::string& src) {
         check_position(st.position(), "position", src);
     }
@@ -90,6 +94,9 @@ struct CheckpointTraits<Block<T>> {
     using Scalar = T;
     static constexpr const char* object = "block";
     static int batch(const BlockState<T>& st) { return st.batch(); }
+    static void check_structure(const Block<T>& block, const BlockState<T>& st) {
+        block.validate_state(st);
+    }
     static void check(const Block<T>& block, const BlockState<T>& st, const std::string& src) {
         check_block(block, st, "", src);
     }
@@ -100,6 +107,15 @@ struct CheckpointTraits<Model<T>> {
     using Scalar = T;
     static constexpr const char* object = "model";
     static int batch(const ModelState<T>& st) { return st.batch; }
+    /// What validate_state checks but the positions (check() reports those as the loader does).
+    static void check_structure(const Model<T>& model, const ModelState<T>& st) {
+        if (st.blocks.size() != model.blocks().size()) {
+            model.validate_state(st);  // throws: made for another model
+        }
+        for (std::size_t i = 0; i < st.blocks.size(); ++i) {
+            model.blocks()[i].validate_state(st.blocks[i]);
+        }
+    }
     static void check(const Model<T>& model, const ModelState<T>& st, const std::string& src) {
         check_position(st.position, "position", src);
         for (std::size_t i = 0; i < st.blocks.size(); ++i) {
@@ -132,16 +148,38 @@ inline int parse_batch(const std::string& text, const std::string& src) {
     return b;
 }
 
-}  // namespace detail
-
-/// A safetensors writer holding a stream's state. Metadata: format "titans.checkpoint",
-/// format_version, object ("memory", "block", "model"), dtype, batch, config (config_text),
-/// config_hash, params_hash (fingerprint of the outer parameters), titans_version.
-/// Object: NeuralMemory<T>, Block<T> or Model<T>; state: a state it made.
+/// Refuses, before anything is written, a state that load_checkpoint would refuse for
+/// `object`, with the same error type: one this object cannot continue (ConfigError, from
+/// object.validate_state), a batch outside [1, 1000000] or positions and buffers that
+/// contradict each other (FormatError), a NaN or infinite value (NonFiniteError). `src` names
+/// the destination in the messages.
 template <class Object>
-[[nodiscard]] SafetensorsWriter checkpoint_writer(const Object& object,
-                                                  const typename Object::State& state) {
-    using Traits = detail::CheckpointTraits<Object>;
+void check_checkpoint(const Object& object, const typename Object::State& state,
+                      const std::string& src) {
+    using Traits = CheckpointTraits<Object>;
+    using State = typename Object::State;
+    const std::string prefix = "titans::io: " + src + ": ";
+    with_context(prefix, [&] {
+        object.config().validate();
+        Traits::check_structure(object, state);  // first: check() reads this object's buffers
+    });
+    (void)parse_batch(std::to_string(Traits::batch(state)), src);
+    Traits::check(object, state, src);
+    with_context(prefix, [&] { object.validate_state(state); });
+    State::tensors(state, [&prefix](const std::string& name, const auto& x) {
+        if constexpr (!std::is_same_v<std::decay_t<decltype(x)>, std::int64_t>) {
+            if (!titans::detail::all_finite(x)) {
+                throw NonFiniteError(prefix + "tensor '" + name + "' has a NaN or infinite value");
+            }
+        }
+    });
+}
+
+/// The writer of checkpoint_writer, without the checks.
+template <class Object>
+[[nodiscard]] SafetensorsWriter unchecked_checkpoint_writer(const Object& object,
+                                                            const typename Object::State& state) {
+    using Traits = CheckpointTraits<Object>;
     using T = typename Traits::Scalar;
     SafetensorsWriter w;
     w.metadata("format", "titans.checkpoint");
@@ -151,8 +189,8 @@ template <class Object>
     w.metadata("batch", std::to_string(Traits::batch(state)));
     w.metadata("config", config_text(object.config()));
     w.metadata("config_hash", config_hash(object.config()));
-    w.metadata("params_hash", detail::params_hash(object.params(), object.config()));
-    w.metadata("titans_version", detail::version_string());
+    w.metadata("params_hash", params_hash(object.params(), object.config()));
+    w.metadata("titans_version", version_string());
     using State = typename Object::State;
     State::tensors(state, [&w](const std::string& name, const auto& x) {
         if constexpr (std::is_same_v<std::decay_t<decltype(x)>, std::int64_t>) {
@@ -164,11 +202,30 @@ template <class Object>
     return w;
 }
 
+}  // namespace detail
+
+/// A safetensors writer holding a stream's state. Metadata: format "titans.checkpoint",
+/// format_version, object ("memory", "block", "model"), dtype, batch, config (config_text),
+/// config_hash, params_hash (fingerprint of the outer parameters), titans_version.
+/// Object: NeuralMemory<T>, Block<T> or Model<T>; state: a state it made. Refuses what
+/// restore_checkpoint would refuse, with the same error type: a state this object cannot
+/// continue (ConfigError), contradicting positions or buffers (FormatError), NaN or infinity
+/// (NonFiniteError).
+template <class Object>
+[[nodiscard]] SafetensorsWriter checkpoint_writer(const Object& object,
+                                                  const typename Object::State& state) {
+    detail::check_checkpoint(object, state, "checkpoint_writer");
+    return detail::unchecked_checkpoint_writer(object, state);
+}
+
 /// Writes a checkpoint of `state` (atomically: a crash while writing keeps the previous file).
+/// Checks first, as checkpoint_writer does: nothing is created (not even a temporary) when it
+/// refuses.
 template <class Object>
 void save_checkpoint(const std::filesystem::path& path, const Object& object,
                      const typename Object::State& state) {
-    checkpoint_writer(object, state).write(path);
+    detail::check_checkpoint(object, state, detail::write_source(path));
+    detail::unchecked_checkpoint_writer(object, state).write(path);
 }
 
 /// Restores a stream state from a parsed checkpoint, for `object`. Rejects, naming the cause:
@@ -202,11 +259,14 @@ template <class Object>
                           "it was written in)");
     }
     const std::string mine = config_text(object.config());
-    if (const std::string theirs = meta("config"); theirs != mine) {
+    const std::string recorded = meta("config");
+    if (const std::string theirs = with_legacy_settings(recorded); theirs != mine) {
         throw ConfigError("titans::io: " + src + ": checkpoint configuration differs: " +
                           config_difference(theirs, mine, "the checkpoint", "this object"));
     }
-    if (meta("config_hash") != config_hash(object.config())) {
+    detail::Fnv1a recorded_hash;
+    recorded_hash.update(recorded);
+    if (meta("config_hash") != recorded_hash.hex()) {
         throw FormatError("titans::io: " + src + ": config_hash does not match the recorded "
                           "configuration (corrupt metadata)");
     }

@@ -84,6 +84,34 @@ template <class Config>
     return h.hex();
 }
 
+/// A config_text() written before a setting existed, completed with the value that setting
+/// must have to mean what the writer meant: `max_grad_norm` (SPEC §10 clipping, added after
+/// format_version 1 files were first written) is 0 (off) where a memory's settings lack it.
+/// Text that has it is returned unchanged.
+[[nodiscard]] inline std::string with_legacy_settings(std::string_view text) {
+    std::string out;
+    std::size_t pos = 0;
+    while (pos < text.size()) {
+        const auto nl = text.find('\n', pos);
+        const std::size_t end = nl == std::string_view::npos ? text.size() : nl + 1;
+        const std::string_view line = text.substr(pos, end - pos);
+        out += line;
+        pos = end;
+        const auto key_end = line.find("constant_alpha=");
+        if (key_end == std::string_view::npos ||
+            (key_end > 0 && line[key_end - 1] != '.')) {
+            continue;
+        }
+        const std::string prefix(line.substr(0, key_end));
+        const std::string next = prefix + "max_grad_norm=";
+        if (text.substr(pos, next.size()) != next) {
+            if (out.back() != '\n') out += '\n';
+            out += next + "0\n";
+        }
+    }
+    return out;
+}
+
 /// The first difference between two config_text()s as "memory.chunk = 64 in <a_name>, 32 in
 /// <b_name>", or "" if they are equal.
 [[nodiscard]] inline std::string config_difference(std::string_view a, std::string_view b,

@@ -4,7 +4,9 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <stdexcept>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <unordered_set>
 #include <utility>
@@ -137,17 +139,117 @@ inline void check_format(const SafetensorsFile& f, const char* expected, bool re
     }
 }
 
-}  // namespace detail
+/// Runs `f`; a titans error it throws is thrown again, same type, with `prefix` in front.
+template <class F>
+void with_context(const std::string& prefix, F&& f) {
+    try {
+        f();
+    } catch (const ConfigError& e) {
+        throw ConfigError(prefix + e.what());
+    } catch (const ShapeError& e) {
+        throw ShapeError(prefix + e.what());
+    } catch (const NonFiniteError& e) {
+        throw NonFiniteError(prefix + e.what());
+    } catch (const FormatError& e) {
+        throw FormatError(prefix + e.what());
+    }
+}
 
-/// A safetensors writer holding every parameter `cfg` uses, plus metadata: format
-/// "titans.params", format_version, object, dtype, config (config_text), config_hash,
-/// titans_version. Params: MemoryParams, AttentionParams, FeedForwardParams, BlockParams or
-/// ModelParams of float or double.
+/// What the Model constructor checks of ModelParams (the blocks' parameters included).
+template <class T>
+void validate_model_params(const ModelConfig& cfg, const ModelParams<T>& p) {
+    if (p.blocks.size() != cfg.blocks.size()) {
+        throw ShapeError("ModelParams: blocks has " + std::to_string(p.blocks.size()) +
+                         " entries, expected " + std::to_string(cfg.blocks.size()));
+    }
+    const titans::detail::TensorCheck check{"ModelParams"};
+    const Eigen::Index vocab = cfg.vocab_size > 0 ? cfg.vocab_size : 0;
+    check(p.embedding, "embedding", vocab, vocab > 0 ? cfg.d_model : 0);
+    for (std::size_t i = 0; i < p.blocks.size(); ++i) {
+        with_context("blocks." + std::to_string(i) + ": ",
+                     [&] { p.blocks[i].validate(cfg.blocks[i]); });
+    }
+    check(p.norm_final, "norm_final", 1, cfg.d_model);
+    check(p.head, "head", cfg.d_model, cfg.output_dim());
+}
+
+/// ShapeError naming, as the loader does, the first tensor whose shape differs from what `cfg`
+/// expects (returns if none does or the structure itself differs: the caller then reports the
+/// params' own validate() message). Only on the error path: it allocates Params::zeros(cfg).
 template <class Params, class Config>
-[[nodiscard]] SafetensorsWriter parameters_writer(const Config& cfg, const Params& p) {
-    using Traits = detail::ParamsTraits<Params>;
-    static_assert(std::is_same_v<Config, typename Traits::Config>,
-                  "titans::io: parameters and configuration types do not match");
+void name_misshapen(const Config& cfg, const Params& p, const std::string& src) {
+    struct Shape {
+        Eigen::Index rows, cols;
+        bool row_vector;
+    };
+    std::vector<Shape> expected;
+    const Params zeros = Params::zeros(cfg);
+    Params::tensors(zeros, cfg, [&](const std::string&, const auto& m) {
+        using M = std::decay_t<decltype(m)>;
+        expected.push_back({m.rows(), m.cols(), M::RowsAtCompileTime == 1});
+    });
+    std::size_t i = 0;
+    try {
+        Params::tensors(p, cfg, [&](const std::string& name, const auto& m) {
+            const Shape& e = expected.at(i++);
+            if (m.rows() != e.rows || m.cols() != e.cols) {
+                throw ShapeError("titans::io: " + src + ": tensor '" + name + "' has shape " +
+                                 shape_text(m.rows(), m.cols(), e.row_vector) + ", expected " +
+                                 shape_text(e.rows, e.cols, e.row_vector));
+            }
+        });
+    } catch (const std::out_of_range&) {  // another structure: no tensor-by-tensor answer
+    } catch (const ShapeError& e) {
+        if (std::string_view(e.what()).starts_with("titans::io: ")) throw;
+    }
+}
+
+/// Every tensor `cfg` uses finite: NonFiniteError naming the first that is not, as the loader
+/// does.
+template <class Params, class Config>
+void check_finite_params(const Config& cfg, const Params& p, const std::string& src) {
+    Params::tensors(p, cfg, [&](const std::string& name, const auto& m) {
+        if (!titans::detail::all_finite(m)) {
+            throw NonFiniteError("titans::io: " + src + ": tensor '" + name +
+                                 "' has a NaN or infinite value");
+        }
+    });
+}
+
+/// Refuses, before anything is written, parameters that could not be loaded back under `cfg`:
+/// an invalid configuration (ConfigError), a tensor of another shape (ShapeError), a NaN or
+/// infinite value (NonFiniteError). `src` names the destination in the messages.
+template <class Params, class Config>
+void check_parameters(const Config& cfg, const Params& p, const std::string& src) {
+    const std::string prefix = "titans::io: " + src + ": ";
+    with_context(prefix, [&] { cfg.validate(); });
+    try {
+        if constexpr (std::is_same_v<Params, ModelParams<typename ParamsTraits<Params>::Scalar>>) {
+            validate_model_params(cfg, p);
+        } else {
+            p.validate(cfg);
+        }
+    } catch (const ShapeError& e) {
+        name_misshapen(cfg, p, src);
+        throw ShapeError(prefix + e.what());
+    } catch (const NonFiniteError& e) {
+        try {
+            check_finite_params(cfg, p, src);  // throws naming the tensor as the loader does
+        } catch (const ShapeError&) {          // another structure: validate()'s words below
+        }
+        throw NonFiniteError(prefix + e.what());
+    }
+}
+
+/// "cannot write '<path>'": the source named by a refused save.
+inline std::string write_source(const std::filesystem::path& path) {
+    return "cannot write '" + path.string() + "'";
+}
+
+/// The writer of parameters_writer, without the checks.
+template <class Params, class Config>
+[[nodiscard]] SafetensorsWriter unchecked_parameters_writer(const Config& cfg, const Params& p) {
+    using Traits = ParamsTraits<Params>;
     SafetensorsWriter w;
     w.metadata("format", "titans.params");
     w.metadata("format_version", std::to_string(format_version));
@@ -155,15 +257,37 @@ template <class Params, class Config>
     w.metadata("dtype", to_string(dtype_of<typename Traits::Scalar>()));
     w.metadata("config", config_text(cfg));
     w.metadata("config_hash", config_hash(cfg));
-    w.metadata("titans_version", detail::version_string());
+    w.metadata("titans_version", version_string());
     Params::tensors(p, cfg, [&w](const std::string& name, const auto& m) { w.add(name, m); });
     return w;
 }
 
-/// Writes every parameter `cfg` uses to a safetensors file (atomically).
+}  // namespace detail
+
+/// A safetensors writer holding every parameter `cfg` uses, plus metadata: format
+/// "titans.params", format_version, object, dtype, config (config_text), config_hash,
+/// titans_version. Params: MemoryParams, AttentionParams, FeedForwardParams, BlockParams or
+/// ModelParams of float or double. Refuses what load_parameters would refuse, with the same
+/// error type: an invalid `cfg` (ConfigError), a tensor of another shape (ShapeError), NaN or
+/// infinity (NonFiniteError).
+template <class Params, class Config>
+[[nodiscard]] SafetensorsWriter parameters_writer(const Config& cfg, const Params& p) {
+    using Traits = detail::ParamsTraits<Params>;
+    static_assert(std::is_same_v<Config, typename Traits::Config>,
+                  "titans::io: parameters and configuration types do not match");
+    detail::check_parameters(cfg, p, "parameters_writer");
+    return detail::unchecked_parameters_writer(cfg, p);
+}
+
+/// Writes every parameter `cfg` uses to a safetensors file (atomically). Checks first, as
+/// parameters_writer does: nothing is created (not even a temporary) when it refuses.
 template <class Params, class Config>
 void save_parameters(const std::filesystem::path& path, const Config& cfg, const Params& p) {
-    parameters_writer(cfg, p).write(path);
+    using Traits = detail::ParamsTraits<Params>;
+    static_assert(std::is_same_v<Config, typename Traits::Config>,
+                  "titans::io: parameters and configuration types do not match");
+    detail::check_parameters(cfg, p, detail::write_source(path));
+    detail::unchecked_parameters_writer(cfg, p).write(path);
 }
 
 /// Writes the parameters of a NeuralMemory, Attention-free Block or Model: the object's

@@ -21,6 +21,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <limits>
@@ -30,6 +31,7 @@
 #include <string>
 #include <string_view>
 #include <system_error>
+#include <unordered_map>
 #include <unordered_set>
 #include <utility>
 #include <vector>
@@ -39,6 +41,14 @@
 #if __has_include(<unistd.h>)
 #include <unistd.h>  // fsync, getpid
 #define TITANS_IO_HAVE_FSYNC 1
+#endif
+// POSIX file access: reading refuses anything but a regular file without blocking on a FIFO
+// (open O_NONBLOCK, then fstat the descriptor), writing creates its temporary with O_EXCL.
+#if (defined(__unix__) || defined(__APPLE__)) && __has_include(<fcntl.h>) && \
+    __has_include(<sys/stat.h>) && __has_include(<unistd.h>)
+#include <fcntl.h>
+#include <sys/stat.h>
+#define TITANS_IO_POSIX 1
 #endif
 
 #include "../detail/float_env.hpp"
@@ -72,6 +82,208 @@ inline std::string unique_suffix() {
     for (int i = 0; i < 16; ++i) s[15 - i] = digits[(h >> (4 * i)) & 0xF];
     return s;
 }
+
+/// "titans::io: cannot read '<path>': it is a <kind>, expected a regular file".
+[[noreturn]] inline void not_regular_file(const std::string& path, const char* kind) {
+    throw FileError("titans::io: cannot read '" + path + "': it is a " + kind +
+                    ", expected a regular file");
+}
+
+inline std::string os_reason(int err) { return std::generic_category().message(err); }
+
+#if defined(TITANS_IO_POSIX)
+inline const char* file_kind(mode_t m) {
+    if (S_ISDIR(m)) return "directory";
+    if (S_ISFIFO(m)) return "FIFO";
+    if (S_ISCHR(m)) return "character device";
+    if (S_ISBLK(m)) return "block device";
+    if (S_ISSOCK(m)) return "socket";
+    return "special file";
+}
+
+/// Closes a descriptor at scope exit.
+struct FdGuard {
+    int fd;
+    explicit FdGuard(int f) : fd(f) {}
+    FdGuard(const FdGuard&) = delete;
+    FdGuard& operator=(const FdGuard&) = delete;
+    ~FdGuard() { ::close(fd); }
+};
+
+/// The whole content of the regular file `path`. Anything else (directory, FIFO, device,
+/// socket) is a FileError at once, never a blocking open or read: stat() first (so a device is
+/// not even opened), then open(O_NONBLOCK) and fstat() of the descriptor, which is what is read
+/// (so a path swapped in between cannot slip through).
+inline std::vector<std::byte> read_regular_file(const std::filesystem::path& path) {
+    const std::string p = path.string();
+    struct stat st{};
+    if (::stat(p.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) {
+        not_regular_file(p, file_kind(st.st_mode));
+    }
+    const int fd = ::open(p.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
+    if (fd < 0) {
+        throw FileError("titans::io: cannot open '" + p + "' for reading: " + os_reason(errno));
+    }
+    const FdGuard guard{fd};
+    if (::fstat(fd, &st) != 0) {
+        throw FileError("titans::io: cannot determine the size of '" + p + "': " +
+                        os_reason(errno));
+    }
+    if (!S_ISREG(st.st_mode)) {
+        not_regular_file(p, file_kind(st.st_mode));
+    }
+    if (const int flags = ::fcntl(fd, F_GETFL); flags != -1) {
+        ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);  // blocking reads from here on
+    }
+    const auto size = static_cast<std::uint64_t>(st.st_size);
+    std::vector<std::byte> bytes;
+    try {
+        if (size > std::numeric_limits<std::size_t>::max()) throw std::length_error("size");
+        bytes.resize(static_cast<std::size_t>(size));
+    } catch (const std::exception&) {  // bad_alloc / length_error: a huge size
+        throw FileError("titans::io: cannot read '" + p + "': " + std::to_string(size) +
+                        " bytes do not fit in memory");
+    }
+    std::size_t got = 0;
+    while (got < bytes.size()) {
+        const std::size_t want = std::min<std::size_t>(bytes.size() - got, std::size_t{1} << 30);
+        const ::ssize_t r = ::read(fd, bytes.data() + got, want);
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0) {
+            throw FileError("titans::io: cannot read '" + p + "': " + os_reason(errno));
+        }
+        if (r == 0) {
+            throw FileError("titans::io: short read from '" + p + "': got " +
+                            std::to_string(got) + " of " + std::to_string(size) + " bytes");
+        }
+        got += static_cast<std::size_t>(r);
+    }
+    return bytes;
+}
+#else
+inline std::vector<std::byte> read_regular_file(const std::filesystem::path& path) {
+    const std::string p = path.string();
+    std::error_code ec;
+    const auto type = std::filesystem::status(path, ec).type();
+    if (!ec && type != std::filesystem::file_type::regular &&
+        type != std::filesystem::file_type::not_found) {
+        not_regular_file(p, type == std::filesystem::file_type::directory ? "directory"
+                                                                           : "special file");
+    }
+    std::ifstream in(path, std::ios::binary | std::ios::ate);
+    if (!in) {
+        throw FileError("titans::io: cannot open '" + p + "' for reading: " + os_reason(errno));
+    }
+    const std::streamoff size = in.tellg();
+    if (size < 0) {
+        throw FileError("titans::io: cannot determine the size of '" + p + "'");
+    }
+    std::vector<std::byte> bytes;
+    try {
+        bytes.resize(static_cast<std::size_t>(size));
+    } catch (const std::exception&) {  // bad_alloc / length_error: a bogus or huge size
+        throw FileError("titans::io: cannot read '" + p + "': " + std::to_string(size) +
+                        " bytes do not fit in memory");
+    }
+    in.seekg(0);
+    in.read(reinterpret_cast<char*>(bytes.data()), size);
+    if (in.gcount() != size) {
+        throw FileError("titans::io: short read from '" + p + "': got " +
+                        std::to_string(in.gcount()) + " of " + std::to_string(size) + " bytes");
+    }
+    return bytes;
+}
+#endif
+
+/// The temporary file of an atomic write: created exclusively in the target's directory under
+/// a short name, ".titans-<16 hex digits>.tmp" (28 bytes, so any legal target name works), and
+/// removed by the destructor unless commit() renamed it over the target.
+class TempFile {
+public:
+    explicit TempFile(const std::filesystem::path& target) : target_(target) {
+        for (int attempt = 0;; ++attempt) {
+            path_ = target.parent_path() / (".titans-" + unique_suffix() + ".tmp");
+#if defined(TITANS_IO_POSIX)
+            fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+            if (fd_ >= 0) return;
+            if (errno == EEXIST && attempt < 16) continue;  // another writer's name: draw again
+#else
+            file_ = std::fopen(path_.string().c_str(), "wb");
+            if (file_ != nullptr) return;
+#endif
+            throw FileError("titans::io: cannot open '" + path_.string() + "' for writing (the " +
+                            "temporary for '" + target.string() + "'): " + os_reason(errno));
+        }
+    }
+    TempFile(const TempFile&) = delete;
+    TempFile& operator=(const TempFile&) = delete;
+    ~TempFile() {
+        close_file();
+        if (!committed_) {
+            std::error_code ignored;
+            std::filesystem::remove(path_, ignored);
+        }
+    }
+
+    /// Writes `b`, flushes it to the disk (fsync on POSIX) and closes the file.
+    void write_all(std::span<const std::byte> b) {
+        int err = 0;  // the first failure's errno
+#if defined(TITANS_IO_POSIX)
+        for (std::size_t done = 0; err == 0 && done < b.size();) {
+            const std::size_t want = std::min<std::size_t>(b.size() - done, std::size_t{1} << 30);
+            const ::ssize_t r = ::write(fd_, b.data() + done, want);
+            if (r < 0 && errno == EINTR) continue;
+            if (r <= 0) err = r < 0 ? errno : ENOSPC;
+            if (r > 0) done += static_cast<std::size_t>(r);
+        }
+        if (err == 0 && ::fsync(fd_) != 0) err = errno;
+#else
+        if (std::fwrite(b.data(), 1, b.size(), file_) != b.size() || std::fflush(file_) != 0) {
+            err = errno != 0 ? errno : EIO;
+        }
+#if defined(TITANS_IO_HAVE_FSYNC)
+        if (err == 0 && ::fsync(::fileno(file_)) != 0) err = errno;
+#endif
+#endif
+        if (!close_file() && err == 0) err = errno != 0 ? errno : EIO;
+        if (err != 0) {
+            throw FileError("titans::io: writing '" + path_.string() + "' failed: " +
+                            os_reason(err));
+        }
+    }
+
+    /// Renames the temporary over the target.
+    void commit() {
+        std::error_code ec;
+        std::filesystem::rename(path_, target_, ec);
+        if (ec) {
+            throw FileError("titans::io: cannot rename '" + path_.string() + "' to '" +
+                            target_.string() + "': " + ec.message());
+        }
+        committed_ = true;
+    }
+
+private:
+    bool close_file() {
+        bool ok = true;
+#if defined(TITANS_IO_POSIX)
+        if (fd_ >= 0) ok = ::close(fd_) == 0;
+        fd_ = -1;
+#else
+        if (file_ != nullptr) ok = std::fclose(file_) == 0;
+        file_ = nullptr;
+#endif
+        return ok;
+    }
+
+    std::filesystem::path target_, path_;
+#if defined(TITANS_IO_POSIX)
+    int fd_ = -1;
+#else
+    std::FILE* file_ = nullptr;
+#endif
+    bool committed_ = false;
+};
 
 struct DTypeInfo {
     DType dtype;
@@ -192,38 +404,12 @@ public:
         parse(limits);
     }
 
-    /// Reads and parses a file. FileError if it cannot be read, FormatError if malformed.
+    /// Reads and parses a file. FileError if it cannot be read or is not a regular file (a
+    /// directory, FIFO, device or socket is refused at once, never waited on), FormatError if
+    /// malformed.
     [[nodiscard]] static SafetensorsFile read(const std::filesystem::path& path,
                                               ReadLimits limits = {}) {
-        std::error_code dir_ec;
-        if (std::filesystem::is_directory(path, dir_ec)) {
-            // An ifstream opens a directory on Linux and tellg() reports a bogus size there.
-            throw FileError("titans::io: cannot read '" + path.string() + "': it is a directory");
-        }
-        std::ifstream in(path, std::ios::binary | std::ios::ate);
-        if (!in) {
-            throw FileError("titans::io: cannot open '" + path.string() +
-                            "' for reading: " + std::generic_category().message(errno));
-        }
-        const std::streamoff size = in.tellg();
-        if (size < 0) {
-            throw FileError("titans::io: cannot determine the size of '" + path.string() + "'");
-        }
-        std::vector<std::byte> bytes;
-        try {
-            bytes.resize(static_cast<std::size_t>(size));
-        } catch (const std::exception&) {  // bad_alloc / length_error: a bogus or huge size
-            throw FileError("titans::io: cannot read '" + path.string() + "': " +
-                            std::to_string(size) + " bytes do not fit in memory");
-        }
-        in.seekg(0);
-        in.read(reinterpret_cast<char*>(bytes.data()), size);
-        if (in.gcount() != size) {
-            throw FileError("titans::io: short read from '" + path.string() + "': got " +
-                            std::to_string(in.gcount()) + " of " + std::to_string(size) +
-                            " bytes");
-        }
-        return SafetensorsFile(std::move(bytes), path.string(), limits);
+        return SafetensorsFile(detail::read_regular_file(path), path.string(), limits);
     }
 
     /// Where the bytes came from (a path or "<memory>").
@@ -350,6 +536,148 @@ private:
         }
     }
 
+    /// What the checks need of a JSON value: which of these it is (a missing field: Other).
+    enum class JType : std::uint8_t { Other, Unsigned, String, Object, Array };
+    static constexpr std::size_t no_index = std::numeric_limits<std::size_t>::max();
+
+    /// A top-level key of the header and what the checks need of its value: its type and, for
+    /// a tensor entry, its dtype, shape and data_offsets fields and its first unknown field.
+    struct HeaderEntry {
+        std::string key;
+        JType type = JType::Other;
+        JType dtype_type = JType::Other, shape_type = JType::Other, offsets_type = JType::Other;
+        std::string dtype = {};
+        std::vector<std::uint64_t> shape = {};  ///< elements (0 where not unsigned)
+        std::size_t shape_other = no_index;     ///< first shape element not an unsigned integer
+        std::uint64_t offsets[2] = {0, 0};      ///< the first two data_offsets elements
+        std::size_t offsets_size = 0;
+        bool offsets_other = false;             ///< a data_offsets element not unsigned
+        std::optional<std::string> unknown = {};  ///< the first unknown field in key order
+    };
+    /// A "__metadata__" pair.
+    struct MetaField {
+        std::string key;
+        JType type = JType::Other;
+        std::string text = {};
+    };
+
+    /// Reads the header in one pass of SAX events (no DOM: linear in the header size; the
+    /// callback DOM parser used before rescans the parent object at the end of every child,
+    /// quadratic in the tensor count), keeping the three levels the checks need. A syntax
+    /// error, a key twice in one object (the JSON standard leaves duplicates undefined; a DOM
+    /// would silently keep one) and nesting deeper than the limit fail at once.
+    struct HeaderReader {
+        enum class Field : std::uint8_t { Other, Dtype, Shape, Offsets, Meta };
+        struct Frame {  // an open object or array
+            bool object = false;
+            std::string owner;                          // the key the object is the value of
+            std::vector<std::string> keys;              // its keys (up to 16, then `many`)
+            std::unordered_set<std::string> many = {};  // its keys, once it has more than 16
+
+            bool add(const std::string& k) {  // false if the object has the key already
+                if (many.empty() && keys.size() < 16) {
+                    if (std::find(keys.begin(), keys.end(), k) != keys.end()) return false;
+                    keys.push_back(k);
+                    return true;
+                }
+                if (many.empty()) many.insert(keys.begin(), keys.end());
+                return many.insert(k).second;
+            }
+        };
+        const SafetensorsFile& file;
+        int max_depth;
+        std::deque<HeaderEntry> entries = {};  // stable addresses (parse() sorts pointers)
+        std::vector<MetaField> meta = {};
+        std::vector<Frame> frames = {};  // frames[0, depth) are open; reused, never shrunk
+        std::size_t depth = 0;
+        std::string last_key = {};
+        bool in_meta = false;            // inside the "__metadata__" entry
+        Field field = Field::Other;      // the field of the current entry being read
+
+        void value(JType t, std::uint64_t number = 0, const std::string* text = nullptr) {
+            if (depth == 1) {
+                entries.back().type = t;
+            } else if (depth == 2 && frames[1].object && in_meta) {
+                meta.back().type = t;
+                if (text != nullptr) meta.back().text = *text;
+            } else if (depth == 2 && frames[1].object) {
+                HeaderEntry& e = entries.back();
+                if (field == Field::Dtype) {
+                    e.dtype_type = t;
+                    if (text != nullptr) e.dtype = *text;
+                }
+                if (field == Field::Shape) e.shape_type = t;
+                if (field == Field::Offsets) e.offsets_type = t;
+            } else if (depth == 3 && frames[1].object && !frames[2].object && !in_meta) {
+                element(entries.back(), t, number);
+            }
+        }
+        void element(HeaderEntry& e, JType t, std::uint64_t number) const {
+            if (field == Field::Shape) {
+                if (t != JType::Unsigned && e.shape_other == no_index) {
+                    e.shape_other = e.shape.size();
+                }
+                e.shape.push_back(number);
+            } else if (field == Field::Offsets) {
+                e.offsets_other = e.offsets_other || t != JType::Unsigned;
+                if (e.offsets_size < 2) e.offsets[e.offsets_size] = number;
+                ++e.offsets_size;
+            }
+        }
+        bool open(bool object) {
+            if (depth >= static_cast<std::size_t>(std::max(max_depth, 0))) {
+                file.fail("header JSON nests deeper than " + std::to_string(max_depth) +
+                          " levels");
+            }
+            value(object ? JType::Object : JType::Array);
+            if (frames.size() <= depth) frames.emplace_back();
+            Frame& f = frames[depth++];
+            f.object = object;
+            f.owner = object && depth > 1 ? last_key : std::string();
+            f.keys.clear();
+            f.many.clear();
+            return true;
+        }
+        bool key(std::string& k) {
+            // Top-level keys (the tensors) are checked once sorted, by parse().
+            if (depth > 1 && !frames[depth - 1].add(k)) {
+                const std::string& owner = frames[depth - 1].owner;
+                file.fail("header has the key '" + k + "' twice" +
+                          (owner.empty() ? std::string() : " in '" + owner + "'"));
+            }
+            last_key = k;
+            if (depth == 1) {
+                entries.push_back(HeaderEntry{k});
+                in_meta = k == "__metadata__";
+            } else if (depth == 2 && in_meta) {
+                meta.push_back(MetaField{k});
+            } else if (depth == 2) {
+                field = k == "dtype" ? Field::Dtype
+                        : k == "shape" ? Field::Shape
+                        : k == "data_offsets" ? Field::Offsets : Field::Other;
+                auto& unknown = entries.back().unknown;
+                if (field == Field::Other && (!unknown || k < *unknown)) unknown = k;
+            }
+            return true;
+        }
+        bool start_object(std::size_t) { return open(true); }
+        bool start_array(std::size_t) { return open(false); }
+        bool end_object() { return --depth, true; }
+        bool end_array() { return --depth, true; }
+        bool null() { return value(JType::Other), true; }
+        bool boolean(bool) { return value(JType::Other), true; }
+        bool number_integer(json::number_integer_t) { return value(JType::Other), true; }
+        bool number_unsigned(json::number_unsigned_t v) { return value(JType::Unsigned, v), true; }
+        bool number_float(json::number_float_t, const std::string&) {
+            return value(JType::Other), true;
+        }
+        bool string(std::string& s) { return value(JType::String, 0, &s), true; }
+        bool binary(json::binary_t&) { return value(JType::Other), true; }
+        bool parse_error(std::size_t, const std::string&, const json::exception& e) {
+            file.fail(std::string("header is not valid JSON: ") + e.what());
+        }
+    };
+
     void parse(const ReadLimits& lim) {
         const std::size_t size = bytes_.size();
         if (size < 8) {
@@ -382,130 +710,115 @@ private:
         data_start_ = 8 + static_cast<std::size_t>(n);
         const std::uint64_t data_size = size - data_start_;
 
-        // Duplicate keys (which the JSON standard leaves undefined and nlohmann would silently
-        // collapse) and excessive nesting are rejected while parsing.
-        // Each open object: the key it is the value of ("" for the header itself), its keys.
-        std::vector<std::pair<std::string, std::unordered_set<std::string>>> open_objects;
-        std::string last_key;
-        auto on_event = [&](int depth, json::parse_event_t ev, json& parsed) -> bool {
-            switch (ev) {
-                case json::parse_event_t::object_start:
-                case json::parse_event_t::array_start:
-                    if (depth >= lim.max_json_depth) {
-                        fail("header JSON nests deeper than " +
-                             std::to_string(lim.max_json_depth) + " levels");
-                    }
-                    if (ev == json::parse_event_t::object_start) {
-                        open_objects.emplace_back(open_objects.empty() ? "" : last_key,
-                                                  std::unordered_set<std::string>{});
-                    }
-                    break;
-                case json::parse_event_t::object_end:
-                    if (!open_objects.empty()) open_objects.pop_back();
-                    break;
-                case json::parse_event_t::key:
-                    last_key = parsed.get<std::string>();
-                    if (!open_objects.empty() && !open_objects.back().second.insert(last_key).second) {
-                        const std::string& owner = open_objects.back().first;
-                        fail("header has the key '" + last_key + "' twice" +
-                             (owner.empty() ? std::string() : " in '" + owner + "'"));
-                    }
-                    break;
-                default: break;
+        HeaderReader reader{*this, lim.max_json_depth};
+        if (!json::sax_parse(hb, hb + n, &reader, json::input_format_t::json, /*strict=*/true,
+                             /*ignore_comments=*/false)) {
+            fail("header is not valid JSON");
+        }
+        // A top-level key twice (a tensor name: the first repeat in file order), then every
+        // entry in file order.
+        std::unordered_set<std::string_view> seen;
+        seen.reserve(reader.entries.size());
+        for (const HeaderEntry& e : reader.entries) {
+            if (!seen.insert(e.key).second) fail("header has the key '" + e.key + "' twice");
+        }
+        std::vector<TensorInfo> infos;
+        infos.reserve(reader.entries.size());
+        for (HeaderEntry& e : reader.entries) {
+            if (e.key == "__metadata__") {
+                read_metadata(e, reader.meta);
+            } else {
+                infos.push_back(parse_tensor(e, lim));
             }
-            return true;
-        };
-        json header;
-        try {
-            header = json::parse(hb, hb + n, on_event, /*allow_exceptions=*/true,
-                                 /*ignore_comments=*/false);
-        } catch (const json::exception& e) {
-            fail(std::string("header is not valid JSON: ") + e.what());
         }
-        if (!header.is_object()) {
-            fail("header is not a JSON object");
-        }
-
-        for (const auto& [key, value] : header.items()) {
-            if (key == "__metadata__") {
-                if (!value.is_object()) fail("__metadata__ is not a JSON object");
-                for (const auto& [mk, mv] : value.items()) {
-                    if (!mv.is_string()) {
-                        fail("__metadata__ value of '" + mk + "' is not a string");
-                    }
-                    metadata_.emplace(mk, mv.get<std::string>());
-                }
-                continue;
-            }
-            tensors_.push_back(parse_tensor(key, value, lim));
-        }
-
-        // Offsets: inside the data section, sized dtype x shape, contiguous and non-overlapping,
-        // covering the data section exactly (no hidden bytes).
-        std::sort(tensors_.begin(), tensors_.end(), [](const TensorInfo& a, const TensorInfo& b) {
-            return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
-        });
-        std::uint64_t expected = 0;
-        for (const TensorInfo& t : tensors_) {
-            if (t.end > data_size) {
-                fail("tensor '" + t.name + "' data_offsets [" + std::to_string(t.begin) + ", " +
-                     std::to_string(t.end) + "] reach past the data section of " +
-                     std::to_string(data_size) + " bytes (truncated file?)");
-            }
-            if (t.begin != expected) {
-                fail("tensor '" + t.name + "' starts at data offset " + std::to_string(t.begin) +
-                     ", expected " + std::to_string(expected) +
-                     (t.begin < expected ? " (overlaps the previous tensor)"
-                                         : " (gap after the previous tensor)"));
-            }
-            expected = t.end;
-        }
-        if (expected != data_size) {
-            fail("tensors cover " + std::to_string(expected) + " bytes of the data section, "
-                 "expected all " + std::to_string(data_size) + " (trailing bytes)");
-        }
+        order_by_offsets(infos, data_size);
+        index_.reserve(tensors_.size());
         for (std::size_t i = 0; i < tensors_.size(); ++i) {
             index_.emplace(tensors_[i].name, i);
         }
     }
 
-    TensorInfo parse_tensor(const std::string& name, const json& v, const ReadLimits& lim) const {
-        const std::string where = "tensor '" + name + "'";
-        if (name.empty()) fail("a tensor has an empty name");
-        if (!v.is_object()) fail(where + " is not a JSON object");
-        for (const auto& [k, unused] : v.items()) {
-            (void)unused;
-            if (k != "dtype" && k != "shape" && k != "data_offsets") {
-                fail(where + " has an unknown field '" + k +
-                     "', expected only dtype, shape, data_offsets");
+    /// Offsets: inside the data section, contiguous and non-overlapping, covering the data
+    /// section exactly (no hidden bytes); then tensors_ = infos in offset order. O(n log n):
+    /// one sort (of offsets and indices), one scan.
+    void order_by_offsets(std::vector<TensorInfo>& infos, std::uint64_t data_size) {
+        struct Span {
+            std::uint64_t begin, end;
+            std::size_t index;
+        };
+        std::vector<Span> spans(infos.size());
+        for (std::size_t i = 0; i < infos.size(); ++i) spans[i] = {infos[i].begin, infos[i].end, i};
+        std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) {
+            return a.begin != b.begin ? a.begin < b.begin
+                   : a.end != b.end   ? a.end < b.end
+                                      : a.index < b.index;
+        });
+        std::uint64_t expected = 0;
+        for (const Span& sp : spans) {
+            const std::string& name = infos[sp.index].name;
+            if (sp.end > data_size) {
+                fail("tensor '" + name + "' data_offsets [" + std::to_string(sp.begin) + ", " +
+                     std::to_string(sp.end) + "] reach past the data section of " +
+                     std::to_string(data_size) + " bytes (truncated file?)");
             }
+            if (sp.begin != expected) {
+                fail("tensor '" + name + "' starts at data offset " + std::to_string(sp.begin) +
+                     ", expected " + std::to_string(expected) +
+                     (sp.begin < expected ? " (overlaps the previous tensor)"
+                                          : " (gap after the previous tensor)"));
+            }
+            expected = sp.end;
+        }
+        if (expected != data_size) {
+            fail("tensors cover " + std::to_string(expected) + " bytes of the data section, "
+                 "expected all " + std::to_string(data_size) + " (trailing bytes)");
+        }
+        tensors_.reserve(infos.size());
+        for (const Span& sp : spans) tensors_.push_back(std::move(infos[sp.index]));
+    }
+
+    void read_metadata(const HeaderEntry& e, const std::vector<MetaField>& fields) {
+        if (e.type != JType::Object) fail("__metadata__ is not a JSON object");
+        const MetaField* bad = nullptr;  // the first non-string value in key order
+        for (const MetaField& f : fields) {
+            if (f.type != JType::String && (bad == nullptr || f.key < bad->key)) bad = &f;
+        }
+        if (bad != nullptr) fail("__metadata__ value of '" + bad->key + "' is not a string");
+        for (const MetaField& f : fields) metadata_.emplace(f.key, f.text);
+    }
+
+    /// The checks of one tensor entry (its key and shape are moved into the result).
+    TensorInfo parse_tensor(HeaderEntry& e, const ReadLimits& lim) const {
+        const std::string where = "tensor '" + e.key + "'";
+        if (e.key.empty()) fail("a tensor has an empty name");
+        if (e.type != JType::Object) fail(where + " is not a JSON object");
+        if (e.unknown) {
+            fail(where + " has an unknown field '" + *e.unknown +
+                 "', expected only dtype, shape, data_offsets");
         }
         TensorInfo t;
-        t.name = name;
-        const auto dt = v.find("dtype");
-        if (dt == v.end() || !dt->is_string()) fail(where + " has no dtype string");
-        const auto parsed = dtype_from_string(dt->get<std::string>());
-        if (!parsed) fail(where + " has an unknown dtype '" + dt->get<std::string>() + "'");
+        if (e.dtype_type != JType::String) fail(where + " has no dtype string");
+        const auto parsed = dtype_from_string(e.dtype);
+        if (!parsed) fail(where + " has an unknown dtype '" + e.dtype + "'");
         t.dtype = *parsed;
 
-        const auto sh = v.find("shape");
-        if (sh == v.end() || !sh->is_array()) fail(where + " has no shape array");
-        if (sh->size() > lim.max_rank) {
-            fail(where + " has rank " + std::to_string(sh->size()) + ", expected at most " +
+        if (e.shape_type != JType::Array) fail(where + " has no shape array");
+        if (e.shape.size() > lim.max_rank) {
+            fail(where + " has rank " + std::to_string(e.shape.size()) + ", expected at most " +
                  std::to_string(lim.max_rank));
         }
         std::uint64_t numel = 1;
-        for (const json& d : *sh) {
-            if (!d.is_number_unsigned()) {
+        for (std::size_t i = 0; i < e.shape.size(); ++i) {
+            if (i == e.shape_other) {
                 fail(where + " has a shape entry that is not a non-negative integer");
             }
-            const std::uint64_t s = d.get<std::uint64_t>();
+            const std::uint64_t s = e.shape[i];
             if (s != 0 && numel > std::numeric_limits<std::uint64_t>::max() / s) {
                 fail(where + " shape product overflows 64 bits");
             }
             numel *= s;
-            t.shape.push_back(s);
         }
+        t.shape = std::move(e.shape);
         const std::uint64_t esize = dtype_size(t.dtype);
         if (numel > std::numeric_limits<std::uint64_t>::max() / esize) {
             fail(where + " byte size (shape product x " + std::to_string(esize) +
@@ -513,13 +826,11 @@ private:
         }
         const std::uint64_t nbytes = numel * esize;
 
-        const auto off = v.find("data_offsets");
-        if (off == v.end() || !off->is_array() || off->size() != 2 ||
-            !(*off)[0].is_number_unsigned() || !(*off)[1].is_number_unsigned()) {
+        if (e.offsets_type != JType::Array || e.offsets_size != 2 || e.offsets_other) {
             fail(where + " data_offsets is not a pair of non-negative integers");
         }
-        t.begin = (*off)[0].get<std::uint64_t>();
-        t.end = (*off)[1].get<std::uint64_t>();
+        t.begin = e.offsets[0];
+        t.end = e.offsets[1];
         if (t.end < t.begin) {
             fail(where + " data_offsets [" + std::to_string(t.begin) + ", " +
                  std::to_string(t.end) + "] end before they begin");
@@ -529,6 +840,7 @@ private:
                  std::to_string(nbytes) + " for dtype " + to_string(t.dtype) + " and shape " +
                  t.shape_string());
         }
+        t.name = std::move(e.key);  // (parse() reads no key after this)
         return t;
     }
 
@@ -536,7 +848,7 @@ private:
     std::string source_;
     std::size_t data_start_ = 0;
     std::vector<TensorInfo> tensors_;
-    std::map<std::string, std::size_t> index_;
+    std::unordered_map<std::string, std::size_t> index_;
     std::map<std::string, std::string> metadata_;
 };
 
@@ -588,6 +900,11 @@ public:
             throw FormatError("titans::io::SafetensorsWriter: tensor '" + name +
                               "' added twice");
         }
+        if (const std::size_t max_rank = ReadLimits{}.max_rank; shape.size() > max_rank) {
+            throw FormatError("titans::io::SafetensorsWriter: tensor '" + name + "' has rank " +
+                              std::to_string(shape.size()) + ", expected at most " +
+                              std::to_string(max_rank) + " (the reader's ReadLimits)");
+        }
         // dtype size x shape product, without wrapping around 2^64 (an empty shape is 0 bytes).
         std::uint64_t n = dtype_size(dtype);
         if (std::find(shape.begin(), shape.end(), std::uint64_t{0}) != shape.end()) {
@@ -631,6 +948,11 @@ public:
                                           "text: ") + e.what());
         }
         text.append((8 - text.size() % 8) % 8, ' ');
+        if (const std::uint64_t limit = ReadLimits{}.max_header_bytes; text.size() > limit) {
+            throw FormatError("titans::io::SafetensorsWriter: header length " +
+                              std::to_string(text.size()) + " exceeds the limit of " +
+                              std::to_string(limit) + " bytes (the reader's ReadLimits)");
+        }
         std::vector<std::byte> out(8 + text.size() + data_.size());
         const std::uint64_t n = text.size();
         std::memcpy(out.data(), &n, 8);
@@ -639,37 +961,16 @@ public:
         return out;
     }
 
-    /// Writes the file atomically: to a uniquely named temporary file beside `path`, flushed to
-    /// the disk (fsync on POSIX), then renamed over `path`, so a crash or a full disk never
-    /// leaves a half-written file under `path`. FileError on failure (the temporary is removed).
+    /// Writes the file atomically: to a temporary file beside `path` with a short unique name
+    /// (".titans-<16 hex digits>.tmp", created exclusively; any legal file name works for
+    /// `path`), flushed to the disk (fsync on POSIX), then renamed over `path`, so a crash or a
+    /// full disk never leaves a half-written file under `path`. FileError on failure (the
+    /// temporary is removed).
     void write(const std::filesystem::path& path) const {
-        const std::vector<std::byte> b = bytes();
-        std::filesystem::path tmp = path;
-        tmp += ".tmp-" + detail::unique_suffix();
-        std::FILE* out = std::fopen(tmp.string().c_str(), "wb");
-        if (out == nullptr) {
-            throw FileError("titans::io: cannot open '" + tmp.string() +
-                            "' for writing: " + std::generic_category().message(errno));
-        }
-        bool ok = std::fwrite(b.data(), 1, b.size(), out) == b.size() && std::fflush(out) == 0;
-#if defined(TITANS_IO_HAVE_FSYNC)
-        ok = ok && ::fsync(::fileno(out)) == 0;
-#endif
-        const int saved = errno;
-        ok = (std::fclose(out) == 0) && ok;
-        std::error_code ec;
-        if (!ok) {
-            std::filesystem::remove(tmp, ec);
-            throw FileError("titans::io: writing '" + tmp.string() +
-                            "' failed: " + std::generic_category().message(saved));
-        }
-        std::filesystem::rename(tmp, path, ec);
-        if (ec) {
-            std::error_code ignored;
-            std::filesystem::remove(tmp, ignored);
-            throw FileError("titans::io: cannot rename '" + tmp.string() + "' to '" +
-                            path.string() + "': " + ec.message());
-        }
+        const std::vector<std::byte> b = bytes();  // every check first: no file on refusal
+        detail::TempFile tmp(path);
+        tmp.write_all(b);
+        tmp.commit();
     }
 
 private:

@@ -16,6 +16,7 @@
 #include "../error.hpp"
 #include "../detail/enum_names.hpp"
 #include "../fwd.hpp"
+#include "../limits.hpp"
 #include "../types.hpp"
 
 namespace titans {
@@ -65,15 +66,40 @@ struct FeedForwardConfig {
         v(std::string("hidden"), self.hidden);
     }
 
-    /// Throws ConfigError naming the first invalid field.
+    /// Elements of the FeedForwardParams of this configuration (d x h, h x d, and d x h more
+    /// for SwiGLU), in 64 bits (saturating). Meaningful for a validated configuration.
+    [[nodiscard]] std::int64_t parameter_count() const {
+        const std::int64_t h = d_model >= 1 ? hidden_dim() : 0;
+        return detail::sat_mul(kind == FeedForwardKind::SwiGLU ? 3 : 2, d_model, h);
+    }
+
+    /// Throws ConfigError naming the first invalid field: d_model in [1, max_d_model], kind a
+    /// valid enumerator, hidden in [0, max_ffn_hidden] (titans/limits.hpp), and the parameters
+    /// within limits::max_allocation_bytes at 4 bytes (float) per element.
     void validate() const {
         constexpr const char* w = "FeedForwardConfig";
-        detail::require<ConfigError>(d_model >= 1, w, "d_model", d_model, ">= 1");
+        detail::require_in_range(d_model, 1, limits::max_d_model, w, "d_model");
         detail::require<ConfigError>(
             kind == FeedForwardKind::SwiGLU || kind == FeedForwardKind::GELU, w, "kind",
-            static_cast<int>(kind), "SwiGLU or GELU");
-        detail::require<ConfigError>(hidden >= 0, w, "hidden", hidden,
-                                     ">= 0 (0 means the default width)");
+            static_cast<int>(kind), "SwiGLU (0) or GELU (1)");
+        detail::require_in_range(hidden, 0, limits::max_ffn_hidden, w, "hidden",
+                                 " (0 means the default width)");
+        check_budget(4, "float");
+    }
+
+    /// validate(), then the parameters within the budget at sizeof(T) bytes per element.
+    /// Called by FeedForward<T> and FeedForwardParams<T>::random / zeros.
+    template <class T>
+    void validate_for() const {
+        validate();
+        check_budget(static_cast<std::int64_t>(sizeof(T)), detail::scalar_name<T>());
+    }
+
+private:
+    void check_budget(std::int64_t scalar_bytes, const char* scalar) const {
+        detail::require_budget(detail::sat_mul(parameter_count(), scalar_bytes),
+                               "FeedForwardConfig", "parameter size", scalar,
+                               "reduce d_model or hidden");
     }
 };
 
@@ -100,7 +126,7 @@ struct FeedForwardParams {
     /// random() (draw) or zeros() (!draw).
     [[nodiscard]] static FeedForwardParams generate(const FeedForwardConfig& cfg,
                                                     std::uint64_t seed, bool draw) {
-        cfg.validate();
+        cfg.validate_for<T>();  // field limits, allocation budget
         detail::TensorDraw<T> gauss(seed, draw);
         const int d = cfg.d_model, h = cfg.hidden_dim();
         FeedForwardParams p;
@@ -162,7 +188,7 @@ public:
     /// Validates both (ConfigError, ShapeError, NonFiniteError) and keeps copies.
     FeedForward(FeedForwardConfig config, FeedForwardParams<T> params)
         : cfg_(std::move(config)), params_(std::move(params)) {
-        cfg_.validate();
+        cfg_.validate_for<T>();
         params_.validate(cfg_);
     }
 

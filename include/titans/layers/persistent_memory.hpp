@@ -10,6 +10,7 @@
 #include "../detail/random.hpp"
 #include "../error.hpp"
 #include "../fwd.hpp"
+#include "../limits.hpp"
 #include "../types.hpp"
 
 namespace titans {
@@ -47,10 +48,14 @@ public:
     [[nodiscard]] static PersistentMemory random(int n_tokens, int d_model, std::uint64_t seed,
                                                  double stddev = 1.0) {
         constexpr const char* w = "PersistentMemory::random";
-        detail::require<ConfigError>(n_tokens >= 0, w, "n_tokens", n_tokens, ">= 0");
-        detail::require<ConfigError>(d_model >= 1, w, "d_model", d_model, ">= 1");
+        detail::require_in_range(n_tokens, 0, limits::max_persistent, w, "n_tokens");
+        detail::require_in_range(d_model, 1, limits::max_d_model, w, "d_model");
         detail::require<ConfigError>(std::isfinite(stddev) && stddev >= 0, w, "stddev", stddev,
                                      "a finite value >= 0");
+        detail::require_representable<T>(stddev, w, "stddev");
+        detail::require_budget(detail::sat_mul(n_tokens, d_model, std::int64_t{sizeof(T)}), w,
+                               "tokens size", detail::scalar_name<T>(),
+                               "reduce n_tokens or d_model");
         detail::SplitMix64 rng(seed);
         Matrix<T> m(n_tokens, d_model);
         for (Eigen::Index i = 0; i < m.size(); ++i) {

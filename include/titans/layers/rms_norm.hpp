@@ -8,6 +8,7 @@
 
 #include "../error.hpp"
 #include "../fwd.hpp"
+#include "../limits.hpp"
 #include "../types.hpp"
 
 namespace titans {
@@ -30,10 +31,10 @@ class RMSNorm {
 public:
     using Scalar = T;
 
-    /// Width d >= 1, weight initialised to ones, eps > 0 (ConfigError otherwise).
+    /// Width d in [1, limits::max_d_model], weight initialised to ones, eps > 0 and
+    /// representable in T (ConfigError otherwise, before anything is allocated).
     explicit RMSNorm(int d_model, double eps = 1e-6)
-        : weight_(RowVector<T>::Ones(std::max(d_model, 0))), eps_(eps) {
-        detail::require<ConfigError>(d_model >= 1, "RMSNorm", "d_model", d_model, ">= 1");
+        : weight_(RowVector<T>::Ones(checked_width(d_model))), eps_(eps) {
         check_eps();
     }
 
@@ -85,9 +86,16 @@ public:
     }
 
 private:
+    static int checked_width(int d_model) {
+        detail::require_in_range(d_model, 1, limits::max_d_model, "RMSNorm", "d_model");
+        return d_model;
+    }
+    /// eps > 0, finite, and representable in T: an eps that rounds to 0 (1e-50 in float) or to
+    /// infinity would divide by zero or zero the output.
     void check_eps() const {
         detail::require<ConfigError>(std::isfinite(eps_) && eps_ > 0, "RMSNorm", "eps", eps_,
                                      "a finite value > 0");
+        detail::require_representable<T>(eps_, "RMSNorm", "eps");
     }
     static void check_weight(const RowVector<T>& w) {
         if (!w.allFinite()) {

@@ -2,12 +2,14 @@
 // titans/memory/config.hpp: MemoryConfig, every setting of the neural long-term memory.
 
 #include <cmath>
+#include <cstdint>
 #include <string>
 #include <string_view>
 #include <type_traits>
 
 #include "../error.hpp"
 #include "../detail/enum_names.hpp"
+#include "../limits.hpp"
 
 namespace titans {
 
@@ -102,6 +104,10 @@ struct MemoryConfig {
     double constant_theta = 0.1;   ///< GateMode::Constant: learning rate >= 0
     double constant_eta = 0.9;     ///< GateMode::Constant: momentum decay in [0, 1]
     double constant_alpha = 0.01;  ///< GateMode::Constant: forget rate in [0, 1]
+    /// SPEC §10: per-token gradient-norm clipping, theta_t <- theta_t * min(1, c / ||grad_t||)
+    /// with ||grad_t|| the Frobenius norm of token t's gradient over all layers; 0 turns it
+    /// off. Keeps the memory finite on constant, periodic and large inputs (docs/math.md §7).
+    double max_grad_norm = 1.0;
     // Algorithm (SPEC §3-5).
     UpdateMode update = UpdateMode::Chunked;
     Retrieval retrieval = Retrieval::Lagged;
@@ -159,31 +165,89 @@ struct MemoryConfig {
         v(S("constant_theta"), self.constant_theta);
         v(S("constant_eta"), self.constant_eta);
         v(S("constant_alpha"), self.constant_alpha);
+        v(S("max_grad_norm"), self.max_grad_norm);
         v(S("update"), self.update);
         v(S("retrieval"), self.retrieval);
         v(S("chunk"), self.chunk);
     }
 
-    /// Throws ConfigError naming the first invalid field and what it must be.
+    /// Elements of the MemoryParams of this configuration (every tensor random() / zeros()
+    /// allocates), in 64 bits (saturating at INT64_MAX). Meaningful for a validated
+    /// configuration (negative fields count as 0).
+    [[nodiscard]] std::int64_t parameter_count() const {
+        using detail::sat_add;
+        using detail::sat_mul;
+        const std::int64_t d = d_model, H = n_heads, D = sat_mul(H, head_dim64());
+        return sat_add(sat_mul(4, d, D),              // w_q, w_k, w_v, w_o
+                       sat_mul(3, conv_kernel, D),    // conv_q, conv_k, conv_v
+                       sat_mul(3, sat_add(d, 1), H),  // gate weights and biases
+                       sat_mul(H, memory_weight_count()));
+    }
+
+    /// Bytes of the state make_state(batch) builds (every matrix at its largest, plus
+    /// limits::matrix_overhead_bytes per matrix), `scalar_bytes` per element, in 64 bits
+    /// (saturating). Meaningful for a validated configuration.
+    [[nodiscard]] std::int64_t state_bytes(std::int64_t batch, std::int64_t scalar_bytes) const {
+        using detail::sat_add;
+        using detail::sat_mul;
+        const std::int64_t dh = head_dim64(), L = depth;
+        const std::int64_t hid = L >= 2 ? sat_mul(expansion, dh) : dh;
+        const std::int64_t b = update == UpdateMode::PerToken ? 1 : chunk;
+        const std::int64_t sum_in = sat_add(dh, sat_mul(L - 1, hid));   // sum_l layer_in(l)
+        const std::int64_t sum_out = sat_add(sat_mul(L - 1, hid), dh);  // sum_l layer_out(l)
+        const std::int64_t widest = hid > dh ? hid : dh;
+        // Per (sequence, head): W^s, S^s; pending a, delta; workspaces z, hid, gates, t1, t2,
+        // scores, G (b x b), coef.
+        const std::int64_t head_elems =
+            sat_add(sat_mul(2, memory_weight_count()), sat_mul(b, sum_in), sat_mul(3, b, sum_out),
+                    sat_mul(3, b), sat_mul(2, b, widest), sat_mul(2, b, b), sat_mul(8, b));
+        const std::int64_t head_bytes =
+            sat_add(sat_mul(head_elems, scalar_bytes),
+                    sat_mul(sat_add(sat_mul(6, L), 6), limits::matrix_overhead_bytes));
+        const std::int64_t conv =
+            use_conv ? sat_mul(conv_kernel - 1, 3, sat_mul(n_heads, dh)) : 0;  // conv tail
+        const std::int64_t per_sequence =
+            sat_add(sat_mul(n_heads, head_bytes), sat_mul(conv, scalar_bytes),
+                    limits::matrix_overhead_bytes);
+        return sat_mul(batch, per_sequence);
+    }
+
+    /// Throws ConfigError naming the first invalid field and what it must be: every field in
+    /// its range (upper limits in titans/limits.hpp), every enum a valid enumerator, every
+    /// double finite, and the parameters and the state of one sequence within
+    /// limits::max_allocation_bytes at 4 bytes (float) per element. validate_for<T>() also
+    /// counts sizeof(T) and checks that the doubles are representable in T.
     void validate() const {
         constexpr const char* w = "MemoryConfig";
         using detail::require;
-        require<ConfigError>(d_model >= 1, w, "d_model", d_model, ">= 1");
-        require<ConfigError>(n_heads >= 1, w, "n_heads", n_heads, ">= 1");
-        require<ConfigError>(d_head >= 0, w, "d_head", d_head, ">= 0 (0 means d_model / n_heads)");
+        using detail::require_in_range;
+        require_in_range(d_model, 1, limits::max_d_model, w, "d_model");
+        require_in_range(n_heads, 1, limits::max_heads, w, "n_heads");
+        require_in_range(d_head, 0, limits::max_head_dim, w, "d_head",
+                         " (0 means d_model / n_heads)");
         if (d_head == 0) {
             require<ConfigError>(d_model % n_heads == 0, w, "d_model", d_model,
                                  detail::concat("a multiple of n_heads = ", n_heads,
                                                 " when d_head = 0"));
         }
-        require<ConfigError>(depth >= 1, w, "depth", depth, ">= 1");
-        require<ConfigError>(expansion >= 1, w, "expansion", expansion, ">= 1");
+        require_in_range(depth, 1, limits::max_depth, w, "depth");
+        require_in_range(expansion, 1, limits::max_expansion, w, "expansion");
         require<ConfigError>(activation == Activation::SiLU || activation == Activation::GELU, w,
-                             "activation", to_string(activation), "SiLU or GELU");
-        require<ConfigError>(conv_kernel >= 1, w, "conv_kernel", conv_kernel, ">= 1");
+                             "activation", static_cast<int>(activation),
+                             "SiLU (0) or GELU (1)");
+        require_in_range(conv_kernel, 1, limits::max_conv_kernel, w, "conv_kernel");
         require<ConfigError>(
             qkv_activation == Activation::SiLU || qkv_activation == Activation::Identity, w,
-            "qkv_activation", to_string(qkv_activation), "SiLU or Identity");
+            "qkv_activation", static_cast<int>(qkv_activation), "SiLU (0) or Identity (2)");
+        require<ConfigError>(gates == GateMode::DataDependent || gates == GateMode::Constant ||
+                                 gates == GateMode::PerChunk,
+                             w, "gates", static_cast<int>(gates),
+                             "DataDependent (0), Constant (1) or PerChunk (2)");
+        require<ConfigError>(update == UpdateMode::Chunked || update == UpdateMode::PerToken, w,
+                             "update", static_cast<int>(update), "Chunked (0) or PerToken (1)");
+        require<ConfigError>(retrieval == Retrieval::Lagged || retrieval == Retrieval::InChunk,
+                             w, "retrieval", static_cast<int>(retrieval),
+                             "Lagged (0) or InChunk (1)");
         require<ConfigError>(std::isfinite(theta_max) && theta_max >= 0, w, "theta_max",
                              theta_max, "a finite value >= 0");
         require<ConfigError>(std::isfinite(constant_theta) && constant_theta >= 0, w,
@@ -192,7 +256,9 @@ struct MemoryConfig {
                              constant_eta, "a value in [0, 1]");
         require<ConfigError>(constant_alpha >= 0 && constant_alpha <= 1, w, "constant_alpha",
                              constant_alpha, "a value in [0, 1]");
-        require<ConfigError>(chunk >= 1, w, "chunk", chunk, ">= 1");
+        require<ConfigError>(std::isfinite(max_grad_norm) && max_grad_norm >= 0, w,
+                             "max_grad_norm", max_grad_norm, "a finite value >= 0 (0: off)");
+        require_in_range(chunk, 1, limits::max_chunk, w, "chunk");
         // Per-chunk gates are a function of the whole chunk's mean input. Only the lagged,
         // chunked mode never lets a token's output depend on later tokens of its chunk
         // (its outputs read W^s; the gates enter only the chunk-end write).
@@ -205,6 +271,49 @@ struct MemoryConfig {
                                  "Lagged when gates = PerChunk (per-chunk gates would read "
                                  "future tokens of the chunk)");
         }
+        check_budget(4, "float");
+    }
+
+    /// validate(), then the checks that depend on the scalar type T of the object: every
+    /// double setting representable in T (finite, not rounding to 0 or infinity), and the
+    /// parameters and batch-1 state within limits::max_allocation_bytes at sizeof(T) bytes
+    /// per element. Called by NeuralMemory<T> and MemoryParams<T>::random / zeros.
+    template <class T>
+    void validate_for() const {
+        validate();
+        constexpr const char* w = "MemoryConfig";
+        detail::require_representable<T>(theta_max, w, "theta_max");
+        detail::require_representable<T>(constant_theta, w, "constant_theta");
+        detail::require_representable<T>(constant_eta, w, "constant_eta");
+        detail::require_representable<T>(constant_alpha, w, "constant_alpha");
+        detail::require_representable<T>(max_grad_norm, w, "max_grad_norm");
+        check_budget(static_cast<std::int64_t>(sizeof(T)), detail::scalar_name<T>());
+    }
+
+    /// d_h in 64 bits (0 rather than a division by zero when n_heads < 1).
+    [[nodiscard]] std::int64_t head_dim64() const {
+        return d_head > 0 ? d_head : (n_heads > 0 ? d_model / n_heads : 0);
+    }
+    /// sum_l layer_in(l) * layer_out(l): the memory weights of one head, in 64 bits
+    /// (saturating).
+    [[nodiscard]] std::int64_t memory_weight_count() const {
+        using detail::sat_add;
+        using detail::sat_mul;
+        const std::int64_t dh = head_dim64();
+        if (depth < 2) return sat_mul(dh, dh);
+        const std::int64_t hid = sat_mul(expansion, dh);
+        return sat_add(sat_mul(2, dh, hid), sat_mul(depth - 2, hid, hid));
+    }
+
+private:
+    void check_budget(std::int64_t scalar_bytes, const char* scalar) const {
+        constexpr const char* w = "MemoryConfig";
+        detail::require_budget(detail::sat_mul(parameter_count(), scalar_bytes), w,
+                               "parameter size", scalar,
+                               "reduce d_model, n_heads, d_head, depth, expansion or conv_kernel");
+        detail::require_budget(state_bytes(1, scalar_bytes), w, "state size for batch 1", scalar,
+                               "reduce n_heads, d_head, depth, expansion or chunk (b x b "
+                               "workspaces per head)");
     }
 };
 

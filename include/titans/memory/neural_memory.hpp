@@ -48,7 +48,7 @@ public:
     /// Validates both (ConfigError, ShapeError, NonFiniteError) and keeps copies.
     NeuralMemory(MemoryConfig config, MemoryParams<T> params)
         : cfg_(std::move(config)), params_(std::move(params)) {
-        cfg_.validate();
+        cfg_.validate_for<T>();
         params_.validate(cfg_);
     }
 
@@ -58,8 +58,9 @@ public:
     /// A fresh state for `batch` independent sequences: M_0 = memory_init, S_0 = 0,
     /// conv history zero, position 0.
     [[nodiscard]] State make_state(int batch = 1) const {
-        detail::require<ConfigError>(batch >= 1, "NeuralMemory::make_state", "batch", batch,
-                                     ">= 1");
+        detail::require_state_batch(
+            "NeuralMemory::make_state", batch, detail::scalar_name<T>(),
+            [&](std::int64_t b) { return cfg_.state_bytes(b, std::int64_t{sizeof(T)}); });
         return Kernels::make_state(cfg_, params_, batch);
     }
 
@@ -75,6 +76,8 @@ public:
     /// As above, writing into `y` (resized to (B*N) x d_model; reuse it to avoid allocation).
     void forward(State& state, const Matrix<T>& x, Matrix<T>& y,
                  Diagnostics<T>* diag = nullptr) const {
+        detail::check_position_advance("NeuralMemory::forward", state.position(), x.rows(),
+                                       state.batch());
         check_state(state, "NeuralMemory::forward");
         check_input(state, x, "NeuralMemory::forward");
         if (&x == &y) {
@@ -95,6 +98,11 @@ public:
         Matrix<T> y;
         const detail::DenormalFlushScope flush(cfg_.flush_denormals);
         Kernels::read(cfg_, params_, state, x, y);
+        if (!detail::all_finite(y)) {
+            throw NonFiniteError("NeuralMemory::read: the read-out is not finite (the memory "
+                                 "diverged or x overflows the projections), expected finite "
+                                 "values; the state is unchanged");
+        }
         return y;
     }
 
@@ -110,6 +118,24 @@ public:
         check_index(state, b, h, "NeuralMemory::current_momentum");
         return Kernels::current_momentum(cfg_, state, b, h);
     }
+
+    /// Transactions: after begin(state), the forward calls on `state` are undone together by
+    /// rollback(state) (bit-identical to the state at begin) or kept by commit(state). Without
+    /// one, each forward call is its own transaction: it commits when it returns and leaves
+    /// the state untouched when it throws. Inside one, a forward that throws rolls the whole
+    /// transaction back. begin returns false (and opens nothing) if one is already open. The
+    /// saved values live in the state (buffers sized on first use). Blocks use this to keep
+    /// the strong guarantee across their sub-layers.
+    bool begin(State& state) const {
+        check_state(state, "NeuralMemory::begin");
+        return Kernels::begin(state);
+    }
+    void commit(State& state) const { Kernels::commit(state); }
+    void rollback(State& state) const { Kernels::rollback(state); }
+
+    /// Throws ConfigError unless `state` can be continued by this memory: made by make_state()
+    /// of a memory with the same configuration (every setting but flush_denormals).
+    void validate_state(const State& state) const { check_state(state, "NeuralMemory"); }
 
 private:
     void check_state(const State& state, const char* where) const {

@@ -49,7 +49,7 @@ struct MemoryParams {
     /// random() (draw) or zeros() (!draw).
     [[nodiscard]] static MemoryParams generate(const MemoryConfig& cfg, std::uint64_t seed,
                                                bool draw) {
-        cfg.validate();
+        cfg.validate_for<T>();  // field limits, T-representable settings, allocation budget
         detail::TensorDraw<T> gauss(seed, draw);
         const int d = cfg.d_model, H = cfg.n_heads, D = cfg.inner_dim(), K = cfg.conv_kernel;
         MemoryParams p;

@@ -3,6 +3,7 @@
 // context (MAC), as a gate (MAG), as a layer (MAL), each a pre-norm residual block
 //     h = x + Mixer(RMSNorm(x)),   out = h + FFN(RMSNorm(h))
 
+#include <cmath>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -23,6 +24,7 @@
 #include "../error.hpp"
 #include "../layers/feed_forward.hpp"
 #include "../layers/rms_norm.hpp"
+#include "../limits.hpp"
 #include "../memory/mlp.hpp"
 #include "../memory/neural_memory.hpp"
 #include "../types.hpp"
@@ -106,28 +108,104 @@ struct BlockConfig {
         v(S("norm_eps"), self.norm_eps);
     }
 
+    /// Elements of the BlockParams of this configuration (what random() / zeros() allocate),
+    /// in 64 bits (saturating). Meaningful for a validated configuration.
+    [[nodiscard]] std::int64_t parameter_count() const {
+        using detail::sat_add;
+        using detail::sat_mul;
+        const std::int64_t d = d_model;
+        std::int64_t n = sat_add(sat_mul(2, d), memory.parameter_count());  // norms, memory
+        if (kind != BlockKind::LMM) {
+            n = sat_add(n, attention.parameter_count(), sat_mul(n_persistent, d));
+        }
+        if (kind == BlockKind::MAG) n = sat_add(n, sat_mul(2, d));  // norm_y, norm_m
+        if (use_ffn) n = sat_add(n, ffn.parameter_count());
+        return n;
+    }
+
+    /// Bytes of the state make_state(batch) builds, `scalar_bytes` per element, in 64 bits
+    /// (saturating): the memory's state, the attention's full KV window (MAG, MAL), MAC's
+    /// segment buffers (2 x batch x 2C x D_att), snapshots (batch x H x memory weights) and
+    /// P W_K, P W_V, and for MAG / MAL the persistent-token pass make_state runs (batch x N_p
+    /// rows through the memory, and the attention for MAL). Meaningful for a validated
+    /// configuration.
+    [[nodiscard]] std::int64_t state_bytes(std::int64_t batch, std::int64_t scalar_bytes) const {
+        using detail::sat_add;
+        using detail::sat_mul;
+        constexpr std::int64_t overhead = limits::matrix_overhead_bytes;
+        std::int64_t bytes = memory.state_bytes(batch, scalar_bytes);
+        const std::int64_t np = n_persistent, d = d_model, Da = attention.inner_dim64();
+        const std::int64_t Hm = memory.n_heads, Dm = sat_mul(Hm, memory.head_dim64());
+        if (kind == BlockKind::MAG || kind == BlockKind::MAL) {
+            bytes = sat_add(bytes, attention.state_bytes(batch, scalar_bytes));
+            const std::int64_t pass = sat_add(sat_mul(3, d), sat_mul(4, Dm), sat_mul(3, Hm),
+                                              sat_mul(6, Da));
+            bytes = sat_add(bytes, sat_mul(batch, np, pass, scalar_bytes));
+        } else if (kind == BlockKind::MAC) {
+            const std::int64_t seg = sat_mul(2, sat_mul(2, segment), Da);  // seg_k, seg_v
+            const std::int64_t snap = sat_mul(Hm, memory.memory_weight_count());
+            bytes = sat_add(bytes, sat_mul(batch, sat_add(seg, snap), scalar_bytes),
+                            sat_mul(batch, sat_add(4, sat_mul(Hm, memory.depth)), overhead),
+                            sat_mul(2, np, Da, scalar_bytes));
+        }
+        return bytes;
+    }
+
+    /// Throws ConfigError naming the first invalid field: kind a valid enumerator, d_model in
+    /// [1, max_d_model], memory and attention (every kind: its width is part of the state)
+    /// valid, their d_model (and ffn's) equal to d_model, n_persistent in [0, max_persistent]
+    /// (not LMM), segment in [1, max_segment] (MAC), ffn valid (use_ffn), norm_eps finite and
+    /// > 0, and the parameters and batch-1 state within limits::max_allocation_bytes at 4
+    /// bytes (float) per element. validate_for<T>() checks the T-specific rules too.
     void validate() const {
         constexpr const char* w = "BlockConfig";
-        detail::require<ConfigError>(d_model >= 1, w, "d_model", d_model, ">= 1");
+        detail::require<ConfigError>(kind == BlockKind::LMM || kind == BlockKind::MAC ||
+                                         kind == BlockKind::MAG || kind == BlockKind::MAL,
+                                     w, "kind", static_cast<int>(kind),
+                                     "LMM (0), MAC (1), MAG (2) or MAL (3)");
+        detail::require_in_range(d_model, 1, limits::max_d_model, w, "d_model");
         memory.validate();
         detail::require<ConfigError>(memory.d_model == d_model, w, "memory.d_model",
                                      memory.d_model, detail::concat("d_model = ", d_model));
+        attention.validate();
         if (kind != BlockKind::LMM) {
-            attention.validate();
             detail::require<ConfigError>(attention.d_model == d_model, w, "attention.d_model",
                                          attention.d_model, detail::concat("d_model = ", d_model));
-            detail::require<ConfigError>(n_persistent >= 0, w, "n_persistent", n_persistent,
-                                         ">= 0");
+            detail::require_in_range(n_persistent, 0, limits::max_persistent, w, "n_persistent");
         }
         if (kind == BlockKind::MAC) {
-            detail::require<ConfigError>(segment >= 1, w, "segment", segment, ">= 1");
+            detail::require_in_range(segment, 1, limits::max_segment, w, "segment");
         }
         if (use_ffn) {
             ffn.validate();
             detail::require<ConfigError>(ffn.d_model == d_model, w, "ffn.d_model", ffn.d_model,
                                          detail::concat("d_model = ", d_model));
         }
-        detail::require<ConfigError>(norm_eps > 0, w, "norm_eps", norm_eps, "> 0");
+        detail::require<ConfigError>(std::isfinite(norm_eps) && norm_eps > 0, w, "norm_eps",
+                                     norm_eps, "a finite value > 0");
+        check_budget(4, "float");
+    }
+
+    /// validate(), then the T-specific checks of every part (doubles representable in T,
+    /// norm_eps not rounding to 0 in T) and the parameters and batch-1 state within the
+    /// budget at sizeof(T) bytes per element. Called by Block<T> and BlockParams<T>::random /
+    /// zeros.
+    template <class T>
+    void validate_for() const {
+        validate();
+        memory.validate_for<T>();
+        attention.validate_for<T>();
+        if (use_ffn) ffn.validate_for<T>();
+        detail::require_representable<T>(norm_eps, "BlockConfig", "norm_eps");
+        check_budget(static_cast<std::int64_t>(sizeof(T)), detail::scalar_name<T>());
+    }
+
+private:
+    void check_budget(std::int64_t scalar_bytes, const char* scalar) const {
+        constexpr const char* w = "BlockConfig";
+        detail::require_budget(detail::sat_mul(parameter_count(), scalar_bytes), w,
+                               "parameter size", scalar);
+        detail::require_budget(state_bytes(1, scalar_bytes), w, "state size for batch 1", scalar);
     }
 };
 
@@ -157,7 +235,7 @@ struct BlockParams {
     /// random() (draw) or zeros() (!draw).
     [[nodiscard]] static BlockParams generate(const BlockConfig& cfg, std::uint64_t seed,
                                               bool draw) {
-        cfg.validate();
+        cfg.validate_for<T>();  // field limits, T-representable settings, allocation budget
         BlockParams p;
         const int d = cfg.d_model;
         p.norm_mix = RowVector<T>::Ones(d);
@@ -246,8 +324,8 @@ public:
     ///     attention.*            AttentionState::tensors (MAG, MAL; its k/v rows vary)
     ///     seg_k.{b}, seg_v.{b}   MAC: keys/values of the segment in progress, 2C x D_att
     ///     snapshot.{b}.{h}.{l}   MAC: memory weights at the segment start, layer_in x layer_out
-    /// Load into a state from make_state() of the same block. P W_K and P W_V (MAC) are not
-    /// visited: make_state derives them from the parameters.
+    /// Load into a state from make_state() of the same block (MAC's P W_K and P W_V belong to
+    /// the block, not the state).
     template <class Self, class V>
     static void tensors(Self& self, V&& v) {
         static_assert(std::is_same_v<std::remove_const_t<Self>, BlockState>);
@@ -275,7 +353,7 @@ public:
 private:
     friend class Block<T>;
     BlockKind kind_ = BlockKind::LMM;
-    int segment_ = 0, n_persistent_ = 0, d_model_ = 0, attention_dim_ = 0;  // buffer sizes
+    BlockConfig cfg_{};  // the block's settings at make_state (what a continuing block must match)
     int batch_ = 0;
     std::int64_t position_ = 0;
     MemoryState<T> memory_;
@@ -284,7 +362,16 @@ private:
     // in progress (2C x D_att), and per (sequence, head) the memory weights M_{t-1} at its start.
     std::vector<Matrix<T>> seg_k_, seg_v_;
     std::vector<std::vector<Matrix<T>>> snapshot_;
-    Matrix<T> k_prefix_, v_prefix_;  // P W_K, P W_V (MAC)
+    // The open transaction (Block::begin): the position at its start and, for MAC, the segment
+    // rows [row0, hi) saved before they were overwritten, all rows once the segment wrapped,
+    // and the snapshot before its first refresh. Buffers sized on first use.
+    struct Undo {
+        bool open = false, wrapped = false, snap_saved = false;
+        std::int64_t position = 0;
+        int row0 = 0, hi = 0;
+        std::vector<Matrix<T>> seg_k, seg_v;
+        std::vector<std::vector<Matrix<T>>> snapshot;
+    } undo_;
 };
 
 /// One Titans block (SPEC §7), pre-norm and residual:
@@ -327,6 +414,10 @@ public:
         if (cfg_.use_ffn) {
             ffn_.emplace(cfg_.ffn, params_.ffn);
         }
+        if (cfg_.kind == BlockKind::MAC) {
+            k_prefix_ = params_.persistent * params_.attention.w_k;
+            v_prefix_ = params_.persistent * params_.attention.w_v;
+        }
     }
 
     [[nodiscard]] const BlockConfig& config() const { return cfg_; }
@@ -336,12 +427,12 @@ public:
     /// A fresh state for `batch` streams; for MAG and MAL the memory (and for MAL the
     /// attention window) has already consumed the persistent tokens.
     [[nodiscard]] State make_state(int batch = 1) const {
+        detail::require_state_batch(
+            "Block::make_state", batch, detail::scalar_name<T>(),
+            [&](std::int64_t b) { return cfg_.state_bytes(b, std::int64_t{sizeof(T)}); });
         State st;
         st.kind_ = cfg_.kind;
-        st.segment_ = cfg_.segment;
-        st.n_persistent_ = cfg_.n_persistent;
-        st.d_model_ = cfg_.d_model;
-        st.attention_dim_ = cfg_.attention.inner_dim();
+        st.cfg_ = cfg_;
         st.batch_ = batch;
         st.memory_ = memory_.make_state(batch);
         if (cfg_.kind != BlockKind::LMM) {
@@ -371,27 +462,127 @@ public:
                         memory_.current_weights(st.memory_, b, h);
                 }
             }
-            st.k_prefix_ = params_.persistent * params_.attention.w_k;
-            st.v_prefix_ = params_.persistent * params_.attention.w_v;
         }
         return st;
     }
 
-    /// The next piece of every stream: x (B*N) x d -> (B*N) x d.
+    /// The next piece of every stream: x (B*N) x d -> (B*N) x d. Strong guarantee: if it
+    /// throws (NonFiniteError when a sub-layer's output or state would not be finite), the
+    /// state is as it was.
     [[nodiscard]] Matrix<T> forward(State& state, const Matrix<T>& x) const {
+        // The memory's position is the largest of the block's (it also counts P for MAG, MAL).
+        detail::check_position_advance("Block::forward", state.memory_.position(), x.rows(),
+                                       state.batch_);
         check(state, x, "Block::forward");
+        Guard guard(*this, state);
         const Matrix<T> u = norm_mix_.forward(x);
-        Matrix<T> h = x + mix(state, u);
+        Matrix<T> h = x + mix_unchecked(state, u);
         if (cfg_.use_ffn) {
+            require_finite(h, state, "the mixer's residual sum");
             h += ffn_->forward(norm_ffn_.forward(h));
         }
+        require_finite(h, state, "the output");
+        guard.commit();
         return h;
     }
 
     /// The mixer alone (SPEC §7) on already-normalised input u: (B*N) x d -> (B*N) x d.
-    /// Advances the state (memory, attention, position) like forward().
+    /// Advances the state (memory, attention, position) like forward(); strong guarantee.
     [[nodiscard]] Matrix<T> mix(State& state, const Matrix<T>& u) const {
+        detail::check_position_advance("Block::mix", state.memory_.position(), u.rows(),
+                                       state.batch_);
         check(state, u, "Block::mix");
+        Guard guard(*this, state);
+        Matrix<T> o = mix_unchecked(state, u);
+        require_finite(o, state, "the mixer's output");
+        guard.commit();
+        return o;
+    }
+
+    /// Transactions over several calls, as NeuralMemory::begin: after begin(state), forward
+    /// and mix calls are undone together by rollback(state) (memory, attention, MAC segment
+    /// buffers and position, bit-identical) or kept by commit(state). Without one, each call
+    /// is its own. begin returns false (opening nothing) if one is already open.
+    bool begin(State& state) const {
+        check_state(state, "Block::begin");
+        auto& u = state.undo_;
+        if (u.open) {
+            return false;
+        }
+        memory_.begin(state.memory_);
+        if (cfg_.kind == BlockKind::MAG || cfg_.kind == BlockKind::MAL) {
+            attention_->begin(state.attention_);
+        }
+        u.open = true;
+        u.wrapped = u.snap_saved = false;
+        u.position = state.position_;
+        u.row0 = u.hi = cfg_.kind == BlockKind::MAC
+                            ? 2 * static_cast<int>(state.position_ % cfg_.segment)
+                            : 0;
+        return true;
+    }
+    void commit(State& state) const {
+        memory_.commit(state.memory_);
+        if (cfg_.kind == BlockKind::MAG || cfg_.kind == BlockKind::MAL) {
+            attention_->commit(state.attention_);
+        }
+        state.undo_.open = false;
+    }
+    void rollback(State& state) const {
+        auto& u = state.undo_;
+        if (!u.open) {
+            return;
+        }
+        memory_.rollback(state.memory_);
+        if (cfg_.kind == BlockKind::MAG || cfg_.kind == BlockKind::MAL) {
+            attention_->rollback(state.attention_);
+        }
+        if (cfg_.kind == BlockKind::MAC) {
+            restore_segment(state);
+        }
+        state.position_ = u.position;
+        u.open = false;
+    }
+
+    /// Throws ConfigError unless `state` can be continued by this block: made by make_state()
+    /// of a block with the same settings, its memory and attention states included.
+    void validate_state(const State& state) const { check_state(state, "Block"); }
+
+private:
+    /// Opens a transaction for one call (unless one is open); rolls it back on unwinding.
+    class Guard {
+    public:
+        Guard(const Block& block, State& state)
+            : block_(block), state_(state), own_(block.begin(state)) {}
+        Guard(const Guard&) = delete;
+        Guard& operator=(const Guard&) = delete;
+        ~Guard() {
+            if (!done_) block_.rollback(state_);
+        }
+        void commit() {
+            if (own_) block_.commit(state_);
+            done_ = true;
+        }
+
+    private:
+        const Block& block_;
+        State& state_;
+        bool own_, done_ = false;
+    };
+
+    Matrix<T> mix_unchecked(State& state, const Matrix<T>& u) const {
+        try {
+            return mix_kind(state, u);
+        } catch (const NonFiniteError& e) {
+            throw NonFiniteError(detail::concat(
+                "Block (", to_string(cfg_.kind), "): ", e.what(),
+                cfg_.kind == BlockKind::MAG || cfg_.kind == BlockKind::MAL
+                    ? " (memory positions count the persistent tokens first)"
+                    : ""));
+        }
+    }
+
+    Matrix<T> mix_kind(State& state, const Matrix<T>& u) const {
         Matrix<T> o;
         switch (cfg_.kind) {
             case BlockKind::LMM: o = memory_.forward(state.memory_, u); break;
@@ -405,15 +596,110 @@ public:
         return o;
     }
 
-private:
-    void check(const State& state, const Matrix<T>& x, const char* where) const {
-        if (state.batch_ < 1 || state.kind_ != cfg_.kind || state.segment_ != cfg_.segment ||
-            state.n_persistent_ != cfg_.n_persistent || state.d_model_ != cfg_.d_model ||
-            state.attention_dim_ != cfg_.attention.inner_dim()) {
+    /// NonFiniteError naming the block, `what`, the sequence and the position of the first
+    /// non-finite row of m (rows of the call that ended at state.position_).
+    void require_finite(const Matrix<T>& m, const State& state, const char* what) const {
+        if (detail::all_finite(m)) {
+            return;
+        }
+        const Eigen::Index N = m.rows() / state.batch_;
+        Eigen::Index r = 0;
+        while (r + 1 < m.rows() && detail::all_finite(m.row(r))) ++r;
+        throw NonFiniteError(detail::concat(
+            "Block (", to_string(cfg_.kind), "): ", what, " is not finite at sequence ", r / N,
+            ", position ", state.undo_.position + r % N,
+            " (a sub-layer overflows), expected finite values; the state is unchanged"));
+    }
+
+    /// MAC: before segment rows [lo, lo + n) of every sequence are overwritten.
+    static void save_segment_rows(State& st, int lo, int n) {
+        auto& u = st.undo_;
+        if (!u.open || u.wrapped || lo + n <= u.hi) {
+            return;
+        }
+        u.seg_k.resize(st.seg_k_.size());
+        u.seg_v.resize(st.seg_v_.size());
+        for (std::size_t b = 0; b < st.seg_k_.size(); ++b) {
+            if (u.seg_k[b].rows() != st.seg_k_[b].rows() || u.seg_k[b].cols() != st.seg_k_[b].cols()) {
+                u.seg_k[b].resize(st.seg_k_[b].rows(), st.seg_k_[b].cols());
+                u.seg_v[b].resize(st.seg_v_[b].rows(), st.seg_v_[b].cols());
+            }
+            u.seg_k[b].middleRows(u.hi, lo + n - u.hi) = st.seg_k_[b].middleRows(u.hi, lo + n - u.hi);
+            u.seg_v[b].middleRows(u.hi, lo + n - u.hi) = st.seg_v_[b].middleRows(u.hi, lo + n - u.hi);
+        }
+        u.hi = lo + n;
+    }
+
+    /// MAC: at a segment start, before the snapshot is refreshed (and, after the first
+    /// segment of the transaction, before rows [0, row0) are reused).
+    static void save_segment_start(State& st, std::int64_t pos) {
+        auto& u = st.undo_;
+        if (!u.open) {
+            return;
+        }
+        if (!u.snap_saved) {
+            u.snapshot = st.snapshot_;
+            u.snap_saved = true;
+        }
+        if (!u.wrapped && pos > u.position) {
+            const int hi = u.hi;
+            u.hi = 0;
+            save_segment_rows(st, 0, u.row0);
+            u.hi = hi;
+            u.wrapped = true;
+        }
+    }
+
+    static void restore_segment(State& st) {
+        auto& u = st.undo_;
+        if (u.snap_saved) {
+            st.snapshot_.swap(u.snapshot);
+        }
+        const int lo = u.wrapped ? 0 : u.row0;
+        for (std::size_t b = 0; b < u.seg_k.size() && u.hi > lo; ++b) {
+            st.seg_k_[b].middleRows(lo, u.hi - lo) = u.seg_k[b].middleRows(lo, u.hi - lo);
+            st.seg_v_[b].middleRows(lo, u.hi - lo) = u.seg_v[b].middleRows(lo, u.hi - lo);
+        }
+    }
+
+    bool uses_attention_state() const {
+        return cfg_.kind == BlockKind::MAG || cfg_.kind == BlockKind::MAL;
+    }
+
+    /// True if a state made by a block with settings `a` can be continued by one with `b`:
+    /// equal kind, width, memory (MemoryConfig::same_stream), persistent count, MAC segment and,
+    /// for the kinds with attention, every attention setting (heads, width, window, RoPE).
+    /// The feed-forward and the norms hold no state.
+    static bool same_stream(const BlockConfig& a, const BlockConfig& b) {
+        if (a.kind != b.kind || a.d_model != b.d_model || !a.memory.same_stream(b.memory)) {
+            return false;
+        }
+        if (a.kind == BlockKind::LMM) {
+            return true;
+        }
+        const AttentionConfig &x = a.attention, &y = b.attention;
+        return a.n_persistent == b.n_persistent &&
+               (a.kind != BlockKind::MAC || a.segment == b.segment) &&
+               x.d_model == y.d_model && x.n_heads == y.n_heads &&
+               x.head_dim() == y.head_dim() && x.window == y.window && x.rope == y.rope &&
+               (!x.rope || x.rope_base == y.rope_base);
+    }
+
+    void check_state(const State& state, const char* where) const {
+        if (state.batch_ < 1 || !same_stream(state.cfg_, cfg_) ||
+            state.memory_.batch() != state.batch_ ||
+            (uses_attention_state() && state.attention_.batch() != state.batch_) ||
+            (cfg_.kind == BlockKind::MAC &&
+             (state.seg_k_.size() != static_cast<std::size_t>(state.batch_) ||
+              state.snapshot_.size() != static_cast<std::size_t>(state.batch_) *
+                                            static_cast<std::size_t>(cfg_.memory.n_heads)))) {
             throw ConfigError(detail::concat(where, ": state was made for a different block (or "
                                                     "default-constructed), expected a state from "
                                                     "make_state() of this block"));
         }
+    }
+    void check(const State& state, const Matrix<T>& x, const char* where) const {
+        check_state(state, where);
         if (x.cols() != cfg_.d_model) {
             throw ShapeError(detail::concat(where, ": x has ", x.cols(),
                                             " columns, expected d_model = ", cfg_.d_model));
@@ -429,7 +715,7 @@ private:
     }
 
     static const BlockConfig& validated(const BlockConfig& cfg, const BlockParams<T>& p) {
-        cfg.validate();
+        cfg.validate_for<T>();
         p.validate(cfg);
         return cfg;
     }
@@ -478,6 +764,7 @@ private:
             const int o = static_cast<int>(pos % C);
             const int m = static_cast<int>(std::min<Eigen::Index>(C - o, N - t));
             if (o == 0) {  // segment start: remember M_{t-1}
+                save_segment_start(st, pos);
                 for (int b = 0; b < B; ++b) {
                     for (int h = 0; h < Hm; ++h) {
                         st.snapshot_[static_cast<std::size_t>(b * Hm + h)] =
@@ -485,6 +772,7 @@ private:
                     }
                 }
             }
+            save_segment_rows(st, 2 * o, 2 * m);
             Matrix<T> y(static_cast<Eigen::Index>(B) * m, cfg_.d_model);
             for (int b = 0; b < B; ++b) {
                 const Matrix<T> us = u.middleRows(b * N + t, m);
@@ -508,7 +796,7 @@ private:
                 // sees P, then h_0..h_{o+i} and s_0..s_{o+i}: causal over the segment, h
                 // included.
                 Matrix<T> att(m, qs.cols());
-                prefix_window_attention<T>(qs, st.k_prefix_, st.v_prefix_,
+                prefix_window_attention<T>(qs, k_prefix_, v_prefix_,
                                            sk.topRows(2 * (o + m)), sv.topRows(2 * (o + m)), Ha,
                                            dha, 2 * C, 2 * o + 1, att, /*query_stride=*/2);
                 y.middleRows(static_cast<Eigen::Index>(b) * m, m) = att * ap.w_o;
@@ -535,6 +823,7 @@ private:
     std::optional<Attention<T>> attention_;    // all kinds but LMM
     std::optional<RMSNorm<T>> norm_y_, norm_m_;  // MAG
     std::optional<FeedForward<T>> ffn_;        // if use_ffn
+    Matrix<T> k_prefix_, v_prefix_;            // MAC: P W_K, P W_V
 };
 
 }  // namespace titans

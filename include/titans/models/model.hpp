@@ -2,6 +2,7 @@
 // titans/models/model.hpp: a stack of Titans blocks with an embedding (or raw vectors in),
 // a final RMSNorm and an output head.
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -13,6 +14,7 @@
 #include "../detail/random.hpp"
 #include "../error.hpp"
 #include "../layers/rms_norm.hpp"
+#include "../limits.hpp"
 #include "../types.hpp"
 #include "block.hpp"
 
@@ -30,6 +32,8 @@ struct ModelConfig {
     /// `n_layers` blocks of one kind (see BlockConfig::make).
     [[nodiscard]] static ModelConfig uniform(BlockKind kind, int n_layers, int d, int heads,
                                              int depth, int span, int vocab = 0, int chunk = 64) {
+        detail::require_in_range(n_layers, 0, limits::max_blocks, "ModelConfig::uniform",
+                                 "n_layers");
         ModelConfig c;
         c.vocab_size = vocab;
         c.d_model = d;
@@ -60,20 +64,70 @@ struct ModelConfig {
         v(S("norm_eps"), self.norm_eps);
     }
 
+    /// Elements of the ModelParams of this configuration (embedding, every block, norm_final,
+    /// head), in 64 bits (saturating). Meaningful for a validated configuration.
+    [[nodiscard]] std::int64_t parameter_count() const {
+        using detail::sat_add;
+        using detail::sat_mul;
+        std::int64_t n = sat_add(sat_mul(vocab_size, d_model), d_model,
+                                 sat_mul(d_model, output_dim()));
+        for (const BlockConfig& b : blocks) n = sat_add(n, b.parameter_count());
+        return n;
+    }
+
+    /// Bytes of the state make_state(batch) builds (every block's), `scalar_bytes` per
+    /// element, in 64 bits (saturating). Meaningful for a validated configuration.
+    [[nodiscard]] std::int64_t state_bytes(std::int64_t batch, std::int64_t scalar_bytes) const {
+        std::int64_t n = limits::matrix_overhead_bytes;
+        for (const BlockConfig& b : blocks) {
+            n = detail::sat_add(n, b.state_bytes(batch, scalar_bytes));
+        }
+        return n;
+    }
+
+    /// Throws ConfigError naming the first invalid field: vocab_size in [0, max_vocab], d_model
+    /// in [1, max_d_model], d_out in [0, max_d_out], blocks.size() in [1, max_blocks],
+    /// norm_eps finite and > 0, every block valid with d_model equal to the model's, and the
+    /// parameters and batch-1 state within limits::max_allocation_bytes at 4 bytes (float)
+    /// per element. validate_for<T>() checks the T-specific rules too.
     void validate() const {
         constexpr const char* w = "ModelConfig";
-        detail::require<ConfigError>(vocab_size >= 0, w, "vocab_size", vocab_size,
-                                     ">= 0 (0 means vectors in and out)");
-        detail::require<ConfigError>(d_model >= 1, w, "d_model", d_model, ">= 1");
-        detail::require<ConfigError>(d_out >= 0, w, "d_out", d_out, ">= 0");
-        detail::require<ConfigError>(!blocks.empty(), w, "blocks.size()", blocks.size(), ">= 1");
-        detail::require<ConfigError>(norm_eps > 0, w, "norm_eps", norm_eps, "> 0");
+        detail::require_in_range(vocab_size, 0, limits::max_vocab, w, "vocab_size",
+                                 " (0 means vectors in and out)");
+        detail::require_in_range(d_model, 1, limits::max_d_model, w, "d_model");
+        detail::require_in_range(d_out, 0, limits::max_d_out, w, "d_out",
+                                 " (0 means d_model)");
+        detail::require_in_range(static_cast<std::int64_t>(blocks.size()), 1, limits::max_blocks,
+                                 w, "blocks.size()");
+        detail::require<ConfigError>(std::isfinite(norm_eps) && norm_eps > 0, w, "norm_eps",
+                                     norm_eps, "a finite value > 0");
         for (std::size_t i = 0; i < blocks.size(); ++i) {
             blocks[i].validate();
             detail::require<ConfigError>(blocks[i].d_model == d_model, w,
                                          detail::concat("blocks[", i, "].d_model").c_str(),
                                          blocks[i].d_model, detail::concat("d_model = ", d_model));
         }
+        check_budget(4, "float");
+    }
+
+    /// validate(), then every block's validate_for<T>(), norm_eps representable in T, and the
+    /// parameters and batch-1 state within the budget at sizeof(T) bytes per element. Called
+    /// by Model<T> and ModelParams<T>::random / zeros.
+    template <class T>
+    void validate_for() const {
+        validate();
+        for (const BlockConfig& b : blocks) b.validate_for<T>();
+        detail::require_representable<T>(norm_eps, "ModelConfig", "norm_eps");
+        check_budget(static_cast<std::int64_t>(sizeof(T)), detail::scalar_name<T>());
+    }
+
+private:
+    void check_budget(std::int64_t scalar_bytes, const char* scalar) const {
+        constexpr const char* w = "ModelConfig";
+        detail::require_budget(detail::sat_mul(parameter_count(), scalar_bytes), w,
+                               "parameter size", scalar,
+                               "reduce vocab_size, d_out, d_model or the blocks");
+        detail::require_budget(state_bytes(1, scalar_bytes), w, "state size for batch 1", scalar);
     }
 };
 
@@ -95,7 +149,7 @@ struct ModelParams {
     /// random() (draw) or zeros() (!draw).
     [[nodiscard]] static ModelParams generate(const ModelConfig& cfg, std::uint64_t seed,
                                               bool draw) {
-        cfg.validate();
+        cfg.validate_for<T>();  // field limits, T-representable settings, allocation budget
         ModelParams p;
         detail::TensorDraw<T> gauss(seed * 1000003 + 7, draw);
         if (cfg.vocab_size > 0) {
@@ -185,7 +239,9 @@ public:
     [[nodiscard]] const std::vector<Block<T>>& blocks() const { return blocks_; }
 
     [[nodiscard]] State make_state(int batch = 1) const {
-        detail::require<ConfigError>(batch >= 1, "Model::make_state", "batch", batch, ">= 1");
+        detail::require_state_batch(
+            "Model::make_state", batch, detail::scalar_name<T>(),
+            [&](std::int64_t b) { return cfg_.state_bytes(b, std::int64_t{sizeof(T)}); });
         State st;
         st.batch = batch;
         for (const auto& b : blocks_) {
@@ -194,18 +250,53 @@ public:
         return st;
     }
 
+    /// Throws ConfigError unless `state` can be continued by this model: made by make_state()
+    /// of a model with the same settings (every block's state accepted by its block), with
+    /// the model's batch and position equal to every block's.
+    void validate_state(const State& state) const { check_state(state, "Model"); }
+
     /// Vectors in: x (B*N) x d_model -> (B*N) x output_dim().
     [[nodiscard]] Matrix<T> forward(State& state, const Matrix<T>& x) const {
-        if (state.batch < 1 || state.blocks.size() != blocks_.size()) {
-            throw ConfigError("Model::forward: state was made for a different model (or "
-                              "default-constructed), expected a state from make_state()");
+        // Reserve: a block's memory also counts its persistent tokens (<= max_persistent).
+        detail::check_position_advance("Model::forward", state.position, x.rows(), state.batch,
+                                       limits::max_persistent);
+        check_state(state, "Model::forward");
+        if (x.cols() != cfg_.d_model) {
+            throw ShapeError(detail::concat("Model::forward: x has ", x.cols(),
+                                            " columns, expected d_model = ", cfg_.d_model));
         }
-        Matrix<T> h = x;
-        for (std::size_t i = 0; i < blocks_.size(); ++i) {
-            h = blocks_[i].forward(state.blocks[i], h);
+        // One transaction over every block: if any block (or the head) throws, all of them
+        // roll back and the state is as it was (strong guarantee).
+        std::size_t opened = 0;
+        try {
+            for (; opened < blocks_.size(); ++opened) {
+                blocks_[opened].begin(state.blocks[opened]);
+            }
+            Matrix<T> h = x;
+            for (std::size_t i = 0; i < blocks_.size(); ++i) {
+                try {
+                    h = blocks_[i].forward(state.blocks[i], h);
+                } catch (const NonFiniteError& e) {
+                    throw NonFiniteError(detail::concat("Model::forward: block ", i, ": ", e.what()));
+                }
+            }
+            Matrix<T> out = norm_final_.forward(h) * params_.head;
+            if (!detail::all_finite(out)) {
+                throw NonFiniteError("Model::forward: the head's output is not finite (the final "
+                                     "projection overflows), expected finite values; the state "
+                                     "is unchanged");
+            }
+            for (std::size_t i = 0; i < blocks_.size(); ++i) {
+                blocks_[i].commit(state.blocks[i]);
+            }
+            state.position += x.rows() / state.batch;
+            return out;
+        } catch (...) {
+            for (std::size_t i = 0; i < opened; ++i) {
+                blocks_[i].rollback(state.blocks[i]);
+            }
+            throw;
         }
-        state.position += x.rows() / state.batch;
-        return norm_final_.forward(h) * params_.head;
     }
 
     /// Token ids in (B*N of them, sequence-major) -> logits (B*N) x vocab_size.
@@ -223,9 +314,27 @@ public:
     }
 
 private:
+    void check_state(const State& state, const char* where) const {
+        if (state.batch < 1 || state.blocks.size() != blocks_.size()) {
+            throw ConfigError(detail::concat(where, ": state was made for a different model (or "
+                                                    "default-constructed), expected a state from "
+                                                    "make_state() of this model"));
+        }
+        for (std::size_t i = 0; i < blocks_.size(); ++i) {
+            blocks_[i].validate_state(state.blocks[i]);
+            if (state.blocks[i].batch() != state.batch ||
+                state.blocks[i].position() != state.position) {
+                throw ConfigError(detail::concat(
+                    where, ": state.blocks[", i, "] has batch ", state.blocks[i].batch(),
+                    " and position ", state.blocks[i].position(), ", expected the model's batch ",
+                    state.batch, " and position ", state.position));
+            }
+        }
+    }
+
     /// Validates the configuration and the model-level tensors (the blocks validate theirs).
     static const ModelParams<T>& validated(const ModelConfig& cfg, const ModelParams<T>& p) {
-        cfg.validate();
+        cfg.validate_for<T>();
         if (p.blocks.size() != cfg.blocks.size()) {
             throw ShapeError(detail::concat("ModelParams: blocks has ", p.blocks.size(),
                                             " entries, expected ", cfg.blocks.size()));

@@ -20,6 +20,7 @@
 #include "../../memory/diagnostics.hpp"
 #include "../../memory/params.hpp"
 #include "memory_state.hpp"
+#include "memory_undo.hpp"
 
 namespace titans::backend {
 
@@ -68,73 +69,30 @@ struct MemoryKernels<Cpu, T> {
         return st;
     }
 
-    /// SPEC §1-5 over a piece: x (B*N) x d, y (B*N) x d (resized), diag optional.
+    /// SPEC §1-5 over a piece: x (B*N) x d, y (B*N) x d (resized), diag optional. Throws
+    /// NonFiniteError (naming the sequence, head and position) if an output or the new state
+    /// would hold a NaN or an infinity; the state is then as it was before the call (or, inside
+    /// an open transaction, as it was at the transaction's start: MemoryUndo).
     static void forward(const MemoryConfig& cfg, const MemoryParams<T>& p, State& st,
                         const Mat& x, Mat& y, Diagnostics<T>* diag) {
-        const int B = st.batch_, H = cfg.n_heads, dh = cfg.head_dim(), D = cfg.inner_dim();
-        const Eigen::Index N = x.rows() / B;
         y.resize(x.rows(), cfg.d_model);
         if (diag != nullptr) {
-            diag->loss.setZero(x.rows(), H);
-            diag->grad_norm.setZero(x.rows(), H);
+            diag->loss.setZero(x.rows(), cfg.n_heads);
+            diag->grad_norm.setZero(x.rows(), cfg.n_heads);
         }
-        if (N == 0) {
+        if (x.rows() == 0) {
             return;
         }
-        // SPEC §1: projections, conv, phi, L2 norm; gate logits.
-        Mat qkv(x.rows(), 3 * D);
-        qkv.leftCols(D).noalias() = x * p.w_q;
-        qkv.middleCols(D, D).noalias() = x * p.w_k;
-        qkv.rightCols(D).noalias() = x * p.w_v;
-        if (cfg.use_conv) {
-            causal_conv(cfg, p, st, qkv, N);
+        const bool own = MemoryUndo<T>::begin(st);
+        try {
+            forward_piece(cfg, p, st, x, y, diag);
+        } catch (...) {
+            MemoryUndo<T>::rollback(st);
+            throw;
         }
-        if (cfg.qkv_activation == Activation::SiLU) {
-            detail::activate_in_place(Activation::SiLU, qkv);
+        if (own) {
+            MemoryUndo<T>::commit(st);
         }
-        if (cfg.normalize_qk) {
-            detail::l2_normalize_heads(qkv.leftCols(2 * D), 2 * H, dh);  // q and k heads
-        }
-        Mat logits;
-        if (cfg.gates != GateMode::Constant) {
-            logits.resize(x.rows(), 3 * H);
-            logits.leftCols(H).noalias() = x * p.w_theta;
-            logits.middleCols(H, H).noalias() = x * p.w_eta;
-            logits.rightCols(H).noalias() = x * p.w_alpha;
-            logits.leftCols(H).rowwise() += p.b_theta;
-            logits.middleCols(H, H).rowwise() += p.b_eta;
-            logits.rightCols(H).rowwise() += p.b_alpha;
-        }
-        // SPEC §3-5: the memory, per (sequence, head), in parallel.
-        Mat yh(x.rows(), D);
-        const int pairs = B * H;
-        const std::int64_t pos0 = st.position_;
-        // Threads only when the piece carries enough work: waking a team for a token or two
-        // costs more than it saves (and far more on an oversubscribed machine).
-        double work = 0;
-        for (int l = 1; l <= cfg.depth; ++l) {
-            work += static_cast<double>(cfg.layer_in(l)) * cfg.layer_out(l);
-        }
-        work *= static_cast<double>(N) * pairs;
-        [[maybe_unused]] const bool parallel = pairs > 1 && work >= 1.0e6;
-#if defined(_OPENMP)
-#pragma omp parallel for schedule(dynamic, 1) if (parallel)
-#endif
-        for (int bh = 0; bh < pairs; ++bh) {
-            // OpenMP workers have their own floating-point environment.
-            const detail::DenormalFlushScope flush(cfg.flush_denormals);
-            const int s = bh / H, h = bh % H;
-            Head& hd = st.heads_[st.index(s, h)];
-            const Eigen::Index r0 = static_cast<Eigen::Index>(s) * N;
-            Inputs in{qkv, logits, r0, h, dh, D, H};
-            if (cfg.update == UpdateMode::PerToken) {
-                scan_per_token(cfg, hd, in, N, yh, diag);
-            } else {
-                scan_chunked(cfg, hd, in, N, pos0, yh, diag);
-            }
-        }
-        st.position_ += N;
-        y.noalias() = yh * p.w_o;
     }
 
     /// Read-only retrieval: q path of SPEC §1 for x (conv continuing the stream, tails not
@@ -183,6 +141,11 @@ struct MemoryKernels<Cpu, T> {
         y.noalias() = yh * p.w_o;
     }
 
+    /// Transactions over several forward calls (MemoryUndo): begin returns true if it opened one.
+    static bool begin(State& st) { return MemoryUndo<T>::begin(st); }
+    static void commit(State& st) { MemoryUndo<T>::commit(st); }
+    static void rollback(State& st) { MemoryUndo<T>::rollback(st); }
+
     static std::vector<Mat> current_weights(const MemoryConfig& cfg, const State& st, int b,
                                             int h) {
         return materialise(cfg, st, b, h, true);
@@ -203,6 +166,121 @@ private:
         auto k(Eigen::Index t, Eigen::Index m) const { return qkv.block(r0 + t, D + h * dh, m, dh); }
         auto v(Eigen::Index t, Eigen::Index m) const { return qkv.block(r0 + t, 2 * D + h * dh, m, dh); }
     };
+
+    /// Where a forward call first went non-finite: the smallest absolute position over the
+    /// (sequence, head) pairs, -1 if nowhere.
+    struct Failure {
+        std::int64_t position = -1;
+        const char* what = "";
+    };
+
+    /// The body of forward(): projections, the per-head scans, the output projection, each
+    /// checked for non-finite values before the position advances.
+    static void forward_piece(const MemoryConfig& cfg, const MemoryParams<T>& p, State& st,
+                              const Mat& x, Mat& y, Diagnostics<T>* diag) {
+        const int B = st.batch_, H = cfg.n_heads, dh = cfg.head_dim(), D = cfg.inner_dim();
+        const Eigen::Index N = x.rows() / B;
+        const std::int64_t pos0 = st.position_;
+        Mat qkv, logits;
+        project(cfg, p, st, x, N, qkv, logits);
+        if (!detail::all_finite(qkv) || !detail::all_finite(logits)) {
+            throw_first_bad_row(qkv.cols() > 0 && !detail::all_finite(qkv) ? qkv : logits, N, pos0,
+                                "the projections of x (q, k, v or gate logits) overflow");
+        }
+        // SPEC §3-5: the memory, per (sequence, head), in parallel.
+        Mat yh(x.rows(), D);
+        const int pairs = B * H;
+        std::vector<Failure> failed(static_cast<std::size_t>(pairs));
+        // Threads only when the piece carries enough work: waking a team for a token or two
+        // costs more than it saves (and far more on an oversubscribed machine).
+        double work = 0;
+        for (int l = 1; l <= cfg.depth; ++l) {
+            work += static_cast<double>(cfg.layer_in(l)) * cfg.layer_out(l);
+        }
+        work *= static_cast<double>(N) * pairs;
+        [[maybe_unused]] const bool parallel = pairs > 1 && work >= 1.0e6;
+#if defined(_OPENMP)
+#pragma omp parallel for schedule(dynamic, 1) if (parallel)
+#endif
+        for (int bh = 0; bh < pairs; ++bh) {
+            // OpenMP workers have their own floating-point environment.
+            const detail::DenormalFlushScope flush(cfg.flush_denormals);
+            const int s = bh / H, h = bh % H;
+            const std::size_t i = st.index(s, h);
+            const Inputs in{qkv, logits, static_cast<Eigen::Index>(s) * N, h, dh, D, H};
+            Failure& f = failed[static_cast<std::size_t>(bh)];
+            if (cfg.update == UpdateMode::PerToken) {
+                f = scan_per_token(cfg, st, i, in, N, pos0, yh, diag);
+            } else {
+                f = scan_chunked(cfg, st, i, in, N, pos0, yh, diag);
+            }
+        }
+        throw_if_failed(failed, H);
+        y.noalias() = yh * p.w_o;
+        if (!detail::all_finite(y)) {
+            throw_first_bad_row(y, N, pos0, "the output projection W_O overflows");
+        }
+        st.position_ += N;
+    }
+
+    /// SPEC §1 for a piece: qkv = [q | k | v] after conv, phi and the L2 norm (the conv tails
+    /// advance), gate logits (empty for constant gates).
+    static void project(const MemoryConfig& cfg, const MemoryParams<T>& p, State& st, const Mat& x,
+                        Eigen::Index N, Mat& qkv, Mat& logits) {
+        const int H = cfg.n_heads, dh = cfg.head_dim(), D = cfg.inner_dim();
+        qkv.resize(x.rows(), 3 * D);
+        qkv.leftCols(D).noalias() = x * p.w_q;
+        qkv.middleCols(D, D).noalias() = x * p.w_k;
+        qkv.rightCols(D).noalias() = x * p.w_v;
+        if (cfg.use_conv) {
+            causal_conv(cfg, p, st, qkv, N);
+        }
+        if (cfg.qkv_activation == Activation::SiLU) {
+            detail::activate_in_place(Activation::SiLU, qkv);
+        }
+        if (cfg.normalize_qk) {
+            detail::l2_normalize_heads(qkv.leftCols(2 * D), 2 * H, dh);  // q and k heads
+        }
+        if (cfg.gates != GateMode::Constant) {
+            logits.resize(x.rows(), 3 * H);
+            logits.leftCols(H).noalias() = x * p.w_theta;
+            logits.middleCols(H, H).noalias() = x * p.w_eta;
+            logits.rightCols(H).noalias() = x * p.w_alpha;
+            logits.leftCols(H).rowwise() += p.b_theta;
+            logits.middleCols(H, H).rowwise() += p.b_eta;
+            logits.rightCols(H).rowwise() += p.b_alpha;
+        }
+    }
+
+    [[noreturn]] static void throw_first_bad_row(const Mat& m, Eigen::Index N, std::int64_t pos0,
+                                                 const char* what) {
+        Eigen::Index r = 0;
+        while (r + 1 < m.rows() && detail::all_finite(m.row(r))) {
+            ++r;
+        }
+        throw NonFiniteError(detail::concat(
+            "NeuralMemory::forward: ", what, " at sequence ", r / N, ", position ", pos0 + r % N,
+            " (all heads), expected finite values; the state is unchanged"));
+    }
+
+    static void throw_if_failed(const std::vector<Failure>& failed, int H) {
+        std::size_t first = failed.size();
+        for (std::size_t i = 0; i < failed.size(); ++i) {
+            if (failed[i].position >= 0 &&
+                (first == failed.size() || failed[i].position < failed[first].position)) {
+                first = i;
+            }
+        }
+        if (first == failed.size()) {
+            return;
+        }
+        const auto s = static_cast<int>(first) / H, h = static_cast<int>(first) % H;
+        throw NonFiniteError(detail::concat(
+            "NeuralMemory::forward: ", failed[first].what, " at sequence ", s, ", head ", h,
+            ", position ", failed[first].position,
+            ", expected finite values (the memory diverged; see max_grad_norm and theta_max); "
+            "the state is unchanged"));
+    }
 
     /// SPEC §1 conv of each sequence's pre-conv q|k|v, in place, continuing from the state's
     /// tail (the last K-1 pre-conv rows), which is then advanced.
@@ -251,6 +329,27 @@ private:
             th(i) = tmax * detail::sigmoid(hd.gates(i, 0));
             et(i) = detail::sigmoid(hd.gates(i, 1));
             al(i) = detail::sigmoid(hd.gates(i, 2));
+        }
+    }
+
+    /// Gate values of rows [0, n) (gate_values), then SPEC §10's clipping: theta_i scaled by
+    /// min(1, c / ||grad_i||), ||grad_i||^2 = sum_l ||a_{l-1,i}||^2 ||delta_{l,i}||^2 from the
+    /// pending rows (the gradient at the weights it was taken at). Only theta changes, so the
+    /// closed form (§4) and the dual form (§5) are unchanged.
+    static void gates_clipped(const MemoryConfig& cfg, const Head& hd, int n, Mat& coef) {
+        gate_values(cfg, hd, n, coef);
+        if (cfg.max_grad_norm <= 0) {
+            return;
+        }
+        const T c = static_cast<T>(cfg.max_grad_norm);
+        for (int i = 0; i < n; ++i) {
+            T g2 = T(0);
+            for (std::size_t l = 0; l < hd.a.size(); ++l) {
+                g2 += hd.a[l].row(i).squaredNorm() * hd.delta[l].row(i).squaredNorm();
+            }
+            if (g2 > c * c) {
+                coef(0, i) *= c / std::sqrt(g2);
+            }
         }
     }
 
@@ -351,7 +450,7 @@ private:
     template <class Q, class Y>
     static void read_in_chunk(const MemoryConfig& cfg, Head& hd, const Q& q, int o, int m, Y& y) {
         const int L = cfg.depth, n = o + m;
-        gate_values(cfg, hd, n, hd.coef);
+        gates_clipped(cfg, hd, n, hd.coef);
         auto beta = hd.coef.row(3).head(m);
         auto c = hd.coef.row(4).head(m);
         chunk_row_coefficients<T>(n, o, hd.coef.row(0).data(), hd.coef.row(1).data(),
@@ -397,7 +496,7 @@ private:
     /// coef (8 x >= n) and scratch (>= n x widest) are workspaces; hd is only read.
     static void apply_chunk_end(const MemoryConfig& cfg, const Head& hd, int n, Mat& coef,
                                 Mat& scratch, std::vector<Mat>& W, std::vector<Mat>& S) {
-        gate_values(cfg, hd, n, coef);
+        gates_clipped(cfg, hd, n, coef);
         T beta_end, c_end, p_end;
         chunk_end_coefficients<T>(n, coef.row(0).data(), coef.row(1).data(), coef.row(2).data(),
                                   coef.row(5).data(), coef.row(6).data(), &beta_end, &c_end,
@@ -418,27 +517,86 @@ private:
         }
     }
 
-    static void scan_chunked(const MemoryConfig& cfg, Head& hd, const Inputs& in, Eigen::Index N,
-                             std::int64_t pos0, Mat& yh, Diagnostics<T>* diag) {
+    /// SPEC §4 over the piece for pair i, chunk segment by chunk segment, saving what it
+    /// overwrites (MemoryUndo) and stopping at the first non-finite output, pending row or
+    /// chunk-end state.
+    static Failure scan_chunked(const MemoryConfig& cfg, State& st, std::size_t i,
+                                const Inputs& in, Eigen::Index N, std::int64_t pos0, Mat& yh,
+                                Diagnostics<T>* diag) {
         const int b = cfg.chunk;
+        Head& hd = st.heads_[i];
         Eigen::Index t = 0;
         while (t < N) {
             const int o = static_cast<int>((pos0 + t) % b);
             const int m = static_cast<int>(std::min<Eigen::Index>(b - o, N - t));
+            MemoryUndo<T>::save_rows(st, i, o, m);
+            if (o + m == b) {
+                MemoryUndo<T>::save_weights(st, i);
+            }
             chunk_segment(cfg, hd, in, t, o, m, b, yh, diag);
+            const auto bad = first_bad_row(yh.block(in.r0 + t, in.h * in.dh, m, in.dh));
+            if (bad < m) {
+                return {pos0 + t + bad, "a non-finite memory read"};
+            }
+            for (std::size_t l = 0; l < hd.a.size(); ++l) {
+                if (!detail::all_finite(hd.a[l].middleRows(o, m)) ||
+                    !detail::all_finite(hd.delta[l].middleRows(o, m))) {
+                    return {pos0 + t + first_bad_row(hd.delta[l].middleRows(o, m)),
+                            "a non-finite key activation or error (surprise)"};
+                }
+            }
+            if (o + m == b && !weights_finite(hd)) {
+                return {pos0 + t + m - 1, "non-finite memory weights or momentum at a chunk end"};
+            }
             t += m;
         }
+        return {};
+    }
+
+    template <class M>
+    static Eigen::Index first_bad_row(const M& m) {
+        Eigen::Index r = 0;
+        while (r < m.rows() && detail::all_finite(m.row(r))) {
+            ++r;
+        }
+        return r;
+    }
+
+    static bool weights_finite(const Head& hd) {
+        for (std::size_t l = 0; l < hd.w.size(); ++l) {
+            if (!detail::all_finite(hd.w[l]) || !detail::all_finite(hd.s[l])) {
+                return false;
+            }
+        }
+        return true;
     }
 
     /// SPEC §3, token by token with true gradients at M_{t-1}: the reference path and b = 1.
-    static void scan_per_token(const MemoryConfig& cfg, Head& hd, const Inputs& in, Eigen::Index N,
+    static Failure scan_per_token(const MemoryConfig& cfg, State& st, std::size_t i,
+                                  const Inputs& in, Eigen::Index N, std::int64_t pos0, Mat& yh,
+                                  Diagnostics<T>* diag) {
+        MemoryUndo<T>::save_weights(st, i);
+        Head& hd = st.heads_[i];
+        for (Eigen::Index t = 0; t < N; ++t) {
+            per_token_step(cfg, hd, in, t, yh, diag);
+        }
+        const auto bad = first_bad_row(yh.block(in.r0, in.h * in.dh, N, in.dh));
+        if (bad < N) {
+            return {pos0 + bad, "a non-finite memory read"};
+        }
+        if (!weights_finite(hd)) {
+            return {pos0 + N - 1, "non-finite memory weights or momentum"};
+        }
+        return {};
+    }
+
+    /// One token of SPEC §3: read (lagged), gradient at M_{t-1}, update, read (in-chunk).
+    static void per_token_step(const MemoryConfig& cfg, Head& hd, const Inputs& in, Eigen::Index t,
                                Mat& yh, Diagnostics<T>* diag) {
         const int L = cfg.depth;
         const Activation act = cfg.activation;
-        for (Eigen::Index t = 0; t < N; ++t) {
+        {
             store_logits(cfg, hd, in, t, 0, 1);
-            gate_values(cfg, hd, 1, hd.coef);
-            const T theta = hd.coef(0, 0), eta = hd.coef(1, 0), alpha = hd.coef(2, 0);
             auto y = yh.block(in.r0 + t, in.h * in.dh, 1, in.dh);
             if (cfg.retrieval == Retrieval::Lagged) {
                 read_lagged(cfg, hd, in.q(t, 1), 1, y);
@@ -475,6 +633,8 @@ private:
                 diag->grad_norm(r, in.h) = std::sqrt(g2);
             }
             // S_t = eta S_{t-1} - theta a^T delta;  M_t = (1 - alpha) M_{t-1} + S_t.
+            gates_clipped(cfg, hd, 1, hd.coef);
+            const T theta = hd.coef(0, 0), eta = hd.coef(1, 0), alpha = hd.coef(2, 0);
             for (int l = 0; l < L; ++l) {
                 const auto li = static_cast<std::size_t>(l);
                 hd.s[li] *= eta;

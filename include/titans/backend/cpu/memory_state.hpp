@@ -15,6 +15,8 @@ namespace titans {
 namespace backend {
 template <class Backend, class T>
 struct MemoryKernels;
+template <class T>
+struct MemoryUndo;
 struct Cpu;
 }  // namespace backend
 
@@ -100,6 +102,8 @@ public:
 private:
     template <class, class>
     friend struct backend::MemoryKernels;
+    template <class>
+    friend struct backend::MemoryUndo;
 
     struct Head {
         std::vector<Matrix<T>> w, s;          // W^s_l, S^s_l: layer_in(l) x layer_out(l)
@@ -113,6 +117,23 @@ private:
         Matrix<T> coef;                       // 8 x b: theta, eta, alpha, beta, c, g, s
     };
 
+    /// What a transaction (MemoryUndo) saved of one head before overwriting it: rows
+    /// [txn_row, saved_hi) of the pending matrices as they were touched, and once a chunk ends
+    /// (or per token: at once) W^s, S^s and every pending row. Sized on first use, then reused.
+    struct HeadUndo {
+        std::vector<Matrix<T>> w, s, a, delta;
+        Matrix<T> gates;
+        bool all_saved = false;
+        int saved_hi = 0;
+    };
+    /// An open transaction: everything needed to put the streams back as they were at its start.
+    struct Undo {
+        bool open = false;
+        std::int64_t position = 0;
+        std::vector<Matrix<T>> conv_tail;
+        std::vector<HeadUndo> heads;
+    };
+
     [[nodiscard]] std::size_t index(int b, int h) const {
         return static_cast<std::size_t>(b) * static_cast<std::size_t>(cfg_.n_heads) +
                static_cast<std::size_t>(h);
@@ -124,6 +145,7 @@ private:
     std::int64_t position_ = 0;
     std::vector<Head> heads_;             // B * H, index b * H + h
     std::vector<Matrix<T>> conv_tail_;    // B of (K-1) x 3D: last pre-conv q|k|v projections
+    Undo undo_;                           // the open transaction (not part of the stream)
 };
 
 }  // namespace titans

@@ -1,0 +1,49 @@
+// Checkpoints written before max_grad_norm existed (SPEC §10) still load, with the meaning
+// they were written with: clipping off. tests/io/data/legacy_*_before_clipping.safetensors are
+// copies of the fuzz seed corpus as it was written by titans 0.1.0 (fuzz/checkpoint_objects.hpp:
+// a d 8 model of LMM, MAC, MAG, MAL blocks, 3 tokens of 2 streams).
+
+#include "test_common.hpp"
+
+#include <titans/io/checkpoint.hpp>
+
+#include <string>
+
+using namespace titans_test;
+namespace io = titans::io;
+
+namespace {
+
+/// The model of fuzz/checkpoint_objects.hpp with max_grad_norm = c in every block.
+titans::Model<float> legacy_model(double c) {
+    auto cfg = titans::ModelConfig::uniform(titans::BlockKind::LMM, 1, 8, 2, 2, 3, 0, 2);
+    for (auto k : {titans::BlockKind::MAC, titans::BlockKind::MAG, titans::BlockKind::MAL}) {
+        cfg.blocks.push_back(titans::BlockConfig::make(k, 8, 2, 2, 3, 2));
+        cfg.blocks.back().n_persistent = 1;
+        cfg.blocks.back().ffn.hidden = 8;
+    }
+    cfg.blocks[0].ffn.hidden = 8;
+    for (auto& b : cfg.blocks) b.memory.max_grad_norm = c;
+    return titans::Model<float>(cfg, titans::ModelParams<float>::random(cfg, 11));
+}
+
+const std::string data = TITANS_TEST_DATA_DIR;
+
+}  // namespace
+
+TEST_CASE("io legacy: checkpoints before clipping load", "[io][robustness]") {
+    const auto off = legacy_model(0.0);
+    const auto model_file = data + "/legacy_model_before_clipping.safetensors";
+    const auto memory_file = data + "/legacy_memory_before_clipping.safetensors";
+    auto st = io::load_checkpoint(model_file, off);
+    CHECK(st.position == 3);
+    const auto& mem = off.blocks()[3].memory();
+    const auto ms = io::load_checkpoint(memory_file, mem);
+    CHECK(ms.position() == st.blocks[3].memory().position());
+    // Clipping on: another stream's meaning, refused naming the setting.
+    const auto on = legacy_model(1.0);
+    REQUIRE_THROWS_NAMING(io::load_checkpoint(model_file, on), titans::ConfigError,
+                          "max_grad_norm = 0 in the checkpoint");
+    REQUIRE_THROWS_NAMING(io::load_checkpoint(memory_file, on.blocks()[3].memory()),
+                          titans::ConfigError, "max_grad_norm");
+}
