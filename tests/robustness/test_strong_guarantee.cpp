@@ -120,7 +120,7 @@ TEST_CASE("undo: memory diverges without clipping", "[robustness][guarantee][sta
     // The issue's case at a d_h of 8: a constant stream, chunk 64, random parameters, default
     // gates. Without max_grad_norm it overflows near token 320 (and a NonFiniteError says so);
     // with the default it stays finite.
-    Rng rng(seed_for("diverges without clipping", 0));
+    Rng rng(20261122);  // a fixed case, not a fresh seed: it reproduces the reported divergence
     MemoryConfig cfg{.d_model = 64, .n_heads = 8, .depth = 2, .chunk = 64};
     const titans::Matrixf x = robust::constant_rows<float>(1024, 64, rng());
     cfg.max_grad_norm = 0;
