@@ -13,15 +13,21 @@
 namespace titans_fuzz {
 
 /// LMM, MAC, MAG, MAL blocks, d = 8, 2 heads, windows/segments of 3, chunk 2, 1 persistent token.
+inline titans::ModelConfig checkpoint_model_config() {
+    auto cfg = titans::ModelConfig::uniform(titans::BlockKind::LMM, 1, 8, 2, 2, 3, 0, 2);
+    for (auto k : {titans::BlockKind::MAC, titans::BlockKind::MAG, titans::BlockKind::MAL}) {
+        cfg.blocks.push_back(titans::BlockConfig::make(k, 8, 2, 2, 3, 2));
+        cfg.blocks.back().n_persistent = 1;
+        cfg.blocks.back().ffn.hidden = 8;
+    }
+    cfg.blocks[0].ffn.hidden = 8;
+    return cfg;
+}
+
+/// The model of checkpoint_model_config(), parameters from seed 11.
 inline const titans::Model<float>& checkpoint_model() {
     static const titans::Model<float> model = [] {
-        auto cfg = titans::ModelConfig::uniform(titans::BlockKind::LMM, 1, 8, 2, 2, 3, 0, 2);
-        for (auto k : {titans::BlockKind::MAC, titans::BlockKind::MAG, titans::BlockKind::MAL}) {
-            cfg.blocks.push_back(titans::BlockConfig::make(k, 8, 2, 2, 3, 2));
-            cfg.blocks.back().n_persistent = 1;
-            cfg.blocks.back().ffn.hidden = 8;
-        }
-        cfg.blocks[0].ffn.hidden = 8;
+        const auto cfg = checkpoint_model_config();
         return titans::Model<float>(cfg, titans::ModelParams<float>::random(cfg, 11));
     }();
     return model;

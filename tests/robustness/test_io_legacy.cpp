@@ -7,6 +7,8 @@
 
 #include <titans/io/checkpoint.hpp>
 
+#include "../../fuzz/checkpoint_objects.hpp"
+
 #include <string>
 
 using namespace titans_test;
@@ -16,13 +18,7 @@ namespace {
 
 /// The model of fuzz/checkpoint_objects.hpp with max_grad_norm = c in every block.
 titans::Model<float> legacy_model(double c) {
-    auto cfg = titans::ModelConfig::uniform(titans::BlockKind::LMM, 1, 8, 2, 2, 3, 0, 2);
-    for (auto k : {titans::BlockKind::MAC, titans::BlockKind::MAG, titans::BlockKind::MAL}) {
-        cfg.blocks.push_back(titans::BlockConfig::make(k, 8, 2, 2, 3, 2));
-        cfg.blocks.back().n_persistent = 1;
-        cfg.blocks.back().ffn.hidden = 8;
-    }
-    cfg.blocks[0].ffn.hidden = 8;
+    auto cfg = titans_fuzz::checkpoint_model_config();
     for (auto& b : cfg.blocks) b.memory.max_grad_norm = c;
     return titans::Model<float>(cfg, titans::ModelParams<float>::random(cfg, 11));
 }
