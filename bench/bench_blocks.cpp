@@ -1,4 +1,4 @@
-// bench/bench_blocks.cpp: streaming throughput of the four Titans blocks (SPEC §7) against
+// bench/bench_blocks.cpp: streaming throughput of the four Titans blocks (math §7) against
 // full causal attention over the same stream, on the CPU backend.
 //
 //   BM_Gemm                      float 512 x 512 x 512 row-major GEMM, C.noalias() = A * B:

@@ -1,10 +1,10 @@
-// bench/bench_memory.cpp: throughput of the neural long-term memory (SPEC §1-5) on the CPU
+// bench/bench_memory.cpp: throughput of the neural long-term memory (math §1-5) on the CPU
 // backend, against the rate of a plain Eigen GEMM on the same machine.
 //
 //   BM_Gemm             float 512 x 512 x 512 row-major GEMM, C.noalias() = A * B: the
 //                       reference rate ("what this machine does on dense products").
-//   BM_MemoryChunked    NeuralMemory<float> forward, UpdateMode::Chunked (SPEC §4).
-//   BM_MemoryPerToken   NeuralMemory<float> forward, UpdateMode::PerToken (SPEC §3).
+//   BM_MemoryChunked    NeuralMemory<float> forward, UpdateMode::Chunked (math §4).
+//   BM_MemoryPerToken   NeuralMemory<float> forward, UpdateMode::PerToken (math §3).
 //
 // Headline configuration: float, d = 512, H = 8, d_h = 64, L = 2, e = 4, b = 64, B = 1,
 // lagged retrieval, data-dependent gates, conv on. The sweeps vary one axis at a time around
@@ -66,7 +66,7 @@ using titans::MemoryConfig;
 /// Per token:
 ///   projections     q, k, v: 3 * 2 d D;  gates: 3 * 2 d H (none for GateMode::Constant);
 ///                   output W_O: 2 D d
-///   per head, chunked (SPEC §4), chunk b:
+///   per head, chunked (math §4), chunk b:
 ///     key forward       2 P                    (Z_l = A_{l-1} W^s_l)
 ///     error backprop    2 (P - in_1 out_1)     (Delta_{l-1} = Delta_l W_l^T, l >= 2)
 ///     chunk-end update  4 P                    (A^T diag(g) Delta for W and A^T diag(s) Delta
@@ -75,7 +75,7 @@ using titans::MemoryConfig;
 ///     retrieval, in-chunk, per layer: H W^s and H S^s: 2 * 2 in out; H A^T and
 ///                       (G . scores) Delta over the average causal prefix of a full chunk,
 ///                       pbar = (b + 1) / 2 keys: pbar * 2 in + pbar * 2 out
-///   per head, per token (SPEC §3):
+///   per head, per token (math §3):
 ///     forward 2 P, backward 2 (P - in_1 out_1), two rank-1 updates per layer 4 P
 ///     (S -= theta a^T delta, W = (1 - alpha) W + S), retrieval one forward 2 P
 ///     (lagged: at M_{t-1}; in-chunk: at M_t).

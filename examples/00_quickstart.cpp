@@ -1,4 +1,4 @@
-// Quickstart: a neural long-term memory that learns while it reads (Titans, SPEC §1-5).
+// Quickstart: a neural long-term memory that learns while it reads (Titans, math §1-5).
 // Streams a random sequence through the memory in pieces, then shows that the memory's
 // surprise (its associative loss, before each write) falls when it sees a pattern again.
 // Runs in well under a second; --quick is accepted (CI passes it) and changes nothing.

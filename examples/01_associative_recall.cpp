@@ -1,7 +1,7 @@
 // Associative recall: is a deep memory needed? (Titans, sections 3.1 and 5.5)
 //
 // A neural long-term memory learns key -> value pairs at test time, from the stream alone:
-// the outer parameters stay fixed, only the memory weights change (SPEC §3-4). We stream P
+// the outer parameters stay fixed, only the memory weights change (math §3-4). We stream P
 // pairs through the memory for several epochs, then read every key back (NeuralMemory::read,
 // which leaves the state untouched) and measure how well the stored values come back:
 //
@@ -23,9 +23,11 @@
 // so that no variant loses for want of a step size. Independent trials run as one batch (each
 // sequence of a batch owns its memory) and are averaged.
 //
-// Output: a table, an SVG plot (associative_recall.svg, or --out FILE) and a conclusion
-// computed from the numbers. --quick: a small problem for CI (a few seconds under ASan).
-// --max-grad-norm C: the memory's per-token gradient clipping (SPEC §10; default the
+// Output: two tables (share of keys recalled, error of the answers), an SVG plot written to
+// DIR/associative_recall.svg (--out DIR, default build/, created if missing; the path is
+// printed) and a short conclusion computed from the numbers.
+// --quick: a small problem for CI (a few seconds under ASan).
+// --max-grad-norm C: the memory's per-token gradient clipping (math §10; default the
 // library's, 1; 0 turns it off, the behaviour before clipping existed).
 
 #include <titans/titans.hpp>
@@ -35,12 +37,16 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <numeric>
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+#include <unistd.h>  // isatty: the progress line only on a terminal
 
 namespace {
 
@@ -51,34 +57,40 @@ using titans::Matrixf;
 
 struct Settings {
     bool quick = false;
-    std::string out = "associative_recall.svg";
+    std::string out_dir = "build";  // the plot goes to out_dir/associative_recall.svg
     int d_h = 32;       // head width: keys and values live in R^d_h
-    int chunk = 8;      // tokens per chunk of the update (SPEC §4)
+    int chunk = 8;      // tokens per chunk of the update (math §4)
     int epochs = 16;    // passes over the P pairs, each in a fresh random order
     int trials = 4;     // independent tasks per point, run as one batch, averaged
     std::vector<int> pairs = {8, 16, 32, 64, 128, 256};
     std::vector<int> tune_pairs = {16, 64};                   // P used to pick theta
     std::vector<double> theta_grid = {0.25, 0.5, 1.0, 2.0, 4.0};  // x base_theta
-    double max_grad_norm = titans::MemoryConfig{}.max_grad_norm;  // SPEC §10 clipping (0: off)
+    double max_grad_norm = titans::MemoryConfig{}.max_grad_norm;  // math §10 clipping (0: off)
 };
 
 Settings parse(int argc, char** argv) {
     Settings s;
     for (int i = 1; i < argc; ++i) {
         const std::string a = argv[i];
-        if (a == "--quick") {
+        if (a == "--help" || a == "-h") {
+            std::printf("usage: 01_associative_recall [--quick] [--out DIR] [--max-grad-norm C]\n"
+                        "  --quick            a small problem (seconds; what the tests run)\n"
+                        "  --out DIR          where the plot goes (default build, created)\n"
+                        "  --max-grad-norm C  the memory's per-token gradient clipping (0: off)\n");
+            std::exit(0);
+        } else if (a == "--quick") {
             s.quick = true;
         } else if (a == "--out") {
-            if (i + 1 >= argc) throw std::invalid_argument("--out needs a file name");
-            s.out = argv[++i];
+            if (i + 1 >= argc) throw std::invalid_argument("--out needs a directory");
+            s.out_dir = argv[++i];
         } else if (a.rfind("--out=", 0) == 0) {
-            s.out = a.substr(6);
+            s.out_dir = a.substr(6);
         } else if (a == "--max-grad-norm") {
             if (i + 1 >= argc) throw std::invalid_argument("--max-grad-norm needs a value");
             s.max_grad_norm = std::stod(argv[++i]);
         } else {
             throw std::invalid_argument("unknown argument '" + a +
-                                        "' (expected --quick, --out FILE, --max-grad-norm C)");
+                                        "' (expected --quick, --out DIR, --max-grad-norm C)");
         }
     }
     if (s.quick) {
@@ -167,10 +179,6 @@ struct Variant {
     double eta;    // momentum decay (0: no momentum)
     double alpha;  // forget rate (0: no forgetting)
     double theta = 0;
-    [[nodiscard]] std::string label() const {
-        return "L" + std::to_string(depth) + (eta > 0 ? " +mom" : " -mom") +
-               (alpha > 0 ? " +fgt" : " -fgt");
-    }
 };
 
 // The grid of candidate learning rates is base_theta * Settings::theta_grid. Momentum 0.9
@@ -428,50 +436,111 @@ void write_svg(const std::string& path, const Settings& s, const std::vector<Var
 }
 
 // ---------------------------------------------------------------------------------------------
-// The conclusion, computed from the table.
+// What is printed: plain words, tables a newcomer reads without a legend, a short conclusion.
 
+// Prints `text` wrapped at 80 columns, continuation lines indented by `indent` spaces.
+void print_wrapped(const std::string& text, std::size_t indent = 0) {
+    std::size_t col = 0;
+    std::size_t i = 0;
+    while (i < text.size()) {
+        const std::size_t j = std::min(text.find(' ', i), text.size());
+        const std::string word = text.substr(i, j - i);
+        if (col > indent && col + 1 + word.size() > 80) {
+            std::printf("\n%s", std::string(indent, ' ').c_str());
+            col = indent;
+        } else if (col > 0) {
+            std::printf(" ");
+            ++col;
+        }
+        std::printf("%s", word.c_str());
+        col += word.size();
+        i = j + 1;
+    }
+    std::printf("\n");
+}
+
+void print_header(const Settings& s) {
+    std::printf("Associative recall: how many key -> value pairs can a Titans memory hold?\n%s\n",
+                s.quick ? "(--quick: a small problem, for tests)\n" : "");
+    print_wrapped(fmt("What is stored: P pairs, each a random key and its value (vectors of %.0f "
+                      "numbers; the value is a fixed nonlinear function of the key). The memory "
+                      "reads the pairs ",
+                      s.d_h) +
+                      std::to_string(s.epochs) +
+                      " times in random order and learns them while it reads (test-time "
+                      "learning); nothing else is trained.",
+                  2);
+    print_wrapped("What is asked: each key alone. The answer counts as right when it is closer "
+                  "to the key's own value than to any other stored value.",
+                  2);
+    print_wrapped("Chance: 1 in P (a random guess among the stored values).", 2);
+    print_wrapped("Compared: a matrix memory (1 layer, like linear attention) against MLP "
+                  "memories of 2 and 3 layers, each with and without momentum and forgetting, "
+                  "each with its own learning rate (chosen on separate practice pairs). " +
+                      std::to_string(s.trials) + " independent runs per cell, averaged.",
+                  2);
+}
+
+// One table: a row per memory variant, a column per P; `cell` formats one score.
+template <class Cell>
+void print_table(const char* title, const Settings& s, const std::vector<Variant>& variants,
+                 const std::vector<std::vector<Score>>& scores, const std::string& chance_row,
+                 Cell cell) {
+    std::printf("\n%s\n%-15s%-10s%-11s|", title, "memory layers", "momentum", "forgetting");
+    for (int P : s.pairs) std::printf("%7s", ("P=" + std::to_string(P)).c_str());
+    std::printf("\n%s\n", std::string(37 + 7 * s.pairs.size(), '-').c_str());
+    for (std::size_t vi = 0; vi < variants.size(); ++vi) {
+        const Variant& v = variants[vi];
+        const std::string layers = std::to_string(v.depth) + (v.depth == 1 ? " (matrix)" : " (MLP)");
+        std::printf("%-15s%-10s%-11s|", layers.c_str(), v.eta > 0 ? "yes" : "no",
+                    v.alpha > 0 ? "yes" : "no");
+        for (const Score& sc : scores[vi]) std::printf("%7s", cell(sc).c_str());
+        std::printf("\n");
+    }
+    if (!chance_row.empty()) std::printf("%s\n", chance_row.c_str());
+}
+
+void print_tables(const Settings& s, const std::vector<Variant>& variants,
+                  const std::vector<std::vector<Score>>& scores) {
+    std::string chance = "chance (1 in P)" + std::string(21, ' ') + "|";
+    for (int P : s.pairs) chance += fmt("%6.1f%%", 100.0 / P);
+    print_table("Keys recalled correctly, by number of stored pairs P:", s, variants, scores,
+                chance, [](const Score& sc) {
+                    return sc.diverged ? std::string("n/a") : fmt("%.0f%%", 100.0 * sc.accuracy);
+                });
+    print_table("Error of the answers, |answer - value| / |value| (0: exact; 1: as far off\n"
+                "as answering zero):",
+                s, variants, scores, "", [](const Score& sc) {
+                    return sc.diverged ? std::string("n/a") : fmt("%.2f", sc.error);
+                });
+}
+
+// The conclusion, computed from the tables: compared where it matters, at the largest P at
+// which some variant still recalls at least half of the keys.
 void print_conclusion(const Settings& s, const std::vector<Variant>& variants,
                       const std::vector<std::vector<Score>>& scores) {
     const std::size_t nv = variants.size(), np = s.pairs.size();
-    auto better = [](const Score& a, const Score& b) {
-        return a.accuracy > b.accuracy || (a.accuracy == b.accuracy && a.error < b.error);
-    };
-    auto best_of_depth = [&](int depth, std::size_t pi) {
-        std::size_t best = nv;
-        for (std::size_t vi = 0; vi < nv; ++vi) {
-            if (variants[vi].depth == depth &&
-                (best == nv || better(scores[vi][pi], scores[best][pi]))) {
-                best = vi;
-            }
-        }
-        return best;
-    };
-    // Compare where it matters: the largest P at which some variant still recalls >= 50 %.
     std::size_t pc = 0;
     for (std::size_t pi = 0; pi < np; ++pi) {
         for (std::size_t vi = 0; vi < nv; ++vi) {
             if (scores[vi][pi].accuracy >= 0.5) pc = pi;
         }
     }
-    const std::size_t pb = pc > 0 ? pc - 1 : pc;  // and one step smaller
-    std::size_t best[3];
-    double acc[3], err[3], acc_b[3];
-    for (int d = 0; d < 3; ++d) {
-        best[d] = best_of_depth(d + 1, pc);
-        acc[d] = 100 * scores[best[d]][pc].accuracy;
-        err[d] = scores[best[d]][pc].error;
-        acc_b[d] = 100 * scores[best_of_depth(d + 1, pb)][pb].accuracy;
+    double acc[3] = {0, 0, 0};  // best accuracy (%) per depth at P = s.pairs[pc]
+    for (std::size_t vi = 0; vi < nv; ++vi) {
+        double& a = acc[variants[vi].depth - 1];
+        a = std::max(a, 100 * scores[vi][pc].accuracy);
     }
     // Mean change of accuracy (points) when momentum / forgetting is switched on, over the
-    // pairs of variants that differ only in it, and every P; per depth for forgetting.
-    auto effect = [&](bool momentum, int depth) {
+    // pairs of variants that differ only in it (depths in [d0, d1]) and every P.
+    auto effect = [&](bool momentum, int d0, int d1) {
         double sum = 0;
         int n = 0;
         for (std::size_t i = 0; i < nv; ++i) {
             for (std::size_t j = 0; j < nv; ++j) {
                 const Variant &on = variants[i], &off = variants[j];
                 const bool pair =
-                    on.depth == off.depth && (depth == 0 || on.depth == depth) &&
+                    on.depth == off.depth && on.depth >= d0 && on.depth <= d1 &&
                     (momentum ? on.eta > 0 && off.eta == 0 && on.alpha == off.alpha
                               : on.alpha > 0 && off.alpha == 0 && on.eta == off.eta);
                 for (std::size_t pi = 0; pair && pi < np; ++pi, ++n) {
@@ -482,104 +551,64 @@ void print_conclusion(const Settings& s, const std::vector<Variant>& variants,
         return n ? sum / n : 0.0;
     };
     const double deep = std::max(acc[1], acc[2]);
-    std::string verdict;
+    std::string text = fmt("Conclusion: with P = %.0f stored pairs, ", s.pairs[pc]) +
+                       fmt("the best 2-layer memory recalls %.0f%% of the keys ", acc[1]) +
+                       fmt("and the best 3-layer memory %.0f%%, ", acc[2]) +
+                       fmt("against %.0f%% for the best matrix memory ", acc[0]) +
+                       fmt("(the matrix holds %.0f weights, ",
+                           static_cast<double>(memory_weights(1, s.d_h))) +
+                       fmt("the MLPs %.0f ", static_cast<double>(memory_weights(2, s.d_h))) +
+                       fmt("and %.0f). ", static_cast<double>(memory_weights(3, s.d_h)));
     if (deep > acc[0] + 5) {
-        verdict = fmt("So on this task a deep memory is worth it: same keys, same stream, and the "
-                      "best MLP memory recalls %.0f points more than the best matrix memory.",
-                      deep - acc[0]);
+        text += "A deeper memory holds more pairs from the same stream.";
     } else if (acc[0] > deep + 5) {
-        verdict = fmt("So on this task the matrix memory is the better choice, by %.0f points.",
-                      acc[0] - deep);
+        text += "Here the matrix memory is the better choice.";
     } else {
-        verdict = "So on this task depth makes little difference (within 5 points).";
+        text += "Here depth makes little difference (within 5 points).";
     }
-    std::printf(
-        "\nConclusion: at P = %d pairs (keys in R^%d) the best 2-layer memory (%s) recalls "
-        "%.1f%% of the keys and the best 3-layer memory (%s) %.1f%%, against %.1f%% for the best "
-        "matrix memory (%s); mean relative errors %.3f, %.3f and %.3f. At P = %d the best of each "
-        "depth recalls %.1f%% (L = 1), %.1f%% (L = 2) and %.1f%% (L = 3). The memories hold %ld "
-        "(L = 1), %ld (L = 2) and %ld (L = 3) weights. Averaged over depths and P, momentum "
-        "changes accuracy by %+.1f points; forgetting (alpha 0.01 per token) by %+.1f points for "
-        "the matrix memory and %+.1f / %+.1f points for L = 2 / 3: every pair fades between its "
-        "visits, and decay on every layer of an MLP compounds. %s\n",
-        s.pairs[pc], s.d_h, variants[best[1]].label().c_str(), acc[1],
-        variants[best[2]].label().c_str(), acc[2], acc[0], variants[best[0]].label().c_str(),
-        err[1], err[2], err[0], s.pairs[pb], acc_b[0], acc_b[1], acc_b[2],
-        memory_weights(1, s.d_h), memory_weights(2, s.d_h), memory_weights(3, s.d_h),
-        effect(true, 0), effect(false, 1), effect(false, 2), effect(false, 3), verdict.c_str());
+    text += fmt(" On average momentum changes recall by %+.0f points; ", effect(true, 1, 3)) +
+            fmt("forgetting by %+.0f points ", effect(false, 1, 3)) +
+            "(a stored pair fades between its visits).";
+    std::printf("\n");
+    print_wrapped(text);
 }
-
-// ---------------------------------------------------------------------------------------------
 
 int run_demo(const Settings& s) {
     const auto t0 = std::chrono::steady_clock::now();
-    std::printf("Associative recall with the Titans neural memory%s\n",
-                s.quick ? " (--quick: small problem)" : "");
-    std::printf("  task:   P random unit keys k in R^%d, values v = c ((k R1)^2 - 1) R2 "
-                "(R1 %dx%d, R2 %dx%d random, c: unit mean norm)\n",
-                s.d_h, s.d_h, 2 * s.d_h, 2 * s.d_h, s.d_h);
-    std::printf("  memory: 1 head, d_h %d, d_model %d, no conv, identity phi, L2-normalised q/k, "
-                "W_K = W_Q = [I;0], W_V = [0;I], W_O = [I 0]\n",
-                s.d_h, 2 * s.d_h);
-    std::printf("  write:  %d epochs over the pairs (fresh order each), chunked update (chunk %d), "
-                "constant gates; read: NeuralMemory::read\n",
-                s.epochs, s.chunk);
-    std::printf("  %d trials per point (one batch of %d sequences), float\n\n", s.trials, s.trials);
-
+    print_header(s);
     std::vector<Variant> variants;
     for (int depth : {1, 2, 3}) {
         for (double eta : {0.9, 0.0}) {
             for (double alpha : {0.01, 0.0}) variants.push_back({depth, eta, alpha});
         }
     }
-
-    std::printf("Learning rate theta per variant: best accuracy on separate data at P =");
-    for (int P : s.tune_pairs) std::printf(" %d", P);
-    std::printf(", from 0.25 x {");
-    for (std::size_t i = 0; i < s.theta_grid.size(); ++i) {
-        std::printf("%s%g", i ? ", " : "", s.theta_grid[i]);
-    }
-    std::printf("} (x 0.1 with momentum)\n");
     std::vector<std::vector<Task>> tune_tasks;
     for (int P : s.tune_pairs) {
         tune_tasks.push_back(make_tasks(P, s, 777 + static_cast<std::uint64_t>(P)));
     }
-    for (Variant& v : variants) {
-        v.theta = tune_theta(v, tune_tasks, s);
-        std::printf("  %-15s depth %d  eta %.1f  alpha %.2f  theta %.4g\n", v.label().c_str(),
-                    v.depth, v.eta, v.alpha, v.theta);
-    }
-
     std::vector<std::vector<Score>> scores(variants.size());
-    for (int P : s.pairs) {
-        const auto tasks = make_tasks(P, s, 12345 + static_cast<std::uint64_t>(P));
-        for (std::size_t vi = 0; vi < variants.size(); ++vi) {
-            scores[vi].push_back(run(variants[vi], tasks, s, 2024 + static_cast<std::uint64_t>(P)));
-        }
-    }
-
-    std::printf("\nRecall after test-time learning: mean relative error, accuracy (chance 1/P)\n");
-    std::printf("%-15s", "variant");
-    for (int P : s.pairs) std::printf(" | P = %-9d", P);
-    std::printf("\n%s\n", std::string(15 + 15 * s.pairs.size(), '-').c_str());
+    const bool tty = isatty(fileno(stdout)) != 0;
     for (std::size_t vi = 0; vi < variants.size(); ++vi) {
-        std::printf("%-15s", variants[vi].label().c_str());
-        for (const Score& sc : scores[vi]) {
-            if (sc.diverged) {
-                std::printf(" | %-12s", "diverged");
-            } else {
-                std::printf(" | %5.3f %5.1f%%", sc.error, 100.0 * sc.accuracy);
-            }
+        if (tty) {  // a progress line, overwritten (not in logs)
+            std::printf("\r  running: memory %zu of %zu", vi + 1, variants.size());
+            std::fflush(stdout);
         }
-        std::printf("\n");
+        Variant& v = variants[vi];
+        v.theta = tune_theta(v, tune_tasks, s);
+        for (int P : s.pairs) {
+            const auto tasks = make_tasks(P, s, 12345 + static_cast<std::uint64_t>(P));
+            scores[vi].push_back(run(v, tasks, s, 2024 + static_cast<std::uint64_t>(P)));
+        }
     }
-    std::printf("L = depth (1: matrix memory); +mom: eta 0.9, -mom: eta 0; +fgt: alpha 0.01, "
-                "-fgt: alpha 0\n");
-
-    write_svg(s.out, s, variants, scores);
-    std::printf("\nPlot written to %s\n", s.out.c_str());
+    if (tty) std::printf("\r%40s\r", "");
+    print_tables(s, variants, scores);
     print_conclusion(s, variants, scores);
-    std::printf("\nTotal time %.1f s\n",
+
+    std::filesystem::create_directories(s.out_dir);
+    const std::string plot = (std::filesystem::path(s.out_dir) / "associative_recall.svg").string();
+    write_svg(plot, s, variants, scores);
+    std::printf("\nPlot of both tables (and each memory's learning rate): %s\n", plot.c_str());
+    std::printf("Total time %.1f s\n",
                 std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     return 0;
 }

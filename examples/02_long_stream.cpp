@@ -1,4 +1,4 @@
-// Long streams: a Titans model reads any number of tokens in constant memory (SPEC §7).
+// Long streams: a Titans model reads any number of tokens in constant memory (math §7).
 //
 // A small model of each variant (LMM, MAC, MAG, MAL: 2 layers, d = 64, 4 heads, memory depth
 // 2, window / segment 128, memory chunk 64, vectors in and out) reads one long stream (1M
@@ -32,7 +32,7 @@
 // Parameters: ModelParams<float>::random, with the memory's theta_max = 0.01 and forget-gate
 // bias b_alpha = -8 (alpha ~ 3e-4) in every layer (set explicitly; they are also the library's
 // defaults). A larger theta_max diverges at chunk 64 (a larger chunk takes a larger step from
-// stale weights; docs/math.md §7), and a stronger forget bias lets some memories decay to zero.
+// stale weights; math §10), and a stronger forget bias lets some memories decay to zero.
 
 #include <titans/titans.hpp>
 

@@ -1,5 +1,5 @@
 // Hostile streams: the default memory and every block kind stay finite on the inputs real
-// streams carry (SPEC §10, docs/math.md §7).
+// streams carry (math §10).
 //
 // Random parameters, default settings (theta_max 0.01, forget bias -8, max_grad_norm 1), fed in
 // pieces of the sizes given (default 1, 64 and 1000 tokens per call) with the state kept
@@ -253,7 +253,7 @@ int main(int argc, char** argv) {
     try {
         const Settings s = parse(argc, argv);
         const auto objects = make_objects(s);
-        std::printf("Hostile streams (SPEC §10): largest |output| per run, max_grad_norm = %g\n",
+        std::printf("Hostile streams (math §10): largest |output| per run, max_grad_norm = %g\n",
                     s.max_grad_norm);
         std::printf("%-8s %7s %8s", "object", "piece", "tokens");
         for (const auto& st : kStreams) std::printf(" %10s", st.c_str());

@@ -199,6 +199,12 @@ int main(int argc, char** argv) {
                  R"("a":{"data_offsets":[0,4],"shape":[],"dtype":"F32"},)"
                  R"("z":{"dtype":"F64","shape":[0,3],"data_offsets":[8,8]}}    )",
                  Bytes(8, std::byte{0x3f})));
+    // Empty tensors sharing an offset, keys out of name order (the reader lists them by name,
+    // so the fuzz target's write-back round trip keeps their order).
+    save("valid_empty_tensors_key_order.safetensors",
+         st_file(R"({"b":{"dtype":"F32","shape":[0],"data_offsets":[0,0]},)"
+                 R"("a":{"dtype":"F32","shape":[0],"data_offsets":[0,0]}})",
+                 Bytes{}));
 
     // ---- malformed files --------------------------------------------------------------------
     Bytes good;

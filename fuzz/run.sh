@@ -5,10 +5,15 @@
 # build/fuzz/fuzz_run/<name>/. Prints the executions per target; exits non-zero on any crash,
 # leak, timeout, OOM or sanitizer report.
 #
+# The random seed is fixed (TITANS_FUZZ_SEED, default 1): libFuzzer's mutations are then the
+# same sequence on every machine, so a run that passes locally passes in CI when CI executes no
+# more inputs; set another seed (or 0: libFuzzer draws one) to explore further.
+#
 # To reproduce an artifact:  build/fuzz/fuzz/titans_fuzz_<name> <artifact file>
 set -euo pipefail
 
 seconds=${1:-30}
+seed=${TITANS_FUZZ_SEED:-1}
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "${repo_root}"
 
@@ -25,10 +30,10 @@ for t in "${targets[@]}"; do
   rm -rf "${work}"
   mkdir -p "${work}/corpus" "${work}/artifacts"
   cp "${repo_root}/fuzz/corpus/${t}/"* "${work}/corpus/"
-  echo "==> fuzzing ${t} for ${seconds}s (corpus: $(ls "${work}/corpus" | wc -l) files, log: ${work}/log.txt)"
+  echo "==> fuzzing ${t} for ${seconds}s, seed ${seed} (corpus: $(ls "${work}/corpus" | wc -l) files, log: ${work}/log.txt)"
   set +e
   "${bin}" "${work}/corpus" \
-    -max_total_time="${seconds}" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
+    -max_total_time="${seconds}" -seed="${seed}" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
     -artifact_prefix="${work}/artifacts/" >"${work}/log.txt" 2>&1
   rc=$?
   set -e

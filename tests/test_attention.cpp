@@ -1,4 +1,4 @@
-// Attention (SPEC §6-7) and the basic layers: prefix_window_attention against a plain reference
+// Attention (math §6-7) and the basic layers: prefix_window_attention against a plain reference
 // that builds the full masked score matrix, window edges, prefix visibility, causality, RoPE
 // (against explicit 2x2 rotations, and its relative-position property), the Attention layer
 // against the reference and streamed in pieces against one call, RMSNorm, FeedForward,
@@ -150,9 +150,9 @@ AttentionParams<T> cast_attention_params(const AttentionParams<double>& p) {
 // ---------------------------------------------------------------------------------------------
 // prefix_window_attention
 
-TEMPLATE_TEST_CASE("prefix_window_attention equals the full masked reference (window 1, window "
-                   ">= n, windows in between, empty and non-empty prefix, first_query > 0)",
-                   "[attention]", float, double) {
+// prefix_window_attention equals the full masked reference (window 1, window >= n, windows in
+// between, empty and non-empty prefix, first_query > 0)
+TEMPLATE_TEST_CASE("window attn: == reference", "[attention]", float, double) {
     using T = TestType;
     const std::string name = "pwa reference";
     int case_index = 0;
@@ -173,9 +173,9 @@ TEMPLATE_TEST_CASE("prefix_window_attention equals the full masked reference (wi
     }
 }
 
-TEMPLATE_TEST_CASE("prefix_window_attention with a query stride of 2 or 3 equals the reference "
-                   "(queries at every s-th key position, as MAC's interleaved keys use)",
-                   "[attention]", float, double) {
+// prefix_window_attention with a query stride of 2 or 3 equals the reference (queries at every s-th
+// key position, as MAC's interleaved keys use)
+TEMPLATE_TEST_CASE("window attn: query stride", "[attention]", float, double) {
     using T = TestType;
     int case_index = 0;
     for (Eigen::Index stride : {2, 3}) {
@@ -205,9 +205,8 @@ TEMPLATE_TEST_CASE("prefix_window_attention with a query stride of 2 or 3 equals
                           titans::ConfigError, "query_stride = 0");
 }
 
-TEMPLATE_TEST_CASE("prefix_window_attention on a larger problem (many tiles; the OpenMP path "
-                   "when built with OpenMP)",
-                   "[attention]", float, double) {
+// prefix_window_attention on a larger problem (many tiles; the OpenMP path when built with OpenMP)
+TEMPLATE_TEST_CASE("window attn: large problem", "[attention]", float, double) {
     using T = TestType;
     for (int w : {50, 1000}) {
         Rng rng(seed_for("pwa larger", static_cast<std::uint64_t>(w)));
@@ -230,9 +229,8 @@ TEMPLATE_TEST_CASE("prefix_window_attention on a larger problem (many tiles; the
     }
 }
 
-TEMPLATE_TEST_CASE("prefix_window_attention on views (blocks of larger matrices) equals the "
-                   "Matrix overload",
-                   "[attention]", float, double) {
+// prefix_window_attention on views (blocks of larger matrices) equals the Matrix overload
+TEMPLATE_TEST_CASE("window attn: on views", "[attention]", float, double) {
     using T = TestType;
     Rng rng(seed_for("pwa views"));
     const CoreCase c = make_core_case<T>(rng, 2);
@@ -258,8 +256,8 @@ TEMPLATE_TEST_CASE("prefix_window_attention on views (blocks of larger matrices)
     CHECK((big_out.col(D + 1).array() == T(7)).all());
 }
 
-TEMPLATE_TEST_CASE("prefix_window_attention is numerically stable for very large scores",
-                   "[attention]", float, double) {
+// prefix_window_attention is numerically stable for very large scores
+TEMPLATE_TEST_CASE("window attn: large scores", "[attention]", float, double) {
     using T = TestType;
     for (int i = 0; i < 6; ++i) {
         Rng rng(seed_for("pwa large scores", static_cast<std::uint64_t>(i)));
@@ -274,9 +272,9 @@ TEMPLATE_TEST_CASE("prefix_window_attention is numerically stable for very large
     }
 }
 
-TEMPLATE_TEST_CASE("window edges: positions w-1, w, w+1 match the reference; the key at "
-                   "distance w is not seen, the key at distance w-1 is",
-                   "[attention]", float, double) {
+// window edges: positions w-1, w, w+1 match the reference; the key at distance w is not seen, the
+// key at distance w-1 is
+TEMPLATE_TEST_CASE("window attn: window edges", "[attention]", float, double) {
     using T = TestType;
     for (int w : {1, 2, 5, 16, 17, 40}) {
         for (int p : {0, 2}) {
@@ -322,8 +320,8 @@ TEMPLATE_TEST_CASE("window edges: positions w-1, w, w+1 match the reference; the
     }
 }
 
-TEMPLATE_TEST_CASE("prefix keys are visible to every query; sequence keys only causally",
-                   "[attention]", float, double) {
+// prefix keys are visible to every query; sequence keys only causally
+TEMPLATE_TEST_CASE("window attn: prefix keys", "[attention]", float, double) {
     using T = TestType;
     for (int w : {1, 3, 1000}) {
         Rng rng(seed_for("pwa prefix and causality", static_cast<std::uint64_t>(w)));
@@ -373,8 +371,8 @@ TEMPLATE_TEST_CASE("prefix keys are visible to every query; sequence keys only c
 // ---------------------------------------------------------------------------------------------
 // RoPE
 
-TEMPLATE_TEST_CASE("apply_rope equals explicit 2x2 rotations at absolute positions",
-                   "[attention]", float, double) {
+// apply_rope equals explicit 2x2 rotations at absolute positions
+TEMPLATE_TEST_CASE("RoPE: 2x2 rotations", "[attention]", float, double) {
     using T = TestType;
     for (int i = 0; i < 8; ++i) {
         Rng rng(seed_for("rope rotations", static_cast<std::uint64_t>(i)));
@@ -402,8 +400,8 @@ TEMPLATE_TEST_CASE("apply_rope equals explicit 2x2 rotations at absolute positio
     CHECK(std::abs(static_cast<double>(x(1, 1)) - std::sin(1.0)) <= tol<T>());
 }
 
-TEMPLATE_TEST_CASE("RoPE scores depend only on the relative position", "[attention]", float,
-                   double) {
+// RoPE scores depend only on the relative position
+TEMPLATE_TEST_CASE("RoPE: relative position", "[attention]", float, double) {
     using T = TestType;
     Rng rng(seed_for("rope relative"));
     const int H = 2, dh = 8;
@@ -430,9 +428,8 @@ TEMPLATE_TEST_CASE("RoPE scores depend only on the relative position", "[attenti
 // ---------------------------------------------------------------------------------------------
 // The Attention layer
 
-TEMPLATE_TEST_CASE("Attention::forward equals the reference layer (RoPE, shared and "
-                   "per-sequence prefix, B = 2)",
-                   "[attention]", float, double) {
+// Attention::forward equals the reference layer (RoPE, shared and per-sequence prefix, B = 2)
+TEMPLATE_TEST_CASE("Attention: == reference", "[attention]", float, double) {
     using T = TestType;
     for (int i = 0; i < 24; ++i) {
         Rng rng(seed_for("attention layer reference", static_cast<std::uint64_t>(i)));
@@ -465,9 +462,8 @@ TEMPLATE_TEST_CASE("Attention::forward equals the reference layer (RoPE, shared 
     }
 }
 
-TEMPLATE_TEST_CASE("Attention streamed token by token and in random pieces equals one call "
-                   "(B = 2)",
-                   "[attention]", float, double) {
+// Attention streamed token by token and in random pieces equals one call (B = 2)
+TEMPLATE_TEST_CASE("Attention: streaming", "[attention]", float, double) {
     using T = TestType;
     for (int i = 0; i < 16; ++i) {
         Rng rng(seed_for("attention streaming", static_cast<std::uint64_t>(i)));
@@ -526,9 +522,8 @@ TEMPLATE_TEST_CASE("Attention streamed token by token and in random pieces equal
     }
 }
 
-TEMPLATE_TEST_CASE("Attention is causal: perturbing token j leaves earlier outputs and the other "
-                   "sequence unchanged",
-                   "[attention]", float, double) {
+// Attention is causal: perturbing token j leaves earlier outputs and the other sequence unchanged
+TEMPLATE_TEST_CASE("Attention: causal", "[attention]", float, double) {
     using T = TestType;
     Rng rng(seed_for("attention layer causality"));
     const AttentionConfig cfg{.d_model = 8, .n_heads = 2, .window = 6, .rope = true};
@@ -558,8 +553,8 @@ TEMPLATE_TEST_CASE("Attention is causal: perturbing token j leaves earlier outpu
 // ---------------------------------------------------------------------------------------------
 // Basic layers
 
-TEMPLATE_TEST_CASE("RMSNorm equals a hand-computed value and the loop reference", "[layers]",
-                   float, double) {
+// RMSNorm equals a hand-computed value and the loop reference
+TEMPLATE_TEST_CASE("RMSNorm: == reference", "[layers]", float, double) {
     using T = TestType;
     // x = (3, 4): mean(x^2) = 12.5; weight (1, 2).
     RowVector<T> wgt(2);
@@ -587,8 +582,8 @@ TEMPLATE_TEST_CASE("RMSNorm equals a hand-computed value and the loop reference"
     CHECK(rel_error(xi, titans::reference::rms_norm(xr, wr, 1e-6)) <= tol<T>());
 }
 
-TEMPLATE_TEST_CASE("FeedForward (SwiGLU and GELU) equals the loop reference", "[layers]", float,
-                   double) {
+// FeedForward (SwiGLU and GELU) equals the loop reference
+TEMPLATE_TEST_CASE("FeedForward: == reference", "[layers]", float, double) {
     using T = TestType;
     CHECK(FeedForwardConfig{.d_model = 64}.hidden_dim() == 176);
     CHECK(FeedForwardConfig{.d_model = 512}.hidden_dim() == 1368);
@@ -623,8 +618,8 @@ TEMPLATE_TEST_CASE("FeedForward (SwiGLU and GELU) equals the loop reference", "[
     }
 }
 
-TEMPLATE_TEST_CASE("PersistentMemory: seeded tokens, prepend for one and several sequences",
-                   "[layers]", float, double) {
+// PersistentMemory: seeded tokens, prepend for one and several sequences
+TEMPLATE_TEST_CASE("PersistentMemory: prepend", "[layers]", float, double) {
     using T = TestType;
     const auto P = PersistentMemory<T>::random(3, 5, 42);
     CHECK(P.size() == 3);
@@ -651,8 +646,8 @@ TEMPLATE_TEST_CASE("PersistentMemory: seeded tokens, prepend for one and several
 // ---------------------------------------------------------------------------------------------
 // Errors
 
-TEMPLATE_TEST_CASE("attention and layer errors throw the right types and name the argument",
-                   "[attention][layers]", float, double) {
+// attention and layer errors throw the right types and name the argument
+TEMPLATE_TEST_CASE("attention and layer errors", "[attention][layers]", float, double) {
     using T = TestType;
     // Configurations.
     REQUIRE_THROWS_NAMING((AttentionConfig{.d_model = 0}.validate()), ConfigError, "d_model");

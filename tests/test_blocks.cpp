@@ -1,4 +1,4 @@
-// The Titans compositions (SPEC §6-7): Block<T> of every kind (LMM, MAC, MAG, MAL) against the
+// The Titans compositions (math §6-7): Block<T> of every kind (LMM, MAC, MAG, MAL) against the
 // plain whole-sequence reference of tests/reference/reference_blocks.hpp (block output, mixer
 // output, memory state, position), causality, the order of MAC's memory write (y, not the block
 // input), the window edges of MAG / MAL and what the persistent tokens can reach, streaming in
@@ -326,10 +326,10 @@ std::string kind_name(BlockKind k) { return titans::to_string(k); }
 // =============================================================================================
 // Blocks against the reference.
 
-TEMPLATE_TEST_CASE("every block kind (LMM, MAC, MAG, MAL) equals the plain reference: block "
-                   "output, mixer output, memory state and position (B 1-2, with/without FFN, "
-                   "N_p 0/2, lagged/in-chunk retrieval, depth 1-2)",
-                   "[blocks]", float, double) {
+// every block kind (LMM, MAC, MAG, MAL) equals the plain reference: block output, mixer output,
+// memory state and position (B 1-2, with/without FFN, N_p 0/2, lagged/in-chunk retrieval, depth
+// 1-2)
+TEMPLATE_TEST_CASE("blocks: == reference", "[blocks]", float, double) {
     using T = TestType;
     const int combo = GENERATE(range(0, 40));
     const BlockKind kind = kAllKinds[combo % 4];
@@ -375,9 +375,9 @@ TEMPLATE_TEST_CASE("every block kind (LMM, MAC, MAG, MAL) equals the plain refer
     }
 }
 
-TEMPLATE_TEST_CASE("BlockConfig::make sets every width and MAC's in-chunk retrieval; the seeded "
-                   "parameters have the documented shapes",
-                   "[blocks]", float, double) {
+// BlockConfig::make sets every width and MAC's in-chunk retrieval; the seeded parameters have the
+// documented shapes
+TEMPLATE_TEST_CASE("blocks: make and shapes", "[blocks]", float, double) {
     using T = TestType;
     for (BlockKind kind : kAllKinds) {
         const BlockConfig c = BlockConfig::make(kind, 12, 2, 2, 5, 3);
@@ -399,9 +399,9 @@ TEMPLATE_TEST_CASE("BlockConfig::make sets every width and MAC's in-chunk retrie
 // =============================================================================================
 // Causality.
 
-TEMPLATE_TEST_CASE("every block kind is causal: perturbing token j of one sequence leaves every "
-                   "earlier output of it and the whole other sequence bit-for-bit unchanged",
-                   "[blocks]", float, double) {
+// every block kind is causal: perturbing token j of one sequence leaves every earlier output of it
+// and the whole other sequence bit-for-bit unchanged
+TEMPLATE_TEST_CASE("blocks: causal", "[blocks]", float, double) {
     using T = TestType;
     for (int combo = 0; combo < 8; ++combo) {
         BlockOptions o;
@@ -442,10 +442,10 @@ TEMPLATE_TEST_CASE("every block kind is causal: perturbing token j of one sequen
 // =============================================================================================
 // MAC: the memory is written with the attention outputs y.
 
-TEMPLATE_TEST_CASE("MAC writes its memory with the attention outputs y: the block's memory state "
-                   "equals a separate NeuralMemory fed with the reference y, and differs from "
-                   "one fed with the block's normalised input u (or raw input x)",
-                   "[blocks]", float, double) {
+// MAC writes its memory with the attention outputs y: the block's memory state equals a separate
+// NeuralMemory fed with the reference y, and differs from one fed with the block's normalised input
+// u (or raw input x)
+TEMPLATE_TEST_CASE("MAC: memory written with y", "[blocks]", float, double) {
     using T = TestType;
     for (int i = 0; i < 6; ++i) {
         BlockOptions o;
@@ -541,9 +541,9 @@ void check_window_reach(const BlockCase& c, const Matrix<T>& out) {
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("MAG window edges: with a frozen memory, token j reaches exactly outputs "
-                   "j .. j+w-1; the persistent tokens reach every output, also after position w",
-                   "[blocks]", float, double) {
+// MAG window edges: with a frozen memory, token j reaches exactly outputs j .. j+w-1; the
+// persistent tokens reach every output, also after position w
+TEMPLATE_TEST_CASE("MAG: window edges", "[blocks]", float, double) {
     using T = TestType;
     for (int i = 0; i < 3; ++i) {
         const BlockCase c = frozen_memory_case<T>(
@@ -568,11 +568,10 @@ TEMPLATE_TEST_CASE("MAG window edges: with a frozen memory, token j reaches exac
     }
 }
 
-TEMPLATE_TEST_CASE("MAL window edges: with a frozen memory, token j reaches exactly outputs "
-                   "j .. j+w-1 and the persistent tokens (first positions of the window) reach "
-                   "exactly outputs 0 .. w-2; with a learning memory P reaches later outputs "
-                   "through the memory",
-                   "[blocks]", float, double) {
+// MAL window edges: with a frozen memory, token j reaches exactly outputs j .. j+w-1 and the
+// persistent tokens (first positions of the window) reach exactly outputs 0 .. w-2; with a learning
+// memory P reaches later outputs through the memory
+TEMPLATE_TEST_CASE("MAL: window edges", "[blocks]", float, double) {
     using T = TestType;
     for (int i = 0; i < 3; ++i) {
         const BlockCase c = frozen_memory_case<T>(
@@ -613,9 +612,9 @@ TEMPLATE_TEST_CASE("MAL window edges: with a frozen memory, token j reaches exac
 // =============================================================================================
 // Streaming.
 
-TEMPLATE_TEST_CASE("every block kind streamed token by token and in random pieces (empty pieces "
-                   "included) equals one call: outputs, memory state, position (B = 2)",
-                   "[blocks]", float, double) {
+// every block kind streamed token by token and in random pieces (empty pieces included) equals one
+// call: outputs, memory state, position (B = 2)
+TEMPLATE_TEST_CASE("blocks: streaming", "[blocks]", float, double) {
     using T = TestType;
     const int combo = GENERATE(range(0, 12));
     BlockOptions o;
@@ -709,10 +708,9 @@ std::vector<int> random_ids(Rng& rng, int count, int vocab) {
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("Model (MAC then MAG, with a vocabulary): logits shape, forward_tokens equals "
-                   "forward on the embedded rows and the reference stack; streaming equals one "
-                   "call",
-                   "[model]", float, double) {
+// Model (MAC then MAG, with a vocabulary): logits shape, forward_tokens equals forward on the
+// embedded rows and the reference stack; streaming equals one call
+TEMPLATE_TEST_CASE("Model: with vocabulary", "[model]", float, double) {
     using T = TestType;
     for (int i = 0; i < 3; ++i) {
         Rng rng(seed_for(std::string("model/mixed/") + type_name<T>(), static_cast<std::uint64_t>(i)));
@@ -755,9 +753,9 @@ TEMPLATE_TEST_CASE("Model (MAC then MAG, with a vocabulary): logits shape, forwa
     }
 }
 
-TEMPLATE_TEST_CASE("Model without a vocabulary (MAL then LMM, d_out 5): vectors in, d_out out, "
-                   "equal to the reference stack",
-                   "[model]", float, double) {
+// Model without a vocabulary (MAL then LMM, d_out 5): vectors in, d_out out, equal to the reference
+// stack
+TEMPLATE_TEST_CASE("Model: without vocabulary", "[model]", float, double) {
     using T = TestType;
     Rng rng(seed_for(std::string("model/vectors/") + type_name<T>()));
     const int B = 2, N = 13;
@@ -776,9 +774,9 @@ TEMPLATE_TEST_CASE("Model without a vocabulary (MAL then LMM, d_out 5): vectors 
 // =============================================================================================
 // Errors.
 
-TEMPLATE_TEST_CASE("block errors: BlockConfig, BlockParams and Block::forward / mix / make_state "
-                   "throw the right types and name the argument",
-                   "[blocks]", float, double) {
+// block errors: BlockConfig, BlockParams and Block::forward / mix / make_state throw the right
+// types and name the argument
+TEMPLATE_TEST_CASE("block errors: arguments", "[blocks]", float, double) {
     using T = TestType;
     const T nan = std::numeric_limits<T>::quiet_NaN();
     // Configurations.
@@ -898,9 +896,9 @@ TEMPLATE_TEST_CASE("block errors: BlockConfig, BlockParams and Block::forward / 
     }
 }
 
-TEMPLATE_TEST_CASE("block errors: a state of a block of the same kind with another shape is "
-                   "rejected (MAG window, LMM memory, MAC segment)",
-                   "[blocks]", float, double) {
+// block errors: a state of a block of the same kind with another shape is rejected (MAG window, LMM
+// memory, MAC segment)
+TEMPLATE_TEST_CASE("block errors: state shape", "[blocks]", float, double) {
     using T = TestType;
     const Matrix<T> x = Matrix<T>::Ones(2, 8);
     {
@@ -929,9 +927,9 @@ TEMPLATE_TEST_CASE("block errors: a state of a block of the same kind with anoth
     }
 }
 
-TEMPLATE_TEST_CASE("model errors: token id out of range, forward_tokens without a vocabulary, "
-                   "mismatched or default states, bad ModelConfig / ModelParams",
-                   "[model]", float, double) {
+// model errors: token id out of range, forward_tokens without a vocabulary, mismatched or default
+// states, bad ModelConfig / ModelParams
+TEMPLATE_TEST_CASE("model errors: arguments", "[model]", float, double) {
     using T = TestType;
     ModelConfig cfg;
     cfg.vocab_size = 7;

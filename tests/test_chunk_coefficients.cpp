@@ -1,7 +1,7 @@
-// The closed-form chunk coefficients (SPEC §4): chunk_end_coefficients and
-// chunk_row_coefficients against a brute-force evaluation of the SPEC §4 sums (every product
+// The closed-form chunk coefficients (math §4): chunk_end_coefficients and
+// chunk_row_coefficients against a brute-force evaluation of the math §4 sums (every product
 // computed directly, in double), for random gates including exact 0 and 1 values of eta and
-// alpha; and against running the scalar recurrence of SPEC §3 token by token.
+// alpha; and against running the scalar recurrence of math §3 token by token.
 #include "test_common.hpp"
 
 using namespace titans_test;
@@ -36,7 +36,7 @@ double prod(const std::vector<double>& f, int a, int b) {
     return p;
 }
 
-/// SPEC §4 by its definitions, 0-based: P_i = prod_{j<=i} eta_j, beta_i = prod_{j<=i}(1-alpha_j),
+/// math §4 by its definitions, 0-based: P_i = prod_{j<=i} eta_j, beta_i = prod_{j<=i}(1-alpha_j),
 /// c_i = sum_{m<=i} (beta_i/beta_m) P_m, G_ik = theta_k sum_{m=k..i} (beta_i/beta_m)(P_m/P_k),
 /// with every ratio of products written as the product over the indices in between (no division).
 struct BruteForce {
@@ -85,9 +85,9 @@ double max_rel(const std::vector<double>& a, const std::vector<double>& b) {
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("chunk_end_coefficients and chunk_row_coefficients match the brute-force SPEC "
-                   "§4 sums, with gates including exact 0 and 1; the last row equals the end",
-                   "[chunk-coefficients]", float, double) {
+// chunk_end_coefficients and chunk_row_coefficients match the brute-force math §4 sums, with gates
+// including exact 0 and 1; the last row equals the end
+TEMPLATE_TEST_CASE("chunk coeffs: brute force", "[chunk-coefficients]", float, double) {
     using T = TestType;
     const int n = GENERATE(range(1, 13));
     const bool extremes = GENERATE(false, true);
@@ -147,9 +147,9 @@ TEMPLATE_TEST_CASE("chunk_end_coefficients and chunk_row_coefficients match the 
     }
 }
 
-TEST_CASE("chunk coefficients reproduce the scalar recurrence S_i = eta_i S_{i-1} - theta_i u_i, "
-          "W_i = (1 - alpha_i) W_{i-1} + S_i token by token (gates including 0 and 1)",
-          "[chunk-coefficients]") {
+// chunk coefficients reproduce the scalar recurrence S_i = eta_i S_{i-1} - theta_i u_i, W_i = (1 -
+// alpha_i) W_{i-1} + S_i token by token (gates including 0 and 1)
+TEST_CASE("chunk coeffs: scalar recurrence", "[chunk-coefficients]") {
     for (int rep = 0; rep < 40; ++rep) {
         Rng rng(seed_for("chunk-coefficients-recurrence", static_cast<std::uint64_t>(rep)));
         const int n = uniform_int(rng, 1, 10);
@@ -193,8 +193,8 @@ TEST_CASE("chunk coefficients reproduce the scalar recurrence S_i = eta_i S_{i-1
     }
 }
 
-TEST_CASE("chunk coefficients of an empty prefix are the identity (beta = 1, c = 0, P = 1)",
-          "[chunk-coefficients]") {
+// chunk coefficients of an empty prefix are the identity (beta = 1, c = 0, P = 1)
+TEST_CASE("chunk coeffs: empty prefix", "[chunk-coefficients]") {
     double beta_end = -1, c_end = -1, p_end = -1;
     titans::chunk_end_coefficients<double>(0, nullptr, nullptr, nullptr, nullptr, nullptr,
                                            &beta_end, &c_end, &p_end);

@@ -3,7 +3,7 @@
 //
 //   rel_error(a, b)          max|a - b| / max(max|b|, floor), computed in double (inf on a shape
 //                            mismatch or a non-finite entry)
-//   tol<T>()                 SPEC §8: 1e-12 for double, 1e-5 for float
+//   tol<T>()                 math §8: 1e-12 for double, 1e-5 for float
 //   seed_for(name, i)        a seed per test and case; TITANS_TEST_SEED=<n> in the environment
 //                            mixes in n, so every run can draw fresh inputs
 //   random_matrix(r, c, rng) uniform in [-1, 1] (never all zeros)
@@ -368,7 +368,7 @@ inline MemoryConfig random_config(const Modes& m, Rng& rng, const Limits& lim = 
     c.update = m.update;
     c.retrieval = m.retrieval;
     c.chunk = pick(rng, std::vector<int>{1, 2, 3, 5, 8});
-    // SPEC §10 clipping: off, always active (0.05), often active, rarely active.
+    // math §10 clipping: off, always active (0.05), often active, rarely active.
     c.max_grad_norm = pick(rng, std::vector<double>{0.0, 0.05, 0.3, 1.0, 4.0});
     c.validate();
     return c;

@@ -38,13 +38,15 @@ void require_config_error(const MemoryConfig& cfg, const char* field) {
 
 }  // namespace
 
-TEST_CASE("the valid base configuration used by the error tests is accepted", "[errors]") {
+// the valid base configuration used by the error tests is accepted
+TEST_CASE("errors: base config is valid", "[errors]") {
     const MemoryConfig c = valid_config();
     REQUIRE_NOTHROW(c.validate());
     REQUIRE_NOTHROW(NeuralMemory<double>(c, titans::MemoryParamsd::random(c, 3)));
 }
 
-TEST_CASE("invalid MemoryConfig fields throw ConfigError naming the field", "[errors][config]") {
+// invalid MemoryConfig fields throw ConfigError naming the field
+TEST_CASE("errors: bad MemoryConfig fields", "[errors][config]") {
     const double nan = std::numeric_limits<double>::quiet_NaN();
     const double inf = std::numeric_limits<double>::infinity();
     const std::vector<std::pair<std::function<void(MemoryConfig&)>, const char*>> cases = {
@@ -95,9 +97,9 @@ TEST_CASE("invalid MemoryConfig fields throw ConfigError naming the field", "[er
     }
 }
 
-TEST_CASE("boundary values of the gate constants are accepted (eta, alpha in {0, 1}, theta = 0, "
-          "theta_max = 0) and PerChunk gates work with Chunked + Lagged",
-          "[errors][config]") {
+// boundary values of the gate constants are accepted (eta, alpha in {0, 1}, theta = 0, theta_max =
+// 0) and PerChunk gates work with Chunked + Lagged
+TEST_CASE("errors: boundary gate values ok", "[errors][config]") {
     for (double v : {0.0, 1.0}) {
         MemoryConfig c = valid_config();
         c.gates = GateMode::Constant;
@@ -114,9 +116,9 @@ TEST_CASE("boundary values of the gate constants are accepted (eta, alpha in {0,
     REQUIRE_NOTHROW(c.validate());
 }
 
-TEST_CASE("MemoryParams with a wrongly shaped tensor throw ShapeError naming it; a NaN or "
-          "infinite entry throws NonFiniteError naming it",
-          "[errors][params]") {
+// MemoryParams with a wrongly shaped tensor throw ShapeError naming it; a NaN or infinite entry
+// throws NonFiniteError naming it
+TEST_CASE("errors: bad MemoryParams tensors", "[errors][params]") {
     const MemoryConfig cfg = valid_config();
     const titans::MemoryParamsd good = titans::MemoryParamsd::random(cfg, 5);
     REQUIRE_NOTHROW(good.validate(cfg));
@@ -191,9 +193,8 @@ TEST_CASE("MemoryParams with a wrongly shaped tensor throw ShapeError naming it;
     }
 }
 
-TEST_CASE("unused tensors are not validated: conv taps without conv, gate weights with "
-          "constant gates",
-          "[errors][params]") {
+// unused tensors are not validated: conv taps without conv, gate weights with constant gates
+TEST_CASE("errors: unused tensors unchecked", "[errors][params]") {
     MemoryConfig cfg = valid_config();
     cfg.use_conv = false;
     cfg.gates = GateMode::Constant;
@@ -205,9 +206,9 @@ TEST_CASE("unused tensors are not validated: conv taps without conv, gate weight
     REQUIRE_NOTHROW(NeuralMemory<double>(cfg, p));
 }
 
-TEST_CASE("forward, read, make_state, current_weights and current_momentum reject bad "
-          "arguments with the right error type and leave the state untouched",
-          "[errors][forward]") {
+// forward, read, make_state, current_weights and current_momentum reject bad arguments with the
+// right error type and leave the state untouched
+TEST_CASE("errors: bad forward arguments", "[errors][forward]") {
     const MemoryConfig cfg = valid_config();
     const titans::MemoryParamsd p = titans::MemoryParamsd::random(cfg, 11);
     NeuralMemory<double> mem(cfg, p);
@@ -276,9 +277,9 @@ TEST_CASE("forward, read, make_state, current_weights and current_momentum rejec
             CHECK(rel_error(mem.current_weights(st, b, h), mem.current_weights(untouched, b, h)) == 0.0);
 }
 
-TEST_CASE("memory_forward, associative_loss and associative_gradient reject mismatched shapes "
-          "with ShapeError",
-          "[errors][mlp]") {
+// memory_forward, associative_loss and associative_gradient reject mismatched shapes with
+// ShapeError
+TEST_CASE("errors: MLP function shapes", "[errors][mlp]") {
     Rng rng(seed_for("errors-mlp"));
     const std::vector<Matrixd> W{random_matrix(4, 8, rng), random_matrix(8, 4, rng)};
     const Matrixd k = random_matrix(3, 4, rng), v = random_matrix(3, 4, rng);
@@ -304,11 +305,10 @@ TEST_CASE("memory_forward, associative_loss and associative_gradient reject mism
     REQUIRE_THROWS_NAMING(titans::memory_forward<double>(W_none, k, act, false), ShapeError, "W");
 }
 
-TEST_CASE("a state is rejected by a memory whose configuration differs in a setting that shaped "
-          "the state's pending rows or its write (activation, residual, q/k/v path, gate scale) "
-          "- docs/errors.md: 'the state came from make_state of a memory with the same "
-          "configuration'",
-          "[errors][forward][state-config]") {
+// a state is rejected by a memory whose configuration differs in a setting that shaped the state's
+// pending rows or its write (activation, residual, q/k/v path, gate scale) - docs/errors.md: 'the
+// state came from make_state of a memory with the same configuration'
+TEST_CASE("errors: state of another config", "[errors][forward][state-config]") {
     // The state holds, for the chunk in progress, the activations A and back-propagated errors
     // Delta computed with the writing memory's activation, residual and q/k/v path, and gate
     // logits turned into gates at the chunk end with theta_max / constant gates: continuing it

@@ -1,4 +1,4 @@
-// The memory memorises (SPEC §2-3: it learns key -> value at test time), and the read-only
+// The memory memorises (math §2-3: it learns key -> value at test time), and the read-only
 // retrieval NeuralMemory::read().
 //
 // Setup: one head, x = [key | value] (d_model = 2 d_h), no conv, identity q/k/v activation,
@@ -94,9 +94,9 @@ std::vector<double> memorise(const PairMemory& pm, const Matrixd& K, const Matri
 
 }  // namespace
 
-TEST_CASE("memorisation: the recall error of random key/value pairs falls as the memory sees "
-          "them again (epoch 3 < 0.6 x epoch 1)",
-          "[memorization]") {
+// memorisation: the recall error of random key/value pairs falls as the memory sees them again
+// (epoch 3 < 0.6 x epoch 1)
+TEST_CASE("memorisation: recall improves", "[memorization]") {
     const int rep = GENERATE(range(0, 6));
     Rng rng(seed_for("memorise-random-pairs", static_cast<std::uint64_t>(rep)));
     const int dh = 16, N = 6;
@@ -114,9 +114,9 @@ TEST_CASE("memorisation: the recall error of random key/value pairs falls as the
     CHECK(recall_error(mem, fresh, K, V, rng) > err[0]);
 }
 
-TEST_CASE("memorisation of a nonlinear map v = cos(3k): a depth-2 memory beats the depth-1 "
-          "matrix memory and every linear map (least-squares optimum)",
-          "[memorization]") {
+// memorisation of a nonlinear map v = cos(3k): a depth-2 memory beats the depth-1 matrix memory and
+// every linear map (least-squares optimum)
+TEST_CASE("memorisation: nonlinear map", "[memorization]") {
     const int rep = GENERATE(range(0, 3));
     Rng rng(seed_for("memorise-nonlinear", static_cast<std::uint64_t>(rep)));
     const int dh = 4, N = 24, epochs = 40;
@@ -138,9 +138,9 @@ TEST_CASE("memorisation of a nonlinear map v = cos(3k): a depth-2 memory beats t
     CHECK(deep.back() < 0.5 * deep.front());
 }
 
-TEMPLATE_TEST_CASE("read() returns memory_forward(current_weights, q) through W_O, with q "
-                   "projected like forward's queries (conv continuing the stream), in every mode",
-                   "[memorization][read]", float, double) {
+// read() returns memory_forward(current_weights, q) through W_O, with q projected like forward's
+// queries (conv continuing the stream), in every mode
+TEMPLATE_TEST_CASE("read: == memory_forward", "[memorization][read]", float, double) {
     using T = TestType;
     const std::vector<Modes> primary = all_primary_modes();
     const int combo = GENERATE(range(0, 18));
@@ -176,9 +176,9 @@ TEMPLATE_TEST_CASE("read() returns memory_forward(current_weights, q) through W_
     CHECK(mem.read(st, Matrix<T>(0, c.cfg.d_model)).rows() == 0);
 }
 
-TEST_CASE("read() leaves the state unchanged: a later forward gives the same outputs, "
-          "diagnostics, weights and position as without the read",
-          "[memorization][read]") {
+// read() leaves the state unchanged: a later forward gives the same outputs, diagnostics, weights
+// and position as without the read
+TEST_CASE("read: state unchanged", "[memorization][read]") {
     const std::vector<Modes> primary = all_primary_modes();
     for (std::size_t i = 0; i < primary.size(); ++i) {
         Rng rng(seed_for("read-leaves-state", i));

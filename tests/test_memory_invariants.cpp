@@ -1,4 +1,4 @@
-// Invariants of the update rule (SPEC §3) and of the layer:
+// Invariants of the update rule (math §3) and of the layer:
 //   theta = 0 (alpha = 0) leaves the memory at memory_init and the momentum at 0, exactly;
 //   alpha = 1 erases the past: M_t = S_t;
 //   eta = 0 is plain online gradient descent with decay, checked step by step by hand;
@@ -63,9 +63,9 @@ Matrixd head_kv(const Case& c, int b, int h, int t, bool value) {
 
 }  // namespace
 
-TEST_CASE("theta = 0 (alpha = 0) leaves current_weights == memory_init and momentum == 0 "
-          "exactly, and every output reads memory_init",
-          "[invariants]") {
+// theta = 0 (alpha = 0) leaves current_weights == memory_init and momentum == 0 exactly, and every
+// output reads memory_init
+TEST_CASE("invariants: theta = 0 freezes", "[invariants]") {
     int index = 0;
     for (const auto& ur : kUpdateRetrieval) {
         for (int rep = 0; rep < 3; ++rep, ++index) {
@@ -101,8 +101,8 @@ TEST_CASE("theta = 0 (alpha = 0) leaves current_weights == memory_init and momen
     }
 }
 
-TEST_CASE("theta = 0 with alpha > 0 only decays the memory: W_t = (1 - alpha)^t W_0, S_t = 0",
-          "[invariants]") {
+// theta = 0 with alpha > 0 only decays the memory: W_t = (1 - alpha)^t W_0, S_t = 0
+TEST_CASE("invariants: theta = 0 only decays", "[invariants]") {
     int index = 0;
     for (const auto& ur : kUpdateRetrieval) {
         Rng rng(seed_for("theta-zero-decay-gates", static_cast<std::uint64_t>(index)));
@@ -121,9 +121,9 @@ TEST_CASE("theta = 0 with alpha > 0 only decays the memory: W_t = (1 - alpha)^t 
     }
 }
 
-TEST_CASE("alpha = 1 erases the past: current_weights == current_momentum (M_t = S_t) in every "
-          "update/retrieval mode, and the run matches the reference",
-          "[invariants]") {
+// alpha = 1 erases the past: current_weights == current_momentum (M_t = S_t) in every
+// update/retrieval mode, and the run matches the reference
+TEST_CASE("invariants: alpha = 1 erases past", "[invariants]") {
     int index = 0;
     for (const auto& ur : kUpdateRetrieval) {
         for (int rep = 0; rep < 3; ++rep, ++index) {
@@ -147,10 +147,9 @@ TEST_CASE("alpha = 1 erases the past: current_weights == current_momentum (M_t =
     }
 }
 
-TEST_CASE("eta = 0 is online gradient descent with decay: W_1 = (1 - alpha) W_0 - theta grad(W_0; "
-          "k_1, v_1), and the next step uses the true gradient (PerToken) or the chunk-start "
-          "gradient (Chunked)",
-          "[invariants]") {
+// eta = 0 is online gradient descent with decay: W_1 = (1 - alpha) W_0 - theta grad(W_0; k_1, v_1),
+// and the next step uses the true gradient (PerToken) or the chunk-start gradient (Chunked)
+TEST_CASE("invariants: eta = 0 is online GD", "[invariants]") {
     int index = 0;
     for (const auto& ur : kUpdateRetrieval) {
         for (int rep = 0; rep < 2; ++rep, ++index) {
@@ -179,7 +178,7 @@ TEST_CASE("eta = 0 is online gradient descent with decay: W_1 = (1 - alpha) W_0 
                     const std::vector<Matrixd>& W0 = c.params.memory_init[static_cast<std::size_t>(h)];
                     const auto g0 = titans::associative_gradient<double>(W0, head_kv(c, b, h, 0, false),
                                                                          head_kv(c, b, h, 0, true), act, res);
-                    // SPEC §10: theta * min(1, c / ||g||_F) when max_grad_norm = c > 0.
+                    // math §10: theta * min(1, c / ||g||_F) when max_grad_norm = c > 0.
                     auto clipped = [&](const std::vector<Matrixd>& g) {
                         double n2 = 0;
                         for (const Matrixd& m : g) n2 += m.squaredNorm();
@@ -213,9 +212,9 @@ TEST_CASE("eta = 0 is online gradient descent with decay: W_1 = (1 - alpha) W_0 
     }
 }
 
-TEST_CASE("chunked update with eta = 0 and alpha = 1 (zero products), and with eta = 1, alpha = 0, "
-          "matches the reference without NaN",
-          "[invariants]") {
+// chunked update with eta = 0 and alpha = 1 (zero products), and with eta = 1, alpha = 0, matches
+// the reference without NaN
+TEST_CASE("invariants: extreme gates no NaN", "[invariants]") {
     int index = 0;
     for (Retrieval ret : {Retrieval::Lagged, Retrieval::InChunk}) {
         for (auto [eta, alpha] : {std::pair{0.0, 1.0}, std::pair{1.0, 0.0}, std::pair{0.0, 0.0},
@@ -235,9 +234,9 @@ TEST_CASE("chunked update with eta = 0 and alpha = 1 (zero products), and with e
     }
 }
 
-TEST_CASE("sequences of a batch are independent: changing sequence 1 leaves the outputs, "
-          "diagnostics and memory of sequences 0 and 2 unchanged",
-          "[invariants]") {
+// sequences of a batch are independent: changing sequence 1 leaves the outputs, diagnostics and
+// memory of sequences 0 and 2 unchanged
+TEST_CASE("invariants: batch independence", "[invariants]") {
     const std::vector<Modes> primary = all_primary_modes();
     for (std::size_t i = 0; i < primary.size(); ++i) {
         Rng rng(seed_for("batch-independence", i));
@@ -263,9 +262,9 @@ TEST_CASE("sequences of a batch are independent: changing sequence 1 leaves the 
     }
 }
 
-TEST_CASE("outputs are causal: changing token j leaves every output and diagnostic before j "
-          "unchanged (Lagged and InChunk, chunk > 1, every gate mode, PerToken)",
-          "[invariants]") {
+// outputs are causal: changing token j leaves every output and diagnostic before j unchanged
+// (Lagged and InChunk, chunk > 1, every gate mode, PerToken)
+TEST_CASE("invariants: causal outputs", "[invariants]") {
     const std::vector<Modes> primary = all_primary_modes();
     for (std::size_t i = 0; i < 2 * primary.size(); ++i) {
         Rng rng(seed_for("causality", i));

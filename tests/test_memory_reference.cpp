@@ -1,5 +1,5 @@
-// The library against the plain-loop reference (tests/reference/reference_memory.hpp), SPEC §8:
-//   - the chunked update (SPEC §4/§5) against reference::chunk_start_loop in every mode,
+// The library against the plain-loop reference (tests/reference/reference_memory.hpp), math §8:
+//   - the chunked update (math §4/§5) against reference::chunk_start_loop in every mode,
 //   - chunk = 1 and UpdateMode::PerToken against the true recurrence reference::per_token,
 //   - in-chunk / lagged retrieval against memory_forward on weights materialised by streaming,
 // in float and double, over random shapes and seeds. Every check covers the outputs y, the
@@ -9,9 +9,9 @@
 using namespace titans_test;
 namespace ref = titans::reference;
 
-TEMPLATE_TEST_CASE("chunked update matches reference::chunk_start_loop in every mode: y, "
-                   "weights, momentum, diagnostics",
-                   "[reference][chunked]", float, double) {
+// chunked update matches reference::chunk_start_loop in every mode: y, weights, momentum,
+// diagnostics
+TEMPLATE_TEST_CASE("memory: chunked == loop", "[reference][chunked]", float, double) {
     using T = TestType;
     const std::vector<Modes> primary = chunked_primary_modes();  // 5 (gates, retrieval) pairs
     // Every (gates, retrieval) x 32 flag combinations, each twice with different shapes.
@@ -23,9 +23,9 @@ TEMPLATE_TEST_CASE("chunked update matches reference::chunk_start_loop in every 
     check_against_reference(lib, r, c, "chunked vs chunk_start_loop");
 }
 
-TEMPLATE_TEST_CASE("chunked update with chunk = 1 and the PerToken update both match the true "
-                   "per-token recurrence reference::per_token",
-                   "[reference][per-token]", float, double) {
+// chunked update with chunk = 1 and the PerToken update both match the true per-token recurrence
+// reference::per_token
+TEMPLATE_TEST_CASE("memory: per-token == ref", "[reference][per-token]", float, double) {
     using T = TestType;
     const int combo = GENERATE(range(0, 8 * 32));
     const int primary = combo / 32;
@@ -46,9 +46,9 @@ TEMPLATE_TEST_CASE("chunked update with chunk = 1 and the PerToken update both m
                                                              : "chunk=1 vs per_token");
 }
 
-TEST_CASE("chunked update with chunk > 1 differs measurably from the per-token recurrence "
-          "(the reference comparisons can fail)",
-          "[reference][sanity]") {
+// chunked update with chunk > 1 differs measurably from the per-token recurrence (the reference
+// comparisons can fail)
+TEST_CASE("memory: chunked != per-token", "[reference][sanity]") {
     for (int i = 0; i < 8; ++i) {
         Modes m;
         m.retrieval = (i & 1) != 0 ? Retrieval::InChunk : Retrieval::Lagged;
@@ -77,7 +77,7 @@ TEST_CASE("chunked update with chunk > 1 differs measurably from the per-token r
 namespace {
 
 /// Head outputs of the weights W (one list per head) for query row t of sequence q (N x D),
-/// concatenated and projected by W_O: the SPEC §5 output of token t, computed with
+/// concatenated and projected by W_O: the math §5 output of token t, computed with
 /// titans::memory_forward in double.
 Matrixd output_from_weights(const MemoryConfig& cfg, const titans::MemoryParamsd& p,
                             const std::vector<std::vector<Matrixd>>& W_per_head,
@@ -95,10 +95,9 @@ Matrixd output_from_weights(const MemoryConfig& cfg, const titans::MemoryParamsd
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("InChunk output of token i equals memory_forward(W_i, q_i) with W_i from "
-                   "current_weights after streaming exactly i+1 tokens; Lagged reads the "
-                   "chunk-start weights",
-                   "[reference][retrieval]", float, double) {
+// InChunk output of token i equals memory_forward(W_i, q_i) with W_i from current_weights after
+// streaming exactly i+1 tokens; Lagged reads the chunk-start weights
+TEMPLATE_TEST_CASE("memory: InChunk reads W_i", "[reference][retrieval]", float, double) {
     using T = TestType;
     const int combo = GENERATE(range(0, 36));
     const std::vector<Modes> primary = all_primary_modes();  // 9 valid (update, gates, retrieval)

@@ -1,4 +1,4 @@
-// Streaming (SPEC §5, last paragraph): feeding a stream in pieces of any length - empty pieces,
+// Streaming (math §5, last paragraph): feeding a stream in pieces of any length - empty pieces,
 // single tokens, pieces inside a chunk and pieces crossing several chunk boundaries - gives the
 // same outputs, Diagnostics, weights, momentum and position as one call over the whole
 // sequence, in every update / retrieval / gate mode; the same for token-by-token streaming.
@@ -77,10 +77,9 @@ void check_same(const LibRun<T>& s, const LibRun<T>& one, const std::string& wha
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("streaming in random pieces (empty, single tokens, across several chunk "
-                   "boundaries) equals one call: outputs, diagnostics, weights, momentum, "
-                   "position, in every update/retrieval/gate mode",
-                   "[streaming]", float, double) {
+// streaming in random pieces (empty, single tokens, across several chunk boundaries) equals one
+// call: outputs, diagnostics, weights, momentum, position, in every update/retrieval/gate mode
+TEMPLATE_TEST_CASE("streaming: random pieces", "[streaming]", float, double) {
     using T = TestType;
     const std::vector<Modes> primary = all_primary_modes();  // 9 valid modes
     const int combo = GENERATE(range(0, 9 * 6));
@@ -100,8 +99,8 @@ TEMPLATE_TEST_CASE("streaming in random pieces (empty, single tokens, across sev
     check_same(streamed, one, "streaming pieces vs one call");
 }
 
-TEMPLATE_TEST_CASE("token-by-token streaming equals one call in every update/retrieval/gate mode",
-                   "[streaming]", float, double) {
+// token-by-token streaming equals one call in every update/retrieval/gate mode
+TEMPLATE_TEST_CASE("streaming: token by token", "[streaming]", float, double) {
     using T = TestType;
     const std::vector<Modes> primary = all_primary_modes();
     const int combo = GENERATE(range(0, 9 * 2));
@@ -114,9 +113,8 @@ TEMPLATE_TEST_CASE("token-by-token streaming equals one call in every update/ret
     check_same(streamed, one, "token-by-token vs one call");
 }
 
-TEST_CASE("a copied state is an independent snapshot: both copies continue exactly like the "
-          "original stream",
-          "[streaming][state]") {
+// a copied state is an independent snapshot: both copies continue exactly like the original stream
+TEST_CASE("streaming: state copies", "[streaming][state]") {
     const std::vector<Modes> primary = all_primary_modes();
     for (std::size_t i = 0; i < primary.size(); ++i) {
         Rng rng(seed_for("state-copy", i));
@@ -146,8 +144,8 @@ TEST_CASE("a copied state is an independent snapshot: both copies continue exact
     }
 }
 
-TEST_CASE("forward into a reused output matrix (any prior size) equals the returning overload",
-          "[streaming]") {
+// forward into a reused output matrix (any prior size) equals the returning overload
+TEST_CASE("streaming: reused output matrix", "[streaming]") {
     const std::vector<Modes> primary = all_primary_modes();
     for (std::size_t i = 0; i < primary.size(); ++i) {
         Rng rng(seed_for("forward-into", i));
@@ -170,8 +168,8 @@ TEST_CASE("forward into a reused output matrix (any prior size) equals the retur
     }
 }
 
-TEST_CASE("distinct states can be used from distinct threads concurrently with one NeuralMemory",
-          "[streaming][threads]") {
+// distinct states can be used from distinct threads concurrently with one NeuralMemory
+TEST_CASE("streaming: states in threads", "[streaming][threads]") {
     Modes m;
     m.retrieval = Retrieval::InChunk;
     Rng rng(seed_for("threads"));

@@ -1,4 +1,4 @@
-// The memory MLP and its associative loss (SPEC §2): titans::associative_gradient against
+// The memory MLP and its associative loss (math §2): titans::associative_gradient against
 // central finite differences of titans::associative_loss (double), and memory_forward /
 // associative_loss / associative_gradient against the plain-loop reference.
 #include "test_common.hpp"
@@ -33,9 +33,9 @@ const char* act_name(Activation a) { return titans::to_string(a); }
 
 }  // namespace
 
-TEST_CASE("associative_gradient matches central finite differences of associative_loss for "
-          "every layer (depth 1..3, SiLU and GELU, residual on/off, 1 and 3 rows)",
-          "[mlp][gradient]") {
+// associative_gradient matches central finite differences of associative_loss for every layer
+// (depth 1..3, SiLU and GELU, residual on/off, 1 and 3 rows)
+TEST_CASE("mlp: gradient == finite diff", "[mlp][gradient]") {
     const int depth = GENERATE(1, 2, 3);
     const Activation act = GENERATE(Activation::SiLU, Activation::GELU);
     const bool residual = GENERATE(false, true);
@@ -72,8 +72,8 @@ TEST_CASE("associative_gradient matches central finite differences of associativ
     }
 }
 
-TEST_CASE("finite-difference check has teeth: a gradient with one layer scaled by 1.001 fails it",
-          "[mlp][gradient][sanity]") {
+// finite-difference check has teeth: a gradient with one layer scaled by 1.001 fails it
+TEST_CASE("mlp: finite-diff check has teeth", "[mlp][gradient][sanity]") {
     Rng rng(seed_for("mlp-fd-teeth"));
     MlpCase c = make_mlp_case(rng, 2, 2);
     std::vector<Matrixd> g =
@@ -93,9 +93,9 @@ TEST_CASE("finite-difference check has teeth: a gradient with one layer scaled b
     CHECK(rel_error(g[0], fd) > 1e-7);
 }
 
-TEST_CASE("memory_forward, associative_loss and associative_gradient agree with the reference "
-          "(mlp_forward, assoc_loss, assoc_grad summed over rows)",
-          "[mlp][reference]") {
+// memory_forward, associative_loss and associative_gradient agree with the reference (mlp_forward,
+// assoc_loss, assoc_grad summed over rows)
+TEST_CASE("mlp: functions == reference", "[mlp][reference]") {
     const int depth = GENERATE(1, 2, 3);
     const Activation act = GENERATE(Activation::SiLU, Activation::GELU);
     const bool residual = GENERATE(false, true);
@@ -144,9 +144,9 @@ TEST_CASE("memory_forward, associative_loss and associative_gradient agree with 
                                                          act, residual)) <= tol<float>());
 }
 
-TEST_CASE("memory gradient of a linear memory is the outer product k^T (k W - v) (residual: "
-          "k^T (k + k W - v))",
-          "[mlp][gradient]") {
+// memory gradient of a linear memory is the outer product k^T (k W - v) (residual: k^T (k + k W -
+// v))
+TEST_CASE("mlp: linear memory gradient", "[mlp][gradient]") {
     Rng rng(seed_for("linear-memory-gradient"));
     for (int rep = 0; rep < 4; ++rep) {
         const int dh = uniform_int(rng, 2, 6), n = uniform_int(rng, 1, 4);

@@ -302,9 +302,9 @@ P copy_params_through_visitor(const P& p, const Cfg& cfg) {
 // ---------------------------------------------------------------------------------------------
 // Parameters.
 
-TEST_CASE("parameter visitors: unique names, sizes that add up to the parameter count of the "
-          "configuration, no empty tensor, for every block kind and mode",
-          "[visitors]") {
+// parameter visitors: unique names, sizes that add up to the parameter count of the configuration,
+// no empty tensor, for every block kind and mode
+TEST_CASE("parameter visitors: names and sizes", "[visitors]") {
     const auto configs = block_configs();
     for (std::size_t i = 0; i < configs.size(); ++i) {
         const BlockConfig& cfg = configs[i];
@@ -362,9 +362,9 @@ TEST_CASE("parameter visitors: unique names, sizes that add up to the parameter 
     }
 }
 
-TEST_CASE("parameter visitors: writing through the visitor changes exactly the visited tensors, "
-          "and fills default-constructed parameters",
-          "[visitors]") {
+// parameter visitors: writing through the visitor changes exactly the visited tensors, and fills
+// default-constructed parameters
+TEST_CASE("parameter visitors: writing", "[visitors]") {
     const auto configs = block_configs();
     for (std::size_t i = 0; i < configs.size(); ++i) {
         const BlockConfig& cfg = configs[i];
@@ -475,9 +475,9 @@ std::vector<std::string> memory_skips(const MemoryConfig& m) {
 
 }  // namespace
 
-TEST_CASE("state visitors: NeuralMemory in every update, gate and conv mode resumes "
-          "bit-identically from the visited tensors, and not without any one of them",
-          "[visitors]") {
+// state visitors: NeuralMemory in every update, gate and conv mode resumes bit-identically from the
+// visited tensors, and not without any one of them
+TEST_CASE("state visitors: NeuralMemory", "[visitors]") {
     struct Mode {
         UpdateMode update;
         Retrieval retrieval;
@@ -515,9 +515,9 @@ TEST_CASE("state visitors: NeuralMemory in every update, gate and conv mode resu
     }
 }
 
-TEST_CASE("state visitors: every block kind resumes bit-identically from the visited tensors "
-          "mid-chunk and mid-segment, and not without any one of them",
-          "[visitors]") {
+// state visitors: every block kind resumes bit-identically from the visited tensors mid-chunk and
+// mid-segment, and not without any one of them
+TEST_CASE("state visitors: every block kind", "[visitors]") {
     for (BlockKind kind : {BlockKind::LMM, BlockKind::MAC, BlockKind::MAG, BlockKind::MAL}) {
         INFO("kind " << titans::to_string(kind));
         auto cfg = BlockConfig::make(kind, 16, 2, 2, 5, 4);
@@ -549,9 +549,9 @@ TEST_CASE("state visitors: every block kind resumes bit-identically from the vis
     }
 }
 
-TEST_CASE("state visitors: a model of mixed kinds with a vocabulary resumes bit-identically, and "
-          "the names are blocks.{i}.* of the block states",
-          "[visitors]") {
+// state visitors: a model of mixed kinds with a vocabulary resumes bit-identically, and the names
+// are blocks.{i}.* of the block states
+TEST_CASE("state visitors: mixed model", "[visitors]") {
     const ModelConfig cfg = mixed_model_config(11);
     Model<float> model(cfg, ModelParams<float>::random(cfg, 9));
     const int B = 2;
@@ -585,8 +585,8 @@ TEST_CASE("state visitors: a model of mixed kinds with a vocabulary resumes bit-
                         {"blocks.0.snapshot", "blocks.1.attention.", "blocks.3.memory.heads"});
 }
 
-TEST_CASE("MAC make_state fills the segment snapshot with the memory's initial weights",
-          "[visitors]") {
+// MAC make_state fills the segment snapshot with the memory's initial weights
+TEST_CASE("MAC: make_state snapshot", "[visitors]") {
     auto cfg = BlockConfig::make(BlockKind::MAC, 16, 2, 2, 5, 4);
     const auto p = BlockParams<double>::random(cfg, 5);
     Block<double> block(cfg, p);
@@ -670,9 +670,9 @@ void check_enum_round_trip(std::initializer_list<E> values) {
 
 }  // namespace
 
-TEST_CASE("config visitors: names in declaration order with dotted prefixes, flush_denormals "
-          "not visited, and every config read back from text equals the original",
-          "[visitors]") {
+// config visitors: names in declaration order with dotted prefixes, flush_denormals not visited,
+// and every config read back from text equals the original
+TEST_CASE("config visitors: names and text", "[visitors]") {
     auto cfg = BlockConfig::make(BlockKind::MAC, 24, 3, 3, 7, 5);
     cfg.memory.gates = GateMode::PerChunk;
     cfg.memory.theta_max = 0.123456789012345678;
@@ -738,8 +738,8 @@ TEST_CASE("config visitors: names in declaration order with dotted prefixes, flu
     CHECK(mback.blocks[3].memory == mc.blocks[3].memory);
 }
 
-TEST_CASE("from_string inverts to_string for every enumerator and rejects other names",
-          "[visitors]") {
+// from_string inverts to_string for every enumerator and rejects other names
+TEST_CASE("from_string inverts to_string", "[visitors]") {
     check_enum_round_trip({Activation::SiLU, Activation::GELU, Activation::Identity});
     check_enum_round_trip({GateMode::DataDependent, GateMode::Constant, GateMode::PerChunk});
     check_enum_round_trip({UpdateMode::Chunked, UpdateMode::PerToken});
@@ -751,8 +751,8 @@ TEST_CASE("from_string inverts to_string for every enumerator and rejects other 
     CHECK(g == GateMode::Constant);
 }
 
-TEST_CASE("Params::zeros has the shapes of Params::random for every parameter struct, without its draws",
-          "[visitors]") {
+// Params::zeros has the shapes of Params::random for every parameter struct, without its draws
+TEST_CASE("Params::zeros matches random", "[visitors]") {
     Rng rng(seed_for("params zeros"));
     ModelConfig cfg = ModelConfig::uniform(BlockKind::MAC, 1, 12, 2, 3, 5, 17, 4);
     cfg.blocks.push_back(BlockConfig::make(BlockKind::MAG, 12, 3, 1, 4, 3));

@@ -1,7 +1,7 @@
 #pragma once
 // titans/types.hpp: the dense matrix types of the CPU API.
 //
-// Tokens are row vectors (SPEC conventions), so every matrix is row-major: a sequence of N
+// Tokens are row vectors (math conventions, docs/math.md), so every matrix is row-major: a sequence of N
 // tokens of width d is an `N x d` Matrix and a linear layer is `x * W`. A batch of B
 // sequences of N tokens is stacked sequence-major into a `(B*N) x d` Matrix: rows
 // [b*N, (b+1)*N) belong to sequence b.

@@ -121,8 +121,8 @@ bool params_bit_equal(const M& a, const M& b, const ModelConfig& cfg) {
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("io: parameter files round trip bit for bit for every block kind and a mixed model",
-                   "[io]", float, double) {
+// io: parameter files round trip bit for bit for every block kind and a mixed model
+TEMPLATE_TEST_CASE("io: params round-trip", "[io]", float, double) {
     using T = TestType;
     Rng rng(seed_for("io params round trip", sizeof(T)));
     TempDir dir("params_round_trip");
@@ -174,7 +174,8 @@ TEMPLATE_TEST_CASE("io: parameter files round trip bit for bit for every block k
     REQUIRE(bit_equal(b1.forward(s1, x), b2.forward(s2, x)));
 }
 
-TEST_CASE("io: parameter files are rejected with the tensor named", "[io]") {
+// io: parameter files are rejected with the tensor named
+TEST_CASE("io: bad params name the tensor", "[io]") {
     using T = double;
     Rng rng(seed_for("io params errors"));
     const BlockConfig cfg = BlockConfig::make(BlockKind::MAG, 16, 2, 2, 4, 3);
@@ -273,8 +274,8 @@ bool resume_equals_uninterrupted(const Object& object, const Object& other, int 
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("io: a memory resumed from a checkpoint equals the uninterrupted stream",
-                   "[io]", float, double) {
+// io: a memory resumed from a checkpoint equals the uninterrupted stream
+TEMPLATE_TEST_CASE("io: memory resume == stream", "[io]", float, double) {
     using T = TestType;
     Rng rng(seed_for("io memory resume", sizeof(T)));
     TempDir dir("memory_resume");
@@ -318,8 +319,8 @@ TEMPLATE_TEST_CASE("io: a memory resumed from a checkpoint equals the uninterrup
     }
 }
 
-TEMPLATE_TEST_CASE("io: blocks and a mixed model resumed from a checkpoint equal the uninterrupted stream",
-                   "[io]", float, double) {
+// io: blocks and a mixed model resumed from a checkpoint equal the uninterrupted stream
+TEMPLATE_TEST_CASE("io: blocks resume == stream", "[io]", float, double) {
     using T = TestType;
     Rng rng(seed_for("io model resume", sizeof(T)));
     TempDir dir("model_resume");
@@ -355,7 +356,8 @@ TEMPLATE_TEST_CASE("io: blocks and a mixed model resumed from a checkpoint equal
     }
 }
 
-TEST_CASE("io: checkpoints that do not match or contradict themselves are rejected", "[io]") {
+// io: checkpoints that do not match or contradict themselves are rejected
+TEST_CASE("io: bad checkpoints rejected", "[io]") {
     using T = double;
     Rng rng(seed_for("io checkpoint errors"));
     ModelConfig cfg = ModelConfig::uniform(BlockKind::MAL, 1, 16, 2, 2, 4, 0, 3);
@@ -509,7 +511,8 @@ TEST_CASE("io: checkpoints that do not match or contradict themselves are reject
     }
 }
 
-TEST_CASE("io: files that cannot be opened or written give FileError", "[io]") {
+// io: files that cannot be opened or written give FileError
+TEST_CASE("io: unopenable file is FileError", "[io]") {
     const MemoryConfig cfg{.d_model = 8, .n_heads = 2, .depth = 1, .chunk = 2};
     const NeuralMemory<float> mem(cfg, MemoryParams<float>::random(cfg, 5));
     const fs::path nowhere = fs::temp_directory_path() / "titans_no_such_dir_9f3" / "x.safetensors";

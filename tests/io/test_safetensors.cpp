@@ -133,7 +133,8 @@ titans::Matrix<T> random_values(Eigen::Index r, Eigen::Index c, titans_test::Rng
 // Round trips
 // =============================================================================================
 
-TEMPLATE_TEST_CASE("safetensors: random matrices round-trip bit-exactly", "[io]", float, double) {
+// safetensors: random matrices round-trip bit-exactly
+TEMPLATE_TEST_CASE("safetensors: matrices exact", "[io]", float, double) {
     using T = TestType;
     for (int trial = 0; trial < 25; ++trial) {
         const auto seed = titans_test::seed_for("safetensors round trip", trial) ^ sizeof(T);
@@ -160,7 +161,8 @@ TEMPLATE_TEST_CASE("safetensors: random matrices round-trip bit-exactly", "[io]"
     }
 }
 
-TEST_CASE("safetensors: a row vector is written rank 1 and read as 1 x n", "[io]") {
+// safetensors: a row vector is written rank 1 and read as 1 x n
+TEST_CASE("safetensors: row vector is rank 1", "[io]") {
     titans_test::Rng rng(titans_test::seed_for("safetensors row vector"));
     const int n = titans_test::uniform_int(rng, 1, 40);
     titans::RowVectorf v = random_values<float>(1, n, rng);
@@ -175,7 +177,8 @@ TEST_CASE("safetensors: a row vector is written rank 1 and read as 1 x n", "[io]
     CHECK(bit_identical<double>(f.matrix<double>("vd"), vd));
 }
 
-TEST_CASE("safetensors: empty tensors (0 rows, 0 cols, 0 x 0, rank 1 [0]) round-trip", "[io]") {
+// safetensors: empty tensors (0 rows, 0 cols, 0 x 0, rank 1 [0]) round-trip
+TEST_CASE("safetensors: empty tensor round-trip", "[io]") {
     SafetensorsWriter w;
     w.add("r0", titans::Matrixf(0, 5));
     w.add("c0", titans::Matrixd(3, 0));
@@ -199,7 +202,8 @@ TEST_CASE("safetensors: empty tensors (0 rows, 0 cols, 0 x 0, rank 1 [0]) round-
     CHECK(f.matrix<float>("x") == titans::Matrixf::Constant(1, 2, 1.5f));
 }
 
-TEST_CASE("safetensors: integers (I64 and I32) round-trip", "[io]") {
+// safetensors: integers (I64 and I32) round-trip
+TEST_CASE("safetensors: integer round-trip", "[io]") {
     titans_test::Rng rng(titans_test::seed_for("safetensors integers"));
     std::vector<std::int64_t> v(static_cast<std::size_t>(titans_test::uniform_int(rng, 1, 50)));
     for (auto& x : v) x = static_cast<std::int64_t>(rng());
@@ -219,7 +223,8 @@ TEST_CASE("safetensors: integers (I64 and I32) round-trip", "[io]") {
     require_throws<FormatError>([&] { (void)f.matrix<double>("i32"); }, {"'i32'", "I32"});
 }
 
-TEST_CASE("safetensors: metadata, rank 0, file round trip through write() and read()", "[io]") {
+// safetensors: metadata, rank 0, file round trip through write() and read()
+TEST_CASE("safetensors: file write and read", "[io]") {
     titans_test::Rng rng(titans_test::seed_for("safetensors file round trip"));
     const titans::Matrixd m = random_values<double>(3, 4, rng);
     SafetensorsWriter w;
@@ -252,7 +257,8 @@ TEST_CASE("safetensors: metadata, rank 0, file round trip through write() and re
     std::filesystem::remove_all(dir);
 }
 
-TEST_CASE("safetensors: F32 read as double and F64 read as float convert like static_cast", "[io]") {
+// safetensors: F32 read as double and F64 read as float convert like static_cast
+TEST_CASE("safetensors: F32 and F64 convert", "[io]") {
     titans_test::Rng rng(titans_test::seed_for("safetensors conversions"));
     const titans::Matrixf mf = random_values<float>(5, 7, rng);
     const titans::Matrixd md = random_values<double>(6, 3, rng);
@@ -266,7 +272,8 @@ TEST_CASE("safetensors: F32 read as double and F64 read as float convert like st
     CHECK(bit_identical<float>(f.matrix<float>("d"), df));    // rounded to nearest
 }
 
-TEST_CASE("safetensors: a valid file without tensors, in any key order, with padding", "[io]") {
+// safetensors: a valid file without tensors, in any key order, with padding
+TEST_CASE("safetensors: file without tensors", "[io]") {
     // Header only (padding spaces and newlines are JSON whitespace).
     CHECK(parse(st_file("{}")).tensors().empty());
     CHECK(parse(st_file("{}      \n")).tensors().empty());
@@ -284,6 +291,28 @@ TEST_CASE("safetensors: a valid file without tensors, in any key order, with pad
     CHECK(f.matrix<double>("b")(0, 0) == 2.0);
     CHECK(f.matrix<float>("z1").rows() == 0);
     CHECK(f.matrix<float>("z2").cols() == 0);
+}
+
+// safetensors: empty tensors at one offset are listed by name, whatever the key order
+TEST_CASE("safetensors: empty tensor key order", "[io]") {
+    // The order must depend on the content only: a file read, written back and read again lists
+    // its tensors identically (the writer's key order is its own).
+    const auto f = parse(st_file(
+        R"({"zb":{"dtype":"F32","shape":[0],"data_offsets":[0,0]},)"
+        R"("x":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
+        R"("za":{"dtype":"F64","shape":[0,2],"data_offsets":[4,4]},)"
+        R"("y":{"dtype":"F32","shape":[2,0],"data_offsets":[0,0]}})",
+        raw<float>({3.0f})));
+    std::vector<std::string> names;
+    for (const auto& t : f.tensors()) names.push_back(t.name);
+    CHECK(names == std::vector<std::string>{"y", "zb", "x", "za"});
+    SafetensorsWriter w;
+    w.add_raw("zb", f.at("zb").dtype, f.at("zb").shape, f.data(f.at("zb")));
+    w.add_raw("y", f.at("y").dtype, f.at("y").shape, f.data(f.at("y")));
+    const auto g = parse(w.bytes());
+    REQUIRE(g.tensors().size() == 2);
+    CHECK(g.tensors()[0].name == "y");
+    CHECK(g.tensors()[1].name == "zb");
 }
 
 // =============================================================================================
@@ -310,7 +339,8 @@ double half_reference(std::uint16_t h) {
 }
 }  // namespace
 
-TEST_CASE("safetensors: half_to_float is exact over all 65536 bit patterns", "[io]") {
+// safetensors: half_to_float is exact over all 65536 bit patterns
+TEST_CASE("safetensors: half_to_float exact", "[io]") {
     long mismatches = 0, nans = 0;
     for (std::uint32_t u = 0; u < 65536; ++u) {
         const auto h = static_cast<std::uint16_t>(u);
@@ -348,7 +378,8 @@ TEST_CASE("safetensors: half_to_float is exact over all 65536 bit patterns", "[i
     CHECK(mismatches == 0);
 }
 
-TEST_CASE("safetensors: bfloat16_to_float on hand values", "[io]") {
+// safetensors: bfloat16_to_float on hand values
+TEST_CASE("safetensors: bfloat16_to_float", "[io]") {
     auto top = [](float f) { return static_cast<std::uint16_t>(std::bit_cast<std::uint32_t>(f) >> 16); };
     auto truncated = [](float f) {
         return std::bit_cast<float>(std::bit_cast<std::uint32_t>(f) & 0xFFFF0000u);
@@ -365,7 +396,8 @@ TEST_CASE("safetensors: bfloat16_to_float on hand values", "[io]") {
     CHECK(std::isnan(titans::io::bfloat16_to_float(0x7FC0)));
 }
 
-TEST_CASE("safetensors: F16 and BF16 tensors read as float and double", "[io]") {
+// safetensors: F16 and BF16 tensors read as float and double
+TEST_CASE("safetensors: F16 and BF16 tensors", "[io]") {
     // F16: 1, -2, 0.5, 65504 (max), 2^-24 (smallest subnormal), -0.
     const std::vector<std::uint16_t> h{0x3C00, 0xC000, 0x3800, 0x7BFF, 0x0001, 0x8000};
     const std::vector<double> hv{1.0, -2.0, 0.5, 65504.0, std::ldexp(1.0, -24), -0.0};
@@ -401,13 +433,15 @@ TEST_CASE("safetensors: F16 and BF16 tensors read as float and double", "[io]") 
 // Malformed files: each must throw FormatError naming the problem (and the tensor).
 // =============================================================================================
 
-TEST_CASE("safetensors malformed: file shorter than 8 bytes", "[io]") {
+// safetensors malformed: file shorter than 8 bytes
+TEST_CASE("safetensors bad: file < 8 bytes", "[io]") {
     require_format_error(Bytes{}, {"0 bytes", "at least 8"});
     require_format_error(Bytes(5, std::byte{1}), {"5 bytes", "at least 8"});
     require_format_error(Bytes(7, std::byte{0}), {"7 bytes"});
 }
 
-TEST_CASE("safetensors malformed: header length larger than the file", "[io]") {
+// safetensors malformed: header length larger than the file
+TEST_CASE("safetensors bad: header len > file", "[io]") {
     require_format_error(with_length(100, "{}"), {"header length 100", "truncated"});
     require_format_error(with_length(3, "{}"), {"header length 3"});
     require_format_error(with_length(1, "{"), {"header length 1", "at least 2"});
@@ -415,7 +449,8 @@ TEST_CASE("safetensors malformed: header length larger than the file", "[io]") {
     require_format_error(with_length(~std::uint64_t{0}, "{}"), {"exceeds"});
 }
 
-TEST_CASE("safetensors malformed: header length above ReadLimits max_header_bytes", "[io]") {
+// safetensors malformed: header length above ReadLimits max_header_bytes
+TEST_CASE("safetensors bad: header len > limit", "[io]") {
     require_format_error(with_length(100'000'001, "{}"),
                          {"header length 100000001", "limit of 100000000"});
     // A small custom limit rejects an otherwise valid file.
@@ -428,7 +463,8 @@ TEST_CASE("safetensors malformed: header length above ReadLimits max_header_byte
     require_format_error(b, {"limit of 16 bytes"}, lim);
 }
 
-TEST_CASE("safetensors malformed: header not starting with an opening brace", "[io]") {
+// safetensors malformed: header not starting with an opening brace
+TEST_CASE("safetensors bad: no leading brace", "[io]") {
     require_format_error(st_file(" {}"), {"does not start with '{'"});
     require_format_error(st_file("\n{}"), {"does not start with '{'"});
     require_format_error(st_file(std::string("\0{}", 3)), {"does not start with '{'"});
@@ -442,14 +478,16 @@ TEST_CASE("safetensors malformed: invalid JSON", "[io]") {
     require_format_error(st_file("{\"\xff\":{}}"), {"not valid JSON"});  // invalid UTF-8
 }
 
-TEST_CASE("safetensors malformed: header not a JSON object", "[io]") {
+// safetensors malformed: header not a JSON object
+TEST_CASE("safetensors bad: header not object", "[io]") {
     require_format_error(st_file("[{}]"), {"JSON object"});
     require_format_error(st_file("\"{}\""), {"JSON object"});
     require_format_error(st_file("12"), {"JSON object"});
     require_format_error(st_file("null"), {"JSON object"});
 }
 
-TEST_CASE("safetensors malformed: trailing garbage after the JSON inside the header", "[io]") {
+// safetensors malformed: trailing garbage after the JSON inside the header
+TEST_CASE("safetensors bad: junk after JSON", "[io]") {
     require_format_error(st_file("{} x"), {"not valid JSON"});
     require_format_error(st_file("{}{}"), {"not valid JSON"});
     // nlohmann::json alone would stop at a NUL and accept these.
@@ -461,7 +499,8 @@ TEST_CASE("safetensors malformed: trailing garbage after the JSON inside the hea
         {"NUL"});
 }
 
-TEST_CASE("safetensors malformed: duplicate tensor names", "[io]") {
+// safetensors malformed: duplicate tensor names
+TEST_CASE("safetensors bad: duplicate names", "[io]") {
     require_format_error(
         st_file(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
                 R"("w":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
@@ -471,7 +510,8 @@ TEST_CASE("safetensors malformed: duplicate tensor names", "[io]") {
                          {"'__metadata__'", "twice"});
 }
 
-TEST_CASE("safetensors malformed: duplicate keys inside a tensor entry", "[io]") {
+// safetensors malformed: duplicate keys inside a tensor entry
+TEST_CASE("safetensors bad: duplicate keys", "[io]") {
     require_format_error(
         st_file(R"({"w":{"dtype":"F32","dtype":"F64","shape":[1],"data_offsets":[0,4]}})",
                 zeros(4)),
@@ -483,7 +523,8 @@ TEST_CASE("safetensors malformed: duplicate keys inside a tensor entry", "[io]")
                          {"'k'", "twice", "'__metadata__'"});
 }
 
-TEST_CASE("safetensors malformed: nesting deeper than allowed", "[io]") {
+// safetensors malformed: nesting deeper than allowed
+TEST_CASE("safetensors bad: nesting too deep", "[io]") {
     require_format_error(
         st_file(one_tensor(R"("dtype":"F32","shape":[[[[1]]]],"data_offsets":[0,4])"), zeros(4)),
         {"nests deeper than 4"});
@@ -512,7 +553,8 @@ TEST_CASE("safetensors malformed: unknown dtype", "[io]") {
         {"'w'", "no dtype string"});
 }
 
-TEST_CASE("safetensors malformed: missing dtype, shape or data_offsets", "[io]") {
+// safetensors malformed: missing dtype, shape or data_offsets
+TEST_CASE("safetensors bad: missing fields", "[io]") {
     require_format_error(st_file(one_tensor(R"("shape":[1],"data_offsets":[0,4])"), zeros(4)),
                          {"'w'", "no dtype"});
     require_format_error(st_file(one_tensor(R"("dtype":"F32","data_offsets":[0,4])"), zeros(4)),
@@ -525,7 +567,8 @@ TEST_CASE("safetensors malformed: missing dtype, shape or data_offsets", "[io]")
     require_format_error(st_file(R"({"w":"F32"})"), {"'w'", "not a JSON object"});
 }
 
-TEST_CASE("safetensors malformed: negative, float or string shape entries", "[io]") {
+// safetensors malformed: negative, float or string shape entries
+TEST_CASE("safetensors bad: shape entries", "[io]") {
     for (const char* s : {"[-1]", "[2.0]", "[1e1]", "[\"2\"]", "[null]", "[true]", "[-0]",
                           "[18446744073709551616]"}) {
         INFO(s);
@@ -536,7 +579,8 @@ TEST_CASE("safetensors malformed: negative, float or string shape entries", "[io
     }
 }
 
-TEST_CASE("safetensors malformed: shape product overflowing 64 bits", "[io]") {
+// safetensors malformed: shape product overflowing 64 bits
+TEST_CASE("safetensors bad: shape overflow", "[io]") {
     require_format_error(
         st_file(one_tensor(R"("dtype":"U8","shape":[4294967296,4294967296],"data_offsets":[0,0])")),
         {"'w'", "shape product overflows"});
@@ -552,7 +596,8 @@ TEST_CASE("safetensors malformed: shape product overflowing 64 bits", "[io]") {
     require_throws<FormatError>([&] { (void)f.matrix<float>("w"); }, {"'w'", "too large"});
 }
 
-TEST_CASE("safetensors malformed: byte size overflowing 64 bits", "[io]") {
+// safetensors malformed: byte size overflowing 64 bits
+TEST_CASE("safetensors bad: byte size overflow", "[io]") {
     // 2^62 elements fit in 64 bits; x 4 bytes does not.
     require_format_error(
         st_file(one_tensor(R"("dtype":"F32","shape":[4611686018427387904],"data_offsets":[0,0])")),
@@ -563,7 +608,8 @@ TEST_CASE("safetensors malformed: byte size overflowing 64 bits", "[io]") {
         {"'w'", "byte size", "overflows"});
 }
 
-TEST_CASE("safetensors malformed: data_offsets not a pair, or end before begin", "[io]") {
+// safetensors malformed: data_offsets not a pair, or end before begin
+TEST_CASE("safetensors bad: data_offsets", "[io]") {
     for (const char* o : {"[0]", "[0,4,8]", "[]", "\"0,4\"", "[0,-4]", "[-1,3]", "[0,4.0]",
                           "[0,\"4\"]", "{\"begin\":0}"}) {
         INFO(o);
@@ -577,7 +623,8 @@ TEST_CASE("safetensors malformed: data_offsets not a pair, or end before begin",
         {"'w'", "[8, 4]", "end before"});
 }
 
-TEST_CASE("safetensors malformed: offsets beyond the data section (truncated file)", "[io]") {
+// safetensors malformed: offsets beyond the data section (truncated file)
+TEST_CASE("safetensors bad: offsets past end", "[io]") {
     SafetensorsWriter w;
     w.add("a", titans::Matrixf::Constant(2, 2, 1.0f));
     w.add("b", titans::Matrixd::Constant(3, 1, 2.0));
@@ -598,7 +645,8 @@ TEST_CASE("safetensors malformed: offsets beyond the data section (truncated fil
         {"'w'", "past the data section"});
 }
 
-TEST_CASE("safetensors malformed: byte size disagreeing with dtype x shape", "[io]") {
+// safetensors malformed: byte size disagreeing with dtype x shape
+TEST_CASE("safetensors bad: wrong byte size", "[io]") {
     require_format_error(
         st_file(one_tensor(R"("dtype":"F32","shape":[2],"data_offsets":[0,4])"), zeros(4)),
         {"'w'", "has 4 bytes, expected 8", "F32", "[2]"});
@@ -607,7 +655,8 @@ TEST_CASE("safetensors malformed: byte size disagreeing with dtype x shape", "[i
         {"'w'", "has 16 bytes, expected 8", "BF16", "[2, 2]"});
 }
 
-TEST_CASE("safetensors malformed: overlapping tensors", "[io]") {
+// safetensors malformed: overlapping tensors
+TEST_CASE("safetensors bad: overlapping tensors", "[io]") {
     require_format_error(
         st_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
                 R"("b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
@@ -621,7 +670,8 @@ TEST_CASE("safetensors malformed: overlapping tensors", "[io]") {
         {"overlaps"});
 }
 
-TEST_CASE("safetensors malformed: a gap between tensors", "[io]") {
+// safetensors malformed: a gap between tensors
+TEST_CASE("safetensors bad: gap between tensors", "[io]") {
     require_format_error(
         st_file(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
                 R"("b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}})",
@@ -633,21 +683,24 @@ TEST_CASE("safetensors malformed: a gap between tensors", "[io]") {
         {"'w'", "gap"});
 }
 
-TEST_CASE("safetensors malformed: trailing bytes after the last tensor", "[io]") {
+// safetensors malformed: trailing bytes after the last tensor
+TEST_CASE("safetensors bad: trailing bytes", "[io]") {
     require_format_error(
         st_file(one_tensor(R"("dtype":"F32","shape":[1],"data_offsets":[0,4])"), zeros(5)),
         {"cover 4 bytes", "all 5", "trailing"});
     require_format_error(st_file("{}", zeros(1)), {"cover 0 bytes", "trailing"});
 }
 
-TEST_CASE("safetensors malformed: unknown field in a tensor entry", "[io]") {
+// safetensors malformed: unknown field in a tensor entry
+TEST_CASE("safetensors bad: unknown field", "[io]") {
     require_format_error(
         st_file(one_tensor(R"("dtype":"F32","shape":[1],"data_offsets":[0,4],"stride":[1])"),
                 zeros(4)),
         {"'w'", "unknown field 'stride'"});
 }
 
-TEST_CASE("safetensors malformed: __metadata__ not an object or with a non-string value", "[io]") {
+// safetensors malformed: __metadata__ not an object or with a non-string value
+TEST_CASE("safetensors bad: __metadata__", "[io]") {
     require_format_error(st_file(R"({"__metadata__":"x"})"), {"__metadata__ is not a JSON object"});
     require_format_error(st_file(R"({"__metadata__":["a","b"]})"), {"__metadata__ is not a JSON object"});
     require_format_error(st_file(R"({"__metadata__":null})"), {"__metadata__ is not a JSON object"});
@@ -656,13 +709,15 @@ TEST_CASE("safetensors malformed: __metadata__ not an object or with a non-strin
     require_format_error(st_file(R"({"__metadata__":{"k":null}})"), {"'k'", "not a string"});
 }
 
-TEST_CASE("safetensors malformed: empty tensor name", "[io]") {
+// safetensors malformed: empty tensor name
+TEST_CASE("safetensors bad: empty tensor name", "[io]") {
     require_format_error(
         st_file(R"({"":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", zeros(4)),
         {"empty name"});
 }
 
-TEST_CASE("safetensors malformed: rank above max_rank", "[io]") {
+// safetensors malformed: rank above max_rank
+TEST_CASE("safetensors bad: rank > max_rank", "[io]") {
     require_format_error(
         st_file(one_tensor(R"("dtype":"F32","shape":[1,1,1,1,1,1,1,1,1],"data_offsets":[0,4])"),
                 zeros(4)),
@@ -675,7 +730,8 @@ TEST_CASE("safetensors malformed: rank above max_rank", "[io]") {
     require_format_error(rank3, {"'w'", "rank 3", "at most 2"}, lim);
 }
 
-TEST_CASE("safetensors: NaN and Inf values throw NonFiniteError naming the tensor", "[io]") {
+// safetensors: NaN and Inf values throw NonFiniteError naming the tensor
+TEST_CASE("safetensors: NaN and Inf rejected", "[io]") {
     const float nan = std::numeric_limits<float>::quiet_NaN();
     const float inf = std::numeric_limits<float>::infinity();
     const auto f = parse(st_file(
@@ -701,7 +757,8 @@ TEST_CASE("safetensors: NaN and Inf values throw NonFiniteError naming the tenso
     require_throws<NonFiniteError>([&] { (void)f.matrix<float>("big"); }, {"'big'"});
 }
 
-TEST_CASE("safetensors: reading a rank-3 tensor as a matrix is a FormatError", "[io]") {
+// safetensors: reading a rank-3 tensor as a matrix is a FormatError
+TEST_CASE("safetensors: rank 3 is not a matrix", "[io]") {
     const auto f = parse(st_file(
         one_tensor(R"("dtype":"F32","shape":[1,2,1],"data_offsets":[0,8])"), zeros(8)));
     require_throws<FormatError>([&] { (void)f.matrix<float>("w"); },
@@ -709,7 +766,8 @@ TEST_CASE("safetensors: reading a rank-3 tensor as a matrix is a FormatError", "
     require_throws<FormatError>([&] { (void)f.matrix<double>("w"); }, {"'w'", "rank 3"});
 }
 
-TEST_CASE("safetensors: reading an I64 tensor as a matrix is a FormatError", "[io]") {
+// safetensors: reading an I64 tensor as a matrix is a FormatError
+TEST_CASE("safetensors: I64 is not a matrix", "[io]") {
     SafetensorsWriter w;
     w.add_integers("steps", std::vector<std::int64_t>{1, 2, 3});
     w.add("x", titans::Matrixf::Zero(1, 1));
@@ -722,7 +780,8 @@ TEST_CASE("safetensors: reading an I64 tensor as a matrix is a FormatError", "[i
     require_throws<FormatError>([&] { (void)g.matrix<float>("w"); }, {"'w'", "U8"});
 }
 
-TEST_CASE("safetensors: a missing tensor name is a FormatError naming it", "[io]") {
+// safetensors: a missing tensor name is a FormatError naming it
+TEST_CASE("safetensors: missing tensor named", "[io]") {
     SafetensorsWriter w;
     w.add("present", titans::Matrixf::Zero(1, 1));
     const auto f = parse(w.bytes());
@@ -732,7 +791,8 @@ TEST_CASE("safetensors: a missing tensor name is a FormatError naming it", "[io]
     require_throws<FormatError>([&] { (void)f.at("absent"); }, {"'absent'", "missing"});
 }
 
-TEST_CASE("safetensors: read() of a nonexistent path or a directory is a FileError", "[io]") {
+// safetensors: read() of a nonexistent path or a directory is a FileError
+TEST_CASE("safetensors: unreadable path", "[io]") {
     const auto missing = std::filesystem::temp_directory_path() / "titans_no_such_dir" / "x.safetensors";
     require_throws<FileError>([&] { (void)SafetensorsFile::read(missing); },
                               {missing.string(), "cannot open"});
@@ -749,7 +809,8 @@ TEST_CASE("safetensors: read() of a nonexistent path or a directory is a FileErr
     std::filesystem::remove(path);
 }
 
-TEST_CASE("safetensors writer: duplicate, reserved and empty names are FormatErrors", "[io]") {
+// safetensors writer: duplicate, reserved and empty names are FormatErrors
+TEST_CASE("safetensors writer: bad names", "[io]") {
     SafetensorsWriter w;
     w.add("w", titans::Matrixf::Zero(1, 1));
     require_throws<FormatError>([&] { w.add("w", titans::Matrixd::Zero(2, 2)); }, {"'w'", "twice"});
@@ -763,7 +824,8 @@ TEST_CASE("safetensors writer: duplicate, reserved and empty names are FormatErr
     CHECK(f.tensors().size() == 1);
 }
 
-TEST_CASE("safetensors writer: add_raw with a size disagreeing with dtype x shape is a ShapeError", "[io]") {
+// safetensors writer: add_raw with a size disagreeing with dtype x shape is a ShapeError
+TEST_CASE("safetensors writer: add_raw size", "[io]") {
     SafetensorsWriter w;
     const Bytes b = zeros(12);
     require_throws<ShapeError>([&] { w.add_raw("a", DType::F32, {2, 2}, b); },
@@ -780,7 +842,8 @@ TEST_CASE("safetensors writer: add_raw with a size disagreeing with dtype x shap
     CHECK(parse(w.bytes()).at("a").shape == std::vector<std::uint64_t>{3});
 }
 
-TEST_CASE("safetensors writer: text that is not valid UTF-8 is a FormatError", "[io]") {
+// safetensors writer: text that is not valid UTF-8 is a FormatError
+TEST_CASE("safetensors writer: bad UTF-8", "[io]") {
     SafetensorsWriter w;
     w.metadata("k", "\xff\xfe");
     require_throws<FormatError>([&] { (void)w.bytes(); }, {"UTF-8"});
@@ -789,7 +852,8 @@ TEST_CASE("safetensors writer: text that is not valid UTF-8 is a FormatError", "
     require_throws<FormatError>([&] { (void)w2.bytes(); }, {"UTF-8"});
 }
 
-TEST_CASE("safetensors writer: layout checked independently of the reader", "[io]") {
+// safetensors writer: layout checked independently of the reader
+TEST_CASE("safetensors writer: layout", "[io]") {
     titans_test::Rng rng(titans_test::seed_for("safetensors layout"));
     for (int trial = 0; trial < 10; ++trial) {
         SafetensorsWriter w;

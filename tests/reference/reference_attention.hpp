@@ -1,8 +1,8 @@
 #pragma once
 // tests/reference/reference_attention.hpp: an independent, deliberately plain reference of the
-// attention layer and the basic layers (SPEC §6-7), used by tests/test_attention.cpp.
+// attention layer and the basic layers (math §6-7), used by tests/test_attention.cpp.
 //
-// Written from SPEC.md and the public headers' documented formulas only. Every product is an
+// Written from docs/math.md and the public headers' documented formulas only. Every product is an
 // explicit loop; Eigen matrices serve only as containers. Double precision only. Attention builds
 // the FULL masked score matrix of every head (n x (p + m)), so it is quadratic: clarity beats
 // speed.

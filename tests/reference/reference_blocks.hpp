@@ -1,8 +1,8 @@
 #pragma once
-// tests/reference/reference_blocks.hpp: a plain, slow reference of the Titans blocks (SPEC §6-7)
+// tests/reference/reference_blocks.hpp: a plain, slow reference of the Titans blocks (math §6-7)
 // and of a Model stack, used by tests/test_blocks.cpp to check titans::Block and titans::Model.
 //
-// Written from SPEC.md §6-7 and the documented semantics of Block (models/block.hpp), never from
+// Written from docs/math.md §6-7 and the documented semantics of Block (models/block.hpp), never from
 // its code. Whole sequences only (no streaming), one sequence at a time, with per-segment and
 // per-token loops. Double precision only. Building blocks:
 //   - the memory: reference::chunk_start_loop (reference::per_token for UpdateMode::PerToken)
@@ -127,7 +127,7 @@ inline double sigmoid_of(double z) { return 1.0 / (1.0 + std::exp(-z)); }
 
 }  // namespace detail_blocks
 
-/// The mixer of SPEC §7 on already-normalised input u ((B*N) x d), whole sequences.
+/// The mixer of math §7 on already-normalised input u ((B*N) x d), whole sequences.
 inline BlockResult block_mix(const BlockConfig& cfg, const BlockParams<double>& p, const Matrixd& u,
                              int B) {
     using namespace detail_blocks;

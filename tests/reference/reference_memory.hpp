@@ -1,13 +1,13 @@
 #pragma once
 // tests/reference/reference_memory.hpp: an independent, deliberately plain reference of the
-// neural long-term memory (SPEC §1-5), used by the tests to check the library.
+// neural long-term memory (math §1-5), used by the tests to check the library.
 //
-// Written from SPEC.md and the MemoryConfig / MemoryParams headers only. Every product is an
+// Written from docs/math.md and the MemoryConfig / MemoryParams headers only. Every product is an
 // explicit loop over indices; Eigen matrices serve only as containers. Double precision only.
 // Clarity beats speed: nothing here is meant to be fast.
 //
-//   per_token(cfg, p, x, B)        SPEC §3, the true recurrence (gradient of token t at M_{t-1}).
-//   chunk_start_loop(cfg, p, x, B) SPEC §4/§5 by a per-token loop with chunk-start gradients,
+//   per_token(cfg, p, x, B)        math §3, the true recurrence (gradient of token t at M_{t-1}).
+//   chunk_start_loop(cfg, p, x, B) math §4/§5 by a per-token loop with chunk-start gradients,
 //                                  materialising every W_i.
 
 #include <titans/memory/config.hpp>
@@ -96,7 +96,7 @@ inline Matrixd zeros_like(const Matrixd& m) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The memory MLP (SPEC §2).
+// The memory MLP (math §2).
 
 /// Forward pass of the memory, keeping every intermediate. a[0] = z, zs[l-1] = z_l
 /// (l = 1..L), a[l] = act(z_l) for l < L. out = M(z) (z_L, plus z if residual).
@@ -185,7 +185,7 @@ inline double grad_norm_of(const std::vector<Matrixd>& g) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Projections (SPEC §1), one sequence at a time.
+// Projections (math §1), one sequence at a time.
 
 /// q, k, v of one sequence: each N x D (D = H * d_h), head h in columns [h*d_h, (h+1)*d_h).
 struct QKV {
@@ -253,7 +253,7 @@ inline Matrixd head_row(const Matrixd& m, Eigen::Index t, int h, int dh) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Gates (SPEC §1), one sequence at a time: N x H each.
+// Gates (math §1), one sequence at a time: N x H each.
 
 struct Gates {
     Matrixd theta, eta, alpha;
@@ -388,7 +388,7 @@ inline void put_head(Matrixd& yh, const Matrixd& m, int h, int dh) {
     for (int j = 0; j < dh; ++j) yh(0, h * dh + j) = m(0, j);
 }
 
-/// One step of SPEC §3 on every layer: S = eta S - theta u; W = (1 - alpha) W + S.
+/// One step of math §3 on every layer: S = eta S - theta u; W = (1 - alpha) W + S.
 inline void step(std::vector<Matrixd>& W, std::vector<Matrixd>& S, const std::vector<Matrixd>& u,
                  double theta, double eta, double alpha) {
     for (std::size_t l = 0; l < W.size(); ++l)
@@ -399,7 +399,7 @@ inline void step(std::vector<Matrixd>& W, std::vector<Matrixd>& S, const std::ve
             }
 }
 
-/// SPEC §10: theta * min(1, c / ||u||_F) with c = cfg.max_grad_norm (0: no clipping) and
+/// math §10: theta * min(1, c / ||u||_F) with c = cfg.max_grad_norm (0: no clipping) and
 /// ||u||_F the Frobenius norm of the token's whole gradient (every layer).
 inline double clipped_theta(const MemoryConfig& cfg, double theta, const std::vector<Matrixd>& u) {
     const double n = grad_norm_of(u);
@@ -418,7 +418,7 @@ inline std::vector<Matrixd> zero_state(const std::vector<Matrixd>& W0) {
 }  // namespace detail_ref
 
 // ---------------------------------------------------------------------------------------------
-// SPEC §3: the true per-token recurrence.
+// math §3: the true per-token recurrence.
 
 /// Gradient of token t at M_{t-1}. Lagged: y_t = M_{t-1}(q_t) (read, then write); InChunk:
 /// write, then y_t = M_t(q_t). loss/grad_norm at M_{t-1}. Throws ConfigError for PerChunk
@@ -470,7 +470,7 @@ inline Result per_token(const MemoryConfig& cfg, const MemoryParams<double>& p, 
 }
 
 // ---------------------------------------------------------------------------------------------
-// SPEC §4/§5 by a per-token loop with chunk-start gradients.
+// math §4/§5 by a per-token loop with chunk-start gradients.
 
 /// Chunks of b = cfg.chunk tokens at absolute positions (the last one possibly shorter). In a
 /// chunk starting from (W^s, S^s): u_i = grad l(W^s; k_i, v_i) for every token i of the chunk,

@@ -76,7 +76,8 @@ struct SetPositions {
 // ---------------------------------------------------------------------------------------------
 // MemoryConfig.
 
-TEST_CASE("limits: MemoryConfig fields at their limit pass", "[limits][config]") {
+// limits: MemoryConfig fields at their limit pass
+TEST_CASE("limits: MemoryConfig at limit", "[limits][config]") {
     std::vector<MemoryConfig> ok;
     {
         MemoryConfig c = tiny_memory();
@@ -116,7 +117,8 @@ TEST_CASE("limits: MemoryConfig fields at their limit pass", "[limits][config]")
     }
 }
 
-TEST_CASE("limits: MemoryConfig fields beyond their limit", "[limits][config]") {
+// limits: MemoryConfig fields beyond their limit
+TEST_CASE("limits: MemoryConfig over limit", "[limits][config]") {
     struct Field {
         const char* name;
         int MemoryConfig::*member;
@@ -148,7 +150,8 @@ TEST_CASE("limits: MemoryConfig fields beyond their limit", "[limits][config]") 
     }
 }
 
-TEST_CASE("limits: products that overflow int are ConfigError", "[limits][config]") {
+// limits: products that overflow int are ConfigError
+TEST_CASE("limits: int-overflowing products", "[limits][config]") {
     // Every field within its limit, but d_h * e = 2^22, H * d_h = 2^28: the memory weights
     // alone are 2^12 * 2^38 * 63 elements. Refused by the budget, computed in 64 bits.
     MemoryConfig c = tiny_memory();
@@ -225,7 +228,8 @@ TEST_CASE("limits: the budget counts sizeof(T)", "[limits][config]") {
                           "max_allocation_bytes");
 }
 
-TEST_CASE("limits: enums out of range are ConfigError", "[limits][config]") {
+// limits: enums out of range are ConfigError
+TEST_CASE("limits: enums out of range", "[limits][config]") {
     {
         MemoryConfig c = tiny_memory();
         c.activation = static_cast<Activation>(7);
@@ -268,7 +272,8 @@ TEST_CASE("limits: enums out of range are ConfigError", "[limits][config]") {
     }
 }
 
-TEST_CASE("limits: NaN and infinite doubles are ConfigError", "[limits][config]") {
+// limits: NaN and infinite doubles are ConfigError
+TEST_CASE("limits: NaN and infinite doubles", "[limits][config]") {
     using Setter = void (*)(MemoryConfig&, double);
     const std::vector<std::pair<const char*, Setter>> memory = {
         {"theta_max", [](MemoryConfig& c, double v) { c.theta_max = v; }},
@@ -303,7 +308,8 @@ TEST_CASE("limits: NaN and infinite doubles are ConfigError", "[limits][config]"
     }
 }
 
-TEST_CASE("limits: float objects reject float-only overflow", "[limits][config][float]") {
+// limits: float objects reject float-only overflow
+TEST_CASE("limits: float-only overflow", "[limits][config][float]") {
     // Finite in double, infinite (or zero) in float: the double objects accept them, the float
     // objects and float parameter generators refuse them.
     using Setter = void (*)(MemoryConfig&, double);
@@ -370,7 +376,8 @@ TEST_CASE("limits: float objects reject float-only overflow", "[limits][config][
 // ---------------------------------------------------------------------------------------------
 // The other configs.
 
-TEST_CASE("limits: AttentionConfig fields and limits", "[limits][config]") {
+// limits: AttentionConfig fields and limits
+TEST_CASE("limits: AttentionConfig", "[limits][config]") {
     {
         AttentionConfig a = tiny_attention();
         a.d_model = limits::max_d_model;
@@ -419,7 +426,8 @@ TEST_CASE("limits: AttentionConfig fields and limits", "[limits][config]") {
     }
 }
 
-TEST_CASE("limits: FeedForward and RMSNorm limits", "[limits][config]") {
+// limits: FeedForward and RMSNorm limits
+TEST_CASE("limits: FeedForward and RMSNorm", "[limits][config]") {
     REQUIRE_NOTHROW(FeedForwardConfig{.d_model = limits::max_d_model, .hidden = 1}.validate());
     REQUIRE_NOTHROW(FeedForwardConfig{.d_model = 1, .hidden = limits::max_ffn_hidden}.validate());
     for (int v : {limits::max_d_model + 1, INT_MAX, 0, INT_MIN}) {
@@ -447,7 +455,8 @@ TEST_CASE("limits: FeedForward and RMSNorm limits", "[limits][config]") {
         ConfigError, "max_allocation_bytes");
 }
 
-TEST_CASE("limits: BlockConfig fields and limits", "[limits][config]") {
+// limits: BlockConfig fields and limits
+TEST_CASE("limits: BlockConfig", "[limits][config]") {
     {
         BlockConfig b = tiny_block(BlockKind::MAG);
         b.n_persistent = limits::max_persistent;
@@ -501,7 +510,8 @@ TEST_CASE("limits: BlockConfig fields and limits", "[limits][config]") {
     REQUIRE_THROWS_NAMING(b.validate(), ConfigError, "max_allocation_bytes");
 }
 
-TEST_CASE("limits: ModelConfig fields and limits", "[limits][config]") {
+// limits: ModelConfig fields and limits
+TEST_CASE("limits: ModelConfig", "[limits][config]") {
     {
         ModelConfig m = tiny_model();
         m.d_model = 16;
@@ -547,7 +557,8 @@ TEST_CASE("limits: ModelConfig fields and limits", "[limits][config]") {
 // ---------------------------------------------------------------------------------------------
 // make_state and positions.
 
-TEST_CASE("limits: make_state of a huge batch is ConfigError", "[limits][state]") {
+// limits: make_state of a huge batch is ConfigError
+TEST_CASE("limits: make_state huge batch", "[limits][state]") {
     const MemoryConfig mc = tiny_memory();
     const NeuralMemory<float> mem(mc, titans::MemoryParamsf::random(mc, 1));
     CHECK(mc.state_bytes(limits::max_batch, 8) <= limits::max_allocation_bytes);
@@ -593,7 +604,8 @@ TEST_CASE("limits: make_state of a huge batch is ConfigError", "[limits][state]"
     }
 }
 
-TEST_CASE("limits: a forward past max_position throws", "[limits][state]") {
+// limits: a forward past max_position throws
+TEST_CASE("limits: forward past max_position", "[limits][state]") {
     const std::int64_t top = limits::max_position;
     const Matrixd x2 = Matrixd::Ones(2, 4);
     {
@@ -640,7 +652,8 @@ TEST_CASE("limits: a forward past max_position throws", "[limits][state]") {
 // ---------------------------------------------------------------------------------------------
 // The helpers.
 
-TEST_CASE("limits: checked size arithmetic and helpers", "[limits]") {
+// limits: checked size arithmetic and helpers
+TEST_CASE("limits: checked size arithmetic", "[limits]") {
     using namespace titans::detail;
     constexpr std::int64_t top = std::numeric_limits<std::int64_t>::max();
     STATIC_REQUIRE(sat_mul(3, 4) == 12);

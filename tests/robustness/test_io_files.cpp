@@ -78,7 +78,8 @@ ModelConfig two_block_model() {
 
 }  // namespace
 
-TEST_CASE("io files: save refuses NaN parameters, leaves no file", "[io]") {
+// io files: save refuses NaN parameters, leaves no file
+TEST_CASE("io files: save refuses NaN params", "[io]") {
     TempDir dir("nan");
     const fs::path path = dir / "p.safetensors";
     auto p = MemoryParams<float>::random(small_memory, 3);
@@ -100,7 +101,8 @@ TEST_CASE("io files: save refuses NaN parameters, leaves no file", "[io]") {
     CHECK(dir.entries() == 0);  // neither the file nor a temporary
 }
 
-TEST_CASE("io files: save refuses misshapen parameters", "[io]") {
+// io files: save refuses misshapen parameters
+TEST_CASE("io files: save refuses bad shapes", "[io]") {
     TempDir dir("shape");
     const fs::path path = dir / "p.safetensors";
     const auto good = MemoryParams<float>::random(small_memory, 5);
@@ -132,7 +134,8 @@ TEST_CASE("io files: save refuses misshapen parameters", "[io]") {
     CHECK(dir.entries() == 0);
 }
 
-TEST_CASE("io files: save refuses an invalid configuration", "[io]") {
+// io files: save refuses an invalid configuration
+TEST_CASE("io files: save refuses bad config", "[io]") {
     TempDir dir("config");
     const fs::path path = dir / "p.safetensors";
     const auto p = MemoryParams<float>::random(small_memory, 7);
@@ -144,7 +147,8 @@ TEST_CASE("io files: save refuses an invalid configuration", "[io]") {
     CHECK(dir.entries() == 0);
 }
 
-TEST_CASE("io files: save refuses a state of another object", "[io]") {
+// io files: save refuses a state of another object
+TEST_CASE("io files: save refuses foreign state", "[io]") {
     TempDir dir("foreign");
     const fs::path path = dir / "s.ckpt";
     const NeuralMemory<float> m1(small_memory, MemoryParams<float>::random(small_memory, 1));
@@ -174,7 +178,8 @@ TEST_CASE("io files: save refuses a state of another object", "[io]") {
     CHECK(dir.entries() == 0);
 }
 
-TEST_CASE("io files: save refuses inconsistent positions", "[io]") {
+// io files: save refuses inconsistent positions
+TEST_CASE("io files: save refuses bad positions", "[io]") {
     TempDir dir("positions");
     const fs::path path = dir / "s.ckpt";
     const ModelConfig mc = two_block_model();
@@ -209,7 +214,8 @@ TEST_CASE("io files: save refuses inconsistent positions", "[io]") {
     CHECK(dir.entries() == 1);
 }
 
-TEST_CASE("io files: loading a directory or /dev/null fails", "[io]") {
+// io files: loading a directory or /dev/null fails
+TEST_CASE("io files: load dir or /dev/null", "[io]") {
     TempDir dir("dir");
     REQUIRE_THROWS_NAMING(io::SafetensorsFile::read(dir.path), titans::FileError,
                           "it is a directory, expected a regular file");
@@ -224,7 +230,8 @@ TEST_CASE("io files: loading a directory or /dev/null fails", "[io]") {
 }
 
 #if defined(TITANS_TEST_POSIX)
-TEST_CASE("io files: loading a FIFO fails at once", "[io]") {
+// io files: loading a FIFO fails at once
+TEST_CASE("io files: load FIFO fails at once", "[io]") {
     TempDir dir("fifo");
     const fs::path fifo = dir / "pipe.safetensors";
     REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
@@ -296,7 +303,8 @@ std::vector<std::byte> many_tensors(int n, std::uint64_t seed, bool overlap_last
 
 }  // namespace
 
-TEST_CASE("io files: a header of 100000 tensors parses quickly", "[io]") {
+// io files: a header of 100000 tensors parses quickly
+TEST_CASE("io files: 100000-tensor header fast", "[io]") {
     // Linear in the header size: nlohmann's callback parser (used before) took ~370 s here;
     // now ~0.2 s in Release, ~1 s under ASan. The bound is on this process's CPU time (not
     // wall time, which a loaded machine stretches) and separates linear from quadratic.
@@ -321,7 +329,8 @@ TEST_CASE("io files: a header of 100000 tensors parses quickly", "[io]") {
     CHECK_THAT(msg, TITANS_CONTAINS("starts at data offset"));
 }
 
-TEST_CASE("io files: a 255-byte file name round trips", "[io]") {
+// io files: a 255-byte file name round trips
+TEST_CASE("io files: 255-byte file name", "[io]") {
     TempDir dir("long_name");
     const std::string ext = ".safetensors";
     const fs::path path = dir / (std::string(255 - ext.size(), 'n') + ext);
@@ -338,7 +347,8 @@ TEST_CASE("io files: a 255-byte file name round trips", "[io]") {
     CHECK(io::load_checkpoint(path, mem).position() == 0);
 }
 
-TEST_CASE("io files: writer refuses a rank the reader rejects", "[io]") {
+// io files: writer refuses a rank the reader rejects
+TEST_CASE("io files: writer refuses bad rank", "[io]") {
     io::SafetensorsWriter w;
     const std::vector<std::byte> one(4);
     REQUIRE_THROWS_NAMING(w.add_raw("r9", io::DType::F32, std::vector<std::uint64_t>(9, 1), one),

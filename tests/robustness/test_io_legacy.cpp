@@ -1,4 +1,4 @@
-// Checkpoints written before max_grad_norm existed (SPEC §10) still load, with the meaning
+// Checkpoints written before max_grad_norm existed (math §10) still load, with the meaning
 // they were written with: clipping off. tests/io/data/legacy_*_before_clipping.safetensors are
 // copies of the fuzz seed corpus as it was written by titans 0.1.0 (fuzz/checkpoint_objects.hpp:
 // a d 8 model of LMM, MAC, MAG, MAL blocks, 3 tokens of 2 streams).
@@ -27,7 +27,8 @@ const std::string data = TITANS_TEST_DATA_DIR;
 
 }  // namespace
 
-TEST_CASE("io legacy: checkpoints before clipping load", "[io][robustness]") {
+// io legacy: checkpoints before clipping load
+TEST_CASE("io legacy: pre-clipping checkpoints", "[io][robustness]") {
     const auto off = legacy_model(0.0);
     const auto model_file = data + "/legacy_model_before_clipping.safetensors";
     const auto memory_file = data + "/legacy_memory_before_clipping.safetensors";

@@ -1,5 +1,5 @@
 // Errors mid-stream leave every object's state exactly as it was, and the stream continues as
-// if the failed call had never been made (SPEC §10; issue: strong guarantee).
+// if the failed call had never been made (math §10; issue: strong guarantee).
 //
 // Divergence is provoked, not simulated: a memory with a huge learning rate and no clipping
 // fed a constant stream overflows after a few chunks, inside the call, wherever the chunk and
@@ -29,7 +29,7 @@ MemoryConfig diverging(GateMode gates, UpdateMode update, Retrieval retrieval, i
     c.constant_theta = 1e3;
     c.constant_eta = 0.9;
     c.constant_alpha = 0.0;
-    c.max_grad_norm = 0;  // clipping off: the settings before SPEC §10
+    c.max_grad_norm = 0;  // clipping off: the settings before math §10
     return c;
 }
 
@@ -62,7 +62,8 @@ void check_failed_call_is_undone(const Object& obj, State& st, const Piece& pois
 
 }  // namespace
 
-TEST_CASE("undo: memory, every mode", "[robustness][guarantee]") {
+// undo: memory, every mode
+TEST_CASE("undo: memory in every mode", "[robustness][guarantee]") {
     struct Mode {
         GateMode g;
         UpdateMode u;
@@ -116,7 +117,8 @@ TEST_CASE("undo: memory transaction over calls", "[robustness][guarantee]") {
     CHECK(robust::snapshot(st) == robust::snapshot(plain));
 }
 
-TEST_CASE("undo: memory diverges without clipping", "[robustness][guarantee][stability]") {
+// undo: memory diverges without clipping
+TEST_CASE("undo: memory diverges unclipped", "[robustness][guarantee][stability]") {
     // The issue's case at a d_h of 8: a constant stream, chunk 64, random parameters, default
     // gates. Without max_grad_norm it overflows near token 320 (and a NonFiniteError says so);
     // with the default it stays finite.
@@ -158,7 +160,8 @@ void overflowing_ffn(P& p) {
     p.ffn.w2 *= 1e200;
 }
 
-TEST_CASE("undo: every block kind, memory diverging", "[robustness][guarantee]") {
+// undo: every block kind, memory diverging
+TEST_CASE("undo: blocks with diverging memory", "[robustness][guarantee]") {
     Rng rng(seed_for("undo blocks memory", 0));
     // MAC is left out here: its output gate and segment attention bound the diverging
     // memory's growth (it settles near 1e168 in double); its failures are provoked below.
@@ -181,7 +184,8 @@ TEST_CASE("undo: every block kind, memory diverging", "[robustness][guarantee]")
     }
 }
 
-TEST_CASE("undo: every block kind and the model, late failure", "[robustness][guarantee]") {
+// undo: every block kind and the model, late failure
+TEST_CASE("undo: blocks and model late failure", "[robustness][guarantee]") {
     // A healthy block and its twin whose feed-forward overflows: the twin fails after its mixer
     // ran (memory written, attention history and MAC segment rows replaced), on a state the
     // healthy block made (same settings, so each continues the other's state).

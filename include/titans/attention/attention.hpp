@@ -1,6 +1,6 @@
 #pragma once
 // titans/attention/attention.hpp: exact multi-head softmax attention with an always-visible
-// prefix and a causal sliding window (SPEC §6-7), tiled so that work and memory are linear in
+// prefix and a causal sliding window (math §6-7), tiled so that work and memory are linear in
 // the sequence length for a fixed window and prefix.
 //
 //   AttentionConfig            d_model, heads, window, RoPE settings
@@ -9,7 +9,7 @@
 //   AttentionState<T>          per-sequence history (last w-1 keys/values) of a stream batch
 //   Attention<T>               the layer: projections, RoPE, streaming, output projection
 //
-// The masks of SPEC §7 are all instances of one rule. Query i of a piece sits at position
+// The masks of math §7 are all instances of one rule. Query i of a piece sits at position
 // t = first_query + i of the sequence keys and sees
 //     every prefix row (persistent tokens P, MAC's retrieved memory h_t, ...)    and
 //     sequence keys j with t - w < j <= t (itself and the w - 1 before it).
@@ -39,7 +39,7 @@ namespace titans {
 // ---------------------------------------------------------------------------------------------
 // Configuration and parameters.
 
-/// Every setting of an Attention layer (SPEC §7). Aggregate: use designated initialisers,
+/// Every setting of an Attention layer (math §7). Aggregate: use designated initialisers,
 ///
 ///     titans::AttentionConfig cfg{.d_model = 256, .n_heads = 4, .window = 128, .rope = true};
 ///
@@ -342,7 +342,7 @@ void prefix_window_attention_impl(const Eigen::Ref<const Matrix<T>>& q,
 }  // namespace detail
 
 /// Exact multi-head softmax attention with an always-visible prefix and a causal sliding
-/// window (SPEC §7), on already projected (and, if wanted, rotated) queries, keys and values:
+/// window (math §7), on already projected (and, if wanted, rotated) queries, keys and values:
 ///
 ///     out_i = softmax( q_i [K_prefix ; K_seq[win(i)]]^T / sqrt(d_h) ) [V_prefix ; V_seq[win(i)]]
 ///     win(i) = { j : t - window < j <= t },   t = first_query + i,
@@ -476,7 +476,7 @@ private:
 };
 
 /// A causal sliding-window multi-head attention layer over a batch of streams, with an optional
-/// always-visible prefix (SPEC §6-7: SWA* of MAG, SWA of MAL, and the segment attention of MAC):
+/// always-visible prefix (math §6-7: SWA* of MAG, SWA of MAL, and the segment attention of MAC):
 ///
 ///     q_t = rope_t(x_t W_Q),  k_t = rope_t(x_t W_K),  v_t = x_t W_V        (sequence tokens)
 ///     k_P = P W_K,  v_P = P W_V                                             (prefix, not rotated)
@@ -484,7 +484,7 @@ private:
 ///
 /// rope_t rotates at the token's absolute position t in the stream (only when cfg.rope). Prefix
 /// tokens carry no position: they are not rotated and every query sees all of them, so they act
-/// as a content-addressed memory (the persistent tokens of SPEC §6).
+/// as a content-addressed memory (the persistent tokens of math §6).
 ///
 /// Shapes: forward takes x of (B*N) x d_model (B sequences of N tokens, stacked
 /// sequence-major) and returns (B*N) x d_model. B is fixed by the state; N may differ between

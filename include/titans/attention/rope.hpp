@@ -1,5 +1,5 @@
 #pragma once
-// titans/attention/rope.hpp: rotary position embedding (RoPE) for the attention layers (SPEC §7,
+// titans/attention/rope.hpp: rotary position embedding (RoPE) for the attention layers (math §7,
 // "optional rotary position embedding").
 //
 // Within every head, the pairs of columns (2i, 2i+1), i = 0 .. d_h/2 - 1, of the token at

@@ -45,7 +45,7 @@ struct MemoryKernels {
 ///                                 chunk, conv tails, position), owned by the caller
 ///   make_state(cfg, params, B)    a fresh state for B sequences
 ///   forward(cfg, params, state, x, y, diag)
-///                                 SPEC §1-5 over a piece of the stream: x (B*N) x d in,
+///                                 math §1-5 over a piece of the stream: x (B*N) x d in,
 ///                                 y (B*N) x d out, diag optional (nullptr)
 ///   read(cfg, params, state, x, y)  read-only retrieval with the memory after the last token
 ///   current_weights / current_momentum(cfg, state, b, h)

@@ -1,5 +1,5 @@
 #pragma once
-// titans/detail/activation.hpp: scalar nonlinearities and their derivatives (SPEC §1-2).
+// titans/detail/activation.hpp: scalar nonlinearities and their derivatives (math §1-2).
 //
 // Written once as TITANS_HOST_DEVICE functions so the CPU backend and a CUDA backend evaluate
 // the same formulas.

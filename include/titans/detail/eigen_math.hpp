@@ -1,5 +1,5 @@
 #pragma once
-// titans/detail/eigen_math.hpp: element-wise and row-wise pieces of SPEC §1-2 on Eigen
+// titans/detail/eigen_math.hpp: element-wise and row-wise pieces of math §1-2 on Eigen
 // matrices, shared by the CPU memory kernels and the blocks.
 
 #include <algorithm>

@@ -85,7 +85,7 @@ template <class Config>
 }
 
 /// A config_text() written before a setting existed, completed with the value that setting
-/// must have to mean what the writer meant: `max_grad_norm` (SPEC §10 clipping, added after
+/// must have to mean what the writer meant: `max_grad_norm` (math §10 clipping, added after
 /// format_version 1 files were first written) is 0 (off) where a memory's settings lack it.
 /// Text that has it is returned unchanged.
 [[nodiscard]] inline std::string with_legacy_settings(std::string_view text) {

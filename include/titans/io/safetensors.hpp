@@ -414,7 +414,9 @@ public:
 
     /// Where the bytes came from (a path or "<memory>").
     [[nodiscard]] const std::string& source() const { return source_; }
-    /// Every tensor, in data-offset order.
+    /// Every tensor, in data-offset order; empty tensors sharing an offset by name (byte order),
+    /// so the order depends on the file's content only, never on the order of its JSON keys
+    /// (a file written back by SafetensorsWriter lists its tensors in the same order).
     [[nodiscard]] const std::vector<TensorInfo>& tensors() const { return tensors_; }
     /// The "__metadata__" map (empty if the file has none).
     [[nodiscard]] const std::map<std::string, std::string>& metadata() const { return metadata_; }
@@ -739,7 +741,8 @@ private:
     }
 
     /// Offsets: inside the data section, contiguous and non-overlapping, covering the data
-    /// section exactly (no hidden bytes); then tensors_ = infos in offset order. O(n log n):
+    /// section exactly (no hidden bytes); then tensors_ = infos in offset order (ties by name).
+    /// O(n log n):
     /// one sort (of offsets and indices), one scan.
     void order_by_offsets(std::vector<TensorInfo>& infos, std::uint64_t data_size) {
         struct Span {
@@ -748,10 +751,12 @@ private:
         };
         std::vector<Span> spans(infos.size());
         for (std::size_t i = 0; i < infos.size(); ++i) spans[i] = {infos[i].begin, infos[i].end, i};
-        std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) {
+        // Ties (empty tensors at one offset) by name: names are unique, so the order is total
+        // and independent of the key order in the header.
+        std::sort(spans.begin(), spans.end(), [&infos](const Span& a, const Span& b) {
             return a.begin != b.begin ? a.begin < b.begin
                    : a.end != b.end   ? a.end < b.end
-                                      : a.index < b.index;
+                                      : infos[a.index].name < infos[b.index].name;
         });
         std::uint64_t expected = 0;
         for (const Span& sp : spans) {

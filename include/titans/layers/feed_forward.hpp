@@ -1,6 +1,6 @@
 #pragma once
 // titans/layers/feed_forward.hpp: FeedForward<T>, the position-wise feed-forward sub-block that
-// follows the mixing sub-block of every Titans block (SPEC §7): SwiGLU or a GELU MLP.
+// follows the mixing sub-block of every Titans block (math §7): SwiGLU or a GELU MLP.
 
 #include <cmath>
 #include <cstdint>
@@ -21,7 +21,7 @@
 
 namespace titans {
 
-/// The two feed-forward variants of SPEC §7.
+/// The two feed-forward variants of math §7.
 enum class FeedForwardKind {
     SwiGLU,  ///< y = (silu(x W1) ⊙ (x W3)) W2   (Shazeer, 2020)
     GELU,    ///< y = gelu(x W1) W2               (exact, erf-based GELU)
@@ -164,7 +164,7 @@ struct FeedForwardParams {
     }
 };
 
-/// The position-wise feed-forward sub-block of a Titans block (SPEC §7), row-wise on tokens:
+/// The position-wise feed-forward sub-block of a Titans block (math §7), row-wise on tokens:
 ///
 ///     SwiGLU:  y = (silu(x W1) ⊙ (x W3)) W2,     silu(z) = z σ(z)
 ///     GELU:    y = gelu(x W1) W2,                 gelu(z) = z Φ(z)   (exact, erf-based)

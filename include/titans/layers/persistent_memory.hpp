@@ -1,6 +1,6 @@
 #pragma once
 // titans/layers/persistent_memory.hpp: PersistentMemory<T>, the learnable input-independent
-// tokens of SPEC §6.
+// tokens of math §6.
 
 #include <cmath>
 #include <cstdint>
@@ -15,7 +15,7 @@
 
 namespace titans {
 
-/// Persistent memory (SPEC §6): N_p learnable, input-independent tokens P = [p_1 .. p_{N_p}]
+/// Persistent memory (math §6): N_p learnable, input-independent tokens P = [p_1 .. p_{N_p}]
 /// (N_p x d, N_p >= 0), prepended to the sequence an attention layer sees, x̃ = P ‖ x. They are
 /// outer parameters: never updated at test time.
 ///

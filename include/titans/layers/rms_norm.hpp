@@ -1,5 +1,5 @@
 #pragma once
-// titans/layers/rms_norm.hpp: RMSNorm<T>, the pre-normalisation of every Titans block (SPEC §7).
+// titans/layers/rms_norm.hpp: RMSNorm<T>, the pre-normalisation of every Titans block (math §7).
 
 #include <algorithm>
 #include <cmath>
@@ -14,7 +14,7 @@
 namespace titans {
 
 /// Root-mean-square normalisation of each row (token) with a learnable per-channel weight
-/// (SPEC §7: pre-normalisation of every block, and RMSNorm_y / RMSNorm_m of MAG):
+/// (math §7: pre-normalisation of every block, and RMSNorm_y / RMSNorm_m of MAG):
 ///
 ///     y = x / sqrt(mean_j(x_j^2) + eps) ⊙ weight,     x, y, weight: 1 x d
 ///

@@ -1,9 +1,9 @@
 #pragma once
 // titans/memory/chunk_coefficients.hpp: the scalar coefficients of the closed-form chunk
-// update (SPEC §4), computed with running products and reverse recurrences, never by dividing
+// update (math §4), computed with running products and reverse recurrences, never by dividing
 // products (eta or 1 - alpha may be 0).
 //
-// For a chunk prefix of n tokens (0-based i, k here; SPEC uses 1-based) with gates theta_i,
+// For a chunk prefix of n tokens (0-based i, k here; the paper uses 1-based) with gates theta_i,
 // eta_i, alpha_i:
 //   P_i    = prod_{j<=i} eta_j                      beta_i = prod_{j<=i} (1 - alpha_j)
 //   c_i    = (1 - alpha_i) c_{i-1} + P_i            (c_{-1} = 0)
@@ -47,7 +47,7 @@ TITANS_HOST_DEVICE void chunk_end_coefficients(int n, const T* theta, const T* e
     }
 }
 
-/// Per-row coefficients of the in-chunk (dual form) retrieval, SPEC §5: for rows
+/// Per-row coefficients of the in-chunk (dual form) retrieval, math §5: for rows
 /// i = row0..n-1 of a chunk prefix of n tokens, beta[i - row0], c[i - row0] and the
 /// lower-triangular G (row-major, (n - row0) x n, entries with k > i set to 0).
 template <class T>

@@ -14,24 +14,24 @@
 namespace titans {
 
 /// Element-wise nonlinearity. The memory MLP uses SiLU or GELU (exact, erf-based); the q/k/v
-/// projections use SiLU or Identity (SPEC §1-2).
+/// projections use SiLU or Identity (math §1-2).
 enum class Activation { SiLU, GELU, Identity };
 
 /// How the gates theta (learning rate), eta (momentum decay) and alpha (forget) are made
-/// (SPEC §1).
+/// (math §1).
 enum class GateMode {
     DataDependent,  ///< per token and head: sigmoid(x_t w + b) (theta scaled by theta_max)
     Constant,       ///< fixed scalars constant_theta, constant_eta, constant_alpha
     PerChunk,       ///< one value per chunk and head, from the chunk's mean input
 };
 
-/// Which gradients the write uses (SPEC §3 vs §4).
+/// Which gradients the write uses (math §3 vs §4).
 enum class UpdateMode {
-    Chunked,   ///< SPEC §4: gradients at the chunk-start weights, closed-form chunk end
-    PerToken,  ///< SPEC §3: true per-token recurrence (the reference; equals Chunked with b = 1)
+    Chunked,   ///< math §4: gradients at the chunk-start weights, closed-form chunk end
+    PerToken,  ///< math §3: true per-token recurrence (the reference; equals Chunked with b = 1)
 };
 
-/// How queries read the memory (SPEC §5).
+/// How queries read the memory (math §5).
 enum class Retrieval {
     Lagged,   ///< y_i = M_{W^s}(q_i): chunk-start weights (b = 1: read, then write)
     InChunk,  ///< y_i = M_{W_i}(q_i): weights after token i's own write (b = 1: write, then read)
@@ -77,7 +77,7 @@ enum class Retrieval {
     return detail::enum_from_string(s, out, {Retrieval::Lagged, Retrieval::InChunk});
 }
 
-/// Every setting of a NeuralMemory (SPEC §1-5). Aggregate: use designated initialisers,
+/// Every setting of a NeuralMemory (math §1-5). Aggregate: use designated initialisers,
 ///
 ///     titans::MemoryConfig cfg{.d_model = 512, .n_heads = 8, .depth = 2, .chunk = 64};
 ///
@@ -88,27 +88,27 @@ struct MemoryConfig {
     int d_model = 64;    ///< d, width of the tokens in and out
     int n_heads = 1;     ///< H
     int d_head = 0;      ///< d_h; 0 means d_model / n_heads
-    // Memory model (SPEC §2).
+    // Memory model (math §2).
     int depth = 2;       ///< L >= 1 weight matrices; 1 is the linear (matrix) memory
     int expansion = 4;   ///< e: hidden width e * d_h (used when depth >= 2)
     Activation activation = Activation::SiLU;  ///< act between layers: SiLU or GELU
     bool residual = false;                     ///< M(z) = z + MLP(z)
-    // Projections (SPEC §1).
+    // Projections (math §1).
     bool use_conv = true;      ///< causal depthwise conv on q, k, v
     int conv_kernel = 4;       ///< its kernel size
     Activation qkv_activation = Activation::SiLU;  ///< phi: SiLU or Identity
     bool normalize_qk = true;  ///< L2-normalise q and k over the head dimension
-    // Gates (SPEC §1).
+    // Gates (math §1).
     GateMode gates = GateMode::DataDependent;
-    double theta_max = 0.01;       ///< theta_t = theta_max * sigmoid(.); stable at b = 64 (docs/math.md §7)
+    double theta_max = 0.01;       ///< theta_t = theta_max * sigmoid(.); stable at b = 64 (math §10)
     double constant_theta = 0.1;   ///< GateMode::Constant: learning rate >= 0
     double constant_eta = 0.9;     ///< GateMode::Constant: momentum decay in [0, 1]
     double constant_alpha = 0.01;  ///< GateMode::Constant: forget rate in [0, 1]
-    /// SPEC §10: per-token gradient-norm clipping, theta_t <- theta_t * min(1, c / ||grad_t||)
+    /// math §10: per-token gradient-norm clipping, theta_t <- theta_t * min(1, c / ||grad_t||)
     /// with ||grad_t|| the Frobenius norm of token t's gradient over all layers; 0 turns it
-    /// off. Keeps the memory finite on constant, periodic and large inputs (docs/math.md §7).
+    /// off. Keeps the memory finite on constant, periodic and large inputs (math §10).
     double max_grad_norm = 1.0;
-    // Algorithm (SPEC §3-5).
+    // Algorithm (math §3-5).
     UpdateMode update = UpdateMode::Chunked;
     Retrieval retrieval = Retrieval::Lagged;
     int chunk = 64;  ///< b, tokens per chunk (chunk boundaries are absolute positions)
@@ -122,7 +122,7 @@ struct MemoryConfig {
     [[nodiscard]] int head_dim() const { return d_head > 0 ? d_head : d_model / n_heads; }
     /// Hidden width of the memory MLP.
     [[nodiscard]] int hidden_dim() const { return depth >= 2 ? expansion * head_dim() : head_dim(); }
-    /// Input width of memory layer l (1-based, SPEC §2): d_h for l = 1, e*d_h otherwise.
+    /// Input width of memory layer l (1-based, math §2): d_h for l = 1, e*d_h otherwise.
     [[nodiscard]] int layer_in(int l) const { return l == 1 ? head_dim() : hidden_dim(); }
     /// Output width of memory layer l: d_h for l = L, e*d_h otherwise.
     [[nodiscard]] int layer_out(int l) const { return l == depth ? head_dim() : hidden_dim(); }

@@ -1,5 +1,5 @@
 #pragma once
-// titans/memory/mlp.hpp: the memory model M and its associative loss (SPEC §2), for one set
+// titans/memory/mlp.hpp: the memory model M and its associative loss (math §2), for one set
 // of weights, written for clarity. The hot paths in backend/ use batched, preallocated
 // versions of the same formulas.
 //
@@ -71,7 +71,7 @@ template <class T>
 }
 
 /// Gradient of associative_loss with respect to every W_l (same shapes as W): the sum over
-/// rows i of a_{l-1}[i]^T delta_l[i], i.e. A_{l-1}^T Delta_l (SPEC §2, §4).
+/// rows i of a_{l-1}[i]^T delta_l[i], i.e. A_{l-1}^T Delta_l (math §2, §4).
 template <class T>
 [[nodiscard]] std::vector<Matrix<T>> associative_gradient(const std::vector<Matrix<T>>& W,
                                                           const Matrix<T>& k, const Matrix<T>& v,

@@ -16,11 +16,11 @@
 
 namespace titans {
 
-/// The neural long-term memory of Titans (SPEC §1-5) as a sequence layer that learns at test
+/// The neural long-term memory of Titans (math §1-5) as a sequence layer that learns at test
 /// time. Per head, an MLP memory M (depth L) is written with the momentum/forget update
 ///     S_t = eta_t S_{t-1} - theta_t grad l(M_{t-1}; k_t, v_t),   M_t = (1 - alpha_t) M_{t-1} + S_t
-/// (chunked, SPEC §4, or per token, SPEC §3) and read as y_t = M*(q_t) (lagged or in-chunk,
-/// SPEC §5); heads are concatenated and projected by W_O.
+/// (chunked, math §4, or per token, math §3) and read as y_t = M*(q_t) (lagged or in-chunk,
+/// math §5); heads are concatenated and projected by W_O.
 ///
 /// Shapes: a call takes x of (B*N) x d_model (B sequences of N tokens, stacked
 /// sequence-major) and returns (B*N) x d_model. B is fixed by the state; N may differ between
@@ -89,7 +89,7 @@ public:
     }
 
     /// Reads the memory without writing it: x is projected like forward's queries (q path of
-    /// SPEC §1; the conv continues the stream but its tail is not updated), every query reads
+    /// math §1; the conv continues the stream but its tail is not updated), every query reads
     /// the memory as it is after the last token seen, y = M_{W_t}(q) per head, then W_O.
     /// x: (B*N) x d_model -> (B*N) x d_model. The state is unchanged.
     [[nodiscard]] Matrix<T> read(const State& state, const Matrix<T>& x) const {
@@ -106,7 +106,7 @@ public:
         return y;
     }
 
-    /// The memory weights of sequence b, head h after the last token seen (W_t of SPEC §3;
+    /// The memory weights of sequence b, head h after the last token seen (W_t of math §3;
     /// layer l at index l-1), materialised from the chunk-start weights and the pending rows.
     [[nodiscard]] std::vector<Matrix<T>> current_weights(const State& state, int b, int h) const {
         check_index(state, b, h, "NeuralMemory::current_weights");

@@ -1,7 +1,7 @@
 #pragma once
 // titans/memory/params.hpp: MemoryParams<T>, the outer parameters of a neural memory.
 //
-// Outer parameters are fixed at test time (SPEC §1): they are what a training run learns and
+// Outer parameters are fixed at test time (math §1): they are what a training run learns and
 // what a checkpoint stores. Shapes (d = d_model, H = n_heads, d_h = head_dim, K = conv_kernel,
 // D = H * d_h, L = depth):
 //

@@ -1,5 +1,5 @@
 #pragma once
-// titans/models/block.hpp: the Titans blocks (SPEC §7): memory alone (LMM), memory as a
+// titans/models/block.hpp: the Titans blocks (math §7): memory alone (LMM), memory as a
 // context (MAC), as a gate (MAG), as a layer (MAL), each a pre-norm residual block
 //     h = x + Mixer(RMSNorm(x)),   out = h + FFN(RMSNorm(h))
 
@@ -31,7 +31,7 @@
 
 namespace titans {
 
-/// Which sequence mixer a block uses (SPEC §7).
+/// Which sequence mixer a block uses (math §7).
 enum class BlockKind {
     LMM,  ///< the neural memory alone: Mixer(u) = M(u)
     MAC,  ///< memory as a context: segments attend over P ‖ M*_{t-1}(S) ‖ S, then write/gate
@@ -63,7 +63,7 @@ struct BlockConfig {
     int d_model = 64;
     MemoryConfig memory{};
     AttentionConfig attention{};
-    int n_persistent = 4;  ///< N_p persistent tokens (SPEC §6); unused by LMM
+    int n_persistent = 4;  ///< N_p persistent tokens (math §6); unused by LMM
     int segment = 64;      ///< C, MAC segment length (absolute positions)
     bool use_ffn = true;
     FeedForwardConfig ffn{};
@@ -71,7 +71,7 @@ struct BlockConfig {
 
     /// A block of kind `kind`, width d, H heads for memory and attention, memory depth L,
     /// window / segment `span`, with the memory chunk `chunk`. MAC's memory reads with
-    /// Retrieval::InChunk so "the updated memory" of SPEC §7 includes the token's own write.
+    /// Retrieval::InChunk so "the updated memory" of math §7 includes the token's own write.
     [[nodiscard]] static BlockConfig make(BlockKind kind, int d, int heads, int depth, int span,
                                           int chunk = 64) {
         BlockConfig c;
@@ -213,7 +213,7 @@ private:
 ///   norm_mix, norm_ffn   1 x d    pre-norm weights of the two sub-blocks
 ///   memory               see MemoryParams
 ///   attention            see AttentionParams (empty for LMM)
-///   persistent           N_p x d  persistent tokens P (SPEC §6; empty for LMM)
+///   persistent           N_p x d  persistent tokens P (math §6; empty for LMM)
 ///   norm_y, norm_m       1 x d    MAG's output norms (empty otherwise)
 ///   ffn                  see FeedForwardParams (empty if !use_ffn)
 template <class T>
@@ -374,7 +374,7 @@ private:
     } undo_;
 };
 
-/// One Titans block (SPEC §7), pre-norm and residual:
+/// One Titans block (math §7), pre-norm and residual:
 ///     u = RMSNorm(x),  h = x + Mixer(u),  out = h + FFN(RMSNorm(h))
 /// with Mixer by kind (P = persistent tokens, M = the neural memory, streamed):
 ///   LMM  M(u)
@@ -384,7 +384,7 @@ private:
 ///        y = Attn(P ‖ h ‖ S) (rows of S), write M with y, o = y ⊙ σ(M*_t(y))
 /// P enters the memory (MAG, MAL) and the attention's window (MAL) once, at the start of each
 /// stream (make_state). Shapes: x (B*N) x d -> (B*N) x d. Streaming in pieces of any sizes
-/// equals one call. Choices where SPEC is silent (docs/math.md §9): MAC's h rows are visible
+/// equals one call. Choices where the paper is silent (math §7): MAC's h rows are visible
 /// causally (h_j to tokens j' >= j of the segment) and M*_t(y_i) is the in-chunk read after
 /// token i's own write, so no output depends on a later token; h is read from the memory's
 /// query projection without its conv (the conv belongs to the memory's own input stream).
@@ -486,7 +486,7 @@ public:
         return h;
     }
 
-    /// The mixer alone (SPEC §7) on already-normalised input u: (B*N) x d -> (B*N) x d.
+    /// The mixer alone (math §7) on already-normalised input u: (B*N) x d -> (B*N) x d.
     /// Advances the state (memory, attention, position) like forward(); strong guarantee.
     [[nodiscard]] Matrix<T> mix(State& state, const Matrix<T>& u) const {
         detail::check_position_advance("Block::mix", state.memory_.position(), u.rows(),

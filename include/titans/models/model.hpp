@@ -214,7 +214,7 @@ struct ModelState {
     }
 };
 
-/// A Titans model (SPEC §7): embedding -> blocks -> RMSNorm -> head, streaming.
+/// A Titans model (math §7): embedding -> blocks -> RMSNorm -> head, streaming.
 ///
 ///     auto cfg = titans::ModelConfig::uniform(titans::BlockKind::MAC, 2, 64, 4, 2, 32, 256);
 ///     titans::Model<float> model(cfg, titans::ModelParams<float>::random(cfg, 1));

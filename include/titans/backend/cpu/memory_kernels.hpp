@@ -1,11 +1,11 @@
 #pragma once
-// titans/backend/cpu/memory_kernels.hpp: the neural memory on the CPU (SPEC §1-5).
+// titans/backend/cpu/memory_kernels.hpp: the neural memory on the CPU (math §1-5).
 //
 // Per forward call: one GEMM per projection over the whole piece, the causal conv and gates,
 // then, independently per (sequence, head) and in parallel, the memory scan: chunks at
 // absolute positions, each chunk (or the part of it in this piece) processed with batched
-// products (SPEC §4) and read in lagged or in-chunk (dual) form (SPEC §5), and finally the
-// output projection. The per-token recurrence (SPEC §3) is a separate, plain loop.
+// products (math §4) and read in lagged or in-chunk (dual) form (math §5), and finally the
+// output projection. The per-token recurrence (math §3) is a separate, plain loop.
 
 #include <algorithm>
 #include <cmath>
@@ -69,7 +69,7 @@ struct MemoryKernels<Cpu, T> {
         return st;
     }
 
-    /// SPEC §1-5 over a piece: x (B*N) x d, y (B*N) x d (resized), diag optional. Throws
+    /// math §1-5 over a piece: x (B*N) x d, y (B*N) x d (resized), diag optional. Throws
     /// NonFiniteError (naming the sequence, head and position) if an output or the new state
     /// would hold a NaN or an infinity; the state is then as it was before the call (or, inside
     /// an open transaction, as it was at the transaction's start: MemoryUndo).
@@ -95,7 +95,7 @@ struct MemoryKernels<Cpu, T> {
         }
     }
 
-    /// Read-only retrieval: q path of SPEC §1 for x (conv continuing the stream, tails not
+    /// Read-only retrieval: q path of math §1 for x (conv continuing the stream, tails not
     /// updated), y = M_{W_t}(q) per head with the memory after the last token, then W_O.
     static void read(const MemoryConfig& cfg, const MemoryParams<T>& p, const State& st,
                      const Mat& x, Mat& y) {
@@ -187,7 +187,7 @@ private:
             throw_first_bad_row(qkv.cols() > 0 && !detail::all_finite(qkv) ? qkv : logits, N, pos0,
                                 "the projections of x (q, k, v or gate logits) overflow");
         }
-        // SPEC §3-5: the memory, per (sequence, head), in parallel.
+        // math §3-5: the memory, per (sequence, head), in parallel.
         Mat yh(x.rows(), D);
         const int pairs = B * H;
         std::vector<Failure> failed(static_cast<std::size_t>(pairs));
@@ -223,7 +223,7 @@ private:
         st.position_ += N;
     }
 
-    /// SPEC §1 for a piece: qkv = [q | k | v] after conv, phi and the L2 norm (the conv tails
+    /// math §1 for a piece: qkv = [q | k | v] after conv, phi and the L2 norm (the conv tails
     /// advance), gate logits (empty for constant gates).
     static void project(const MemoryConfig& cfg, const MemoryParams<T>& p, State& st, const Mat& x,
                         Eigen::Index N, Mat& qkv, Mat& logits) {
@@ -282,7 +282,7 @@ private:
             "the state is unchanged"));
     }
 
-    /// SPEC §1 conv of each sequence's pre-conv q|k|v, in place, continuing from the state's
+    /// math §1 conv of each sequence's pre-conv q|k|v, in place, continuing from the state's
     /// tail (the last K-1 pre-conv rows), which is then advanced.
     static void causal_conv(const MemoryConfig& cfg, const MemoryParams<T>& p, State& st, Mat& qkv,
                             Eigen::Index N) {
@@ -332,7 +332,7 @@ private:
         }
     }
 
-    /// Gate values of rows [0, n) (gate_values), then SPEC §10's clipping: theta_i scaled by
+    /// Gate values of rows [0, n) (gate_values), then math §10's clipping: theta_i scaled by
     /// min(1, c / ||grad_i||), ||grad_i||^2 = sum_l ||a_{l-1,i}||^2 ||delta_{l,i}||^2 from the
     /// pending rows (the gradient at the weights it was taken at). Only theta changes, so the
     /// closed form (§4) and the dual form (§5) are unchanged.
@@ -366,7 +366,7 @@ private:
         }
     }
 
-    /// SPEC §4 over tokens [t, t+m) of one (sequence, head), which sit at rows [o, o+m) of the
+    /// math §4 over tokens [t, t+m) of one (sequence, head), which sit at rows [o, o+m) of the
     /// chunk in progress: keys forward and backward at W^s (batched), retrieval, and the
     /// closed-form chunk end when the chunk completes.
     static void chunk_segment(const MemoryConfig& cfg, Head& hd, const Inputs& in, Eigen::Index t,
@@ -411,14 +411,14 @@ private:
                 diag->grad_norm(r, in.h) = std::sqrt(g2);
             }
         }
-        // SPEC §5: retrieval.
+        // math §5: retrieval.
         auto y = yh.block(in.r0 + t, in.h * in.dh, m, in.dh);
         if (cfg.retrieval == Retrieval::Lagged) {
             read_lagged(cfg, hd, in.q(t, m), m, y);
         } else {
             read_in_chunk(cfg, hd, in.q(t, m), o, m, y);
         }
-        // SPEC §4: chunk end.
+        // math §4: chunk end.
         if (o + m == b) {
             apply_chunk_end(cfg, hd, b, hd.coef, hd.t1, hd.w, hd.s);
         }
@@ -445,7 +445,7 @@ private:
         }
     }
 
-    /// SPEC §5 dual form for query rows [o, o+m) of the chunk prefix n = o + m:
+    /// math §5 dual form for query rows [o, o+m) of the chunk prefix n = o + m:
     /// Z_l = diag(beta) H W^s + diag(c) H S^s - (G . (H A_{l-1}^T)) Delta_l, H_l = act(Z_l).
     template <class Q, class Y>
     static void read_in_chunk(const MemoryConfig& cfg, Head& hd, const Q& q, int o, int m, Y& y) {
@@ -517,7 +517,7 @@ private:
         }
     }
 
-    /// SPEC §4 over the piece for pair i, chunk segment by chunk segment, saving what it
+    /// math §4 over the piece for pair i, chunk segment by chunk segment, saving what it
     /// overwrites (MemoryUndo) and stopping at the first non-finite output, pending row or
     /// chunk-end state.
     static Failure scan_chunked(const MemoryConfig& cfg, State& st, std::size_t i,
@@ -571,7 +571,7 @@ private:
         return true;
     }
 
-    /// SPEC §3, token by token with true gradients at M_{t-1}: the reference path and b = 1.
+    /// math §3, token by token with true gradients at M_{t-1}: the reference path and b = 1.
     static Failure scan_per_token(const MemoryConfig& cfg, State& st, std::size_t i,
                                   const Inputs& in, Eigen::Index N, std::int64_t pos0, Mat& yh,
                                   Diagnostics<T>* diag) {
@@ -590,7 +590,7 @@ private:
         return {};
     }
 
-    /// One token of SPEC §3: read (lagged), gradient at M_{t-1}, update, read (in-chunk).
+    /// One token of math §3: read (lagged), gradient at M_{t-1}, update, read (in-chunk).
     static void per_token_step(const MemoryConfig& cfg, Head& hd, const Inputs& in, Eigen::Index t,
                                Mat& yh, Diagnostics<T>* diag) {
         const int L = cfg.depth;

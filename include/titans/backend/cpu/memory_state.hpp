@@ -20,7 +20,7 @@ struct MemoryUndo;
 struct Cpu;
 }  // namespace backend
 
-/// State of B independent streams of one NeuralMemory on the CPU (SPEC §3-5): per sequence
+/// State of B independent streams of one NeuralMemory on the CPU (math §3-5): per sequence
 /// and head the chunk-start memory weights W^s and momentum S^s of every layer, the pending
 /// rows (activations, back-propagated errors, gate logits) of the chunk in progress, the conv
 /// tails, the absolute position, and the workspaces the hot path reuses (so a forward call
