@@ -1,14 +1,15 @@
 // 03_checkpoint: save a model's weights, stream half of a token sequence, checkpoint the
 // stream, then (as a restarted program would) load the weights and the checkpoint from disk and
 // stream the rest. The resumed outputs are compared bit for bit with a run that never stopped
-// (fed the same pieces; pieces of other lengths agree to rounding), and a checkpoint offered to a model of another configuration is refused with a message
-// naming the setting that differs.
+// (fed the same pieces; pieces of other lengths agree to rounding), and a checkpoint offered to
+// a model of another configuration is refused with a message naming the setting that differs.
 //
-//     ./03_checkpoint [--quick] [--tokens N] [--dir DIR]
+//     ./03_checkpoint [--quick] [--tokens N] [--out DIR]
 //
 // Needs the titans::io component (nlohmann-json3-dev). Files: DIR/model.safetensors (outer
-// parameters) and DIR/stream.safetensors (the stream's state), removed at the end; DIR defaults
-// to a fresh directory under the system temp directory. Layout of both: docs/formats.md.
+// parameters) and DIR/stream.safetensors (the stream's state), both printed. With --out DIR
+// (created if missing) they are kept there; by default DIR is a fresh directory under the
+// system temp directory, removed at the end. Layout of both: docs/formats.md.
 #include <titans/io/checkpoint.hpp>
 #include <titans/titans.hpp>
 
@@ -60,11 +61,12 @@ int main(int argc, char** argv) {
             tokens = 300;
         } else if (std::strcmp(argv[i], "--tokens") == 0 && i + 1 < argc) {
             tokens = std::strtoull(argv[++i], nullptr, 10);
-        } else if (std::strcmp(argv[i], "--dir") == 0 && i + 1 < argc) {
+        } else if ((std::strcmp(argv[i], "--out") == 0 || std::strcmp(argv[i], "--dir") == 0) &&
+                   i + 1 < argc) {
             dir = argv[++i];
             own_dir = false;
         } else {
-            std::fprintf(stderr, "usage: %s [--quick] [--tokens N] [--dir DIR]\n", argv[0]);
+            std::fprintf(stderr, "usage: %s [--quick] [--tokens N] [--out DIR]\n", argv[0]);
             return 2;
         }
     }
@@ -153,8 +155,10 @@ int main(int argc, char** argv) {
     } catch (const titans::ConfigError& e) {
         std::printf("another configuration is refused:\n  %s\n", e.what());
     }
-    fs::remove(weights);
-    fs::remove(ckpt);
-    if (own_dir) fs::remove(dir);
+    if (own_dir) {  // files written to a directory the user named are kept
+        fs::remove(weights);
+        fs::remove(ckpt);
+        fs::remove(dir);
+    }
     return identical ? 0 : 1;
 }
