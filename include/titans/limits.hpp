@@ -138,6 +138,20 @@ inline void require_in_range(std::int64_t v, std::int64_t lo, std::int64_t hi, c
     }
 }
 
+/// The head shape shared by every layer with heads: d_model, n_heads and d_head in range, and
+/// d_model a multiple of n_heads when d_head is 0 (the head width is then d_model / n_heads).
+inline void require_head_shape(std::int64_t d_model, std::int64_t n_heads, std::int64_t d_head,
+                               const char* where) {
+    require_in_range(d_model, 1, limits::max_d_model, where, "d_model");
+    require_in_range(n_heads, 1, limits::max_heads, where, "n_heads");
+    require_in_range(d_head, 0, limits::max_head_dim, where, "d_head",
+                     " (0 means d_model / n_heads)");
+    if (d_head == 0 && d_model % n_heads != 0) {
+        require<ConfigError>(false, where, "d_model", d_model,
+                             concat("a multiple of n_heads = ", n_heads, " when d_head = 0"));
+    }
+}
+
 /// "float" or "double".
 template <class T>
 [[nodiscard]] constexpr const char* scalar_name() noexcept {

@@ -221,15 +221,7 @@ struct MemoryConfig {
         constexpr const char* w = "MemoryConfig";
         using detail::require;
         using detail::require_in_range;
-        require_in_range(d_model, 1, limits::max_d_model, w, "d_model");
-        require_in_range(n_heads, 1, limits::max_heads, w, "n_heads");
-        require_in_range(d_head, 0, limits::max_head_dim, w, "d_head",
-                         " (0 means d_model / n_heads)");
-        if (d_head == 0) {
-            require<ConfigError>(d_model % n_heads == 0, w, "d_model", d_model,
-                                 detail::concat("a multiple of n_heads = ", n_heads,
-                                                " when d_head = 0"));
-        }
+        detail::require_head_shape(d_model, n_heads, d_head, w);
         require_in_range(depth, 1, limits::max_depth, w, "depth");
         require_in_range(expansion, 1, limits::max_expansion, w, "expansion");
         require<ConfigError>(activation == Activation::SiLU || activation == Activation::GELU, w,
