@@ -156,6 +156,8 @@ Task make_task(int P, int d_h, std::uint64_t seed) {
     Task t;
     t.keys = rng.gaussian(P, d_h, 1.0);
     t.keys.rowwise().normalize();
+    // The demo's own products take threads as the library's calls do (one on a busy machine).
+    const titans::ThreadScope team({}, 4.0 * P * d_h * d_h);
     const Eigen::ArrayXXf z = (t.keys * R1).array();
     t.values = (z * z - 1.0f).matrix() * R2;
     t.values /= t.values.rowwise().norm().mean();  // c: values of unit mean norm, like the keys
@@ -278,6 +280,7 @@ Score run(const Variant& v, const std::vector<Task>& tasks, const Settings& s,
             sc.diverged = true;
             break;
         }
+        const titans::ThreadScope team({}, static_cast<double>(P) * P * dh);
         const Matrixf cosine = Y.rowwise().normalized() * V.rowwise().normalized().transpose();
         for (int i = 0; i < P; ++i) {
             sc.error += (Y.row(i) - V.row(i)).norm() / V.row(i).norm();

@@ -662,6 +662,41 @@ TEMPLATE_TEST_CASE("blocks: streaming", "[blocks]", float, double) {
     }
 }
 
+// serving: every block kind fed B = 64 streams one token per call equals one call over the
+// whole streams (outputs, memory state), and each stream equals itself run alone (B = 1)
+TEMPLATE_TEST_CASE("blocks: decode B=64", "[blocks]", float, double) {
+    using T = TestType;
+    const int combo = GENERATE(range(0, 4));
+    BlockOptions o;
+    o.kind = kAllKinds[combo];
+    o.batch = 64;
+    o.max_tokens = 12;
+    o.retrieval = combo % 2 == 0 ? Retrieval::Lagged : Retrieval::InChunk;
+    const BlockCase c = make_block_case<T>(o, seed_for(std::string("blocks/decode/") + type_name<T>(),
+                                                        static_cast<std::uint64_t>(combo)));
+    INFO(c.describe());
+    const std::string cat = kind_name(o.kind);
+    const int B = o.batch, N = c.tokens;
+    const Block<T> blk(c.cfg, cast_block<T>(c.params));
+    const Matrix<T> x = c.x.cast<T>();
+    auto st_one = blk.make_state(B);
+    const Matrix<T> one = blk.forward(st_one, x);
+    auto st = blk.make_state(B);
+    Matrix<T> y = Matrix<T>::Constant(B * N, c.cfg.d_model, T(12345));
+    for (int t = 0; t < N; ++t) {
+        put_tokens(y, blk.forward(st, take_tokens(x, B, N, t, t + 1)), B, N, t, t + 1);
+    }
+    CHECK(note_error<T>(cat + ": decode B=64 vs one call", rel_error(y, one)) <= tol<T>());
+    CHECK(note_error<T>(cat + ": decode B=64 state vs one call",
+                        weights_error(block_weights(blk, st), block_weights(blk, st_one))) <= tol<T>());
+    for (int b : {0, 37, 63}) {  // a stream alone gives what it gave among 64
+        auto st1 = blk.make_state(1);
+        const Matrix<T> alone = blk.forward(st1, Matrix<T>(x.middleRows(b * N, N)));
+        CHECK(note_error<T>(cat + ": one stream of 64 vs alone",
+                            rel_error(y.middleRows(b * N, N), alone)) <= tol<T>());
+    }
+}
+
 // =============================================================================================
 // Model.
 

@@ -7,6 +7,7 @@
 #include "config.hpp"
 #include "error.hpp"
 #include "fwd.hpp"
+#include "threads.hpp"
 #include "types.hpp"
 
 #include "memory/chunk_coefficients.hpp"

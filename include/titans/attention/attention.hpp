@@ -28,12 +28,14 @@
 #include <vector>
 
 #include "../detail/check.hpp"
+#include "../detail/product.hpp"
 #include "../detail/float_env.hpp"
 #include "../detail/random.hpp"
 #include "../detail/visit.hpp"
 #include "../error.hpp"
 #include "../fwd.hpp"
 #include "../limits.hpp"
+#include "../threads.hpp"
 #include "../types.hpp"
 #include "config.hpp"
 #include "kernel.hpp"
@@ -120,43 +122,59 @@ public:
         if (&x == &y || (prefix != nullptr && prefix == &y)) {
             throw ShapeError("Attention::forward: y is also an input, expected a distinct matrix");
         }
-        using Index = Eigen::Index;
-        const int B = state.batch_, H = cfg_.n_heads, dh = cfg_.head_dim(), D = cfg_.inner_dim();
-        const Index N = x.rows() / B;
-        y.resize(x.rows(), cfg_.d_model);
-        if (N == 0) return;
-
-        // Projections of every token of every sequence at once.
-        Matrix<T> q(x.rows(), D), k(x.rows(), D), v(x.rows(), D);
-        q.noalias() = x * params_.w_q;
-        k.noalias() = x * params_.w_k;
-        v.noalias() = x * params_.w_v;
-        if (cfg_.rope) {
-            // All sequences are at the same absolute position: one table for all of them.
-            detail::RopeTable<T> table(N, dh, state.position_, cfg_.rope_base);
-            for (int b = 0; b < B; ++b) {
-                table.apply(q.middleRows(b * N, N), H, dh);
-                table.apply(k.middleRows(b * N, N), H, dh);
-            }
-        }
-        Matrix<T> kp(0, D), vp(0, D);
-        Index p = 0;
+        const ThreadScope team(threads_,
+                                       work_estimate(x.rows(), prefix ? prefix->rows() : 0));
+        Matrix<T> kp(0, cfg_.inner_dim()), vp(0, cfg_.inner_dim());
+        Eigen::Index p = 0;
         if (prefix != nullptr && prefix->rows() > 0) {
             kp.noalias() = *prefix * params_.w_k;
             vp.noalias() = *prefix * params_.w_v;
-            p = sharing == PrefixSharing::Shared ? prefix->rows() : prefix->rows() / B;
+            p = sharing == PrefixSharing::Shared ? prefix->rows() : prefix->rows() / state.batch_;
         }
+        run(state, x, y, kp, vp, p, sharing);
+    }
 
-        const bool own = begin(state);
-        try {
-            attend(state, q, k, v, kp, vp, p, sharing, y);
-        } catch (...) {
-            rollback(state);
-            throw;
+    /// As forward with a prefix shared by every sequence whose projections the caller made once:
+    /// k_prefix = prefix W_K and v_prefix = prefix W_V (p x D each). A fixed prefix (persistent
+    /// tokens) then costs nothing per call (serving); the outputs are the same.
+    void forward_projected(State& state, const Matrix<T>& x, Matrix<T>& y,
+                           const Matrix<T>& k_prefix, const Matrix<T>& v_prefix) const {
+        constexpr const char* where = "Attention::forward_projected";
+        detail::check_position_advance(where, state.position_, x.rows(), state.batch_);
+        check_state(state, where);
+        check_input(state, x, nullptr, PrefixSharing::Shared, where);
+        const Eigen::Index D = cfg_.inner_dim();
+        detail::require<ShapeError>(k_prefix.cols() == D || k_prefix.rows() == 0, where,
+                                    "k_prefix.cols()", k_prefix.cols(),
+                                    detail::concat("n_heads * d_head = ", D));
+        detail::require<ShapeError>(
+            v_prefix.rows() == k_prefix.rows() && v_prefix.cols() == k_prefix.cols(), where,
+            "v_prefix shape", detail::concat(v_prefix.rows(), " x ", v_prefix.cols()),
+            detail::concat("k_prefix's ", k_prefix.rows(), " x ", k_prefix.cols()));
+        if (!detail::all_finite(k_prefix) || !detail::all_finite(v_prefix)) {
+            throw NonFiniteError(detail::concat(where, ": the prefix has a NaN or infinite entry"));
         }
-        if (own) {
-            commit(state);
+        if (&x == &y || &k_prefix == &y || &v_prefix == &y) {
+            throw ShapeError(detail::concat(where, ": y is also an input, expected a distinct matrix"));
         }
+        const ThreadScope team(threads_, work_estimate(x.rows(), k_prefix.rows()));
+        run(state, x, y, k_prefix, v_prefix, k_prefix.rows(), PrefixSharing::Shared);
+    }
+
+    /// Thread settings of this object's calls, as NeuralMemory::set_threads (titans/threads.hpp).
+    void set_threads(Threads t) {
+        t.validate("Attention::set_threads");
+        threads_ = t;
+    }
+    [[nodiscard]] const Threads& threads() const { return threads_; }
+
+    /// Approximate multiply-adds of a forward over `rows` tokens with a prefix of `prefix_rows`
+    /// (projections and W_O, scores and values over the window and the prefix).
+    [[nodiscard]] double work_estimate(Eigen::Index rows, Eigen::Index prefix_rows = 0) const {
+        const double d = cfg_.d_model, D = cfg_.inner_dim();
+        const double seen = static_cast<double>(cfg_.window) + static_cast<double>(prefix_rows);
+        return static_cast<double>(rows) * (4.0 * d * D + 2.0 * D * seen) +
+               static_cast<double>(prefix_rows) * 2.0 * d * D;
     }
 
     /// Throws ConfigError unless `state` can be continued by this layer: made by make_state()
@@ -176,6 +194,8 @@ public:
         u.open = true;
         u.saved = false;
         u.position = state.position_;
+        u.off = state.off_;
+        u.rows = state.rows_;
         return true;
     }
     void commit(State& state) const { state.undo_.open = false; }
@@ -191,10 +211,45 @@ public:
             }
         }
         state.position_ = u.position;
+        state.off_ = u.off;
+        state.rows_ = u.rows;
         u.open = false;
     }
 
 private:
+    /// Checked inputs: projects x, then attend() inside a transaction (the state is unchanged
+    /// if it throws).
+    void run(State& state, const Matrix<T>& x, Matrix<T>& y, const Matrix<T>& kp,
+             const Matrix<T>& vp, Eigen::Index p, PrefixSharing sharing) const {
+        const int B = state.batch_, H = cfg_.n_heads, dh = cfg_.head_dim(), D = cfg_.inner_dim();
+        const Eigen::Index N = x.rows() / B;
+        y.resize(x.rows(), cfg_.d_model);
+        if (N == 0) return;
+        // Projections of every token of every sequence at once.
+        Matrix<T> q(x.rows(), D), k(x.rows(), D), v(x.rows(), D);
+        detail::multiply(q, x, params_.w_q);
+        detail::multiply(k, x, params_.w_k);
+        detail::multiply(v, x, params_.w_v);
+        if (cfg_.rope) {
+            // All sequences are at the same absolute position: one table for all of them.
+            detail::RopeTable<T> table(N, dh, state.position_, cfg_.rope_base);
+            for (int b = 0; b < B; ++b) {
+                table.apply(q.middleRows(b * N, N), H, dh);
+                table.apply(k.middleRows(b * N, N), H, dh);
+            }
+        }
+        const bool own = begin(state);
+        try {
+            attend(state, q, k, v, kp, vp, p, sharing, y);
+        } catch (...) {
+            rollback(state);
+            throw;
+        }
+        if (own) {
+            commit(state);
+        }
+    }
+
     /// The attention proper on projected q, k, v (and prefix kp, vp of p rows per sequence),
     /// then the new histories and W_O; NonFiniteError if the output is not finite.
     void attend(State& state, const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
@@ -203,34 +258,28 @@ private:
         using Index = Eigen::Index;
         const int B = state.batch_, H = cfg_.n_heads, dh = cfg_.head_dim(), D = cfg_.inner_dim();
         const Index N = q.rows() / B;
-        // Per sequence: keys/values = [history (h rows) ; this piece (N rows)], queries at
-        // positions h .. h + N - 1 of them.
+        // Per sequence: keys/values = [kept (h rows) ; this piece (N rows)], read in place from
+        // the window buffer; queries at positions h .. h + N - 1 of them.
         const Index w1 = static_cast<Index>(cfg_.window) - 1;
-        const Index h = state.k_hist_[0].rows();
-        Matrix<T> ks(h + N, D), vs(h + N, D), o(q.rows(), D);
-        const Index keep = std::min<Index>(w1, h + N);
+        const Index h = state.rows_;
+        reserve_window(state, N);
+        const Index off = state.off_;
+        Matrix<T> o(q.rows(), D);
         for (int b = 0; b < B; ++b) {
-            auto& kh = state.k_hist_[static_cast<std::size_t>(b)];
-            auto& vh = state.v_hist_[static_cast<std::size_t>(b)];
-            ks.topRows(h) = kh;
-            vs.topRows(h) = vh;
-            ks.bottomRows(N) = k.middleRows(b * N, N);
-            vs.bottomRows(N) = v.middleRows(b * N, N);
+            auto& kb = state.k_hist_[static_cast<std::size_t>(b)];
+            auto& vb = state.v_hist_[static_cast<std::size_t>(b)];
+            kb.middleRows(off + h, N) = k.middleRows(b * N, N);
+            vb.middleRows(off + h, N) = v.middleRows(b * N, N);
             const Index pr0 = sharing == PrefixSharing::Shared ? 0 : b * p;
             detail::prefix_window_attention_impl<T>(
-                q.middleRows(b * N, N), kp.middleRows(pr0, p), vp.middleRows(pr0, p), ks, vs, H,
-                dh, cfg_.window, h, o.middleRows(b * N, N));
-            if (state.undo_.open && !state.undo_.saved) {  // keep the old history: O(1) swaps
-                state.undo_.k.resize(state.k_hist_.size());
-                state.undo_.v.resize(state.v_hist_.size());
-                kh.swap(state.undo_.k[static_cast<std::size_t>(b)]);
-                vh.swap(state.undo_.v[static_cast<std::size_t>(b)]);
-            }
-            kh = ks.bottomRows(keep);
-            vh = vs.bottomRows(keep);
+                q.middleRows(b * N, N), kp.middleRows(pr0, p), vp.middleRows(pr0, p),
+                kb.middleRows(off, h + N), vb.middleRows(off, h + N), H, dh, cfg_.window, h,
+                o.middleRows(b * N, N));
         }
-        state.undo_.saved = state.undo_.open;
-        y.noalias() = o * params_.w_o;
+        const Index keep = std::min<Index>(w1, h + N);
+        state.off_ = off + h + N - keep;
+        state.rows_ = keep;
+        detail::multiply(y, o, params_.w_o);
         if (!detail::all_finite(y)) {
             Index r = 0;
             while (r + 1 < y.rows() && detail::all_finite(y.row(r))) ++r;
@@ -242,13 +291,44 @@ private:
         state.position_ += N;
     }
 
+    /// Makes room for N more rows after the kept ones in every window buffer: if the buffers'
+    /// end is near, the kept rows move to the start of buffers of h + N + w - 1 rows (inside an
+    /// open transaction the old buffers are first swapped out, untouched, for rollback).
+    static void reserve_window(State& state, Eigen::Index N) {
+        const Eigen::Index h = state.rows_, cap = state.k_hist_[0].rows();
+        if (state.off_ + h + N <= cap) {
+            return;  // appending writes past the kept rows: a rollback still finds them
+        }
+        const Eigen::Index rows = h + N + std::max<Eigen::Index>(state.cfg_.window - 1, 1);
+        auto& u = state.undo_;
+        const bool save = u.open && !u.saved;
+        if (save) {
+            u.k.resize(state.k_hist_.size());
+            u.v.resize(state.v_hist_.size());
+        }
+        for (std::size_t b = 0; b < state.k_hist_.size(); ++b) {
+            for (auto [buf, old] : {std::pair{&state.k_hist_[b], save ? &u.k[b] : nullptr},
+                                    std::pair{&state.v_hist_[b], save ? &u.v[b] : nullptr}}) {
+                Matrix<T> fresh(rows, buf->cols());
+                fresh.topRows(h) = buf->middleRows(state.off_, h);
+                if (old != nullptr) {
+                    old->swap(*buf);
+                }
+                buf->swap(fresh);
+            }
+        }
+        u.saved = u.saved || save;
+        state.off_ = 0;
+    }
+
     void check_state(const State& state, const char* where) const {
         const AttentionConfig& s = state.cfg_;
         const bool same = state.batch_ >= 1 && s.d_model == cfg_.d_model &&
                           s.n_heads == cfg_.n_heads && s.head_dim() == cfg_.head_dim() &&
                           s.window == cfg_.window && s.rope == cfg_.rope &&
                           (!cfg_.rope || s.rope_base == cfg_.rope_base) &&
-                          state.k_hist_.size() == static_cast<std::size_t>(state.batch_);
+                          state.k_hist_.size() == static_cast<std::size_t>(state.batch_) &&
+                          state.well_formed();
         if (!same) {
             throw ConfigError(detail::concat(
                 where, ": state was made for a different configuration (or default-constructed),"
@@ -288,6 +368,7 @@ private:
 
     AttentionConfig cfg_;
     AttentionParams<T> params_;
+    Threads threads_{};
 };
 
 }  // namespace titans

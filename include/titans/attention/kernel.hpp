@@ -90,10 +90,10 @@ void prefix_window_attention_impl(const Eigen::Ref<const Matrix<T>>& q,
     const T scale = T(1) / std::sqrt(static_cast<T>(d_head));
 
 #if defined(_OPENMP)
-    // Threads only pay off for more than a few microseconds of work (not for one streamed token).
+    // Threads only pay off for tens of microseconds of work (not for one streamed token).
     const double work = static_cast<double>(n) * static_cast<double>(p + span_cap) *
                         static_cast<double>(D);
-#pragma omp parallel if (units > 1 && work >= 262144.0)
+#pragma omp parallel if (units > 1 && work >= 1.0e6)
 #endif
     {
         // Per-thread tile workspaces: exp-scores against the prefix and the key span.

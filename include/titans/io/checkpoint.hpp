@@ -63,10 +63,14 @@ void check_block(const Block<T>& block, const BlockState<T>& st, const std::stri
                          std::to_string(att_pos));
         }
         const std::int64_t kept = std::min<std::int64_t>(cfg.attention.window - 1, att_pos);
+        // A malformed state (just loaded, sequences of unequal lengths) holds what was read.
+        const bool formed = a.well_formed();
         for (int b = 0; b < st.batch(); ++b) {
-            if (a.keys(b).rows() != kept || a.values(b).rows() != kept) {
+            const auto [k_rows, v_rows] =
+                formed ? std::pair{a.keys(b).rows(), a.values(b).rows()} : a.loaded_rows(b);
+            if (k_rows != kept || v_rows != kept) {
                 inconsistent(src, prefix + "attention.k/v." + std::to_string(b) + " rows",
-                             a.keys(b).rows(),
+                             k_rows != kept ? k_rows : v_rows,
                              std::to_string(kept) + " = min(window - 1, attention.position)");
             }
         }

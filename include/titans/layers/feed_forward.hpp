@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "../detail/check.hpp"
+#include "../detail/product.hpp"
 #include "../detail/activation.hpp"
 #include "../detail/random.hpp"
 #include "../detail/visit.hpp"
@@ -216,16 +217,16 @@ public:
             throw ShapeError(detail::concat(where, ": y is x, expected a distinct matrix"));
         }
         Matrix<T> a(x.rows(), params_.w1.cols());
-        a.noalias() = x * params_.w1;
+        detail::multiply(a, x, params_.w1);
         if (cfg_.kind == FeedForwardKind::SwiGLU) {
             Matrix<T> g(x.rows(), params_.w3.cols());
-            g.noalias() = x * params_.w3;
+            detail::multiply(g, x, params_.w3);
             a = a.unaryExpr([](T z) { return detail::silu(z); }).cwiseProduct(g);
         } else {
             a = a.unaryExpr([](T z) { return detail::gelu(z); });
         }
         y.resize(x.rows(), cfg_.d_model);
-        y.noalias() = a * params_.w2;
+        detail::multiply(y, a, params_.w2);
     }
 
 private:

@@ -9,6 +9,7 @@
 #include "../backend/cpu/cpu.hpp"
 #include "../detail/float_env.hpp"
 #include "../error.hpp"
+#include "../threads.hpp"
 #include "../types.hpp"
 #include "config.hpp"
 #include "diagnostics.hpp"
@@ -84,6 +85,7 @@ public:
             throw ShapeError("NeuralMemory::forward: x and y are the same matrix, expected "
                              "distinct matrices");
         }
+        const ThreadScope team(threads_, work_estimate(x.rows()));
         const detail::DenormalFlushScope flush(cfg_.flush_denormals);
         Kernels::forward(cfg_, params_, state, x, y, diag);
     }
@@ -96,6 +98,7 @@ public:
         check_state(state, "NeuralMemory::read");
         check_input(state, x, "NeuralMemory::read");
         Matrix<T> y;
+        const ThreadScope team(threads_, work_estimate(x.rows()));
         const detail::DenormalFlushScope flush(cfg_.flush_denormals);
         Kernels::read(cfg_, params_, state, x, y);
         if (!detail::all_finite(y)) {
@@ -132,6 +135,26 @@ public:
     }
     void commit(State& state) const { Kernels::commit(state); }
     void rollback(State& state) const { Kernels::rollback(state); }
+
+    /// Thread settings of this object's calls (default: automatic, see titans/threads.hpp):
+    /// at most `t.max` threads, fewer for small calls and on a loaded machine. Not to be
+    /// changed while another thread runs a call on this object. Throws ConfigError if max < 0.
+    void set_threads(Threads t) {
+        t.validate("NeuralMemory::set_threads");
+        threads_ = t;
+    }
+    [[nodiscard]] const Threads& threads() const { return threads_; }
+
+    /// Approximate multiply-adds of a forward over `rows` tokens (projections, key forward and
+    /// backward, read and chunk-end update per head): what the thread decision weighs.
+    [[nodiscard]] double work_estimate(Eigen::Index rows) const {
+        double per_head = 0;
+        for (int l = 1; l <= cfg_.depth; ++l) {
+            per_head += static_cast<double>(cfg_.layer_in(l)) * cfg_.layer_out(l);
+        }
+        const double d = cfg_.d_model, D = cfg_.inner_dim();
+        return static_cast<double>(rows) * (4.0 * d * D + 5.0 * cfg_.n_heads * per_head);
+    }
 
     /// Throws ConfigError unless `state` can be continued by this memory: made by make_state()
     /// of a memory with the same configuration (every setting but flush_denormals).
@@ -170,6 +193,7 @@ private:
 
     MemoryConfig cfg_;
     MemoryParams<T> params_;
+    Threads threads_{};
 };
 
 }  // namespace titans

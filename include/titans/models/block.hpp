@@ -15,6 +15,7 @@
 #include "../attention/attention.hpp"
 #include "../attention/rope.hpp"
 #include "../detail/check.hpp"
+#include "../detail/product.hpp"
 #include "../detail/activation.hpp"
 #include "../detail/eigen_math.hpp"
 #include "../detail/enum_names.hpp"
@@ -27,6 +28,7 @@
 #include "../limits.hpp"
 #include "../memory/mlp.hpp"
 #include "../memory/neural_memory.hpp"
+#include "../threads.hpp"
 #include "../types.hpp"
 
 namespace titans {
@@ -414,7 +416,7 @@ public:
         if (cfg_.use_ffn) {
             ffn_.emplace(cfg_.ffn, params_.ffn);
         }
-        if (cfg_.kind == BlockKind::MAC) {
+        if (cfg_.kind == BlockKind::MAC || cfg_.kind == BlockKind::MAG) {
             k_prefix_ = params_.persistent * params_.attention.w_k;
             v_prefix_ = params_.persistent * params_.attention.w_v;
         }
@@ -474,6 +476,7 @@ public:
         detail::check_position_advance("Block::forward", state.memory_.position(), x.rows(),
                                        state.batch_);
         check(state, x, "Block::forward");
+        const ThreadScope team(threads_, work_estimate(x.rows()));
         Guard guard(*this, state);
         const Matrix<T> u = norm_mix_.forward(x);
         Matrix<T> h = x + mix_unchecked(state, u);
@@ -492,6 +495,7 @@ public:
         detail::check_position_advance("Block::mix", state.memory_.position(), u.rows(),
                                        state.batch_);
         check(state, u, "Block::mix");
+        const ThreadScope team(threads_, work_estimate(u.rows()));
         Guard guard(*this, state);
         Matrix<T> o = mix_unchecked(state, u);
         require_finite(o, state, "the mixer's output");
@@ -542,6 +546,26 @@ public:
         }
         state.position_ = u.position;
         u.open = false;
+    }
+
+    /// Thread settings of this block's calls, as NeuralMemory::set_threads (titans/threads.hpp);
+    /// they decide for the whole call, sub-layers included.
+    void set_threads(Threads t) {
+        t.validate("Block::set_threads");
+        threads_ = t;
+    }
+    [[nodiscard]] const Threads& threads() const { return threads_; }
+
+    /// Approximate multiply-adds of a forward over `rows` tokens (memory, attention, FFN).
+    [[nodiscard]] double work_estimate(Eigen::Index rows) const {
+        double w = memory_.work_estimate(rows);
+        if (attention_) {
+            w += attention_->work_estimate(rows, cfg_.n_persistent);
+        }
+        if (ffn_) {
+            w += static_cast<double>(rows) * 3.0 * cfg_.d_model * cfg_.ffn.hidden_dim();
+        }
+        return w;
     }
 
     /// Throws ConfigError unless `state` can be continued by this block: made by make_state()
@@ -722,41 +746,47 @@ private:
     static T sigmoid(T v) { return detail::sigmoid(v); }
 
     Matrix<T> mix_mag(State& st, const Matrix<T>& u) const {
-        const Matrix<T>* prefix = cfg_.n_persistent > 0 ? &params_.persistent : nullptr;
-        const Matrix<T> y = attention_->forward(st.attention_, u, prefix);
+        Matrix<T> y;  // P W_K and P W_V were projected once, at construction
+        attention_->forward_projected(st.attention_, u, y, k_prefix_, v_prefix_);
         const Matrix<T> m = memory_.forward(st.memory_, u);
         Matrix<T> gate = norm_m_->forward(m);
         gate = gate.unaryExpr([](T v) { return sigmoid(v); });
         return (norm_y_->forward(y).array() * gate.array()).matrix();
     }
 
-    /// h rows of MAC: the memory's query path (W_Q, phi, L2 norm; no conv) read through the
-    /// snapshot weights of each head, concatenated and projected by the memory's W_O.
-    Matrix<T> read_snapshot(const State& st, int b, const Matrix<T>& u) const {
+    /// h rows of MAC for rows U of every stream ((B*m) x d, stream-major, m rows each): the
+    /// memory's query path (W_Q, phi, L2 norm; no conv) read through the snapshot weights of
+    /// each stream's heads, concatenated and projected by the memory's W_O. The projections
+    /// run once over all streams' rows.
+    Matrix<T> read_snapshot(const State& st, const Matrix<T>& U, Eigen::Index m) const {
         const MemoryConfig& mc = cfg_.memory;
         const MemoryParams<T>& mp = params_.memory;
         const int H = mc.n_heads, dh = mc.head_dim();
-        Matrix<T> q = u * mp.w_q;
+        Matrix<T> q(U.rows(), mc.inner_dim());
+        detail::multiply(q, U, mp.w_q);
         if (mc.qkv_activation == Activation::SiLU) {
             detail::activate_in_place(Activation::SiLU, q);
         }
         if (mc.normalize_qk) {
             detail::l2_normalize_heads(q, H, dh);
         }
-        Matrix<T> heads(u.rows(), mc.inner_dim());
-        for (int h = 0; h < H; ++h) {
-            const Matrix<T> qh = q.middleCols(h * dh, dh);
-            const auto& W = st.snapshot_[static_cast<std::size_t>(b * H + h)];
-            heads.middleCols(h * dh, dh) = memory_forward(W, qh, mc.activation, mc.residual);
+        Matrix<T> heads(U.rows(), mc.inner_dim());
+        for (Eigen::Index b = 0; b * m < U.rows(); ++b) {
+            for (int h = 0; h < H; ++h) {
+                const Matrix<T> qh = q.block(b * m, h * dh, m, dh);
+                const auto& W = st.snapshot_[static_cast<std::size_t>(b * H + h)];
+                heads.block(b * m, h * dh, m, dh) = memory_forward(W, qh, mc.activation, mc.residual);
+            }
         }
-        return heads * mp.w_o;
+        Matrix<T> out(U.rows(), cfg_.d_model);
+        detail::multiply(out, heads, mp.w_o);
+        return out;
     }
 
+    /// MAC over a piece, segment part by segment part [t, t + m) of every stream.
     Matrix<T> mix_mac(State& st, const Matrix<T>& u) const {
         const int B = st.batch_, C = cfg_.segment, Hm = cfg_.memory.n_heads;
-        const int Ha = cfg_.attention.n_heads, dha = cfg_.attention.head_dim();
         const Eigen::Index N = u.rows() / B;
-        const AttentionParams<T>& ap = params_.attention;
         Matrix<T> out(u.rows(), cfg_.d_model);
         Eigen::Index t = 0;
         while (t < N) {
@@ -773,34 +803,11 @@ private:
                 }
             }
             save_segment_rows(st, 2 * o, 2 * m);
-            Matrix<T> y(static_cast<Eigen::Index>(B) * m, cfg_.d_model);
+            Matrix<T> U(static_cast<Eigen::Index>(B) * m, cfg_.d_model);  // stream-major rows
             for (int b = 0; b < B; ++b) {
-                const Matrix<T> us = u.middleRows(b * N + t, m);
-                const Matrix<T> hrows = read_snapshot(st, b, us);
-                Matrix<T> qs = us * ap.w_q, ks = us * ap.w_k;
-                const Matrix<T> vs = us * ap.w_v;
-                if (cfg_.attention.rope) {
-                    apply_rope(qs, Ha, dha, pos, cfg_.attention.rope_base);
-                    apply_rope(ks, Ha, dha, pos, cfg_.attention.rope_base);
-                }
-                const Matrix<T> kh = hrows * ap.w_k, vh = hrows * ap.w_v;
-                Matrix<T>& sk = st.seg_k_[static_cast<std::size_t>(b)];
-                Matrix<T>& sv = st.seg_v_[static_cast<std::size_t>(b)];
-                for (int i = 0; i < m; ++i) {
-                    sk.row(2 * (o + i)) = kh.row(i);
-                    sv.row(2 * (o + i)) = vh.row(i);
-                    sk.row(2 * (o + i) + 1) = ks.row(i);
-                    sv.row(2 * (o + i) + 1) = vs.row(i);
-                }
-                // Query of token o+i sits at interleaved position 2(o+i)+1 (query stride 2) and
-                // sees P, then h_0..h_{o+i} and s_0..s_{o+i}: causal over the segment, h
-                // included.
-                Matrix<T> att(m, qs.cols());
-                prefix_window_attention<T>(qs, k_prefix_, v_prefix_,
-                                           sk.topRows(2 * (o + m)), sv.topRows(2 * (o + m)), Ha,
-                                           dha, 2 * C, 2 * o + 1, att, /*query_stride=*/2);
-                y.middleRows(static_cast<Eigen::Index>(b) * m, m) = att * ap.w_o;
+                U.middleRows(static_cast<Eigen::Index>(b) * m, m) = u.middleRows(b * N + t, m);
             }
+            const Matrix<T> y = mac_attend(st, U, o, m, pos);
             // Write the memory with y, read the updated memory: o = y ⊙ σ(M*_t(y)).
             const Matrix<T> r = memory_.forward(st.memory_, y);
             for (int b = 0; b < B; ++b) {
@@ -816,14 +823,59 @@ private:
         return out;
     }
 
+    /// MAC's attention for rows U ((B*m) x d, stream-major) at segment offset o (absolute
+    /// position pos): h = the snapshot read, q/k/v of U and k/v of h projected once over all
+    /// streams, keys and values interleaved into each stream's segment buffers (h_i, s_i), then
+    /// y = Attn(q; P ‖ h ‖ s) W_O. Returns y, (B*m) x d.
+    Matrix<T> mac_attend(State& st, const Matrix<T>& U, int o, int m, std::int64_t pos) const {
+        const int B = st.batch_, C = cfg_.segment;
+        const int Ha = cfg_.attention.n_heads, dha = cfg_.attention.head_dim();
+        const Eigen::Index D = cfg_.attention.inner_dim();
+        const AttentionParams<T>& ap = params_.attention;
+        const Matrix<T> hrows = read_snapshot(st, U, m);
+        Matrix<T> qs(U.rows(), D), ks(U.rows(), D), vs(U.rows(), D), kh(U.rows(), D),
+            vh(U.rows(), D);
+        detail::multiply(qs, U, ap.w_q);
+        detail::multiply(ks, U, ap.w_k);
+        detail::multiply(vs, U, ap.w_v);
+        detail::multiply(kh, hrows, ap.w_k);
+        detail::multiply(vh, hrows, ap.w_v);
+        Matrix<T> att(U.rows(), D);
+        for (int b = 0; b < B; ++b) {
+            const Eigen::Index r0 = static_cast<Eigen::Index>(b) * m;
+            if (cfg_.attention.rope) {
+                apply_rope<T>(qs.middleRows(r0, m), Ha, dha, pos, cfg_.attention.rope_base);
+                apply_rope<T>(ks.middleRows(r0, m), Ha, dha, pos, cfg_.attention.rope_base);
+            }
+            Matrix<T>& sk = st.seg_k_[static_cast<std::size_t>(b)];
+            Matrix<T>& sv = st.seg_v_[static_cast<std::size_t>(b)];
+            for (int i = 0; i < m; ++i) {
+                sk.row(2 * (o + i)) = kh.row(r0 + i);
+                sv.row(2 * (o + i)) = vh.row(r0 + i);
+                sk.row(2 * (o + i) + 1) = ks.row(r0 + i);
+                sv.row(2 * (o + i) + 1) = vs.row(r0 + i);
+            }
+            // Query of token o+i sits at interleaved position 2(o+i)+1 (query stride 2) and
+            // sees P, then h_0..h_{o+i} and s_0..s_{o+i}: causal over the segment, h included.
+            prefix_window_attention<T>(qs.middleRows(r0, m), k_prefix_, v_prefix_,
+                                       sk.topRows(2 * (o + m)), sv.topRows(2 * (o + m)), Ha, dha,
+                                       2 * C, 2 * o + 1, att.middleRows(r0, m),
+                                       /*query_stride=*/2);
+        }
+        Matrix<T> y(U.rows(), cfg_.d_model);
+        detail::multiply(y, att, ap.w_o);
+        return y;
+    }
+
     BlockConfig cfg_;
     BlockParams<T> params_;
     NeuralMemory<T> memory_;
     RMSNorm<T> norm_mix_, norm_ffn_;
+    Threads threads_{};
     std::optional<Attention<T>> attention_;    // all kinds but LMM
     std::optional<RMSNorm<T>> norm_y_, norm_m_;  // MAG
     std::optional<FeedForward<T>> ffn_;        // if use_ffn
-    Matrix<T> k_prefix_, v_prefix_;            // MAC: P W_K, P W_V
+    Matrix<T> k_prefix_, v_prefix_;            // MAC, MAG: P W_K, P W_V (N_p x D)
 };
 
 }  // namespace titans

@@ -10,11 +10,13 @@
 #include <vector>
 
 #include "../detail/check.hpp"
+#include "../detail/product.hpp"
 #include "../detail/visit.hpp"
 #include "../detail/random.hpp"
 #include "../error.hpp"
 #include "../layers/rms_norm.hpp"
 #include "../limits.hpp"
+#include "../threads.hpp"
 #include "../types.hpp"
 #include "block.hpp"
 
@@ -250,6 +252,23 @@ public:
         return st;
     }
 
+    /// Thread settings of this model's calls, as NeuralMemory::set_threads
+    /// (titans/threads.hpp); they decide for the whole call, every block included.
+    void set_threads(Threads t) {
+        t.validate("Model::set_threads");
+        threads_ = t;
+    }
+    [[nodiscard]] const Threads& threads() const { return threads_; }
+
+    /// Approximate multiply-adds of a forward over `rows` tokens (every block and the head).
+    [[nodiscard]] double work_estimate(Eigen::Index rows) const {
+        double w = static_cast<double>(rows) * static_cast<double>(params_.head.size());
+        for (const auto& b : blocks_) {
+            w += b.work_estimate(rows);
+        }
+        return w;
+    }
+
     /// Throws ConfigError unless `state` can be continued by this model: made by make_state()
     /// of a model with the same settings (every block's state accepted by its block), with
     /// the model's batch and position equal to every block's.
@@ -265,6 +284,7 @@ public:
             throw ShapeError(detail::concat("Model::forward: x has ", x.cols(),
                                             " columns, expected d_model = ", cfg_.d_model));
         }
+        const ThreadScope team(threads_, work_estimate(x.rows()));
         // One transaction over every block: if any block (or the head) throws, all of them
         // roll back and the state is as it was (strong guarantee).
         std::size_t opened = 0;
@@ -280,7 +300,8 @@ public:
                     throw NonFiniteError(detail::concat("Model::forward: block ", i, ": ", e.what()));
                 }
             }
-            Matrix<T> out = norm_final_.forward(h) * params_.head;
+            Matrix<T> out(h.rows(), params_.head.cols());
+            detail::multiply(out, norm_final_.forward(h), params_.head);
             if (!detail::all_finite(out)) {
                 throw NonFiniteError("Model::forward: the head's output is not finite (the final "
                                      "projection overflows), expected finite values; the state "
@@ -351,6 +372,7 @@ private:
     ModelParams<T> params_;
     std::vector<Block<T>> blocks_;
     RMSNorm<T> norm_final_;
+    Threads threads_{};
 };
 
 }  // namespace titans

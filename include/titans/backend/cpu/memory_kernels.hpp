@@ -14,6 +14,7 @@
 #include "../../detail/activation.hpp"
 #include "../../detail/eigen_math.hpp"
 #include "../../detail/float_env.hpp"
+#include "../../detail/product.hpp"
 #include "../../error.hpp"
 #include "../../memory/chunk_coefficients.hpp"
 #include "../../memory/config.hpp"
@@ -105,7 +106,8 @@ struct MemoryKernels<Cpu, T> {
         if (N == 0) {
             return;
         }
-        Mat q = x * p.w_q;
+        Mat q(x.rows(), D);
+        detail::multiply(q, x, p.w_q);
         if (cfg.use_conv) {
             for (int s = 0; s < B; ++s) {
                 detail::causal_conv_in_place(
@@ -138,7 +140,7 @@ struct MemoryKernels<Cpu, T> {
                 yh.block(static_cast<Eigen::Index>(s) * N, h * dh, N, dh) = a;
             }
         }
-        y.noalias() = yh * p.w_o;
+        detail::multiply(y, yh, p.w_o);
     }
 
     /// Transactions over several forward calls (MemoryUndo): begin returns true if it opened one.
@@ -198,7 +200,7 @@ private:
             work += static_cast<double>(cfg.layer_in(l)) * cfg.layer_out(l);
         }
         work *= static_cast<double>(N) * pairs;
-        [[maybe_unused]] const bool parallel = pairs > 1 && work >= 1.0e6;
+        [[maybe_unused]] const bool parallel = pairs > 1 && work >= 2.5e5;
 #if defined(_OPENMP)
 #pragma omp parallel for schedule(dynamic, 1) if (parallel)
 #endif
@@ -216,7 +218,7 @@ private:
             }
         }
         throw_if_failed(failed, H);
-        y.noalias() = yh * p.w_o;
+        detail::multiply(y, yh, p.w_o);
         if (!detail::all_finite(y)) {
             throw_first_bad_row(y, N, pos0, "the output projection W_O overflows");
         }
@@ -229,9 +231,7 @@ private:
                         Eigen::Index N, Mat& qkv, Mat& logits) {
         const int H = cfg.n_heads, dh = cfg.head_dim(), D = cfg.inner_dim();
         qkv.resize(x.rows(), 3 * D);
-        qkv.leftCols(D).noalias() = x * p.w_q;
-        qkv.middleCols(D, D).noalias() = x * p.w_k;
-        qkv.rightCols(D).noalias() = x * p.w_v;
+        detail::multiply_concat(qkv, x, std::array<const Mat*, 3>{&p.w_q, &p.w_k, &p.w_v});
         if (cfg.use_conv) {
             causal_conv(cfg, p, st, qkv, N);
         }
@@ -243,9 +243,8 @@ private:
         }
         if (cfg.gates != GateMode::Constant) {
             logits.resize(x.rows(), 3 * H);
-            logits.leftCols(H).noalias() = x * p.w_theta;
-            logits.middleCols(H, H).noalias() = x * p.w_eta;
-            logits.rightCols(H).noalias() = x * p.w_alpha;
+            detail::multiply_concat(logits, x,
+                                    std::array<const Mat*, 3>{&p.w_theta, &p.w_eta, &p.w_alpha});
             logits.leftCols(H).rowwise() += p.b_theta;
             logits.middleCols(H, H).rowwise() += p.b_eta;
             logits.rightCols(H).rowwise() += p.b_alpha;

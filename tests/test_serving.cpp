@@ -1,0 +1,222 @@
+// Serving: thread control (titans/threads.hpp, docs/design.md "Threads": the team a call gets
+// from its work, the per-call ThreadLimit and the per-object set_threads, the OpenMP setting
+// restored after every call, results that do not depend on the team), the streamed product
+// (detail::multiply) against Eigen's, the attention's window buffer under transactions, and
+// Attention::forward_projected (a prefix projected once) against forward with the prefix.
+#include "test_common.hpp"
+
+#include <string>
+
+using namespace titans_test;
+using titans::Attention;
+using titans::AttentionConfig;
+using titans::AttentionParams;
+using titans::ConfigError;
+using titans::NeuralMemory;
+using titans::NonFiniteError;
+using titans::ShapeError;
+using titans::ThreadLimit;
+using titans::Threads;
+namespace td = titans::detail;
+
+namespace {
+
+MemoryConfig small_memory() {
+    MemoryConfig cfg;
+    cfg.d_model = 16;
+    cfg.n_heads = 4;
+    cfg.depth = 2;
+    cfg.chunk = 4;
+    cfg.theta_max = 0.05;
+    return cfg;
+}
+
+}  // namespace
+
+// the team: one thread below kParallelWork whatever the settings, the call's limit over the
+// object's, a nested scope lowers and never raises, the setting comes back afterwards
+TEST_CASE("threads: team choice", "[threads]") {
+    const int before = td::openmp_max_threads();
+    const double big = 1e3 * titans::kParallelWork, small = 0.5 * titans::kParallelWork;
+    CHECK(td::choose_team(Threads{.max = 8, .adapt_to_load = false}, small) == 1);
+    CHECK(td::choose_team(Threads{.max = 3, .adapt_to_load = false}, big) == 3);
+    CHECK(td::choose_team(Threads{.max = 1}, big) == 1);
+    const int adaptive = td::choose_team(Threads{.max = 64}, big);
+    CHECK(adaptive >= 1);
+    CHECK(adaptive <= std::max(1, td::usable_cpus()));
+    {
+        const ThreadLimit limit(Threads{.max = 2, .adapt_to_load = false});
+        CHECK(td::choose_team(Threads{.max = 7, .adapt_to_load = false}, big) == 2);
+        {
+            const ThreadLimit inner(Threads{.max = 5, .adapt_to_load = false});
+            CHECK(td::choose_team(Threads{}, big) == 5);
+        }
+        CHECK(td::choose_team(Threads{}, big) == 2);
+    }
+    CHECK(td::choose_team(Threads{.max = 7, .adapt_to_load = false}, big) == 7);
+#if defined(_OPENMP)
+    {
+        const titans::ThreadScope outer(Threads{.max = 8, .adapt_to_load = false}, small);
+        CHECK(td::openmp_max_threads() == 1);
+        const titans::ThreadScope inner(Threads{.max = 3, .adapt_to_load = false}, big);
+        CHECK(td::openmp_max_threads() == 1);  // nested: may only lower
+    }
+    CHECK(td::openmp_max_threads() == before);
+    {
+        const titans::ThreadScope outer(Threads{.max = 3, .adapt_to_load = false}, big);
+        CHECK(td::openmp_max_threads() == 3);
+        {
+            const titans::ThreadScope inner(Threads{.max = 2}, small);
+            CHECK(td::openmp_max_threads() == 2);
+        }
+        CHECK(td::openmp_max_threads() == 3);
+    }
+    {
+        const ThreadLimit limit(Threads{.max = 2, .adapt_to_load = false});
+        const titans::ThreadScope outer(Threads{.max = 5}, big);
+        CHECK(td::openmp_max_threads() == 2);
+        const titans::ThreadScope inner(Threads{.max = 1}, big);  // the limit wins over objects
+        CHECK(td::openmp_max_threads() == 2);
+    }
+#endif
+    CHECK(td::openmp_max_threads() == before);
+    CHECK(td::busy_elsewhere() >= 0);
+}
+
+// bad settings are refused with the argument named; a failing call leaves OpenMP as it was
+TEST_CASE("threads: errors", "[threads]") {
+    const MemoryConfig cfg = small_memory();
+    NeuralMemory<double> mem(cfg, titans::MemoryParams<double>::random(cfg, 3));
+    CHECK_THROWS_AS(mem.set_threads(Threads{.max = -1}), ConfigError);
+    CHECK_THROWS_WITH(ThreadLimit(Threads{.max = -2}),
+                      Catch::Matchers::Contains("threads.max") &&
+                          Catch::Matchers::Contains(">= 0"));
+    CHECK(mem.threads().max == 0);
+    const int before = td::openmp_max_threads();
+    auto st = mem.make_state(1);
+    Matrixd x = Matrixd::Random(4000, cfg.d_model);
+    x(3999, 2) = std::numeric_limits<double>::quiet_NaN();
+    CHECK_THROWS_AS(mem.forward(st, x), NonFiniteError);
+    CHECK(st.position() == 0);
+    try {  // unwinding through a scope restores the setting
+        const titans::ThreadScope scope(Threads{.max = 3, .adapt_to_load = false},
+                                    1e3 * titans::kParallelWork);
+        throw NonFiniteError("thrown inside a call");
+    } catch (const NonFiniteError&) {
+    }
+    CHECK(td::openmp_max_threads() == before);
+}
+
+// the memory gives the same outputs and state on 1, 2 and 3 threads and under the automatic
+// choice (random streams, B = 3, long enough calls to use a team)
+TEST_CASE("threads: same results", "[threads]") {
+    MemoryConfig cfg = small_memory();
+    cfg.d_model = 64;
+    cfg.n_heads = 8;
+    cfg.chunk = 16;
+    const auto p = titans::MemoryParams<double>::random(cfg, seed_for("threads/same"));
+    NeuralMemory<double> mem(cfg, p);
+    Rng rng(seed_for("threads/same", 1));
+    const Matrixd x = random_matrix(3 * 600, cfg.d_model, rng);
+    auto run = [&](Threads t) {
+        const ThreadLimit limit(t);
+        auto st = mem.make_state(3);
+        Matrixd y = mem.forward(st, x);
+        return std::pair{y, mem.current_weights(st, 2, 7)};
+    };
+    const auto [y1, w1] = run(Threads{.max = 1});
+    for (Threads t : {Threads{.max = 2, .adapt_to_load = false},
+                      Threads{.max = 3, .adapt_to_load = false}, Threads{}}) {
+        INFO("threads.max " << t.max << " adapt " << t.adapt_to_load);
+        const auto [y, w] = run(t);
+        CHECK(rel_error(y, y1) <= tol<double>());
+        CHECK(rel_error(w, w1) <= tol<double>());
+    }
+    mem.set_threads(Threads{.max = 2, .adapt_to_load = false});
+    auto st = mem.make_state(3);
+    CHECK(rel_error(mem.forward(st, x), y1) <= tol<double>());
+}
+
+// a prefix projected once (forward_projected) gives what forward gives with the prefix, call
+// after call; wrong shapes and non-finite prefixes are refused and leave the state as it was
+TEMPLATE_TEST_CASE("attention: projected prefix", "[attention]", float, double) {
+    using T = TestType;
+    AttentionConfig cfg{.d_model = 12, .n_heads = 3, .window = 5, .rope = true};
+    const auto p = AttentionParams<T>::random(cfg, seed_for("attention/projected"));
+    const Attention<T> att(cfg, p);
+    Rng rng(seed_for("attention/projected", 1));
+    const Matrix<T> prefix = random_matrix(3, cfg.d_model, rng).cast<T>();
+    const Matrix<T> kp = prefix * p.w_k, vp = prefix * p.w_v;
+    auto s1 = att.make_state(2), s2 = att.make_state(2);
+    Matrix<T> y2;
+    for (int len : {1, 4, 0, 7, 1, 1}) {
+        const Matrix<T> x = random_matrix(2 * len, cfg.d_model, rng).cast<T>();
+        const Matrix<T> y1 = att.forward(s1, x, &prefix);
+        att.forward_projected(s2, x, y2, kp, vp);
+        CHECK(rel_error(y2, y1) <= tol<T>());
+        CHECK(s2.position() == s1.position());
+    }
+    const Matrix<T> x = random_matrix(2, cfg.d_model, rng).cast<T>();
+    const auto pos = s2.position();
+    CHECK_THROWS_AS(att.forward_projected(s2, x, y2, Matrix<T>(kp.leftCols(6)), vp), ShapeError);
+    CHECK_THROWS_AS(att.forward_projected(s2, x, y2, kp, Matrix<T>(vp.topRows(2))), ShapeError);
+    Matrix<T> bad = kp;
+    bad(1, 1) = std::numeric_limits<T>::infinity();
+    CHECK_THROWS_AS(att.forward_projected(s2, x, y2, bad, vp), NonFiniteError);
+    CHECK_THROWS_AS(att.forward_projected(s2, x, y2, y2, vp), ShapeError);
+    CHECK(s2.position() == pos);
+}
+
+// detail::multiply (one pass over w for a few rows) equals Eigen's product to rounding, and is
+// bit-identical whatever the team, for every row count around the switch and odd widths
+TEMPLATE_TEST_CASE("multiply: streamed == Eigen", "[threads]", float, double) {
+    using T = TestType;
+    Rng rng(seed_for(std::string("multiply/") + type_name<T>()));
+    for (int rows : {1, 2, 3, 7, 15, 16, 17, 40}) {
+        for (int cols : {1, 5, 64, 131, 700}) {
+            const int inner = uniform_int(rng, 1, 300);
+            INFO("rows " << rows << " inner " << inner << " cols " << cols);
+            const Matrix<T> x = random_matrix(rows, inner, rng).cast<T>();
+            const Matrix<T> w = random_matrix(inner, cols, rng).cast<T>();
+            const Matrix<T> ref = x * w;
+            Matrix<T> y1(rows, cols), y3(rows, cols);
+            {
+                const ThreadLimit one(Threads{.max = 1});
+                td::multiply(y1, x, w);
+            }
+            {
+                const titans::ThreadScope three(Threads{.max = 3, .adapt_to_load = false},
+                                            1e3 * titans::kParallelWork);
+                td::multiply(y3, x, w);
+            }
+            CHECK(rel_error(y1, ref) <= tol<T>());
+            CHECK(identical(y1, y3));
+        }
+    }
+}
+
+// a transaction over many calls, during which the window buffer moves its kept rows, rolls
+// back to the exact state at begin; the stream then continues as if the calls never happened
+TEMPLATE_TEST_CASE("attention: window rollback", "[attention]", float, double) {
+    using T = TestType;
+    AttentionConfig cfg{.d_model = 8, .n_heads = 2, .window = 6};
+    const Attention<T> att(cfg, AttentionParams<T>::random(cfg, seed_for("attention/window")));
+    Rng rng(seed_for("attention/window", 1));
+    auto piece = [&](int n) { return Matrix<T>(random_matrix(3 * n, cfg.d_model, rng).cast<T>()); };
+    auto st = att.make_state(3);
+    for (int n : {2, 1, 4}) (void)att.forward(st, piece(n));
+    const auto saved = st;
+    REQUIRE(att.begin(st));
+    for (int n : {1, 1, 9, 1, 2, 1, 1, 1, 1, 1, 5}) (void)att.forward(st, piece(n));
+    att.rollback(st);
+    CHECK(st.position() == saved.position());
+    for (int b = 0; b < 3; ++b) {
+        CHECK(identical(st.keys(b), saved.keys(b)));
+        CHECK(identical(st.values(b), saved.values(b)));
+    }
+    auto copy = saved;
+    for (int n : {1, 7, 1}) {
+        const Matrix<T> x = piece(n);
+        CHECK(identical(att.forward(st, x), att.forward(copy, x)));
+    }
+}
