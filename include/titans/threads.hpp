@@ -3,9 +3,10 @@
 //
 // Every public forward/read of a memory, attention layer, block or model opens one decision
 // for the whole call (nested layers follow it): the team is
-//   1                      when the call's work is below kParallelWork multiply-adds (one
-//                          streamed token, a handful of rows: waking threads costs more),
-//   min(max, free CPUs)    otherwise, where max comes from a ThreadLimit on the calling thread,
+//   1                      when the call's work is below kParallelWork multiply-adds (a
+//                          token of a small model, a few rows: waking threads costs more),
+//   min(max, free CPUs)    otherwise (never above the usable CPUs), where max comes from a
+//                          ThreadLimit on the calling thread,
 //                          else the object's set_threads(), else omp_get_max_threads()
 //                          (OMP_NUM_THREADS), and free CPUs = usable CPUs - tasks of other
 //                          programs runnable right now (adapt_to_load; Linux /proc).
@@ -25,7 +26,8 @@
 namespace titans {
 
 /// Thread settings of an object (set_threads) or of a call (ThreadLimit).
-///   max            at most this many threads; 0 = omp_get_max_threads() (OMP_NUM_THREADS)
+///   max            at most this many threads (and never more than the usable CPUs);
+///                  0 = omp_get_max_threads() (OMP_NUM_THREADS)
 ///   adapt_to_load  use fewer when other programs keep CPUs busy at the start of the call
 ///                  (false: exactly `max` for every call large enough to use threads)
 struct Threads {
@@ -69,17 +71,20 @@ inline void openmp_set_threads([[maybe_unused]] int n) {
 }
 
 /// The team of an outermost call: see the file comment.
+/// Never more threads than usable CPUs: more only oversubscribe the machine (and a huge `max`
+/// would make OpenMP fail to start its threads).
 inline int choose_team(const Threads& object, double work) {
     const Threads* call = thread_context().limit;
     const Threads& s = call != nullptr ? *call : object;
-    const int cap = s.max > 0 ? s.max : openmp_max_threads();
+    const int cpus = usable_cpus();
+    const int cap = std::min(s.max > 0 ? s.max : openmp_max_threads(), cpus);
     if (cap <= 1 || work < kParallelWork) {
         return 1;
     }
     if (!s.adapt_to_load) {
         return cap;
     }
-    return std::clamp(usable_cpus() - busy_elsewhere(), 1, cap);
+    return std::clamp(cpus - busy_elsewhere(), 1, cap);
 }
 
 }  // namespace detail
