@@ -11,6 +11,7 @@
 #include "reference/reference_blocks.hpp"
 
 #include <limits>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -808,6 +809,43 @@ TEMPLATE_TEST_CASE("Model: without vocabulary", "[model]", float, double) {
 
 // =============================================================================================
 // Errors.
+
+// Every weight is held once: the model owns its parameters, its blocks and their sub-layers
+// refer to parts of them (same addresses), copies share them, and the same shared parameters
+// give the same outputs as parameters passed by value; a null pointer is refused.
+TEMPLATE_TEST_CASE("Model: parameters held once", "[model]", float, double) {
+    using T = TestType;
+    Rng rng(seed_for(std::string("model/shared/") + type_name<T>()));
+    for (BlockKind kind : kAllKinds) {
+        INFO("kind " << titans::to_string(kind));
+        const ModelCase mc = make_model_case<T>(kind, BlockKind::MAG, 8, 7, 0, rng);
+        const auto shared = std::make_shared<const ModelParams<T>>(cast_model<T>(mc.params));
+        const Model<T> model(mc.cfg, shared);
+        CHECK(&model.params() == shared.get());
+        const Block<T>& blk = model.blocks()[0];
+        const BlockParams<T>& bp = shared->blocks[0];
+        CHECK(&blk.params() == &bp);
+        CHECK(&blk.memory().params() == &bp.memory);
+        const Model<T> copy = model;
+        CHECK(&copy.blocks()[1].params() == &shared->blocks[1]);
+        CHECK(&copy.blocks()[0].memory().params() == &bp.memory);
+        CHECK(shared.use_count() > 4);  // the model, its blocks, their sub-layers, the copy
+
+        const Model<T> by_value(mc.cfg, cast_model<T>(mc.params));
+        CHECK(&by_value.params() != shared.get());
+        const std::vector<int> ids = random_ids(rng, 2 * 9, 7);
+        auto s1 = model.make_state(2);
+        auto s2 = by_value.make_state(2);
+        CHECK(identical(model.forward_tokens(s1, ids), by_value.forward_tokens(s2, ids)));
+    }
+    const auto cfg = BlockConfig::make(BlockKind::MAG, 8, 2, 2, 4, 4);
+    CHECK_THROWS_AS(Block<T>(cfg, std::shared_ptr<const BlockParams<T>>()), ConfigError);
+    CHECK_THROWS_AS(Model<T>(ModelConfig::uniform(BlockKind::LMM, 1, 8, 2, 2, 4),
+                             std::shared_ptr<const ModelParams<T>>()),
+                    ConfigError);
+    CHECK_THROWS_AS(titans::NeuralMemory<T>(cfg.memory, std::shared_ptr<const titans::MemoryParams<T>>()),
+                    ConfigError);
+}
 
 // block errors: BlockConfig, BlockParams and Block::forward / mix / make_state throw the right
 // types and name the argument

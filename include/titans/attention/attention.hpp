@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -31,6 +32,7 @@
 #include "../detail/product.hpp"
 #include "../detail/float_env.hpp"
 #include "../detail/random.hpp"
+#include "../detail/shared.hpp"
 #include "../detail/visit.hpp"
 #include "../error.hpp"
 #include "../fwd.hpp"
@@ -77,15 +79,24 @@ public:
     using Scalar = T;
     using State = AttentionState<T>;
 
-    /// Validates both (ConfigError, ShapeError, NonFiniteError) and keeps copies.
+    /// Validates both (ConfigError, ShapeError, NonFiniteError) and keeps them.
     Attention(AttentionConfig config, AttentionParams<T> params)
-        : cfg_(std::move(config)), params_(std::move(params)) {
+        : Attention(std::move(config),
+                    std::make_shared<const AttentionParams<T>>(std::move(params))) {}
+
+    /// Shares `params` (not copied; ConfigError if null), as NeuralMemory does.
+    Attention(AttentionConfig config, std::shared_ptr<const AttentionParams<T>> params)
+        : cfg_(std::move(config)), params_(detail::require_shared(std::move(params), "Attention")) {
         cfg_.validate_for<T>();
-        params_.validate(cfg_);
+        params_->validate(cfg_);
     }
 
     [[nodiscard]] const AttentionConfig& config() const { return cfg_; }
-    [[nodiscard]] const AttentionParams<T>& params() const { return params_; }
+    [[nodiscard]] const AttentionParams<T>& params() const { return *params_; }
+    /// The parameters as held (shared with the block that owns them, if any).
+    [[nodiscard]] const std::shared_ptr<const AttentionParams<T>>& shared_params() const {
+        return params_;
+    }
 
     /// A fresh state for `batch` independent sequences: no history, position 0.
     [[nodiscard]] State make_state(int batch = 1) const {
@@ -127,8 +138,8 @@ public:
         Matrix<T> kp(0, cfg_.inner_dim()), vp(0, cfg_.inner_dim());
         Eigen::Index p = 0;
         if (prefix != nullptr && prefix->rows() > 0) {
-            kp.noalias() = *prefix * params_.w_k;
-            vp.noalias() = *prefix * params_.w_v;
+            kp.noalias() = *prefix * params_->w_k;
+            vp.noalias() = *prefix * params_->w_v;
             p = sharing == PrefixSharing::Shared ? prefix->rows() : prefix->rows() / state.batch_;
         }
         run(state, x, y, kp, vp, p, sharing);
@@ -227,9 +238,9 @@ private:
         if (N == 0) return;
         // Projections of every token of every sequence at once.
         Matrix<T> q(x.rows(), D), k(x.rows(), D), v(x.rows(), D);
-        detail::multiply(q, x, params_.w_q);
-        detail::multiply(k, x, params_.w_k);
-        detail::multiply(v, x, params_.w_v);
+        detail::multiply(q, x, params_->w_q);
+        detail::multiply(k, x, params_->w_k);
+        detail::multiply(v, x, params_->w_v);
         if (cfg_.rope) {
             // All sequences are at the same absolute position: one table for all of them.
             detail::RopeTable<T> table(N, dh, state.position_, cfg_.rope_base);
@@ -279,7 +290,7 @@ private:
         const Index keep = std::min<Index>(w1, h + N);
         state.off_ = off + h + N - keep;
         state.rows_ = keep;
-        detail::multiply(y, o, params_.w_o);
+        detail::multiply(y, o, params_->w_o);
         if (!detail::all_finite(y)) {
             Index r = 0;
             while (r + 1 < y.rows() && detail::all_finite(y.row(r))) ++r;
@@ -367,7 +378,7 @@ private:
     }
 
     AttentionConfig cfg_;
-    AttentionParams<T> params_;
+    std::shared_ptr<const AttentionParams<T>> params_;
     Threads threads_{};
 };
 

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -13,6 +14,7 @@
 #include "../detail/product.hpp"
 #include "../detail/activation.hpp"
 #include "../detail/random.hpp"
+#include "../detail/shared.hpp"
 #include "../detail/visit.hpp"
 #include "../error.hpp"
 #include "../detail/enum_names.hpp"
@@ -186,15 +188,25 @@ class FeedForward {
 public:
     using Scalar = T;
 
-    /// Validates both (ConfigError, ShapeError, NonFiniteError) and keeps copies.
+    /// Validates both (ConfigError, ShapeError, NonFiniteError) and keeps them.
     FeedForward(FeedForwardConfig config, FeedForwardParams<T> params)
-        : cfg_(std::move(config)), params_(std::move(params)) {
+        : FeedForward(std::move(config),
+                      std::make_shared<const FeedForwardParams<T>>(std::move(params))) {}
+
+    /// Shares `params` (not copied; ConfigError if null), as NeuralMemory does.
+    FeedForward(FeedForwardConfig config, std::shared_ptr<const FeedForwardParams<T>> params)
+        : cfg_(std::move(config)),
+          params_(detail::require_shared(std::move(params), "FeedForward")) {
         cfg_.validate_for<T>();
-        params_.validate(cfg_);
+        params_->validate(cfg_);
     }
 
     [[nodiscard]] const FeedForwardConfig& config() const { return cfg_; }
-    [[nodiscard]] const FeedForwardParams<T>& params() const { return params_; }
+    [[nodiscard]] const FeedForwardParams<T>& params() const { return *params_; }
+    /// The parameters as held (shared with the block that owns them, if any).
+    [[nodiscard]] const std::shared_ptr<const FeedForwardParams<T>>& shared_params() const {
+        return params_;
+    }
 
     /// x: rows x d -> rows x d. Throws ShapeError (width), NonFiniteError (NaN / inf in x).
     [[nodiscard]] Matrix<T> forward(const Matrix<T>& x) const {
@@ -216,22 +228,22 @@ public:
         if (&x == &y) {
             throw ShapeError(detail::concat(where, ": y is x, expected a distinct matrix"));
         }
-        Matrix<T> a(x.rows(), params_.w1.cols());
-        detail::multiply(a, x, params_.w1);
+        Matrix<T> a(x.rows(), params_->w1.cols());
+        detail::multiply(a, x, params_->w1);
         if (cfg_.kind == FeedForwardKind::SwiGLU) {
-            Matrix<T> g(x.rows(), params_.w3.cols());
-            detail::multiply(g, x, params_.w3);
+            Matrix<T> g(x.rows(), params_->w3.cols());
+            detail::multiply(g, x, params_->w3);
             a = a.unaryExpr([](T z) { return detail::silu(z); }).cwiseProduct(g);
         } else {
             a = a.unaryExpr([](T z) { return detail::gelu(z); });
         }
         y.resize(x.rows(), cfg_.d_model);
-        detail::multiply(y, a, params_.w2);
+        detail::multiply(y, a, params_->w2);
     }
 
 private:
     FeedForwardConfig cfg_;
-    FeedForwardParams<T> params_;
+    std::shared_ptr<const FeedForwardParams<T>> params_;
 };
 
 }  // namespace titans

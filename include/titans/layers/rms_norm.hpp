@@ -3,9 +3,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <type_traits>
 #include <utility>
 
+#include "../detail/shared.hpp"
 #include "../error.hpp"
 #include "../fwd.hpp"
 #include "../limits.hpp"
@@ -34,29 +36,37 @@ public:
     /// Width d in [1, limits::max_d_model], weight initialised to ones, eps > 0 and
     /// representable in T (ConfigError otherwise, before anything is allocated).
     explicit RMSNorm(int d_model, double eps = 1e-6)
-        : weight_(RowVector<T>::Ones(checked_width(d_model))), eps_(eps) {
+        : weight_(std::make_shared<const RowVector<T>>(RowVector<T>::Ones(checked_width(d_model)))),
+          eps_(eps) {
         check_eps();
     }
 
     /// With a given weight (1 x d, d >= 1, finite).
-    explicit RMSNorm(RowVector<T> weight, double eps = 1e-6) : weight_(std::move(weight)), eps_(eps) {
-        detail::require<ShapeError>(weight_.cols() >= 1, "RMSNorm", "weight.cols()",
-                                    weight_.cols(), ">= 1");
-        check_weight(weight_);
+    explicit RMSNorm(RowVector<T> weight, double eps = 1e-6)
+        : RMSNorm(std::make_shared<const RowVector<T>>(std::move(weight)), eps) {}
+
+    /// Shares `weight` (not copied; ConfigError if null): how a block's norms refer to the
+    /// block's parameters.
+    explicit RMSNorm(std::shared_ptr<const RowVector<T>> weight, double eps = 1e-6)
+        : weight_(detail::require_shared(std::move(weight), "RMSNorm")), eps_(eps) {
+        detail::require<ShapeError>(weight_->cols() >= 1, "RMSNorm", "weight.cols()",
+                                    weight_->cols(), ">= 1");
+        check_weight(*weight_);
         check_eps();
     }
 
-    [[nodiscard]] int dim() const { return static_cast<int>(weight_.cols()); }
+    [[nodiscard]] int dim() const { return static_cast<int>(weight_->cols()); }
     [[nodiscard]] double eps() const { return eps_; }
     /// The learnable per-channel weight, 1 x d.
-    [[nodiscard]] const RowVector<T>& weight() const { return weight_; }
-    /// Replaces the weight (same width d, finite).
+    [[nodiscard]] const RowVector<T>& weight() const { return *weight_; }
+    /// Replaces the weight (same width d, finite). A shared weight is not modified: this norm
+    /// then holds its own.
     void set_weight(RowVector<T> weight) {
-        detail::require<ShapeError>(weight.cols() == weight_.cols(), "RMSNorm::set_weight",
+        detail::require<ShapeError>(weight.cols() == weight_->cols(), "RMSNorm::set_weight",
                                     "weight.cols()", weight.cols(),
-                                    detail::concat("d = ", weight_.cols()));
+                                    detail::concat("d = ", weight_->cols()));
         check_weight(weight);
-        weight_ = std::move(weight);
+        weight_ = std::make_shared<const RowVector<T>>(std::move(weight));
     }
 
     /// x: rows x d -> rows x d. Throws ShapeError (width), NonFiniteError (NaN / inf in x).
@@ -69,9 +79,9 @@ public:
     /// As above, writing into `y` (resized; `y` may be `x` itself).
     void forward(const Matrix<T>& x, Matrix<T>& y) const {
         constexpr const char* where = "RMSNorm::forward";
-        if (x.cols() != weight_.cols()) {
+        if (x.cols() != weight_->cols()) {
             throw ShapeError(detail::concat(where, ": x has ", x.cols(), " columns, expected d = ",
-                                            weight_.cols()));
+                                            weight_->cols()));
         }
         if (!x.allFinite()) {
             throw NonFiniteError(detail::concat(where, ": x has a NaN or infinite entry"));
@@ -81,7 +91,7 @@ public:
         const T inv_d = T(1) / static_cast<T>(x.cols());
         for (Eigen::Index r = 0; r < x.rows(); ++r) {
             const T inv_rms = T(1) / std::sqrt(x.row(r).squaredNorm() * inv_d + eps);
-            y.row(r) = (x.row(r).array() * inv_rms * weight_.array()).matrix();
+            y.row(r) = (x.row(r).array() * inv_rms * weight_->array()).matrix();
         }
     }
 
@@ -103,7 +113,7 @@ private:
         }
     }
 
-    RowVector<T> weight_;
+    std::shared_ptr<const RowVector<T>> weight_;
     double eps_;
 };
 

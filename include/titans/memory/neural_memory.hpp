@@ -1,6 +1,7 @@
 #pragma once
 // titans/memory/neural_memory.hpp: NeuralMemory<T, Backend>, the neural long-term memory.
 
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -8,6 +9,7 @@
 #include "../backend/backend.hpp"
 #include "../backend/cpu/cpu.hpp"
 #include "../detail/float_env.hpp"
+#include "../detail/shared.hpp"
 #include "../error.hpp"
 #include "../threads.hpp"
 #include "../types.hpp"
@@ -46,15 +48,27 @@ public:
     using Scalar = T;
     using State = typename Kernels::State;
 
-    /// Validates both (ConfigError, ShapeError, NonFiniteError) and keeps copies.
+    /// Validates both (ConfigError, ShapeError, NonFiniteError) and keeps them (the
+    /// parameters are moved in; pass std::move(params) to avoid a copy).
     NeuralMemory(MemoryConfig config, MemoryParams<T> params)
-        : cfg_(std::move(config)), params_(std::move(params)) {
+        : NeuralMemory(std::move(config),
+                       std::make_shared<const MemoryParams<T>>(std::move(params))) {}
+
+    /// Shares `params` (not copied; ConfigError if null): a block hands its memory a pointer
+    /// into its own parameters, so every weight is held once. Copies of the object share too.
+    NeuralMemory(MemoryConfig config, std::shared_ptr<const MemoryParams<T>> params)
+        : cfg_(std::move(config)),
+          params_(detail::require_shared(std::move(params), "NeuralMemory")) {
         cfg_.validate_for<T>();
-        params_.validate(cfg_);
+        params_->validate(cfg_);
     }
 
     [[nodiscard]] const MemoryConfig& config() const { return cfg_; }
-    [[nodiscard]] const MemoryParams<T>& params() const { return params_; }
+    [[nodiscard]] const MemoryParams<T>& params() const { return *params_; }
+    /// The parameters as held (shared with the block or model that owns them, if any).
+    [[nodiscard]] const std::shared_ptr<const MemoryParams<T>>& shared_params() const {
+        return params_;
+    }
 
     /// A fresh state for `batch` independent sequences: M_0 = memory_init, S_0 = 0,
     /// conv history zero, position 0.
@@ -62,7 +76,7 @@ public:
         detail::require_state_batch(
             "NeuralMemory::make_state", batch, detail::scalar_name<T>(),
             [&](std::int64_t b) { return cfg_.state_bytes(b, std::int64_t{sizeof(T)}); });
-        return Kernels::make_state(cfg_, params_, batch);
+        return Kernels::make_state(cfg_, *params_, batch);
     }
 
     /// Processes the next piece of every stream. x: (B*N) x d_model with B = state.batch();
@@ -87,7 +101,7 @@ public:
         }
         const ThreadScope team(threads_, work_estimate(x.rows()));
         const detail::DenormalFlushScope flush(cfg_.flush_denormals);
-        Kernels::forward(cfg_, params_, state, x, y, diag);
+        Kernels::forward(cfg_, *params_, state, x, y, diag);
     }
 
     /// Reads the memory without writing it: x is projected like forward's queries (q path of
@@ -100,7 +114,7 @@ public:
         Matrix<T> y;
         const ThreadScope team(threads_, work_estimate(x.rows()));
         const detail::DenormalFlushScope flush(cfg_.flush_denormals);
-        Kernels::read(cfg_, params_, state, x, y);
+        Kernels::read(cfg_, *params_, state, x, y);
         if (!detail::all_finite(y)) {
             throw NonFiniteError("NeuralMemory::read: the read-out is not finite (the memory "
                                  "diverged or x overflows the projections), expected finite "
@@ -192,7 +206,7 @@ private:
     }
 
     MemoryConfig cfg_;
-    MemoryParams<T> params_;
+    std::shared_ptr<const MemoryParams<T>> params_;
     Threads threads_{};
 };
 

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -22,6 +23,7 @@
 #include "../detail/float_env.hpp"
 #include "../detail/visit.hpp"
 #include "../detail/random.hpp"
+#include "../detail/shared.hpp"
 #include "../error.hpp"
 #include "../layers/feed_forward.hpp"
 #include "../layers/rms_norm.hpp"
@@ -400,30 +402,41 @@ class Block {
 public:
     using State = BlockState<T>;
 
+    /// Validates both (ConfigError, ShapeError, NonFiniteError) and keeps them.
     Block(BlockConfig config, BlockParams<T> params)
+        : Block(std::move(config), std::make_shared<const BlockParams<T>>(std::move(params))) {}
+
+    /// Shares `params` (not copied; ConfigError if null). The sub-layers refer to parts of
+    /// them, so every weight is held once, however many copies of the block exist.
+    Block(BlockConfig config, std::shared_ptr<const BlockParams<T>> params)
         : cfg_(std::move(config)),
-          params_(std::move(params)),
-          memory_(validated(cfg_, params_).memory, params_.memory),
-          norm_mix_(params_.norm_mix, cfg_.norm_eps),
-          norm_ffn_(params_.norm_ffn, cfg_.norm_eps) {
+          params_(detail::require_shared(std::move(params), "Block")),
+          memory_(validated(cfg_, *params_).memory, detail::share_part(params_, params_->memory)),
+          norm_mix_(detail::share_part(params_, params_->norm_mix), cfg_.norm_eps),
+          norm_ffn_(detail::share_part(params_, params_->norm_ffn), cfg_.norm_eps) {
+        const BlockParams<T>& p = *params_;
         if (cfg_.kind != BlockKind::LMM) {
-            attention_.emplace(cfg_.attention, params_.attention);
+            attention_.emplace(cfg_.attention, detail::share_part(params_, p.attention));
         }
         if (cfg_.kind == BlockKind::MAG) {
-            norm_y_.emplace(params_.norm_y, cfg_.norm_eps);
-            norm_m_.emplace(params_.norm_m, cfg_.norm_eps);
+            norm_y_.emplace(detail::share_part(params_, p.norm_y), cfg_.norm_eps);
+            norm_m_.emplace(detail::share_part(params_, p.norm_m), cfg_.norm_eps);
         }
         if (cfg_.use_ffn) {
-            ffn_.emplace(cfg_.ffn, params_.ffn);
+            ffn_.emplace(cfg_.ffn, detail::share_part(params_, p.ffn));
         }
         if (cfg_.kind == BlockKind::MAC || cfg_.kind == BlockKind::MAG) {
-            k_prefix_ = params_.persistent * params_.attention.w_k;
-            v_prefix_ = params_.persistent * params_.attention.w_v;
+            k_prefix_ = p.persistent * p.attention.w_k;
+            v_prefix_ = p.persistent * p.attention.w_v;
         }
     }
 
     [[nodiscard]] const BlockConfig& config() const { return cfg_; }
-    [[nodiscard]] const BlockParams<T>& params() const { return params_; }
+    [[nodiscard]] const BlockParams<T>& params() const { return *params_; }
+    /// The parameters as held (shared with the model that owns them, if any).
+    [[nodiscard]] const std::shared_ptr<const BlockParams<T>>& shared_params() const {
+        return params_;
+    }
     [[nodiscard]] const NeuralMemory<T>& memory() const { return memory_; }
 
     /// A fresh state for `batch` streams; for MAG and MAL the memory (and for MAL the
@@ -444,7 +457,7 @@ public:
         if ((cfg_.kind == BlockKind::MAG || cfg_.kind == BlockKind::MAL) && np > 0) {
             Matrix<T> p(np * batch, cfg_.d_model);
             for (int b = 0; b < batch; ++b) {
-                p.middleRows(b * np, np) = params_.persistent;
+                p.middleRows(b * np, np) = params_->persistent;
             }
             Matrix<T> yp = memory_.forward(st.memory_, p);
             if (cfg_.kind == BlockKind::MAL) {
@@ -760,7 +773,7 @@ private:
     /// run once over all streams' rows.
     Matrix<T> read_snapshot(const State& st, const Matrix<T>& U, Eigen::Index m) const {
         const MemoryConfig& mc = cfg_.memory;
-        const MemoryParams<T>& mp = params_.memory;
+        const MemoryParams<T>& mp = params_->memory;
         const int H = mc.n_heads, dh = mc.head_dim();
         Matrix<T> q(U.rows(), mc.inner_dim());
         detail::multiply(q, U, mp.w_q);
@@ -831,7 +844,7 @@ private:
         const int B = st.batch_, C = cfg_.segment;
         const int Ha = cfg_.attention.n_heads, dha = cfg_.attention.head_dim();
         const Eigen::Index D = cfg_.attention.inner_dim();
-        const AttentionParams<T>& ap = params_.attention;
+        const AttentionParams<T>& ap = params_->attention;
         const Matrix<T> hrows = read_snapshot(st, U, m);
         Matrix<T> qs(U.rows(), D), ks(U.rows(), D), vs(U.rows(), D), kh(U.rows(), D),
             vh(U.rows(), D);
@@ -868,7 +881,7 @@ private:
     }
 
     BlockConfig cfg_;
-    BlockParams<T> params_;
+    std::shared_ptr<const BlockParams<T>> params_;
     NeuralMemory<T> memory_;
     RMSNorm<T> norm_mix_, norm_ffn_;
     Threads threads_{};

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -13,6 +14,7 @@
 #include "../detail/product.hpp"
 #include "../detail/visit.hpp"
 #include "../detail/random.hpp"
+#include "../detail/shared.hpp"
 #include "../error.hpp"
 #include "../layers/rms_norm.hpp"
 #include "../limits.hpp"
@@ -228,16 +230,22 @@ public:
     using State = ModelState<T>;
 
     Model(ModelConfig config, ModelParams<T> params)
+        : Model(std::move(config), std::make_shared<const ModelParams<T>>(std::move(params))) {}
+
+    /// Shares `params` (not copied; ConfigError if null). The blocks and their sub-layers
+    /// refer to parts of them: every weight is held once.
+    Model(ModelConfig config, std::shared_ptr<const ModelParams<T>> params)
         : cfg_(std::move(config)),
-          params_(std::move(params)),
-          norm_final_(validated(cfg_, params_).norm_final, cfg_.norm_eps) {
+          params_(detail::require_shared(std::move(params), "Model")),
+          norm_final_(detail::share_part(params_, validated(cfg_, *params_).norm_final),
+                      cfg_.norm_eps) {
         for (std::size_t i = 0; i < cfg_.blocks.size(); ++i) {
-            blocks_.emplace_back(cfg_.blocks[i], params_.blocks[i]);
+            blocks_.emplace_back(cfg_.blocks[i], detail::share_part(params_, params_->blocks[i]));
         }
     }
 
     [[nodiscard]] const ModelConfig& config() const { return cfg_; }
-    [[nodiscard]] const ModelParams<T>& params() const { return params_; }
+    [[nodiscard]] const ModelParams<T>& params() const { return *params_; }
     [[nodiscard]] const std::vector<Block<T>>& blocks() const { return blocks_; }
 
     [[nodiscard]] State make_state(int batch = 1) const {
@@ -262,7 +270,7 @@ public:
 
     /// Approximate multiply-adds of a forward over `rows` tokens (every block and the head).
     [[nodiscard]] double work_estimate(Eigen::Index rows) const {
-        double w = static_cast<double>(rows) * static_cast<double>(params_.head.size());
+        double w = static_cast<double>(rows) * static_cast<double>(params_->head.size());
         for (const auto& b : blocks_) {
             w += b.work_estimate(rows);
         }
@@ -300,8 +308,8 @@ public:
                     throw NonFiniteError(detail::concat("Model::forward: block ", i, ": ", e.what()));
                 }
             }
-            Matrix<T> out(h.rows(), params_.head.cols());
-            detail::multiply(out, norm_final_.forward(h), params_.head);
+            Matrix<T> out(h.rows(), params_->head.cols());
+            detail::multiply(out, norm_final_.forward(h), params_->head);
             if (!detail::all_finite(out)) {
                 throw NonFiniteError("Model::forward: the head's output is not finite (the final "
                                      "projection overflows), expected finite values; the state "
@@ -329,7 +337,7 @@ public:
             detail::require<ShapeError>(ids[i] >= 0 && ids[i] < cfg_.vocab_size,
                                         "Model::forward_tokens", "token id", ids[i],
                                         detail::concat("in [0, ", cfg_.vocab_size, ")"));
-            x.row(static_cast<Eigen::Index>(i)) = params_.embedding.row(ids[i]);
+            x.row(static_cast<Eigen::Index>(i)) = params_->embedding.row(ids[i]);
         }
         return forward(state, x);
     }
@@ -369,7 +377,7 @@ private:
     }
 
     ModelConfig cfg_;
-    ModelParams<T> params_;
+    std::shared_ptr<const ModelParams<T>> params_;
     std::vector<Block<T>> blocks_;
     RMSNorm<T> norm_final_;
     Threads threads_{};
