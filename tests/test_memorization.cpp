@@ -174,6 +174,32 @@ TEMPLATE_TEST_CASE("read: == memory_forward", "[memorization][read]", float, dou
     }
     // An empty read is fine too.
     CHECK(mem.read(st, Matrix<T>(0, c.cfg.d_model)).rows() == 0);
+
+    // read_weights: the same weights handed in, the query path without the conv.
+    std::vector<std::vector<Matrix<T>>> weights;
+    for (int b = 0; b < B; ++b)
+        for (int h = 0; h < c.cfg.n_heads; ++h) weights.push_back(mem.current_weights(st, b, h));
+    const Matrix<T> yw = mem.read_weights(weights, xq.cast<T>().eval(), B);
+    titans::MemoryConfig no_conv = c.cfg;
+    no_conv.use_conv = false;
+    for (int b = 0; b < B; ++b) {
+        const ref::QKV p = ref::project_qkv(no_conv, c.params, xq.middleRows(static_cast<Eigen::Index>(b) * Nq, Nq));
+        Matrixd yh(Nq, c.cfg.inner_dim());
+        for (int h = 0; h < c.cfg.n_heads; ++h) {
+            const auto W = cast_layers<double>(weights[static_cast<std::size_t>(b * c.cfg.n_heads + h)]);
+            yh.middleCols(h * dh, dh) = titans::memory_forward<double>(W, p.q.middleCols(h * dh, dh).eval(),
+                                                                       c.cfg.activation, c.cfg.residual);
+        }
+        CHECK(note_error<T>("read_weights vs memory_forward(weights)",
+                            rel_error(yw.middleRows(static_cast<Eigen::Index>(b) * Nq, Nq), yh * c.params.w_o)) <= tol<T>());
+    }
+    if (!c.cfg.use_conv) CHECK(identical(yw, y));  // without a conv, read() is read_weights(current)
+    weights.pop_back();
+    CHECK_THROWS_AS(mem.read_weights(weights, xq.cast<T>().eval(), B), titans::ShapeError);
+    weights.push_back(mem.current_weights(st, B - 1, c.cfg.n_heads - 1));
+    weights.back().back().resize(1, 1);
+    CHECK_THROWS_AS(mem.read_weights(weights, xq.cast<T>().eval(), B), titans::ShapeError);
+    CHECK_THROWS_AS(mem.read_weights(weights, xq.cast<T>().eval(), 0), titans::ConfigError);
 }
 
 // read() leaves the state unchanged: a later forward gives the same outputs, diagnostics, weights

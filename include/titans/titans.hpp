@@ -8,6 +8,7 @@
 #include "error.hpp"
 #include "fwd.hpp"
 #include "threads.hpp"
+#include "activation.hpp"
 #include "types.hpp"
 
 #include "memory/chunk_coefficients.hpp"

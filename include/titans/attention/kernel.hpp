@@ -27,6 +27,123 @@ inline Eigen::Index attention_query_tile(int window) {
     return std::clamp<Eigen::Index>(window, 16, 64);
 }
 
+/// The operands of prefix_window_attention, checked by check_attention_operands.
+template <class T>
+struct AttentionOperands {
+    const Eigen::Ref<const Matrix<T>>& q;
+    const Eigen::Ref<const Matrix<T>>& k_prefix;
+    const Eigen::Ref<const Matrix<T>>& v_prefix;
+    const Eigen::Ref<const Matrix<T>>& k_seq;
+    const Eigen::Ref<const Matrix<T>>& v_seq;
+    Eigen::Ref<Matrix<T>>& out;
+    int n_heads, d_head, window;
+    Eigen::Index first_query, query_stride;
+};
+
+/// ConfigError / ShapeError naming the first bad argument of prefix_window_attention.
+template <class T>
+void check_attention_operands(const AttentionOperands<T>& a) {
+    using Index = Eigen::Index;
+    constexpr const char* w = "prefix_window_attention";
+    require<ConfigError>(a.n_heads >= 1, w, "n_heads", a.n_heads, ">= 1");
+    require<ConfigError>(a.d_head >= 1, w, "d_head", a.d_head, ">= 1");
+    require<ConfigError>(a.window >= 1, w, "window", a.window, ">= 1");
+    require<ShapeError>(a.first_query >= 0, w, "first_query", a.first_query, ">= 0");
+    require<ConfigError>(a.query_stride >= 1, w, "query_stride", a.query_stride, ">= 1");
+    const Index D = static_cast<Index>(a.n_heads) * a.d_head;
+    const Index n = a.q.rows(), p = a.k_prefix.rows(), m = a.k_seq.rows();
+    auto width = [&](const auto& x, const char* name) {
+        if (x.cols() != D && !(x.rows() == 0 && x.cols() == 0)) {
+            throw ShapeError(concat(w, ": ", name, " has ", x.cols(),
+                                    " columns, expected n_heads * d_head = ", D));
+        }
+    };
+    width(a.q, "q");
+    width(a.k_prefix, "k_prefix");
+    width(a.v_prefix, "v_prefix");
+    width(a.k_seq, "k_seq");
+    width(a.v_seq, "v_seq");
+    require<ShapeError>(a.v_prefix.rows() == p, w, "v_prefix.rows()", a.v_prefix.rows(),
+                        concat("k_prefix.rows() = ", p));
+    require<ShapeError>(a.v_seq.rows() == m, w, "v_seq.rows()", a.v_seq.rows(),
+                        concat("k_seq.rows() = ", m));
+    // The last query's position (first_query + query_stride * (n - 1)) must be a key row.
+    const Index last_pos = a.first_query + a.query_stride * (std::max<Index>(n, 1) - 1);
+    require<ShapeError>(m > last_pos || n == 0, w, "k_seq.rows()", m,
+                        concat("> first_query + query_stride * (q.rows() - 1) = ", last_pos));
+    if (a.out.rows() != n || a.out.cols() != D) {
+        throw ShapeError(concat(w, ": out is ", a.out.rows(), " x ", a.out.cols(), ", expected ",
+                                n, " x ", D, " (q.rows() x n_heads * d_head)"));
+    }
+    const T* const o0 = a.out.data();
+    const T* const inputs[] = {a.q.data(), p > 0 ? a.k_prefix.data() : nullptr,
+                               p > 0 ? a.v_prefix.data() : nullptr, a.k_seq.data(),
+                               a.v_seq.data()};
+    for (const T* in : inputs) {
+        if (n > 0 && in == o0) {
+            throw ShapeError(concat(w, ": out shares its storage with an input, expected a "
+                                       "distinct matrix"));
+        }
+    }
+}
+
+/// Per-thread workspaces of one (query tile, head) unit: exp-scores against the prefix (sp)
+/// and the key span (ss), and the reciprocal row sums.
+template <class T>
+struct AttentionTile {
+    Matrix<T> sp, ss;
+    RowVector<T> row_sum;
+};
+
+/// One unit: queries [i0, i0 + t) of head columns [c0, c0 + d_h), at positions
+/// P0 + s r (s = query_stride), against the prefix and sequence keys [js, js + L),
+/// js = max(0, P0 - w + 1). Softmax over prefix and window scores together, stabilised by
+/// the row maximum.
+template <class T>
+void attention_unit(const AttentionOperands<T>& a, Eigen::Index i0, Eigen::Index t,
+                    Eigen::Index c0, T scale, AttentionTile<T>& ws) {
+    using Index = Eigen::Index;
+    const Index p = a.k_prefix.rows(), wl = a.window, s = a.query_stride, dh = a.d_head;
+    const Index P0 = a.first_query + s * i0;  // the tile's first query
+    const Index js = std::max<Index>(0, P0 - wl + 1);
+    const Index L = P0 + s * (t - 1) + 1 - js;  // key span [js, js + L)
+    const auto qh = a.q.block(i0, c0, t, dh);
+    auto S = ws.ss.topLeftCorner(t, L);
+    S.noalias() = qh * a.k_seq.block(js, c0, L, dh).transpose();
+    auto Sp = ws.sp.topRows(t);
+    if (p > 0) {
+        Sp.noalias() = qh * a.k_prefix.block(0, c0, p, dh).transpose();
+    }
+    for (Index r = 0; r < t; ++r) {
+        // Visible span columns of query r (position P0 + s r): [lo, hi].
+        const Index pos = P0 + s * r;
+        const Index lo = std::max<Index>(pos - wl + 1, js) - js;
+        const Index hi = pos - js;
+        auto vis = S.row(r).segment(lo, hi - lo + 1);
+        T mx = vis.maxCoeff();
+        if (p > 0) mx = std::max(mx, Sp.row(r).maxCoeff());
+        // exp(scale * (s - max)): the numerically stable softmax over prefix and window
+        // scores together (scale > 0, so the max of the scaled scores is scale * mx).
+        vis = ((vis.array() - mx) * scale).exp().matrix();
+        S.row(r).head(lo).setZero();
+        S.row(r).tail(L - 1 - hi).setZero();
+        T sum = vis.sum();
+        if (p > 0) {
+            Sp.row(r) = ((Sp.row(r).array() - mx) * scale).exp().matrix();
+            sum += Sp.row(r).sum();
+        }
+        ws.row_sum(r) = T(1) / sum;  // sum >= 1: the max entry contributes exp(0)
+    }
+    auto oh = a.out.block(i0, c0, t, dh);
+    oh.noalias() = S * a.v_seq.block(js, c0, L, dh);
+    if (p > 0) {
+        oh.noalias() += Sp * a.v_prefix.block(0, c0, p, dh);
+    }
+    for (Index r = 0; r < t; ++r) {
+        oh.row(r) *= ws.row_sum(r);
+    }
+}
+
 template <class T>
 void prefix_window_attention_impl(const Eigen::Ref<const Matrix<T>>& q,
                                   const Eigen::Ref<const Matrix<T>>& k_prefix,
@@ -36,115 +153,31 @@ void prefix_window_attention_impl(const Eigen::Ref<const Matrix<T>>& q,
                                   int d_head, int window, Eigen::Index first_query,
                                   Eigen::Ref<Matrix<T>> out, Eigen::Index query_stride = 1) {
     using Index = Eigen::Index;
-    constexpr const char* w = "prefix_window_attention";
-    require<ConfigError>(n_heads >= 1, w, "n_heads", n_heads, ">= 1");
-    require<ConfigError>(d_head >= 1, w, "d_head", d_head, ">= 1");
-    require<ConfigError>(window >= 1, w, "window", window, ">= 1");
-    require<ShapeError>(first_query >= 0, w, "first_query", first_query, ">= 0");
-    require<ConfigError>(query_stride >= 1, w, "query_stride", query_stride, ">= 1");
-    const Index D = static_cast<Index>(n_heads) * d_head;
+    const AttentionOperands<T> a{q,      k_prefix, v_prefix, k_seq,       v_seq,       out,
+                                 n_heads, d_head,  window,   first_query, query_stride};
+    check_attention_operands(a);
     const Index n = q.rows(), p = k_prefix.rows(), m = k_seq.rows();
-    auto width = [&](const auto& x, const char* name) {
-        if (x.cols() != D && !(x.rows() == 0 && x.cols() == 0)) {
-            throw ShapeError(concat(w, ": ", name, " has ", x.cols(),
-                                    " columns, expected n_heads * d_head = ", D));
-        }
-    };
-    width(q, "q");
-    width(k_prefix, "k_prefix");
-    width(v_prefix, "v_prefix");
-    width(k_seq, "k_seq");
-    width(v_seq, "v_seq");
-    require<ShapeError>(v_prefix.rows() == p, w, "v_prefix.rows()", v_prefix.rows(),
-                        concat("k_prefix.rows() = ", p));
-    require<ShapeError>(v_seq.rows() == m, w, "v_seq.rows()", v_seq.rows(),
-                        concat("k_seq.rows() = ", m));
-    // The last query's position (first_query + query_stride * (n - 1)) must be a key row.
-    const Index last_pos = first_query + query_stride * (std::max<Index>(n, 1) - 1);
-    require<ShapeError>(m > last_pos || n == 0, w, "k_seq.rows()", m,
-                        concat("> first_query + query_stride * (q.rows() - 1) = ", last_pos));
-    if (out.rows() != n || out.cols() != D) {
-        throw ShapeError(concat(w, ": out is ", out.rows(), " x ", out.cols(), ", expected ", n,
-                                " x ", D, " (q.rows() x n_heads * d_head)"));
-    }
     if (n == 0) return;
-    const T* const o0 = out.data();
-    const T* const inputs[] = {q.data(), p > 0 ? k_prefix.data() : nullptr,
-                               p > 0 ? v_prefix.data() : nullptr, k_seq.data(), v_seq.data()};
-    for (const T* in : inputs) {
-        if (in == o0) {
-            throw ShapeError(concat(w, ": out shares its storage with an input, expected a "
-                                       "distinct matrix"));
-        }
-    }
-
-    // Softmax(Q K^T / sqrt(d_h)) V, one (query tile, head) unit at a time. A tile of queries
-    // [i0, i0 + t) at positions P0, P0 + s, ..., P0 + s (t - 1) (s = query_stride) reads
-    // sequence keys [js, P0 + s (t - 1) + 1) with js = max(0, P0 - w + 1):
-    // O(t (p + s t + w) d_h) work per unit, linear in n overall.
+    // Softmax(Q K^T / sqrt(d_h)) V, one (query tile, head) unit at a time: O(t (p + s t + w)
+    // d_h) work per unit, linear in n overall.
     const Index tile = attention_query_tile(window);
-    const Index n_tiles = (n + tile - 1) / tile;
-    const Index units = n_tiles * n_heads;
-    const Index wl = window;
-    const Index span_cap = std::min<Index>(query_stride * (tile - 1) + wl, m);
+    const Index units = (n + tile - 1) / tile * n_heads;
+    const Index span_cap = std::min<Index>(query_stride * (tile - 1) + window, m);
     const T scale = T(1) / std::sqrt(static_cast<T>(d_head));
-
 #if defined(_OPENMP)
     // Threads only pay off for tens of microseconds of work (not for one streamed token).
     const double work = static_cast<double>(n) * static_cast<double>(p + span_cap) *
-                        static_cast<double>(D);
+                        static_cast<double>(n_heads) * d_head;
 #pragma omp parallel if (units > 1 && work >= 1.0e6)
 #endif
     {
-        // Per-thread tile workspaces: exp-scores against the prefix and the key span.
-        Matrix<T> sp(tile, p), ss(tile, span_cap);
-        RowVector<T> row_sum(tile);
+        AttentionTile<T> ws{Matrix<T>(tile, p), Matrix<T>(tile, span_cap), RowVector<T>(tile)};
 #if defined(_OPENMP)
 #pragma omp for schedule(static)
 #endif
         for (Index u = 0; u < units; ++u) {
-            const Index tile_idx = u / n_heads;
-            const Index c0 = (u % n_heads) * d_head;
-            const Index i0 = tile_idx * tile;
-            const Index t = std::min(tile, n - i0);
-            const Index P0 = first_query + query_stride * i0;  // the tile's first query
-            const Index js = std::max<Index>(0, P0 - wl + 1);
-            const Index L = P0 + query_stride * (t - 1) + 1 - js;  // key span [js, js + L)
-            const auto qh = q.block(i0, c0, t, d_head);
-            auto S = ss.topLeftCorner(t, L);
-            S.noalias() = qh * k_seq.block(js, c0, L, d_head).transpose();
-            auto Sp = sp.topRows(t);
-            if (p > 0) {
-                Sp.noalias() = qh * k_prefix.block(0, c0, p, d_head).transpose();
-            }
-            for (Index r = 0; r < t; ++r) {
-                // Visible span columns of query r (position P0 + s r): [lo, hi].
-                const Index pos = P0 + query_stride * r;
-                const Index lo = std::max<Index>(pos - wl + 1, js) - js;
-                const Index hi = pos - js;
-                auto vis = S.row(r).segment(lo, hi - lo + 1);
-                T mx = vis.maxCoeff();
-                if (p > 0) mx = std::max(mx, Sp.row(r).maxCoeff());
-                // exp(scale * (s - max)): the numerically stable softmax over prefix and window
-                // scores together (scale > 0, so the max of the scaled scores is scale * mx).
-                vis = ((vis.array() - mx) * scale).exp().matrix();
-                S.row(r).head(lo).setZero();
-                S.row(r).tail(L - 1 - hi).setZero();
-                T sum = vis.sum();
-                if (p > 0) {
-                    Sp.row(r) = ((Sp.row(r).array() - mx) * scale).exp().matrix();
-                    sum += Sp.row(r).sum();
-                }
-                row_sum(r) = T(1) / sum;  // sum >= 1: the max entry contributes exp(0)
-            }
-            auto oh = out.block(i0, c0, t, d_head);
-            oh.noalias() = S * v_seq.block(js, c0, L, d_head);
-            if (p > 0) {
-                oh.noalias() += Sp * v_prefix.block(0, c0, p, d_head);
-            }
-            for (Index r = 0; r < t; ++r) {
-                oh.row(r) *= row_sum(r);
-            }
+            const Index i0 = (u / n_heads) * tile;
+            attention_unit(a, i0, std::min(tile, n - i0), (u % n_heads) * d_head, scale, ws);
         }
     }
 }

@@ -48,6 +48,8 @@ struct MemoryKernels {
 ///                                 math §1-5 over a piece of the stream: x (B*N) x d in,
 ///                                 y (B*N) x d out, diag optional (nullptr)
 ///   read(cfg, params, state, x, y)  read-only retrieval with the memory after the last token
+///   read_weights(cfg, params, weights, x, batch, y)
+///                                 retrieval through given weights (per sequence and head)
 ///   current_weights / current_momentum(cfg, state, b, h)
 ///                                 the memory as it is after the last token seen, materialised
 ///   begin(state) -> bool, commit(state), rollback(state)
@@ -65,6 +67,7 @@ concept MemoryBackend =
             std::same_as<typename MemoryKernels<B, T>::State>;
         MemoryKernels<B, T>::forward(cfg, p, s, x, y, diag);
         MemoryKernels<B, T>::read(cfg, p, cs, x, y);
+        MemoryKernels<B, T>::read_weights(cfg, p, std::vector<std::vector<Matrix<T>>>{}, x, i, y);
         { MemoryKernels<B, T>::current_weights(cfg, cs, i, i) } ->
             std::same_as<std::vector<Matrix<T>>>;
         { MemoryKernels<B, T>::current_momentum(cfg, cs, i, i) } ->

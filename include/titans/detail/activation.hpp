@@ -7,7 +7,7 @@
 #include <cmath>
 
 #include "../config.hpp"
-#include "../memory/config.hpp"
+#include "../activation.hpp"
 
 namespace titans::detail {
 

@@ -4,7 +4,7 @@
 
 #include <algorithm>
 
-#include "../memory/config.hpp"
+#include "../activation.hpp"
 #include "../types.hpp"
 #include "activation.hpp"
 

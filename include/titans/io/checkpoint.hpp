@@ -232,20 +232,16 @@ void save_checkpoint(const std::filesystem::path& path, const Object& object,
     detail::unchecked_checkpoint_writer(object, state).write(path);
 }
 
-/// Restores a stream state from a parsed checkpoint, for `object`. Rejects, naming the cause:
-/// a file that is not a titans checkpoint or has another format_version (FormatError); another
-/// object kind, dtype, configuration (naming the first differing setting) or other outer
-/// parameters (ConfigError); a missing, unexpected, wrongly typed or wrongly shaped tensor,
-/// NaN/Inf, or positions and buffers that contradict each other (FormatError / ShapeError /
-/// NonFiniteError). The restored state continues bit-identically.
+namespace detail {
+
+/// restore_checkpoint's metadata checks (format, object kind, dtype, configuration,
+/// config_hash, params_hash); returns the recorded batch.
 template <class Object>
-[[nodiscard]] typename Object::State restore_checkpoint(const SafetensorsFile& f,
-                                                        const Object& object) {
-    using Traits = detail::CheckpointTraits<Object>;
+int check_checkpoint_metadata(const SafetensorsFile& f, const Object& object) {
+    using Traits = CheckpointTraits<Object>;
     using T = typename Traits::Scalar;
-    using State = typename Object::State;
     const std::string& src = f.source();
-    detail::check_format(f, "titans.checkpoint", /*required=*/true);
+    check_format(f, "titans.checkpoint", /*required=*/true);
     auto meta = [&](const char* key) {
         const auto it = f.metadata().find(key);
         if (it == f.metadata().end()) {
@@ -268,76 +264,103 @@ template <class Object>
         throw ConfigError("titans::io: " + src + ": checkpoint configuration differs: " +
                           config_difference(theirs, mine, "the checkpoint", "this object"));
     }
-    detail::Fnv1a recorded_hash;
+    Fnv1a recorded_hash;
     recorded_hash.update(recorded);
     if (meta("config_hash") != recorded_hash.hex()) {
         throw FormatError("titans::io: " + src + ": config_hash does not match the recorded "
                           "configuration (corrupt metadata)");
     }
-    if (meta("params_hash") != detail::params_hash(object.params(), object.config())) {
+    if (meta("params_hash") != params_hash(object.params(), object.config())) {
         throw ConfigError("titans::io: " + src + ": checkpoint was written with other outer "
                           "parameters (params_hash differs): load the parameters it was "
                           "written with");
     }
-    const int batch = detail::parse_batch(meta("batch"), src);
-    // Every fixed-shape state tensor belongs to one stream, so a state of `batch` streams holds
-    // batch times the bytes of a one-stream state. Before allocating it, make sure the file
-    // holds at least half that, so a hostile batch number cannot make us allocate more than
-    // about twice the file's size. (A file that merely lacks some tensors passes here and is
-    // rejected below, naming the first missing.)
-    {
-        std::uint64_t per_stream = 0;
-        const State one = object.make_state(1);
-        State::tensors(one, [&per_stream](const std::string& name, const auto& x) {
-            if constexpr (!std::is_same_v<std::decay_t<decltype(x)>, std::int64_t>) {
-                if (!detail::variable_rows(name)) {
-                    per_stream += static_cast<std::uint64_t>(x.size()) * sizeof(T);
-                }
-            }
-        });
-        const std::uint64_t need = per_stream * static_cast<std::uint64_t>(batch);
-        std::uint64_t have = 0;
-        for (const TensorInfo& t : f.tensors()) have += t.end - t.begin;
-        if (have < need / 2) {
-            throw FormatError("titans::io: " + src + ": __metadata__ batch = " +
-                              std::to_string(batch) + " needs " + std::to_string(need) +
-                              " bytes of state, the file holds only " + std::to_string(have) +
-                              " (truncated or corrupt checkpoint)");
-        }
-    }
+    return parse_batch(meta("batch"), src);
+}
 
+/// Every fixed-shape state tensor belongs to one stream, so a state of `batch` streams holds
+/// batch times the bytes of a one-stream state. Before allocating it, make sure the file
+/// holds at least half that, so a hostile batch number cannot make us allocate more than
+/// about twice the file's size. (A file that merely lacks some tensors passes here and is
+/// rejected later, naming the first missing.)
+template <class Object>
+void check_state_size(const SafetensorsFile& f, const Object& object, int batch) {
+    using T = typename CheckpointTraits<Object>::Scalar;
+    using State = typename Object::State;
+    std::uint64_t per_stream = 0;
+    const State one = object.make_state(1);
+    State::tensors(one, [&per_stream](const std::string& name, const auto& x) {
+        if constexpr (!std::is_same_v<std::decay_t<decltype(x)>, std::int64_t>) {
+            if (!variable_rows(name)) {
+                per_stream += static_cast<std::uint64_t>(x.size()) * sizeof(T);
+            }
+        }
+    });
+    const std::uint64_t need = per_stream * static_cast<std::uint64_t>(batch);
+    std::uint64_t have = 0;
+    for (const TensorInfo& t : f.tensors()) have += t.end - t.begin;
+    if (have < need / 2) {
+        throw FormatError("titans::io: " + f.source() + ": __metadata__ batch = " +
+                          std::to_string(batch) + " needs " + std::to_string(need) +
+                          " bytes of state, the file holds only " + std::to_string(have) +
+                          " (truncated or corrupt checkpoint)");
+    }
+}
+
+/// One state entry `x` (an int64 or a matrix of T) from the tensor `name`, checking its
+/// dtype and shape (the rows of a window buffer may vary).
+template <class T, class X>
+void load_state_entry(const SafetensorsFile& f, const std::string& name, X& x) {
+    const std::string& src = f.source();
+    const TensorInfo& t = f.at(name);
+    if constexpr (std::is_same_v<X, std::int64_t>) {
+        if (t.dtype != DType::I64 || t.numel() != 1) {
+            throw FormatError("titans::io: " + src + ": tensor '" + name + "' is " +
+                              to_string(t.dtype) + " " + t.shape_string() + ", expected I64 [1]");
+        }
+        x = f.integers(name)[0];
+    } else {
+        if (t.dtype != dtype_of<T>()) {
+            throw FormatError("titans::io: " + src + ": tensor '" + name + "' is " +
+                              to_string(t.dtype) + ", expected " + to_string(dtype_of<T>()));
+        }
+        const bool rows_free = variable_rows(name);
+        const auto& s = t.shape;
+        const bool ok = s.size() == 2 && s[1] == static_cast<std::uint64_t>(x.cols()) &&
+                        (rows_free || s[0] == static_cast<std::uint64_t>(x.rows()));
+        if (!ok) {
+            throw ShapeError("titans::io: " + src + ": tensor '" + name + "' has shape " +
+                             t.shape_string() + ", expected " +
+                             (rows_free ? "[rows, " + std::to_string(x.cols()) + "]"
+                                        : shape_text(x.rows(), x.cols(), false)));
+        }
+        x = f.matrix<T>(name);
+    }
+}
+
+}  // namespace detail
+
+/// Restores a stream state from a parsed checkpoint, for `object`. Rejects, naming the cause:
+/// a file that is not a titans checkpoint or has another format_version (FormatError); another
+/// object kind, dtype, configuration (naming the first differing setting) or other outer
+/// parameters (ConfigError); a missing, unexpected, wrongly typed or wrongly shaped tensor,
+/// NaN/Inf, or positions and buffers that contradict each other (FormatError / ShapeError /
+/// NonFiniteError). The restored state continues bit-identically.
+template <class Object>
+[[nodiscard]] typename Object::State restore_checkpoint(const SafetensorsFile& f,
+                                                        const Object& object) {
+    using Traits = detail::CheckpointTraits<Object>;
+    using State = typename Object::State;
+    const int batch = detail::check_checkpoint_metadata(f, object);
+    detail::check_state_size(f, object, batch);
     State st = object.make_state(batch);
     std::unordered_set<std::string> used;
     State::tensors(st, [&](const std::string& name, auto& x) {
-        const TensorInfo& t = f.at(name);
+        detail::load_state_entry<typename Traits::Scalar>(f, name, x);
         used.insert(name);
-        if constexpr (std::is_same_v<std::decay_t<decltype(x)>, std::int64_t>) {
-            if (t.dtype != DType::I64 || t.numel() != 1) {
-                throw FormatError("titans::io: " + src + ": tensor '" + name + "' is " +
-                                  to_string(t.dtype) + " " + t.shape_string() +
-                                  ", expected I64 [1]");
-            }
-            x = f.integers(name)[0];
-        } else {
-            if (t.dtype != dtype_of<T>()) {
-                throw FormatError("titans::io: " + src + ": tensor '" + name + "' is " +
-                                  to_string(t.dtype) + ", expected " + to_string(dtype_of<T>()));
-            }
-            const bool rows_free = detail::variable_rows(name);
-            const auto& s = t.shape;
-            const bool ok = s.size() == 2 && s[1] == static_cast<std::uint64_t>(x.cols()) &&
-                            (rows_free || s[0] == static_cast<std::uint64_t>(x.rows()));
-            if (!ok) {
-                throw ShapeError("titans::io: " + src + ": tensor '" + name + "' has shape " +
-                                 t.shape_string() + ", expected " +
-                                 (rows_free ? "[rows, " + std::to_string(x.cols()) + "]"
-                                            : detail::shape_text(x.rows(), x.cols(), false)));
-            }
-            x = f.matrix<T>(name);
-        }
     });
     detail::reject_unused(f, used, "part of the state");
-    Traits::check(object, st, src);
+    Traits::check(object, st, f.source());
     return st;
 }
 

@@ -7,15 +7,12 @@
 #include <string_view>
 #include <type_traits>
 
+#include "../activation.hpp"
 #include "../error.hpp"
 #include "../detail/enum_names.hpp"
 #include "../limits.hpp"
 
 namespace titans {
-
-/// Element-wise nonlinearity. The memory MLP uses SiLU or GELU (exact, erf-based); the q/k/v
-/// projections use SiLU or Identity (math §1-2).
-enum class Activation { SiLU, GELU, Identity };
 
 /// How the gates theta (learning rate), eta (momentum decay) and alpha (forget) are made
 /// (math §1).
@@ -37,14 +34,6 @@ enum class Retrieval {
     InChunk,  ///< y_i = M_{W_i}(q_i): weights after token i's own write (b = 1: write, then read)
 };
 
-[[nodiscard]] inline const char* to_string(Activation a) {
-    switch (a) {
-        case Activation::SiLU: return "SiLU";
-        case Activation::GELU: return "GELU";
-        case Activation::Identity: return "Identity";
-    }
-    return "?";
-}
 [[nodiscard]] inline const char* to_string(GateMode g) {
     switch (g) {
         case GateMode::DataDependent: return "DataDependent";
@@ -62,10 +51,6 @@ enum class Retrieval {
 
 /// Inverses of to_string: set `out` and return true if `s` is an enumerator's name (exact,
 /// case-sensitive); leave `out` unchanged and return false otherwise.
-[[nodiscard]] inline bool from_string(std::string_view s, Activation& out) {
-    return detail::enum_from_string(s, out,
-                                    {Activation::SiLU, Activation::GELU, Activation::Identity});
-}
 [[nodiscard]] inline bool from_string(std::string_view s, GateMode& out) {
     return detail::enum_from_string(s, out,
                                     {GateMode::DataDependent, GateMode::Constant, GateMode::PerChunk});

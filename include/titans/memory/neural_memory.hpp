@@ -94,7 +94,7 @@ public:
         detail::check_position_advance("NeuralMemory::forward", state.position(), x.rows(),
                                        state.batch());
         check_state(state, "NeuralMemory::forward");
-        check_input(state, x, "NeuralMemory::forward");
+        check_input(state.batch(), x, "NeuralMemory::forward");
         if (&x == &y) {
             throw ShapeError("NeuralMemory::forward: x and y are the same matrix, expected "
                              "distinct matrices");
@@ -110,7 +110,7 @@ public:
     /// x: (B*N) x d_model -> (B*N) x d_model. The state is unchanged.
     [[nodiscard]] Matrix<T> read(const State& state, const Matrix<T>& x) const {
         check_state(state, "NeuralMemory::read");
-        check_input(state, x, "NeuralMemory::read");
+        check_input(state.batch(), x, "NeuralMemory::read");
         Matrix<T> y;
         const ThreadScope team(threads_, work_estimate(x.rows()));
         const detail::DenormalFlushScope flush(cfg_.flush_denormals);
@@ -120,6 +120,24 @@ public:
                                  "diverged or x overflows the projections), expected finite "
                                  "values; the state is unchanged");
         }
+        return y;
+    }
+
+    /// Reads x through given memory weights, without a state: the q path of math §1 without
+    /// the conv (W_Q, phi, L2 norm), y = M_W(q) per (sequence b, head h) with
+    /// W = weights[b * H + h] (layer l at index l-1, the shapes current_weights returns), then
+    /// W_O. x: (batch*N) x d_model -> (batch*N) x d_model. MAC reads the memory as it was at
+    /// its segment's start this way (math §7).
+    [[nodiscard]] Matrix<T> read_weights(const std::vector<std::vector<Matrix<T>>>& weights,
+                                         const Matrix<T>& x, int batch) const {
+        constexpr const char* where = "NeuralMemory::read_weights";
+        detail::require<ConfigError>(batch >= 1, where, "batch", batch, ">= 1");
+        check_weights(weights, batch, where);
+        check_input(batch, x, where);
+        Matrix<T> y;
+        const ThreadScope team(threads_, work_estimate(x.rows()));
+        const detail::DenormalFlushScope flush(cfg_.flush_denormals);
+        Kernels::read_weights(cfg_, *params_, weights, x, batch, y);
         return y;
     }
 
@@ -183,18 +201,37 @@ private:
                        " expected a state from make_state() of a memory with this configuration"));
         }
     }
-    void check_input(const State& state, const Matrix<T>& x, const char* where) const {
+    void check_input(int batch, const Matrix<T>& x, const char* where) const {
         if (x.cols() != cfg_.d_model) {
             throw ShapeError(detail::concat(where, ": x has ", x.cols(),
                                             " columns, expected d_model = ", cfg_.d_model));
         }
-        if (x.rows() % state.batch() != 0) {
+        if (x.rows() % batch != 0) {
             throw ShapeError(detail::concat(where, ": x has ", x.rows(),
-                                            " rows, expected a multiple of the state's batch = ",
-                                            state.batch(), " (B*N rows, sequence-major)"));
+                                            " rows, expected a multiple of the batch = ", batch,
+                                            " (B*N rows, sequence-major)"));
         }
         if (!detail::all_finite(x)) {
             throw NonFiniteError(detail::concat(where, ": x has a NaN or infinite entry"));
+        }
+    }
+    void check_weights(const std::vector<std::vector<Matrix<T>>>& weights, int batch,
+                       const char* where) const {
+        const std::size_t pairs = static_cast<std::size_t>(batch) * static_cast<std::size_t>(cfg_.n_heads);
+        detail::require<ShapeError>(weights.size() == pairs, where, "weights.size()",
+                                    weights.size(), detail::concat("batch * n_heads = ", pairs));
+        for (std::size_t i = 0; i < pairs; ++i) {
+            detail::require<ShapeError>(weights[i].size() == static_cast<std::size_t>(cfg_.depth),
+                                        where, detail::concat("weights[", i, "].size()").c_str(),
+                                        weights[i].size(), detail::concat("depth = ", cfg_.depth));
+            for (int l = 1; l <= cfg_.depth; ++l) {
+                const Matrix<T>& w = weights[i][static_cast<std::size_t>(l - 1)];
+                if (w.rows() != cfg_.layer_in(l) || w.cols() != cfg_.layer_out(l)) {
+                    throw ShapeError(detail::concat(where, ": weights[", i, "][", l - 1, "] is ",
+                                                    w.rows(), " x ", w.cols(), ", expected ",
+                                                    cfg_.layer_in(l), " x ", cfg_.layer_out(l)));
+                }
+            }
         }
     }
     void check_index(const State& state, int b, int h, const char* where) const {

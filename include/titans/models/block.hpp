@@ -28,7 +28,6 @@
 #include "../layers/feed_forward.hpp"
 #include "../layers/rms_norm.hpp"
 #include "../limits.hpp"
-#include "../memory/mlp.hpp"
 #include "../memory/neural_memory.hpp"
 #include "../threads.hpp"
 #include "../types.hpp"
@@ -767,35 +766,6 @@ private:
         return (norm_y_->forward(y).array() * gate.array()).matrix();
     }
 
-    /// h rows of MAC for rows U of every stream ((B*m) x d, stream-major, m rows each): the
-    /// memory's query path (W_Q, phi, L2 norm; no conv) read through the snapshot weights of
-    /// each stream's heads, concatenated and projected by the memory's W_O. The projections
-    /// run once over all streams' rows.
-    Matrix<T> read_snapshot(const State& st, const Matrix<T>& U, Eigen::Index m) const {
-        const MemoryConfig& mc = cfg_.memory;
-        const MemoryParams<T>& mp = params_->memory;
-        const int H = mc.n_heads, dh = mc.head_dim();
-        Matrix<T> q(U.rows(), mc.inner_dim());
-        detail::multiply(q, U, mp.w_q);
-        if (mc.qkv_activation == Activation::SiLU) {
-            detail::activate_in_place(Activation::SiLU, q);
-        }
-        if (mc.normalize_qk) {
-            detail::l2_normalize_heads(q, H, dh);
-        }
-        Matrix<T> heads(U.rows(), mc.inner_dim());
-        for (Eigen::Index b = 0; b * m < U.rows(); ++b) {
-            for (int h = 0; h < H; ++h) {
-                const Matrix<T> qh = q.block(b * m, h * dh, m, dh);
-                const auto& W = st.snapshot_[static_cast<std::size_t>(b * H + h)];
-                heads.block(b * m, h * dh, m, dh) = memory_forward(W, qh, mc.activation, mc.residual);
-            }
-        }
-        Matrix<T> out(U.rows(), cfg_.d_model);
-        detail::multiply(out, heads, mp.w_o);
-        return out;
-    }
-
     /// MAC over a piece, segment part by segment part [t, t + m) of every stream.
     Matrix<T> mix_mac(State& st, const Matrix<T>& u) const {
         const int B = st.batch_, C = cfg_.segment, Hm = cfg_.memory.n_heads;
@@ -845,7 +815,8 @@ private:
         const int Ha = cfg_.attention.n_heads, dha = cfg_.attention.head_dim();
         const Eigen::Index D = cfg_.attention.inner_dim();
         const AttentionParams<T>& ap = params_->attention;
-        const Matrix<T> hrows = read_snapshot(st, U, m);
+        // h = M*_{t-1}(S): the memory's query path read through each stream's snapshot.
+        const Matrix<T> hrows = memory_.read_weights(st.snapshot_, U, B);
         Matrix<T> qs(U.rows(), D), ks(U.rows(), D), vs(U.rows(), D), kh(U.rows(), D),
             vh(U.rows(), D);
         detail::multiply(qs, U, ap.w_q);

@@ -100,47 +100,19 @@ struct MemoryKernels<Cpu, T> {
     /// updated), y = M_{W_t}(q) per head with the memory after the last token, then W_O.
     static void read(const MemoryConfig& cfg, const MemoryParams<T>& p, const State& st,
                      const Mat& x, Mat& y) {
-        const int B = st.batch_, H = cfg.n_heads, dh = cfg.head_dim(), D = cfg.inner_dim();
-        const Eigen::Index N = x.rows() / B;
-        y.resize(x.rows(), cfg.d_model);
-        if (N == 0) {
-            return;
-        }
-        Mat q(x.rows(), D);
-        detail::multiply(q, x, p.w_q);
-        if (cfg.use_conv) {
-            for (int s = 0; s < B; ++s) {
-                detail::causal_conv_in_place(
-                    p.conv_q, st.conv_tail_[static_cast<std::size_t>(s)].leftCols(D),
-                    q.middleRows(static_cast<Eigen::Index>(s) * N, N));
-            }
-        }
-        if (cfg.qkv_activation == Activation::SiLU) {
-            detail::activate_in_place(Activation::SiLU, q);
-        }
-        if (cfg.normalize_qk) {
-            detail::l2_normalize_heads(q, H, dh);
-        }
-        Mat yh(x.rows(), D);
-        for (int s = 0; s < B; ++s) {
-            for (int h = 0; h < H; ++h) {
-                const std::vector<Mat> W = materialise(cfg, st, s, h, true);
-                Mat a = q.block(static_cast<Eigen::Index>(s) * N, h * dh, N, dh);
-                const Mat q0 = a;
-                for (std::size_t l = 0; l < W.size(); ++l) {
-                    Mat z = a * W[l];
-                    if (l + 1 < W.size()) {
-                        detail::activate_in_place(cfg.activation, z);
-                    }
-                    a = std::move(z);
-                }
-                if (cfg.residual) {
-                    a += q0;
-                }
-                yh.block(static_cast<Eigen::Index>(s) * N, h * dh, N, dh) = a;
-            }
-        }
-        detail::multiply(y, yh, p.w_o);
+        read_through(cfg, p, x, st.batch_, &st.conv_tail_, y,
+                     [&](int s, int h) { return materialise(cfg, st, s, h, true); });
+    }
+
+    /// Retrieval through given weights, without a state: the q path of math §1 without the
+    /// conv, y = M_W(q) per (sequence, head) with W = weights[s * H + h], then W_O. x is
+    /// (batch*N) x d. MAC reads its segment-start snapshot this way.
+    static void read_weights(const MemoryConfig& cfg, const MemoryParams<T>& p,
+                             const std::vector<std::vector<Mat>>& weights, const Mat& x, int batch,
+                             Mat& y) {
+        read_through(cfg, p, x, batch, nullptr, y, [&](int s, int h) -> const std::vector<Mat>& {
+            return weights[static_cast<std::size_t>(s * cfg.n_heads + h)];
+        });
     }
 
     /// Transactions over several forward calls (MemoryUndo): begin returns true if it opened one.
@@ -158,6 +130,81 @@ struct MemoryKernels<Cpu, T> {
     }
 
 private:
+    /// math §1's query path for x ((B*N) x d, N rows per sequence) into q ((B*N) x D):
+    /// x W_Q, the conv continuing each sequence's tail when `tails` is given (not advanced),
+    /// phi, the L2 norm per head.
+    static void project_queries(const MemoryConfig& cfg, const MemoryParams<T>& p, const Mat& x,
+                                Eigen::Index N, const std::vector<Mat>* tails, Mat& q) {
+        const int D = cfg.inner_dim();
+        q.resize(x.rows(), D);
+        detail::multiply(q, x, p.w_q);
+        if (cfg.use_conv && tails != nullptr) {
+            for (std::size_t s = 0; s < tails->size(); ++s) {
+                detail::causal_conv_in_place(p.conv_q, (*tails)[s].leftCols(D),
+                                             q.middleRows(static_cast<Eigen::Index>(s) * N, N));
+            }
+        }
+        if (cfg.qkv_activation == Activation::SiLU) {
+            detail::activate_in_place(Activation::SiLU, q);
+        }
+        if (cfg.normalize_qk) {
+            detail::l2_normalize_heads(q, cfg.n_heads, cfg.head_dim());
+        }
+    }
+
+    /// read() and read_weights(): queries of x, each (sequence s, head h) read through the
+    /// weights weights_of(s, h), then W_O into y ((B*N) x d).
+    template <class WeightsOf>
+    static void read_through(const MemoryConfig& cfg, const MemoryParams<T>& p, const Mat& x,
+                             int B, const std::vector<Mat>* tails, Mat& y, WeightsOf&& weights_of) {
+        const int H = cfg.n_heads, dh = cfg.head_dim();
+        const Eigen::Index N = x.rows() / B;
+        y.resize(x.rows(), cfg.d_model);
+        if (N == 0) {
+            return;
+        }
+        Mat q;
+        project_queries(cfg, p, x, N, tails, q);
+        Mat yh(x.rows(), cfg.inner_dim());
+        std::vector<Mat> hid;
+        for (int l = 1; l <= cfg.depth; ++l) {
+            hid.emplace_back(N, cfg.layer_out(l));
+        }
+        for (int s = 0; s < B; ++s) {
+            for (int h = 0; h < H; ++h) {
+                const Eigen::Index r0 = static_cast<Eigen::Index>(s) * N;
+                auto yb = yh.block(r0, h * dh, N, dh);
+                mlp_read(cfg, weights_of(s, h), q.block(r0, h * dh, N, dh),
+                         static_cast<int>(N), hid, yb);
+            }
+        }
+        detail::multiply(y, yh, p.w_o);
+    }
+
+    /// y = M_W(q) for m query rows (math §2): W[l] in turn, act between layers, + q if
+    /// residual. hid holds one workspace per layer with >= m rows; y must not alias q.
+    template <class Q, class Y>
+    static void mlp_read(const MemoryConfig& cfg, const std::vector<Mat>& W, const Q& q, int m,
+                         std::vector<Mat>& hid, Y& y) {
+        const int L = cfg.depth;
+        for (int l = 0; l < L; ++l) {
+            const auto li = static_cast<std::size_t>(l);
+            auto out = hid[li].topRows(m);
+            if (l == 0) {
+                out.noalias() = q * W[0];
+            } else {
+                out.noalias() = hid[li - 1].topRows(m) * W[li];
+            }
+            if (l + 1 < L) {
+                detail::activate_in_place(cfg.activation, out);
+            }
+        }
+        y = hid[static_cast<std::size_t>(L - 1)].topRows(m);
+        if (cfg.residual) {
+            y += q;
+        }
+    }
+
     /// Where one (sequence, head) finds its inputs in the piece's matrices.
     struct Inputs {
         const Mat& qkv;     // (B*N) x 3D: q | k | v
@@ -365,82 +412,75 @@ private:
         }
     }
 
+    /// Keys of tokens [t, t+m) forward through the memory's current weights W and backward
+    /// through the loss (math §2), into workspace rows [o, o+m): A_{l-1} = a[l-1] (the layer
+    /// inputs), Delta_l = delta[l-1] with Delta_L = M(k) - v and
+    /// Delta_l = (Delta_{l+1} W_{l+1}^T) . act'(Z_l); z[l] keeps act'(Z_l) (rows [0, m)).
+    static void key_pass(const MemoryConfig& cfg, Head& hd, const Inputs& in, Eigen::Index t,
+                         int o, int m) {
+        const int L = cfg.depth;
+        hd.a[0].middleRows(o, m) = in.k(t, m);
+        for (int l = 0; l < L; ++l) {
+            const auto li = static_cast<std::size_t>(l);
+            auto z = hd.z[li].topRows(m);
+            z.noalias() = hd.a[li].middleRows(o, m) * hd.w[li];
+            if (l + 1 < L) {
+                detail::activate_and_grad(cfg.activation, z, hd.a[li + 1].middleRows(o, m),
+                                          hd.t1.topLeftCorner(m, z.cols()));
+            }
+        }
+        auto dL = hd.delta[static_cast<std::size_t>(L - 1)].middleRows(o, m);
+        dL = hd.z[static_cast<std::size_t>(L - 1)].topRows(m) - in.v(t, m);
+        if (cfg.residual) {
+            dL += in.k(t, m);
+        }
+        for (int l = L - 1; l >= 1; --l) {
+            const auto li = static_cast<std::size_t>(l);
+            auto dl = hd.delta[li - 1].middleRows(o, m);
+            dl.noalias() = hd.delta[li].middleRows(o, m) * hd.w[li].transpose();
+            dl.array() *= hd.z[li - 1].topRows(m).array();
+        }
+    }
+
+    /// Diagnostics of tokens [t, t+m) from workspace rows [o, o+m) after key_pass: the loss
+    /// 1/2 ||Delta_L||^2 and the gradient norm sqrt(sum_l ||a_{l-1}||^2 ||delta_l||^2).
+    static void record_surprise(const MemoryConfig& cfg, const Head& hd, const Inputs& in,
+                                Eigen::Index t, int o, int m, Diagnostics<T>* diag) {
+        if (diag == nullptr) {
+            return;
+        }
+        const int L = cfg.depth;
+        for (int i = 0; i < m; ++i) {
+            const Eigen::Index r = in.r0 + t + i;
+            diag->loss(r, in.h) =
+                T(0.5) * hd.delta[static_cast<std::size_t>(L - 1)].row(o + i).squaredNorm();
+            T g2 = T(0);
+            for (int l = 0; l < L; ++l) {
+                g2 += hd.a[static_cast<std::size_t>(l)].row(o + i).squaredNorm() *
+                      hd.delta[static_cast<std::size_t>(l)].row(o + i).squaredNorm();
+            }
+            diag->grad_norm(r, in.h) = std::sqrt(g2);
+        }
+    }
+
     /// math §4 over tokens [t, t+m) of one (sequence, head), which sit at rows [o, o+m) of the
     /// chunk in progress: keys forward and backward at W^s (batched), retrieval, and the
     /// closed-form chunk end when the chunk completes.
     static void chunk_segment(const MemoryConfig& cfg, Head& hd, const Inputs& in, Eigen::Index t,
                               int o, int m, int b, Mat& yh, Diagnostics<T>* diag) {
-        const int L = cfg.depth;
-        const Activation act = cfg.activation;
-        // Forward the keys through W^s, keeping A_{l-1} (pending rows) and act'(Z_l).
-        hd.a[0].middleRows(o, m) = in.k(t, m);
-        for (int l = 0; l < L; ++l) {
-            auto z = hd.z[static_cast<std::size_t>(l)].topRows(m);
-            z.noalias() = hd.a[static_cast<std::size_t>(l)].middleRows(o, m) * hd.w[static_cast<std::size_t>(l)];
-            if (l + 1 < L) {
-                detail::activate_and_grad(act, z, hd.a[static_cast<std::size_t>(l + 1)].middleRows(o, m),
-                                  hd.t1.topLeftCorner(m, z.cols()));
-            }
-        }
-        // Delta_L = M(k) - v, then back-propagate: Delta_l = (Delta_{l+1} W_{l+1}^T) . act'(Z_l).
-        {
-            auto dL = hd.delta[static_cast<std::size_t>(L - 1)].middleRows(o, m);
-            dL = hd.z[static_cast<std::size_t>(L - 1)].topRows(m) - in.v(t, m);
-            if (cfg.residual) {
-                dL += in.k(t, m);
-            }
-        }
-        for (int l = L - 1; l >= 1; --l) {
-            auto dl = hd.delta[static_cast<std::size_t>(l - 1)].middleRows(o, m);
-            dl.noalias() = hd.delta[static_cast<std::size_t>(l)].middleRows(o, m) *
-                           hd.w[static_cast<std::size_t>(l)].transpose();
-            dl.array() *= hd.z[static_cast<std::size_t>(l - 1)].topRows(m).array();
-        }
+        key_pass(cfg, hd, in, t, o, m);
         store_logits(cfg, hd, in, t, o, m);
-        if (diag != nullptr) {
-            for (int i = 0; i < m; ++i) {
-                const Eigen::Index r = in.r0 + t + i;
-                const T dn = hd.delta[static_cast<std::size_t>(L - 1)].row(o + i).squaredNorm();
-                diag->loss(r, in.h) = T(0.5) * dn;
-                T g2 = T(0);
-                for (int l = 0; l < L; ++l) {
-                    g2 += hd.a[static_cast<std::size_t>(l)].row(o + i).squaredNorm() *
-                          hd.delta[static_cast<std::size_t>(l)].row(o + i).squaredNorm();
-                }
-                diag->grad_norm(r, in.h) = std::sqrt(g2);
-            }
-        }
+        record_surprise(cfg, hd, in, t, o, m, diag);
         // math §5: retrieval.
         auto y = yh.block(in.r0 + t, in.h * in.dh, m, in.dh);
         if (cfg.retrieval == Retrieval::Lagged) {
-            read_lagged(cfg, hd, in.q(t, m), m, y);
+            mlp_read(cfg, hd.w, in.q(t, m), m, hd.hid, y);
         } else {
             read_in_chunk(cfg, hd, in.q(t, m), o, m, y);
         }
         // math §4: chunk end.
         if (o + m == b) {
             apply_chunk_end(cfg, hd, b, hd.coef, hd.t1, hd.w, hd.s);
-        }
-    }
-
-    /// y = M_{W^s}(q) for m query rows.
-    template <class Q, class Y>
-    static void read_lagged(const MemoryConfig& cfg, Head& hd, const Q& q, int m, Y& y) {
-        const int L = cfg.depth;
-        for (int l = 0; l < L; ++l) {
-            auto out = hd.hid[static_cast<std::size_t>(l)].topRows(m);
-            if (l == 0) {
-                out.noalias() = q * hd.w[0];
-            } else {
-                out.noalias() = hd.hid[static_cast<std::size_t>(l - 1)].topRows(m) * hd.w[static_cast<std::size_t>(l)];
-            }
-            if (l + 1 < L) {
-                detail::activate_in_place(cfg.activation, out);
-            }
-        }
-        y = hd.hid[static_cast<std::size_t>(L - 1)].topRows(m);
-        if (cfg.residual) {
-            y += q;
         }
     }
 
@@ -593,57 +633,26 @@ private:
     static void per_token_step(const MemoryConfig& cfg, Head& hd, const Inputs& in, Eigen::Index t,
                                Mat& yh, Diagnostics<T>* diag) {
         const int L = cfg.depth;
-        const Activation act = cfg.activation;
-        {
-            store_logits(cfg, hd, in, t, 0, 1);
-            auto y = yh.block(in.r0 + t, in.h * in.dh, 1, in.dh);
-            if (cfg.retrieval == Retrieval::Lagged) {
-                read_lagged(cfg, hd, in.q(t, 1), 1, y);
-            }
-            // Forward and backward of the key at M_{t-1} (row 0 of the workspaces).
-            hd.a[0].row(0) = in.k(t, 1);
-            for (int l = 0; l < L; ++l) {
-                const auto li = static_cast<std::size_t>(l);
-                auto z = hd.z[li].row(0);
-                z.noalias() = hd.a[li].row(0) * hd.w[li];
-                if (l + 1 < L) {
-                    detail::activate_and_grad(act, z, hd.a[li + 1].row(0), hd.t1.row(0).head(z.cols()));
-                }
-            }
-            auto dL = hd.delta[static_cast<std::size_t>(L - 1)].row(0);
-            dL = hd.z[static_cast<std::size_t>(L - 1)].row(0) - in.v(t, 1);
-            if (cfg.residual) {
-                dL += in.k(t, 1);
-            }
-            for (int l = L - 1; l >= 1; --l) {
-                const auto li = static_cast<std::size_t>(l);
-                auto dl = hd.delta[li - 1].row(0);
-                dl.noalias() = hd.delta[li].row(0) * hd.w[li].transpose();
-                dl.array() *= hd.z[li - 1].row(0).array();
-            }
-            if (diag != nullptr) {
-                const Eigen::Index r = in.r0 + t;
-                diag->loss(r, in.h) = T(0.5) * dL.squaredNorm();
-                T g2 = T(0);
-                for (int l = 0; l < L; ++l) {
-                    g2 += hd.a[static_cast<std::size_t>(l)].row(0).squaredNorm() *
-                          hd.delta[static_cast<std::size_t>(l)].row(0).squaredNorm();
-                }
-                diag->grad_norm(r, in.h) = std::sqrt(g2);
-            }
-            // S_t = eta S_{t-1} - theta a^T delta;  M_t = (1 - alpha) M_{t-1} + S_t.
-            gates_clipped(cfg, hd, 1, hd.coef);
-            const T theta = hd.coef(0, 0), eta = hd.coef(1, 0), alpha = hd.coef(2, 0);
-            for (int l = 0; l < L; ++l) {
-                const auto li = static_cast<std::size_t>(l);
-                hd.s[li] *= eta;
-                hd.s[li].noalias() -= (theta * hd.a[li].row(0).transpose()) * hd.delta[li].row(0);
-                hd.w[li] *= (T(1) - alpha);
-                hd.w[li] += hd.s[li];
-            }
-            if (cfg.retrieval == Retrieval::InChunk) {
-                read_lagged(cfg, hd, in.q(t, 1), 1, y);
-            }
+        store_logits(cfg, hd, in, t, 0, 1);
+        auto y = yh.block(in.r0 + t, in.h * in.dh, 1, in.dh);
+        if (cfg.retrieval == Retrieval::Lagged) {
+            mlp_read(cfg, hd.w, in.q(t, 1), 1, hd.hid, y);
+        }
+        // Forward and backward of the key at M_{t-1} (row 0 of the workspaces).
+        key_pass(cfg, hd, in, t, 0, 1);
+        record_surprise(cfg, hd, in, t, 0, 1, diag);
+        // S_t = eta S_{t-1} - theta a^T delta;  M_t = (1 - alpha) M_{t-1} + S_t.
+        gates_clipped(cfg, hd, 1, hd.coef);
+        const T theta = hd.coef(0, 0), eta = hd.coef(1, 0), alpha = hd.coef(2, 0);
+        for (int l = 0; l < L; ++l) {
+            const auto li = static_cast<std::size_t>(l);
+            hd.s[li] *= eta;
+            hd.s[li].noalias() -= (theta * hd.a[li].row(0).transpose()) * hd.delta[li].row(0);
+            hd.w[li] *= (T(1) - alpha);
+            hd.w[li] += hd.s[li];
+        }
+        if (cfg.retrieval == Retrieval::InChunk) {
+            mlp_read(cfg, hd.w, in.q(t, 1), 1, hd.hid, y);
         }
     }
 
