@@ -235,7 +235,8 @@ TEST_CASE("errors: bad forward arguments", "[errors][forward]") {
     with_inf(0, 0) = std::numeric_limits<double>::infinity();
     REQUIRE_THROWS_NAMING(mem.forward(st, with_inf), NonFiniteError, "x");
     Matrixd alias = random_matrix(2 * B, cfg.d_model, rng);
-    REQUIRE_THROWS_NAMING(mem.forward(st, alias, alias), ShapeError, "same matrix");
+    REQUIRE_THROWS_NAMING(mem.forward(st, alias, alias), ShapeError, "share storage");
+    REQUIRE_THROWS_NAMING(mem.forward(st, alias.bottomRows(B), alias), ShapeError, "share storage");
 
     // A state of another configuration, and a default-constructed state.
     MemoryConfig other = cfg;

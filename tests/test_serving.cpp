@@ -230,3 +230,58 @@ TEMPLATE_TEST_CASE("attention: window rollback", "[attention]", float, double) {
         CHECK(identical(att.forward(st, x), att.forward(copy, x)));
     }
 }
+
+// Inputs are views: a block of a wider matrix (rows with a stride), a block of rows, and a
+// column-major matrix give the outputs of the same values in a plain row-major matrix, bit for
+// bit, for every layer that takes input; an output sharing storage with its input is refused.
+TEMPLATE_TEST_CASE("inputs: views, no copies", "[serving]", float, double) {
+    using T = TestType;
+    using Mat = Matrix<T>;
+    Rng rng(seed_for(std::string("views/") + type_name<T>()));
+    const int d = 16, B = 2, N = 7;
+    const Mat wide = random_matrix(B * N + 3, d + 5, rng).cast<T>();
+    const auto view = wide.block(1, 2, B * N, d);  // outer stride d + 5
+    const Mat plain = view;
+    const Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::ColMajor> colmajor = plain;
+
+    const auto mc = titans::ModelConfig::uniform(titans::BlockKind::MAC, 1, d, 2, 2, 4);
+    titans::ModelConfig cfg = mc;
+    cfg.blocks.push_back(titans::BlockConfig::make(titans::BlockKind::MAG, d, 2, 2, 4, 4));
+    const titans::Model<T> model(cfg, titans::ModelParams<T>::random(cfg, 3));
+    auto run_model = [&](const auto& x) {
+        auto st = model.make_state(B);
+        return model.forward(st, x);
+    };
+    const Mat ref = run_model(plain);
+    CHECK(identical(run_model(view), ref));
+    CHECK(identical(run_model(colmajor), ref));
+
+    const titans::Block<T>& block = model.blocks()[1];
+    auto st1 = block.make_state(B), st2 = block.make_state(B);
+    CHECK(identical(block.forward(st1, view), block.forward(st2, plain)));
+    CHECK(identical(block.mix(st1, view.topRows(B * 3)), block.mix(st2, plain.topRows(B * 3))));
+
+    const NeuralMemory<T>& mem = block.memory();
+    auto m1 = mem.make_state(B), m2 = mem.make_state(B);
+    CHECK(identical(mem.forward(m1, view), mem.forward(m2, plain)));
+    CHECK(identical(mem.read(m1, view), mem.read(m2, colmajor)));
+
+    const titans::RMSNorm<T> norm(d);
+    CHECK(identical(norm.forward(view), norm.forward(plain)));
+    Mat inplace = plain;
+    norm.forward(inplace, inplace);
+    CHECK(identical(inplace, norm.forward(plain)));
+    Mat holder = plain;
+    CHECK_THROWS_AS(norm.forward(holder.topRows(3), holder), ShapeError);
+
+    const titans::FeedForwardConfig fc{.d_model = d};
+    const titans::FeedForward<T> ffn(fc, titans::FeedForwardParams<T>::random(fc, 4));
+    CHECK(identical(ffn.forward(view), ffn.forward(colmajor)));
+    CHECK_THROWS_AS(ffn.forward(holder.topRows(3), holder), ShapeError);
+
+    const AttentionConfig ac{.d_model = d, .n_heads = 2, .window = 5, .rope = true};
+    const Attention<T> attn(ac, AttentionParams<T>::random(ac, 5));
+    auto a1 = attn.make_state(B), a2 = attn.make_state(B);
+    CHECK(identical(attn.forward(a1, view), attn.forward(a2, plain)));
+    CHECK_THROWS_AS(attn.forward(a1, holder, holder), ShapeError);
+}

@@ -16,6 +16,13 @@ using Matrix = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>
 template <class T>
 using RowVector = Eigen::Matrix<T, 1, Eigen::Dynamic, Eigen::RowMajor>;
 
+/// What the public forward/read calls take: a read-only view of a row-major matrix or of a
+/// block of rows / columns of one, passed without a copy. Anything else (a column-major
+/// matrix, a product, a cast) is evaluated into a temporary row-major copy first: one pass
+/// over the input, the cost of the conversion and nothing more.
+template <class T>
+using MatrixRef = Eigen::Ref<const Matrix<T>>;
+
 using Matrixf = Matrix<float>;
 using Matrixd = Matrix<double>;
 using RowVectorf = RowVector<float>;

@@ -115,7 +115,7 @@ public:
     /// Processes the next piece of every stream. x: (B*N) x d_model with B = state.batch();
     /// prefix (optional): p x d_model (PrefixSharing::Shared) or (B*p) x d_model
     /// (PrefixSharing::PerSequence), visible to every query. Returns (B*N) x d_model.
-    [[nodiscard]] Matrix<T> forward(State& state, const Matrix<T>& x,
+    [[nodiscard]] Matrix<T> forward(State& state, const MatrixRef<T>& x,
                                     const Matrix<T>* prefix = nullptr,
                                     PrefixSharing sharing = PrefixSharing::Shared) const {
         Matrix<T> y;
@@ -123,14 +123,15 @@ public:
         return y;
     }
 
-    /// As above, writing into `y` (resized to (B*N) x d_model).
-    void forward(State& state, const Matrix<T>& x, Matrix<T>& y, const Matrix<T>* prefix = nullptr,
+    /// As above, writing into `y` (resized to (B*N) x d_model; not sharing storage with an
+    /// input).
+    void forward(State& state, const MatrixRef<T>& x, Matrix<T>& y, const Matrix<T>* prefix = nullptr,
                  PrefixSharing sharing = PrefixSharing::Shared) const {
         constexpr const char* where = "Attention::forward";
         detail::check_position_advance(where, state.position_, x.rows(), state.batch_);
         check_state(state, where);
         check_input(state, x, prefix, sharing, where);
-        if (&x == &y || (prefix != nullptr && prefix == &y)) {
+        if (detail::overlaps(x, y) || (prefix != nullptr && detail::overlaps(*prefix, y))) {
             throw ShapeError("Attention::forward: y is also an input, expected a distinct matrix");
         }
         const ThreadScope team(threads_,
@@ -148,7 +149,7 @@ public:
     /// As forward with a prefix shared by every sequence whose projections the caller made once:
     /// k_prefix = prefix W_K and v_prefix = prefix W_V (p x D each). A fixed prefix (persistent
     /// tokens) then costs nothing per call (serving); the outputs are the same.
-    void forward_projected(State& state, const Matrix<T>& x, Matrix<T>& y,
+    void forward_projected(State& state, const MatrixRef<T>& x, Matrix<T>& y,
                            const Matrix<T>& k_prefix, const Matrix<T>& v_prefix) const {
         constexpr const char* where = "Attention::forward_projected";
         detail::check_position_advance(where, state.position_, x.rows(), state.batch_);
@@ -165,7 +166,8 @@ public:
         if (!detail::all_finite(k_prefix) || !detail::all_finite(v_prefix)) {
             throw NonFiniteError(detail::concat(where, ": the prefix has a NaN or infinite entry"));
         }
-        if (&x == &y || &k_prefix == &y || &v_prefix == &y) {
+        if (detail::overlaps(x, y) || detail::overlaps(k_prefix, y) ||
+            detail::overlaps(v_prefix, y)) {
             throw ShapeError(detail::concat(where, ": y is also an input, expected a distinct matrix"));
         }
         const ThreadScope team(threads_, work_estimate(x.rows(), k_prefix.rows()));
@@ -230,7 +232,7 @@ public:
 private:
     /// Checked inputs: projects x, then attend() inside a transaction (the state is unchanged
     /// if it throws).
-    void run(State& state, const Matrix<T>& x, Matrix<T>& y, const Matrix<T>& kp,
+    void run(State& state, const MatrixRef<T>& x, Matrix<T>& y, const Matrix<T>& kp,
              const Matrix<T>& vp, Eigen::Index p, PrefixSharing sharing) const {
         const int B = state.batch_, H = cfg_.n_heads, dh = cfg_.head_dim(), D = cfg_.inner_dim();
         const Eigen::Index N = x.rows() / B;
@@ -347,7 +349,7 @@ private:
                        "configuration"));
         }
     }
-    void check_input(const State& state, const Matrix<T>& x, const Matrix<T>* prefix,
+    void check_input(const State& state, const MatrixRef<T>& x, const Matrix<T>* prefix,
                      PrefixSharing sharing, const char* where) const {
         if (x.cols() != cfg_.d_model) {
             throw ShapeError(detail::concat(where, ": x has ", x.cols(),

@@ -24,4 +24,18 @@ struct TensorCheck {
     }
 };
 
+/// True if the storage of `x` (a view) and of `y` (an output about to be resized) overlap:
+/// writing y would then change or free x.
+template <class X, class Y>
+[[nodiscard]] bool overlaps(const X& x, const Y& y) {
+    if (x.size() == 0 || y.size() == 0) {
+        return false;
+    }
+    const auto* x0 = x.data();
+    const auto* x1 = x.data() + (x.rows() - 1) * x.outerStride() + x.cols();
+    const auto* y0 = y.data();
+    const auto* y1 = y.data() + y.size();
+    return x0 < y1 && y0 < x1;
+}
+
 }  // namespace titans::detail

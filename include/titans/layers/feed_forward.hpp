@@ -209,14 +209,14 @@ public:
     }
 
     /// x: rows x d -> rows x d. Throws ShapeError (width), NonFiniteError (NaN / inf in x).
-    [[nodiscard]] Matrix<T> forward(const Matrix<T>& x) const {
+    [[nodiscard]] Matrix<T> forward(const MatrixRef<T>& x) const {
         Matrix<T> y;
         forward(x, y);
         return y;
     }
 
     /// As above, writing into `y` (resized; must not be `x`).
-    void forward(const Matrix<T>& x, Matrix<T>& y) const {
+    void forward(const MatrixRef<T>& x, Matrix<T>& y) const {
         constexpr const char* where = "FeedForward::forward";
         if (x.cols() != cfg_.d_model) {
             throw ShapeError(detail::concat(where, ": x has ", x.cols(),
@@ -225,8 +225,9 @@ public:
         if (!x.allFinite()) {
             throw NonFiniteError(detail::concat(where, ": x has a NaN or infinite entry"));
         }
-        if (&x == &y) {
-            throw ShapeError(detail::concat(where, ": y is x, expected a distinct matrix"));
+        if (detail::overlaps(x, y)) {
+            throw ShapeError(detail::concat(where, ": y shares storage with x, expected a "
+                                                   "distinct matrix"));
         }
         Matrix<T> a(x.rows(), params_->w1.cols());
         detail::multiply(a, x, params_->w1);

@@ -7,6 +7,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "../detail/check.hpp"
 #include "../detail/shared.hpp"
 #include "../error.hpp"
 #include "../fwd.hpp"
@@ -70,15 +71,22 @@ public:
     }
 
     /// x: rows x d -> rows x d. Throws ShapeError (width), NonFiniteError (NaN / inf in x).
-    [[nodiscard]] Matrix<T> forward(const Matrix<T>& x) const {
+    [[nodiscard]] Matrix<T> forward(const MatrixRef<T>& x) const {
         Matrix<T> y;
         forward(x, y);
         return y;
     }
 
-    /// As above, writing into `y` (resized; `y` may be `x` itself).
-    void forward(const Matrix<T>& x, Matrix<T>& y) const {
+    /// As above, writing into `y` (resized; `y` may be `x` itself, but not share part of its
+    /// storage otherwise).
+    void forward(const MatrixRef<T>& x, Matrix<T>& y) const {
         constexpr const char* where = "RMSNorm::forward";
+        const bool in_place = x.data() == y.data() && x.rows() == y.rows() &&
+                              x.cols() == y.cols() && x.outerStride() == y.outerStride();
+        if (!in_place && detail::overlaps(x, y)) {
+            throw ShapeError(detail::concat(where, ": y shares part of x's storage, expected x "
+                                                   "itself or a distinct matrix"));
+        }
         if (x.cols() != weight_->cols()) {
             throw ShapeError(detail::concat(where, ": x has ", x.cols(), " columns, expected d = ",
                                             weight_->cols()));
@@ -86,7 +94,7 @@ public:
         if (!x.allFinite()) {
             throw NonFiniteError(detail::concat(where, ": x has a NaN or infinite entry"));
         }
-        y.resize(x.rows(), x.cols());  // no-op when &y == &x
+        y.resize(x.rows(), x.cols());  // no-op in place
         const T eps = static_cast<T>(eps_);
         const T inv_d = T(1) / static_cast<T>(x.cols());
         for (Eigen::Index r = 0; r < x.rows(); ++r) {

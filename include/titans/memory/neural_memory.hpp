@@ -8,6 +8,7 @@
 #include "../fwd.hpp"
 #include "../backend/backend.hpp"
 #include "../backend/cpu/cpu.hpp"
+#include "../detail/check.hpp"
 #include "../detail/float_env.hpp"
 #include "../detail/shared.hpp"
 #include "../error.hpp"
@@ -81,22 +82,23 @@ public:
 
     /// Processes the next piece of every stream. x: (B*N) x d_model with B = state.batch();
     /// returns (B*N) x d_model. If `diag` is given it receives per-token surprise.
-    [[nodiscard]] Matrix<T> forward(State& state, const Matrix<T>& x,
+    [[nodiscard]] Matrix<T> forward(State& state, const MatrixRef<T>& x,
                                     Diagnostics<T>* diag = nullptr) const {
         Matrix<T> y;
         forward(state, x, y, diag);
         return y;
     }
 
-    /// As above, writing into `y` (resized to (B*N) x d_model; reuse it to avoid allocation).
-    void forward(State& state, const Matrix<T>& x, Matrix<T>& y,
+    /// As above, writing into `y` (resized to (B*N) x d_model; reuse it to avoid allocation;
+    /// it must not share storage with x).
+    void forward(State& state, const MatrixRef<T>& x, Matrix<T>& y,
                  Diagnostics<T>* diag = nullptr) const {
         detail::check_position_advance("NeuralMemory::forward", state.position(), x.rows(),
                                        state.batch());
         check_state(state, "NeuralMemory::forward");
         check_input(state.batch(), x, "NeuralMemory::forward");
-        if (&x == &y) {
-            throw ShapeError("NeuralMemory::forward: x and y are the same matrix, expected "
+        if (detail::overlaps(x, y)) {
+            throw ShapeError("NeuralMemory::forward: x and y share storage, expected "
                              "distinct matrices");
         }
         const ThreadScope team(threads_, work_estimate(x.rows()));
@@ -108,7 +110,7 @@ public:
     /// math §1; the conv continues the stream but its tail is not updated), every query reads
     /// the memory as it is after the last token seen, y = M_{W_t}(q) per head, then W_O.
     /// x: (B*N) x d_model -> (B*N) x d_model. The state is unchanged.
-    [[nodiscard]] Matrix<T> read(const State& state, const Matrix<T>& x) const {
+    [[nodiscard]] Matrix<T> read(const State& state, const MatrixRef<T>& x) const {
         check_state(state, "NeuralMemory::read");
         check_input(state.batch(), x, "NeuralMemory::read");
         Matrix<T> y;
@@ -129,7 +131,7 @@ public:
     /// W_O. x: (batch*N) x d_model -> (batch*N) x d_model. MAC reads the memory as it was at
     /// its segment's start this way (math §7).
     [[nodiscard]] Matrix<T> read_weights(const std::vector<std::vector<Matrix<T>>>& weights,
-                                         const Matrix<T>& x, int batch) const {
+                                         const MatrixRef<T>& x, int batch) const {
         constexpr const char* where = "NeuralMemory::read_weights";
         detail::require<ConfigError>(batch >= 1, where, "batch", batch, ">= 1");
         check_weights(weights, batch, where);
@@ -201,7 +203,7 @@ private:
                        " expected a state from make_state() of a memory with this configuration"));
         }
     }
-    void check_input(int batch, const Matrix<T>& x, const char* where) const {
+    void check_input(int batch, const MatrixRef<T>& x, const char* where) const {
         if (x.cols() != cfg_.d_model) {
             throw ShapeError(detail::concat(where, ": x has ", x.cols(),
                                             " columns, expected d_model = ", cfg_.d_model));

@@ -483,7 +483,7 @@ public:
     /// The next piece of every stream: x (B*N) x d -> (B*N) x d. Strong guarantee: if it
     /// throws (NonFiniteError when a sub-layer's output or state would not be finite), the
     /// state is as it was.
-    [[nodiscard]] Matrix<T> forward(State& state, const Matrix<T>& x) const {
+    [[nodiscard]] Matrix<T> forward(State& state, const MatrixRef<T>& x) const {
         // The memory's position is the largest of the block's (it also counts P for MAG, MAL).
         detail::check_position_advance("Block::forward", state.memory_.position(), x.rows(),
                                        state.batch_);
@@ -503,7 +503,7 @@ public:
 
     /// The mixer alone (math §7) on already-normalised input u: (B*N) x d -> (B*N) x d.
     /// Advances the state (memory, attention, position) like forward(); strong guarantee.
-    [[nodiscard]] Matrix<T> mix(State& state, const Matrix<T>& u) const {
+    [[nodiscard]] Matrix<T> mix(State& state, const MatrixRef<T>& u) const {
         detail::check_position_advance("Block::mix", state.memory_.position(), u.rows(),
                                        state.batch_);
         check(state, u, "Block::mix");
@@ -606,7 +606,7 @@ private:
         bool own_, done_ = false;
     };
 
-    Matrix<T> mix_unchecked(State& state, const Matrix<T>& u) const {
+    Matrix<T> mix_unchecked(State& state, const MatrixRef<T>& u) const {
         try {
             return mix_kind(state, u);
         } catch (const NonFiniteError& e) {
@@ -618,7 +618,7 @@ private:
         }
     }
 
-    Matrix<T> mix_kind(State& state, const Matrix<T>& u) const {
+    Matrix<T> mix_kind(State& state, const MatrixRef<T>& u) const {
         Matrix<T> o;
         switch (cfg_.kind) {
             case BlockKind::LMM: o = memory_.forward(state.memory_, u); break;
@@ -734,7 +734,7 @@ private:
                                                     "make_state() of this block"));
         }
     }
-    void check(const State& state, const Matrix<T>& x, const char* where) const {
+    void check(const State& state, const MatrixRef<T>& x, const char* where) const {
         check_state(state, where);
         if (x.cols() != cfg_.d_model) {
             throw ShapeError(detail::concat(where, ": x has ", x.cols(),
@@ -757,7 +757,7 @@ private:
     }
     static T sigmoid(T v) { return detail::sigmoid(v); }
 
-    Matrix<T> mix_mag(State& st, const Matrix<T>& u) const {
+    Matrix<T> mix_mag(State& st, const MatrixRef<T>& u) const {
         Matrix<T> y;  // P W_K and P W_V were projected once, at construction
         attention_->forward_projected(st.attention_, u, y, k_prefix_, v_prefix_);
         const Matrix<T> m = memory_.forward(st.memory_, u);
@@ -767,7 +767,7 @@ private:
     }
 
     /// MAC over a piece, segment part by segment part [t, t + m) of every stream.
-    Matrix<T> mix_mac(State& st, const Matrix<T>& u) const {
+    Matrix<T> mix_mac(State& st, const MatrixRef<T>& u) const {
         const int B = st.batch_, C = cfg_.segment, Hm = cfg_.memory.n_heads;
         const Eigen::Index N = u.rows() / B;
         Matrix<T> out(u.rows(), cfg_.d_model);

@@ -283,7 +283,7 @@ public:
     void validate_state(const State& state) const { check_state(state, "Model"); }
 
     /// Vectors in: x (B*N) x d_model -> (B*N) x output_dim().
-    [[nodiscard]] Matrix<T> forward(State& state, const Matrix<T>& x) const {
+    [[nodiscard]] Matrix<T> forward(State& state, const MatrixRef<T>& x) const {
         // Reserve: a block's memory also counts its persistent tokens (<= max_persistent).
         detail::check_position_advance("Model::forward", state.position, x.rows(), state.batch,
                                        limits::max_persistent);

@@ -32,6 +32,7 @@ struct MemoryKernels<Cpu, T> {
     using State = MemoryState<T>;
     using Head = typename State::Head;
     using Mat = Matrix<T>;
+    using In = MatrixRef<T>;  // inputs: a row-major matrix or a block of one, not copied
 
     static State make_state(const MemoryConfig& cfg, const MemoryParams<T>& p, int batch) {
         State st;
@@ -75,7 +76,7 @@ struct MemoryKernels<Cpu, T> {
     /// would hold a NaN or an infinity; the state is then as it was before the call (or, inside
     /// an open transaction, as it was at the transaction's start: MemoryUndo).
     static void forward(const MemoryConfig& cfg, const MemoryParams<T>& p, State& st,
-                        const Mat& x, Mat& y, Diagnostics<T>* diag) {
+                        const In& x, Mat& y, Diagnostics<T>* diag) {
         y.resize(x.rows(), cfg.d_model);
         if (diag != nullptr) {
             diag->loss.setZero(x.rows(), cfg.n_heads);
@@ -99,7 +100,7 @@ struct MemoryKernels<Cpu, T> {
     /// Read-only retrieval: q path of math §1 for x (conv continuing the stream, tails not
     /// updated), y = M_{W_t}(q) per head with the memory after the last token, then W_O.
     static void read(const MemoryConfig& cfg, const MemoryParams<T>& p, const State& st,
-                     const Mat& x, Mat& y) {
+                     const In& x, Mat& y) {
         read_through(cfg, p, x, st.batch_, &st.conv_tail_, y,
                      [&](int s, int h) { return materialise(cfg, st, s, h, true); });
     }
@@ -108,7 +109,7 @@ struct MemoryKernels<Cpu, T> {
     /// conv, y = M_W(q) per (sequence, head) with W = weights[s * H + h], then W_O. x is
     /// (batch*N) x d. MAC reads its segment-start snapshot this way.
     static void read_weights(const MemoryConfig& cfg, const MemoryParams<T>& p,
-                             const std::vector<std::vector<Mat>>& weights, const Mat& x, int batch,
+                             const std::vector<std::vector<Mat>>& weights, const In& x, int batch,
                              Mat& y) {
         read_through(cfg, p, x, batch, nullptr, y, [&](int s, int h) -> const std::vector<Mat>& {
             return weights[static_cast<std::size_t>(s * cfg.n_heads + h)];
@@ -133,7 +134,7 @@ private:
     /// math §1's query path for x ((B*N) x d, N rows per sequence) into q ((B*N) x D):
     /// x W_Q, the conv continuing each sequence's tail when `tails` is given (not advanced),
     /// phi, the L2 norm per head.
-    static void project_queries(const MemoryConfig& cfg, const MemoryParams<T>& p, const Mat& x,
+    static void project_queries(const MemoryConfig& cfg, const MemoryParams<T>& p, const In& x,
                                 Eigen::Index N, const std::vector<Mat>* tails, Mat& q) {
         const int D = cfg.inner_dim();
         q.resize(x.rows(), D);
@@ -155,7 +156,7 @@ private:
     /// read() and read_weights(): queries of x, each (sequence s, head h) read through the
     /// weights weights_of(s, h), then W_O into y ((B*N) x d).
     template <class WeightsOf>
-    static void read_through(const MemoryConfig& cfg, const MemoryParams<T>& p, const Mat& x,
+    static void read_through(const MemoryConfig& cfg, const MemoryParams<T>& p, const In& x,
                              int B, const std::vector<Mat>* tails, Mat& y, WeightsOf&& weights_of) {
         const int H = cfg.n_heads, dh = cfg.head_dim();
         const Eigen::Index N = x.rows() / B;
@@ -226,7 +227,7 @@ private:
     /// The body of forward(): projections, the per-head scans, the output projection, each
     /// checked for non-finite values before the position advances.
     static void forward_piece(const MemoryConfig& cfg, const MemoryParams<T>& p, State& st,
-                              const Mat& x, Mat& y, Diagnostics<T>* diag) {
+                              const In& x, Mat& y, Diagnostics<T>* diag) {
         const int B = st.batch_, H = cfg.n_heads, dh = cfg.head_dim(), D = cfg.inner_dim();
         const Eigen::Index N = x.rows() / B;
         const std::int64_t pos0 = st.position_;
@@ -274,7 +275,7 @@ private:
 
     /// math §1 for a piece: qkv = [q | k | v] after conv, phi and the L2 norm (the conv tails
     /// advance), gate logits (empty for constant gates).
-    static void project(const MemoryConfig& cfg, const MemoryParams<T>& p, State& st, const Mat& x,
+    static void project(const MemoryConfig& cfg, const MemoryParams<T>& p, State& st, const In& x,
                         Eigen::Index N, Mat& qkv, Mat& logits) {
         const int H = cfg.n_heads, dh = cfg.head_dim(), D = cfg.inner_dim();
         qkv.resize(x.rows(), 3 * D);
