@@ -234,7 +234,7 @@ TEMPLATE_TEST_CASE("attention: window rollback", "[attention]", float, double) {
 // Inputs are views: a block of a wider matrix (rows with a stride), a block of rows, and a
 // column-major matrix give the outputs of the same values in a plain row-major matrix, bit for
 // bit, for every layer that takes input; an output sharing storage with its input is refused.
-TEMPLATE_TEST_CASE("inputs: views, no copies", "[serving]", float, double) {
+TEMPLATE_TEST_CASE("inputs: views not copies", "[serving]", float, double) {
     using T = TestType;
     using Mat = Matrix<T>;
     Rng rng(seed_for(std::string("views/") + type_name<T>()));

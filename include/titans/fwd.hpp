@@ -31,12 +31,12 @@ template <class T>
 class AttentionState;
 template <class T>
 class Attention;
-template <class T>
+template <class T, class Backend = backend::Cpu>
 class RMSNorm;
 struct FeedForwardConfig;
 template <class T>
 struct FeedForwardParams;
-template <class T>
+template <class T, class Backend = backend::Cpu>
 class FeedForward;
 template <class T>
 class PersistentMemory;

@@ -9,6 +9,8 @@
 // specialisation must provide; see docs/design.md.
 
 #include <concepts>
+#include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "../memory/config.hpp"
@@ -40,44 +42,71 @@ struct MemoryKernels {
                   "titans: no MemoryKernels specialization for this backend policy");
 };
 
+/// The kernels of RMSNorm (concept NormBackend, layers/rms_norm.hpp) and of FeedForward
+/// (concept FeedForwardBackend, layers/feed_forward.hpp) on a backend.
+template <class Backend, class T>
+struct NormKernels {
+    static_assert(dependent_false<Backend>,
+                  "titans: no NormKernels specialization for this backend policy");
+};
+template <class Backend, class T>
+struct FeedForwardKernels {
+    static_assert(dependent_false<Backend>,
+                  "titans: no FeedForwardKernels specialization for this backend policy");
+};
+
 /// What MemoryKernels<B, T> must provide for NeuralMemory<T, B> to run on it:
+///   Prepared                      the outer parameters as the kernels use them (uploaded,
+///                                 laid out), made once per object
+///   prepare(cfg, params)          Prepared from the host parameters (a shared_ptr: the CPU
+///                                 keeps the pointer, a device backend uploads)
 ///   State                         a stream batch's state (memory weights, momentum, pending
-///                                 chunk, conv tails, position), owned by the caller
-///   make_state(cfg, params, B)    a fresh state for B sequences
-///   forward(cfg, params, state, x, y, diag)
-///                                 math §1-5 over a piece of the stream: x (B*N) x d in,
-///                                 y (B*N) x d out, diag optional (nullptr)
-///   read(cfg, params, state, x, y)  read-only retrieval with the memory after the last token
-///   read_weights(cfg, params, weights, x, batch, y)
+///                                 chunk, conv tails, position), owned by the caller, with
+///                                 batch(), position() and config() readable on the host
+///   make_state(cfg, prepared, B)  a fresh state for B sequences
+///   forward(cfg, prepared, state, x, y, diag)
+///                                 math §1-5 over a piece of the stream: x (B*N) x d in (a
+///                                 MatrixRef), y (B*N) x d out, diag optional (nullptr)
+///   read(cfg, prepared, state, x, y)  read-only retrieval with the memory after the last token
+///   read_weights(cfg, prepared, weights, x, batch, y)
 ///                                 retrieval through given weights (per sequence and head)
 ///   current_weights / current_momentum(cfg, state, b, h)
 ///                                 the memory as it is after the last token seen, materialised
+///                                 on the host
 ///   begin(state) -> bool, commit(state), rollback(state)
 ///                                 a transaction over several forward calls: rollback puts the
 ///                                 state back as it was at begin (forward opens and commits its
 ///                                 own when none is open, and rolls back when it throws)
 /// and BackendTraits<B> must say whether its results are host accessible and if it supports T.
+/// The backward pass of the family (training) will add its members here.
 template <class B, class T>
-concept MemoryBackend =
-    requires(const MemoryConfig& cfg, const MemoryParams<T>& p,
-             typename MemoryKernels<B, T>::State& s, const typename MemoryKernels<B, T>::State& cs,
-             const Matrix<T>& x, Matrix<T>& y, Diagnostics<T>* diag, int i) {
-        typename MemoryKernels<B, T>::State;
-        { MemoryKernels<B, T>::make_state(cfg, p, i) } ->
-            std::same_as<typename MemoryKernels<B, T>::State>;
-        MemoryKernels<B, T>::forward(cfg, p, s, x, y, diag);
-        MemoryKernels<B, T>::read(cfg, p, cs, x, y);
-        MemoryKernels<B, T>::read_weights(cfg, p, std::vector<std::vector<Matrix<T>>>{}, x, i, y);
-        { MemoryKernels<B, T>::current_weights(cfg, cs, i, i) } ->
-            std::same_as<std::vector<Matrix<T>>>;
-        { MemoryKernels<B, T>::current_momentum(cfg, cs, i, i) } ->
-            std::same_as<std::vector<Matrix<T>>>;
-        { MemoryKernels<B, T>::begin(s) } -> std::convertible_to<bool>;
-        MemoryKernels<B, T>::commit(s);
-        MemoryKernels<B, T>::rollback(s);
-        { BackendTraits<B>::host_accessible } -> std::convertible_to<bool>;
-        { BackendTraits<B>::template supports<T> } -> std::convertible_to<bool>;
-    };
+concept MemoryBackend = requires(
+    const MemoryConfig& cfg, const std::shared_ptr<const MemoryParams<T>>& hp,
+    const typename MemoryKernels<B, T>::Prepared& p, typename MemoryKernels<B, T>::State& s,
+    const typename MemoryKernels<B, T>::State& cs, const MatrixRef<T>& x, Matrix<T>& y,
+    Diagnostics<T>* diag, int i) {
+    typename MemoryKernels<B, T>::Prepared;
+    typename MemoryKernels<B, T>::State;
+    { MemoryKernels<B, T>::prepare(cfg, hp) } ->
+        std::same_as<typename MemoryKernels<B, T>::Prepared>;
+    { MemoryKernels<B, T>::make_state(cfg, p, i) } ->
+        std::same_as<typename MemoryKernels<B, T>::State>;
+    MemoryKernels<B, T>::forward(cfg, p, s, x, y, diag);
+    MemoryKernels<B, T>::read(cfg, p, cs, x, y);
+    MemoryKernels<B, T>::read_weights(cfg, p, std::vector<std::vector<Matrix<T>>>{}, x, i, y);
+    { MemoryKernels<B, T>::current_weights(cfg, cs, i, i) } ->
+        std::same_as<std::vector<Matrix<T>>>;
+    { MemoryKernels<B, T>::current_momentum(cfg, cs, i, i) } ->
+        std::same_as<std::vector<Matrix<T>>>;
+    { MemoryKernels<B, T>::begin(s) } -> std::convertible_to<bool>;
+    MemoryKernels<B, T>::commit(s);
+    MemoryKernels<B, T>::rollback(s);
+    { cs.batch() } -> std::convertible_to<int>;
+    { cs.position() } -> std::convertible_to<std::int64_t>;
+    { cs.config() } -> std::convertible_to<const MemoryConfig&>;
+    { BackendTraits<B>::host_accessible } -> std::convertible_to<bool>;
+    { BackendTraits<B>::template supports<T> } -> std::convertible_to<bool>;
+};
 
 }  // namespace backend
 }  // namespace titans

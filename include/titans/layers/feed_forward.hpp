@@ -3,6 +3,7 @@
 // follows the mixing sub-block of every Titans block (math §7): SwiGLU or a GELU MLP.
 
 #include <cmath>
+#include <concepts>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -10,6 +11,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "../backend/backend.hpp"
 #include "../detail/check.hpp"
 #include "../detail/product.hpp"
 #include "../detail/activation.hpp"
@@ -167,6 +169,23 @@ struct FeedForwardParams {
     }
 };
 
+namespace backend {
+/// What FeedForwardKernels<B, T> must provide for FeedForward<T, B>: Prepared (the parameters
+/// as the kernels use them), prepare(cfg, params) from the host parameters (a shared_ptr), and
+/// forward(cfg, prepared, x, y) with x a MatrixRef. The backward pass (training) will add its
+/// members here.
+template <class B, class T>
+concept FeedForwardBackend =
+    requires(const FeedForwardConfig& cfg, const std::shared_ptr<const FeedForwardParams<T>>& hp,
+             const typename FeedForwardKernels<B, T>::Prepared& p, const MatrixRef<T>& x,
+             Matrix<T>& y) {
+        typename FeedForwardKernels<B, T>::Prepared;
+        { FeedForwardKernels<B, T>::prepare(cfg, hp) } ->
+            std::same_as<typename FeedForwardKernels<B, T>::Prepared>;
+        FeedForwardKernels<B, T>::forward(cfg, p, x, y);
+    };
+}  // namespace backend
+
 /// The position-wise feed-forward sub-block of a Titans block (math §7), row-wise on tokens:
 ///
 ///     SwiGLU:  y = (silu(x W1) ⊙ (x W3)) W2,     silu(z) = z σ(z)
@@ -180,10 +199,13 @@ struct FeedForwardParams {
 ///     titans::Matrixf y = ff.forward(x);                                  // x: N x 64
 ///
 /// Immutable after construction (safe to share between threads).
-template <class T>
+template <class T, class Backend>
 class FeedForward {
     static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
                   "titans::FeedForward: T must be float or double");
+    static_assert(backend::FeedForwardBackend<Backend, T>,
+                  "titans::FeedForward: Backend does not satisfy titans::backend::FeedForwardBackend");
+    using Kernels = backend::FeedForwardKernels<Backend, T>;
 
 public:
     using Scalar = T;
@@ -199,6 +221,7 @@ public:
           params_(detail::require_shared(std::move(params), "FeedForward")) {
         cfg_.validate_for<T>();
         params_->validate(cfg_);
+        prepared_ = Kernels::prepare(cfg_, params_);
     }
 
     [[nodiscard]] const FeedForwardConfig& config() const { return cfg_; }
@@ -229,22 +252,13 @@ public:
             throw ShapeError(detail::concat(where, ": y shares storage with x, expected a "
                                                    "distinct matrix"));
         }
-        Matrix<T> a(x.rows(), params_->w1.cols());
-        detail::multiply(a, x, params_->w1);
-        if (cfg_.kind == FeedForwardKind::SwiGLU) {
-            Matrix<T> g(x.rows(), params_->w3.cols());
-            detail::multiply(g, x, params_->w3);
-            a = a.unaryExpr([](T z) { return detail::silu(z); }).cwiseProduct(g);
-        } else {
-            a = a.unaryExpr([](T z) { return detail::gelu(z); });
-        }
-        y.resize(x.rows(), cfg_.d_model);
-        detail::multiply(y, a, params_->w2);
+        Kernels::forward(cfg_, prepared_, x, y);
     }
 
 private:
     FeedForwardConfig cfg_;
-    std::shared_ptr<const FeedForwardParams<T>> params_;
+    std::shared_ptr<const FeedForwardParams<T>> params_;  // the host copy
+    typename Kernels::Prepared prepared_{};              // the backend's (the CPU's: params_)
 };
 
 }  // namespace titans

@@ -2,11 +2,13 @@
 // titans/layers/rms_norm.hpp: RMSNorm<T>, the pre-normalisation of every Titans block (math §7).
 
 #include <algorithm>
+#include <concepts>
 #include <cmath>
 #include <memory>
 #include <type_traits>
 #include <utility>
 
+#include "../backend/backend.hpp"
 #include "../detail/check.hpp"
 #include "../detail/shared.hpp"
 #include "../error.hpp"
@@ -15,6 +17,20 @@
 #include "../types.hpp"
 
 namespace titans {
+
+namespace backend {
+/// What NormKernels<B, T> must provide for RMSNorm<T, B>: Prepared (the weight as the kernel
+/// uses it), prepare(weight) from the host weight (a shared_ptr), and forward(prepared, eps,
+/// x, y) with x a MatrixRef (y may be x itself).
+template <class B, class T>
+concept NormBackend = requires(const std::shared_ptr<const RowVector<T>>& w,
+                               const typename NormKernels<B, T>::Prepared& p, T eps,
+                               const MatrixRef<T>& x, Matrix<T>& y) {
+    typename NormKernels<B, T>::Prepared;
+    { NormKernels<B, T>::prepare(w) } -> std::same_as<typename NormKernels<B, T>::Prepared>;
+    NormKernels<B, T>::forward(p, eps, x, y);
+};
+}  // namespace backend
 
 /// Root-mean-square normalisation of each row (token) with a learnable per-channel weight
 /// (math §7: pre-normalisation of every block, and RMSNorm_y / RMSNorm_m of MAG):
@@ -26,10 +42,13 @@ namespace titans {
 ///
 ///     titans::RMSNorm<float> norm(64);             // weight = 1, eps = 1e-6
 ///     titans::Matrixf y = norm.forward(x);         // x: N x 64
-template <class T>
+template <class T, class Backend>
 class RMSNorm {
     static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
                   "titans::RMSNorm: T must be float or double");
+    static_assert(backend::NormBackend<Backend, T>,
+                  "titans::RMSNorm: Backend does not satisfy titans::backend::NormBackend");
+    using Kernels = backend::NormKernels<Backend, T>;
 
 public:
     using Scalar = T;
@@ -37,10 +56,8 @@ public:
     /// Width d in [1, limits::max_d_model], weight initialised to ones, eps > 0 and
     /// representable in T (ConfigError otherwise, before anything is allocated).
     explicit RMSNorm(int d_model, double eps = 1e-6)
-        : weight_(std::make_shared<const RowVector<T>>(RowVector<T>::Ones(checked_width(d_model)))),
-          eps_(eps) {
-        check_eps();
-    }
+        : RMSNorm(std::make_shared<const RowVector<T>>(RowVector<T>::Ones(checked_width(d_model))),
+                  eps) {}
 
     /// With a given weight (1 x d, d >= 1, finite).
     explicit RMSNorm(RowVector<T> weight, double eps = 1e-6)
@@ -54,6 +71,7 @@ public:
                                     weight_->cols(), ">= 1");
         check_weight(*weight_);
         check_eps();
+        prepared_ = Kernels::prepare(weight_);
     }
 
     [[nodiscard]] int dim() const { return static_cast<int>(weight_->cols()); }
@@ -68,6 +86,7 @@ public:
                                     detail::concat("d = ", weight_->cols()));
         check_weight(weight);
         weight_ = std::make_shared<const RowVector<T>>(std::move(weight));
+        prepared_ = Kernels::prepare(weight_);
     }
 
     /// x: rows x d -> rows x d. Throws ShapeError (width), NonFiniteError (NaN / inf in x).
@@ -94,13 +113,7 @@ public:
         if (!x.allFinite()) {
             throw NonFiniteError(detail::concat(where, ": x has a NaN or infinite entry"));
         }
-        y.resize(x.rows(), x.cols());  // no-op in place
-        const T eps = static_cast<T>(eps_);
-        const T inv_d = T(1) / static_cast<T>(x.cols());
-        for (Eigen::Index r = 0; r < x.rows(); ++r) {
-            const T inv_rms = T(1) / std::sqrt(x.row(r).squaredNorm() * inv_d + eps);
-            y.row(r) = (x.row(r).array() * inv_rms * weight_->array()).matrix();
-        }
+        Kernels::forward(prepared_, static_cast<T>(eps_), x, y);
     }
 
 private:
@@ -121,7 +134,8 @@ private:
         }
     }
 
-    std::shared_ptr<const RowVector<T>> weight_;
+    std::shared_ptr<const RowVector<T>> weight_;  // the host copy
+    typename Kernels::Prepared prepared_{};       // the backend's (the CPU's: weight_ itself)
     double eps_;
 };
 

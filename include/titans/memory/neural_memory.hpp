@@ -7,7 +7,6 @@
 
 #include "../fwd.hpp"
 #include "../backend/backend.hpp"
-#include "../backend/cpu/cpu.hpp"
 #include "../detail/check.hpp"
 #include "../detail/float_env.hpp"
 #include "../detail/shared.hpp"
@@ -48,6 +47,7 @@ class NeuralMemory {
 public:
     using Scalar = T;
     using State = typename Kernels::State;
+    using BackendType = Backend;
 
     /// Validates both (ConfigError, ShapeError, NonFiniteError) and keeps them (the
     /// parameters are moved in; pass std::move(params) to avoid a copy).
@@ -62,6 +62,7 @@ public:
           params_(detail::require_shared(std::move(params), "NeuralMemory")) {
         cfg_.validate_for<T>();
         params_->validate(cfg_);
+        prepared_ = Kernels::prepare(cfg_, params_);
     }
 
     [[nodiscard]] const MemoryConfig& config() const { return cfg_; }
@@ -77,7 +78,7 @@ public:
         detail::require_state_batch(
             "NeuralMemory::make_state", batch, detail::scalar_name<T>(),
             [&](std::int64_t b) { return cfg_.state_bytes(b, std::int64_t{sizeof(T)}); });
-        return Kernels::make_state(cfg_, *params_, batch);
+        return Kernels::make_state(cfg_, prepared_, batch);
     }
 
     /// Processes the next piece of every stream. x: (B*N) x d_model with B = state.batch();
@@ -103,7 +104,7 @@ public:
         }
         const ThreadScope team(threads_, work_estimate(x.rows()));
         const detail::DenormalFlushScope flush(cfg_.flush_denormals);
-        Kernels::forward(cfg_, *params_, state, x, y, diag);
+        Kernels::forward(cfg_, prepared_, state, x, y, diag);
     }
 
     /// Reads the memory without writing it: x is projected like forward's queries (q path of
@@ -116,7 +117,7 @@ public:
         Matrix<T> y;
         const ThreadScope team(threads_, work_estimate(x.rows()));
         const detail::DenormalFlushScope flush(cfg_.flush_denormals);
-        Kernels::read(cfg_, *params_, state, x, y);
+        Kernels::read(cfg_, prepared_, state, x, y);
         if (!detail::all_finite(y)) {
             throw NonFiniteError("NeuralMemory::read: the read-out is not finite (the memory "
                                  "diverged or x overflows the projections), expected finite "
@@ -139,7 +140,7 @@ public:
         Matrix<T> y;
         const ThreadScope team(threads_, work_estimate(x.rows()));
         const detail::DenormalFlushScope flush(cfg_.flush_denormals);
-        Kernels::read_weights(cfg_, *params_, weights, x, batch, y);
+        Kernels::read_weights(cfg_, prepared_, weights, x, batch, y);
         return y;
     }
 
@@ -245,7 +246,8 @@ private:
     }
 
     MemoryConfig cfg_;
-    std::shared_ptr<const MemoryParams<T>> params_;
+    std::shared_ptr<const MemoryParams<T>> params_;  // the host copy (io, params())
+    typename Kernels::Prepared prepared_{};          // the backend's (the CPU's: params_ itself)
     Threads threads_{};
 };
 

@@ -15,6 +15,7 @@
 
 #include "../attention/attention.hpp"
 #include "../attention/rope.hpp"
+#include "../backend/cpu/cpu.hpp"
 #include "../detail/check.hpp"
 #include "../detail/product.hpp"
 #include "../detail/activation.hpp"

@@ -20,4 +20,5 @@ struct BackendTraits<Cpu> {
 
 }  // namespace titans::backend
 
+#include "layer_kernels.hpp"
 #include "memory_kernels.hpp"

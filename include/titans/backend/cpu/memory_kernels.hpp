@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <vector>
 
 #include "../../detail/activation.hpp"
@@ -33,8 +34,16 @@ struct MemoryKernels<Cpu, T> {
     using Head = typename State::Head;
     using Mat = Matrix<T>;
     using In = MatrixRef<T>;  // inputs: a row-major matrix or a block of one, not copied
+    /// The parameters as the kernels use them: on the CPU, the caller's own (shared, not
+    /// copied).
+    using Prepared = std::shared_ptr<const MemoryParams<T>>;
 
-    static State make_state(const MemoryConfig& cfg, const MemoryParams<T>& p, int batch) {
+    static Prepared prepare(const MemoryConfig&, const std::shared_ptr<const MemoryParams<T>>& p) {
+        return p;
+    }
+
+    static State make_state(const MemoryConfig& cfg, const Prepared& prepared, int batch) {
+        const MemoryParams<T>& p = *prepared;
         State st;
         st.cfg_ = cfg;
         st.batch_ = batch;
@@ -75,8 +84,8 @@ struct MemoryKernels<Cpu, T> {
     /// NonFiniteError (naming the sequence, head and position) if an output or the new state
     /// would hold a NaN or an infinity; the state is then as it was before the call (or, inside
     /// an open transaction, as it was at the transaction's start: MemoryUndo).
-    static void forward(const MemoryConfig& cfg, const MemoryParams<T>& p, State& st,
-                        const In& x, Mat& y, Diagnostics<T>* diag) {
+    static void forward(const MemoryConfig& cfg, const Prepared& p, State& st, const In& x,
+                        Mat& y, Diagnostics<T>* diag) {
         y.resize(x.rows(), cfg.d_model);
         if (diag != nullptr) {
             diag->loss.setZero(x.rows(), cfg.n_heads);
@@ -87,7 +96,7 @@ struct MemoryKernels<Cpu, T> {
         }
         const bool own = MemoryUndo<T>::begin(st);
         try {
-            forward_piece(cfg, p, st, x, y, diag);
+            forward_piece(cfg, *p, st, x, y, diag);
         } catch (...) {
             MemoryUndo<T>::rollback(st);
             throw;
@@ -99,19 +108,19 @@ struct MemoryKernels<Cpu, T> {
 
     /// Read-only retrieval: q path of math §1 for x (conv continuing the stream, tails not
     /// updated), y = M_{W_t}(q) per head with the memory after the last token, then W_O.
-    static void read(const MemoryConfig& cfg, const MemoryParams<T>& p, const State& st,
-                     const In& x, Mat& y) {
-        read_through(cfg, p, x, st.batch_, &st.conv_tail_, y,
+    static void read(const MemoryConfig& cfg, const Prepared& p, const State& st, const In& x,
+                     Mat& y) {
+        read_through(cfg, *p, x, st.batch_, &st.conv_tail_, y,
                      [&](int s, int h) { return materialise(cfg, st, s, h, true); });
     }
 
     /// Retrieval through given weights, without a state: the q path of math §1 without the
     /// conv, y = M_W(q) per (sequence, head) with W = weights[s * H + h], then W_O. x is
     /// (batch*N) x d. MAC reads its segment-start snapshot this way.
-    static void read_weights(const MemoryConfig& cfg, const MemoryParams<T>& p,
+    static void read_weights(const MemoryConfig& cfg, const Prepared& p,
                              const std::vector<std::vector<Mat>>& weights, const In& x, int batch,
                              Mat& y) {
-        read_through(cfg, p, x, batch, nullptr, y, [&](int s, int h) -> const std::vector<Mat>& {
+        read_through(cfg, *p, x, batch, nullptr, y, [&](int s, int h) -> const std::vector<Mat>& {
             return weights[static_cast<std::size_t>(s * cfg.n_heads + h)];
         });
     }
