@@ -294,8 +294,7 @@ private:
         state.rows_ = keep;
         detail::multiply(y, o, params_->w_o);
         if (!detail::all_finite(y)) {
-            Index r = 0;
-            while (r + 1 < y.rows() && detail::all_finite(y.row(r))) ++r;
+            const Index r = detail::first_nonfinite_row(y);
             throw NonFiniteError(detail::concat(
                 "Attention::forward: the output is not finite at sequence ", r / N, ", position ",
                 state.position_ + r % N, " (the projections overflow), expected finite values; "

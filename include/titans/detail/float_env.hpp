@@ -8,6 +8,8 @@
 // (MXCSR FTZ and DAZ); the caller's setting is restored on exit, also by an exception. On
 // other architectures it does nothing.
 
+#include <Eigen/Core>
+
 #if defined(__SSE2__) || defined(_M_X64)
 #include <xmmintrin.h>
 #define TITANS_HAS_MXCSR 1
@@ -51,6 +53,17 @@ template <class Derived>
 [[nodiscard]] bool all_finite(const Derived& x) {
     using T = typename Derived::Scalar;
     return (x.array() * T(0)).sum() == T(0);
+}
+
+/// The first row of m holding a NaN or an infinity; m.rows() if every row is finite. What the
+/// errors name when a call's output or state would not be finite.
+template <class Derived>
+[[nodiscard]] Eigen::Index first_nonfinite_row(const Derived& m) {
+    Eigen::Index r = 0;
+    while (r < m.rows() && all_finite(m.row(r))) {
+        ++r;
+    }
+    return r;
 }
 
 }  // namespace titans::detail

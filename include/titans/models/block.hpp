@@ -640,8 +640,7 @@ private:
             return;
         }
         const Eigen::Index N = m.rows() / state.batch_;
-        Eigen::Index r = 0;
-        while (r + 1 < m.rows() && detail::all_finite(m.row(r))) ++r;
+        const Eigen::Index r = detail::first_nonfinite_row(m);
         throw NonFiniteError(detail::concat(
             "Block (", to_string(cfg_.kind), "): ", what, " is not finite at sequence ", r / N,
             ", position ", state.undo_.position + r % N,

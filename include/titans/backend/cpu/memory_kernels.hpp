@@ -310,10 +310,7 @@ private:
 
     [[noreturn]] static void throw_first_bad_row(const Mat& m, Eigen::Index N, std::int64_t pos0,
                                                  const char* what) {
-        Eigen::Index r = 0;
-        while (r + 1 < m.rows() && detail::all_finite(m.row(r))) {
-            ++r;
-        }
+        const Eigen::Index r = detail::first_nonfinite_row(m);
         throw NonFiniteError(detail::concat(
             "NeuralMemory::forward: ", what, " at sequence ", r / N, ", position ", pos0 + r % N,
             " (all heads), expected finite values; the state is unchanged"));
@@ -583,14 +580,14 @@ private:
                 MemoryUndo<T>::save_weights(st, i);
             }
             chunk_segment(cfg, hd, in, t, o, m, b, yh, diag);
-            const auto bad = first_bad_row(yh.block(in.r0 + t, in.h * in.dh, m, in.dh));
+            const auto bad = detail::first_nonfinite_row(yh.block(in.r0 + t, in.h * in.dh, m, in.dh));
             if (bad < m) {
                 return {pos0 + t + bad, "a non-finite memory read"};
             }
             for (std::size_t l = 0; l < hd.a.size(); ++l) {
                 if (!detail::all_finite(hd.a[l].middleRows(o, m)) ||
                     !detail::all_finite(hd.delta[l].middleRows(o, m))) {
-                    return {pos0 + t + first_bad_row(hd.delta[l].middleRows(o, m)),
+                    return {pos0 + t + detail::first_nonfinite_row(hd.delta[l].middleRows(o, m)),
                             "a non-finite key activation or error (surprise)"};
                 }
             }
@@ -600,15 +597,6 @@ private:
             t += m;
         }
         return {};
-    }
-
-    template <class M>
-    static Eigen::Index first_bad_row(const M& m) {
-        Eigen::Index r = 0;
-        while (r < m.rows() && detail::all_finite(m.row(r))) {
-            ++r;
-        }
-        return r;
     }
 
     static bool weights_finite(const Head& hd) {
@@ -629,7 +617,7 @@ private:
         for (Eigen::Index t = 0; t < N; ++t) {
             per_token_step(cfg, hd, in, t, yh, diag);
         }
-        const auto bad = first_bad_row(yh.block(in.r0, in.h * in.dh, N, in.dh));
+        const auto bad = detail::first_nonfinite_row(yh.block(in.r0, in.h * in.dh, N, in.dh));
         if (bad < N) {
             return {pos0 + bad, "a non-finite memory read"};
         }
