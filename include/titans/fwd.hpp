@@ -29,7 +29,7 @@ template <class T>
 struct AttentionParams;
 template <class T>
 class AttentionState;
-template <class T>
+template <class T, class Backend = backend::Cpu>
 class Attention;
 template <class T, class Backend = backend::Cpu>
 class RMSNorm;

@@ -7,7 +7,8 @@
 //   AttentionParams<T>         w_q, w_k, w_v (d x D), w_o (D x d)
 //   prefix_window_attention    the core primitive on projected q/k/v, used by every composition
 //   AttentionState<T>          per-sequence history (last w-1 keys/values) of a stream batch
-//   Attention<T>               the layer: projections, RoPE, streaming, output projection
+//   Attention<T, Backend>      the layer: projections, RoPE, streaming, output projection, on
+//                              AttentionKernels<Backend, T> (CPU: backend/cpu/attention_kernels.hpp)
 //
 // The masks of math §7 are all instances of one rule. Query i of a piece sits at position
 // t = first_query + i of the sequence keys and sees
@@ -18,22 +19,16 @@
 // The parts: config.hpp, params.hpp, kernel.hpp (prefix_window_attention), state.hpp; this file
 // holds the layer.
 
-#include <algorithm>
-#include <cmath>
+#include <concepts>
 #include <cstdint>
-#include <limits>
 #include <memory>
-#include <string>
 #include <type_traits>
 #include <utility>
-#include <vector>
 
+#include "../backend/backend.hpp"
 #include "../detail/check.hpp"
-#include "../detail/product.hpp"
 #include "../detail/float_env.hpp"
-#include "../detail/random.hpp"
 #include "../detail/shared.hpp"
-#include "../detail/visit.hpp"
 #include "../error.hpp"
 #include "../fwd.hpp"
 #include "../limits.hpp"
@@ -46,6 +41,56 @@
 #include "state.hpp"
 
 namespace titans {
+
+namespace backend {
+
+/// What AttentionKernels<B, T> must provide for Attention<T, B> to run on it:
+///   Prepared                        the parameters as the kernels use them, made once per object
+///   prepare(cfg, params)            Prepared from the host parameters (a shared_ptr)
+///   State                           a stream batch's window (last w - 1 keys and values) and
+///                                   position, with batch(), position(), config(), well_formed()
+///                                   readable on the host and State::tensors(state, visitor)
+///                                   (the checkpoint hook; a device state transfers through it)
+///   make_state(cfg, B)              a fresh state for B sequences
+///   Prefix                          projected prefix keys/values, with rows() and sharing
+///   project_prefix(cfg, p, P, sharing)   P W_K and P W_V of host rows P (checked)
+///   adopt_prefix(k, v)              a prefix the caller projected (host rows, checked)
+///   forward(cfg, p, state, x, y, prefix)  math §6-7 over a piece: x (B*N) x d in, y out,
+///                                   prefix optional (nullptr); throws NonFiniteError with the
+///                                   state unchanged
+///   begin(state) -> bool, commit(state), rollback(state)   transactions, as MemoryBackend's
+/// The backward pass of the family (training) will add its members here.
+template <class B, class T>
+concept AttentionBackend = requires(
+    const AttentionConfig& cfg, const std::shared_ptr<const AttentionParams<T>>& hp,
+    const typename AttentionKernels<B, T>::Prepared& p, typename AttentionKernels<B, T>::State& s,
+    const typename AttentionKernels<B, T>::State& cs,
+    const typename AttentionKernels<B, T>::Prefix& pre, const MatrixRef<T>& x, Matrix<T>& y,
+    PrefixSharing sharing, int i) {
+    typename AttentionKernels<B, T>::Prepared;
+    typename AttentionKernels<B, T>::State;
+    typename AttentionKernels<B, T>::Prefix;
+    { AttentionKernels<B, T>::prepare(cfg, hp) } ->
+        std::same_as<typename AttentionKernels<B, T>::Prepared>;
+    { AttentionKernels<B, T>::make_state(cfg, i) } ->
+        std::same_as<typename AttentionKernels<B, T>::State>;
+    { AttentionKernels<B, T>::project_prefix(cfg, p, x, sharing) } ->
+        std::same_as<typename AttentionKernels<B, T>::Prefix>;
+    { AttentionKernels<B, T>::adopt_prefix(x, x) } ->
+        std::same_as<typename AttentionKernels<B, T>::Prefix>;
+    AttentionKernels<B, T>::forward(cfg, p, s, x, y, &pre);
+    { AttentionKernels<B, T>::begin(s) } -> std::convertible_to<bool>;
+    AttentionKernels<B, T>::commit(s);
+    AttentionKernels<B, T>::rollback(s);
+    { pre.rows() } -> std::convertible_to<Eigen::Index>;
+    { pre.sharing } -> std::convertible_to<PrefixSharing>;
+    { cs.batch() } -> std::convertible_to<int>;
+    { cs.position() } -> std::convertible_to<std::int64_t>;
+    { cs.config() } -> std::convertible_to<const AttentionConfig&>;
+    { cs.well_formed() } -> std::convertible_to<bool>;
+};
+
+}  // namespace backend
 
 /// A causal sliding-window multi-head attention layer over a batch of streams, with an optional
 /// always-visible prefix (math §6-7: SWA* of MAG, SWA of MAL, and the segment attention of MAC):
@@ -63,6 +108,9 @@ namespace titans {
 /// calls: the state keeps the last w - 1 keys/values of every sequence, so feeding a stream in
 /// pieces of any length (one token at a time included) gives the outputs of one call.
 ///
+/// The math runs on AttentionKernels<Backend, T> (concept backend::AttentionBackend); this class
+/// checks arguments, owns the parameters (shared) and their prepared form, and sets threads.
+///
 ///     titans::AttentionConfig cfg{.d_model = 64, .n_heads = 4, .window = 32, .rope = true};
 ///     titans::Attention<float> attn(cfg, titans::AttentionParams<float>::random(cfg, 7));
 ///     auto state = attn.make_state(1);
@@ -70,14 +118,17 @@ namespace titans {
 ///
 /// Thread safety: an Attention is immutable after construction; distinct states may be used
 /// from distinct threads concurrently.
-template <class T>
+template <class T, class Backend>
 class Attention {
     static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
                   "titans::Attention: T must be float or double");
+    using Kernels = backend::AttentionKernels<Backend, T>;
 
 public:
     using Scalar = T;
-    using State = AttentionState<T>;
+    using State = typename Kernels::State;
+    /// A prefix projected once (project_prefix), on the backend.
+    using Prefix = typename Kernels::Prefix;
 
     /// Validates both (ConfigError, ShapeError, NonFiniteError) and keeps them.
     Attention(AttentionConfig config, AttentionParams<T> params)
@@ -87,8 +138,12 @@ public:
     /// Shares `params` (not copied; ConfigError if null), as NeuralMemory does.
     Attention(AttentionConfig config, std::shared_ptr<const AttentionParams<T>> params)
         : cfg_(std::move(config)), params_(detail::require_shared(std::move(params), "Attention")) {
+        static_assert(backend::AttentionBackend<Backend, T>,
+                      "titans::Attention: AttentionKernels<Backend, T> does not satisfy "
+                      "backend::AttentionBackend");
         cfg_.validate_for<T>();
         params_->validate(cfg_);
+        prepared_ = Kernels::prepare(cfg_, params_);
     }
 
     [[nodiscard]] const AttentionConfig& config() const { return cfg_; }
@@ -103,13 +158,16 @@ public:
         detail::require_state_batch(
             "Attention::make_state", batch, detail::scalar_name<T>(),
             [&](std::int64_t b) { return cfg_.state_bytes(b, std::int64_t{sizeof(T)}); });
-        State s;
-        s.cfg_ = cfg_;
-        s.batch_ = batch;
-        s.position_ = 0;
-        s.k_hist_.assign(static_cast<std::size_t>(batch), Matrix<T>(0, cfg_.inner_dim()));
-        s.v_hist_.assign(static_cast<std::size_t>(batch), Matrix<T>(0, cfg_.inner_dim()));
-        return s;
+        return Kernels::make_state(cfg_, batch);
+    }
+
+    /// Projects a prefix once (P W_K, P W_V) for forward(state, x, y, prefix): p x d_model
+    /// rows (Shared) or (B*p) x d_model (PerSequence). A fixed prefix (persistent tokens) then
+    /// costs nothing per call.
+    [[nodiscard]] Prefix project_prefix(const MatrixRef<T>& prefix,
+                                        PrefixSharing sharing = PrefixSharing::Shared) const {
+        check_prefix(prefix, "Attention::project_prefix");
+        return Kernels::project_prefix(cfg_, prepared_, prefix, sharing);
     }
 
     /// Processes the next piece of every stream. x: (B*N) x d_model with B = state.batch();
@@ -128,33 +186,42 @@ public:
     void forward(State& state, const MatrixRef<T>& x, Matrix<T>& y, const Matrix<T>* prefix = nullptr,
                  PrefixSharing sharing = PrefixSharing::Shared) const {
         constexpr const char* where = "Attention::forward";
-        detail::check_position_advance(where, state.position_, x.rows(), state.batch_);
-        check_state(state, where);
-        check_input(state, x, prefix, sharing, where);
+        check_call(state, x, where);
+        if (prefix != nullptr) {
+            check_prefix(*prefix, where);
+            check_sharing(state, prefix->rows(), sharing, where);
+        }
         if (detail::overlaps(x, y) || (prefix != nullptr && detail::overlaps(*prefix, y))) {
             throw ShapeError("Attention::forward: y is also an input, expected a distinct matrix");
         }
-        const ThreadScope team(threads_,
-                                       work_estimate(x.rows(), prefix ? prefix->rows() : 0));
-        Matrix<T> kp(0, cfg_.inner_dim()), vp(0, cfg_.inner_dim());
-        Eigen::Index p = 0;
-        if (prefix != nullptr && prefix->rows() > 0) {
-            kp.noalias() = *prefix * params_->w_k;
-            vp.noalias() = *prefix * params_->w_v;
-            p = sharing == PrefixSharing::Shared ? prefix->rows() : prefix->rows() / state.batch_;
+        const ThreadScope team(threads_, work_estimate(x.rows(), prefix ? prefix->rows() : 0));
+        if (prefix == nullptr || prefix->rows() == 0) {
+            Kernels::forward(cfg_, prepared_, state, x, y, nullptr);
+            return;
         }
-        run(state, x, y, kp, vp, p, sharing);
+        const Prefix projected = Kernels::project_prefix(cfg_, prepared_, *prefix, sharing);
+        Kernels::forward(cfg_, prepared_, state, x, y, &projected);
     }
 
-    /// As forward with a prefix shared by every sequence whose projections the caller made once:
-    /// k_prefix = prefix W_K and v_prefix = prefix W_V (p x D each). A fixed prefix (persistent
-    /// tokens) then costs nothing per call (serving); the outputs are the same.
+    /// As forward with a prefix projected once by project_prefix (same outputs).
+    void forward(State& state, const MatrixRef<T>& x, Matrix<T>& y, const Prefix& prefix) const {
+        constexpr const char* where = "Attention::forward";
+        check_call(state, x, where);
+        check_sharing(state, prefix.rows(), prefix.sharing, where);
+        if (detail::overlaps(x, y)) {
+            throw ShapeError("Attention::forward: y is also an input, expected a distinct matrix");
+        }
+        const ThreadScope team(threads_, work_estimate(x.rows(), prefix.rows()));
+        Kernels::forward(cfg_, prepared_, state, x, y, &prefix);
+    }
+
+    /// As forward with a prefix shared by every sequence whose projections the caller made:
+    /// k_prefix = prefix W_K and v_prefix = prefix W_V (p x D each). Same outputs as with the
+    /// prefix; project_prefix keeps a fixed one on the backend instead (no copy per call).
     void forward_projected(State& state, const MatrixRef<T>& x, Matrix<T>& y,
                            const Matrix<T>& k_prefix, const Matrix<T>& v_prefix) const {
         constexpr const char* where = "Attention::forward_projected";
-        detail::check_position_advance(where, state.position_, x.rows(), state.batch_);
-        check_state(state, where);
-        check_input(state, x, nullptr, PrefixSharing::Shared, where);
+        check_call(state, x, where);
         const Eigen::Index D = cfg_.inner_dim();
         detail::require<ShapeError>(k_prefix.cols() == D || k_prefix.rows() == 0, where,
                                     "k_prefix.cols()", k_prefix.cols(),
@@ -171,7 +238,8 @@ public:
             throw ShapeError(detail::concat(where, ": y is also an input, expected a distinct matrix"));
         }
         const ThreadScope team(threads_, work_estimate(x.rows(), k_prefix.rows()));
-        run(state, x, y, k_prefix, v_prefix, k_prefix.rows(), PrefixSharing::Shared);
+        const Prefix adopted = Kernels::adopt_prefix(k_prefix, v_prefix);
+        Kernels::forward(cfg_, prepared_, state, x, y, k_prefix.rows() > 0 ? &adopted : nullptr);
     }
 
     /// Thread settings of this object's calls, as NeuralMemory::set_threads (titans/threads.hpp).
@@ -200,147 +268,18 @@ public:
     /// is already open.
     bool begin(State& state) const {
         check_state(state, "Attention::begin");
-        auto& u = state.undo_;
-        if (u.open) {
-            return false;
-        }
-        u.open = true;
-        u.saved = false;
-        u.position = state.position_;
-        u.off = state.off_;
-        u.rows = state.rows_;
-        return true;
+        return Kernels::begin(state);
     }
-    void commit(State& state) const { state.undo_.open = false; }
-    void rollback(State& state) const {
-        auto& u = state.undo_;
-        if (!u.open) {
-            return;
-        }
-        if (u.saved) {
-            for (std::size_t b = 0; b < state.k_hist_.size(); ++b) {
-                state.k_hist_[b].swap(u.k[b]);
-                state.v_hist_[b].swap(u.v[b]);
-            }
-        }
-        state.position_ = u.position;
-        state.off_ = u.off;
-        state.rows_ = u.rows;
-        u.open = false;
-    }
+    void commit(State& state) const { Kernels::commit(state); }
+    void rollback(State& state) const { Kernels::rollback(state); }
 
 private:
-    /// Checked inputs: projects x, then attend() inside a transaction (the state is unchanged
-    /// if it throws).
-    void run(State& state, const MatrixRef<T>& x, Matrix<T>& y, const Matrix<T>& kp,
-             const Matrix<T>& vp, Eigen::Index p, PrefixSharing sharing) const {
-        const int B = state.batch_, H = cfg_.n_heads, dh = cfg_.head_dim(), D = cfg_.inner_dim();
-        const Eigen::Index N = x.rows() / B;
-        y.resize(x.rows(), cfg_.d_model);
-        if (N == 0) return;
-        // Projections of every token of every sequence at once.
-        Matrix<T> q(x.rows(), D), k(x.rows(), D), v(x.rows(), D);
-        detail::multiply(q, x, params_->w_q);
-        detail::multiply(k, x, params_->w_k);
-        detail::multiply(v, x, params_->w_v);
-        if (cfg_.rope) {
-            // All sequences are at the same absolute position: one table for all of them.
-            detail::RopeTable<T> table(N, dh, state.position_, cfg_.rope_base);
-            for (int b = 0; b < B; ++b) {
-                table.apply(q.middleRows(b * N, N), H, dh);
-                table.apply(k.middleRows(b * N, N), H, dh);
-            }
-        }
-        const bool own = begin(state);
-        try {
-            attend(state, q, k, v, kp, vp, p, sharing, y);
-        } catch (...) {
-            rollback(state);
-            throw;
-        }
-        if (own) {
-            commit(state);
-        }
-    }
-
-    /// The attention proper on projected q, k, v (and prefix kp, vp of p rows per sequence),
-    /// then the new histories and W_O; NonFiniteError if the output is not finite.
-    void attend(State& state, const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
-                const Matrix<T>& kp, const Matrix<T>& vp, Eigen::Index p, PrefixSharing sharing,
-                Matrix<T>& y) const {
-        using Index = Eigen::Index;
-        const int B = state.batch_, H = cfg_.n_heads, dh = cfg_.head_dim(), D = cfg_.inner_dim();
-        const Index N = q.rows() / B;
-        // Per sequence: keys/values = [kept (h rows) ; this piece (N rows)], read in place from
-        // the window buffer; queries at positions h .. h + N - 1 of them.
-        const Index w1 = static_cast<Index>(cfg_.window) - 1;
-        const Index h = state.rows_;
-        reserve_window(state, N);
-        const Index off = state.off_;
-        Matrix<T> o(q.rows(), D);
-        for (int b = 0; b < B; ++b) {
-            auto& kb = state.k_hist_[static_cast<std::size_t>(b)];
-            auto& vb = state.v_hist_[static_cast<std::size_t>(b)];
-            kb.middleRows(off + h, N) = k.middleRows(b * N, N);
-            vb.middleRows(off + h, N) = v.middleRows(b * N, N);
-            const Index pr0 = sharing == PrefixSharing::Shared ? 0 : b * p;
-            detail::prefix_window_attention_impl<T>(
-                q.middleRows(b * N, N), kp.middleRows(pr0, p), vp.middleRows(pr0, p),
-                kb.middleRows(off, h + N), vb.middleRows(off, h + N), H, dh, cfg_.window, h,
-                o.middleRows(b * N, N));
-        }
-        const Index keep = std::min<Index>(w1, h + N);
-        state.off_ = off + h + N - keep;
-        state.rows_ = keep;
-        detail::multiply(y, o, params_->w_o);
-        if (!detail::all_finite(y)) {
-            const Index r = detail::first_nonfinite_row(y);
-            throw NonFiniteError(detail::concat(
-                "Attention::forward: the output is not finite at sequence ", r / N, ", position ",
-                state.position_ + r % N, " (the projections overflow), expected finite values; "
-                "the state is unchanged"));
-        }
-        state.position_ += N;
-    }
-
-    /// Makes room for N more rows after the kept ones in every window buffer: if the buffers'
-    /// end is near, the kept rows move to the start of buffers of h + N + w - 1 rows (inside an
-    /// open transaction the old buffers are first swapped out, untouched, for rollback).
-    static void reserve_window(State& state, Eigen::Index N) {
-        const Eigen::Index h = state.rows_, cap = state.k_hist_[0].rows();
-        if (state.off_ + h + N <= cap) {
-            return;  // appending writes past the kept rows: a rollback still finds them
-        }
-        const Eigen::Index rows = h + N + std::max<Eigen::Index>(state.cfg_.window - 1, 1);
-        auto& u = state.undo_;
-        const bool save = u.open && !u.saved;
-        if (save) {
-            u.k.resize(state.k_hist_.size());
-            u.v.resize(state.v_hist_.size());
-        }
-        for (std::size_t b = 0; b < state.k_hist_.size(); ++b) {
-            for (auto [buf, old] : {std::pair{&state.k_hist_[b], save ? &u.k[b] : nullptr},
-                                    std::pair{&state.v_hist_[b], save ? &u.v[b] : nullptr}}) {
-                Matrix<T> fresh(rows, buf->cols());
-                fresh.topRows(h) = buf->middleRows(state.off_, h);
-                if (old != nullptr) {
-                    old->swap(*buf);
-                }
-                buf->swap(fresh);
-            }
-        }
-        u.saved = u.saved || save;
-        state.off_ = 0;
-    }
-
     void check_state(const State& state, const char* where) const {
-        const AttentionConfig& s = state.cfg_;
-        const bool same = state.batch_ >= 1 && s.d_model == cfg_.d_model &&
+        const AttentionConfig& s = state.config();
+        const bool same = state.batch() >= 1 && s.d_model == cfg_.d_model &&
                           s.n_heads == cfg_.n_heads && s.head_dim() == cfg_.head_dim() &&
                           s.window == cfg_.window && s.rope == cfg_.rope &&
-                          (!cfg_.rope || s.rope_base == cfg_.rope_base) &&
-                          state.k_hist_.size() == static_cast<std::size_t>(state.batch_) &&
-                          state.well_formed();
+                          (!cfg_.rope || s.rope_base == cfg_.rope_base) && state.well_formed();
         if (!same) {
             throw ConfigError(detail::concat(
                 where, ": state was made for a different configuration (or default-constructed),"
@@ -348,38 +287,44 @@ private:
                        "configuration"));
         }
     }
-    void check_input(const State& state, const MatrixRef<T>& x, const Matrix<T>* prefix,
-                     PrefixSharing sharing, const char* where) const {
+    /// The state and x of a forward call (position, configuration, shape, finiteness).
+    void check_call(const State& state, const MatrixRef<T>& x, const char* where) const {
+        detail::check_position_advance(where, state.position(), x.rows(), state.batch());
+        check_state(state, where);
         if (x.cols() != cfg_.d_model) {
             throw ShapeError(detail::concat(where, ": x has ", x.cols(),
                                             " columns, expected d_model = ", cfg_.d_model));
         }
-        if (x.rows() % state.batch_ != 0) {
+        if (x.rows() % state.batch() != 0) {
             throw ShapeError(detail::concat(where, ": x has ", x.rows(),
                                             " rows, expected a multiple of the state's batch = ",
-                                            state.batch_, " (B*N rows, sequence-major)"));
+                                            state.batch(), " (B*N rows, sequence-major)"));
         }
         if (!x.allFinite()) {
             throw NonFiniteError(detail::concat(where, ": x has a NaN or infinite entry"));
         }
-        if (prefix == nullptr) return;
-        if (prefix->cols() != cfg_.d_model) {
-            throw ShapeError(detail::concat(where, ": prefix has ", prefix->cols(),
+    }
+    void check_prefix(const MatrixRef<T>& prefix, const char* where) const {
+        if (prefix.cols() != cfg_.d_model) {
+            throw ShapeError(detail::concat(where, ": prefix has ", prefix.cols(),
                                             " columns, expected d_model = ", cfg_.d_model));
         }
-        if (sharing == PrefixSharing::PerSequence && prefix->rows() % state.batch_ != 0) {
-            throw ShapeError(detail::concat(
-                where, ": prefix has ", prefix->rows(),
-                " rows, expected a multiple of the state's batch = ", state.batch_,
-                " (B*p rows, sequence-major, with PrefixSharing::PerSequence)"));
-        }
-        if (!prefix->allFinite()) {
+        if (!prefix.allFinite()) {
             throw NonFiniteError(detail::concat(where, ": prefix has a NaN or infinite entry"));
+        }
+    }
+    static void check_sharing(const State& state, Eigen::Index rows, PrefixSharing sharing,
+                              const char* where) {
+        if (sharing == PrefixSharing::PerSequence && rows % state.batch() != 0) {
+            throw ShapeError(detail::concat(
+                where, ": prefix has ", rows, " rows, expected a multiple of the state's batch = ",
+                state.batch(), " (B*p rows, sequence-major, with PrefixSharing::PerSequence)"));
         }
     }
 
     AttentionConfig cfg_;
     std::shared_ptr<const AttentionParams<T>> params_;
+    typename Kernels::Prepared prepared_;
     Threads threads_{};
 };
 

@@ -28,6 +28,20 @@ enum class PrefixSharing {
                   ///< sequence b (e.g. MAC's P ‖ h_t, where h_t differs per sequence)
 };
 
+namespace backend {
+template <class Backend, class T>
+struct AttentionKernels;
+}  // namespace backend
+
+/// A prefix projected once on the CPU (Attention::project_prefix): k = P W_K and v = P W_V,
+/// rows x D (rows = p, or B*p with PrefixSharing::PerSequence), visible to every query.
+template <class T>
+struct AttentionPrefix {
+    Matrix<T> k, v;
+    PrefixSharing sharing = PrefixSharing::Shared;
+    [[nodiscard]] Eigen::Index rows() const { return k.rows(); }
+};
+
 /// The state of B independent streams of one Attention layer: per sequence, the rotated keys
 /// and the values of its last min(w - 1, position) tokens (all a later query can still see),
 /// and the absolute position of the next token. Made by Attention::make_state(B); copyable (a
@@ -52,7 +66,8 @@ public:
     /// True if every sequence keeps the same number of key and value rows, D wide, within its
     /// buffer (always, except after loading inconsistent tensors through tensors()).
     [[nodiscard]] bool well_formed() const {
-        if (rows_ < 0 || off_ < 0 || v_hist_.size() != k_hist_.size()) {
+        if (rows_ < 0 || off_ < 0 || k_hist_.size() != static_cast<std::size_t>(batch_) ||
+            v_hist_.size() != k_hist_.size()) {
             return false;
         }
         for (std::size_t b = 0; b < k_hist_.size(); ++b) {
@@ -69,6 +84,11 @@ public:
     [[nodiscard]] std::pair<Eigen::Index, Eigen::Index> loaded_rows(int b) const {
         const auto i = static_cast<std::size_t>(b);
         return {k_hist_[i].rows() - off_, v_hist_[i].rows() - off_};
+    }
+    /// Rows of sequence b's kept keys and values: both min(w - 1, position) when well_formed(),
+    /// else (just loaded from inconsistent tensors) the rows loaded.
+    [[nodiscard]] std::pair<Eigen::Index, Eigen::Index> window_rows(int b) const {
+        return well_formed() ? std::pair{rows_, rows_} : loaded_rows(b);
     }
     /// The configuration the state was made for.
     [[nodiscard]] const AttentionConfig& config() const { return cfg_; }
@@ -113,7 +133,8 @@ public:
     }
 
 private:
-    friend class Attention<T>;
+    template <class, class>
+    friend struct backend::AttentionKernels;
 
     AttentionConfig cfg_{};
     int batch_ = 0;

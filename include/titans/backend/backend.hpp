@@ -42,6 +42,13 @@ struct MemoryKernels {
                   "titans: no MemoryKernels specialization for this backend policy");
 };
 
+/// The kernels of the attention layer (concept AttentionBackend, attention/attention.hpp).
+template <class Backend, class T>
+struct AttentionKernels {
+    static_assert(dependent_false<Backend>,
+                  "titans: no AttentionKernels specialization for this backend policy");
+};
+
 /// The kernels of RMSNorm (concept NormBackend, layers/rms_norm.hpp) and of FeedForward
 /// (concept FeedForwardBackend, layers/feed_forward.hpp) on a backend.
 template <class Backend, class T>

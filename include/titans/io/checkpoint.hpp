@@ -14,6 +14,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "../backend/cpu/cpu.hpp"  // io works on any backend; the CPU one comes with it
 #include "../models/model.hpp"
 #include "config_text.hpp"
 #include "parameters.hpp"
@@ -42,8 +43,8 @@ inline void check_position(std::int64_t p, const std::string& name, const std::s
 /// The relations make_state() and forward() keep between a block's positions and buffers
 /// (a checkpoint that breaks them was not written by this library and could make the hot
 /// loops read outside their buffers).
-template <class T>
-void check_block(const Block<T>& block, const BlockState<T>& st, const std::string& prefix,
+template <class T, class B>
+void check_block(const Block<T, B>& block, const BlockState<T, B>& st, const std::string& prefix,
                  const std::string& src) {
     const BlockConfig& cfg = block.config();
     const std::int64_t pos = st.position();
@@ -56,7 +57,7 @@ void check_block(const Block<T>& block, const BlockState<T>& st, const std::stri
                      std::to_string(mem_pos));
     }
     if (prefix_streamed) {
-        const AttentionState<T>& a = st.attention();
+        const auto& a = st.attention();
         const std::int64_t att_pos = pos + (cfg.kind == BlockKind::MAL ? np : 0);
         if (a.position() != att_pos) {
             inconsistent(src, prefix + "attention.position", a.position(),
@@ -64,10 +65,8 @@ void check_block(const Block<T>& block, const BlockState<T>& st, const std::stri
         }
         const std::int64_t kept = std::min<std::int64_t>(cfg.attention.window - 1, att_pos);
         // A malformed state (just loaded, sequences of unequal lengths) holds what was read.
-        const bool formed = a.well_formed();
         for (int b = 0; b < st.batch(); ++b) {
-            const auto [k_rows, v_rows] =
-                formed ? std::pair{a.keys(b).rows(), a.values(b).rows()} : a.loaded_rows(b);
+            const auto [k_rows, v_rows] = a.window_rows(b);
             if (k_rows != kept || v_rows != kept) {
                 inconsistent(src, prefix + "attention.k/v." + std::to_string(b) + " rows",
                              k_rows != kept ? k_rows : v_rows,
@@ -80,39 +79,41 @@ void check_block(const Block<T>& block, const BlockState<T>& st, const std::stri
 template <class Object>
 struct CheckpointTraits;
 
-template <class T>
-struct CheckpointTraits<NeuralMemory<T>> {
+template <class T, class B>
+struct CheckpointTraits<NeuralMemory<T, B>> {
     using Scalar = T;
+    using State = typename NeuralMemory<T, B>::State;
     static constexpr const char* object = "memory";
-    static int batch(const MemoryState<T>& st) { return st.batch(); }
-    static void check_structure(const NeuralMemory<T>& mem, const MemoryState<T>& st) {
+    static int batch(const State& st) { return st.batch(); }
+    static void check_structure(const NeuralMemory<T, B>& mem, const State& st) {
         mem.validate_state(st);
     }
-    static void check(const NeuralMemory<T>&, const MemoryState<T>& st, const std::string& src) {
+    static void check(const NeuralMemory<T, B>&, const State& st, const std::string& src) {
         check_position(st.position(), "position", src);
     }
 };
 
-template <class T>
-struct CheckpointTraits<Block<T>> {
+template <class T, class B>
+struct CheckpointTraits<Block<T, B>> {
     using Scalar = T;
     static constexpr const char* object = "block";
-    static int batch(const BlockState<T>& st) { return st.batch(); }
-    static void check_structure(const Block<T>& block, const BlockState<T>& st) {
+    static int batch(const BlockState<T, B>& st) { return st.batch(); }
+    static void check_structure(const Block<T, B>& block, const BlockState<T, B>& st) {
         block.validate_state(st);
     }
-    static void check(const Block<T>& block, const BlockState<T>& st, const std::string& src) {
+    static void check(const Block<T, B>& block, const BlockState<T, B>& st,
+                      const std::string& src) {
         check_block(block, st, "", src);
     }
 };
 
-template <class T>
-struct CheckpointTraits<Model<T>> {
+template <class T, class B>
+struct CheckpointTraits<Model<T, B>> {
     using Scalar = T;
     static constexpr const char* object = "model";
-    static int batch(const ModelState<T>& st) { return st.batch; }
+    static int batch(const ModelState<T, B>& st) { return st.batch; }
     /// What validate_state checks but the positions (check() reports those as the loader does).
-    static void check_structure(const Model<T>& model, const ModelState<T>& st) {
+    static void check_structure(const Model<T, B>& model, const ModelState<T, B>& st) {
         if (st.blocks.size() != model.blocks().size()) {
             model.validate_state(st);  // throws: made for another model
         }
@@ -120,7 +121,8 @@ struct CheckpointTraits<Model<T>> {
             model.blocks()[i].validate_state(st.blocks[i]);
         }
     }
-    static void check(const Model<T>& model, const ModelState<T>& st, const std::string& src) {
+    static void check(const Model<T, B>& model, const ModelState<T, B>& st,
+                      const std::string& src) {
         check_position(st.position, "position", src);
         for (std::size_t i = 0; i < st.blocks.size(); ++i) {
             const std::string prefix = "blocks." + std::to_string(i) + ".";

@@ -15,7 +15,7 @@
 
 #include "../attention/attention.hpp"
 #include "../attention/rope.hpp"
-#include "../backend/cpu/cpu.hpp"
+#include "../backend/backend.hpp"
 #include "../detail/check.hpp"
 #include "../detail/product.hpp"
 #include "../detail/activation.hpp"
@@ -304,21 +304,25 @@ struct BlockParams {
     }
 };
 
-template <class T>
+template <class T, class Backend = backend::Cpu>
 class Block;
 
 /// The state of B streams through one block: the memory's state, the attention's KV ring
 /// buffer (MAG, MAL), and for MAC the keys/values of the segment in progress and the memory
-/// weights at the segment's start. Made by Block::make_state(B); copyable.
-template <class T>
+/// weights at the segment's start. Made by Block::make_state(B); copyable. The memory and
+/// attention states are their backend's (MemoryKernels / AttentionKernels<Backend, T>::State).
+template <class T, class Backend = backend::Cpu>
 class BlockState {
 public:
+    using MemoryState = typename backend::MemoryKernels<Backend, T>::State;
+    using AttentionState = typename backend::AttentionKernels<Backend, T>::State;
+
     BlockState() = default;
     [[nodiscard]] int batch() const { return batch_; }
     /// Tokens seen per sequence (persistent tokens not counted).
     [[nodiscard]] std::int64_t position() const { return position_; }
-    [[nodiscard]] const MemoryState<T>& memory() const { return memory_; }
-    [[nodiscard]] const AttentionState<T>& attention() const { return attention_; }
+    [[nodiscard]] const MemoryState& memory() const { return memory_; }
+    [[nodiscard]] const AttentionState& attention() const { return attention_; }
 
     /// Serialization hook (checkpoints): calls v(name, x) for everything a resumed stream needs
     /// to continue bit-identically, x a Matrix<T>& or std::int64_t& (const if Self is):
@@ -334,9 +338,9 @@ public:
     static void tensors(Self& self, V&& v) {
         static_assert(std::is_same_v<std::remove_const_t<Self>, BlockState>);
         v(std::string("position"), self.position_);
-        MemoryState<T>::tensors(self.memory_, detail::prefixed("memory", v));
+        MemoryState::tensors(self.memory_, detail::prefixed("memory", v));
         if (self.kind_ == BlockKind::MAG || self.kind_ == BlockKind::MAL) {
-            AttentionState<T>::tensors(self.attention_, detail::prefixed("attention", v));
+            AttentionState::tensors(self.attention_, detail::prefixed("attention", v));
         }
         if (self.kind_ == BlockKind::MAC) {
             for (std::size_t b = 0; b < self.seg_k_.size(); ++b) {
@@ -355,13 +359,13 @@ public:
     }
 
 private:
-    friend class Block<T>;
+    friend class Block<T, Backend>;
     BlockKind kind_ = BlockKind::LMM;
     BlockConfig cfg_{};  // the block's settings at make_state (what a continuing block must match)
     int batch_ = 0;
     std::int64_t position_ = 0;
-    MemoryState<T> memory_;
-    AttentionState<T> attention_;
+    MemoryState memory_;
+    AttentionState attention_;
     // MAC: per sequence the interleaved keys/values [h_0, s_0, h_1, s_1, ...] of the segment
     // in progress (2C x D_att), and per (sequence, head) the memory weights M_{t-1} at its start.
     std::vector<Matrix<T>> seg_k_, seg_v_;
@@ -397,10 +401,10 @@ private:
 ///     titans::Block<float> block(cfg, titans::BlockParams<float>::random(cfg, 1));
 ///     auto st = block.make_state(1);
 ///     titans::Matrixf y = block.forward(st, x);   // x: N x 64
-template <class T>
+template <class T, class Backend>
 class Block {
 public:
-    using State = BlockState<T>;
+    using State = BlockState<T, Backend>;
 
     /// Validates both (ConfigError, ShapeError, NonFiniteError) and keeps them.
     Block(BlockConfig config, BlockParams<T> params)
@@ -425,7 +429,10 @@ public:
         if (cfg_.use_ffn) {
             ffn_.emplace(cfg_.ffn, detail::share_part(params_, p.ffn));
         }
-        if (cfg_.kind == BlockKind::MAC || cfg_.kind == BlockKind::MAG) {
+        if (cfg_.kind == BlockKind::MAG) {  // P W_K and P W_V, once, on the backend
+            prefix_.emplace(attention_->project_prefix(p.persistent));
+        }
+        if (cfg_.kind == BlockKind::MAC) {
             k_prefix_ = p.persistent * p.attention.w_k;
             v_prefix_ = p.persistent * p.attention.w_v;
         }
@@ -437,7 +444,7 @@ public:
     [[nodiscard]] const std::shared_ptr<const BlockParams<T>>& shared_params() const {
         return params_;
     }
-    [[nodiscard]] const NeuralMemory<T>& memory() const { return memory_; }
+    [[nodiscard]] const NeuralMemory<T, Backend>& memory() const { return memory_; }
 
     /// A fresh state for `batch` streams; for MAG and MAL the memory (and for MAL the
     /// attention window) has already consumed the persistent tokens.
@@ -759,7 +766,7 @@ private:
 
     Matrix<T> mix_mag(State& st, const MatrixRef<T>& u) const {
         Matrix<T> y;  // P W_K and P W_V were projected once, at construction
-        attention_->forward_projected(st.attention_, u, y, k_prefix_, v_prefix_);
+        attention_->forward(st.attention_, u, y, *prefix_);
         const Matrix<T> m = memory_.forward(st.memory_, u);
         Matrix<T> gate = norm_m_->forward(m);
         gate = gate.unaryExpr([](T v) { return sigmoid(v); });
@@ -853,13 +860,14 @@ private:
 
     BlockConfig cfg_;
     std::shared_ptr<const BlockParams<T>> params_;
-    NeuralMemory<T> memory_;
-    RMSNorm<T> norm_mix_, norm_ffn_;
+    NeuralMemory<T, Backend> memory_;
+    RMSNorm<T, Backend> norm_mix_, norm_ffn_;
     Threads threads_{};
-    std::optional<Attention<T>> attention_;    // all kinds but LMM
-    std::optional<RMSNorm<T>> norm_y_, norm_m_;  // MAG
-    std::optional<FeedForward<T>> ffn_;        // if use_ffn
-    Matrix<T> k_prefix_, v_prefix_;            // MAC, MAG: P W_K, P W_V (N_p x D)
+    std::optional<Attention<T, Backend>> attention_;    // all kinds but LMM
+    std::optional<RMSNorm<T, Backend>> norm_y_, norm_m_;  // MAG
+    std::optional<FeedForward<T, Backend>> ffn_;        // if use_ffn
+    std::optional<typename Attention<T, Backend>::Prefix> prefix_;  // MAG: P W_K, P W_V
+    Matrix<T> k_prefix_, v_prefix_;  // MAC: P W_K, P W_V (N_p x D), for the segment attention
 };
 
 }  // namespace titans

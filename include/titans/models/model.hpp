@@ -198,9 +198,9 @@ struct ModelParams {
 };
 
 /// The state of B streams through a Model: one BlockState per layer and the position.
-template <class T>
+template <class T, class Backend = backend::Cpu>
 struct ModelState {
-    std::vector<BlockState<T>> blocks;
+    std::vector<BlockState<T, Backend>> blocks;
     int batch = 0;
     std::int64_t position = 0;
 
@@ -212,7 +212,7 @@ struct ModelState {
         static_assert(std::is_same_v<std::remove_const_t<Self>, ModelState>);
         v(std::string("position"), self.position);
         for (std::size_t i = 0; i < self.blocks.size(); ++i) {
-            BlockState<T>::tensors(self.blocks[i],
+            BlockState<T, Backend>::tensors(self.blocks[i],
                                    detail::prefixed(detail::visit_name("blocks", i), v));
         }
     }
@@ -224,10 +224,10 @@ struct ModelState {
 ///     titans::Model<float> model(cfg, titans::ModelParams<float>::random(cfg, 1));
 ///     auto st = model.make_state(1);
 ///     titans::Matrixf logits = model.forward_tokens(st, ids);  // ids.size() x 256
-template <class T>
+template <class T, class Backend = backend::Cpu>
 class Model {
 public:
-    using State = ModelState<T>;
+    using State = ModelState<T, Backend>;
 
     Model(ModelConfig config, ModelParams<T> params)
         : Model(std::move(config), std::make_shared<const ModelParams<T>>(std::move(params))) {}
@@ -246,7 +246,7 @@ public:
 
     [[nodiscard]] const ModelConfig& config() const { return cfg_; }
     [[nodiscard]] const ModelParams<T>& params() const { return *params_; }
-    [[nodiscard]] const std::vector<Block<T>>& blocks() const { return blocks_; }
+    [[nodiscard]] const std::vector<Block<T, Backend>>& blocks() const { return blocks_; }
 
     [[nodiscard]] State make_state(int batch = 1) const {
         detail::require_state_batch(
@@ -378,8 +378,8 @@ private:
 
     ModelConfig cfg_;
     std::shared_ptr<const ModelParams<T>> params_;
-    std::vector<Block<T>> blocks_;
-    RMSNorm<T> norm_final_;
+    std::vector<Block<T, Backend>> blocks_;
+    RMSNorm<T, Backend> norm_final_;
     Threads threads_{};
 };
 

@@ -20,5 +20,6 @@ struct BackendTraits<Cpu> {
 
 }  // namespace titans::backend
 
+#include "attention_kernels.hpp"
 #include "layer_kernels.hpp"
 #include "memory_kernels.hpp"

@@ -1,0 +1,211 @@
+#pragma once
+// titans/backend/cpu/attention_kernels.hpp: the attention layer on the CPU (math §6-7).
+//
+// Per forward call: one GEMM per projection over every token of every sequence, RoPE from one
+// table, then per sequence the tiled prefix + window kernel (attention/kernel.hpp) reading its
+// keys and values in place from the state's window buffer, and the output projection. A call
+// runs inside a transaction (AttentionState's undo record), so a throw leaves the state as it
+// was.
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <utility>
+
+#include "../../attention/config.hpp"
+#include "../../attention/kernel.hpp"
+#include "../../attention/params.hpp"
+#include "../../attention/rope.hpp"
+#include "../../attention/state.hpp"
+#include "../../detail/check.hpp"
+#include "../../detail/float_env.hpp"
+#include "../../detail/product.hpp"
+#include "../../error.hpp"
+#include "../../types.hpp"
+#include "../backend.hpp"
+
+namespace titans::backend {
+
+struct Cpu;
+
+template <class T>
+struct AttentionKernels<Cpu, T> {
+    using Mat = Matrix<T>;
+    using Index = Eigen::Index;
+    using State = AttentionState<T>;
+    /// Projected prefix keys and values (P W_K, P W_V), host matrices.
+    using Prefix = AttentionPrefix<T>;
+    /// The parameters as the kernels use them: the caller's own (shared, not copied).
+    using Prepared = std::shared_ptr<const AttentionParams<T>>;
+
+    static Prepared prepare(const AttentionConfig&,
+                            const std::shared_ptr<const AttentionParams<T>>& params) {
+        return params;
+    }
+
+    static State make_state(const AttentionConfig& cfg, int batch) {
+        State s;
+        s.cfg_ = cfg;
+        s.batch_ = batch;
+        s.position_ = 0;
+        s.k_hist_.assign(static_cast<std::size_t>(batch), Mat(0, cfg.inner_dim()));
+        s.v_hist_.assign(static_cast<std::size_t>(batch), Mat(0, cfg.inner_dim()));
+        return s;
+    }
+
+    /// P W_K and P W_V of a checked prefix.
+    static Prefix project_prefix(const AttentionConfig& cfg, const Prepared& p,
+                                 const MatrixRef<T>& prefix, PrefixSharing sharing) {
+        Prefix out;
+        out.sharing = sharing;
+        out.k.resize(prefix.rows(), cfg.inner_dim());
+        out.v.resize(prefix.rows(), cfg.inner_dim());
+        if (prefix.rows() > 0) {
+            out.k.noalias() = prefix * p->w_k;
+            out.v.noalias() = prefix * p->w_v;
+        }
+        return out;
+    }
+
+    /// A prefix the caller projected (checked shapes, shared by every sequence).
+    static Prefix adopt_prefix(const MatrixRef<T>& k, const MatrixRef<T>& v) {
+        return Prefix{Mat(k), Mat(v), PrefixSharing::Shared};
+    }
+
+    /// Checked inputs: projects x, then attend() inside a transaction (the state is unchanged
+    /// if it throws). prefix may be null.
+    static void forward(const AttentionConfig& cfg, const Prepared& p, State& state,
+                        const MatrixRef<T>& x, Mat& y, const Prefix* prefix) {
+        const int B = state.batch_, H = cfg.n_heads, dh = cfg.head_dim(), D = cfg.inner_dim();
+        const Index N = x.rows() / B;
+        y.resize(x.rows(), cfg.d_model);
+        if (N == 0) return;
+        Mat q(x.rows(), D), k(x.rows(), D), v(x.rows(), D);
+        detail::multiply(q, x, p->w_q);
+        detail::multiply(k, x, p->w_k);
+        detail::multiply(v, x, p->w_v);
+        if (cfg.rope) {
+            // All sequences are at the same absolute position: one table for all of them.
+            detail::RopeTable<T> table(N, dh, state.position_, cfg.rope_base);
+            for (int b = 0; b < B; ++b) {
+                table.apply(q.middleRows(b * N, N), H, dh);
+                table.apply(k.middleRows(b * N, N), H, dh);
+            }
+        }
+        const bool own = begin(state);
+        try {
+            attend(cfg, *p, state, q, k, v, prefix, y);
+        } catch (...) {
+            rollback(state);
+            throw;
+        }
+        if (own) {
+            commit(state);
+        }
+    }
+
+    static bool begin(State& state) {
+        auto& u = state.undo_;
+        if (u.open) {
+            return false;
+        }
+        u.open = true;
+        u.saved = false;
+        u.position = state.position_;
+        u.off = state.off_;
+        u.rows = state.rows_;
+        return true;
+    }
+    static void commit(State& state) { state.undo_.open = false; }
+    static void rollback(State& state) {
+        auto& u = state.undo_;
+        if (!u.open) {
+            return;
+        }
+        if (u.saved) {
+            for (std::size_t b = 0; b < state.k_hist_.size(); ++b) {
+                state.k_hist_[b].swap(u.k[b]);
+                state.v_hist_[b].swap(u.v[b]);
+            }
+        }
+        state.position_ = u.position;
+        state.off_ = u.off;
+        state.rows_ = u.rows;
+        u.open = false;
+    }
+
+private:
+    /// The attention proper on projected q, k, v (and the prefix's p rows per sequence), then
+    /// the new histories and W_O; NonFiniteError if the output is not finite.
+    static void attend(const AttentionConfig& cfg, const AttentionParams<T>& params, State& state,
+                       const Mat& q, const Mat& k, const Mat& v, const Prefix* prefix, Mat& y) {
+        const int B = state.batch_, H = cfg.n_heads, dh = cfg.head_dim();
+        const Index N = q.rows() / B;
+        const Mat none(0, cfg.inner_dim());
+        const Mat& kp = prefix != nullptr ? prefix->k : none;
+        const Mat& vp = prefix != nullptr ? prefix->v : none;
+        const bool shared = prefix == nullptr || prefix->sharing == PrefixSharing::Shared;
+        const Index p = shared ? kp.rows() : kp.rows() / B;
+        // Per sequence: keys/values = [kept (h rows) ; this piece (N rows)], read in place from
+        // the window buffer; queries at positions h .. h + N - 1 of them.
+        const Index h = state.rows_;
+        reserve_window(state, N);
+        const Index off = state.off_;
+        Mat o(q.rows(), cfg.inner_dim());
+        for (int b = 0; b < B; ++b) {
+            auto& kb = state.k_hist_[static_cast<std::size_t>(b)];
+            auto& vb = state.v_hist_[static_cast<std::size_t>(b)];
+            kb.middleRows(off + h, N) = k.middleRows(b * N, N);
+            vb.middleRows(off + h, N) = v.middleRows(b * N, N);
+            const Index pr0 = shared ? 0 : b * p;
+            detail::prefix_window_attention_impl<T>(
+                q.middleRows(b * N, N), kp.middleRows(pr0, p), vp.middleRows(pr0, p),
+                kb.middleRows(off, h + N), vb.middleRows(off, h + N), H, dh, cfg.window, h,
+                o.middleRows(b * N, N));
+        }
+        const Index keep = std::min<Index>(static_cast<Index>(cfg.window) - 1, h + N);
+        state.off_ = off + h + N - keep;
+        state.rows_ = keep;
+        detail::multiply(y, o, params.w_o);
+        if (!detail::all_finite(y)) {
+            const Index r = detail::first_nonfinite_row(y);
+            throw NonFiniteError(detail::concat(
+                "Attention::forward: the output is not finite at sequence ", r / N, ", position ",
+                state.position_ + r % N, " (the projections overflow), expected finite values; "
+                "the state is unchanged"));
+        }
+        state.position_ += N;
+    }
+
+    /// Makes room for N more rows after the kept ones in every window buffer: if the buffers'
+    /// end is near, the kept rows move to the start of buffers of h + N + w - 1 rows (inside an
+    /// open transaction the old buffers are first swapped out, untouched, for rollback).
+    static void reserve_window(State& state, Index N) {
+        const Index h = state.rows_, cap = state.k_hist_[0].rows();
+        if (state.off_ + h + N <= cap) {
+            return;  // appending writes past the kept rows: a rollback still finds them
+        }
+        const Index rows = h + N + std::max<Index>(state.cfg_.window - 1, 1);
+        auto& u = state.undo_;
+        const bool save = u.open && !u.saved;
+        if (save) {
+            u.k.resize(state.k_hist_.size());
+            u.v.resize(state.v_hist_.size());
+        }
+        for (std::size_t b = 0; b < state.k_hist_.size(); ++b) {
+            for (auto [buf, old] : {std::pair{&state.k_hist_[b], save ? &u.k[b] : nullptr},
+                                    std::pair{&state.v_hist_[b], save ? &u.v[b] : nullptr}}) {
+                Mat fresh(rows, buf->cols());
+                fresh.topRows(h) = buf->middleRows(state.off_, h);
+                if (old != nullptr) {
+                    old->swap(*buf);
+                }
+                buf->swap(fresh);
+            }
+        }
+        u.saved = u.saved || save;
+        state.off_ = 0;
+    }
+};
+
+}  // namespace titans::backend
