@@ -10,9 +10,9 @@
 // on the arena's copies, so results must equal the CPU backend's bit for bit. When an arena
 // object is freed its tensors are overwritten with NaN first, and an id that was freed (or never
 // existed) throws on use: a layer that kept a pointer into backend memory, or reached it other
-// than through the kernels, fails here. So far the seam is threaded through the memory family
-// (NeuralMemory<T, Backend>), RMSNorm and FeedForward; attention, the blocks, the model and io
-// follow the same pattern.
+// than through the kernels, fails here. Every family runs on it: the memory, attention, RMSNorm
+// and FeedForward kernels, and so Block<T, SimulatedDevice> and Model<T, SimulatedDevice>;
+// states reach the host (checkpoints) only through their tensors() hook, the transfer.
 #include <titans/titans.hpp>
 
 #include <cstdint>
@@ -165,6 +165,20 @@ void on_device(const titans::MatrixRef<T>& x, titans::Matrix<T>& y, Kernel&& ker
     y = y_device;
 }
 
+/// Host <-> device transfer of a state's tensors: the visitor sees host copies (downloads);
+/// when Self is not const what it assigned is uploaded back.
+template <class Host, class Self, class V>
+void transfer(Self& self, V& v) {
+    if constexpr (std::is_const_v<Self>) {
+        const Host copy = self.device_.get();  // download
+        Host::tensors(copy, v);
+    } else {
+        Host copy = self.device_.get();
+        Host::tensors(copy, v);
+        self.device_.get() = std::move(copy);  // upload
+    }
+}
+
 /// The memory's state on the simulated device: an arena id and host-readable metadata.
 template <class T>
 class MemoryState {
@@ -174,13 +188,73 @@ public:
     [[nodiscard]] std::int64_t position() const { return position_; }
     [[nodiscard]] const titans::MemoryConfig& config() const { return cfg_; }
 
+    /// The checkpoint hook: the transfer between the device and the host (each tensor copied
+    /// out to the visitor, and back in when Self is not const).
+    template <class Self, class V>
+    static void tensors(Self& self, V&& v) {
+        transfer<titans::MemoryState<T>>(self, v);
+        if constexpr (!std::is_const_v<Self>) self.position_ = self.device_.get().position();
+    }
+
 private:
     template <class, class>
     friend struct titans::backend::MemoryKernels;
+    template <class Host, class Self, class V>
+    friend void transfer(Self& self, V& v);
     Handle<titans::MemoryState<T>> device_;
     titans::MemoryConfig cfg_{};
     int batch_ = 0;
     std::int64_t position_ = 0;
+};
+
+/// The attention's state on the simulated device: an arena id and host-readable metadata.
+template <class T>
+class AttentionState {
+public:
+    AttentionState() = default;
+    [[nodiscard]] int batch() const { return batch_; }
+    [[nodiscard]] std::int64_t position() const { return position_; }
+    [[nodiscard]] const titans::AttentionConfig& config() const { return cfg_; }
+    [[nodiscard]] bool well_formed() const { return well_formed_; }
+    [[nodiscard]] std::pair<Eigen::Index, Eigen::Index> window_rows(int b) const {
+        return rows_.at(static_cast<std::size_t>(b));
+    }
+    template <class Self, class V>
+    static void tensors(Self& self, V&& v) {
+        transfer<titans::AttentionState<T>>(self, v);
+        if constexpr (!std::is_const_v<Self>) self.mirror();
+    }
+
+private:
+    template <class, class>
+    friend struct titans::backend::AttentionKernels;
+    template <class Host, class Self, class V>
+    friend void transfer(Self& self, V& v);
+    /// Everything a caller may read without the kernels, copied from the device.
+    void mirror() {
+        const titans::AttentionState<T>& d = device_.get();
+        position_ = d.position();
+        well_formed_ = d.well_formed();
+        rows_.resize(static_cast<std::size_t>(batch_));
+        for (int b = 0; b < batch_; ++b) {
+            rows_[static_cast<std::size_t>(b)] = d.window_rows(b);
+        }
+    }
+    Handle<titans::AttentionState<T>> device_;
+    titans::AttentionConfig cfg_{};
+    int batch_ = 0;
+    std::int64_t position_ = 0;
+    bool well_formed_ = false;
+    std::vector<std::pair<Eigen::Index, Eigen::Index>> rows_;
+};
+
+/// A projected prefix on the simulated device: an arena id, its row count and sharing.
+template <class T>
+struct AttentionPrefix {
+    Handle<titans::AttentionPrefix<T>> device;
+    Eigen::Index rows_ = 0;
+    titans::PrefixSharing sharing = titans::PrefixSharing::Shared;
+    [[nodiscard]] Eigen::Index rows() const { return rows_; }
 };
 
 }  // namespace sim
@@ -271,6 +345,74 @@ struct MemoryKernels<titans_test::SimulatedDevice, T> {
 
     /// Everything a caller may later read of the state without the kernels: the position.
     static void mirror(State& st) { st.position_ = st.device_.get().position(); }
+};
+
+/// The attention kernels of the simulated device: upload, CPU kernels on the arena's copies,
+/// download.
+template <class T>
+struct AttentionKernels<titans_test::SimulatedDevice, T> {
+    using Host = AttentionKernels<Cpu, T>;
+    using State = titans_test::sim::AttentionState<T>;
+    using Prefix = titans_test::sim::AttentionPrefix<T>;
+    using Prepared = std::shared_ptr<const titans_test::sim::Handle<typename Host::Prepared>>;
+
+    static Prepared prepare(const AttentionConfig& cfg,
+                            const std::shared_ptr<const AttentionParams<T>>& host) {
+        return titans_test::sim::upload(host, [cfg](AttentionParams<T>& p) {
+            AttentionParams<T>::tensors(p, cfg, titans_test::sim::PoisonVisitor{});
+        });
+    }
+    static State make_state(const AttentionConfig& cfg, int batch) {
+        State st;
+        st.device_ = titans_test::sim::Handle<titans::AttentionState<T>>(
+            Host::make_state(cfg, batch), [](titans::AttentionState<T>& s) {
+                titans::AttentionState<T>::tensors(s, titans_test::sim::PoisonVisitor{});
+            });
+        st.cfg_ = cfg;
+        st.batch_ = batch;
+        st.mirror();
+        return st;
+    }
+    static Prefix project_prefix(const AttentionConfig& cfg, const Prepared& p,
+                                 const MatrixRef<T>& prefix, PrefixSharing sharing) {
+        const Matrix<T> uploaded = prefix;
+        return wrap(Host::project_prefix(cfg, p->get(), uploaded, sharing));
+    }
+    static Prefix adopt_prefix(const MatrixRef<T>& k, const MatrixRef<T>& v) {
+        return wrap(Host::adopt_prefix(Matrix<T>(k), Matrix<T>(v)));
+    }
+    static void forward(const AttentionConfig& cfg, const Prepared& p, State& st,
+                        const MatrixRef<T>& x, Matrix<T>& y, const Prefix* prefix) {
+        try {
+            titans_test::sim::on_device<T>(x, y, [&](const Matrix<T>& xd, Matrix<T>& yd) {
+                Host::forward(cfg, p->get(), st.device_.get(), xd, yd,
+                              prefix != nullptr ? &prefix->device.get() : nullptr);
+            });
+        } catch (...) {
+            st.mirror();
+            throw;
+        }
+        st.mirror();
+    }
+    static bool begin(State& st) { return Host::begin(st.device_.get()); }
+    static void commit(State& st) { Host::commit(st.device_.get()); }
+    static void rollback(State& st) {
+        Host::rollback(st.device_.get());
+        st.mirror();
+    }
+
+private:
+    static Prefix wrap(typename Host::Prefix host) {
+        Prefix out;
+        out.rows_ = host.rows();
+        out.sharing = host.sharing;
+        out.device = titans_test::sim::Handle<typename Host::Prefix>(
+            std::move(host), [](typename Host::Prefix& h) {
+                h.k.setConstant(std::numeric_limits<T>::quiet_NaN());
+                h.v.setConstant(std::numeric_limits<T>::quiet_NaN());
+            });
+        return out;
+    }
 };
 
 /// RMSNorm on the simulated device.

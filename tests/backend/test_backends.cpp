@@ -1,9 +1,11 @@
-// The backend seam, proved without a GPU: NeuralMemory<T, SimulatedDevice> (its parameters and
-// states in an arena only its kernels can open, see backend/simulated_device.hpp) gives the
-// CPU backend's outputs, reads, weights, momentum and diagnostics bit for bit, in every mode,
-// streamed in random pieces, through transactions, copies and errors, and frees everything it
-// allocated.
-#include "test_common.hpp"
+// The backend seam, proved without a GPU: every layer family on the simulated device (its
+// parameters and states in an arena only its kernels can open, see backend/simulated_device.hpp)
+// gives the CPU backend's results bit for bit: NeuralMemory (outputs, reads, weights, momentum,
+// diagnostics, every mode), Attention (with shared, per-sequence and pre-projected prefixes),
+// RMSNorm and FeedForward, every Block kind and mixed Models, streamed in random pieces, through
+// transactions, copies and errors, with states compared through their transfer (tensors()), and
+// everything it allocated freed. tests/io/test_checkpoint_backends.cpp moves checkpoints across.
+#include "block_cases.hpp"
 
 #include "backend/simulated_device.hpp"
 
@@ -145,4 +147,195 @@ TEST_CASE("backend: device checks", "[backend]") {
     }
     CHECK(poisoned);
     CHECK_THROWS_AS(sim::Arena::instance().at<Matrixd>(id), std::logic_error);
+}
+
+namespace {
+
+/// Every entry a state's tensors() visits (through the device's transfer for device states),
+/// as doubles (exact for float), in visiting order.
+template <class State>
+std::vector<std::pair<std::string, Matrixd>> state_entries(const State& st) {
+    std::vector<std::pair<std::string, Matrixd>> out;
+    State::tensors(st, [&out](const std::string& name, const auto& x) {
+        using X = std::decay_t<decltype(x)>;
+        if constexpr (std::is_integral_v<X>) {
+            out.emplace_back(name, Matrixd::Constant(1, 1, static_cast<double>(x)));
+        } else {
+            out.emplace_back(name, x.template cast<double>());
+        }
+    });
+    return out;
+}
+
+/// Same entries, and the same host-readable metadata (what callers read without the kernels).
+template <class A, class B>
+bool same_states(const A& a, const B& b) {
+    if constexpr (requires { a.position(); }) {
+        if (a.position() != b.position() || a.batch() != b.batch()) return false;
+    }
+    if constexpr (requires { a.window_rows(0); }) {
+        if (a.well_formed() != b.well_formed()) return false;
+        for (int s = 0; s < a.batch(); ++s) {
+            if (a.window_rows(s) != b.window_rows(s)) return false;
+        }
+    }
+    const auto ea = state_entries(a), eb = state_entries(b);
+    if (ea.size() != eb.size()) return false;
+    for (std::size_t i = 0; i < ea.size(); ++i) {
+        if (ea[i].first != eb[i].first || !identical(ea[i].second, eb[i].second)) {
+            UNSCOPED_INFO("state entry differs: " << ea[i].first);
+            return false;
+        }
+    }
+    return true;
+}
+
+/// Feeds x ((B*N) x d) to both objects in the same random pieces; true if every output is
+/// bit-identical and the states are equal at the end.
+template <class Cpu, class Dev, class T>
+bool same_stream(const Cpu& cpu, typename Cpu::State& sc, const Dev& dev,
+                 typename Dev::State& sd, const Matrix<T>& x, int B, Rng& rng, int span) {
+    const int N = static_cast<int>(x.rows()) / B;
+    int t0 = 0;
+    for (int len : random_pieces(rng, N, span)) {
+        const Matrix<T> piece = take_tokens(x, B, N, t0, t0 + len);
+        if (!identical(cpu.forward(sc, piece), dev.forward(sd, piece))) return false;
+        t0 += len;
+    }
+    return same_states(sc, sd);
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("backend: device attention", "[backend]", float, double) {
+    using T = TestType;
+    const std::size_t live0 = sim::Arena::instance().live();
+    for (int i = 0; i < 6; ++i) {
+        Rng rng(seed_for(std::string("backends/attention/") + type_name<T>(), static_cast<std::uint64_t>(i)));
+        titans::AttentionConfig cfg{.d_model = uniform_int(rng, 4, 16),
+                                    .n_heads = uniform_int(rng, 1, 3),
+                                    .window = uniform_int(rng, 1, 7),
+                                    .rope = i % 2 == 0};
+        cfg.d_head = uniform_int(rng, 0, 1) == 0 ? 0 : uniform_int(rng, 1, 3) * 2;
+        if (cfg.d_head == 0 && cfg.d_model % cfg.n_heads != 0) cfg.n_heads = 1;
+        if (cfg.rope && cfg.head_dim() % 2 != 0) cfg.rope = false;
+        const auto params = titans::AttentionParams<T>::random(cfg, rng());
+        const titans::Attention<T> cpu(cfg, params);
+        const titans::Attention<T, SimulatedDevice> dev(cfg, params);
+        const int B = uniform_int(rng, 1, 3), N = uniform_int(rng, 1, 20), np = uniform_int(rng, 0, 3);
+        INFO("case " << i << " B=" << B << " N=" << N << " window=" << cfg.window);
+        const Matrix<T> x = random_matrix(B * N, cfg.d_model, rng).cast<T>();
+        const Matrix<T> shared = random_matrix(np, cfg.d_model, rng).cast<T>();
+        const Matrix<T> per_seq = random_matrix(B * np, cfg.d_model, rng).cast<T>();
+        auto sc = cpu.make_state(B);
+        auto sd = dev.make_state(B);
+        const auto pre_c = cpu.project_prefix(shared);
+        const auto pre_d = dev.project_prefix(shared);
+        int t0 = 0, call = 0;
+        for (int len : random_pieces(rng, N, cfg.window)) {
+            const Matrix<T> piece = take_tokens(x, B, N, t0, t0 + len);
+            Matrix<T> yc, yd;
+            switch (call++ % 3) {
+                case 0:
+                    yc = cpu.forward(sc, piece, &shared);
+                    yd = dev.forward(sd, piece, &shared);
+                    break;
+                case 1:
+                    yc = cpu.forward(sc, piece, &per_seq, titans::PrefixSharing::PerSequence);
+                    yd = dev.forward(sd, piece, &per_seq, titans::PrefixSharing::PerSequence);
+                    break;
+                default:
+                    cpu.forward(sc, piece, yc, pre_c);
+                    dev.forward(sd, piece, yd, pre_d);
+                    break;
+            }
+            REQUIRE(identical(yc, yd));
+            t0 += len;
+        }
+        CHECK(same_states(sc, sd));
+        // A transaction rolled back over several calls, then a refused call: nothing changed.
+        REQUIRE(dev.begin(sd));
+        for (int k = 0; k < 3; ++k) (void)dev.forward(sd, take_tokens(x, B, N, 0, N));
+        dev.rollback(sd);
+        CHECK(same_states(sc, sd));
+        if (B > 1) {
+            const Matrix<T> odd = random_matrix(B * np + 1, cfg.d_model, rng).cast<T>();
+            CHECK_THROWS_AS(dev.forward(sd, x, &odd, titans::PrefixSharing::PerSequence),
+                            titans::ShapeError);
+        }
+        CHECK(same_states(sc, sd));
+        CHECK(identical(cpu.forward(sc, x, &shared), dev.forward(sd, x, &shared)));
+        CHECK(same_states(sc, sd));
+    }
+    CHECK(sim::Arena::instance().live() == live0);
+}
+
+TEMPLATE_TEST_CASE("backend: device blocks", "[backend]", float, double) {
+    using T = TestType;
+    const std::size_t live0 = sim::Arena::instance().live();
+    for (BlockKind kind : {BlockKind::LMM, BlockKind::MAC, BlockKind::MAG, BlockKind::MAL}) {
+        for (int i = 0; i < 3; ++i) {
+            Rng rng(seed_for(std::string("backends/blocks/") + type_name<T>() + titans::to_string(kind),
+                             static_cast<std::uint64_t>(i)));
+            BlockOptions o;
+            o.kind = kind;
+            o.use_ffn = i != 1;
+            o.n_persistent = uniform_int(rng, 0, 3);
+            o.retrieval = kind == BlockKind::MAC || i == 2 ? titans::Retrieval::InChunk
+                                                           : titans::Retrieval::Lagged;
+            const BlockConfig cfg = random_block_config<T>(o, rng);
+            const BlockParams<T> params = cast_block<T>(random_block_params<T>(cfg, rng));
+            const titans::Block<T> cpu(cfg, params);
+            const titans::Block<T, SimulatedDevice> dev(cfg, params);
+            const int B = uniform_int(rng, 1, 3), N = uniform_int(rng, 5, 24);
+            INFO(titans::to_string(kind) << " case " << i << " B=" << B << " N=" << N);
+            auto sc = cpu.make_state(B);
+            auto sd = dev.make_state(B);
+            CHECK(same_states(sc, sd));  // MAG / MAL: P already streamed on both
+            const Matrix<T> x = random_matrix(B * N, cfg.d_model, rng, -2.0, 2.0).cast<T>();
+            REQUIRE(same_stream<titans::Block<T>, titans::Block<T, SimulatedDevice>, T>(
+                cpu, sc, dev, sd, x, B, rng, cfg.segment));
+            // The mixer alone, a rolled-back transaction, a copy advanced alone.
+            const Matrix<T> u = take_tokens(x, B, N, 0, 3);
+            CHECK(identical(cpu.mix(sc, u), dev.mix(sd, u)));
+            auto copy = sd;
+            REQUIRE(dev.begin(sd));
+            (void)dev.forward(sd, x);
+            (void)dev.mix(sd, u);
+            dev.rollback(sd);
+            CHECK(same_states(sc, sd));
+            (void)dev.forward(copy, x);
+            CHECK(copy.position() == sd.position() + N);
+            CHECK(same_states(sc, sd));
+            CHECK(identical(cpu.forward(sc, x), dev.forward(sd, x)));
+            CHECK(same_states(sc, sd));
+        }
+    }
+    CHECK(sim::Arena::instance().live() == live0);
+}
+
+TEMPLATE_TEST_CASE("backend: device model", "[backend]", float, double) {
+    using T = TestType;
+    const std::size_t live0 = sim::Arena::instance().live();
+    const std::pair<BlockKind, BlockKind> stacks[] = {{BlockKind::MAC, BlockKind::MAG},
+                                                      {BlockKind::MAL, BlockKind::LMM}};
+    for (std::size_t s = 0; s < 2; ++s) {
+        Rng rng(seed_for(std::string("backends/model/") + type_name<T>(), s));
+        const int vocab = 13, B = uniform_int(rng, 1, 2), N = uniform_int(rng, 6, 18);
+        const ModelCase mc = make_model_case<T>(stacks[s].first, stacks[s].second, 8, vocab, 0, rng);
+        const auto params = cast_model<T>(mc.params);
+        const titans::Model<T> cpu(mc.cfg, params);
+        const titans::Model<T, SimulatedDevice> dev(mc.cfg, params);
+        auto sc = cpu.make_state(B);
+        auto sd = dev.make_state(B);
+        const std::vector<int> ids = random_ids(rng, B * N, vocab);
+        CHECK(identical(cpu.forward_tokens(sc, ids), dev.forward_tokens(sd, ids)));
+        CHECK(same_states(sc, sd));
+        const Matrix<T> x = random_matrix(B * N, 8, rng).cast<T>();
+        REQUIRE(same_stream<titans::Model<T>, titans::Model<T, SimulatedDevice>, T>(
+            cpu, sc, dev, sd, x, B, rng, 4));
+        CHECK_THROWS_AS(dev.forward_tokens(sd, std::vector<int>{vocab}), titans::ShapeError);
+        CHECK(same_states(sc, sd));
+    }
+    CHECK(sim::Arena::instance().live() == live0);
 }
