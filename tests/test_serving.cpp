@@ -176,8 +176,8 @@ TEST_CASE("threads: same results", "[threads]") {
     CHECK(rel_error(mem.forward(st2, x), y1) <= tol<double>());
 }
 
-// a prefix projected once (forward_projected) gives what forward gives with the prefix, call
-// after call; wrong shapes and non-finite prefixes are refused and leave the state as it was
+// a prefix projected once (forward_projected, project_prefix) gives what forward gives with the
+// prefix, call after call; wrong shapes and non-finite prefixes are refused and leave the state as it was
 TEMPLATE_TEST_CASE("attention: projected prefix", "[attention]", float, double) {
     using T = TestType;
     AttentionConfig cfg{.d_model = 12, .n_heads = 3, .window = 5, .rope = true};
@@ -186,15 +186,31 @@ TEMPLATE_TEST_CASE("attention: projected prefix", "[attention]", float, double) 
     Rng rng(seed_for("attention/projected", 1));
     const Matrix<T> prefix = random_matrix(3, cfg.d_model, rng).cast<T>();
     const Matrix<T> kp = prefix * p.w_k, vp = prefix * p.w_v;
-    auto s1 = att.make_state(2), s2 = att.make_state(2);
-    Matrix<T> y2;
+    auto s1 = att.make_state(2), s2 = att.make_state(2), s3 = att.make_state(2);
+    const auto projected = att.project_prefix(prefix);  // the same products as forward's
+    CHECK(identical(projected.k, Matrix<T>(prefix * p.w_k)));
+    Matrix<T> y2, y3;
     for (int len : {1, 4, 0, 7, 1, 1}) {
         const Matrix<T> x = random_matrix(2 * len, cfg.d_model, rng).cast<T>();
         const Matrix<T> y1 = att.forward(s1, x, &prefix);
         att.forward_projected(s2, x, y2, kp, vp);
+        att.forward(s3, x, y3, projected);
         CHECK(rel_error(y2, y1) <= tol<T>());
+        CHECK(identical(y3, y1));
         CHECK(s2.position() == s1.position());
     }
+    // A per-sequence prefix projected once must have B*p rows.
+    const Matrix<T> odd = random_matrix(3, cfg.d_model, rng).cast<T>();
+    const auto per_seq = att.project_prefix(odd, titans::PrefixSharing::PerSequence);
+    const auto pos3 = s3.position();
+    CHECK_THROWS_AS(att.forward(s3, Matrix<T>(random_matrix(2, cfg.d_model, rng).cast<T>()), y3,
+                                per_seq),
+                    ShapeError);
+    CHECK(s3.position() == pos3);
+    Matrix<T> nan_prefix = prefix;
+    nan_prefix(0, 0) = std::numeric_limits<T>::quiet_NaN();
+    CHECK_THROWS_AS(att.project_prefix(nan_prefix), NonFiniteError);
+    CHECK_THROWS_AS(att.project_prefix(Matrix<T>(prefix.leftCols(5))), ShapeError);
     const Matrix<T> x = random_matrix(2, cfg.d_model, rng).cast<T>();
     const auto pos = s2.position();
     CHECK_THROWS_AS(att.forward_projected(s2, x, y2, Matrix<T>(kp.leftCols(6)), vp), ShapeError);
