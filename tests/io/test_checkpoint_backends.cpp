@@ -27,7 +27,7 @@ typename To::State carry(const From& from, const typename From::State& state, co
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("io: checkpoints across backends", "[io][backend]", float, double) {
+TEMPLATE_TEST_CASE("io: checkpoint on devices", "[io][backend]", float, double) {
     using T = TestType;
     const std::size_t live0 = sim::Arena::instance().live();
     for (BlockKind kind : {BlockKind::LMM, BlockKind::MAC, BlockKind::MAG, BlockKind::MAL}) {
