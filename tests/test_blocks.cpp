@@ -2,10 +2,12 @@
 // plain whole-sequence reference of tests/reference/reference_blocks.hpp (block output, mixer
 // output, memory state, position), causality, the order of MAC's memory write (y, not the block
 // input), the window edges of MAG / MAL and what the persistent tokens can reach, streaming in
-// pieces, Model<T> (a mixed stack with a vocabulary) and the error paths.
+// pieces, Model<T> (a mixed stack with a vocabulary) and the error paths. The tests of behaviour
+// run on the CPU and on the simulated device (tests/backends.hpp).
 //
 // Float tests draw parameters and inputs in double, round them to float, run the float library
 // and compare with the double reference run on the rounded values cast back to double.
+#include "backends.hpp"
 #include "block_cases.hpp"
 
 #include "reference/reference_blocks.hpp"
@@ -142,8 +144,8 @@ BlockCase make_block_case(const BlockOptions& o, std::uint64_t seed) {
 template <class T>
 using Weights = std::vector<std::vector<std::vector<Matrix<T>>>>;  // [b][h][l-1]
 
-template <class T>
-Weights<T> block_weights(const Block<T>& blk, const BlockState<T>& st) {
+template <class T, class Bk>
+Weights<T> block_weights(const Block<T, Bk>& blk, const BlockState<T, Bk>& st) {
     Weights<T> w(static_cast<std::size_t>(st.batch()));
     for (int b = 0; b < st.batch(); ++b)
         for (int h = 0; h < blk.config().memory.n_heads; ++h)
@@ -151,8 +153,9 @@ Weights<T> block_weights(const Block<T>& blk, const BlockState<T>& st) {
     return w;
 }
 
-template <class T>
-Weights<T> memory_weights(const NeuralMemory<T>& mem, const typename NeuralMemory<T>::State& st) {
+template <class T, class Bk>
+Weights<T> memory_weights(const NeuralMemory<T, Bk>& mem,
+                          const typename NeuralMemory<T, Bk>::State& st) {
     Weights<T> w(static_cast<std::size_t>(st.batch()));
     for (int b = 0; b < st.batch(); ++b)
         for (int h = 0; h < mem.config().n_heads; ++h)
@@ -189,8 +192,9 @@ std::string kind_name(BlockKind k) { return titans::to_string(k); }
 // every block kind (LMM, MAC, MAG, MAL) equals the plain reference: block output, mixer output,
 // memory state and position (B 1-2, with/without FFN, N_p 0/2, lagged/in-chunk retrieval, depth
 // 1-2)
-TEMPLATE_TEST_CASE("blocks: == reference", "[blocks]", float, double) {
-    using T = TestType;
+TEMPLATE_LIST_TEST_CASE("blocks: == reference", "[blocks]", Both) {
+    using T = typename TestType::Scalar;
+    using Bk = typename TestType::Backend;
     const int combo = GENERATE(range(0, 40));
     const BlockKind kind = kAllKinds[combo % 4];
     const int i = combo / 4;  // 0..9
@@ -205,7 +209,7 @@ TEMPLATE_TEST_CASE("blocks: == reference", "[blocks]", float, double) {
     INFO(c.describe());
     const std::string cat = kind_name(kind);
 
-    const Block<T> blk(c.cfg, cast_block<T>(c.params));
+    const Block<T, Bk> blk(c.cfg, cast_block<T>(c.params));
     auto st = blk.make_state(c.batch);
     const Matrix<T> out = blk.forward(st, c.x.cast<T>());
     const titans::reference::BlockResult ref =
@@ -261,8 +265,9 @@ TEMPLATE_TEST_CASE("blocks: make and shapes", "[blocks]", float, double) {
 
 // every block kind is causal: perturbing token j of one sequence leaves every earlier output of it
 // and the whole other sequence bit-for-bit unchanged
-TEMPLATE_TEST_CASE("blocks: causal", "[blocks]", float, double) {
-    using T = TestType;
+TEMPLATE_LIST_TEST_CASE("blocks: causal", "[blocks]", Both) {
+    using T = typename TestType::Scalar;
+    using Bk = typename TestType::Backend;
     for (int combo = 0; combo < 8; ++combo) {
         BlockOptions o;
         o.kind = kAllKinds[combo % 4];
@@ -275,7 +280,7 @@ TEMPLATE_TEST_CASE("blocks: causal", "[blocks]", float, double) {
                                                             static_cast<std::uint64_t>(combo)));
         INFO(c.describe());
         Rng rng(c.seed + 17);
-        const Block<T> blk(c.cfg, cast_block<T>(c.params));
+        const Block<T, Bk> blk(c.cfg, cast_block<T>(c.params));
         const Matrix<T> x = c.x.cast<T>();
         const int N = c.tokens;
         auto st = blk.make_state(2);
@@ -305,8 +310,9 @@ TEMPLATE_TEST_CASE("blocks: causal", "[blocks]", float, double) {
 // MAC writes its memory with the attention outputs y: the block's memory state equals a separate
 // NeuralMemory fed with the reference y, and differs from one fed with the block's normalised input
 // u (or raw input x)
-TEMPLATE_TEST_CASE("MAC: memory written with y", "[blocks]", float, double) {
-    using T = TestType;
+TEMPLATE_LIST_TEST_CASE("MAC: writes memory with y", "[blocks]", Both) {
+    using T = typename TestType::Scalar;
+    using Bk = typename TestType::Backend;
     for (int i = 0; i < 6; ++i) {
         BlockOptions o;
         o.kind = BlockKind::MAC;
@@ -317,13 +323,13 @@ TEMPLATE_TEST_CASE("MAC: memory written with y", "[blocks]", float, double) {
         const BlockCase c = make_block_case<T>(o, seed_for(std::string("blocks/mac-order/") + type_name<T>(),
                                                             static_cast<std::uint64_t>(i)));
         INFO(c.describe());
-        const Block<T> blk(c.cfg, cast_block<T>(c.params));
+        const Block<T, Bk> blk(c.cfg, cast_block<T>(c.params));
         auto st = blk.make_state(c.batch);
         (void)blk.forward(st, c.x.cast<T>());
         const Weights<T> lib = block_weights(blk, st);
         const auto ref = titans::reference::block_forward(c.cfg, c.params, c.x, c.batch);
 
-        const NeuralMemory<T> mem(c.cfg.memory, cast_params<T>(c.params.memory));
+        const NeuralMemory<T, Bk> mem(c.cfg.memory, cast_params<T>(c.params.memory));
         auto feed = [&](const Matrixd& input) {
             auto s = mem.make_state(c.batch);
             (void)mem.forward(s, input.cast<T>());
@@ -368,9 +374,9 @@ BlockCase frozen_memory_case(BlockKind kind, std::uint64_t seed) {
     return c;
 }
 
-template <class T>
+template <class T, class Bk>
 Matrix<T> run_once(const BlockCase& c, const BlockParams<double>& p, const Matrixd& x) {
-    const Block<T> blk(c.cfg, cast_block<T>(p));
+    const Block<T, Bk> blk(c.cfg, cast_block<T>(p));
     auto st = blk.make_state(c.batch);
     return blk.forward(st, x.cast<T>());
 }
@@ -381,13 +387,13 @@ namespace {
 
 /// With a frozen memory, perturbing token j (0, 1 and N-w-1) changes exactly the outputs
 /// j .. j+w-1 of the block and leaves every other row bit-identical.
-template <class T>
+template <class T, class Bk>
 void check_window_reach(const BlockCase& c, const Matrix<T>& out) {
     const int N = c.tokens, w = c.cfg.attention.window;
     for (int j : {0, 1, N - w - 1}) {
         Matrixd xj = c.x;
         xj.row(j).array() += 0.5;
-        const Matrix<T> outj = run_once<T>(c, c.params, xj);
+        const Matrix<T> outj = run_once<T, Bk>(c, c.params, xj);
         for (int t = 0; t < N; ++t) {
             INFO("perturbed token " << j << ", row " << t);
             if (t < j || t >= j + w) {
@@ -403,24 +409,25 @@ void check_window_reach(const BlockCase& c, const Matrix<T>& out) {
 
 // MAG window edges: with a frozen memory, token j reaches exactly outputs j .. j+w-1; the
 // persistent tokens reach every output, also after position w
-TEMPLATE_TEST_CASE("MAG: window edges", "[blocks]", float, double) {
-    using T = TestType;
+TEMPLATE_LIST_TEST_CASE("MAG: window edges", "[blocks]", Both) {
+    using T = typename TestType::Scalar;
+    using Bk = typename TestType::Backend;
     for (int i = 0; i < 3; ++i) {
         const BlockCase c = frozen_memory_case<T>(
             BlockKind::MAG, seed_for(std::string("blocks/mag-window/") + type_name<T>(), static_cast<std::uint64_t>(i)));
         INFO(c.describe());
         const int N = c.tokens, w = c.cfg.attention.window;
         REQUIRE(N > w + 1);
-        const Matrix<T> out = run_once<T>(c, c.params, c.x);
+        const Matrix<T> out = run_once<T, Bk>(c, c.params, c.x);
         // The frozen-memory block still equals the reference (rows w-1, w, w+1 included).
         const auto ref = titans::reference::block_forward(c.cfg, c.params, c.x, c.batch);
         CHECK(note_error<T>("MAG frozen memory: block output vs reference", rel_error(out, ref.out)) <= tol<T>());
-        check_window_reach<T>(c, out);
+        check_window_reach<T, Bk>(c, out);
         // P is visible to every query: perturbing it changes every output, those after w too.
         BlockParams<double> pp = c.params;
         pp.persistent.array() += 0.5;
         pp = cast_block<double>(cast_block<T>(pp));
-        const Matrix<T> out_p = run_once<T>(c, pp, c.x);
+        const Matrix<T> out_p = run_once<T, Bk>(c, pp, c.x);
         for (int t = 0; t < N; ++t) {
             INFO("perturbed P, row " << t);
             CHECK(row_diff(out_p, out, t) > 1e-6);
@@ -431,24 +438,25 @@ TEMPLATE_TEST_CASE("MAG: window edges", "[blocks]", float, double) {
 // MAL window edges: with a frozen memory, token j reaches exactly outputs j .. j+w-1 and the
 // persistent tokens (first positions of the window) reach exactly outputs 0 .. w-2; with a learning
 // memory P reaches later outputs through the memory
-TEMPLATE_TEST_CASE("MAL: window edges", "[blocks]", float, double) {
-    using T = TestType;
+TEMPLATE_LIST_TEST_CASE("MAL: window edges", "[blocks]", Both) {
+    using T = typename TestType::Scalar;
+    using Bk = typename TestType::Backend;
     for (int i = 0; i < 3; ++i) {
         const BlockCase c = frozen_memory_case<T>(
             BlockKind::MAL, seed_for(std::string("blocks/mal-window/") + type_name<T>(), static_cast<std::uint64_t>(i)));
         INFO(c.describe());
         const int N = c.tokens, w = c.cfg.attention.window;
         REQUIRE(N > w + 1);
-        const Matrix<T> out = run_once<T>(c, c.params, c.x);
+        const Matrix<T> out = run_once<T, Bk>(c, c.params, c.x);
         const auto ref = titans::reference::block_forward(c.cfg, c.params, c.x, c.batch);
         CHECK(note_error<T>("MAL frozen memory: block output vs reference", rel_error(out, ref.out)) <= tol<T>());
-        check_window_reach<T>(c, out);
+        check_window_reach<T, Bk>(c, out);
         // P sits at positions 0 .. N_p-1 of the window's sequence; token t at N_p + t sees
         // positions > N_p + t - w, so P's last row leaves the window at t = w - 1.
         BlockParams<double> pp = c.params;
         pp.persistent.array() += 0.5;
         pp = cast_block<double>(cast_block<T>(pp));
-        const Matrix<T> out_p = run_once<T>(c, pp, c.x);
+        const Matrix<T> out_p = run_once<T, Bk>(c, pp, c.x);
         for (int t = 0; t < N; ++t) {
             INFO("perturbed P, row " << t);
             if (t < w - 1) {
@@ -461,8 +469,8 @@ TEMPLATE_TEST_CASE("MAL: window edges", "[blocks]", float, double) {
         BlockCase learn = c;
         learn.cfg.memory.constant_theta = round_scalar<T>(0.1);
         learn.cfg.memory.constant_eta = round_scalar<T>(0.5);
-        const Matrix<T> lo = run_once<T>(learn, learn.params, learn.x);
-        const Matrix<T> lp = run_once<T>(learn, pp, learn.x);
+        const Matrix<T> lo = run_once<T, Bk>(learn, learn.params, learn.x);
+        const Matrix<T> lp = run_once<T, Bk>(learn, pp, learn.x);
         double later = 0.0;
         for (int t = w - 1; t < N; ++t) later = std::max(later, row_diff(lp, lo, t));
         CHECK(later > 1e-6);
@@ -474,8 +482,9 @@ TEMPLATE_TEST_CASE("MAL: window edges", "[blocks]", float, double) {
 
 // every block kind streamed token by token and in random pieces (empty pieces included) equals one
 // call: outputs, memory state, position (B = 2)
-TEMPLATE_TEST_CASE("blocks: streaming", "[blocks]", float, double) {
-    using T = TestType;
+TEMPLATE_LIST_TEST_CASE("blocks: streaming", "[blocks]", Both) {
+    using T = typename TestType::Scalar;
+    using Bk = typename TestType::Backend;
     const int combo = GENERATE(range(0, 12));
     BlockOptions o;
     o.kind = kAllKinds[combo % 4];
@@ -488,7 +497,7 @@ TEMPLATE_TEST_CASE("blocks: streaming", "[blocks]", float, double) {
     INFO(c.describe());
     const std::string cat = kind_name(o.kind);
     const int B = 2, N = c.tokens;
-    const Block<T> blk(c.cfg, cast_block<T>(c.params));
+    const Block<T, Bk> blk(c.cfg, cast_block<T>(c.params));
     const Matrix<T> x = c.x.cast<T>();
     auto st_one = blk.make_state(B);
     const Matrix<T> one = blk.forward(st_one, x);
@@ -563,14 +572,15 @@ TEMPLATE_TEST_CASE("blocks: decode B=64", "[blocks]", float, double) {
 
 // Model (MAC then MAG, with a vocabulary): logits shape, forward_tokens equals forward on the
 // embedded rows and the reference stack; streaming equals one call
-TEMPLATE_TEST_CASE("Model: with vocabulary", "[model]", float, double) {
-    using T = TestType;
+TEMPLATE_LIST_TEST_CASE("Model: with vocabulary", "[model]", Both) {
+    using T = typename TestType::Scalar;
+    using Bk = typename TestType::Backend;
     for (int i = 0; i < 3; ++i) {
         Rng rng(seed_for(std::string("model/mixed/") + type_name<T>(), static_cast<std::uint64_t>(i)));
         const int vocab = 11, B = 2, N = uniform_int(rng, 9, 17);
         const ModelCase mc = make_model_case<T>(BlockKind::MAC, BlockKind::MAG, 8, vocab, 0, rng);
         INFO("case " << i << " N=" << N);
-        const Model<T> model(mc.cfg, cast_model<T>(mc.params));
+        const Model<T, Bk> model(mc.cfg, cast_model<T>(mc.params));
         REQUIRE(model.blocks().size() == 2);
         const std::vector<int> ids = random_ids(rng, B * N, vocab);
 
@@ -608,12 +618,13 @@ TEMPLATE_TEST_CASE("Model: with vocabulary", "[model]", float, double) {
 
 // Model without a vocabulary (MAL then LMM, d_out 5): vectors in, d_out out, equal to the reference
 // stack
-TEMPLATE_TEST_CASE("Model: without vocabulary", "[model]", float, double) {
-    using T = TestType;
+TEMPLATE_LIST_TEST_CASE("Model: without vocabulary", "[model]", Both) {
+    using T = typename TestType::Scalar;
+    using Bk = typename TestType::Backend;
     Rng rng(seed_for(std::string("model/vectors/") + type_name<T>()));
     const int B = 2, N = 13;
     const ModelCase mc = make_model_case<T>(BlockKind::MAL, BlockKind::LMM, 12, 0, 5, rng);
-    const Model<T> model(mc.cfg, cast_model<T>(mc.params));
+    const Model<T, Bk> model(mc.cfg, cast_model<T>(mc.params));
     const Matrixd x = round_through<T>(random_matrix(B * N, 12, rng));
     auto st = model.make_state(B);
     const Matrix<T> y = model.forward(st, x.cast<T>());

@@ -558,9 +558,9 @@ struct LibRun {
     std::int64_t position = 0;
 };
 
-template <class T>
-void collect_state(const NeuralMemory<T>& mem, const typename NeuralMemory<T>::State& st,
-                   LibRun<T>& r) {
+template <class T, class Backend>
+void collect_state(const NeuralMemory<T, Backend>& mem,
+                   const typename NeuralMemory<T, Backend>::State& st, LibRun<T>& r) {
     r.weights.assign(static_cast<std::size_t>(st.batch()), {});
     r.momentum.assign(static_cast<std::size_t>(st.batch()), {});
     for (int b = 0; b < st.batch(); ++b)
@@ -571,11 +571,11 @@ void collect_state(const NeuralMemory<T>& mem, const typename NeuralMemory<T>::S
     r.position = st.position();
 }
 
-/// One forward call over the whole of x with a fresh state of `batch` sequences.
-template <class T>
+/// One forward call over the whole of x with a fresh state of `batch` sequences, on Backend.
+template <class T, class Backend = titans::backend::Cpu>
 LibRun<T> run_library(const MemoryConfig& cfg, const MemoryParams<T>& p, const Matrix<T>& x,
                       int batch) {
-    NeuralMemory<T> mem(cfg, p);
+    NeuralMemory<T, Backend> mem(cfg, p);
     auto st = mem.make_state(batch);
     LibRun<T> r;
     r.y = mem.forward(st, x, &r.diag);
@@ -583,9 +583,9 @@ LibRun<T> run_library(const MemoryConfig& cfg, const MemoryParams<T>& p, const M
     return r;
 }
 
-template <class T>
+template <class T, class Backend = titans::backend::Cpu>
 LibRun<T> run_library(const Case& c) {
-    return run_library<T>(c.cfg, cast_params<T>(c.params), c.x.cast<T>().eval(), c.batch);
+    return run_library<T, Backend>(c.cfg, cast_params<T>(c.params), c.x.cast<T>().eval(), c.batch);
 }
 
 /// Checks a library run against a reference result: outputs, Diagnostics, and the weights and

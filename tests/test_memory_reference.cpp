@@ -2,31 +2,34 @@
 //   - the chunked update (math §4/§5) against reference::chunk_start_loop in every mode,
 //   - chunk = 1 and UpdateMode::PerToken against the true recurrence reference::per_token,
 //   - in-chunk / lagged retrieval against memory_forward on weights materialised by streaming,
-// in float and double, over random shapes and seeds. Every check covers the outputs y, the
-// Diagnostics (loss, grad_norm) and the weights and momentum of every (sequence, head).
-#include "test_common.hpp"
+// in float and double, over random shapes and seeds, on the CPU and on the simulated device
+// (tests/backends.hpp). Every check covers the outputs y, the Diagnostics (loss, grad_norm) and
+// the weights and momentum of every (sequence, head).
+#include "backends.hpp"
 
 using namespace titans_test;
 namespace ref = titans::reference;
 
 // chunked update matches reference::chunk_start_loop in every mode: y, weights, momentum,
 // diagnostics
-TEMPLATE_TEST_CASE("memory: chunked == loop", "[reference][chunked]", float, double) {
-    using T = TestType;
+TEMPLATE_LIST_TEST_CASE("memory: chunked == loop", "[reference][chunked]", Both) {
+    using T = typename TestType::Scalar;
+    using Backend = typename TestType::Backend;
     const std::vector<Modes> primary = chunked_primary_modes();  // 5 (gates, retrieval) pairs
     // Every (gates, retrieval) x 32 flag combinations, each twice with different shapes.
     const int combo = GENERATE(range(0, 2 * 5 * 32));
     const Modes m = with_flags(primary[static_cast<std::size_t>((combo / 32) % 5)], combo % 32);
     const Case c = make_case<T>(m, seed_for(std::string("chunked-vs-ref/") + type_name<T>(), combo));
     const ref::Result r = ref::chunk_start_loop(c.cfg, c.params, c.x, c.batch);
-    const LibRun<T> lib = run_library<T>(c);
+    const LibRun<T> lib = run_library<T, Backend>(c);
     check_against_reference(lib, r, c, "chunked vs chunk_start_loop");
 }
 
 // chunked update with chunk = 1 and the PerToken update both match the true per-token recurrence
 // reference::per_token
-TEMPLATE_TEST_CASE("memory: per-token == ref", "[reference][per-token]", float, double) {
-    using T = TestType;
+TEMPLATE_LIST_TEST_CASE("memory: per-token == ref", "[reference][per-token]", Both) {
+    using T = typename TestType::Scalar;
+    using Backend = typename TestType::Backend;
     const int combo = GENERATE(range(0, 8 * 32));
     const int primary = combo / 32;
     Modes m;
@@ -40,7 +43,7 @@ TEMPLATE_TEST_CASE("memory: per-token == ref", "[reference][per-token]", float, 
                                     if (d.cfg.update == UpdateMode::Chunked) d.cfg.chunk = 1;
                                 });
     const ref::Result r = ref::per_token(c.cfg, c.params, c.x, c.batch);
-    const LibRun<T> lib = run_library<T>(c);
+    const LibRun<T> lib = run_library<T, Backend>(c);
     check_against_reference(lib, r, c,
                             m.update == UpdateMode::PerToken ? "PerToken vs per_token"
                                                              : "chunk=1 vs per_token");
@@ -97,8 +100,9 @@ Matrixd output_from_weights(const MemoryConfig& cfg, const titans::MemoryParamsd
 
 // InChunk output of token i equals memory_forward(W_i, q_i) with W_i from current_weights after
 // streaming exactly i+1 tokens; Lagged reads the chunk-start weights
-TEMPLATE_TEST_CASE("memory: InChunk reads W_i", "[reference][retrieval]", float, double) {
-    using T = TestType;
+TEMPLATE_LIST_TEST_CASE("memory: InChunk reads W_i", "[reference][retrieval]", Both) {
+    using T = typename TestType::Scalar;
+    using Backend = typename TestType::Backend;
     const int combo = GENERATE(range(0, 36));
     const std::vector<Modes> primary = all_primary_modes();  // 9 valid (update, gates, retrieval)
     Rng pick_rng(seed_for("in-chunk-materialised-modes", static_cast<std::uint64_t>(combo)));
@@ -114,7 +118,7 @@ TEMPLATE_TEST_CASE("memory: InChunk reads W_i", "[reference][retrieval]", float,
     const int B = c.batch, N = c.tokens, H = c.cfg.n_heads, eb = c.cfg.effective_chunk();
     const MemoryParams<T> pT = cast_params<T>(c.params);
     const Matrix<T> xT = c.x.cast<T>();
-    NeuralMemory<T> mem(c.cfg, pT);
+    NeuralMemory<T, Backend> mem(c.cfg, pT);
 
     // One call over everything.
     auto st_full = mem.make_state(B);

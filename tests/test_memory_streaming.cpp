@@ -1,8 +1,9 @@
 // Streaming (math §5, last paragraph): feeding a stream in pieces of any length - empty pieces,
 // single tokens, pieces inside a chunk and pieces crossing several chunk boundaries - gives the
 // same outputs, Diagnostics, weights, momentum and position as one call over the whole
-// sequence, in every update / retrieval / gate mode; the same for token-by-token streaming.
-#include "test_common.hpp"
+// sequence, in every update / retrieval / gate mode; the same for token-by-token streaming; on
+// the CPU and on the simulated device (tests/backends.hpp).
+#include "backends.hpp"
 
 #include <thread>
 
@@ -13,12 +14,12 @@ namespace {
 
 /// Streams c in the given pieces; checks every piece's bookkeeping and returns the assembled
 /// outputs, diagnostics and final state.
-template <class T>
+template <class T, class Backend>
 LibRun<T> run_streamed(const Case& c, const std::vector<int>& pieces, bool check_prefix_state) {
     const MemoryParams<T> p = cast_params<T>(c.params);
     const Matrix<T> x = c.x.cast<T>();
     const int B = c.batch, N = c.tokens, H = c.cfg.n_heads;
-    NeuralMemory<T> mem(c.cfg, p);
+    NeuralMemory<T, Backend> mem(c.cfg, p);
     auto st = mem.make_state(B);
     LibRun<T> r;
     r.y.setConstant(x.rows(), c.cfg.d_model, T(12345));
@@ -40,7 +41,7 @@ LibRun<T> run_streamed(const Case& c, const std::vector<int>& pieces, bool check
         put_tokens(r.diag.grad_norm, dp.grad_norm, B, N, t0, t1);
         if (check_prefix_state && len > 0 && t1 < N) {
             // The state after a prefix equals a one-call run on that prefix.
-            const LibRun<T> one = run_library<T>(c.cfg, p, take_tokens(x, B, N, 0, t1), B);
+            const LibRun<T> one = run_library<T, Backend>(c.cfg, p, take_tokens(x, B, N, 0, t1), B);
             for (int b = 0; b < B; ++b)
                 for (int h = 0; h < H; ++h) {
                     INFO("prefix " << t1 << " b=" << b << " h=" << h);
@@ -79,8 +80,9 @@ void check_same(const LibRun<T>& s, const LibRun<T>& one, const std::string& wha
 
 // streaming in random pieces (empty, single tokens, across several chunk boundaries) equals one
 // call: outputs, diagnostics, weights, momentum, position, in every update/retrieval/gate mode
-TEMPLATE_TEST_CASE("streaming: random pieces", "[streaming]", float, double) {
-    using T = TestType;
+TEMPLATE_LIST_TEST_CASE("streaming: random pieces", "[streaming]", Both) {
+    using T = typename TestType::Scalar;
+    using Backend = typename TestType::Backend;
     const std::vector<Modes> primary = all_primary_modes();  // 9 valid modes
     const int combo = GENERATE(range(0, 9 * 6));
     Rng rng(seed_for(std::string("streaming-pieces/") + type_name<T>(), static_cast<std::uint64_t>(combo)));
@@ -94,27 +96,29 @@ TEMPLATE_TEST_CASE("streaming: random pieces", "[streaming]", float, double) {
     for (int len : pieces) os << len << ' ';
     INFO(c.describe());
     INFO("pieces: " << os.str());
-    const LibRun<T> one = run_library<T>(c);
-    const LibRun<T> streamed = run_streamed<T>(c, pieces, combo % 2 == 0);
+    const LibRun<T> one = run_library<T, Backend>(c);
+    const LibRun<T> streamed = run_streamed<T, Backend>(c, pieces, combo % 2 == 0);
     check_same(streamed, one, "streaming pieces vs one call");
 }
 
 // token-by-token streaming equals one call in every update/retrieval/gate mode
-TEMPLATE_TEST_CASE("streaming: token by token", "[streaming]", float, double) {
-    using T = TestType;
+TEMPLATE_LIST_TEST_CASE("streaming: token by token", "[streaming]", Both) {
+    using T = typename TestType::Scalar;
+    using Backend = typename TestType::Backend;
     const std::vector<Modes> primary = all_primary_modes();
     const int combo = GENERATE(range(0, 9 * 2));
     Rng rng(seed_for(std::string("streaming-tokens/") + type_name<T>(), static_cast<std::uint64_t>(combo)));
     const Modes m = random_flags(primary[static_cast<std::size_t>(combo % 9)], rng);
     const Case c = make_case<T>(m, rng(), Limits{.max_tokens = 24, .max_batch = 3, .max_depth = 3});
     INFO(c.describe());
-    const LibRun<T> one = run_library<T>(c);
-    const LibRun<T> streamed = run_streamed<T>(c, std::vector<int>(static_cast<std::size_t>(c.tokens), 1), false);
+    const LibRun<T> one = run_library<T, Backend>(c);
+    const LibRun<T> streamed = run_streamed<T, Backend>(c, std::vector<int>(static_cast<std::size_t>(c.tokens), 1), false);
     check_same(streamed, one, "token-by-token vs one call");
 }
 
 // a copied state is an independent snapshot: both copies continue exactly like the original stream
-TEST_CASE("streaming: state copies", "[streaming][state]") {
+TEMPLATE_LIST_TEST_CASE("streaming: state copies", "[streaming][state]", BothD) {
+    using Backend = typename TestType::Backend;
     const std::vector<Modes> primary = all_primary_modes();
     for (std::size_t i = 0; i < primary.size(); ++i) {
         Rng rng(seed_for("state-copy", i));
@@ -126,7 +130,7 @@ TEST_CASE("streaming: state copies", "[streaming][state]") {
         if (c.tokens < 4) continue;
         INFO(c.describe());
         const int B = c.batch, N = c.tokens, cut = N / 2 + 1;
-        NeuralMemory<double> mem(c.cfg, c.params);
+        NeuralMemory<double, Backend> mem(c.cfg, c.params);
         auto st = mem.make_state(B);
         (void)mem.forward(st, take_tokens(c.x, B, N, 0, cut));
         auto copy = st;  // snapshot mid-chunk
@@ -145,14 +149,15 @@ TEST_CASE("streaming: state copies", "[streaming][state]") {
 }
 
 // forward into a reused output matrix (any prior size) equals the returning overload
-TEST_CASE("streaming: reused output matrix", "[streaming]") {
+TEMPLATE_LIST_TEST_CASE("streaming: reused output", "[streaming]", BothD) {
+    using Backend = typename TestType::Backend;
     const std::vector<Modes> primary = all_primary_modes();
     for (std::size_t i = 0; i < primary.size(); ++i) {
         Rng rng(seed_for("forward-into", i));
         const Modes m = random_flags(primary[i], rng);
         const Case c = make_case<double>(m, rng(), Limits{.max_tokens = 16, .max_batch = 2, .max_depth = 2});
         INFO(c.describe());
-        NeuralMemory<double> mem(c.cfg, c.params);
+        NeuralMemory<double, Backend> mem(c.cfg, c.params);
         auto s1 = mem.make_state(c.batch);
         auto s2 = mem.make_state(c.batch);
         Matrixd y = random_matrix(3, 5, rng);  // wrong size on purpose: must be resized
@@ -169,13 +174,14 @@ TEST_CASE("streaming: reused output matrix", "[streaming]") {
 }
 
 // distinct states can be used from distinct threads concurrently with one NeuralMemory
-TEST_CASE("streaming: states in threads", "[streaming][threads]") {
+TEMPLATE_LIST_TEST_CASE("streaming: threads", "[streaming][threads]", BothD) {
+    using Backend = typename TestType::Backend;
     Modes m;
     m.retrieval = Retrieval::InChunk;
     Rng rng(seed_for("threads"));
     const Case c = make_case<double>(m, rng(), Limits{.max_tokens = 30, .max_batch = 2, .max_depth = 2});
     INFO(c.describe());
-    const NeuralMemory<double> mem(c.cfg, c.params);
+    const NeuralMemory<double, Backend> mem(c.cfg, c.params);
     constexpr int kThreads = 4;
     std::vector<Matrixd> xs, expect(kThreads), got(kThreads);
     for (int i = 0; i < kThreads; ++i) xs.push_back(random_matrix(c.x.rows(), c.x.cols(), rng));

@@ -38,7 +38,7 @@ template <class T>
 struct FeedForwardParams;
 template <class T, class Backend = backend::Cpu>
 class FeedForward;
-template <class T>
+template <class T, class Backend = backend::Cpu>
 class PersistentMemory;
 
 using Attentionf = Attention<float>;

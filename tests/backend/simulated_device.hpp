@@ -5,9 +5,12 @@
 // titans_test::SimulatedDevice is a backend policy like titans::backend::Cpu, but its
 // parameters and states live in an arena (sim::Arena) that only its kernels can open: the
 // State a caller holds is an id plus host-readable metadata (batch, position, configuration),
-// and the Prepared parameters are an id too. Inputs are "uploaded" (copied into the arena) and
-// outputs "downloaded" (copied out) by the kernels, which delegate the math to the CPU kernels
-// on the arena's copies, so results must equal the CPU backend's bit for bit. When an arena
+// and the Prepared parameters are an id too. Matrices cross between the host and the arena only
+// through Transfer<SimulatedDevice, T> (upload, download, buffers in the arena); the kernels
+// take views and refuse (std::logic_error) any view that does not lie in an arena buffer, so a
+// layer that hands host memory to a kernel (a missing transfer) fails here. The kernels
+// delegate the math to the CPU kernels on the arena's data, so results must equal the CPU
+// backend's bit for bit. Buffers are born NaN, so an output a kernel forgot to write shows. When an arena
 // object is freed its tensors are overwritten with NaN first, and an id that was freed (or never
 // existed) throws on use: a layer that kept a pointer into backend memory, or reached it other
 // than through the kernels, fails here. Every family runs on it: the memory, attention, RMSNorm
@@ -45,12 +48,17 @@ public:
         return arena;
     }
 
-    /// Moves x into the arena; `poison(x)` runs before x is freed.
+    /// Moves x into the arena; `poison(x)` runs before x is freed. A matrix is a buffer: views
+    /// into it count as device memory (owns()).
     template <class X, class Poison>
     std::uint64_t put(X x, Poison poison) {
         auto obj = std::make_shared<X>(std::move(x));
         Entry e{obj, std::type_index(typeid(X)),
-                [obj, poison]() mutable { poison(*obj); }};
+                [obj, poison]() mutable { poison(*obj); }, nullptr, nullptr};
+        if constexpr (requires(X& m) { m.data(); m.size(); }) {
+            e.begin = reinterpret_cast<const char*>(obj->data());
+            e.end = reinterpret_cast<const char*>(obj->data() + obj->size());
+        }
         const std::lock_guard<std::mutex> lock(mutex_);
         const std::uint64_t id = ++next_;
         entries_.emplace(id, std::move(e));
@@ -88,6 +96,19 @@ public:
         e.poison();
     }
 
+    /// Whether bytes [p, p + n) lie inside one buffer of the arena.
+    [[nodiscard]] bool owns(const void* p, std::size_t n) const {
+        const auto* b = static_cast<const char*>(p);
+        const std::lock_guard<std::mutex> lock(mutex_);
+        for (const auto& [id, e] : entries_) {
+            if (e.begin != nullptr && std::less_equal<>{}(e.begin, b) &&
+                std::less_equal<>{}(b + n, e.end)) {
+                return true;
+            }
+        }
+        return false;
+    }
+
     /// Objects alive now (leak checks).
     [[nodiscard]] std::size_t live() const {
         const std::lock_guard<std::mutex> lock(mutex_);
@@ -99,6 +120,8 @@ private:
         std::shared_ptr<void> object;
         std::type_index type = std::type_index(typeid(void));
         std::function<void()> poison;
+        const char* begin = nullptr;  // a buffer's storage, [begin, end)
+        const char* end = nullptr;
     };
     mutable std::mutex mutex_;
     std::unordered_map<std::uint64_t, Entry> entries_;
@@ -156,13 +179,29 @@ std::shared_ptr<const Handle<std::shared_ptr<const P>>> upload(
         [copy, poison](std::shared_ptr<const P>&) { poison(*copy); });
 }
 
-/// Runs a CPU kernel as the device would: x uploaded (copied in), y downloaded (copied out).
-template <class T, class Kernel>
-void on_device(const titans::MatrixRef<T>& x, titans::Matrix<T>& y, Kernel&& kernel) {
-    const titans::Matrix<T> x_device = x;
-    titans::Matrix<T> y_device;
-    kernel(x_device, y_device);
-    y = y_device;
+/// A matrix in the arena.
+template <class T>
+using Buffer = Handle<titans::Matrix<T>>;
+
+template <class T>
+Buffer<T> make_buffer(titans::Matrix<T> m) {
+    return Buffer<T>(std::move(m), [](titans::Matrix<T>& x) {
+        x.setConstant(std::numeric_limits<T>::quiet_NaN());
+    });
+}
+
+/// Throws std::logic_error unless the entries of v lie in an arena buffer: what a kernel checks
+/// of every view it is given (host memory reaching a kernel is a missing transfer).
+template <class T>
+void require_device(titans::View<T> v, const char* what) {
+    if (v.empty()) return;
+    const std::size_t bytes =
+        static_cast<std::size_t>((v.rows - 1) * v.stride + v.cols) * sizeof(T);
+    if (!Arena::instance().owns(v.data, bytes)) {
+        throw std::logic_error(std::string("simulated device: ") + what +
+                               " is not device memory (host memory reached a kernel: a "
+                               "missing transfer)");
+    }
 }
 
 /// Host <-> device transfer of a state's tensors: the visitor sees host copies (downloads);
@@ -248,13 +287,17 @@ private:
     std::vector<std::pair<Eigen::Index, Eigen::Index>> rows_;
 };
 
-/// A projected prefix on the simulated device: an arena id, its row count and sharing.
+/// A projected prefix on the simulated device: k and v in arena buffers, its row count and
+/// sharing.
 template <class T>
 struct AttentionPrefix {
-    Handle<titans::AttentionPrefix<T>> device;
+    Buffer<T> k, v;
     Eigen::Index rows_ = 0;
     titans::PrefixSharing sharing = titans::PrefixSharing::Shared;
     [[nodiscard]] Eigen::Index rows() const { return rows_; }
+    [[nodiscard]] titans::PrefixView<T> view() const {
+        return {titans::view_of(k.get()), titans::view_of(v.get()), sharing};
+    }
 };
 
 }  // namespace sim
@@ -269,8 +312,25 @@ struct BackendTraits<titans_test::SimulatedDevice> {
     static constexpr bool supports = std::is_same_v<T, float> || std::is_same_v<T, double>;
 };
 
-/// The memory kernels of the simulated device: upload, CPU kernels on the arena's copies,
-/// download.
+/// Matrices in the arena: the only way between the host and the simulated device.
+template <class T>
+struct Transfer<titans_test::SimulatedDevice, T> {
+    using Buffer = titans_test::sim::Buffer<T>;
+    static Buffer allocate(std::ptrdiff_t rows, std::ptrdiff_t cols) {
+        return titans_test::sim::make_buffer<T>(
+            Matrix<T>::Constant(rows, cols, std::numeric_limits<T>::quiet_NaN()));
+    }
+    static Buffer upload(View<const T> host) {
+        return titans_test::sim::make_buffer<T>(Matrix<T>(cpu::as_eigen(host)));
+    }
+    static View<T> view(Buffer& b) { return view_of(b.get()); }
+    static void download(View<const T> from, View<T> host) {
+        titans_test::sim::require_device(from, "a downloaded view");
+        cpu::as_eigen(host) = cpu::as_eigen(from);
+    }
+};
+
+/// The memory kernels of the simulated device: the CPU kernels on the arena's data.
 template <class T>
 struct MemoryKernels<titans_test::SimulatedDevice, T> {
     using Host = MemoryKernels<Cpu, T>;
@@ -298,12 +358,12 @@ struct MemoryKernels<titans_test::SimulatedDevice, T> {
         return st;
     }
 
-    static void forward(const MemoryConfig& cfg, const Prepared& p, State& st,
-                        const MatrixRef<T>& x, Mat& y, Diagnostics<T>* diag) {
+    static void forward(const MemoryConfig& cfg, const Prepared& p, State& st, View<const T> x,
+                        View<T> y, Diagnostics<T>* diag) {
+        titans_test::sim::require_device(x, "x");
+        titans_test::sim::require_device(y, "y");
         try {
-            titans_test::sim::on_device<T>(x, y, [&](const Mat& xd, Mat& yd) {
-                Host::forward(cfg, p->get(), st.device_.get(), xd, yd, diag);
-            });
+            Host::forward(cfg, p->get(), st.device_.get(), x, y, diag);
         } catch (...) {
             mirror(st);
             throw;
@@ -312,19 +372,19 @@ struct MemoryKernels<titans_test::SimulatedDevice, T> {
     }
 
     static void read(const MemoryConfig& cfg, const Prepared& p, const State& st,
-                     const MatrixRef<T>& x, Mat& y) {
-        titans_test::sim::on_device<T>(x, y, [&](const Mat& xd, Mat& yd) {
-            Host::read(cfg, p->get(), st.device_.get(), xd, yd);
-        });
+                     View<const T> x, View<T> y) {
+        titans_test::sim::require_device(x, "x");
+        titans_test::sim::require_device(y, "y");
+        Host::read(cfg, p->get(), st.device_.get(), x, y);
     }
 
     static void read_weights(const MemoryConfig& cfg, const Prepared& p,
-                             const std::vector<std::vector<Mat>>& weights, const MatrixRef<T>& x,
-                             int batch, Mat& y) {
-        const std::vector<std::vector<Mat>> w_device = weights;
-        titans_test::sim::on_device<T>(x, y, [&](const Mat& xd, Mat& yd) {
-            Host::read_weights(cfg, p->get(), w_device, xd, batch, yd);
-        });
+                             const std::vector<std::vector<Mat>>& weights, View<const T> x,
+                             int batch, View<T> y) {
+        titans_test::sim::require_device(x, "x");
+        titans_test::sim::require_device(y, "y");
+        const std::vector<std::vector<Mat>> w_device = weights;  // uploaded
+        Host::read_weights(cfg, p->get(), w_device, x, batch, y);
     }
 
     static std::vector<Mat> current_weights(const MemoryConfig& cfg, const State& st, int b,
@@ -347,8 +407,7 @@ struct MemoryKernels<titans_test::SimulatedDevice, T> {
     static void mirror(State& st) { st.position_ = st.device_.get().position(); }
 };
 
-/// The attention kernels of the simulated device: upload, CPU kernels on the arena's copies,
-/// download.
+/// The attention kernels of the simulated device: the CPU kernels on the arena's data.
 template <class T>
 struct AttentionKernels<titans_test::SimulatedDevice, T> {
     using Host = AttentionKernels<Cpu, T>;
@@ -374,20 +433,26 @@ struct AttentionKernels<titans_test::SimulatedDevice, T> {
         return st;
     }
     static Prefix project_prefix(const AttentionConfig& cfg, const Prepared& p,
-                                 const MatrixRef<T>& prefix, PrefixSharing sharing) {
-        const Matrix<T> uploaded = prefix;
-        return wrap(Host::project_prefix(cfg, p->get(), uploaded, sharing));
-    }
-    static Prefix adopt_prefix(const MatrixRef<T>& k, const MatrixRef<T>& v) {
-        return wrap(Host::adopt_prefix(Matrix<T>(k), Matrix<T>(v)));
+                                 View<const T> rows, PrefixSharing sharing) {
+        titans_test::sim::require_device(rows, "prefix");
+        typename Host::Prefix host = Host::project_prefix(cfg, p->get(), rows, sharing);
+        Prefix out;
+        out.rows_ = host.rows();
+        out.sharing = host.sharing;
+        out.k = titans_test::sim::make_buffer<T>(std::move(host.k));
+        out.v = titans_test::sim::make_buffer<T>(std::move(host.v));
+        return out;
     }
     static void forward(const AttentionConfig& cfg, const Prepared& p, State& st,
-                        const MatrixRef<T>& x, Matrix<T>& y, const Prefix* prefix) {
+                        View<const T> x, View<T> y, const PrefixView<T>* prefix) {
+        titans_test::sim::require_device(x, "x");
+        titans_test::sim::require_device(y, "y");
+        if (prefix != nullptr) {
+            titans_test::sim::require_device(prefix->k, "prefix keys");
+            titans_test::sim::require_device(prefix->v, "prefix values");
+        }
         try {
-            titans_test::sim::on_device<T>(x, y, [&](const Matrix<T>& xd, Matrix<T>& yd) {
-                Host::forward(cfg, p->get(), st.device_.get(), xd, yd,
-                              prefix != nullptr ? &prefix->device.get() : nullptr);
-            });
+            Host::forward(cfg, p->get(), st.device_.get(), x, y, prefix);
         } catch (...) {
             st.mirror();
             throw;
@@ -401,18 +466,6 @@ struct AttentionKernels<titans_test::SimulatedDevice, T> {
         st.mirror();
     }
 
-private:
-    static Prefix wrap(typename Host::Prefix host) {
-        Prefix out;
-        out.rows_ = host.rows();
-        out.sharing = host.sharing;
-        out.device = titans_test::sim::Handle<typename Host::Prefix>(
-            std::move(host), [](typename Host::Prefix& h) {
-                h.k.setConstant(std::numeric_limits<T>::quiet_NaN());
-                h.v.setConstant(std::numeric_limits<T>::quiet_NaN());
-            });
-        return out;
-    }
 };
 
 /// RMSNorm on the simulated device.
@@ -425,10 +478,10 @@ struct NormKernels<titans_test::SimulatedDevice, T> {
             w.setConstant(std::numeric_limits<T>::quiet_NaN());
         });
     }
-    static void forward(const Prepared& p, T eps, const MatrixRef<T>& x, Matrix<T>& y) {
-        titans_test::sim::on_device<T>(x, y, [&](const Matrix<T>& xd, Matrix<T>& yd) {
-            Host::forward(p->get(), eps, xd, yd);
-        });
+    static void forward(const Prepared& p, T eps, View<const T> x, View<T> y) {
+        titans_test::sim::require_device(x, "x");
+        titans_test::sim::require_device(y, "y");
+        Host::forward(p->get(), eps, x, y);
     }
 };
 
@@ -443,11 +496,11 @@ struct FeedForwardKernels<titans_test::SimulatedDevice, T> {
             FeedForwardParams<T>::tensors(p, cfg, titans_test::sim::PoisonVisitor{});
         });
     }
-    static void forward(const FeedForwardConfig& cfg, const Prepared& p, const MatrixRef<T>& x,
-                        Matrix<T>& y) {
-        titans_test::sim::on_device<T>(x, y, [&](const Matrix<T>& xd, Matrix<T>& yd) {
-            Host::forward(cfg, p->get(), xd, yd);
-        });
+    static void forward(const FeedForwardConfig& cfg, const Prepared& p, View<const T> x,
+                        View<T> y) {
+        titans_test::sim::require_device(x, "x");
+        titans_test::sim::require_device(y, "y");
+        Host::forward(cfg, p->get(), x, y);
     }
 };
 

@@ -127,6 +127,50 @@ TEMPLATE_TEST_CASE("backend: device layers", "[backend]", float, double) {
     CHECK(sim::Arena::instance().live() == live0);
 }
 
+TEMPLATE_TEST_CASE("backend: views, transfer", "[backend]", float, double) {
+    using T = TestType;
+    namespace tb = titans::backend;
+    Rng rng(seed_for(std::string("backends/views/") + type_name<T>(), 0));
+    const Matrix<T> m = random_matrix(7, 5, rng).cast<T>();
+    const Matrix<T> blk = m.block(2, 1, 4, 3);
+    // A block's view: its first entry, its shape, the parent's row stride; no copy.
+    const titans::MatrixRef<T> ref = m.block(2, 1, 4, 3);
+    const titans::View<const T> v = titans::view_of(ref);
+    CHECK(v.data == &m(2, 1));
+    CHECK((v.rows == 4 && v.cols == 3 && v.stride == 5));
+    const titans::View<const T> tail = v.middle_rows(1, 2);
+    CHECK((tail.data == &m(3, 1) && tail.rows == 2 && tail.stride == 5));
+    CHECK(identical(Matrix<T>(tb::cpu::as_eigen(v)), blk));
+
+    // The CPU's transfer copies; the device's buffers live in the arena, born NaN.
+    static_assert(tb::TransferBackend<tb::Cpu, T>);
+    static_assert(tb::TransferBackend<SimulatedDevice, T>);
+    using CpuT = tb::Transfer<tb::Cpu, T>;
+    using DevT = tb::Transfer<SimulatedDevice, T>;
+    CHECK(identical(CpuT::upload(v), blk));
+    const std::size_t live0 = sim::Arena::instance().live();
+    {
+        auto buf = DevT::upload(v);
+        const titans::View<T> dv = DevT::view(buf);
+        CHECK((dv.rows == 4 && dv.cols == 3 && dv.stride == 3));
+        CHECK_NOTHROW(sim::require_device(dv, "buffer"));
+        CHECK_NOTHROW(sim::require_device(dv.middle_rows(2, 2), "rows of a buffer"));
+        CHECK_THROWS_AS(sim::require_device(v, "host rows"), std::logic_error);
+        // Downloaded into a block of a wider host matrix; the rest is untouched.
+        Matrix<T> host = Matrix<T>::Zero(6, 5);
+        const titans::View<T> into{&host(1, 2), 4, 3, 5};
+        DevT::download(dv, into);
+        CHECK(identical(Matrix<T>(host.block(1, 2, 4, 3)), blk));
+        CHECK(host.leftCols(2).isZero(0));
+        CHECK(host.row(0).isZero(0));
+        // Host memory is not downloadable (it is not device memory).
+        CHECK_THROWS_AS(DevT::download(v, into), std::logic_error);
+        auto fresh = DevT::allocate(2, 3);
+        CHECK(fresh.get().array().isNaN().all());
+    }
+    CHECK(sim::Arena::instance().live() == live0);
+}
+
 TEST_CASE("backend: device checks", "[backend]") {
     const MemoryConfig cfg{.d_model = 8, .n_heads = 2, .depth = 2, .chunk = 4};
     const DeviceMemory<double> dev(cfg, titans::MemoryParamsd::random(cfg, 3));
@@ -266,6 +310,40 @@ TEMPLATE_TEST_CASE("backend: device attention", "[backend]", float, double) {
         CHECK(same_states(sc, sd));
         CHECK(identical(cpu.forward(sc, x, &shared), dev.forward(sd, x, &shared)));
         CHECK(same_states(sc, sd));
+    }
+    CHECK(sim::Arena::instance().live() == live0);
+}
+
+TEMPLATE_TEST_CASE("backend: persistent tokens", "[backend]", float, double) {
+    using T = TestType;
+    const std::size_t live0 = sim::Arena::instance().live();
+    for (int np : {0, 1, 4}) {
+        Rng rng(seed_for(std::string("backends/persistent/") + type_name<T>(), static_cast<std::uint64_t>(np)));
+        const titans::AttentionConfig cfg{.d_model = 8, .n_heads = 2, .window = 3, .rope = true};
+        const auto params = titans::AttentionParams<T>::random(cfg, rng());
+        const titans::Attention<T> cpu(cfg, params);
+        const titans::Attention<T, SimulatedDevice> dev(cfg, params);
+        const auto P = titans::PersistentMemory<T>::random(np, cfg.d_model, rng());
+        const titans::PersistentMemory<T, SimulatedDevice> Pd(P.tokens());
+        const auto kv = P.project_for(cpu);   // projected once, on each backend
+        const auto kvd = Pd.project_for(dev);
+        CHECK(kv.rows() == np);
+        const int B = 2, N = 7;
+        const Matrix<T> x = random_matrix(B * N, cfg.d_model, rng).cast<T>();
+        auto s1 = cpu.make_state(B);
+        auto s2 = cpu.make_state(B);
+        auto s3 = dev.make_state(B);
+        for (int t0 = 0; t0 < N; t0 += 3) {
+            const Matrix<T> piece = take_tokens(x, B, N, t0, std::min(N, t0 + 3));
+            const Matrix<T> want = cpu.forward(s1, piece, &P.tokens());
+            Matrix<T> y2, y3;
+            cpu.forward(s2, piece, y2, kv);
+            dev.forward(s3, piece, y3, kvd);
+            CHECK(identical(want, y2));
+            CHECK(identical(want, y3));
+        }
+        const titans::PersistentMemory<T> narrow = titans::PersistentMemory<T>::random(2, 4, 1);
+        CHECK_THROWS_AS(narrow.project_for(cpu), titans::ShapeError);
     }
     CHECK(sim::Arena::instance().live() == live0);
 }

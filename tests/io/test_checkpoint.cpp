@@ -4,7 +4,7 @@
 // model), and one test per rejected file: wrong format, version, object, dtype, configuration,
 // parameters, batch, missing / unexpected / misshapen / mistyped / non-finite tensors and
 // positions that contradict each other.
-#include "test_common.hpp"
+#include "backends.hpp"
 #include "io/temp_dir.hpp"
 
 #include <titans/io/checkpoint.hpp>
@@ -275,8 +275,9 @@ bool resume_equals_uninterrupted(const Object& object, const Object& other, int 
 }  // namespace
 
 // io: a memory resumed from a checkpoint equals the uninterrupted stream
-TEMPLATE_TEST_CASE("io: memory resume == stream", "[io]", float, double) {
-    using T = TestType;
+TEMPLATE_LIST_TEST_CASE("io: memory resume == stream", "[io]", Both) {
+    using T = typename TestType::Scalar;
+    using Bk = typename TestType::Backend;
     Rng rng(seed_for("io memory resume", sizeof(T)));
     TempDir dir("memory_resume");
     std::vector<MemoryConfig> cfgs;
@@ -298,9 +299,9 @@ TEMPLATE_TEST_CASE("io: memory resume == stream", "[io]", float, double) {
     cfgs.push_back(per_chunk);
     for (const MemoryConfig& cfg : cfgs) {
         CAPTURE(io::config_text(cfg));
-        const NeuralMemory<T> mem(cfg, MemoryParams<T>::random(cfg, rng()));
+        const NeuralMemory<T, Bk> mem(cfg, MemoryParams<T>::random(cfg, rng()));
         io::save_parameters(dir / "p.safetensors", mem);
-        const NeuralMemory<T> other(cfg, io::load_parameters<MemoryParams<T>>(
+        const NeuralMemory<T, Bk> other(cfg, io::load_parameters<MemoryParams<T>>(
                                              dir / "p.safetensors", cfg));
         const int B = uniform_int(rng, 1, 3);
         // Stop inside a chunk, at a chunk boundary and at the very start.
@@ -320,15 +321,16 @@ TEMPLATE_TEST_CASE("io: memory resume == stream", "[io]", float, double) {
 }
 
 // io: blocks and a mixed model resumed from a checkpoint equal the uninterrupted stream
-TEMPLATE_TEST_CASE("io: blocks resume == stream", "[io]", float, double) {
-    using T = TestType;
+TEMPLATE_LIST_TEST_CASE("io: blocks resume == stream", "[io]", Both) {
+    using T = typename TestType::Scalar;
+    using Bk = typename TestType::Backend;
     Rng rng(seed_for("io model resume", sizeof(T)));
     TempDir dir("model_resume");
     for (const ModelConfig& cfg : model_configs<T>(rng)) {
         CAPTURE(io::config_text(cfg));
-        const Model<T> model(cfg, ModelParams<T>::random(cfg, rng()));
+        const Model<T, Bk> model(cfg, ModelParams<T>::random(cfg, rng()));
         io::save_parameters(dir / "p.safetensors", model);
-        const Model<T> other(cfg, io::load_parameters<ModelParams<T>>(dir / "p.safetensors", cfg));
+        const Model<T, Bk> other(cfg, io::load_parameters<ModelParams<T>>(dir / "p.safetensors", cfg));
         const int B = uniform_int(rng, 1, 2);
         for (int n1 : {uniform_int(rng, 1, 13), 0}) {
             CAPTURE(B, n1);
@@ -343,7 +345,7 @@ TEMPLATE_TEST_CASE("io: blocks resume == stream", "[io]", float, double) {
             REQUIRE(resume_equals_uninterrupted(model, other, B, make, dir / "ck.safetensors"));
         }
         // The first block alone, checkpointed as a block.
-        const Block<T>& block = model.blocks()[0];
+        const Block<T, Bk>& block = model.blocks()[0];
         std::map<int, Matrix<T>> inputs;
         auto make = [&](int k) -> const Matrix<T>& {
             if (!inputs.count(k)) {

@@ -26,6 +26,7 @@
 #include <utility>
 
 #include "../backend/backend.hpp"
+#include "../backend/edge.hpp"
 #include "../detail/check.hpp"
 #include "../detail/float_env.hpp"
 #include "../detail/shared.hpp"
@@ -52,12 +53,14 @@ namespace backend {
 ///                                   readable on the host and State::tensors(state, visitor)
 ///                                   (the checkpoint hook; a device state transfers through it)
 ///   make_state(cfg, B)              a fresh state for B sequences
-///   Prefix                          projected prefix keys/values, with rows() and sharing
-///   project_prefix(cfg, p, P, sharing)   P W_K and P W_V of host rows P (checked)
-///   adopt_prefix(k, v)              a prefix the caller projected (host rows, checked)
-///   forward(cfg, p, state, x, y, prefix)  math §6-7 over a piece: x (B*N) x d in, y out,
-///                                   prefix optional (nullptr); throws NonFiniteError with the
-///                                   state unchanged
+///   Prefix                          projected prefix keys/values owned by the backend, with
+///                                   rows(), sharing and view() (a PrefixView<T>)
+///   project_prefix(cfg, p, P, sharing)   P W_K and P W_V of rows P (checked; a view)
+///   forward(cfg, p, state, x, y, prefix)  math §6-7 over a piece: x (B*N) x d in, y out
+///                                   (sized), views in the backend's memory; prefix optional
+///                                   (a const PrefixView<T>*, nullptr for none: a projected
+///                                   Prefix's view() or the caller's own projections); throws
+///                                   NonFiniteError with the state unchanged
 ///   begin(state) -> bool, commit(state), rollback(state)   transactions, as MemoryBackend's
 /// The backward pass of the family (training) will add its members here.
 template <class B, class T>
@@ -65,8 +68,8 @@ concept AttentionBackend = requires(
     const AttentionConfig& cfg, const std::shared_ptr<const AttentionParams<T>>& hp,
     const typename AttentionKernels<B, T>::Prepared& p, typename AttentionKernels<B, T>::State& s,
     const typename AttentionKernels<B, T>::State& cs,
-    const typename AttentionKernels<B, T>::Prefix& pre, const MatrixRef<T>& x, Matrix<T>& y,
-    PrefixSharing sharing, int i) {
+    const typename AttentionKernels<B, T>::Prefix& pre, View<const T> x, View<T> y,
+    const PrefixView<T>& pv, PrefixSharing sharing, int i) {
     typename AttentionKernels<B, T>::Prepared;
     typename AttentionKernels<B, T>::State;
     typename AttentionKernels<B, T>::Prefix;
@@ -76,14 +79,13 @@ concept AttentionBackend = requires(
         std::same_as<typename AttentionKernels<B, T>::State>;
     { AttentionKernels<B, T>::project_prefix(cfg, p, x, sharing) } ->
         std::same_as<typename AttentionKernels<B, T>::Prefix>;
-    { AttentionKernels<B, T>::adopt_prefix(x, x) } ->
-        std::same_as<typename AttentionKernels<B, T>::Prefix>;
-    AttentionKernels<B, T>::forward(cfg, p, s, x, y, &pre);
+    AttentionKernels<B, T>::forward(cfg, p, s, x, y, &pv);
     { AttentionKernels<B, T>::begin(s) } -> std::convertible_to<bool>;
     AttentionKernels<B, T>::commit(s);
     AttentionKernels<B, T>::rollback(s);
     { pre.rows() } -> std::convertible_to<Eigen::Index>;
     { pre.sharing } -> std::convertible_to<PrefixSharing>;
+    { pre.view() } -> std::same_as<PrefixView<T>>;
     { cs.batch() } -> std::convertible_to<int>;
     { cs.position() } -> std::convertible_to<std::int64_t>;
     { cs.config() } -> std::convertible_to<const AttentionConfig&>;
@@ -167,7 +169,8 @@ public:
     [[nodiscard]] Prefix project_prefix(const MatrixRef<T>& prefix,
                                         PrefixSharing sharing = PrefixSharing::Shared) const {
         check_prefix(prefix, "Attention::project_prefix");
-        return Kernels::project_prefix(cfg_, prepared_, prefix, sharing);
+        const backend::Upload<Backend, T> rows(prefix);
+        return Kernels::project_prefix(cfg_, prepared_, rows.view(), sharing);
     }
 
     /// Processes the next piece of every stream. x: (B*N) x d_model with B = state.batch();
@@ -196,11 +199,13 @@ public:
         }
         const ThreadScope team(threads_, work_estimate(x.rows(), prefix ? prefix->rows() : 0));
         if (prefix == nullptr || prefix->rows() == 0) {
-            Kernels::forward(cfg_, prepared_, state, x, y, nullptr);
+            run(state, x, y, nullptr);
             return;
         }
-        const Prefix projected = Kernels::project_prefix(cfg_, prepared_, *prefix, sharing);
-        Kernels::forward(cfg_, prepared_, state, x, y, &projected);
+        const backend::Upload<Backend, T> rows(*prefix);
+        const Prefix projected = Kernels::project_prefix(cfg_, prepared_, rows.view(), sharing);
+        const PrefixView<T> view = projected.view();
+        run(state, x, y, &view);
     }
 
     /// As forward with a prefix projected once by project_prefix (same outputs).
@@ -212,12 +217,14 @@ public:
             throw ShapeError("Attention::forward: y is also an input, expected a distinct matrix");
         }
         const ThreadScope team(threads_, work_estimate(x.rows(), prefix.rows()));
-        Kernels::forward(cfg_, prepared_, state, x, y, &prefix);
+        const PrefixView<T> view = prefix.view();
+        run(state, x, y, &view);
     }
 
     /// As forward with a prefix shared by every sequence whose projections the caller made:
     /// k_prefix = prefix W_K and v_prefix = prefix W_V (p x D each). Same outputs as with the
-    /// prefix; project_prefix keeps a fixed one on the backend instead (no copy per call).
+    /// prefix. On the CPU they are read in place (no copy); a device backend uploads them on
+    /// every call, where project_prefix keeps a fixed prefix on the device once.
     void forward_projected(State& state, const MatrixRef<T>& x, Matrix<T>& y,
                            const Matrix<T>& k_prefix, const Matrix<T>& v_prefix) const {
         constexpr const char* where = "Attention::forward_projected";
@@ -238,8 +245,9 @@ public:
             throw ShapeError(detail::concat(where, ": y is also an input, expected a distinct matrix"));
         }
         const ThreadScope team(threads_, work_estimate(x.rows(), k_prefix.rows()));
-        const Prefix adopted = Kernels::adopt_prefix(k_prefix, v_prefix);
-        Kernels::forward(cfg_, prepared_, state, x, y, k_prefix.rows() > 0 ? &adopted : nullptr);
+        const backend::Upload<Backend, T> k(k_prefix), v(v_prefix);
+        const PrefixView<T> view{k.view(), v.view(), PrefixSharing::Shared};
+        run(state, x, y, k_prefix.rows() > 0 ? &view : nullptr);
     }
 
     /// Thread settings of this object's calls, as NeuralMemory::set_threads (titans/threads.hpp).
@@ -274,6 +282,14 @@ public:
     void rollback(State& state) const { Kernels::rollback(state); }
 
 private:
+    /// Checked x and prefix through the kernels (y resized to (B*N) x d_model).
+    void run(State& state, const MatrixRef<T>& x, Matrix<T>& y, const PrefixView<T>* prefix) const {
+        const backend::Upload<Backend, T> in(x);
+        backend::Download<Backend, T> out(y, x.rows(), cfg_.d_model);
+        Kernels::forward(cfg_, prepared_, state, in.view(), out.view(), prefix);
+        out.finish();
+    }
+
     void check_state(const State& state, const char* where) const {
         const AttentionConfig& s = state.config();
         const bool same = state.batch() >= 1 && s.d_model == cfg_.d_model &&

@@ -17,6 +17,7 @@
 #include "../error.hpp"
 #include "../fwd.hpp"
 #include "../types.hpp"
+#include "../view.hpp"
 #include "config.hpp"
 
 namespace titans {
@@ -33,6 +34,16 @@ template <class Backend, class T>
 struct AttentionKernels;
 }  // namespace backend
 
+/// Projected prefix keys and values as the attention kernels read them: k = P W_K and
+/// v = P W_V, rows x D views in the backend's memory (rows = p, or B*p with
+/// PrefixSharing::PerSequence), visible to every query.
+template <class T>
+struct PrefixView {
+    View<const T> k, v;
+    PrefixSharing sharing = PrefixSharing::Shared;
+    [[nodiscard]] std::ptrdiff_t rows() const { return k.rows; }
+};
+
 /// A prefix projected once on the CPU (Attention::project_prefix): k = P W_K and v = P W_V,
 /// rows x D (rows = p, or B*p with PrefixSharing::PerSequence), visible to every query.
 template <class T>
@@ -40,6 +51,7 @@ struct AttentionPrefix {
     Matrix<T> k, v;
     PrefixSharing sharing = PrefixSharing::Shared;
     [[nodiscard]] Eigen::Index rows() const { return k.rows(); }
+    [[nodiscard]] PrefixView<T> view() const { return {view_of(k), view_of(v), sharing}; }
 };
 
 /// The state of B independent streams of one Attention layer: per sequence, the rotated keys

@@ -16,6 +16,7 @@
 #include "../memory/config.hpp"
 #include "../memory/params.hpp"
 #include "../types.hpp"
+#include "../view.hpp"
 
 namespace titans {
 
@@ -33,6 +34,31 @@ struct BackendTraits {
     static_assert(dependent_false<Backend>,
                   "titans: no BackendTraits specialization for this backend policy "
                   "(include the backend's header, e.g. <titans/backend/cpu/cpu.hpp>)");
+};
+
+/// Matrices in a backend's memory and the copies between it and the host (concept
+/// TransferBackend below). The layers use it at the public API edge (backend/edge.hpp) when
+/// the backend cannot read host memory; checkpoints reach device states through it.
+template <class Backend, class T>
+struct Transfer {
+    static_assert(dependent_false<Backend>,
+                  "titans: no Transfer specialization for this backend policy");
+};
+
+/// What Transfer<B, T> must provide:
+///   Buffer                      an owning rows x cols matrix in the backend's memory (movable)
+///   allocate(rows, cols)        a Buffer (contents unspecified)
+///   upload(host)                a Buffer holding a copy of the host view's entries
+///   view(buffer)                the View<T> of a Buffer's entries, in the backend's memory
+///   download(from, host)        copies a backend view into a host view of the same shape
+template <class B, class T>
+concept TransferBackend = requires(typename Transfer<B, T>::Buffer& buf, View<const T> host,
+                                   View<T> out, std::ptrdiff_t n) {
+    typename Transfer<B, T>::Buffer;
+    { Transfer<B, T>::allocate(n, n) } -> std::same_as<typename Transfer<B, T>::Buffer>;
+    { Transfer<B, T>::upload(host) } -> std::same_as<typename Transfer<B, T>::Buffer>;
+    { Transfer<B, T>::view(buf) } -> std::same_as<View<T>>;
+    Transfer<B, T>::download(host, out);
 };
 
 /// The kernels of the neural memory on a backend. Specialised per backend and scalar type.
@@ -73,7 +99,9 @@ struct FeedForwardKernels {
 ///   make_state(cfg, prepared, B)  a fresh state for B sequences
 ///   forward(cfg, prepared, state, x, y, diag)
 ///                                 math §1-5 over a piece of the stream: x (B*N) x d in (a
-///                                 MatrixRef), y (B*N) x d out, diag optional (nullptr)
+///                                 View<const T>), y (B*N) x d out (a View<T>, sized by the
+///                                 caller), both in the backend's memory; diag optional
+///                                 (nullptr)
 ///   read(cfg, prepared, state, x, y)  read-only retrieval with the memory after the last token
 ///   read_weights(cfg, prepared, weights, x, batch, y)
 ///                                 retrieval through given weights (per sequence and head)
@@ -90,7 +118,7 @@ template <class B, class T>
 concept MemoryBackend = requires(
     const MemoryConfig& cfg, const std::shared_ptr<const MemoryParams<T>>& hp,
     const typename MemoryKernels<B, T>::Prepared& p, typename MemoryKernels<B, T>::State& s,
-    const typename MemoryKernels<B, T>::State& cs, const MatrixRef<T>& x, Matrix<T>& y,
+    const typename MemoryKernels<B, T>::State& cs, View<const T> x, View<T> y,
     Diagnostics<T>* diag, int i) {
     typename MemoryKernels<B, T>::Prepared;
     typename MemoryKernels<B, T>::State;

@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "../backend/backend.hpp"
+#include "../backend/edge.hpp"
 #include "../detail/check.hpp"
 #include "../detail/product.hpp"
 #include "../detail/activation.hpp"
@@ -172,13 +173,13 @@ struct FeedForwardParams {
 namespace backend {
 /// What FeedForwardKernels<B, T> must provide for FeedForward<T, B>: Prepared (the parameters
 /// as the kernels use them), prepare(cfg, params) from the host parameters (a shared_ptr), and
-/// forward(cfg, prepared, x, y) with x a MatrixRef. The backward pass (training) will add its
-/// members here.
+/// forward(cfg, prepared, x, y) with x, y rows x d views in the backend's memory (y sized).
+/// The backward pass (training) will add its members here.
 template <class B, class T>
 concept FeedForwardBackend =
     requires(const FeedForwardConfig& cfg, const std::shared_ptr<const FeedForwardParams<T>>& hp,
-             const typename FeedForwardKernels<B, T>::Prepared& p, const MatrixRef<T>& x,
-             Matrix<T>& y) {
+             const typename FeedForwardKernels<B, T>::Prepared& p, View<const T> x,
+             View<T> y) {
         typename FeedForwardKernels<B, T>::Prepared;
         { FeedForwardKernels<B, T>::prepare(cfg, hp) } ->
             std::same_as<typename FeedForwardKernels<B, T>::Prepared>;
@@ -252,7 +253,10 @@ public:
             throw ShapeError(detail::concat(where, ": y shares storage with x, expected a "
                                                    "distinct matrix"));
         }
-        Kernels::forward(cfg_, prepared_, x, y);
+        const backend::Upload<Backend, T> in(x);
+        backend::Download<Backend, T> out(y, x.rows(), cfg_.d_model);
+        Kernels::forward(cfg_, prepared_, in.view(), out.view());
+        out.finish();
     }
 
 private:

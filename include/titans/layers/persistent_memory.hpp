@@ -19,14 +19,19 @@ namespace titans {
 /// (N_p x d, N_p >= 0), prepended to the sequence an attention layer sees, x̃ = P ‖ x. They are
 /// outer parameters: never updated at test time.
 ///
-/// Two ways to use them: pass tokens() as the always-visible prefix of Attention::forward (the
-/// streaming form of P ‖ x: every query sees P whatever its window), or materialise P ‖ x with
-/// prepend() for a layer that should process the persistent tokens as sequence tokens.
+/// Three ways to use them: pass tokens() as the always-visible prefix of Attention::forward
+/// (the streaming form of P ‖ x: every query sees P whatever its window); project them once
+/// for an attention layer on the same backend with project_for() (P W_K and P W_V kept on the
+/// backend, nothing per call); or materialise P ‖ x with prepend() for a layer that should
+/// process the persistent tokens as sequence tokens. The tokens are host parameters, like
+/// every layer's; Backend is the backend of the attention they are projected for.
 ///
 ///     auto P = titans::PersistentMemory<float>::random(/*n_tokens=*/4, /*d_model=*/64, 11);
 ///     titans::Matrixf y = attn.forward(state, x, &P.tokens());   // x̃ = P ‖ x, P always visible
+///     const auto kv = P.project_for(attn);                       // once
+///     attn.forward(state, x, y, kv);                             // same y, no projection
 ///     titans::Matrixf xt = P.prepend(x);                         // (4 + N) x 64
-template <class T>
+template <class T, class Backend>
 class PersistentMemory {
     static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
                   "titans::PersistentMemory: T must be float or double");
@@ -70,6 +75,15 @@ public:
     [[nodiscard]] int d_model() const { return static_cast<int>(tokens_.cols()); }
     /// P, N_p x d.
     [[nodiscard]] const Matrix<T>& tokens() const { return tokens_; }
+
+    /// P projected for `attention` (P W_K and P W_V on its backend, shared by every sequence:
+    /// Attention::project_prefix), for Attention::forward(state, x, y, prefix). ShapeError if
+    /// the widths differ.
+    template <class Attn>
+        requires std::is_same_v<Attn, Attention<T, Backend>>
+    [[nodiscard]] auto project_for(const Attn& attention) const {
+        return attention.project_prefix(tokens_);
+    }
 
     /// P ‖ x for `batch` sequences stacked sequence-major: x is (B*N) x d, the result
     /// (B*(N_p + N)) x d with rows [b*(N_p+N), b*(N_p+N) + N_p) = P and the next N rows =

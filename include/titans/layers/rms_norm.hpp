@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "../backend/backend.hpp"
+#include "../backend/edge.hpp"
 #include "../detail/check.hpp"
 #include "../detail/shared.hpp"
 #include "../error.hpp"
@@ -21,11 +22,11 @@ namespace titans {
 namespace backend {
 /// What NormKernels<B, T> must provide for RMSNorm<T, B>: Prepared (the weight as the kernel
 /// uses it), prepare(weight) from the host weight (a shared_ptr), and forward(prepared, eps,
-/// x, y) with x a MatrixRef (y may be x itself).
+/// x, y) with x, y rows x d views in the backend's memory (y sized; it may be x itself).
 template <class B, class T>
 concept NormBackend = requires(const std::shared_ptr<const RowVector<T>>& w,
                                const typename NormKernels<B, T>::Prepared& p, T eps,
-                               const MatrixRef<T>& x, Matrix<T>& y) {
+                               View<const T> x, View<T> y) {
     typename NormKernels<B, T>::Prepared;
     { NormKernels<B, T>::prepare(w) } -> std::same_as<typename NormKernels<B, T>::Prepared>;
     NormKernels<B, T>::forward(p, eps, x, y);
@@ -56,7 +57,8 @@ public:
     /// Width d in [1, limits::max_d_model], weight initialised to ones, eps > 0 and
     /// representable in T (ConfigError otherwise, before anything is allocated).
     explicit RMSNorm(int d_model, double eps = 1e-6)
-        : RMSNorm(std::make_shared<const RowVector<T>>(RowVector<T>::Ones(checked_width(d_model))),
+        : RMSNorm(std::make_shared<const RowVector<T>>(
+                      RowVector<T>::Ones(checked_width(d_model, eps))),
                   eps) {}
 
     /// With a given weight (1 x d, d >= 1, finite).
@@ -70,7 +72,7 @@ public:
         detail::require<ShapeError>(weight_->cols() >= 1, "RMSNorm", "weight.cols()",
                                     weight_->cols(), ">= 1");
         check_weight(*weight_);
-        check_eps();
+        check_eps(eps_);
         prepared_ = Kernels::prepare(weight_);
     }
 
@@ -113,20 +115,24 @@ public:
         if (!x.allFinite()) {
             throw NonFiniteError(detail::concat(where, ": x has a NaN or infinite entry"));
         }
-        Kernels::forward(prepared_, static_cast<T>(eps_), x, y);
+        const backend::Upload<Backend, T> in(x);
+        backend::Download<Backend, T> out(y, x.rows(), x.cols());  // no-op in place
+        Kernels::forward(prepared_, static_cast<T>(eps_), in.view(), out.view());
+        out.finish();
     }
 
 private:
-    static int checked_width(int d_model) {
+    static int checked_width(int d_model, double eps) {
         detail::require_in_range(d_model, 1, limits::max_d_model, "RMSNorm", "d_model");
+        check_eps(eps);
         return d_model;
     }
     /// eps > 0, finite, and representable in T: an eps that rounds to 0 (1e-50 in float) or to
     /// infinity would divide by zero or zero the output.
-    void check_eps() const {
-        detail::require<ConfigError>(std::isfinite(eps_) && eps_ > 0, "RMSNorm", "eps", eps_,
+    static void check_eps(double eps) {
+        detail::require<ConfigError>(std::isfinite(eps) && eps > 0, "RMSNorm", "eps", eps,
                                      "a finite value > 0");
-        detail::require_representable<T>(eps_, "RMSNorm", "eps");
+        detail::require_representable<T>(eps, "RMSNorm", "eps");
     }
     static void check_weight(const RowVector<T>& w) {
         if (!w.allFinite()) {

@@ -7,6 +7,7 @@
 
 #include "../fwd.hpp"
 #include "../backend/backend.hpp"
+#include "../backend/edge.hpp"
 #include "../detail/check.hpp"
 #include "../detail/float_env.hpp"
 #include "../detail/shared.hpp"
@@ -104,7 +105,10 @@ public:
         }
         const ThreadScope team(threads_, work_estimate(x.rows()));
         const detail::DenormalFlushScope flush(cfg_.flush_denormals);
-        Kernels::forward(cfg_, prepared_, state, x, y, diag);
+        const backend::Upload<Backend, T> in(x);
+        backend::Download<Backend, T> out(y, x.rows(), cfg_.d_model);
+        Kernels::forward(cfg_, prepared_, state, in.view(), out.view(), diag);
+        out.finish();
     }
 
     /// Reads the memory without writing it: x is projected like forward's queries (q path of
@@ -117,7 +121,10 @@ public:
         Matrix<T> y;
         const ThreadScope team(threads_, work_estimate(x.rows()));
         const detail::DenormalFlushScope flush(cfg_.flush_denormals);
-        Kernels::read(cfg_, prepared_, state, x, y);
+        const backend::Upload<Backend, T> in(x);
+        backend::Download<Backend, T> out(y, x.rows(), cfg_.d_model);
+        Kernels::read(cfg_, prepared_, state, in.view(), out.view());
+        out.finish();
         if (!detail::all_finite(y)) {
             throw NonFiniteError("NeuralMemory::read: the read-out is not finite (the memory "
                                  "diverged or x overflows the projections), expected finite "
@@ -140,7 +147,10 @@ public:
         Matrix<T> y;
         const ThreadScope team(threads_, work_estimate(x.rows()));
         const detail::DenormalFlushScope flush(cfg_.flush_denormals);
-        Kernels::read_weights(cfg_, prepared_, weights, x, batch, y);
+        const backend::Upload<Backend, T> in(x);
+        backend::Download<Backend, T> out(y, x.rows(), cfg_.d_model);
+        Kernels::read_weights(cfg_, prepared_, weights, in.view(), batch, out.view());
+        out.finish();
         return y;
     }
 

@@ -23,6 +23,7 @@
 #include "../../error.hpp"
 #include "../../types.hpp"
 #include "../backend.hpp"
+#include "transfer.hpp"
 
 namespace titans::backend {
 
@@ -55,7 +56,8 @@ struct AttentionKernels<Cpu, T> {
 
     /// P W_K and P W_V of a checked prefix.
     static Prefix project_prefix(const AttentionConfig& cfg, const Prepared& p,
-                                 const MatrixRef<T>& prefix, PrefixSharing sharing) {
+                                 View<const T> prefix_rows, PrefixSharing sharing) {
+        const auto prefix = cpu::as_eigen(prefix_rows);
         Prefix out;
         out.sharing = sharing;
         out.k.resize(prefix.rows(), cfg.inner_dim());
@@ -67,18 +69,13 @@ struct AttentionKernels<Cpu, T> {
         return out;
     }
 
-    /// A prefix the caller projected (checked shapes, shared by every sequence).
-    static Prefix adopt_prefix(const MatrixRef<T>& k, const MatrixRef<T>& v) {
-        return Prefix{Mat(k), Mat(v), PrefixSharing::Shared};
-    }
-
-    /// Checked inputs: projects x, then attend() inside a transaction (the state is unchanged
-    /// if it throws). prefix may be null.
+    /// Checked inputs: projects x ((B*N) x d), then attend() inside a transaction (the state is
+    /// unchanged if it throws) into y ((B*N) x d, sized). prefix may be null.
     static void forward(const AttentionConfig& cfg, const Prepared& p, State& state,
-                        const MatrixRef<T>& x, Mat& y, const Prefix* prefix) {
+                        View<const T> xv, View<T> y, const PrefixView<T>* prefix) {
         const int B = state.batch_, H = cfg.n_heads, dh = cfg.head_dim(), D = cfg.inner_dim();
+        const auto x = cpu::as_eigen(xv);
         const Index N = x.rows() / B;
-        y.resize(x.rows(), cfg.d_model);
         if (N == 0) return;
         Mat q(x.rows(), D), k(x.rows(), D), v(x.rows(), D);
         detail::multiply(q, x, p->w_q);
@@ -94,7 +91,7 @@ struct AttentionKernels<Cpu, T> {
         }
         const bool own = begin(state);
         try {
-            attend(cfg, *p, state, q, k, v, prefix, y);
+            attend(cfg, *p, state, q, k, v, prefix, cpu::as_eigen(y));
         } catch (...) {
             rollback(state);
             throw;
@@ -138,12 +135,13 @@ private:
     /// The attention proper on projected q, k, v (and the prefix's p rows per sequence), then
     /// the new histories and W_O; NonFiniteError if the output is not finite.
     static void attend(const AttentionConfig& cfg, const AttentionParams<T>& params, State& state,
-                       const Mat& q, const Mat& k, const Mat& v, const Prefix* prefix, Mat& y) {
+                       const Mat& q, const Mat& k, const Mat& v, const PrefixView<T>* prefix,
+                       cpu::MutableMap<T> y) {
         const int B = state.batch_, H = cfg.n_heads, dh = cfg.head_dim();
         const Index N = q.rows() / B;
         const Mat none(0, cfg.inner_dim());
-        const Mat& kp = prefix != nullptr ? prefix->k : none;
-        const Mat& vp = prefix != nullptr ? prefix->v : none;
+        const auto kp = cpu::as_eigen(prefix != nullptr ? prefix->k : view_of(none));
+        const auto vp = cpu::as_eigen(prefix != nullptr ? prefix->v : view_of(none));
         const bool shared = prefix == nullptr || prefix->sharing == PrefixSharing::Shared;
         const Index p = shared ? kp.rows() : kp.rows() / B;
         // Per sequence: keys/values = [kept (h rows) ; this piece (N rows)], read in place from

@@ -20,6 +20,7 @@ struct BackendTraits<Cpu> {
 
 }  // namespace titans::backend
 
+#include "transfer.hpp"
 #include "attention_kernels.hpp"
 #include "layer_kernels.hpp"
 #include "memory_kernels.hpp"

@@ -11,6 +11,7 @@
 #include "../../layers/rms_norm.hpp"
 #include "../../types.hpp"
 #include "../backend.hpp"
+#include "transfer.hpp"
 
 namespace titans::backend {
 
@@ -25,8 +26,9 @@ struct NormKernels<Cpu, T> {
 
     static Prepared prepare(const std::shared_ptr<const RowVector<T>>& weight) { return weight; }
 
-    static void forward(const Prepared& weight, T eps, const MatrixRef<T>& x, Matrix<T>& y) {
-        y.resize(x.rows(), x.cols());  // no-op in place
+    static void forward(const Prepared& weight, T eps, View<const T> xv, View<T> yv) {
+        const auto x = cpu::as_eigen(xv);
+        auto y = cpu::as_eigen(yv);
         const T inv_d = T(1) / static_cast<T>(x.cols());
         for (Eigen::Index r = 0; r < x.rows(); ++r) {
             const T inv_rms = T(1) / std::sqrt(x.row(r).squaredNorm() * inv_d + eps);
@@ -47,8 +49,9 @@ struct FeedForwardKernels<Cpu, T> {
         return params;
     }
 
-    static void forward(const FeedForwardConfig& cfg, const Prepared& p, const MatrixRef<T>& x,
-                        Matrix<T>& y) {
+    static void forward(const FeedForwardConfig& cfg, const Prepared& p, View<const T> xv,
+                        View<T> y) {
+        const auto x = cpu::as_eigen(xv);
         Matrix<T> a(x.rows(), p->w1.cols());
         detail::multiply(a, x, p->w1);
         if (cfg.kind == FeedForwardKind::SwiGLU) {
@@ -58,8 +61,7 @@ struct FeedForwardKernels<Cpu, T> {
         } else {
             a = a.unaryExpr([](T z) { return detail::gelu(z); });
         }
-        y.resize(x.rows(), cfg.d_model);
-        detail::multiply(y, a, p->w2);
+        detail::multiply(cpu::as_eigen(y), a, p->w2);
     }
 };
 

@@ -23,6 +23,7 @@
 #include "../../memory/params.hpp"
 #include "memory_state.hpp"
 #include "memory_undo.hpp"
+#include "transfer.hpp"
 
 namespace titans::backend {
 
@@ -33,7 +34,8 @@ struct MemoryKernels<Cpu, T> {
     using State = MemoryState<T>;
     using Head = typename State::Head;
     using Mat = Matrix<T>;
-    using In = MatrixRef<T>;  // inputs: a row-major matrix or a block of one, not copied
+    using In = MatrixRef<T>;         // inputs, as the kernels read them (a map, not copied)
+    using Out = cpu::MutableMap<T>;  // outputs, written in place
     /// The parameters as the kernels use them: on the CPU, the caller's own (shared, not
     /// copied).
     using Prepared = std::shared_ptr<const MemoryParams<T>>;
@@ -80,13 +82,14 @@ struct MemoryKernels<Cpu, T> {
         return st;
     }
 
-    /// math §1-5 over a piece: x (B*N) x d, y (B*N) x d (resized), diag optional. Throws
+    /// math §1-5 over a piece: x (B*N) x d, y (B*N) x d (sized), diag optional. Throws
     /// NonFiniteError (naming the sequence, head and position) if an output or the new state
     /// would hold a NaN or an infinity; the state is then as it was before the call (or, inside
     /// an open transaction, as it was at the transaction's start: MemoryUndo).
-    static void forward(const MemoryConfig& cfg, const Prepared& p, State& st, const In& x,
-                        Mat& y, Diagnostics<T>* diag) {
-        y.resize(x.rows(), cfg.d_model);
+    static void forward(const MemoryConfig& cfg, const Prepared& p, State& st,
+                        View<const T> xv, View<T> yv, Diagnostics<T>* diag) {
+        const In x = cpu::as_eigen(xv);
+        Out y = cpu::as_eigen(yv);
         if (diag != nullptr) {
             diag->loss.setZero(x.rows(), cfg.n_heads);
             diag->grad_norm.setZero(x.rows(), cfg.n_heads);
@@ -108,9 +111,9 @@ struct MemoryKernels<Cpu, T> {
 
     /// Read-only retrieval: q path of math §1 for x (conv continuing the stream, tails not
     /// updated), y = M_{W_t}(q) per head with the memory after the last token, then W_O.
-    static void read(const MemoryConfig& cfg, const Prepared& p, const State& st, const In& x,
-                     Mat& y) {
-        read_through(cfg, *p, x, st.batch_, &st.conv_tail_, y,
+    static void read(const MemoryConfig& cfg, const Prepared& p, const State& st,
+                     View<const T> x, View<T> y) {
+        read_through(cfg, *p, cpu::as_eigen(x), st.batch_, &st.conv_tail_, cpu::as_eigen(y),
                      [&](int s, int h) { return materialise(cfg, st, s, h, true); });
     }
 
@@ -118,11 +121,12 @@ struct MemoryKernels<Cpu, T> {
     /// conv, y = M_W(q) per (sequence, head) with W = weights[s * H + h], then W_O. x is
     /// (batch*N) x d. MAC reads its segment-start snapshot this way.
     static void read_weights(const MemoryConfig& cfg, const Prepared& p,
-                             const std::vector<std::vector<Mat>>& weights, const In& x, int batch,
-                             Mat& y) {
-        read_through(cfg, *p, x, batch, nullptr, y, [&](int s, int h) -> const std::vector<Mat>& {
-            return weights[static_cast<std::size_t>(s * cfg.n_heads + h)];
-        });
+                             const std::vector<std::vector<Mat>>& weights, View<const T> x,
+                             int batch, View<T> y) {
+        read_through(cfg, *p, cpu::as_eigen(x), batch, nullptr, cpu::as_eigen(y),
+                     [&](int s, int h) -> const std::vector<Mat>& {
+                         return weights[static_cast<std::size_t>(s * cfg.n_heads + h)];
+                     });
     }
 
     /// Transactions over several forward calls (MemoryUndo): begin returns true if it opened one.
@@ -166,10 +170,9 @@ private:
     /// weights weights_of(s, h), then W_O into y ((B*N) x d).
     template <class WeightsOf>
     static void read_through(const MemoryConfig& cfg, const MemoryParams<T>& p, const In& x,
-                             int B, const std::vector<Mat>* tails, Mat& y, WeightsOf&& weights_of) {
+                             int B, const std::vector<Mat>* tails, Out y, WeightsOf&& weights_of) {
         const int H = cfg.n_heads, dh = cfg.head_dim();
         const Eigen::Index N = x.rows() / B;
-        y.resize(x.rows(), cfg.d_model);
         if (N == 0) {
             return;
         }
@@ -236,7 +239,7 @@ private:
     /// The body of forward(): projections, the per-head scans, the output projection, each
     /// checked for non-finite values before the position advances.
     static void forward_piece(const MemoryConfig& cfg, const MemoryParams<T>& p, State& st,
-                              const In& x, Mat& y, Diagnostics<T>* diag) {
+                              const In& x, Out& y, Diagnostics<T>* diag) {
         const int B = st.batch_, H = cfg.n_heads, dh = cfg.head_dim(), D = cfg.inner_dim();
         const Eigen::Index N = x.rows() / B;
         const std::int64_t pos0 = st.position_;
@@ -308,7 +311,8 @@ private:
         }
     }
 
-    [[noreturn]] static void throw_first_bad_row(const Mat& m, Eigen::Index N, std::int64_t pos0,
+    template <class M>
+    [[noreturn]] static void throw_first_bad_row(const M& m, Eigen::Index N, std::int64_t pos0,
                                                  const char* what) {
         const Eigen::Index r = detail::first_nonfinite_row(m);
         throw NonFiniteError(detail::concat(

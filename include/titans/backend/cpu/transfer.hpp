@@ -1,0 +1,48 @@
+#pragma once
+// titans/backend/cpu/transfer.hpp: views as Eigen maps, and the CPU's (trivial) Transfer.
+
+#include <type_traits>
+
+#include "../../types.hpp"
+#include "../../view.hpp"
+#include "../backend.hpp"
+
+namespace titans::backend {
+
+struct Cpu;
+
+namespace cpu {
+
+/// A view as an Eigen map of the same entries (no copy).
+template <class T>
+using ConstMap = Eigen::Map<const Matrix<T>, Eigen::Unaligned, Eigen::OuterStride<>>;
+template <class T>
+using MutableMap = Eigen::Map<Matrix<T>, Eigen::Unaligned, Eigen::OuterStride<>>;
+
+template <class T>
+[[nodiscard]] ConstMap<T> as_eigen(View<const T> v) {
+    return ConstMap<T>(v.data, v.rows, v.cols, Eigen::OuterStride<>(v.stride));
+}
+template <class T>
+    requires(!std::is_const_v<T>)
+[[nodiscard]] MutableMap<T> as_eigen(View<T> v) {
+    return MutableMap<T>(v.data, v.rows, v.cols, Eigen::OuterStride<>(v.stride));
+}
+
+}  // namespace cpu
+
+/// Host memory is the CPU's memory: a buffer is a Matrix, upload and download are copies.
+/// (The layers skip it on the CPU and pass the caller's matrices; it exists so that code
+/// written for any backend runs on this one too.)
+template <class T>
+struct Transfer<Cpu, T> {
+    using Buffer = Matrix<T>;
+    static Buffer allocate(std::ptrdiff_t rows, std::ptrdiff_t cols) { return Buffer(rows, cols); }
+    static Buffer upload(View<const T> host) { return Buffer(cpu::as_eigen(host)); }
+    static View<T> view(Buffer& b) { return view_of(b); }
+    static void download(View<const T> from, View<T> host) {
+        cpu::as_eigen(host) = cpu::as_eigen(from);
+    }
+};
+
+}  // namespace titans::backend
