@@ -275,7 +275,7 @@ bool resume_equals_uninterrupted(const Object& object, const Object& other, int 
 }  // namespace
 
 // io: a memory resumed from a checkpoint equals the uninterrupted stream
-TEMPLATE_LIST_TEST_CASE("io: memory resume == stream", "[io]", Both) {
+TEMPLATE_LIST_TEST_CASE("io: memory resumes", "[io]", Both) {
     using T = typename TestType::Scalar;
     using Bk = typename TestType::Backend;
     Rng rng(seed_for("io memory resume", sizeof(T)));
@@ -321,7 +321,7 @@ TEMPLATE_LIST_TEST_CASE("io: memory resume == stream", "[io]", Both) {
 }
 
 // io: blocks and a mixed model resumed from a checkpoint equal the uninterrupted stream
-TEMPLATE_LIST_TEST_CASE("io: blocks resume == stream", "[io]", Both) {
+TEMPLATE_LIST_TEST_CASE("io: blocks resume", "[io]", Both) {
     using T = typename TestType::Scalar;
     using Bk = typename TestType::Backend;
     Rng rng(seed_for("io model resume", sizeof(T)));
