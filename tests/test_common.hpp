@@ -236,6 +236,25 @@ inline Matrixd random_matrix(Eigen::Index rows, Eigen::Index cols, Rng& rng, dou
     return m;
 }
 
+/// Central differences of f() with respect to every entry of m (perturbed in place by ±h and
+/// restored): what the backward passes are checked against.
+template <class M, class F>
+Matrixd central_diff(M& m, double h, F&& f) {
+    Matrixd g(m.rows(), m.cols());
+    for (Eigen::Index i = 0; i < m.rows(); ++i) {
+        for (Eigen::Index j = 0; j < m.cols(); ++j) {
+            const double v = m(i, j);
+            m(i, j) = v + h;
+            const double up = f();
+            m(i, j) = v - h;
+            const double down = f();
+            m(i, j) = v;
+            g(i, j) = (up - down) / (2 * h);
+        }
+    }
+    return g;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Parameter casts.
 

@@ -30,3 +30,7 @@
 
 #include "models/block.hpp"
 #include "models/model.hpp"
+#include "train/adamw.hpp"
+#include "train/gradients.hpp"
+#include "train/loss.hpp"
+#include "train/schedule.hpp"

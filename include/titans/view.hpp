@@ -57,5 +57,14 @@ template <class T>
 [[nodiscard]] View<const T> view_of(const MatrixRef<T>& m) {
     return View<const T>{m.data(), m.rows(), m.cols(), m.outerStride()};
 }
+/// A row vector as a 1 x n view.
+template <class T>
+[[nodiscard]] View<T> view_of(RowVector<T>& m) {
+    return View<T>{m.data(), 1, m.cols(), m.cols()};
+}
+template <class T>
+[[nodiscard]] View<const T> view_of(const RowVector<T>& m) {
+    return View<const T>{m.data(), 1, m.cols(), m.cols()};
+}
 
 }  // namespace titans

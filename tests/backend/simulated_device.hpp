@@ -204,6 +204,12 @@ void require_device(titans::View<T> v, const char* what) {
     }
 }
 
+/// require_device for each view, named by the matching entry of `what`.
+template <class T, std::size_t K>
+void require_devices(const titans::View<const T> (&views)[K], const char* const (&what)[K]) {
+    for (std::size_t i = 0; i < K; ++i) require_device(views[i], what[i]);
+}
+
 /// Host <-> device transfer of a state's tensors: the visitor sees host copies (downloads);
 /// when Self is not const what it assigned is uploaded back.
 template <class Host, class Self, class V>
@@ -324,6 +330,7 @@ struct Transfer<titans_test::SimulatedDevice, T> {
         return titans_test::sim::make_buffer<T>(Matrix<T>(cpu::as_eigen(host)));
     }
     static View<T> view(Buffer& b) { return view_of(b.get()); }
+    static View<const T> view(const Buffer& b) { return view_of(b.get()); }
     static void download(View<const T> from, View<T> host) {
         titans_test::sim::require_device(from, "a downloaded view");
         cpu::as_eigen(host) = cpu::as_eigen(from);
@@ -483,6 +490,17 @@ struct NormKernels<titans_test::SimulatedDevice, T> {
         titans_test::sim::require_device(y, "y");
         Host::forward(p->get(), eps, x, y);
     }
+    static void forward_train(const Prepared& p, T eps, View<const T> x, View<T> y,
+                              View<T> inv_rms) {
+        titans_test::sim::require_devices<T>({x, y, inv_rms}, {"x", "y", "inv_rms"});
+        Host::forward_train(p->get(), eps, x, y, inv_rms);
+    }
+    static void backward(const Prepared& p, View<const T> x, View<const T> inv_rms,
+                         View<const T> dy, View<T> dx, View<T> dweight) {
+        titans_test::sim::require_devices<T>({x, inv_rms, dy, dx, dweight},
+                                          {"x", "inv_rms", "dy", "dx", "dweight"});
+        Host::backward(p->get(), x, inv_rms, dy, dx, dweight);
+    }
 };
 
 /// FeedForward on the simulated device.
@@ -501,6 +519,18 @@ struct FeedForwardKernels<titans_test::SimulatedDevice, T> {
         titans_test::sim::require_device(x, "x");
         titans_test::sim::require_device(y, "y");
         Host::forward(cfg, p->get(), x, y);
+    }
+    static void forward_train(const FeedForwardConfig& cfg, const Prepared& p, View<const T> x,
+                              View<T> y, View<T> a, View<T> g) {
+        titans_test::sim::require_devices<T>({x, y, a, g}, {"x", "y", "a", "g"});
+        Host::forward_train(cfg, p->get(), x, y, a, g);
+    }
+    static void backward(const FeedForwardConfig& cfg, const Prepared& p, View<const T> x,
+                         View<const T> a, View<const T> g, View<const T> dy, View<T> dx,
+                         View<T> dw1, View<T> dw3, View<T> dw2) {
+        titans_test::sim::require_devices<T>({x, a, g, dy, dx, dw1, dw3, dw2},
+                                          {"x", "a", "g", "dy", "dx", "dw1", "dw3", "dw2"});
+        Host::backward(cfg, p->get(), x, a, g, dy, dx, dw1, dw3, dw2);
     }
 };
 

@@ -34,8 +34,9 @@ struct AttentionParams {
     [[nodiscard]] static AttentionParams random(const AttentionConfig& cfg, std::uint64_t seed) {
         return generate(cfg, seed, true);
     }
-    /// Every tensor at its shape, zero-filled, without the generator's work: what a loader
-    /// (titans::io::load_parameters) fills. Not a usable initialisation.
+    /// Every tensor at its shape, every entry 0, without the generator's work: what a loader
+    /// (titans::io::load_parameters) fills and what gradients are added to. Not a usable
+    /// initialisation.
     [[nodiscard]] static AttentionParams zeros(const AttentionConfig& cfg) {
         return generate(cfg, 0, false);
     }

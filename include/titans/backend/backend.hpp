@@ -50,14 +50,17 @@ struct Transfer {
 ///   allocate(rows, cols)        a Buffer (contents unspecified)
 ///   upload(host)                a Buffer holding a copy of the host view's entries
 ///   view(buffer)                the View<T> of a Buffer's entries, in the backend's memory
+///                               (View<const T> of a const Buffer)
 ///   download(from, host)        copies a backend view into a host view of the same shape
 template <class B, class T>
-concept TransferBackend = requires(typename Transfer<B, T>::Buffer& buf, View<const T> host,
-                                   View<T> out, std::ptrdiff_t n) {
+concept TransferBackend = requires(typename Transfer<B, T>::Buffer& buf,
+                                   const typename Transfer<B, T>::Buffer& cbuf,
+                                   View<const T> host, View<T> out, std::ptrdiff_t n) {
     typename Transfer<B, T>::Buffer;
     { Transfer<B, T>::allocate(n, n) } -> std::same_as<typename Transfer<B, T>::Buffer>;
     { Transfer<B, T>::upload(host) } -> std::same_as<typename Transfer<B, T>::Buffer>;
     { Transfer<B, T>::view(buf) } -> std::same_as<View<T>>;
+    { Transfer<B, T>::view(cbuf) } -> std::same_as<View<const T>>;
     Transfer<B, T>::download(host, out);
 };
 

@@ -62,4 +62,38 @@ private:
     View<T> view_{};
 };
 
+/// Host entries the kernels of B update in place (gradients they add to): the host view
+/// itself, or an uploaded copy that finish() downloads back.
+template <class B, class T>
+class Update {
+public:
+    explicit Update(View<T> host) : host_(host) {
+        if constexpr (BackendTraits<B>::host_accessible) {
+            view_ = host;
+        } else {
+            buffer_.emplace(Transfer<B, T>::upload(host));
+            view_ = Transfer<B, T>::view(*buffer_);
+        }
+    }
+    [[nodiscard]] View<T> view() const { return view_; }
+    /// Copies the updated entries to the host (nothing to do on a host-accessible backend).
+    void finish() {
+        if constexpr (!BackendTraits<B>::host_accessible) {
+            Transfer<B, T>::download(view_, host_);
+        }
+    }
+
+private:
+    View<T> host_;
+    std::optional<typename Transfer<B, T>::Buffer> buffer_;
+    View<T> view_{};
+};
+
+/// A copy of host rows in B's memory that outlives the call: what a training forward keeps
+/// for the backward pass (on the CPU a Matrix copy, elsewhere an upload).
+template <class B, class T>
+[[nodiscard]] typename Transfer<B, T>::Buffer keep(const MatrixRef<T>& host) {
+    return Transfer<B, T>::upload(view_of<T>(host));
+}
+
 }  // namespace titans::backend

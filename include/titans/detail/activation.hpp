@@ -48,6 +48,20 @@ TITANS_HOST_DEVICE T gelu_grad(T z) {
     return cdf + z * pdf;
 }
 
+/// d²/dz² SiLU(z) = s (1 - s) (2 + z (1 - 2 s)), s = sigmoid(z).
+template <class T>
+TITANS_HOST_DEVICE T silu_grad2(T z) {
+    const T s = sigmoid(z);
+    return s * (T(1) - s) * (T(2) + z * (T(1) - T(2) * s));
+}
+
+/// d²/dz² GELU(z) = phi(z) (2 - z^2).
+template <class T>
+TITANS_HOST_DEVICE T gelu_grad2(T z) {
+    const T pdf = T(0.39894228040143267794) * std::exp(T(-0.5) * z * z);
+    return pdf * (T(2) - z * z);
+}
+
 template <class T>
 TITANS_HOST_DEVICE T activate(Activation a, T z) {
     switch (a) {
@@ -66,6 +80,17 @@ TITANS_HOST_DEVICE T activate_grad(Activation a, T z) {
         case Activation::Identity: break;
     }
     return T(1);
+}
+
+/// act''(z): what the backward of a gradient (math §9, the second-order terms) needs.
+template <class T>
+TITANS_HOST_DEVICE T activate_grad2(Activation a, T z) {
+    switch (a) {
+        case Activation::SiLU: return silu_grad2(z);
+        case Activation::GELU: return gelu_grad2(z);
+        case Activation::Identity: break;
+    }
+    return T(0);
 }
 
 }  // namespace titans::detail

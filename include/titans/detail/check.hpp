@@ -1,5 +1,6 @@
 #pragma once
-// titans/detail/check.hpp: the shape-and-finiteness check of the parameter structs' validate().
+// titans/detail/check.hpp: the shape-and-finiteness checks of the parameter structs'
+// validate() and of the layers' backward calls.
 
 #include <Eigen/Core>
 
@@ -36,6 +37,31 @@ template <class X, class Y>
     const auto* y0 = y.data();
     const auto* y1 = y.data() + y.size();
     return x0 < y1 && y0 < x1;
+}
+
+/// The checks of a layer's backward call, ShapeError otherwise: the trace was filled by a
+/// training forward of a layer of width d, and dy (named `name`) is rows x d and finite
+/// (NonFiniteError otherwise).
+inline void check_trace(bool filled, Eigen::Index trace_cols, Eigen::Index d, const char* where) {
+    if (!filled) {
+        throw ShapeError(concat(where, ": trace is empty, expected one filled by the training "
+                                       "forward(x, y, trace)"));
+    }
+    if (trace_cols != d) {
+        throw ShapeError(concat(where, ": trace holds ", trace_cols,
+                                "-column rows, expected d = ", d));
+    }
+}
+template <class M>
+void check_gradient_rows(const M& dy, Eigen::Index rows, Eigen::Index d, const char* where,
+                         const char* name) {
+    if (dy.rows() != rows || dy.cols() != d) {
+        throw ShapeError(concat(where, ": ", name, " is ", dy.rows(), " x ", dy.cols(),
+                                ", expected ", rows, " x ", d, " (the rows of the trace)"));
+    }
+    if (!dy.allFinite()) {
+        throw NonFiniteError(concat(where, ": ", name, " has a NaN or infinite entry"));
+    }
 }
 
 }  // namespace titans::detail

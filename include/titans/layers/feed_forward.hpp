@@ -6,6 +6,7 @@
 #include <concepts>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -124,8 +125,9 @@ struct FeedForwardParams {
                                                   std::uint64_t seed) {
         return generate(cfg, seed, true);
     }
-    /// Every tensor at its shape, zero-filled, without the generator's work: what a loader
-    /// (titans::io::load_parameters) fills. Not a usable initialisation.
+    /// Every tensor at its shape, every entry 0, without the generator's work: what a loader
+    /// (titans::io::load_parameters) fills and what gradients are added to. Not a usable
+    /// initialisation.
     [[nodiscard]] static FeedForwardParams zeros(const FeedForwardConfig& cfg) {
         return generate(cfg, 0, false);
     }
@@ -171,10 +173,16 @@ struct FeedForwardParams {
 };
 
 namespace backend {
-/// What FeedForwardKernels<B, T> must provide for FeedForward<T, B>: Prepared (the parameters
-/// as the kernels use them), prepare(cfg, params) from the host parameters (a shared_ptr), and
-/// forward(cfg, prepared, x, y) with x, y rows x d views in the backend's memory (y sized).
-/// The backward pass (training) will add its members here.
+/// What FeedForwardKernels<B, T> must provide for FeedForward<T, B>, with x, y, dx rows x d
+/// and a, g rows x h views in the backend's memory (outputs sized):
+///   Prepared, prepare(cfg, params)    the parameters as the kernels use them, from the host's
+///   forward(cfg, prepared, x, y)
+///   forward_train(cfg, prepared, x, y, a, g)
+///                                     forward, also writing the pre-activations a = x W1 and
+///                                     (SwiGLU; empty for GELU) g = x W3
+///   backward(cfg, prepared, x, a, g, dy, dx, dw1, dw3, dw2)
+///                                     dx from dy; dL/dW1, dL/dW3 (SwiGLU), dL/dW2 added to
+///                                     dw1, dw3, dw2
 template <class B, class T>
 concept FeedForwardBackend =
     requires(const FeedForwardConfig& cfg, const std::shared_ptr<const FeedForwardParams<T>>& hp,
@@ -184,6 +192,8 @@ concept FeedForwardBackend =
         { FeedForwardKernels<B, T>::prepare(cfg, hp) } ->
             std::same_as<typename FeedForwardKernels<B, T>::Prepared>;
         FeedForwardKernels<B, T>::forward(cfg, p, x, y);
+        FeedForwardKernels<B, T>::forward_train(cfg, p, x, y, y, y);
+        FeedForwardKernels<B, T>::backward(cfg, p, x, x, x, x, y, y, y, y);
     };
 }  // namespace backend
 
@@ -199,6 +209,10 @@ concept FeedForwardBackend =
 ///     titans::FeedForward<float> ff(cfg, titans::FeedForwardParams<float>::random(cfg, 3));
 ///     titans::Matrixf y = ff.forward(x);                                  // x: N x 64
 ///
+/// Training (math §9): forward(x, y, trace) keeps what backward needs; backward(trace, dy, dx,
+/// grads) writes dL/dx and adds dL/dW to grads, a FeedForwardParams of the same shapes (start
+/// from FeedForwardParams<T>::zeros(cfg); gradients of several calls sum).
+///
 /// Immutable after construction (safe to share between threads).
 template <class T, class Backend>
 class FeedForward {
@@ -207,9 +221,25 @@ class FeedForward {
     static_assert(backend::FeedForwardBackend<Backend, T>,
                   "titans::FeedForward: Backend does not satisfy titans::backend::FeedForwardBackend");
     using Kernels = backend::FeedForwardKernels<Backend, T>;
+    using Transfer = backend::Transfer<Backend, T>;
+    using Buffer = typename Transfer::Buffer;
 
 public:
     using Scalar = T;
+
+    /// What the training forward keeps for backward, in the backend's memory: the input rows
+    /// and the pre-activations x W1 and (SwiGLU) x W3. Empty until forward(x, y, trace).
+    class Trace {
+    public:
+        [[nodiscard]] bool empty() const { return !filled_; }
+        [[nodiscard]] Eigen::Index rows() const { return rows_; }
+
+    private:
+        friend class FeedForward;
+        Buffer x_{}, a_{}, g_{};
+        Eigen::Index rows_ = 0, cols_ = 0;
+        bool filled_ = false;
+    };
 
     /// Validates both (ConfigError, ShapeError, NonFiniteError) and keeps them.
     FeedForward(FeedForwardConfig config, FeedForwardParams<T> params)
@@ -241,6 +271,72 @@ public:
 
     /// As above, writing into `y` (resized; must not be `x`).
     void forward(const MatrixRef<T>& x, Matrix<T>& y) const {
+        check_input(x, y);
+        const backend::Upload<Backend, T> in(x);
+        backend::Download<Backend, T> out(y, x.rows(), cfg_.d_model);
+        Kernels::forward(cfg_, prepared_, in.view(), out.view());
+        out.finish();
+    }
+
+    /// The training forward: as forward(x, y), and keeps in `trace` (replacing what it held)
+    /// what backward needs. On an error neither y nor trace changes.
+    void forward(const MatrixRef<T>& x, Matrix<T>& y, Trace& trace) const {
+        check_input(x, y);
+        const Eigen::Index h = cfg_.hidden_dim();
+        const bool swiglu = cfg_.kind == FeedForwardKind::SwiGLU;
+        Trace t;
+        t.x_ = backend::keep<Backend, T>(x);
+        t.a_ = Transfer::allocate(x.rows(), h);
+        t.g_ = Transfer::allocate(swiglu ? x.rows() : 0, swiglu ? h : 0);
+        t.rows_ = x.rows();
+        t.cols_ = x.cols();
+        t.filled_ = true;
+        Matrix<T> y_new;
+        backend::Download<Backend, T> out(y_new, x.rows(), cfg_.d_model);
+        Kernels::forward_train(cfg_, prepared_, cview(t.x_), out.view(), Transfer::view(t.a_),
+                               Transfer::view(t.g_));
+        out.finish();
+        y = std::move(y_new);
+        trace = std::move(t);
+    }
+
+    /// The backward pass (math §9): dy = dL/dy (the trace's rows x d) gives dx = dL/dx
+    /// (resized; not sharing dy's storage), and dL/dW1, dL/dW3 (SwiGLU), dL/dW2 are added to
+    /// grads (shaped as params()). Throws ShapeError (empty trace, shapes), NonFiniteError (in
+    /// dy or grads); nothing changes then.
+    void backward(const Trace& trace, const MatrixRef<T>& dy, Matrix<T>& dx,
+                  FeedForwardParams<T>& grads) const {
+        constexpr const char* where = "FeedForward::backward";
+        detail::check_trace(trace.filled_, trace.cols_, cfg_.d_model, where);
+        detail::check_gradient_rows(dy, trace.rows_, cfg_.d_model, where, "dy");
+        const bool swiglu = cfg_.kind == FeedForwardKind::SwiGLU;
+        const Eigen::Index d = cfg_.d_model, h = cfg_.hidden_dim();
+        const detail::TensorCheck check{where};
+        check(grads.w1, "grads.w1", d, h);
+        if (swiglu) check(grads.w3, "grads.w3", d, h);
+        check(grads.w2, "grads.w2", h, d);
+        if (detail::overlaps(dy, dx)) {
+            throw ShapeError(detail::concat(where, ": dx shares storage with dy, expected a "
+                                                   "distinct matrix"));
+        }
+        const backend::Upload<Backend, T> in(dy);
+        backend::Download<Backend, T> out(dx, dy.rows(), d);
+        backend::Update<Backend, T> g1(view_of(grads.w1)), g2(view_of(grads.w2));
+        std::optional<backend::Update<Backend, T>> g3;
+        if (swiglu) g3.emplace(view_of(grads.w3));
+        Kernels::backward(cfg_, prepared_, cview(trace.x_), cview(trace.a_), cview(trace.g_),
+                          in.view(), out.view(), g1.view(), g3 ? g3->view() : View<T>{},
+                          g2.view());
+        out.finish();
+        g1.finish();
+        g2.finish();
+        if (g3) g3->finish();
+    }
+
+private:
+    static View<const T> cview(const Buffer& b) { return Transfer::view(b); }
+
+    void check_input(const MatrixRef<T>& x, const Matrix<T>& y) const {
         constexpr const char* where = "FeedForward::forward";
         if (x.cols() != cfg_.d_model) {
             throw ShapeError(detail::concat(where, ": x has ", x.cols(),
@@ -253,13 +349,8 @@ public:
             throw ShapeError(detail::concat(where, ": y shares storage with x, expected a "
                                                    "distinct matrix"));
         }
-        const backend::Upload<Backend, T> in(x);
-        backend::Download<Backend, T> out(y, x.rows(), cfg_.d_model);
-        Kernels::forward(cfg_, prepared_, in.view(), out.view());
-        out.finish();
     }
 
-private:
     FeedForwardConfig cfg_;
     std::shared_ptr<const FeedForwardParams<T>> params_;  // the host copy
     typename Kernels::Prepared prepared_{};              // the backend's (the CPU's: params_)

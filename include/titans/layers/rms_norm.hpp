@@ -20,9 +20,14 @@
 namespace titans {
 
 namespace backend {
-/// What NormKernels<B, T> must provide for RMSNorm<T, B>: Prepared (the weight as the kernel
-/// uses it), prepare(weight) from the host weight (a shared_ptr), and forward(prepared, eps,
-/// x, y) with x, y rows x d views in the backend's memory (y sized; it may be x itself).
+/// What NormKernels<B, T> must provide for RMSNorm<T, B>, with x, y, dx rows x d views in
+/// the backend's memory (outputs sized; y may be x itself):
+///   Prepared, prepare(weight)     the weight as the kernel uses it, from the host weight
+///   forward(prepared, eps, x, y)
+///   forward_train(prepared, eps, x, y, inv_rms)
+///                                 forward, also writing each row's 1 / rms (rows x 1)
+///   backward(prepared, x, inv_rms, dy, dx, dweight)
+///                                 dx from dy; dL/dweight (1 x d) added to dweight
 template <class B, class T>
 concept NormBackend = requires(const std::shared_ptr<const RowVector<T>>& w,
                                const typename NormKernels<B, T>::Prepared& p, T eps,
@@ -30,6 +35,8 @@ concept NormBackend = requires(const std::shared_ptr<const RowVector<T>>& w,
     typename NormKernels<B, T>::Prepared;
     { NormKernels<B, T>::prepare(w) } -> std::same_as<typename NormKernels<B, T>::Prepared>;
     NormKernels<B, T>::forward(p, eps, x, y);
+    NormKernels<B, T>::forward_train(p, eps, x, y, y);
+    NormKernels<B, T>::backward(p, x, x, x, y, y);
 };
 }  // namespace backend
 
@@ -43,6 +50,14 @@ concept NormBackend = requires(const std::shared_ptr<const RowVector<T>>& w,
 ///
 ///     titans::RMSNorm<float> norm(64);             // weight = 1, eps = 1e-6
 ///     titans::Matrixf y = norm.forward(x);         // x: N x 64
+///
+/// Training (math §9): forward(x, y, trace) keeps what backward needs; backward(trace, dy, dx,
+/// grad) writes dL/dx and adds dL/dweight to grad (so gradients of several calls sum):
+///
+///     titans::RMSNorm<double>::Trace trace;
+///     norm.forward(x, y, trace);
+///     titans::RowVectord grad = titans::RowVectord::Zero(64);
+///     norm.backward(trace, dy, dx, grad);          // dy = dL/dy, N x 64
 template <class T, class Backend>
 class RMSNorm {
     static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
@@ -51,8 +66,24 @@ class RMSNorm {
                   "titans::RMSNorm: Backend does not satisfy titans::backend::NormBackend");
     using Kernels = backend::NormKernels<Backend, T>;
 
+    using Buffer = typename backend::Transfer<Backend, T>::Buffer;
+
 public:
     using Scalar = T;
+
+    /// What the training forward keeps for backward, in the backend's memory: the input rows
+    /// and each row's 1 / rms. Empty until forward(x, y, trace) fills it.
+    class Trace {
+    public:
+        [[nodiscard]] bool empty() const { return !filled_; }
+        [[nodiscard]] Eigen::Index rows() const { return rows_; }
+
+    private:
+        friend class RMSNorm;
+        Buffer x_{}, inv_rms_{};
+        Eigen::Index rows_ = 0, cols_ = 0;
+        bool filled_ = false;
+    };
 
     /// Width d in [1, limits::max_d_model], weight initialised to ones, eps > 0 and
     /// representable in T (ConfigError otherwise, before anything is allocated).
@@ -101,7 +132,61 @@ public:
     /// As above, writing into `y` (resized; `y` may be `x` itself, but not share part of its
     /// storage otherwise).
     void forward(const MatrixRef<T>& x, Matrix<T>& y) const {
-        constexpr const char* where = "RMSNorm::forward";
+        check_input(x, y, "RMSNorm::forward");
+        const backend::Upload<Backend, T> in(x);
+        backend::Download<Backend, T> out(y, x.rows(), x.cols());  // no-op in place
+        Kernels::forward(prepared_, static_cast<T>(eps_), in.view(), out.view());
+        out.finish();
+    }
+
+    /// The training forward: as forward(x, y), and keeps in `trace` (replacing what it held)
+    /// what backward needs. On an error neither y nor trace changes.
+    void forward(const MatrixRef<T>& x, Matrix<T>& y, Trace& trace) const {
+        check_input(x, y, "RMSNorm::forward");
+        Trace t;
+        t.x_ = backend::keep<Backend, T>(x);
+        t.inv_rms_ = backend::Transfer<Backend, T>::allocate(x.rows(), 1);
+        t.rows_ = x.rows();
+        t.cols_ = x.cols();
+        t.filled_ = true;
+        Matrix<T> out_host;
+        backend::Download<Backend, T> out(out_host, x.rows(), x.cols());
+        Kernels::forward_train(prepared_, static_cast<T>(eps_), view(t.x_), out.view(),
+                               backend::Transfer<Backend, T>::view(t.inv_rms_));
+        out.finish();
+        y = std::move(out_host);
+        trace = std::move(t);
+    }
+
+    /// The backward pass (math §9): dy = dL/dy (the trace's rows x d) gives dx = dL/dx
+    /// (resized; not sharing dy's storage), and dL/dweight is added to grad_weight (1 x d).
+    /// Throws ConfigError (empty trace), ShapeError, NonFiniteError (in dy); nothing changes
+    /// then.
+    void backward(const Trace& trace, const MatrixRef<T>& dy, Matrix<T>& dx,
+                  RowVector<T>& grad_weight) const {
+        constexpr const char* where = "RMSNorm::backward";
+        detail::check_trace(trace.filled_, trace.cols_, weight_->cols(), where);
+        detail::check_gradient_rows(dy, trace.rows_, weight_->cols(), where, "dy");
+        detail::require<ShapeError>(grad_weight.cols() == weight_->cols(), where,
+                                    "grad_weight.cols()", grad_weight.cols(),
+                                    detail::concat("d = ", weight_->cols()));
+        if (detail::overlaps(dy, dx)) {
+            throw ShapeError(detail::concat(where, ": dx shares storage with dy, expected a "
+                                                   "distinct matrix"));
+        }
+        const backend::Upload<Backend, T> in(dy);
+        backend::Download<Backend, T> out(dx, dy.rows(), dy.cols());
+        backend::Update<Backend, T> grad(view_of(grad_weight));
+        Kernels::backward(prepared_, view(trace.x_), view(trace.inv_rms_), in.view(),
+                          out.view(), grad.view());
+        out.finish();
+        grad.finish();
+    }
+
+private:
+    static View<const T> view(const Buffer& b) { return backend::Transfer<Backend, T>::view(b); }
+
+    void check_input(const MatrixRef<T>& x, const Matrix<T>& y, const char* where) const {
         const bool in_place = x.data() == y.data() && x.rows() == y.rows() &&
                               x.cols() == y.cols() && x.outerStride() == y.outerStride();
         if (!in_place && detail::overlaps(x, y)) {
@@ -115,13 +200,8 @@ public:
         if (!x.allFinite()) {
             throw NonFiniteError(detail::concat(where, ": x has a NaN or infinite entry"));
         }
-        const backend::Upload<Backend, T> in(x);
-        backend::Download<Backend, T> out(y, x.rows(), x.cols());  // no-op in place
-        Kernels::forward(prepared_, static_cast<T>(eps_), in.view(), out.view());
-        out.finish();
     }
 
-private:
     static int checked_width(int d_model, double eps) {
         detail::require_in_range(d_model, 1, limits::max_d_model, "RMSNorm", "d_model");
         check_eps(eps);

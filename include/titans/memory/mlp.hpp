@@ -106,4 +106,84 @@ template <class T>
     return grad;
 }
 
+/// What associative_gradient_backward returns: the gradients of φ with respect to W, k and v.
+template <class T>
+struct AssociativeGradientBackward {
+    std::vector<Matrix<T>> dW;  ///< shaped as W
+    Matrix<T> dk, dv;           ///< shaped as k
+};
+
+/// The backward of associative_gradient (math §9, the second-order terms of Δ): for the scalar
+///
+///     φ(W, k, v) = Σ_l <G_l, ∇_{W_l} loss(W; k, v)>      (G shaped as W)
+///
+/// returns ∂φ/∂W, ∂φ/∂k, ∂φ/∂v. Reverse mode through the gradient's own computation: with
+/// a_l, z_l, δ_l as above, φ = Σ_l <a_l G_l, δ_l>, so ā_l = δ_l G_l^T and δ̄_l = a_l G_l; the
+/// recursion δ_{l-1} = (δ_l W_l^T) ⊙ act'(z_{l-1}) sends δ̄ up (through W_l), into W̄_l and,
+/// through act''(z_{l-1}), into z̄_{l-1}; then δ_L = z_L - v (+ k) and the forward pass are
+/// reversed as usual.
+template <class T>
+[[nodiscard]] AssociativeGradientBackward<T> associative_gradient_backward(
+    const std::vector<Matrix<T>>& W, const Matrix<T>& k, const Matrix<T>& v, Activation act,
+    bool residual, const std::vector<Matrix<T>>& G) {
+    constexpr const char* where = "associative_gradient_backward";
+    detail::check_mlp_shapes(W, k.cols(), where);
+    if (v.rows() != k.rows() || v.cols() != k.cols()) {
+        throw ShapeError(detail::concat(where, ": v is ", v.rows(), " x ", v.cols(),
+                                        ", expected ", k.rows(), " x ", k.cols()));
+    }
+    const std::size_t L = W.size();
+    if (G.size() != L) {
+        throw ShapeError(detail::concat(where, ": G has ", G.size(), " layers, expected ", L));
+    }
+    for (std::size_t l = 0; l < L; ++l) {
+        if (G[l].rows() != W[l].rows() || G[l].cols() != W[l].cols()) {
+            throw ShapeError(detail::concat(where, ": G[", l, "] is ", G[l].rows(), " x ",
+                                            G[l].cols(), ", expected the shape of W[", l, "]"));
+        }
+    }
+    const auto f = [act](T x) { return detail::activate(act, x); };
+    const auto f1 = [act](T x) { return detail::activate_grad(act, x); };
+    const auto f2 = [act](T x) { return detail::activate_grad2(act, x); };
+    // The gradient's computation, keeping every intermediate.
+    std::vector<Matrix<T>> a(L), z(L), delta(L), back(L);  // back[l] = delta[l] W[l]^T
+    a[0] = k;
+    for (std::size_t l = 0; l < L; ++l) {
+        z[l] = a[l] * W[l];
+        if (l + 1 < L) a[l + 1] = z[l].unaryExpr(f);
+    }
+    delta[L - 1] = z[L - 1] - v;
+    if (residual) delta[L - 1] += k;
+    for (std::size_t l = L - 1; l > 0; --l) {
+        back[l] = delta[l] * W[l].transpose();
+        delta[l - 1] = back[l].cwiseProduct(z[l - 1].unaryExpr(f1));
+    }
+    // Its reverse: adjoints of a, z, delta (ā, z̄, δ̄) and of W.
+    AssociativeGradientBackward<T> out;
+    out.dW.resize(L);
+    std::vector<Matrix<T>> abar(L), zbar(L), dbar(L);
+    for (std::size_t l = 0; l < L; ++l) {
+        abar[l] = delta[l] * G[l].transpose();
+        dbar[l] = a[l] * G[l];
+        out.dW[l] = Matrix<T>::Zero(W[l].rows(), W[l].cols());
+        zbar[l] = Matrix<T>::Zero(z[l].rows(), z[l].cols());
+    }
+    for (std::size_t l = 1; l < L; ++l) {  // δ_{l-1} = back_l ⊙ act'(z_{l-1}), in reverse order
+        const Matrix<T> bbar = dbar[l - 1].cwiseProduct(z[l - 1].unaryExpr(f1));
+        zbar[l - 1] += dbar[l - 1].cwiseProduct(back[l]).cwiseProduct(z[l - 1].unaryExpr(f2));
+        dbar[l] += bbar * W[l];
+        out.dW[l] += bbar.transpose() * delta[l];
+    }
+    zbar[L - 1] += dbar[L - 1];
+    out.dv = -dbar[L - 1];
+    out.dk = residual ? dbar[L - 1] : Matrix<T>::Zero(k.rows(), k.cols());
+    for (std::size_t l = L; l-- > 0;) {  // z_l = a_l W_l, a_{l+1} = act(z_l)
+        if (l + 1 < L) zbar[l] += abar[l + 1].cwiseProduct(z[l].unaryExpr(f1));
+        out.dW[l] += a[l].transpose() * zbar[l];
+        abar[l] += zbar[l] * W[l].transpose();
+    }
+    out.dk += abar[0];
+    return out;
+}
+
 }  // namespace titans

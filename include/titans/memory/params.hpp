@@ -43,8 +43,9 @@ struct MemoryParams {
     [[nodiscard]] static MemoryParams random(const MemoryConfig& cfg, std::uint64_t seed) {
         return generate(cfg, seed, true);
     }
-    /// Every tensor at its shape, zero-filled, without the generator's work: what a loader
-    /// (titans::io::load_parameters) fills. Not a usable initialisation.
+    /// Every tensor at its shape, every entry 0 (the conv taps and gate biases too), without the
+    /// generator's work: what a loader (titans::io::load_parameters) fills and what gradients
+    /// are added to. Not a usable initialisation.
     [[nodiscard]] static MemoryParams zeros(const MemoryConfig& cfg) { return generate(cfg, 0, false); }
     /// random() (draw) or zeros() (!draw).
     [[nodiscard]] static MemoryParams generate(const MemoryConfig& cfg, std::uint64_t seed,
@@ -57,16 +58,17 @@ struct MemoryParams {
         p.w_q = gauss(d, D, sd);
         p.w_k = gauss(d, D, sd);
         p.w_v = gauss(d, D, sd);
+        const T on = draw ? T(1) : T(0);  // zeros() is all zeros: no constants either
         for (Matrix<T>* c : {&p.conv_q, &p.conv_k, &p.conv_v}) {
             *c = gauss(K, D, 0.1);
-            c->row(K - 1).array() += T(1);
+            c->row(K - 1).array() += on;
         }
         p.w_theta = gauss(d, H, sd);
         p.w_eta = gauss(d, H, sd);
         p.w_alpha = gauss(d, H, sd);
         p.b_theta = RowVector<T>::Constant(H, T(0));
-        p.b_eta = RowVector<T>::Constant(H, T(2));
-        p.b_alpha = RowVector<T>::Constant(H, T(-8));
+        p.b_eta = RowVector<T>::Constant(H, T(2) * on);
+        p.b_alpha = RowVector<T>::Constant(H, T(-8) * on);
         p.memory_init.resize(static_cast<std::size_t>(H));
         for (auto& head : p.memory_init) {
             for (int l = 1; l <= cfg.depth; ++l) {

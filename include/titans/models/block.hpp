@@ -233,8 +233,9 @@ struct BlockParams {
     [[nodiscard]] static BlockParams random(const BlockConfig& cfg, std::uint64_t seed) {
         return generate(cfg, seed, true);
     }
-    /// Every tensor at its shape, zero-filled, without the generator's work: what a loader
-    /// (titans::io::load_parameters) fills. Not a usable initialisation.
+    /// Every tensor at its shape, every entry 0 (norm weights too), without the generator's
+    /// work: what a loader (titans::io::load_parameters) fills and what gradients are added to.
+    /// Not a usable initialisation.
     [[nodiscard]] static BlockParams zeros(const BlockConfig& cfg) { return generate(cfg, 0, false); }
     /// random() (draw) or zeros() (!draw).
     [[nodiscard]] static BlockParams generate(const BlockConfig& cfg, std::uint64_t seed,
@@ -242,16 +243,17 @@ struct BlockParams {
         cfg.validate_for<T>();  // field limits, T-representable settings, allocation budget
         BlockParams p;
         const int d = cfg.d_model;
-        p.norm_mix = RowVector<T>::Ones(d);
-        p.norm_ffn = RowVector<T>::Ones(d);
+        const T one = draw ? T(1) : T(0);  // zeros() is all zeros, norm weights too
+        p.norm_mix = RowVector<T>::Constant(d, one);
+        p.norm_ffn = RowVector<T>::Constant(d, one);
         p.memory = MemoryParams<T>::generate(cfg.memory, seed * 4 + 1, draw);
         if (cfg.kind != BlockKind::LMM) {
             p.attention = AttentionParams<T>::generate(cfg.attention, seed * 4 + 2, draw);
             p.persistent = detail::TensorDraw<T>(seed * 4 + 3, draw)(cfg.n_persistent, d, 1.0);
         }
         if (cfg.kind == BlockKind::MAG) {
-            p.norm_y = RowVector<T>::Ones(d);
-            p.norm_m = RowVector<T>::Ones(d);
+            p.norm_y = RowVector<T>::Constant(d, one);
+            p.norm_m = RowVector<T>::Constant(d, one);
         }
         if (cfg.use_ffn) {
             p.ffn = FeedForwardParams<T>::generate(cfg.ffn, seed * 4 + 4, draw);

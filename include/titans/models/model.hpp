@@ -147,8 +147,9 @@ struct ModelParams {
     [[nodiscard]] static ModelParams random(const ModelConfig& cfg, std::uint64_t seed) {
         return generate(cfg, seed, true);
     }
-    /// Every tensor at its shape, zero-filled, without the generator's work: what a loader
-    /// (titans::io::load_parameters) fills. Not a usable initialisation.
+    /// Every tensor at its shape, every entry 0 (norm weights too), without the generator's
+    /// work: what a loader (titans::io::load_parameters) fills and what gradients are added to.
+    /// Not a usable initialisation.
     [[nodiscard]] static ModelParams zeros(const ModelConfig& cfg) { return generate(cfg, 0, false); }
     /// random() (draw) or zeros() (!draw).
     [[nodiscard]] static ModelParams generate(const ModelConfig& cfg, std::uint64_t seed,
@@ -162,7 +163,7 @@ struct ModelParams {
         for (std::size_t i = 0; i < cfg.blocks.size(); ++i) {
             p.blocks.push_back(BlockParams<T>::generate(cfg.blocks[i], seed * 131 + i + 1, draw));
         }
-        p.norm_final = RowVector<T>::Ones(cfg.d_model);
+        p.norm_final = RowVector<T>::Constant(cfg.d_model, draw ? T(1) : T(0));
         p.head = gauss(cfg.d_model, cfg.output_dim(), 1.0 / std::sqrt(double(cfg.d_model)));
         return p;
     }

@@ -26,13 +26,45 @@ struct NormKernels<Cpu, T> {
 
     static Prepared prepare(const std::shared_ptr<const RowVector<T>>& weight) { return weight; }
 
-    static void forward(const Prepared& weight, T eps, View<const T> xv, View<T> yv) {
+    static void forward(const Prepared& weight, T eps, View<const T> x, View<T> y) {
+        normalize(*weight, eps, x, y, nullptr);
+    }
+
+    /// forward, also keeping each row's 1 / rms in inv_rms (rows x 1) for backward.
+    static void forward_train(const Prepared& weight, T eps, View<const T> x, View<T> y,
+                              View<T> inv_rms) {
+        normalize(*weight, eps, x, y, &inv_rms);
+    }
+
+    /// Math §9 (RMSNorm): with u = dy ⊙ weight and r = 1 / rms of the row,
+    ///     dx = r u - x r^3 <u, x> / d,     dweight += Σ_rows dy ⊙ x r.
+    /// x and inv_rms as forward_train kept them; dx rows x d (sized), dweight 1 x d.
+    static void backward(const Prepared& weight, View<const T> xv, View<const T> inv_rms,
+                         View<const T> dyv, View<T> dxv, View<T> dweight) {
+        const auto x = cpu::as_eigen(xv);
+        const auto dy = cpu::as_eigen(dyv);
+        auto dx = cpu::as_eigen(dxv);
+        auto dw = cpu::as_eigen(dweight);
+        const T inv_d = T(1) / static_cast<T>(x.cols());
+        for (Eigen::Index r = 0; r < x.rows(); ++r) {
+            const T rr = inv_rms.data[r * inv_rms.stride];
+            const auto u = (dy.row(r).array() * weight->array()).matrix();
+            const T dot = u.dot(x.row(r));
+            dw.row(0).array() += dy.row(r).array() * x.row(r).array() * rr;
+            dx.row(r) = (u.array() * rr - x.row(r).array() * (rr * rr * rr * dot * inv_d)).matrix();
+        }
+    }
+
+private:
+    static void normalize(const RowVector<T>& weight, T eps, View<const T> xv, View<T> yv,
+                          const View<T>* inv_rms) {
         const auto x = cpu::as_eigen(xv);
         auto y = cpu::as_eigen(yv);
         const T inv_d = T(1) / static_cast<T>(x.cols());
         for (Eigen::Index r = 0; r < x.rows(); ++r) {
-            const T inv_rms = T(1) / std::sqrt(x.row(r).squaredNorm() * inv_d + eps);
-            y.row(r) = (x.row(r).array() * inv_rms * weight->array()).matrix();
+            const T inv = T(1) / std::sqrt(x.row(r).squaredNorm() * inv_d + eps);
+            if (inv_rms != nullptr) inv_rms->data[r * inv_rms->stride] = inv;
+            y.row(r) = (x.row(r).array() * inv * weight.array()).matrix();
         }
     }
 };
@@ -51,17 +83,70 @@ struct FeedForwardKernels<Cpu, T> {
 
     static void forward(const FeedForwardConfig& cfg, const Prepared& p, View<const T> xv,
                         View<T> y) {
+        Matrix<T> a(xv.rows, p->w1.cols());
+        Matrix<T> g(cfg.kind == FeedForwardKind::SwiGLU ? xv.rows : 0, p->w3.cols());
+        project(cfg, *p, xv, view_of(a), view_of(g));
+        activate(cfg, a, g);
+        detail::multiply(cpu::as_eigen(y), a, p->w2);
+    }
+
+    /// forward, keeping the pre-activations a = x W1 and (SwiGLU; empty for GELU) g = x W3,
+    /// rows x h each, for backward.
+    static void forward_train(const FeedForwardConfig& cfg, const Prepared& p,
+                              View<const T> xv, View<T> y, View<T> a, View<T> g) {
+        project(cfg, *p, xv, a, g);
+        Matrix<T> h = cpu::as_eigen(View<const T>(a));
+        activate(cfg, h, cpu::as_eigen(View<const T>(g)));
+        detail::multiply(cpu::as_eigen(y), h, p->w2);
+    }
+
+    /// Math §9 (feed-forward), with h = act(a) (⊙ g for SwiGLU) and dh = dy W2^T:
+    ///     dW2 += h^T dy,  da = dh ⊙ act'(a) (⊙ g),  dg = dh ⊙ silu(a),
+    ///     dW1 += x^T da,  dW3 += x^T dg,  dx = da W1^T + dg W3^T.
+    /// x, a, g as forward_train kept them; dx rows x d (sized); the gradients are added to.
+    static void backward(const FeedForwardConfig& cfg, const Prepared& p, View<const T> xv,
+                         View<const T> av, View<const T> gv, View<const T> dyv, View<T> dxv,
+                         View<T> dw1, View<T> dw3, View<T> dw2) {
         const auto x = cpu::as_eigen(xv);
-        Matrix<T> a(x.rows(), p->w1.cols());
-        detail::multiply(a, x, p->w1);
+        const auto a = cpu::as_eigen(av);
+        const auto dy = cpu::as_eigen(dyv);
+        const bool swiglu = cfg.kind == FeedForwardKind::SwiGLU;
+        Matrix<T> h = a;
+        activate(cfg, h, cpu::as_eigen(gv));
+        cpu::as_eigen(dw2).noalias() += h.transpose() * dy;
+        Matrix<T> dh = dy * p->w2.transpose();
+        if (swiglu) {
+            const auto g = cpu::as_eigen(gv);
+            // h is reused for dg = dh ⊙ silu(a); dh becomes da = dh ⊙ g ⊙ silu'(a).
+            h = dh.cwiseProduct(a.unaryExpr([](T z) { return detail::silu(z); }));
+            dh = dh.cwiseProduct(g).cwiseProduct(
+                a.unaryExpr([](T z) { return detail::silu_grad(z); }));
+            cpu::as_eigen(dw3).noalias() += x.transpose() * h;
+        } else {
+            dh = dh.cwiseProduct(a.unaryExpr([](T z) { return detail::gelu_grad(z); }));
+        }
+        cpu::as_eigen(dw1).noalias() += x.transpose() * dh;
+        auto dx = cpu::as_eigen(dxv);
+        dx.noalias() = dh * p->w1.transpose();
+        if (swiglu) dx.noalias() += h * p->w3.transpose();
+    }
+
+private:
+    /// a = x W1 and, for SwiGLU, g = x W3 (a, g sized).
+    static void project(const FeedForwardConfig& cfg, const FeedForwardParams<T>& p,
+                        View<const T> xv, View<T> a, View<T> g) {
+        const auto x = cpu::as_eigen(xv);
+        detail::multiply(cpu::as_eigen(a), x, p.w1);
+        if (cfg.kind == FeedForwardKind::SwiGLU) detail::multiply(cpu::as_eigen(g), x, p.w3);
+    }
+    /// a <- silu(a) ⊙ g (SwiGLU) or gelu(a) (GELU), in place.
+    template <class G>
+    static void activate(const FeedForwardConfig& cfg, Matrix<T>& a, const G& g) {
         if (cfg.kind == FeedForwardKind::SwiGLU) {
-            Matrix<T> g(x.rows(), p->w3.cols());
-            detail::multiply(g, x, p->w3);
             a = a.unaryExpr([](T z) { return detail::silu(z); }).cwiseProduct(g);
         } else {
             a = a.unaryExpr([](T z) { return detail::gelu(z); });
         }
-        detail::multiply(cpu::as_eigen(y), a, p->w2);
     }
 };
 

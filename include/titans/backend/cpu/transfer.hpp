@@ -40,6 +40,7 @@ struct Transfer<Cpu, T> {
     static Buffer allocate(std::ptrdiff_t rows, std::ptrdiff_t cols) { return Buffer(rows, cols); }
     static Buffer upload(View<const T> host) { return Buffer(cpu::as_eigen(host)); }
     static View<T> view(Buffer& b) { return view_of(b); }
+    static View<const T> view(const Buffer& b) { return view_of(b); }
     static void download(View<const T> from, View<T> host) {
         cpu::as_eigen(host) = cpu::as_eigen(from);
     }

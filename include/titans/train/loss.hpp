@@ -1,0 +1,89 @@
+#pragma once
+// titans/train/loss.hpp: the losses training starts its backward from (math §9): mean squared
+// error and cross-entropy over logits, each returning the loss and writing its gradient.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <span>
+
+#include "../detail/check.hpp"
+#include "../error.hpp"
+#include "../types.hpp"
+
+namespace titans {
+
+/// Mean squared error over every entry, L = mean((y - target)²), and dL/dy = 2 (y - target) / n
+/// into dy (resized; n = y.size()). ShapeError (shapes differ, or empty), NonFiniteError.
+///
+///     titans::Matrixd dy;
+///     const double loss = titans::mse_loss<double>(y, target, dy);
+template <class T>
+double mse_loss(const MatrixRef<T>& y, const MatrixRef<T>& target, Matrix<T>& dy) {
+    constexpr const char* where = "mse_loss";
+    if (y.rows() != target.rows() || y.cols() != target.cols() || y.size() == 0) {
+        throw ShapeError(detail::concat(where, ": y is ", y.rows(), " x ", y.cols(), ", target ",
+                                        target.rows(), " x ", target.cols(),
+                                        ", expected equal non-empty shapes"));
+    }
+    if (!y.allFinite() || !target.allFinite()) {
+        throw NonFiniteError(detail::concat(where, ": y or target has a NaN or infinite entry"));
+    }
+    const double inv_n = 1.0 / static_cast<double>(y.size());
+    Matrix<T> diff = y - target;
+    const double loss = diff.template cast<double>().squaredNorm() * inv_n;
+    dy = diff * static_cast<T>(2 * inv_n);
+    return loss;
+}
+
+/// Cross-entropy of the softmax of each row of `logits` (rows x V) against `labels` (one per
+/// row, in [0, V), or negative: the row is ignored), averaged over the counted rows:
+///
+///     L = -(1 / n) Σ_{r counted} log softmax(logits_r)[label_r]
+///     dL/dlogits_r = (softmax(logits_r) - onehot(label_r)) / n     (0 for ignored rows)
+///
+/// written to dlogits (resized). Log-sum-exp with the row maximum subtracted, so large logits
+/// do not overflow. Returns 0 (and a zero gradient) when no row is counted. ShapeError
+/// (labels.size() != rows, a label >= V, dlogits sharing logits' storage), NonFiniteError
+/// (logits); dlogits is unchanged then.
+template <class T>
+double cross_entropy_loss(const MatrixRef<T>& logits, std::span<const int> labels,
+                          Matrix<T>& dlogits) {
+    constexpr const char* where = "cross_entropy_loss";
+    const Eigen::Index rows = logits.rows(), vocab = logits.cols();
+    detail::require<ShapeError>(static_cast<Eigen::Index>(labels.size()) == rows, where,
+                                "labels.size()", labels.size(),
+                                detail::concat("logits.rows() = ", rows));
+    std::int64_t counted = 0;
+    for (std::size_t r = 0; r < labels.size(); ++r) {
+        detail::require<ShapeError>(labels[r] < vocab, where, "a label", labels[r],
+                                    detail::concat("< logits.cols() = ", vocab,
+                                                   " (or negative: ignored)"));
+        counted += labels[r] >= 0;
+    }
+    if (!logits.allFinite()) {
+        throw NonFiniteError(detail::concat(where, ": logits has a NaN or infinite entry"));
+    }
+    if (detail::overlaps(logits, dlogits)) {
+        throw ShapeError(detail::concat(where, ": dlogits shares storage with logits, expected "
+                                               "a distinct matrix"));
+    }
+    dlogits.setZero(rows, vocab);
+    if (counted == 0) return 0.0;
+    const double inv_n = 1.0 / static_cast<double>(counted);
+    double loss = 0.0;
+    for (Eigen::Index r = 0; r < rows; ++r) {
+        const int label = labels[static_cast<std::size_t>(r)];
+        if (label < 0) continue;
+        const auto z = logits.row(r).template cast<double>().array();
+        const double m = z.maxCoeff();
+        const auto e = (z - m).exp();
+        const double sum = e.sum();
+        loss += std::log(sum) + m - z(label);
+        dlogits.row(r) = (e / sum * inv_n).template cast<T>().matrix();
+        dlogits(r, label) -= static_cast<T>(inv_n);
+    }
+    return loss * inv_n;
+}
+
+}  // namespace titans
