@@ -160,8 +160,8 @@ public:
 
     /// The backward pass (math §9): dy = dL/dy (the trace's rows x d) gives dx = dL/dx
     /// (resized; not sharing dy's storage), and dL/dweight is added to grad_weight (1 x d).
-    /// Throws ConfigError (empty trace), ShapeError, NonFiniteError (in dy); nothing changes
-    /// then.
+    /// Throws ShapeError (empty trace or one of another width, shapes), NonFiniteError (in
+    /// dy); nothing changes then.
     void backward(const Trace& trace, const MatrixRef<T>& dy, Matrix<T>& dx,
                   RowVector<T>& grad_weight) const {
         constexpr const char* where = "RMSNorm::backward";
