@@ -33,6 +33,7 @@
 #include "reference/reference_memory.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -253,6 +254,81 @@ Matrixd central_diff(M& m, double h, F&& f) {
         }
     }
     return g;
+}
+
+/// Estimates of df/dδ at 0 that fail differently: central at 1e-5 and 1e-6 (roundoff where the
+/// derivative is tiny next to |L|), 4th order at 1e-3 and 6th order at 1e-2 (truncation where
+/// the curvature is strong, e.g. normalising a short q or k, or a step crossing the clipping
+/// threshold). The check takes the best: a wrong gradient is off for all of them.
+template <class F>
+std::array<double, 4> derivative_estimates(F&& f) {
+    const double h0 = 1e-5, h1 = 1e-6, h2 = 1e-3, h3 = 1e-2;
+    return {(f(h0) - f(-h0)) / (2 * h0), (f(h1) - f(-h1)) / (2 * h1),
+            (f(-2 * h2) - 8 * f(-h2) + 8 * f(h2) - f(2 * h2)) / (12 * h2),
+            (-f(-3 * h3) + 9 * f(-2 * h3) - 45 * f(-h3) + 45 * f(h3) - 9 * f(2 * h3) + f(3 * h3)) /
+                (60 * h3)};
+}
+
+/// For one tensor (entries value[0, n), analytic gradient grad): the best estimator's
+/// max(max|grad - fd| - atol, 0) / max(max|fd|, 1e-8). atol = 1e-12 max(1, |L|) is the
+/// differencing noise floor (a gradient that is exactly 0, as with d_h = 1, normalised q, k and
+/// every token clipped, would otherwise fail on 1e-14 of noise).
+template <class L>
+double tensor_error(double* value, const double* grad, Eigen::Index n, double atol, L&& loss) {
+    std::array<double, 4> num{}, den{};
+    for (Eigen::Index i = 0; i < n; ++i) {
+        const double v0 = value[i];
+        const auto fd = derivative_estimates([&](double delta) {
+            value[i] = v0 + delta;
+            const double r = loss();
+            value[i] = v0;
+            return r;
+        });
+        for (std::size_t e = 0; e < fd.size(); ++e) {
+            num[e] = std::max(num[e], std::abs(grad[i] - fd[e]));
+            den[e] = std::max(den[e], std::abs(fd[e]));
+        }
+    }
+    double best = std::numeric_limits<double>::infinity();
+    for (std::size_t e = 0; e < num.size(); ++e) {
+        best = std::min(best, std::max(num[e] - atol, 0.0) / std::max(den[e], 1e-8));
+    }
+    return best;
+}
+
+struct BackwardCase {
+    MemoryConfig cfg;
+    MemoryParams<double> p;
+    Matrixd x, dy;
+    int batch = 1;
+};
+
+/// The memory backward tests' small random cases, after the caller set the modes in c.cfg:
+/// H 1..2, d_h 1..3, d_model 2..6, depth 1..3, expansion 1..2, conv kernel 1..3, random gate
+/// constants and theta_max, parameters with gate biases and conv taps moved off their initial
+/// values (so every gate and tap matters), batch 1..2. The caller draws x and dy.
+inline void draw_backward_shapes(BackwardCase& c, Rng& rng) {
+    MemoryConfig& g = c.cfg;
+    g.n_heads = uniform_int(rng, 1, 2);
+    g.d_head = uniform_int(rng, 1, 3);
+    g.d_model = uniform_int(rng, 2, 6);
+    g.depth = uniform_int(rng, 1, 3);
+    g.expansion = uniform_int(rng, 1, 2);
+    g.conv_kernel = uniform_int(rng, 1, 3);
+    g.theta_max = uniform(rng, 0.1, 0.9);
+    g.constant_theta = uniform(rng, 0.1, 0.6);
+    g.constant_eta = uniform(rng, 0.0, 0.9);
+    g.constant_alpha = uniform(rng, 0.0, 0.4);
+    g.validate();
+    c.p = MemoryParams<double>::random(g, rng());
+    const int H = g.n_heads;
+    c.p.b_theta = random_matrix(1, H, rng);
+    c.p.b_eta = random_matrix(1, H, rng, -1.0, 1.5);
+    c.p.b_alpha = random_matrix(1, H, rng, -3.0, 0.0);
+    for (Matrixd* conv : {&c.p.conv_q, &c.p.conv_k, &c.p.conv_v}) {
+        *conv += random_matrix(g.conv_kernel, g.inner_dim(), rng, -0.3, 0.3);
+    }
+    c.batch = uniform_int(rng, 1, 2);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -249,6 +249,11 @@ TEMPLATE_LIST_TEST_CASE("layers: backward refusals", "[backward][errors]", Both)
     CHECK_THROWS_AS(ff.backward(ft, dy, dx, gp), titans::NonFiniteError);
     CHECK_THROWS_AS(norm.backward(nt, dy, dx, gw), titans::NonFiniteError);
     CHECK(unchanged());
+    RowVector<T> gw_nan = gw;  // a gradient already NaN is refused too, as FeedForward's
+    gw_nan(1) = std::numeric_limits<T>::quiet_NaN();
+    dy(1, 2) = T(0.5);
+    CHECK_THROWS_AS(norm.backward(nt, dy, dx, gw_nan), titans::NonFiniteError);
+    dy(1, 2) = std::numeric_limits<T>::quiet_NaN();
 
     // A failed training forward keeps the old trace.
     Matrix<T> xn = x;

@@ -12,6 +12,7 @@
 #include "types.hpp"
 
 #include "memory/chunk_coefficients.hpp"
+#include "memory/chunk_coefficients_backward.hpp"
 #include "memory/config.hpp"
 #include "memory/diagnostics.hpp"
 #include "memory/mlp.hpp"
@@ -19,6 +20,7 @@
 #include "memory/params.hpp"
 
 #include "attention/attention.hpp"
+#include "attention/kernel_backward.hpp"
 #include "attention/rope.hpp"
 
 #include "layers/feed_forward.hpp"

@@ -34,6 +34,7 @@
 #include "../fwd.hpp"
 #include "../limits.hpp"
 #include "../threads.hpp"
+#include "../train/gradients.hpp"
 #include "../types.hpp"
 #include "config.hpp"
 #include "kernel.hpp"
@@ -188,15 +189,7 @@ public:
     /// input).
     void forward(State& state, const MatrixRef<T>& x, Matrix<T>& y, const Matrix<T>* prefix = nullptr,
                  PrefixSharing sharing = PrefixSharing::Shared) const {
-        constexpr const char* where = "Attention::forward";
-        check_call(state, x, where);
-        if (prefix != nullptr) {
-            check_prefix(*prefix, where);
-            check_sharing(state, prefix->rows(), sharing, where);
-        }
-        if (detail::overlaps(x, y) || (prefix != nullptr && detail::overlaps(*prefix, y))) {
-            throw ShapeError("Attention::forward: y is also an input, expected a distinct matrix");
-        }
+        check_forward(state, x, y, prefix, sharing);
         const ThreadScope team(threads_, work_estimate(x.rows(), prefix ? prefix->rows() : 0));
         if (prefix == nullptr || prefix->rows() == 0) {
             run(state, x, y, nullptr);
@@ -250,6 +243,82 @@ public:
         run(state, x, y, k_prefix.rows() > 0 ? &view : nullptr);
     }
 
+    /// What the training forward keeps for backward (math §9): the input and the prefix rows.
+    using Trace = typename backend::AttentionTraining<Backend, T>::Trace;
+
+    /// The training forward (math §9): forward(state, x, y, prefix, sharing) from a fresh state
+    /// (position 0; ConfigError otherwise), keeping in `trace` what backward needs. Same
+    /// outputs and state as forward; on an error nothing changes. Backends with a training
+    /// pass only (the CPU).
+    void forward(State& state, const MatrixRef<T>& x, Matrix<T>& y, Trace& trace,
+                 const Matrix<T>* prefix = nullptr,
+                 PrefixSharing sharing = PrefixSharing::Shared) const
+        requires(backend::AttentionTraining<Backend, T>::available)
+    {
+        check_forward(state, x, y, prefix, sharing);
+        if (state.position() != 0) {
+            throw ConfigError(detail::concat(
+                "Attention::forward (training): state.position() = ", state.position(),
+                ", expected 0 (the training forward starts from a fresh state, make_state())"));
+        }
+        const ThreadScope team(threads_, work_estimate(x.rows(), prefix ? prefix->rows() : 0));
+        Matrix<T> y_new;
+        Trace t;
+        {
+            const backend::Upload<Backend, T> in(x);
+            backend::Download<Backend, T> out(y_new, x.rows(), cfg_.d_model);
+            backend::AttentionTraining<Backend, T>::forward(cfg_, prepared_, state, in.view(),
+                                                            out.view(), prefix, sharing, t);
+            out.finish();
+        }
+        y = std::move(y_new);
+        trace = std::move(t);
+    }
+
+    /// The backward pass (math §9) of a training forward: dy = dL/dy (the trace's rows x
+    /// d_model) gives dx = dL/dx (resized), the gradients of W_Q, W_K, W_V, W_O added to grads
+    /// (shaped as params(), e.g. AttentionParams<T>::zeros(config())) and, if `dprefix` is
+    /// given and the forward had a prefix, dL/dprefix (resized to the prefix's shape).
+    /// Through the output projection, the tiled kernel (softmax recomputed per tile), RoPE and
+    /// the projections of x and of the prefix. Throws ShapeError (empty trace, shapes, shared
+    /// storage), ConfigError (another configuration's trace), NonFiniteError (dy); nothing
+    /// changes then.
+    void backward(const Trace& trace, const MatrixRef<T>& dy, Matrix<T>& dx,
+                  AttentionParams<T>& grads, Matrix<T>* dprefix = nullptr) const
+        requires(backend::AttentionTraining<Backend, T>::available)
+    {
+        constexpr const char* where = "Attention::backward";
+        detail::check_trace(!trace.empty(), trace.empty() ? cfg_.d_model : trace.x.cols(),
+                            cfg_.d_model, where);
+        if (!(trace.cfg == cfg_)) {
+            throw ConfigError(detail::concat(where, ": trace was made by an attention with "
+                                                    "another configuration, expected this one's"));
+        }
+        detail::check_gradient_rows(dy, trace.rows(), cfg_.d_model, where, "dy");
+        detail::check_same_tensors(*params_, grads, cfg_, where, "grads");
+        if (detail::overlaps(dy, dx) || (dprefix != nullptr && (detail::overlaps(dy, *dprefix) ||
+                                                                dprefix == &dx))) {
+            throw ShapeError(detail::concat(where, ": dx, dprefix and dy share storage, "
+                                                   "expected distinct matrices"));
+        }
+        const ThreadScope team(threads_, 3.0 * work_estimate(dy.rows(), trace.prefix.rows()));
+        auto local = AttentionParams<T>::zeros(cfg_);
+        Matrix<T> dx_new, dp_new;
+        {
+            const backend::Upload<Backend, T> in(dy);
+            backend::Download<Backend, T> out(dx_new, dy.rows(), cfg_.d_model);
+            backend::AttentionTraining<Backend, T>::backward(cfg_, prepared_, trace, in.view(),
+                                                             out.view(), local, &dp_new);
+            out.finish();
+        }
+        detail::add_tensors(local, grads, cfg_);
+        dx = std::move(dx_new);
+        if (dprefix != nullptr) {
+            *dprefix = trace.prefix.rows() > 0 ? std::move(dp_new)
+                                                : Matrix<T>(0, cfg_.d_model);
+        }
+    }
+
     /// Thread settings of this object's calls, as NeuralMemory::set_threads (titans/threads.hpp).
     void set_threads(Threads t) {
         t.validate("Attention::set_threads");
@@ -282,6 +351,20 @@ public:
     void rollback(State& state) const { Kernels::rollback(state); }
 
 private:
+    /// forward's checks with a prefix of rows (or none).
+    void check_forward(const State& state, const MatrixRef<T>& x, const Matrix<T>& y,
+                       const Matrix<T>* prefix, PrefixSharing sharing) const {
+        constexpr const char* where = "Attention::forward";
+        check_call(state, x, where);
+        if (prefix != nullptr) {
+            check_prefix(*prefix, where);
+            check_sharing(state, prefix->rows(), sharing, where);
+        }
+        if (detail::overlaps(x, y) || (prefix != nullptr && detail::overlaps(*prefix, y))) {
+            throw ShapeError("Attention::forward: y is also an input, expected a distinct matrix");
+        }
+    }
+
     /// Checked x and prefix through the kernels (y resized to (B*N) x d_model).
     void run(State& state, const MatrixRef<T>& x, Matrix<T>& y, const PrefixView<T>* prefix) const {
         const backend::Upload<Backend, T> in(x);

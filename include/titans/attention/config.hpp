@@ -37,6 +37,9 @@ struct AttentionConfig {
     /// D = H * d_h, the width of the concatenated heads.
     [[nodiscard]] int inner_dim() const { return n_heads * head_dim(); }
 
+    /// Field-by-field equality.
+    bool operator==(const AttentionConfig&) const = default;
+
     /// Serialization hook: calls v(name, field) for every setting, in declaration order, with
     /// name a std::string and field an int, double or bool reference (const if Self is).
     template <class Self, class V>

@@ -95,22 +95,30 @@ struct AttentionTile {
     RowVector<T> row_sum;
 };
 
-/// One unit: queries [i0, i0 + t) of head columns [c0, c0 + d_h), at positions
-/// P0 + s r (s = query_stride), against the prefix and sequence keys [js, js + L),
-/// js = max(0, P0 - w + 1). Softmax over prefix and window scores together, stabilised by
-/// the row maximum.
-template <class T>
-void attention_unit(const AttentionOperands<T>& a, Eigen::Index i0, Eigen::Index t,
-                    Eigen::Index c0, T scale, AttentionTile<T>& ws) {
+/// The key span [js, js + L) of the sequence rows a query tile reads.
+struct AttentionSpan {
+    Eigen::Index js, L;
+};
+
+/// The softmax of one (query tile, head) unit before its normalisation: queries [i0, i0 + t)
+/// of head columns [c0, c0 + d_h), at positions P0 + s r (s = query_stride), against the
+/// prefix and sequence keys [js, js + L), js = max(0, P0 - w + 1). Writes
+/// exp(scale (score - row max)) over prefix and window scores together into ss (t x L, masked
+/// entries 0) and sp (t x p), and 1 / (row sum) into inv(r); returns the span. The forward and
+/// the backward share it, so they see the same probabilities.
+template <class T, class Inv>
+AttentionSpan softmax_numerators(const AttentionOperands<T>& a, Eigen::Index i0, Eigen::Index t,
+                                 Eigen::Index c0, T scale, Matrix<T>& ss, Matrix<T>& sp,
+                                 Inv&& inv) {
     using Index = Eigen::Index;
     const Index p = a.k_prefix.rows(), wl = a.window, s = a.query_stride, dh = a.d_head;
     const Index P0 = a.first_query + s * i0;  // the tile's first query
     const Index js = std::max<Index>(0, P0 - wl + 1);
     const Index L = P0 + s * (t - 1) + 1 - js;  // key span [js, js + L)
     const auto qh = a.q.block(i0, c0, t, dh);
-    auto S = ws.ss.topLeftCorner(t, L);
+    auto S = ss.topLeftCorner(t, L);
     S.noalias() = qh * a.k_seq.block(js, c0, L, dh).transpose();
-    auto Sp = ws.sp.topRows(t);
+    auto Sp = sp.topRows(t);
     if (p > 0) {
         Sp.noalias() = qh * a.k_prefix.block(0, c0, p, dh).transpose();
     }
@@ -132,8 +140,20 @@ void attention_unit(const AttentionOperands<T>& a, Eigen::Index i0, Eigen::Index
             Sp.row(r) = ((Sp.row(r).array() - mx) * scale).exp().matrix();
             sum += Sp.row(r).sum();
         }
-        ws.row_sum(r) = T(1) / sum;  // sum >= 1: the max entry contributes exp(0)
+        inv(r) = T(1) / sum;  // sum >= 1: the max entry contributes exp(0)
     }
+    return {js, L};
+}
+
+/// One unit (see softmax_numerators): the normalised softmax times the values, into out.
+template <class T>
+void attention_unit(const AttentionOperands<T>& a, Eigen::Index i0, Eigen::Index t,
+                    Eigen::Index c0, T scale, AttentionTile<T>& ws) {
+    using Index = Eigen::Index;
+    const Index p = a.k_prefix.rows(), dh = a.d_head;
+    const auto [js, L] = softmax_numerators(a, i0, t, c0, scale, ws.ss, ws.sp, ws.row_sum);
+    const auto S = ws.ss.topLeftCorner(t, L);
+    const auto Sp = ws.sp.topRows(t);
     auto oh = a.out.block(i0, c0, t, dh);
     oh.noalias() = S * a.v_seq.block(js, c0, L, dh);
     if (p > 0) {

@@ -51,13 +51,23 @@ struct RopeTable {
 
     /// Rotates every head of x (rows x (n_heads * d_head)) in place; row r uses table row r.
     void apply(Eigen::Ref<Matrix<T>> x, int n_heads, int d_head) const {
+        rotate<false>(x, n_heads, d_head);
+    }
+    /// The transposed (inverse) rotation: the backward of apply (math §9).
+    void apply_transpose(Eigen::Ref<Matrix<T>> x, int n_heads, int d_head) const {
+        rotate<true>(x, n_heads, d_head);
+    }
+
+private:
+    template <bool Transpose>
+    void rotate(Eigen::Ref<Matrix<T>> x, int n_heads, int d_head) const {
         const int half = d_head / 2;
         for (Eigen::Index r = 0; r < x.rows(); ++r) {
             T* row = &x(r, 0);
             for (int h = 0; h < n_heads; ++h) {
                 T* head = row + static_cast<Eigen::Index>(h) * d_head;
                 for (int i = 0; i < half; ++i) {
-                    const T c = cos(r, i), s = sin(r, i);
+                    const T c = cos(r, i), s = Transpose ? -sin(r, i) : sin(r, i);
                     const T a = head[2 * i], b = head[2 * i + 1];
                     head[2 * i] = a * c - b * s;
                     head[2 * i + 1] = a * s + b * c;

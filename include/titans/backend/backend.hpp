@@ -71,6 +71,25 @@ struct MemoryKernels {
                   "titans: no MemoryKernels specialization for this backend policy");
 };
 
+/// The memory's training pass (math §9) on a backend: a Trace (what the backward needs: the
+/// input and the memory at every chunk start), forward(cfg, prepared, state, x, y, trace) and
+/// backward(cfg, prepared, trace, dy, dx, grads). Backends that have one specialise it with
+/// `available = true` (the CPU does; NeuralMemory's training calls require it).
+template <class Backend, class T>
+struct MemoryTraining {
+    static constexpr bool available = false;
+    struct Trace {};
+};
+
+/// The attention layer's training pass (math §9), as MemoryTraining: a Trace,
+/// forward(cfg, prepared, state, x, y, prefix, sharing, trace) and
+/// backward(cfg, prepared, trace, dy, dx, grads, dprefix).
+template <class Backend, class T>
+struct AttentionTraining {
+    static constexpr bool available = false;
+    struct Trace {};
+};
+
 /// The kernels of the attention layer (concept AttentionBackend, attention/attention.hpp).
 template <class Backend, class T>
 struct AttentionKernels {

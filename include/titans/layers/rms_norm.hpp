@@ -167,9 +167,7 @@ public:
         constexpr const char* where = "RMSNorm::backward";
         detail::check_trace(trace.filled_, trace.cols_, weight_->cols(), where);
         detail::check_gradient_rows(dy, trace.rows_, weight_->cols(), where, "dy");
-        detail::require<ShapeError>(grad_weight.cols() == weight_->cols(), where,
-                                    "grad_weight.cols()", grad_weight.cols(),
-                                    detail::concat("d = ", weight_->cols()));
+        detail::TensorCheck{where}(grad_weight, "grad_weight", 1, weight_->cols());
         if (detail::overlaps(dy, dx)) {
             throw ShapeError(detail::concat(where, ": dx shares storage with dy, expected a "
                                                    "distinct matrix"));

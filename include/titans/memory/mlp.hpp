@@ -18,6 +18,7 @@
 #include "../error.hpp"
 #include "../types.hpp"
 #include "config.hpp"
+#include "key_tape.hpp"
 
 namespace titans {
 
@@ -142,47 +143,17 @@ template <class T>
                                             G[l].cols(), ", expected the shape of W[", l, "]"));
         }
     }
-    const auto f = [act](T x) { return detail::activate(act, x); };
-    const auto f1 = [act](T x) { return detail::activate_grad(act, x); };
-    const auto f2 = [act](T x) { return detail::activate_grad2(act, x); };
-    // The gradient's computation, keeping every intermediate.
-    std::vector<Matrix<T>> a(L), z(L), delta(L), back(L);  // back[l] = delta[l] W[l]^T
-    a[0] = k;
+    detail::KeyTape<T> tape;
+    tape.forward(W, k, v, act, residual);
     for (std::size_t l = 0; l < L; ++l) {
-        z[l] = a[l] * W[l];
-        if (l + 1 < L) a[l + 1] = z[l].unaryExpr(f);
+        tape.abar[l].noalias() = tape.delta[l] * G[l].transpose();
+        tape.dbar[l].noalias() = tape.a[l] * G[l];
     }
-    delta[L - 1] = z[L - 1] - v;
-    if (residual) delta[L - 1] += k;
-    for (std::size_t l = L - 1; l > 0; --l) {
-        back[l] = delta[l] * W[l].transpose();
-        delta[l - 1] = back[l].cwiseProduct(z[l - 1].unaryExpr(f1));
-    }
-    // Its reverse: adjoints of a, z, delta (ā, z̄, δ̄) and of W.
     AssociativeGradientBackward<T> out;
-    out.dW.resize(L);
-    std::vector<Matrix<T>> abar(L), zbar(L), dbar(L);
     for (std::size_t l = 0; l < L; ++l) {
-        abar[l] = delta[l] * G[l].transpose();
-        dbar[l] = a[l] * G[l];
-        out.dW[l] = Matrix<T>::Zero(W[l].rows(), W[l].cols());
-        zbar[l] = Matrix<T>::Zero(z[l].rows(), z[l].cols());
+        out.dW.push_back(Matrix<T>::Zero(W[l].rows(), W[l].cols()));
     }
-    for (std::size_t l = 1; l < L; ++l) {  // δ_{l-1} = back_l ⊙ act'(z_{l-1}), in reverse order
-        const Matrix<T> bbar = dbar[l - 1].cwiseProduct(z[l - 1].unaryExpr(f1));
-        zbar[l - 1] += dbar[l - 1].cwiseProduct(back[l]).cwiseProduct(z[l - 1].unaryExpr(f2));
-        dbar[l] += bbar * W[l];
-        out.dW[l] += bbar.transpose() * delta[l];
-    }
-    zbar[L - 1] += dbar[L - 1];
-    out.dv = -dbar[L - 1];
-    out.dk = residual ? dbar[L - 1] : Matrix<T>::Zero(k.rows(), k.cols());
-    for (std::size_t l = L; l-- > 0;) {  // z_l = a_l W_l, a_{l+1} = act(z_l)
-        if (l + 1 < L) zbar[l] += abar[l + 1].cwiseProduct(z[l].unaryExpr(f1));
-        out.dW[l] += a[l].transpose() * zbar[l];
-        abar[l] += zbar[l] * W[l].transpose();
-    }
-    out.dk += abar[0];
+    tape.backward(W, act, residual, out.dW, out.dk, out.dv);
     return out;
 }
 

@@ -11,6 +11,7 @@
 #include "../detail/check.hpp"
 #include "../detail/float_env.hpp"
 #include "../detail/shared.hpp"
+#include "../train/gradients.hpp"
 #include "../error.hpp"
 #include "../threads.hpp"
 #include "../types.hpp"
@@ -95,20 +96,93 @@ public:
     /// it must not share storage with x).
     void forward(State& state, const MatrixRef<T>& x, Matrix<T>& y,
                  Diagnostics<T>* diag = nullptr) const {
-        detail::check_position_advance("NeuralMemory::forward", state.position(), x.rows(),
-                                       state.batch());
-        check_state(state, "NeuralMemory::forward");
-        check_input(state.batch(), x, "NeuralMemory::forward");
-        if (detail::overlaps(x, y)) {
-            throw ShapeError("NeuralMemory::forward: x and y share storage, expected "
-                             "distinct matrices");
-        }
+        check_forward(state, x, y);
         const ThreadScope team(threads_, work_estimate(x.rows()));
         const detail::DenormalFlushScope flush(cfg_.flush_denormals);
         const backend::Upload<Backend, T> in(x);
         backend::Download<Backend, T> out(y, x.rows(), cfg_.d_model);
         Kernels::forward(cfg_, prepared_, state, in.view(), out.view(), diag);
         out.finish();
+    }
+
+    /// What the training forward keeps for backward (math §9): the input and the memory at
+    /// every chunk start (N/b copies per sequence and head), in the backend's memory.
+    using Trace = typename backend::MemoryTraining<Backend, T>::Trace;
+
+    /// The training forward (math §9): forward(state, x, y) from a fresh state (position 0;
+    /// ConfigError otherwise), keeping in `trace` what backward needs. Same outputs and state
+    /// as forward; on an error nothing changes (state, y, trace). Backends with a training pass
+    /// only (the CPU).
+    ///
+    ///     NeuralMemory<double>::Trace trace;
+    ///     mem.forward(state, x, y, trace);
+    ///     auto grads = MemoryParams<double>::zeros(cfg);
+    ///     mem.backward(trace, dy, dx, grads);  // dy = dL/dy -> dx = dL/dx, grads += dL/dparams
+    void forward(State& state, const MatrixRef<T>& x, Matrix<T>& y, Trace& trace) const
+        requires(backend::MemoryTraining<Backend, T>::available)
+    {
+        check_forward(state, x, y);
+        if (state.position() != 0) {
+            throw ConfigError(detail::concat(
+                "NeuralMemory::forward (training): state.position() = ", state.position(),
+                ", expected 0 (the training forward starts from a fresh state, make_state())"));
+        }
+        const ThreadScope team(threads_, 3.0 * work_estimate(x.rows()));
+        const detail::DenormalFlushScope flush(cfg_.flush_denormals);
+        Matrix<T> y_new;
+        Trace t;
+        {
+            const backend::Upload<Backend, T> in(x);
+            backend::Download<Backend, T> out(y_new, x.rows(), cfg_.d_model);
+            backend::MemoryTraining<Backend, T>::forward(cfg_, prepared_, state, in.view(),
+                                                         out.view(), t);
+            out.finish();
+        }
+        y = std::move(y_new);
+        trace = std::move(t);
+    }
+
+    /// The backward pass (math §9) of a training forward: dy = dL/dy (the trace's rows x
+    /// d_model) gives dx = dL/dx (resized; not sharing dy's storage), and the gradient of every
+    /// parameter (projections, conv, gates, W^0 = memory_init, W_O) is added to grads (shaped as
+    /// params(), e.g. MemoryParams<T>::zeros(config())), through every memory update of the
+    /// call: chunk ends, their second-order terms, the gate coefficients, clipping and both
+    /// reads. Throws ShapeError (empty trace, shapes), ConfigError (a trace of another
+    /// configuration), NonFiniteError (dy, or gradients that overflow); nothing changes then.
+    void backward(const Trace& trace, const MatrixRef<T>& dy, Matrix<T>& dx,
+                  MemoryParams<T>& grads) const
+        requires(backend::MemoryTraining<Backend, T>::available)
+    {
+        constexpr const char* where = "NeuralMemory::backward";
+        detail::check_trace(!trace.empty(), trace.empty() ? cfg_.d_model : trace.x.cols(),
+                            cfg_.d_model, where);
+        if (!cfg_.same_stream(trace.cfg)) {
+            throw ConfigError(detail::concat(where, ": trace was made by a memory with another "
+                                                    "configuration, expected this memory's"));
+        }
+        detail::check_gradient_rows(dy, trace.rows(), cfg_.d_model, where, "dy");
+        detail::check_same_tensors(*params_, grads, cfg_, where, "grads");
+        if (detail::overlaps(dy, dx)) {
+            throw ShapeError(detail::concat(where, ": dx shares storage with dy, expected a "
+                                                   "distinct matrix"));
+        }
+        const ThreadScope team(threads_, 3.0 * work_estimate(dy.rows()));
+        const detail::DenormalFlushScope flush(cfg_.flush_denormals);
+        MemoryParams<T> local = MemoryParams<T>::zeros(cfg_);
+        Matrix<T> dx_new;
+        {
+            const backend::Upload<Backend, T> in(dy);
+            backend::Download<Backend, T> out(dx_new, dy.rows(), cfg_.d_model);
+            backend::MemoryTraining<Backend, T>::backward(cfg_, prepared_, trace, in.view(),
+                                                          out.view(), local);
+            out.finish();
+        }
+        if (!detail::all_finite(dx_new) || !detail::tensors_finite(local, cfg_)) {
+            throw NonFiniteError(detail::concat(where, ": the gradients overflow, expected "
+                                                       "finite values; grads are unchanged"));
+        }
+        detail::add_tensors(local, grads, cfg_);
+        dx = std::move(dx_new);
     }
 
     /// Reads the memory without writing it: x is projected like forward's queries (q path of
@@ -206,6 +280,16 @@ public:
     void validate_state(const State& state) const { check_state(state, "NeuralMemory"); }
 
 private:
+    void check_forward(const State& state, const MatrixRef<T>& x, const Matrix<T>& y) const {
+        detail::check_position_advance("NeuralMemory::forward", state.position(), x.rows(),
+                                       state.batch());
+        check_state(state, "NeuralMemory::forward");
+        check_input(state.batch(), x, "NeuralMemory::forward");
+        if (detail::overlaps(x, y)) {
+            throw ShapeError("NeuralMemory::forward: x and y share storage, expected "
+                             "distinct matrices");
+        }
+    }
     void check_state(const State& state, const char* where) const {
         const bool same = state.batch() >= 1 && cfg_.same_stream(state.config());
         if (!same) {

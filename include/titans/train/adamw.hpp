@@ -150,11 +150,7 @@ private:
         for (std::size_t i = 0; i < ps.size(); ++i) {
             const auto& p = ps[i];
             const auto& g = gs[i];
-            if (g.rows != p.rows || g.cols != p.cols) {
-                throw ShapeError(detail::concat(where, ": grads '", g.name, "' is ", g.rows, " x ",
-                                                g.cols, ", expected ", p.rows, " x ", p.cols,
-                                                " (the shape of the parameter)"));
-            }
+            detail::check_slot_shape(p, g, where, "grads");
             if (!g.array().allFinite()) {
                 throw NonFiniteError(detail::concat(where, ": grads '", g.name,
                                                     "' has a NaN or infinite entry"));

@@ -55,6 +55,52 @@ template <class Params, class Config>
     return out;
 }
 
+/// ShapeError (naming `what` and the tensor) unless slot g has the shape of slot p.
+template <class P, class G>
+void check_slot_shape(const P& p, const G& g, const char* where, const char* what) {
+    if (g.rows != p.rows || g.cols != p.cols) {
+        throw ShapeError(concat(where, ": ", what, " '", g.name, "' is ", g.rows, " x ", g.cols,
+                                ", expected ", p.rows, " x ", p.cols,
+                                " (the shape of the parameter)"));
+    }
+}
+
+/// The gradients a backward adds to: ShapeError unless every tensor of grads has the shape of
+/// params' tensor of the same name, NonFiniteError if an entry is NaN or infinite. Reads grads
+/// only (a const visit).
+template <class Params, class Config>
+void check_same_tensors(const Params& params, const Params& grads, const Config& cfg,
+                        const char* where, const char* what) {
+    const auto ps = tensor_slots(params, cfg);
+    const auto gs = tensor_slots(grads, cfg);
+    for (std::size_t i = 0; i < ps.size(); ++i) {
+        check_slot_shape(ps[i], gs[i], where, what);
+        if (!gs[i].array().allFinite()) {
+            throw NonFiniteError(concat(where, ": ", what, " '", gs[i].name,
+                                        "' has a NaN or infinite entry"));
+        }
+    }
+}
+
+/// Whether every entry of every tensor of p is finite.
+template <class Params, class Config>
+[[nodiscard]] bool tensors_finite(const Params& p, const Config& cfg) {
+    for (const auto& s : tensor_slots(p, cfg)) {
+        if (!s.array().allFinite()) return false;
+    }
+    return true;
+}
+
+/// to += from, tensor by tensor (same shapes).
+template <class Params, class Config>
+void add_tensors(const Params& from, Params& to, const Config& cfg) {
+    const auto fs = tensor_slots(from, cfg);
+    const auto ts = tensor_slots(to, cfg);
+    for (std::size_t i = 0; i < fs.size(); ++i) {
+        ts[i].array() += fs[i].array();
+    }
+}
+
 }  // namespace detail
 
 /// The Euclidean norm of every tensor of `grads` taken as one vector (the tensors

@@ -22,5 +22,7 @@ struct BackendTraits<Cpu> {
 
 #include "transfer.hpp"
 #include "attention_kernels.hpp"
+#include "attention_training.hpp"
 #include "layer_kernels.hpp"
 #include "memory_kernels.hpp"
+#include "memory_training.hpp"

@@ -21,6 +21,7 @@
 #include "../../memory/config.hpp"
 #include "../../memory/diagnostics.hpp"
 #include "../../memory/params.hpp"
+#include "memory_projections.hpp"
 #include "memory_state.hpp"
 #include "memory_undo.hpp"
 #include "transfer.hpp"
@@ -88,6 +89,20 @@ struct MemoryKernels<Cpu, T> {
     /// an open transaction, as it was at the transaction's start: MemoryUndo).
     static void forward(const MemoryConfig& cfg, const Prepared& p, State& st,
                         View<const T> xv, View<T> yv, Diagnostics<T>* diag) {
+        run(cfg, p, st, xv, yv, diag, nullptr);
+    }
+
+    /// Per (sequence, head) pair s * H + h, the memory at every chunk start of a call: for each
+    /// chunk the L weights then the L momenta (the training forward keeps them, math §9).
+    using Snapshots = std::vector<std::vector<Mat>>;
+
+private:
+    template <class, class>
+    friend struct MemoryTraining;
+
+    /// forward(), keeping the chunk-start memory in *snapshots (sized B * H) when given.
+    static void run(const MemoryConfig& cfg, const Prepared& p, State& st, View<const T> xv,
+                    View<T> yv, Diagnostics<T>* diag, Snapshots* snapshots) {
         const In x = cpu::as_eigen(xv);
         Out y = cpu::as_eigen(yv);
         if (diag != nullptr) {
@@ -99,7 +114,7 @@ struct MemoryKernels<Cpu, T> {
         }
         const bool own = MemoryUndo<T>::begin(st);
         try {
-            forward_piece(cfg, *p, st, x, y, diag);
+            forward_piece(cfg, *p, st, x, y, diag, snapshots);
         } catch (...) {
             MemoryUndo<T>::rollback(st);
             throw;
@@ -108,6 +123,8 @@ struct MemoryKernels<Cpu, T> {
             MemoryUndo<T>::commit(st);
         }
     }
+
+public:
 
     /// Read-only retrieval: q path of math §1 for x (conv continuing the stream, tails not
     /// updated), y = M_{W_t}(q) per head with the memory after the last token, then W_O.
@@ -239,7 +256,7 @@ private:
     /// The body of forward(): projections, the per-head scans, the output projection, each
     /// checked for non-finite values before the position advances.
     static void forward_piece(const MemoryConfig& cfg, const MemoryParams<T>& p, State& st,
-                              const In& x, Out& y, Diagnostics<T>* diag) {
+                              const In& x, Out& y, Diagnostics<T>* diag, Snapshots* snapshots) {
         const int B = st.batch_, H = cfg.n_heads, dh = cfg.head_dim(), D = cfg.inner_dim();
         const Eigen::Index N = x.rows() / B;
         const std::int64_t pos0 = st.position_;
@@ -271,10 +288,12 @@ private:
             const std::size_t i = st.index(s, h);
             const Inputs in{qkv, logits, static_cast<Eigen::Index>(s) * N, h, dh, D, H};
             Failure& f = failed[static_cast<std::size_t>(bh)];
+            std::vector<Mat>* snap =
+                snapshots != nullptr ? &(*snapshots)[static_cast<std::size_t>(bh)] : nullptr;
             if (cfg.update == UpdateMode::PerToken) {
-                f = scan_per_token(cfg, st, i, in, N, pos0, yh, diag);
+                f = scan_per_token(cfg, st, i, in, N, pos0, yh, diag, snap);
             } else {
-                f = scan_chunked(cfg, st, i, in, N, pos0, yh, diag);
+                f = scan_chunked(cfg, st, i, in, N, pos0, yh, diag, snap);
             }
         }
         throw_if_failed(failed, H);
@@ -301,14 +320,7 @@ private:
         if (cfg.normalize_qk) {
             detail::l2_normalize_heads(qkv.leftCols(2 * D), 2 * H, dh);  // q and k heads
         }
-        if (cfg.gates != GateMode::Constant) {
-            logits.resize(x.rows(), 3 * H);
-            detail::multiply_concat(logits, x,
-                                    std::array<const Mat*, 3>{&p.w_theta, &p.w_eta, &p.w_alpha});
-            logits.leftCols(H).rowwise() += p.b_theta;
-            logits.middleCols(H, H).rowwise() += p.b_eta;
-            logits.rightCols(H).rowwise() += p.b_alpha;
-        }
+        cpu::gate_logits(cfg, p, x, logits);
     }
 
     template <class M>
@@ -572,7 +584,7 @@ private:
     /// chunk-end state.
     static Failure scan_chunked(const MemoryConfig& cfg, State& st, std::size_t i,
                                 const Inputs& in, Eigen::Index N, std::int64_t pos0, Mat& yh,
-                                Diagnostics<T>* diag) {
+                                Diagnostics<T>* diag, std::vector<Mat>* snap) {
         const int b = cfg.chunk;
         Head& hd = st.heads_[i];
         Eigen::Index t = 0;
@@ -580,6 +592,9 @@ private:
             const int o = static_cast<int>((pos0 + t) % b);
             const int m = static_cast<int>(std::min<Eigen::Index>(b - o, N - t));
             MemoryUndo<T>::save_rows(st, i, o, m);
+            if (snap != nullptr && o == 0) {
+                keep_memory(hd, *snap);
+            }
             if (o + m == b) {
                 MemoryUndo<T>::save_weights(st, i);
             }
@@ -603,6 +618,11 @@ private:
         return {};
     }
 
+    static void keep_memory(const Head& hd, std::vector<Mat>& snap) {
+        snap.insert(snap.end(), hd.w.begin(), hd.w.end());
+        snap.insert(snap.end(), hd.s.begin(), hd.s.end());
+    }
+
     static bool weights_finite(const Head& hd) {
         for (std::size_t l = 0; l < hd.w.size(); ++l) {
             if (!detail::all_finite(hd.w[l]) || !detail::all_finite(hd.s[l])) {
@@ -615,10 +635,13 @@ private:
     /// math §3, token by token with true gradients at M_{t-1}: the reference path and b = 1.
     static Failure scan_per_token(const MemoryConfig& cfg, State& st, std::size_t i,
                                   const Inputs& in, Eigen::Index N, std::int64_t pos0, Mat& yh,
-                                  Diagnostics<T>* diag) {
+                                  Diagnostics<T>* diag, std::vector<Mat>* snap) {
         MemoryUndo<T>::save_weights(st, i);
         Head& hd = st.heads_[i];
         for (Eigen::Index t = 0; t < N; ++t) {
+            if (snap != nullptr) {
+                keep_memory(hd, *snap);
+            }
             per_token_step(cfg, hd, in, t, yh, diag);
         }
         const auto bad = detail::first_nonfinite_row(yh.block(in.r0, in.h * in.dh, N, in.dh));

@@ -1,0 +1,112 @@
+// bench/bench_train.cpp: the memory's training step (math §9) on the CPU backend, beside its
+// forward and the plain GEMM rate of the same run.
+//
+//   BM_Gemm             float 512^3 GEMM: the machine's dense-product rate.
+//   BM_MemoryForward    NeuralMemory<float>::forward from a fresh state (as bench_memory).
+//   BM_MemoryTrainStep  the training forward (keeping the chunk-start memory) + backward
+//                       (dy given), gradients into a preallocated MemoryParams.
+//
+// Headline: float, d = 512, H = 8, d_h = 64, L = 2, e = 4, b = 64, B = 1, N = 2048, lagged
+// retrieval, data-dependent gates, conv on (the headline of bench_memory); and in-chunk
+// retrieval. Counters: tokens_per_second (B * N per iteration) and GFLOPS, where a training
+// step counts 3x the forward's FLOP model (memory_flops.hpp: the backward of a product is two
+// products of the same size, the usual convention), so "step GFLOPS / GEMM GFLOPS" is the
+// fraction of the machine's dense rate the step achieves, and "step time / forward time"
+// (from the two benchmarks' real times) is the cost of training over inference.
+//
+// Parameters: MemoryParams<float>::random(cfg, 1), theta_max = 0.01 and the forget-gate bias
+// -8, as bench_memory (the memory stays away from subnormals); a non-finite output or gradient
+// fails the benchmark.
+
+#include <benchmark/benchmark.h>
+
+#include <titans/titans.hpp>
+
+#include "bench_common.hpp"
+#include "memory_flops.hpp"
+
+#include <utility>
+#include <vector>
+
+namespace {
+
+using titans::Matrixf;
+using titans::MemoryConfig;
+
+MemoryConfig headline(int retrieval) {
+    MemoryConfig cfg{};
+    cfg.d_model = 512;
+    cfg.n_heads = 8;
+    cfg.d_head = 64;
+    cfg.depth = 2;
+    cfg.expansion = 4;
+    cfg.theta_max = 0.01;
+    cfg.chunk = 64;
+    cfg.retrieval = retrieval == 0 ? titans::Retrieval::Lagged : titans::Retrieval::InChunk;
+    return cfg;
+}
+
+titans::NeuralMemory<float> make_memory(const MemoryConfig& cfg) {
+    auto params = titans::MemoryParams<float>::random(cfg, 1);
+    params.b_alpha.setConstant(-8.0f);
+    return titans::NeuralMemory<float>(cfg, std::move(params));
+}
+
+void set_counters(benchmark::State& state, const MemoryConfig& cfg, long tokens, double scale) {
+    const double iters = static_cast<double>(state.iterations());
+    const double flops = scale * titans_bench::memory_forward_flops(cfg, 1, tokens);
+    state.counters["tokens_per_second"] =
+        benchmark::Counter(iters * static_cast<double>(tokens), benchmark::Counter::kIsRate);
+    state.counters["GFLOPS"] = benchmark::Counter(iters * flops / 1e9, benchmark::Counter::kIsRate);
+}
+
+/// One forward (train false) or training step (forward keeping the trace, then backward) of N
+/// tokens per iteration, from a fresh state.
+void run(benchmark::State& state, bool train) {
+    const MemoryConfig cfg = headline(static_cast<int>(state.range(0)));
+    const long N = state.range(1);
+    const auto mem = make_memory(cfg);
+    const auto fresh = mem.make_state(1);
+    auto st = fresh;
+    const Matrixf x = Matrixf::Random(N, cfg.d_model);
+    const Matrixf dy = Matrixf::Random(N, cfg.d_model) * (1.0f / static_cast<float>(N));
+    Matrixf y(N, cfg.d_model), dx(N, cfg.d_model);
+    titans::NeuralMemory<float>::Trace trace;
+    auto grads = titans::MemoryParams<float>::zeros(cfg);
+    for (auto _ : state) {
+        state.PauseTiming();
+        st = fresh;
+        state.ResumeTiming();
+        if (train) {
+            mem.forward(st, x, y, trace);
+            mem.backward(trace, dy, dx, grads);
+        } else {
+            mem.forward(st, x, y);
+        }
+        benchmark::DoNotOptimize(dx.data());
+        benchmark::DoNotOptimize(y.data());
+    }
+    if (!y.allFinite() || !dx.allFinite() || !grads.w_q.allFinite()) {
+        state.SkipWithError("non-finite output or gradient");
+        return;
+    }
+    set_counters(state, cfg, N, train ? 3.0 : 1.0);
+}
+
+void BM_MemoryForward(benchmark::State& state) { run(state, false); }
+void BM_MemoryTrainStep(benchmark::State& state) { run(state, true); }
+
+// Arguments: retrieval (0 lagged, 1 in-chunk), N.
+void args(benchmark::internal::Benchmark* bm) {
+    bm->ArgNames({"inchunk", "N"});
+    bm->Args({0, 2048});
+    bm->Args({1, 2048});
+}
+
+}  // namespace
+
+BENCHMARK(titans_bench::BM_Gemm)->Arg(512)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_MemoryForward)->Apply(args)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_MemoryTrainStep)->Apply(args)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+int main(int argc, char** argv) { return titans_bench::run(argc, argv); }

@@ -1,0 +1,91 @@
+#pragma once
+// titans/memory/key_tape.hpp: the key pass of math §2 with every intermediate kept, and its
+// reverse (math §9): the second-order block of the memory's backward. A write's gradient
+// A_{l-1}^T Δ_l depends on W through A and Δ, so the adjoints of A and Δ flow back into W, k
+// and v through the key pass itself, including act'' where Δ_{l-1} = (Δ_l W_l^T) ⊙ act'(Z_{l-1}).
+//
+//   a_0 = k, z_l = a_{l-1} W_l, a_l = act(z_l) (l < L)           (here a[l-1], z[l-1])
+//   Δ_L = z_L - v (+ k if residual), Δ_{l-1} = (Δ_l W_l^T) ⊙ act'(z_{l-1})  (here delta[l-1])
+
+#include <vector>
+
+#include "../detail/activation.hpp"
+#include "../types.hpp"
+#include "config.hpp"
+
+namespace titans::detail {
+
+/// Workspaces for n key rows through an MLP memory of depth L (index l = layer l+1): the
+/// forward keeps a, z, act'(z), delta and back (= delta W^T); the caller then sets the adjoints
+/// abar (of a) and dbar (of delta), and backward adds dW and writes dk, dv. Buffers are
+/// reused between calls of the same row count.
+template <class T>
+struct KeyTape {
+    std::vector<Matrix<T>> a, z, d1, delta, back;  // forward
+    std::vector<Matrix<T>> abar, dbar, zbar;       // adjoints
+    Matrix<T> bbar;                                // scratch of backward
+
+    template <class K, class V>
+    void forward(const std::vector<Matrix<T>>& W, const K& k, const V& v, Activation act,
+                 bool residual) {
+        const std::size_t L = W.size();
+        for (auto* m : {&a, &z, &d1, &delta, &back, &abar, &dbar, &zbar}) {
+            m->resize(L);
+        }
+        a[0] = k;
+        for (std::size_t l = 0; l < L; ++l) {
+            z[l].noalias() = a[l] * W[l];
+            if (l + 1 < L) {
+                a[l + 1] = z[l].unaryExpr([act](T x) { return activate(act, x); });
+                d1[l] = z[l].unaryExpr([act](T x) { return activate_grad(act, x); });
+            }
+        }
+        delta[L - 1] = z[L - 1] - v;
+        if (residual) {
+            delta[L - 1] += k;
+        }
+        for (std::size_t l = L - 1; l > 0; --l) {
+            back[l].noalias() = delta[l] * W[l].transpose();
+            delta[l - 1] = back[l].cwiseProduct(d1[l - 1]);
+        }
+        for (std::size_t l = 0; l < L; ++l) {
+            abar[l].setZero(a[l].rows(), a[l].cols());
+            dbar[l].setZero(delta[l].rows(), delta[l].cols());
+        }
+    }
+
+    /// The reverse of forward from the adjoints in abar, dbar (consumed): dW[l] += ∂/∂W_l,
+    /// dk, dv written (n x d_h).
+    void backward(const std::vector<Matrix<T>>& W, Activation act, bool residual,
+                  std::vector<Matrix<T>>& dW, Matrix<T>& dk, Matrix<T>& dv) {
+        const std::size_t L = W.size();
+        const auto f2 = [act](T x) { return activate_grad2(act, x); };
+        for (std::size_t l = 0; l < L; ++l) {
+            zbar[l].setZero(z[l].rows(), z[l].cols());
+        }
+        for (std::size_t l = 1; l < L; ++l) {  // delta_{l-1} = back_l ⊙ act'(z_{l-1}), reversed
+            bbar = dbar[l - 1].cwiseProduct(d1[l - 1]);
+            zbar[l - 1].array() +=
+                dbar[l - 1].array() * back[l].array() * z[l - 1].unaryExpr(f2).array();
+            dbar[l].noalias() += bbar * W[l];
+            dW[l].noalias() += bbar.transpose() * delta[l];
+        }
+        zbar[L - 1] += dbar[L - 1];
+        dv = -dbar[L - 1];
+        if (residual) {
+            dk = dbar[L - 1];
+        } else {
+            dk.setZero(dbar[L - 1].rows(), dbar[L - 1].cols());
+        }
+        for (std::size_t l = L; l-- > 0;) {  // z_l = a_l W_l, a_{l+1} = act(z_l), reversed
+            if (l + 1 < L) {
+                zbar[l].array() += abar[l + 1].array() * d1[l].array();
+            }
+            dW[l].noalias() += a[l].transpose() * zbar[l];
+            abar[l].noalias() += zbar[l] * W[l].transpose();
+        }
+        dk += abar[0];
+    }
+};
+
+}  // namespace titans::detail

@@ -1,0 +1,243 @@
+// The memory's backward pass (math §9): the reverse sweeps of the chunk coefficients against
+// central finite differences of chunk_coefficients.hpp, in double.
+#include "catch.hpp"
+#include "test_common.hpp"
+
+#include "reference/reference_memory_backward.hpp"
+
+#include <titans/titans.hpp>
+
+#include <limits>
+#include <string>
+#include <vector>
+
+using namespace titans_test;
+
+namespace {
+
+/// A scalar of every coefficient of a chunk prefix of n tokens, weighted by fixed adjoints.
+struct CoefficientLoss {
+    int n;
+    Matrixd dbeta, dc, dG, dg, ds;  // rows of n (dG: n x n, row-major walk below)
+    double dp_end;
+    double operator()(const Matrixd& th, const Matrixd& et, const Matrixd& al) const {
+        std::vector<double> beta(n), c(n), G(static_cast<std::size_t>(n * n)), g(n), s(n);
+        double be, ce, pe;
+        titans::chunk_row_coefficients<double>(n, 0, th.data(), et.data(), al.data(),
+                                               beta.data(), c.data(), G.data());
+        titans::chunk_end_coefficients<double>(n, th.data(), et.data(), al.data(), g.data(),
+                                               s.data(), &be, &ce, &pe);
+        double sum = dp_end * pe;
+        for (int i = 0; i < n; ++i) {
+            sum += dbeta(0, i) * beta[i] + dc(0, i) * c[i] + dg(0, i) * g[i] + ds(0, i) * s[i];
+            for (int k = 0; k < n; ++k) sum += dG(i, k) * G[static_cast<std::size_t>(i * n + k)];
+        }
+        return sum;
+    }
+};
+
+}  // namespace
+
+TEST_CASE("mem bwd: chunk coefficients", "[train][memory]") {
+    for (int trial = 0; trial < 40; ++trial) {
+        Rng rng(seed_for("mem bwd: chunk coefficients", trial));
+        const int n = uniform_int(rng, 1, 9);
+        CoefficientLoss f{n, random_matrix(1, n, rng), random_matrix(1, n, rng),
+                          random_matrix(n, n, rng), random_matrix(1, n, rng),
+                          random_matrix(1, n, rng), uniform(rng)};
+        // G is lower triangular: its upper adjoints must not matter.
+        Matrixd th = random_matrix(1, n, rng, 0.01, 0.2), et = random_matrix(1, n, rng, 0.0, 0.95),
+                al = random_matrix(1, n, rng, 0.0, 0.5);
+        if (trial % 4 == 1) et.setZero();  // eta = 0 and alpha = 1 are valid gates
+        if (trial % 4 == 2) al(0, n - 1) = 1.0;
+        Matrixd dth = Matrixd::Zero(1, n), det = Matrixd::Zero(1, n), dal = Matrixd::Zero(1, n);
+        Matrixd dGrow = f.dG;  // row-major copy for the raw pointer
+        std::vector<double> dGv(static_cast<std::size_t>(n * n)), scratch(6 * static_cast<std::size_t>(n));
+        for (int i = 0; i < n; ++i)
+            for (int k = 0; k < n; ++k) dGv[static_cast<std::size_t>(i * n + k)] = dGrow(i, k);
+        // beta_end, c_end are beta_{n-1}, c_{n-1}: their adjoints go into dbeta, dc.
+        titans::chunk_coefficients_backward<double>(
+            n, th.data(), et.data(), al.data(), f.dbeta.data(), f.dc.data(), dGv.data(),
+            f.dg.data(), f.ds.data(), f.dp_end, dth.data(), det.data(), dal.data(),
+            scratch.data());
+        const double h = 1e-6;
+        const Matrixd fth = central_diff(th, h, [&] { return f(th, et, al); });
+        const Matrixd fet = central_diff(et, h, [&] { return f(th, et, al); });
+        const Matrixd fal = central_diff(al, h, [&] { return f(th, et, al); });
+        INFO("trial " << trial << " n " << n);
+        CHECK(rel_error(dth, fth, 1.0) < 1e-8);
+        CHECK(rel_error(det, fet, 1.0) < 1e-8);
+        CHECK(rel_error(dal, fal, 1.0) < 1e-8);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// NeuralMemory::backward: every tensor and x against finite differences of the library's own
+// forward, over several chunks with a partial last one, every update / gate / retrieval mode and
+// the option flags (conv, q/k normalisation, residual, SiLU / GELU, clipping); b = 1 against the
+// per-token oracle; the refusals.
+
+namespace {
+
+/// Modes from m and the low 7 bits, small shapes (draw_backward_shapes), chunk 1..4, tokens
+/// for two to four chunks with a partial last one, random values (bit 64: a constant stream).
+BackwardCase draw_mem_case(const Modes& m, int bits, Rng& rng) {
+    BackwardCase c;
+    MemoryConfig& g = c.cfg;
+    g.gates = m.gates;
+    g.retrieval = m.retrieval;
+    g.update = m.update;
+    g.use_conv = (bits & 1) == 0;
+    g.normalize_qk = (bits & 2) == 0;
+    g.residual = (bits & 4) != 0;
+    g.activation = (bits & 8) ? Activation::GELU : Activation::SiLU;
+    g.qkv_activation = (bits & 16) ? Activation::Identity : Activation::SiLU;
+    g.max_grad_norm = (bits & 32) ? pick(rng, std::vector<double>{0.05, 0.3, 1.0}) : 0.0;
+    g.chunk = pick(rng, std::vector<int>{1, 2, 3, 4});
+    draw_backward_shapes(c, rng);
+    // Several chunks and a partial one (b = 1: a few tokens).
+    const int b = g.effective_chunk();
+    const int tokens = b == 1 ? uniform_int(rng, 2, 6) : b * uniform_int(rng, 1, 3) + uniform_int(rng, 1, b - 1);
+    c.x = random_matrix(c.batch * tokens, g.d_model, rng);
+    if ((bits & 64) != 0) {  // a constant stream: one row repeated
+        c.x.rowwise() = c.x.row(0);
+    }
+    c.dy = random_matrix(c.batch * tokens, g.d_model, rng);
+    return c;
+}
+
+/// L = sum(dy . y) of a fresh forward, and its gradients from the training pass.
+double mem_loss(const BackwardCase& c) {
+    titans::NeuralMemory<double> mem(c.cfg, c.p);
+    auto st = mem.make_state(c.batch);
+    return c.dy.cwiseProduct(mem.forward(st, c.x)).sum();
+}
+MemoryParams<double> mem_gradients(const BackwardCase& c, Matrixd& dx) {
+    titans::NeuralMemory<double> mem(c.cfg, c.p);
+    auto st = mem.make_state(c.batch);
+    titans::NeuralMemory<double>::Trace trace;
+    Matrixd y;
+    mem.forward(st, c.x, y, trace);
+    auto g = MemoryParams<double>::zeros(c.cfg);
+    mem.backward(trace, c.dy, dx, g);
+    return g;
+}
+
+/// The worst tensor's error (tensor_error) of the training pass against finite differences.
+double mem_fd_error(BackwardCase& c) {
+    Matrixd dx;
+    const MemoryParams<double> g = mem_gradients(c, dx);
+    const auto loss = [&]() { return mem_loss(c); };
+    const double atol = 1e-12 * std::max(1.0, std::abs(loss()));
+    std::vector<std::pair<std::string, const double*>> grads;
+    MemoryParams<double>::tensors(g, c.cfg, [&](const std::string& name, const auto& m) {
+        grads.emplace_back(name, m.data());
+    });
+    std::size_t k = 0;
+    double worst = 0;
+    MemoryParams<double>::tensors(c.p, c.cfg, [&](const std::string& name, auto& m) {
+        const double e = tensor_error(m.data(), grads[k++].second, m.size(), atol, loss);
+        if (e > 1e-6) UNSCOPED_INFO(name << ": " << e);
+        worst = std::max(worst, e);
+    });
+    const double ex = tensor_error(c.x.data(), dx.data(), c.x.size(), atol, loss);
+    if (ex > 1e-6) UNSCOPED_INFO("x: " << ex);
+    return std::max(worst, ex);
+}
+
+}  // namespace
+
+TEST_CASE("mem bwd: FD, every mode", "[train][memory]") {
+    const std::vector<Modes> modes = all_primary_modes();
+    const int i = GENERATE(range(0, 56));
+    const std::uint64_t seed = seed_for("mem bwd: FD, every mode", static_cast<std::uint64_t>(i));
+    Rng rng(seed);
+    const Modes& m = modes[static_cast<std::size_t>(i) % modes.size()];
+    BackwardCase c = draw_mem_case(m, (i * 37) % 128, rng);
+    INFO("seed=" << seed << " case=" << i << " chunk=" << c.cfg.chunk << " rows=" << c.x.rows());
+    CHECK(note_error<double>("memory backward", mem_fd_error(c)) <= 1e-6);
+}
+
+TEST_CASE("mem bwd: b=1 vs per-token oracle", "[train][memory]") {
+    // The per-token update and the chunked update with b = 1 are the same function; both must
+    // match reverse mode through the per-token recurrence (tests/reference) to rounding.
+    const int i = GENERATE(range(0, 16));
+    const std::uint64_t seed = seed_for("mem bwd: b=1 vs oracle", static_cast<std::uint64_t>(i));
+    Rng rng(seed);
+    Modes m;
+    m.gates = i % 2 == 0 ? GateMode::DataDependent : GateMode::Constant;
+    m.retrieval = (i / 2) % 2 == 0 ? Retrieval::Lagged : Retrieval::InChunk;
+    m.update = (i / 4) % 2 == 0 ? UpdateMode::PerToken : UpdateMode::Chunked;
+    BackwardCase c = draw_mem_case(m, (i * 53) % 128, rng);
+    c.cfg.chunk = 1;
+    INFO("seed=" << seed << " case=" << i);
+    Matrixd dx;
+    const MemoryParams<double> g = mem_gradients(c, dx);
+    const titans::reference::Gradients r =
+        titans::reference::per_token_backward(c.cfg, c.p, c.x, c.batch, c.dy);
+    std::vector<std::string> names;
+    std::vector<Matrixd> a, b;
+    MemoryParams<double>::tensors(g, c.cfg, [&](const std::string& name, const auto& t) {
+        names.push_back(name);
+        a.emplace_back(t);
+    });
+    MemoryParams<double>::tensors(r.params, c.cfg,
+                                  [&](const std::string&, const auto& t) { b.emplace_back(t); });
+    REQUIRE(a.size() == b.size());
+    for (std::size_t k = 0; k < a.size(); ++k) {
+        INFO(names[k]);
+        CHECK(note_error<double>("memory backward vs oracle", rel_error(a[k], b[k], 1e-6)) <= 1e-10);
+    }
+    CHECK(note_error<double>("memory backward vs oracle", rel_error(dx, r.x, 1e-6)) <= 1e-10);
+}
+
+TEST_CASE("mem bwd: forward, sums, refusals", "[train][memory]") {
+    Rng rng(seed_for("mem bwd: forward, sums, refusals"));
+    Modes m;
+    m.retrieval = Retrieval::InChunk;
+    BackwardCase c = draw_mem_case(m, 0, rng);
+    titans::NeuralMemory<double> mem(c.cfg, c.p);
+    // The training forward: the same bits and state as forward.
+    auto s1 = mem.make_state(c.batch), s2 = mem.make_state(c.batch);
+    titans::NeuralMemory<double>::Trace trace;
+    Matrixd y1, y2;
+    mem.forward(s1, c.x, y1);
+    mem.forward(s2, c.x, y2, trace);
+    CHECK(identical(y1, y2));
+    CHECK(trace.rows() == c.x.rows());
+    CHECK(identical(mem.current_weights(s1, 0, 0)[0], mem.current_weights(s2, 0, 0)[0]));
+    // Gradients add up: two backward calls give twice one; dx is written, not added.
+    auto g = MemoryParams<double>::zeros(c.cfg);
+    Matrixd dx1, dx2;
+    mem.backward(trace, c.dy, dx1, g);
+    const auto once = g;
+    mem.backward(trace, c.dy, dx2, g);
+    CHECK(identical(dx1, dx2));
+    CHECK(identical(g.w_q, (2 * once.w_q).eval()));
+    CHECK(identical(g.memory_init[0][0], (2 * once.memory_init[0][0]).eval()));
+    // Refusals leave everything as it was.
+    Matrixd y3 = y1;
+    CHECK_THROWS_AS(mem.forward(s2, c.x, y3, trace), titans::ConfigError);  // position > 0
+    CHECK(identical(y3, y1));
+    CHECK(trace.rows() == c.x.rows());
+    titans::NeuralMemory<double>::Trace empty;
+    CHECK_THROWS_AS(mem.backward(empty, c.dy, dx1, g), titans::ShapeError);
+    const Matrixd short_dy = c.dy.topRows(c.dy.rows() - 1);
+    CHECK_THROWS_AS(mem.backward(trace, short_dy, dx1, g), titans::ShapeError);
+    Matrixd bad_dy = c.dy;
+    bad_dy(0, 0) = std::numeric_limits<double>::quiet_NaN();
+    CHECK_THROWS_AS(mem.backward(trace, bad_dy, dx1, g), titans::NonFiniteError);
+    auto wrong = g;
+    wrong.w_o.resize(1, 1);
+    CHECK_THROWS_AS(mem.backward(trace, c.dy, dx1, wrong), titans::ShapeError);
+    CHECK(wrong.w_o.rows() == 1);
+    auto nan = g;
+    nan.w_k(0, 0) = std::numeric_limits<double>::quiet_NaN();
+    CHECK_THROWS_AS(mem.backward(trace, c.dy, dx1, nan), titans::NonFiniteError);
+    CHECK(identical(nan.w_q, g.w_q));
+    CHECK(identical(g.w_q, (2 * once.w_q).eval()));
+    MemoryConfig other = c.cfg;
+    other.chunk = c.cfg.chunk + 1;
+    titans::NeuralMemory<double> mem2(other, c.p);
+    CHECK_THROWS_AS(mem2.backward(trace, c.dy, dx1, g), titans::ConfigError);
+}
