@@ -92,17 +92,21 @@ struct MemoryKernels<Cpu, T> {
         run(cfg, p, st, xv, yv, diag, nullptr);
     }
 
-    /// Per (sequence, head) pair s * H + h, the memory at every chunk start of a call: for each
-    /// chunk the L weights then the L momenta (the training forward keeps them, math §9).
-    using Snapshots = std::vector<std::vector<Mat>>;
+    /// What the training forward keeps of a call (math §9): per (sequence, head) pair
+    /// s * H + h, the memory at every chunk start (for each chunk the L weights then the L
+    /// momenta), and the projections before the conv (x [W_Q | W_K | W_V]) and the gate logits.
+    struct Recording {
+        std::vector<std::vector<Mat>> memory;
+        Mat u, logits;
+    };
 
 private:
     template <class, class>
     friend struct MemoryTraining;
 
-    /// forward(), keeping the chunk-start memory in *snapshots (sized B * H) when given.
+    /// forward(), keeping what *rec holds (rec->memory sized B * H) when given.
     static void run(const MemoryConfig& cfg, const Prepared& p, State& st, View<const T> xv,
-                    View<T> yv, Diagnostics<T>* diag, Snapshots* snapshots) {
+                    View<T> yv, Diagnostics<T>* diag, Recording* rec) {
         const In x = cpu::as_eigen(xv);
         Out y = cpu::as_eigen(yv);
         if (diag != nullptr) {
@@ -114,7 +118,7 @@ private:
         }
         const bool own = MemoryUndo<T>::begin(st);
         try {
-            forward_piece(cfg, *p, st, x, y, diag, snapshots);
+            forward_piece(cfg, *p, st, x, y, diag, rec);
         } catch (...) {
             MemoryUndo<T>::rollback(st);
             throw;
@@ -256,12 +260,15 @@ private:
     /// The body of forward(): projections, the per-head scans, the output projection, each
     /// checked for non-finite values before the position advances.
     static void forward_piece(const MemoryConfig& cfg, const MemoryParams<T>& p, State& st,
-                              const In& x, Out& y, Diagnostics<T>* diag, Snapshots* snapshots) {
+                              const In& x, Out& y, Diagnostics<T>* diag, Recording* rec) {
         const int B = st.batch_, H = cfg.n_heads, dh = cfg.head_dim(), D = cfg.inner_dim();
         const Eigen::Index N = x.rows() / B;
         const std::int64_t pos0 = st.position_;
         Mat qkv, logits;
-        project(cfg, p, st, x, N, qkv, logits);
+        project(cfg, p, st, x, N, qkv, logits, rec != nullptr ? &rec->u : nullptr);
+        if (rec != nullptr) {
+            rec->logits = logits;
+        }
         if (!detail::all_finite(qkv) || !detail::all_finite(logits)) {
             throw_first_bad_row(qkv.cols() > 0 && !detail::all_finite(qkv) ? qkv : logits, N, pos0,
                                 "the projections of x (q, k, v or gate logits) overflow");
@@ -289,7 +296,7 @@ private:
             const Inputs in{qkv, logits, static_cast<Eigen::Index>(s) * N, h, dh, D, H};
             Failure& f = failed[static_cast<std::size_t>(bh)];
             std::vector<Mat>* snap =
-                snapshots != nullptr ? &(*snapshots)[static_cast<std::size_t>(bh)] : nullptr;
+                rec != nullptr ? &rec->memory[static_cast<std::size_t>(bh)] : nullptr;
             if (cfg.update == UpdateMode::PerToken) {
                 f = scan_per_token(cfg, st, i, in, N, pos0, yh, diag, snap);
             } else {
@@ -305,12 +312,15 @@ private:
     }
 
     /// math §1 for a piece: qkv = [q | k | v] after conv, phi and the L2 norm (the conv tails
-    /// advance), gate logits (empty for constant gates).
+    /// advance), gate logits (empty for constant gates); *u (if given) keeps x [W_Q|W_K|W_V].
     static void project(const MemoryConfig& cfg, const MemoryParams<T>& p, State& st, const In& x,
-                        Eigen::Index N, Mat& qkv, Mat& logits) {
+                        Eigen::Index N, Mat& qkv, Mat& logits, Mat* u) {
         const int H = cfg.n_heads, dh = cfg.head_dim(), D = cfg.inner_dim();
         qkv.resize(x.rows(), 3 * D);
         detail::multiply_concat(qkv, x, std::array<const Mat*, 3>{&p.w_q, &p.w_k, &p.w_v});
+        if (u != nullptr) {
+            *u = qkv;
+        }
         if (cfg.use_conv) {
             causal_conv(cfg, p, st, qkv, N);
         }

@@ -1,6 +1,7 @@
 #pragma once
 // titans/backend/cpu/memory_projections.hpp: math §1's projections of the memory with every
-// intermediate kept, and their reverse (math §9), for the training pass on the CPU.
+// intermediate kept, and their reverse (math §9), for the training pass on the CPU. The input
+// products and the gate logits come from the training forward (MemoryKernels::Recording).
 //
 //   u = x [W_Q | W_K | W_V],  c = causal conv of u (per sequence, from a zero history),
 //   pre = phi(c),  qkv = pre with the q and k heads L2-normalised,
@@ -8,6 +9,7 @@
 
 #include <array>
 #include <cmath>
+#include <utility>
 
 #include "../../detail/activation.hpp"
 #include "../../detail/eigen_math.hpp"
@@ -46,11 +48,14 @@ struct MemoryProjections {
         return taps;
     }
 
-    void compute(const MemoryConfig& cfg, const MemoryParams<T>& p, const Mat& x, int B) {
+    /// The stages after the input products, from u = x [W_Q | W_K | W_V] and the gate logits
+    /// the forward kept (moved in): the conv, phi and the norm (elementwise, cheap).
+    void compute(const MemoryConfig& cfg, const MemoryParams<T>& p, Mat u_kept, Mat logits_kept,
+                 int B) {
         const int H = cfg.n_heads, dh = cfg.head_dim(), D = cfg.inner_dim();
-        const Eigen::Index N = x.rows() / B;
-        u.resize(x.rows(), 3 * D);
-        detail::multiply_concat(u, x, std::array<const Mat*, 3>{&p.w_q, &p.w_k, &p.w_v});
+        u = std::move(u_kept);
+        logits = std::move(logits_kept);
+        const Eigen::Index N = u.rows() / B;
         c = u;
         if (cfg.use_conv) {
             const Mat taps = conv_taps(p);
@@ -67,7 +72,6 @@ struct MemoryProjections {
         if (cfg.normalize_qk) {
             detail::l2_normalize_heads(qkv.leftCols(2 * D), 2 * H, dh);
         }
-        gate_logits(cfg, p, x, logits);
     }
 
     /// The reverse: dqkv (adjoint of qkv, consumed) and dlogits give dx (written) and the

@@ -2,8 +2,9 @@
 // titans/backend/cpu/memory_training.hpp: the neural memory's training pass on the CPU
 // (math §9).
 //
-// forward: the inference forward, keeping the memory (W, S) at every chunk start: N/b copies
-// per sequence and head, not N. backward: the projections recomputed; then per (sequence,
+// forward: the inference forward, keeping the memory (W, S) at every chunk start (N/b copies
+// per sequence and head, not N), the input products and the gate logits. backward: the conv,
+// phi and norm recomputed from the kept products (elementwise); then per (sequence,
 // head), in parallel, a reverse sweep over the chunks. Each chunk's key pass, gates and
 // coefficients are recomputed from its start memory, and reversed in turn: the read (lagged or
 // dual form), the chunk end W' = beta W + c S - A^T diag(g) Delta, S' = P S - A^T diag(s) Delta,
@@ -32,12 +33,13 @@ struct MemoryTraining<Cpu, T> {
     using Mat = Matrix<T>;
     using Layers = std::vector<Mat>;
 
-    /// What backward needs: the input and the memory at every chunk start.
+    /// What backward needs: the input, the memory at every chunk start, the input products
+    /// and gate logits (Kernels::Recording).
     struct Trace {
         MemoryConfig cfg;
         Mat x;
         int batch = 0;
-        typename Kernels::Snapshots memory;
+        typename Kernels::Recording kept;
         bool filled = false;
         [[nodiscard]] bool empty() const { return !filled; }
         [[nodiscard]] Eigen::Index rows() const { return x.rows(); }
@@ -50,8 +52,9 @@ struct MemoryTraining<Cpu, T> {
         t.cfg = cfg;
         t.batch = st.batch();
         t.x = cpu::as_eigen(x);
-        t.memory.resize(static_cast<std::size_t>(t.batch) * static_cast<std::size_t>(cfg.n_heads));
-        Kernels::run(cfg, p, st, x, y, nullptr, &t.memory);
+        t.kept.memory.resize(static_cast<std::size_t>(t.batch) *
+                             static_cast<std::size_t>(cfg.n_heads));
+        Kernels::run(cfg, p, st, x, y, nullptr, &t.kept);
         t.filled = true;
         trace = std::move(t);
     }
@@ -65,7 +68,7 @@ struct MemoryTraining<Cpu, T> {
         const Eigen::Index N = tr.x.rows() / B;
         const auto dy = cpu::as_eigen(dyv);
         cpu::MemoryProjections<T> pr;
-        pr.compute(cfg, p, tr.x, B);
+        pr.compute(cfg, p, tr.kept.u, tr.kept.logits, B);
         const Mat dyh = dy * p.w_o.transpose();
         Mat yh(tr.x.rows(), D), dqkv(tr.x.rows(), 3 * D), dlogits = Mat::Zero(pr.logits.rows(), pr.logits.cols());
         const int pairs = B * H;
@@ -76,7 +79,7 @@ struct MemoryTraining<Cpu, T> {
         for (int bh = 0; bh < pairs; ++bh) {
             const detail::DenormalFlushScope flush(cfg.flush_denormals);
             const Slice sl{pr, dyh, bh / H * N, bh % H, cfg.head_dim(), D, H};
-            sweep(cfg, tr.memory[static_cast<std::size_t>(bh)], sl, N,
+            sweep(cfg, tr.kept.memory[static_cast<std::size_t>(bh)], sl, N,
                   work[static_cast<std::size_t>(bh)], yh, dqkv, dlogits);
         }
         g.w_o.noalias() += yh.transpose() * dy;
