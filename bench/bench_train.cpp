@@ -5,6 +5,11 @@
 //   BM_MemoryForward    NeuralMemory<float>::forward from a fresh state (as bench_memory).
 //   BM_MemoryTrainStep  the training forward (keeping the chunk-start memory) + backward
 //                       (dy given), gradients into a preallocated MemoryParams.
+//   BM_ModelForward     a 4-block model (LMM, MAG, MAL, MAG; the headline memory in each,
+//                       attention of 8 heads over a window of 256, SwiGLU feed-forward, vectors
+//                       in and out), forward from a fresh state.
+//   BM_ModelTrainStep   its training forward + backward (dout given). GFLOPS from
+//                       Model::work_estimate (2 flops per multiply-add; the step 3x).
 //
 // Headline: float, d = 512, H = 8, d_h = 64, L = 2, e = 4, b = 64, B = 1, N = 2048, lagged
 // retrieval, data-dependent gates, conv on (the headline of bench_memory); and in-chunk
@@ -52,9 +57,9 @@ titans::NeuralMemory<float> make_memory(const MemoryConfig& cfg) {
     return titans::NeuralMemory<float>(cfg, std::move(params));
 }
 
-void set_counters(benchmark::State& state, const MemoryConfig& cfg, long tokens, double scale) {
+/// tokens_per_second and GFLOPS, from the tokens and flops of one iteration.
+void set_counters(benchmark::State& state, long tokens, double flops) {
     const double iters = static_cast<double>(state.iterations());
-    const double flops = scale * titans_bench::memory_forward_flops(cfg, 1, tokens);
     state.counters["tokens_per_second"] =
         benchmark::Counter(iters * static_cast<double>(tokens), benchmark::Counter::kIsRate);
     state.counters["GFLOPS"] = benchmark::Counter(iters * flops / 1e9, benchmark::Counter::kIsRate);
@@ -90,10 +95,57 @@ void run(benchmark::State& state, bool train) {
         state.SkipWithError("non-finite output or gradient");
         return;
     }
-    set_counters(state, cfg, N, train ? 3.0 : 1.0);
+    set_counters(state, N, (train ? 3.0 : 1.0) * titans_bench::memory_forward_flops(cfg, 1, N));
+}
+
+titans::ModelConfig model_config() {
+    titans::ModelConfig cfg;
+    cfg.d_model = 512;
+    for (auto kind : {titans::BlockKind::LMM, titans::BlockKind::MAG, titans::BlockKind::MAL,
+                      titans::BlockKind::MAG}) {
+        auto b = titans::BlockConfig::make(kind, 512, 8, 2, 256, 64);
+        b.memory = headline(0);
+        cfg.blocks.push_back(b);
+    }
+    return cfg;
+}
+
+/// The model's forward (train false) or training step over N tokens per iteration.
+void run_model(benchmark::State& state, bool train) {
+    const titans::ModelConfig cfg = model_config();
+    const long N = state.range(0);
+    auto params = titans::ModelParams<float>::random(cfg, 1);
+    for (auto& b : params.blocks) b.memory.b_alpha.setConstant(-8.0f);
+    const titans::Model<float> model(cfg, std::move(params));
+    const auto fresh = model.make_state(1);
+    auto st = fresh;
+    const Matrixf x = Matrixf::Random(N, cfg.d_model);
+    const Matrixf dout = Matrixf::Random(N, cfg.d_model) * (1.0f / static_cast<float>(N));
+    Matrixf y, dx;
+    titans::Model<float>::Trace trace;
+    auto grads = titans::ModelParams<float>::zeros(cfg);
+    for (auto _ : state) {
+        state.PauseTiming();
+        st = fresh;
+        state.ResumeTiming();
+        if (train) {
+            model.forward(st, x, y, trace);
+            model.backward(trace, dout, grads, &dx);
+        } else {
+            y = model.forward(st, x);
+        }
+        benchmark::DoNotOptimize(y.data());
+    }
+    if (!y.allFinite() || (train && (!dx.allFinite() || !grads.head.allFinite()))) {
+        state.SkipWithError("non-finite output or gradient");
+        return;
+    }
+    set_counters(state, N, (train ? 3.0 : 1.0) * 2.0 * model.work_estimate(N));
 }
 
 void BM_MemoryForward(benchmark::State& state) { run(state, false); }
+void BM_ModelForward(benchmark::State& state) { run_model(state, false); }
+void BM_ModelTrainStep(benchmark::State& state) { run_model(state, true); }
 void BM_MemoryTrainStep(benchmark::State& state) { run(state, true); }
 
 // Arguments: retrieval (0 lagged, 1 in-chunk), N.
@@ -108,5 +160,7 @@ void args(benchmark::internal::Benchmark* bm) {
 BENCHMARK(titans_bench::BM_Gemm)->Arg(512)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_MemoryForward)->Apply(args)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_MemoryTrainStep)->Apply(args)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_ModelForward)->ArgName("N")->Arg(1024)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_ModelTrainStep)->ArgName("N")->Arg(1024)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 int main(int argc, char** argv) { return titans_bench::run(argc, argv); }

@@ -296,6 +296,22 @@ double tensor_error(double* value, const double* grad, Eigen::Index n, double at
     return best;
 }
 
+/// The worst tensor_error over every tensor Params::tensors(p, cfg, .) visits (p perturbed in
+/// place, restored after), g the analytic gradients; names the tensors above 1e-6.
+template <class Params, class Config, class L>
+double params_fd_error(Params& p, const Params& g, const Config& cfg, double atol, L&& loss) {
+    std::vector<const double*> grads;
+    Params::tensors(g, cfg, [&](const std::string&, const auto& m) { grads.push_back(m.data()); });
+    std::size_t k = 0;
+    double worst = 0;
+    Params::tensors(p, cfg, [&](const std::string& name, auto& m) {
+        const double e = tensor_error(m.data(), grads[k++], m.size(), atol, loss);
+        if (e > 1e-6) UNSCOPED_INFO(name << ": " << e);
+        worst = std::max(worst, e);
+    });
+    return worst;
+}
+
 struct BackwardCase {
     MemoryConfig cfg;
     MemoryParams<double> p;

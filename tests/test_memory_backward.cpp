@@ -2,6 +2,7 @@
 // central finite differences of chunk_coefficients.hpp, in double.
 #include "catch.hpp"
 #include "test_common.hpp"
+#include "training_pass.hpp"
 
 #include "reference/reference_memory_backward.hpp"
 
@@ -108,19 +109,10 @@ BackwardCase draw_mem_case(const Modes& m, int bits, Rng& rng) {
 
 /// L = sum(dy . y) of a fresh forward, and its gradients from the training pass.
 double mem_loss(const BackwardCase& c) {
-    titans::NeuralMemory<double> mem(c.cfg, c.p);
-    auto st = mem.make_state(c.batch);
-    return c.dy.cwiseProduct(mem.forward(st, c.x)).sum();
+    return fresh_loss<titans::NeuralMemory<double>>(c.cfg, c.p, c.batch, c.x, c.dy);
 }
 MemoryParams<double> mem_gradients(const BackwardCase& c, Matrixd& dx) {
-    titans::NeuralMemory<double> mem(c.cfg, c.p);
-    auto st = mem.make_state(c.batch);
-    titans::NeuralMemory<double>::Trace trace;
-    Matrixd y;
-    mem.forward(st, c.x, y, trace);
-    auto g = MemoryParams<double>::zeros(c.cfg);
-    mem.backward(trace, c.dy, dx, g);
-    return g;
+    return fresh_gradients<titans::NeuralMemory<double>>(c.cfg, c.p, c.batch, c.x, c.dy, dx);
 }
 
 /// The worst tensor's error (tensor_error) of the training pass against finite differences.
@@ -129,17 +121,7 @@ double mem_fd_error(BackwardCase& c) {
     const MemoryParams<double> g = mem_gradients(c, dx);
     const auto loss = [&]() { return mem_loss(c); };
     const double atol = 1e-12 * std::max(1.0, std::abs(loss()));
-    std::vector<std::pair<std::string, const double*>> grads;
-    MemoryParams<double>::tensors(g, c.cfg, [&](const std::string& name, const auto& m) {
-        grads.emplace_back(name, m.data());
-    });
-    std::size_t k = 0;
-    double worst = 0;
-    MemoryParams<double>::tensors(c.p, c.cfg, [&](const std::string& name, auto& m) {
-        const double e = tensor_error(m.data(), grads[k++].second, m.size(), atol, loss);
-        if (e > 1e-6) UNSCOPED_INFO(name << ": " << e);
-        worst = std::max(worst, e);
-    });
+    const double worst = params_fd_error(c.p, g, c.cfg, atol, loss);
     const double ex = tensor_error(c.x.data(), dx.data(), c.x.size(), atol, loss);
     if (ex > 1e-6) UNSCOPED_INFO("x: " << ex);
     return std::max(worst, ex);

@@ -271,3 +271,39 @@ TEST_CASE("training: zeros() are zeros", "[training]") {
         CHECK(sum > 0.0);
     }
 }
+
+namespace {
+
+/// A user's own parameter struct, not a template: it names its Scalar for the optimiser.
+struct TwoTensors {
+    using Scalar = double;
+    Matrixd a;
+    titans::RowVector<double> b;
+    template <class Self, class V>
+    static void tensors(Self& self, const int&, V&& v) {
+        v(std::string("a"), self.a);
+        v(std::string("b"), self.b);
+    }
+};
+
+}  // namespace
+
+TEST_CASE("adamw: a user's own struct", "[training]") {
+    Rng rng(seed_for("adamw: a user's own struct"));
+    const int cfg = 0;
+    TwoTensors p{random_matrix(3, 2, rng), random_matrix(1, 4, rng)};
+    TwoTensors g{random_matrix(3, 2, rng), random_matrix(1, 4, rng)};
+    const double norm = std::sqrt(g.a.squaredNorm() + g.b.squaredNorm());
+    CHECK(std::abs(titans::gradient_norm(g, cfg) - norm) <= 1e-14 * norm);
+    CHECK(std::abs(titans::clip_gradient_norm(g, cfg, 0.5 * norm) - norm) <= 1e-14 * norm);
+    CHECK(std::abs(titans::gradient_norm(g, cfg) - 0.5 * norm) <= 1e-14 * norm);
+    const TwoTensors before = p;
+    AdamW<double> opt;
+    opt.step(p, g, cfg, 0.1);
+    // The first step moves every entry by about lr against its gradient's sign.
+    for (Eigen::Index i = 0; i < p.a.size(); ++i) {
+        CHECK(std::abs(p.a.data()[i] - before.a.data()[i] * (1 - 0.1 * 0.01) +
+                       0.1 * (g.a.data()[i] > 0 ? 1 : -1)) <= 1e-6);
+    }
+    CHECK(opt.steps() == 1);
+}

@@ -308,6 +308,12 @@ struct BlockParams {
 
 template <class T, class Backend = backend::Cpu>
 class Block;
+template <class T, class Backend>
+struct BlockTrace;
+namespace detail {
+template <class T, class Backend>
+struct BlockTraining;
+}  // namespace detail
 
 /// The state of B streams through one block: the memory's state, the attention's KV ring
 /// buffer (MAG, MAL), and for MAC the keys/values of the segment in progress and the memory
@@ -362,6 +368,7 @@ public:
 
 private:
     friend class Block<T, Backend>;
+    friend struct detail::BlockTraining<T, Backend>;
     BlockKind kind_ = BlockKind::LMM;
     BlockConfig cfg_{};  // the block's settings at make_state (what a continuing block must match)
     int batch_ = 0;
@@ -525,6 +532,42 @@ public:
         return o;
     }
 
+    /// What the training forward keeps for backward (math §9; models/block_training.hpp).
+    using Trace = BlockTrace<T, Backend>;
+    /// Whether this backend has the training pass of every sub-layer (the CPU's does).
+    static constexpr bool trainable = backend::MemoryTraining<Backend, T>::available &&
+                                      backend::AttentionTraining<Backend, T>::available;
+
+    /// The training forward (math §9): forward(state, x) from a fresh state (position 0;
+    /// ConfigError otherwise), keeping in `trace` what backward needs; y = the output. The
+    /// persistent tokens go through the memory (and MAL's window) in this call, as rows before
+    /// each sequence's, so that they are learnt. Same outputs as forward (to rounding) and a
+    /// state that continues the same; on an error nothing changes (state, y, trace). LMM, MAG
+    /// and MAL (MAC: ConfigError, no training pass yet).
+    ///
+    ///     Block<double>::Trace trace;
+    ///     block.forward(state, x, y, trace);
+    ///     auto grads = BlockParams<double>::zeros(cfg);
+    ///     block.backward(trace, dy, dx, grads);  // dy = dL/dy -> dx, grads += dL/dparams
+    void forward(State& state, const MatrixRef<T>& x, Matrix<T>& y, Trace& trace) const
+        requires(trainable)
+    {
+        detail::BlockTraining<T, Backend>::forward(*this, state, x, y, trace);
+    }
+
+    /// The backward pass (math §9) of a training forward: dy = dL/dy (the trace's rows x d)
+    /// gives dx = dL/dx (resized; not sharing dy's storage), and the gradient of every
+    /// parameter the block uses (norms, memory, attention, persistent tokens, feed-forward)
+    /// is added to grads (shaped as params(), e.g. BlockParams<T>::zeros(config())). Throws
+    /// ShapeError (empty trace, shapes), ConfigError (another configuration's trace),
+    /// NonFiniteError (dy or grads, or gradients that overflow); nothing changes then.
+    void backward(const Trace& trace, const MatrixRef<T>& dy, Matrix<T>& dx,
+                  BlockParams<T>& grads) const
+        requires(trainable)
+    {
+        detail::BlockTraining<T, Backend>::backward(*this, trace, dy, dx, grads);
+    }
+
     /// Transactions over several calls, as NeuralMemory::begin: after begin(state), forward
     /// and mix calls are undone together by rollback(state) (memory, attention, MAC segment
     /// buffers and position, bit-identical) or kept by commit(state). Without one, each call
@@ -595,6 +638,8 @@ public:
     void validate_state(const State& state) const { check_state(state, "Block"); }
 
 private:
+    friend struct detail::BlockTraining<T, Backend>;
+
     /// Opens a transaction for one call (unless one is open); rolls it back on unwinding.
     class Guard {
     public:
@@ -620,12 +665,17 @@ private:
         try {
             return mix_kind(state, u);
         } catch (const NonFiniteError& e) {
-            throw NonFiniteError(detail::concat(
-                "Block (", to_string(cfg_.kind), "): ", e.what(),
-                cfg_.kind == BlockKind::MAG || cfg_.kind == BlockKind::MAL
-                    ? " (memory positions count the persistent tokens first)"
-                    : ""));
+            rethrow_named(e);
         }
+    }
+
+    /// A sub-layer's NonFiniteError again, naming the block.
+    [[noreturn]] void rethrow_named(const NonFiniteError& e) const {
+        throw NonFiniteError(detail::concat(
+            "Block (", to_string(cfg_.kind), "): ", e.what(),
+            cfg_.kind == BlockKind::MAG || cfg_.kind == BlockKind::MAL
+                ? " (memory positions count the persistent tokens first)"
+                : ""));
     }
 
     Matrix<T> mix_kind(State& state, const MatrixRef<T>& u) const {
@@ -873,3 +923,5 @@ private:
 };
 
 }  // namespace titans
+
+#include "block_training.hpp"  // Block::forward / backward (training): BlockTraining

@@ -198,6 +198,13 @@ struct ModelParams {
     }
 };
 
+template <class T, class Backend>
+struct ModelTrace;
+namespace detail {
+template <class T, class Backend>
+struct ModelTraining;
+}  // namespace detail
+
 /// The state of B streams through a Model: one BlockState per layer and the position.
 template <class T, class Backend = backend::Cpu>
 struct ModelState {
@@ -285,14 +292,7 @@ public:
 
     /// Vectors in: x (B*N) x d_model -> (B*N) x output_dim().
     [[nodiscard]] Matrix<T> forward(State& state, const MatrixRef<T>& x) const {
-        // Reserve: a block's memory also counts its persistent tokens (<= max_persistent).
-        detail::check_position_advance("Model::forward", state.position, x.rows(), state.batch,
-                                       limits::max_persistent);
-        check_state(state, "Model::forward");
-        if (x.cols() != cfg_.d_model) {
-            throw ShapeError(detail::concat("Model::forward: x has ", x.cols(),
-                                            " columns, expected d_model = ", cfg_.d_model));
-        }
+        check_input(state, x, "Model::forward");
         const ThreadScope team(threads_, work_estimate(x.rows()));
         // One transaction over every block: if any block (or the head) throws, all of them
         // roll back and the state is as it was (strong guarantee).
@@ -311,11 +311,7 @@ public:
             }
             Matrix<T> out(h.rows(), params_->head.cols());
             detail::multiply(out, norm_final_.forward(h), params_->head);
-            if (!detail::all_finite(out)) {
-                throw NonFiniteError("Model::forward: the head's output is not finite (the final "
-                                     "projection overflows), expected finite values; the state "
-                                     "is unchanged");
-            }
+            require_finite_output(out);
             for (std::size_t i = 0; i < blocks_.size(); ++i) {
                 blocks_[i].commit(state.blocks[i]);
             }
@@ -331,19 +327,89 @@ public:
 
     /// Token ids in (B*N of them, sequence-major) -> logits (B*N) x vocab_size.
     [[nodiscard]] Matrix<T> forward_tokens(State& state, const std::vector<int>& ids) const {
-        detail::require<ConfigError>(cfg_.vocab_size > 0, "Model::forward_tokens", "vocab_size",
-                                     cfg_.vocab_size, "> 0 (this model takes vectors: forward)");
-        Matrix<T> x(static_cast<Eigen::Index>(ids.size()), cfg_.d_model);
-        for (std::size_t i = 0; i < ids.size(); ++i) {
-            detail::require<ShapeError>(ids[i] >= 0 && ids[i] < cfg_.vocab_size,
-                                        "Model::forward_tokens", "token id", ids[i],
-                                        detail::concat("in [0, ", cfg_.vocab_size, ")"));
-            x.row(static_cast<Eigen::Index>(i)) = params_->embedding.row(ids[i]);
-        }
-        return forward(state, x);
+        return forward(state, embed(ids, "Model::forward_tokens"));
+    }
+
+    /// What the training forward keeps for backward (math §9; models/model_training.hpp).
+    using Trace = ModelTrace<T, Backend>;
+    /// Whether this backend has the training pass of every layer (the CPU's does).
+    static constexpr bool trainable = Block<T, Backend>::trainable;
+
+    /// The training forward (math §9): forward(state, x) from a fresh state (position 0;
+    /// ConfigError otherwise), every block's training forward keeping its trace in `trace`;
+    /// out = the output. Same outputs as forward (to rounding) and a state that continues the
+    /// same; on an error nothing changes (state, out, trace). Blocks LMM, MAG, MAL.
+    ///
+    ///     Model<double>::Trace trace;
+    ///     model.forward_tokens(state, ids, logits, trace);
+    ///     auto grads = ModelParams<double>::zeros(cfg);
+    ///     model.backward(trace, dlogits, grads);  // grads += dL/dparams
+    void forward(State& state, const MatrixRef<T>& x, Matrix<T>& out, Trace& trace) const
+        requires(trainable)
+    {
+        detail::ModelTraining<T, Backend>::forward(*this, state, x, out, trace);
+    }
+    /// As above from token ids (B*N, sequence-major); backward adds to their embedding rows.
+    void forward_tokens(State& state, const std::vector<int>& ids, Matrix<T>& out,
+                        Trace& trace) const
+        requires(trainable)
+    {
+        detail::ModelTraining<T, Backend>::forward(
+            *this, state, embed(ids, "Model::forward_tokens (training)"), out, trace, ids);
+    }
+
+    /// The backward pass (math §9) of a training forward: dout = dL/dout (the trace's rows x
+    /// output_dim()) adds the gradient of every parameter (embedding rows of the tokens, every
+    /// block, norm_final, head) to grads (shaped as params(), e.g. ModelParams<T>::zeros(
+    /// config())) and, if dx is given, writes dL/dx (for tokens: dL/d of their embedding rows).
+    /// Throws ShapeError (empty trace, shapes), ConfigError (another model's trace),
+    /// NonFiniteError (dout or grads, or gradients that overflow); nothing changes then.
+    void backward(const Trace& trace, const MatrixRef<T>& dout, ModelParams<T>& grads,
+                  Matrix<T>* dx = nullptr) const
+        requires(trainable)
+    {
+        detail::ModelTraining<T, Backend>::backward(*this, trace, dout, grads, dx);
     }
 
 private:
+    friend struct detail::ModelTraining<T, Backend>;
+
+    /// The rows of the embedding for ids (ConfigError without a vocabulary, ShapeError for an
+    /// id outside [0, vocab_size)).
+    Matrix<T> embed(const std::vector<int>& ids, const char* where) const {
+        detail::require<ConfigError>(cfg_.vocab_size > 0, where, "vocab_size", cfg_.vocab_size,
+                                     "> 0 (this model takes vectors: forward)");
+        Matrix<T> x(static_cast<Eigen::Index>(ids.size()), cfg_.d_model);
+        for (std::size_t i = 0; i < ids.size(); ++i) {
+            detail::require<ShapeError>(ids[i] >= 0 && ids[i] < cfg_.vocab_size, where,
+                                        "token id", ids[i],
+                                        detail::concat("in [0, ", cfg_.vocab_size, ")"));
+            x.row(static_cast<Eigen::Index>(i)) = params_->embedding.row(ids[i]);
+        }
+        return x;
+    }
+
+    /// The checks of a forward call: the position may advance, the state is this model's, x
+    /// is d_model wide.
+    void check_input(const State& state, const MatrixRef<T>& x, const char* where) const {
+        // Reserve: a block's memory also counts its persistent tokens (<= max_persistent).
+        detail::check_position_advance(where, state.position, x.rows(), state.batch,
+                                       limits::max_persistent);
+        check_state(state, where);
+        if (x.cols() != cfg_.d_model) {
+            throw ShapeError(detail::concat(where, ": x has ", x.cols(),
+                                            " columns, expected d_model = ", cfg_.d_model));
+        }
+    }
+
+    static void require_finite_output(const Matrix<T>& out) {
+        if (!detail::all_finite(out)) {
+            throw NonFiniteError("Model::forward: the head's output is not finite (the final "
+                                 "projection overflows), expected finite values; the state "
+                                 "is unchanged");
+        }
+    }
+
     void check_state(const State& state, const char* where) const {
         if (state.batch < 1 || state.blocks.size() != blocks_.size()) {
             throw ConfigError(detail::concat(where, ": state was made for a different model (or "
@@ -385,3 +451,5 @@ private:
 };
 
 }  // namespace titans
+
+#include "model_training.hpp"  // Model::forward / backward (training): ModelTraining

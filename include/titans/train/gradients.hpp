@@ -18,10 +18,12 @@ namespace titans {
 
 namespace detail {
 
-/// The scalar type of a parameter struct template P<T> (FeedForwardParams<T>, ModelParams<T>,
-/// ...).
+/// The scalar type of a parameter struct: P::Scalar where the struct names it (a user's own
+/// struct), else T of a template P<T> (FeedForwardParams<T>, ModelParams<T>, ...).
 template <class P>
-struct ParamsScalar;
+struct ParamsScalar {
+    using type = typename P::Scalar;
+};
 template <template <class> class P, class T>
 struct ParamsScalar<P<T>> {
     using type = T;

@@ -1,0 +1,235 @@
+#pragma once
+// titans/models/block_training.hpp: the training pass of a Titans block (math §9, "Blocks and
+// the model"): Block::forward(state, x, y, trace) and Block::backward(trace, dy, dx, grads).
+//
+// The forward is the inference forward from a fresh state, with every sub-layer's training
+// forward keeping its trace. The persistent tokens P, which inference feeds to the memory (and
+// for MAL to the attention window) once at make_state(), are fed here in the same call: each
+// sequence's rows become [P; u], so their gradients reach P. The backward reverses
+//     u = RMSNorm(x),  h = x + Mixer(u),  out = h + FFN(RMSNorm(h))
+// with the mixer by kind (LMM, MAG, MAL; MAC has no training pass yet).
+
+#include <utility>
+
+#include "../detail/activation.hpp"
+#include "../detail/check.hpp"
+#include "../error.hpp"
+#include "../train/gradients.hpp"
+#include "block.hpp"
+
+namespace titans {
+
+/// What Block's training forward keeps for backward (math §9): each sub-layer's trace and, for
+/// MAG, the two factors of the gated output. Shapes: rows = B*N of the call.
+template <class T, class Backend>
+struct BlockTrace {
+    BlockConfig cfg;
+    int batch = 0;
+    Eigen::Index rows = 0;
+    bool filled = false;
+    typename RMSNorm<T, Backend>::Trace norm_mix, norm_ffn, norm_y, norm_m;
+    typename NeuralMemory<T, Backend>::Trace memory;     // over [P; u] per sequence
+    typename Attention<T, Backend>::Trace attention;     // MAG: u with prefix P; MAL: [P; M]
+    typename FeedForward<T, Backend>::Trace ffn;
+    Matrix<T> a, g;  // MAG: RMSNorm_y(attention output), sigma(RMSNorm_m(memory output))
+
+    [[nodiscard]] bool empty() const { return !filled; }
+};
+
+namespace detail {
+
+/// Each sequence's rows of u (B*N x d, sequence-major) after the rows of P: (B*(p+N)) x d.
+template <class T>
+Matrix<T> with_prefix(const Matrix<T>& P, const Matrix<T>& u, int B) {
+    const Eigen::Index p = P.rows(), N = u.rows() / B;
+    Matrix<T> out(B * (p + N), u.cols());
+    for (int b = 0; b < B; ++b) {
+        out.middleRows(b * (p + N), p) = P;
+        out.middleRows(b * (p + N) + p, N) = u.middleRows(b * N, N);
+    }
+    return out;
+}
+
+/// The inverse of with_prefix: the rows after each sequence's p prefix rows.
+template <class T>
+Matrix<T> without_prefix(const Matrix<T>& full, int B, Eigen::Index p) {
+    const Eigen::Index N = full.rows() / B - p;
+    Matrix<T> out(B * N, full.cols());
+    for (int b = 0; b < B; ++b) {
+        out.middleRows(b * N, N) = full.middleRows(b * (p + N) + p, N);
+    }
+    return out;
+}
+
+/// du (B*N x d) with p zero rows before each sequence's: the adjoint of without_prefix.
+template <class T>
+Matrix<T> zero_prefix(const Matrix<T>& du, int B, Eigen::Index p) {
+    return with_prefix(Matrix<T>::Zero(p, du.cols()).eval(), du, B);
+}
+
+/// dP += the sum over sequences of the prefix rows of dfull: the adjoint of P in with_prefix.
+template <class T>
+void add_prefix_rows(const Matrix<T>& dfull, int B, Eigen::Index p, Matrix<T>& dP) {
+    const Eigen::Index n = dfull.rows() / B;
+    for (int b = 0; b < B; ++b) {
+        dP += dfull.middleRows(b * n, p);
+    }
+}
+
+/// The body of Block's training calls (a friend of Block and BlockState).
+template <class T, class Backend>
+struct BlockTraining {
+    using Blk = Block<T, Backend>;
+    using State = BlockState<T, Backend>;
+    using Trace = BlockTrace<T, Backend>;
+
+    static void forward(const Blk& blk, State& state, const MatrixRef<T>& x, Matrix<T>& y,
+                        Trace& trace) {
+        constexpr const char* where = "Block::forward (training)";
+        blk.check(state, x, where);
+        if (state.position_ != 0) {
+            throw ConfigError(concat(where, ": state.position() = ", state.position_,
+                                     ", expected 0 (the training forward starts from a fresh "
+                                     "state, make_state())"));
+        }
+        if (blk.cfg_.kind == BlockKind::MAC) {
+            throw ConfigError(concat(where, ": kind = MAC has no training pass yet, expected "
+                                            "LMM, MAG or MAL"));
+        }
+        const ThreadScope team(blk.threads_, 3.0 * blk.work_estimate(x.rows()));
+        State next = state;  // committed only if every step succeeds
+        Trace t;
+        t.cfg = blk.cfg_;
+        t.batch = state.batch_;
+        t.rows = x.rows();
+        Matrix<T> u;
+        blk.norm_mix_.forward(x, u, t.norm_mix);
+        Matrix<T> h;
+        try {
+            h = x + mix(blk, next, u, t);
+        } catch (const NonFiniteError& e) {
+            blk.rethrow_named(e);
+        }
+        if (blk.cfg_.use_ffn) {
+            blk.require_finite(h, state, "the mixer's residual sum");
+            Matrix<T> z, f;
+            blk.norm_ffn_.forward(h, z, t.norm_ffn);
+            blk.ffn_->forward(z, f, t.ffn);
+            h += f;
+        }
+        blk.require_finite(h, state, "the output");
+        next.position_ += x.rows() / state.batch_;
+        t.filled = true;
+        y = std::move(h);
+        trace = std::move(t);
+        state = std::move(next);
+    }
+
+    static void backward(const Blk& blk, const Trace& tr, const MatrixRef<T>& dy, Matrix<T>& dx,
+                         BlockParams<T>& grads) {
+        constexpr const char* where = "Block::backward";
+        const BlockConfig& cfg = blk.cfg_;
+        check_trace(tr.filled, tr.filled ? tr.cfg.d_model : cfg.d_model, cfg.d_model, where);
+        if (tr.cfg.kind != cfg.kind || !Blk::same_stream(tr.cfg, cfg)) {
+            throw ConfigError(concat(where, ": trace was made by a block with another "
+                                            "configuration, expected this block's"));
+        }
+        check_gradient_rows(dy, tr.rows, cfg.d_model, where, "dy");
+        check_same_tensors(*blk.params_, grads, cfg, where, "grads");
+        if (overlaps(dy, dx)) {
+            throw ShapeError(concat(where, ": dx shares storage with dy, expected a distinct "
+                                           "matrix"));
+        }
+        const ThreadScope team(blk.threads_, 3.0 * blk.work_estimate(tr.rows));
+        BlockParams<T> g = BlockParams<T>::zeros(cfg);
+        Matrix<T> dh = dy;
+        if (cfg.use_ffn) {
+            Matrix<T> dz, dres;
+            blk.ffn_->backward(tr.ffn, dy, dz, g.ffn);
+            blk.norm_ffn_.backward(tr.norm_ffn, dz, dres, g.norm_ffn);
+            dh += dres;
+        }
+        const Matrix<T> du = mix_backward(blk, tr, dh, g);
+        Matrix<T> dres;
+        blk.norm_mix_.backward(tr.norm_mix, du, dres, g.norm_mix);
+        dh += dres;
+        if (!all_finite(dh) || !tensors_finite(g, cfg)) {
+            throw NonFiniteError(concat(where, ": the gradients overflow, expected finite "
+                                               "values; grads are unchanged"));
+        }
+        add_tensors(g, grads, cfg);
+        dx = std::move(dh);
+    }
+
+private:
+    static Eigen::Index prefix_rows(const BlockConfig& cfg) {
+        return cfg.kind == BlockKind::MAG || cfg.kind == BlockKind::MAL ? cfg.n_persistent : 0;
+    }
+
+    /// The mixer's training forward on u; next's memory (and MAL's attention) restart from
+    /// fresh states that take P first.
+    static Matrix<T> mix(const Blk& blk, State& next, const Matrix<T>& u, Trace& t) {
+        const BlockConfig& cfg = blk.cfg_;
+        const int B = next.batch_;
+        const Matrix<T>& P = blk.params_->persistent;
+        const Eigen::Index p = prefix_rows(cfg);
+        next.memory_ = blk.memory_.make_state(B);
+        Matrix<T> m;
+        if (cfg.kind == BlockKind::LMM) {
+            blk.memory_.forward(next.memory_, u, m, t.memory);
+            return m;
+        }
+        blk.memory_.forward(next.memory_, with_prefix(P, u, B), m, t.memory);
+        Matrix<T> y;
+        if (cfg.kind == BlockKind::MAL) {
+            next.attention_ = blk.attention_->make_state(B);
+            blk.attention_->forward(next.attention_, m, y, t.attention);
+            return without_prefix(y, B, p);
+        }
+        // MAG: o = RMSNorm_y(SWA*(P ‖ u)) ⊙ σ(RMSNorm_m(M(P ‖ u))).
+        blk.attention_->forward(next.attention_, u, y, t.attention, p > 0 ? &P : nullptr);
+        Matrix<T> gl;
+        blk.norm_y_->forward(y, t.a, t.norm_y);
+        blk.norm_m_->forward(without_prefix(m, B, p), gl, t.norm_m);
+        t.g = gl.unaryExpr([](T v) { return sigmoid(v); });
+        return t.a.cwiseProduct(t.g);
+    }
+
+    /// The mixer's backward: do (B*N x d) -> du; parameter gradients added to g.
+    static Matrix<T> mix_backward(const Blk& blk, const Trace& tr, const Matrix<T>& dout,
+                                  BlockParams<T>& g) {
+        const BlockConfig& cfg = blk.cfg_;
+        const int B = tr.batch;
+        const Eigen::Index p = prefix_rows(cfg);
+        Matrix<T> du, dfull;
+        if (cfg.kind == BlockKind::LMM) {
+            blk.memory_.backward(tr.memory, dout, du, g.memory);
+            return du;
+        }
+        if (cfg.kind == BlockKind::MAL) {
+            Matrix<T> dm;
+            blk.attention_->backward(tr.attention, zero_prefix(dout, B, p), dm, g.attention);
+            blk.memory_.backward(tr.memory, dm, dfull, g.memory);
+            add_prefix_rows(dfull, B, p, g.persistent);
+            return without_prefix(dfull, B, p);
+        }
+        const Matrix<T> da = dout.cwiseProduct(tr.g);
+        const Matrix<T> dgl = (dout.array() * tr.a.array() * tr.g.array() *
+                               (T(1) - tr.g.array())).matrix();
+        Matrix<T> dya, dm, dP;
+        blk.norm_y_->backward(tr.norm_y, da, dya, g.norm_y);
+        blk.norm_m_->backward(tr.norm_m, dgl, dm, g.norm_m);
+        blk.attention_->backward(tr.attention, dya, du, g.attention, p > 0 ? &dP : nullptr);
+        if (p > 0) {
+            g.persistent += dP;
+        }
+        blk.memory_.backward(tr.memory, zero_prefix(dm, B, p), dfull, g.memory);
+        add_prefix_rows(dfull, B, p, g.persistent);
+        du += without_prefix(dfull, B, p);
+        return du;
+    }
+};
+
+}  // namespace detail
+
+}  // namespace titans

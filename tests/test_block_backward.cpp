@@ -1,0 +1,282 @@
+// The training pass of blocks and models (math §9, "Blocks and the model"): Block and Model
+// backward against central finite differences of the inference forward (persistent tokens fed
+// at make_state there, in the call here), the training forward against the inference forward,
+// the refusals.
+#include "catch.hpp"
+#include "test_common.hpp"
+#include "block_cases.hpp"
+#include "training_pass.hpp"
+
+#include <titans/titans.hpp>
+
+#include <limits>
+#include <string>
+#include <vector>
+
+using namespace titans_test;
+using titans::BlockConfig;
+using titans::BlockKind;
+using titans::BlockParams;
+
+namespace {
+
+struct BlockCase {
+    BlockConfig cfg;
+    BlockParams<double> p;
+    Matrixd x, dy;
+    int batch = 1;
+};
+
+/// Norm weights around 1, gate biases and conv taps off their initial values: every tensor
+/// matters.
+void perturb(BlockParams<double>& p, const BlockConfig& cfg, Rng& rng) {
+    for (titans::RowVector<double>* w : {&p.norm_mix, &p.norm_ffn, &p.norm_y, &p.norm_m}) {
+        if (w->size() > 0) *w = (1.0 + 0.3 * random_matrix(1, w->size(), rng).array()).matrix();
+    }
+    const int H = cfg.memory.n_heads;
+    p.memory.b_theta = random_matrix(1, H, rng);
+    p.memory.b_eta = random_matrix(1, H, rng, -1.0, 1.5);
+    p.memory.b_alpha = random_matrix(1, H, rng, -3.0, 0.0);
+    for (Matrixd* conv : {&p.memory.conv_q, &p.memory.conv_k, &p.memory.conv_v}) {
+        *conv += random_matrix(conv->rows(), conv->cols(), rng, -0.3, 0.3);
+    }
+}
+
+/// A small block of `kind`: width 2..6, 1..2 heads, memory depth 1..2 and chunk 1..4, window
+/// 2..4, 0..3 persistent tokens, feed-forward SwiGLU / GELU / none, RoPE when the head width is
+/// even, both retrievals and gate modes; 5..9 tokens (several chunks, beyond the window),
+/// batch 1..2; bit 4 of i: a constant stream.
+BlockCase draw_block_case(BlockKind kind, int i, Rng& rng) {
+    BlockCase c;
+    const int heads = uniform_int(rng, 1, 2), d = heads * uniform_int(rng, 1, 3);
+    c.cfg = BlockConfig::make(kind, d, heads, uniform_int(rng, 1, 2), uniform_int(rng, 2, 4),
+                              uniform_int(rng, 1, 4));
+    c.cfg.n_persistent = uniform_int(rng, 0, 3);
+    c.cfg.use_ffn = i % 3 != 2;
+    c.cfg.ffn.kind = i % 2 == 0 ? titans::FeedForwardKind::SwiGLU : titans::FeedForwardKind::GELU;
+    c.cfg.ffn.hidden = uniform_int(rng, 2, 5);
+    c.cfg.memory.retrieval = (i / 2) % 2 == 0 ? titans::Retrieval::Lagged : titans::Retrieval::InChunk;
+    c.cfg.memory.gates = (i / 3) % 2 == 0 ? titans::GateMode::DataDependent : titans::GateMode::Constant;
+    c.cfg.attention.rope = i % 2 == 1 && c.cfg.attention.head_dim() % 2 == 0;
+    c.cfg.validate();
+    c.p = BlockParams<double>::random(c.cfg, rng());
+    perturb(c.p, c.cfg, rng);
+    c.batch = uniform_int(rng, 1, 2);
+    const int N = uniform_int(rng, 5, 9);
+    c.x = random_matrix(c.batch * N, d, rng);
+    if ((i & 16) != 0) c.x.rowwise() = c.x.row(0);
+    c.dy = random_matrix(c.batch * N, d, rng);
+    return c;
+}
+
+double block_loss(const BlockCase& c) {
+    return fresh_loss<titans::Block<double>>(c.cfg, c.p, c.batch, c.x, c.dy);
+}
+BlockParams<double> block_gradients(const BlockCase& c, Matrixd& dx) {
+    return fresh_gradients<titans::Block<double>>(c.cfg, c.p, c.batch, c.x, c.dy, dx);
+}
+
+const std::vector<BlockKind> trainable_kinds{BlockKind::LMM, BlockKind::MAG, BlockKind::MAL};
+
+}  // namespace
+
+TEST_CASE("block bwd: FD, LMM MAG MAL", "[train][blocks]") {
+    const int i = GENERATE(range(0, 18));
+    const std::uint64_t seed = seed_for("block bwd: FD", static_cast<std::uint64_t>(i));
+    Rng rng(seed);
+    BlockCase c = draw_block_case(trainable_kinds[static_cast<std::size_t>(i % 3)], i, rng);
+    INFO("seed=" << seed << " case=" << i << " kind=" << titans::to_string(c.cfg.kind)
+                 << " rows=" << c.x.rows() << " persistent=" << c.cfg.n_persistent);
+    Matrixd dx;
+    const BlockParams<double> g = block_gradients(c, dx);
+    const auto loss = [&]() { return block_loss(c); };
+    const double atol = 1e-12 * std::max(1.0, std::abs(loss()));
+    const double ep = params_fd_error(c.p, g, c.cfg, atol, loss);
+    const double ex = tensor_error(c.x.data(), dx.data(), c.x.size(), atol, loss);
+    if (ex > 1e-6) UNSCOPED_INFO("x: " << ex);
+    CHECK(note_error<double>("block backward", std::max(ep, ex)) <= 1e-6);
+}
+
+TEMPLATE_TEST_CASE("block bwd: as inference", "[train][blocks]", float, double) {
+    using T = TestType;
+    for (int i = 0; i < 6; ++i) {
+        Rng rng(seed_for("block bwd: as inference", static_cast<std::uint64_t>(i)));
+        const BlockCase c = draw_block_case(trainable_kinds[static_cast<std::size_t>(i % 3)],
+                                            i + 16 * (i / 3), rng);
+        INFO("case " << i << " kind " << titans::to_string(c.cfg.kind));
+        const auto pt = cast_block<T>(c.p);
+        titans::Block<T> block(c.cfg, pt);
+        const titans::Matrix<T> x = c.x.template cast<T>();
+        auto s1 = block.make_state(c.batch), s2 = block.make_state(c.batch);
+        typename titans::Block<T>::Trace trace;
+        titans::Matrix<T> y2;
+        const titans::Matrix<T> y1 = block.forward(s1, x);
+        block.forward(s2, x, y2, trace);
+        CHECK(rel_error(y2, y1) <= 10 * tol<T>());
+        CHECK(s2.position() == s1.position());
+        // Both states continue the streams the same (the memory took P in the same call here).
+        const titans::Matrix<T> x2 = random_matrix(x.rows(), x.cols(), rng).template cast<T>();
+        CHECK(rel_error(block.forward(s2, x2), block.forward(s1, x2)) <= 10 * tol<T>());
+    }
+}
+
+TEST_CASE("block bwd: sums and refusals", "[train][blocks]") {
+    Rng rng(seed_for("block bwd: sums and refusals"));
+    BlockCase c = draw_block_case(BlockKind::MAG, 0, rng);
+    titans::Block<double> block(c.cfg, c.p);
+    auto st = block.make_state(c.batch);
+    const auto fresh = block.make_state(c.batch);
+    titans::Block<double>::Trace trace;
+    Matrixd y, dx1, dx2;
+    block.forward(st, c.x, y, trace);
+    // Gradients add up; dx is written.
+    auto g = BlockParams<double>::zeros(c.cfg);
+    block.backward(trace, c.dy, dx1, g);
+    const auto once = g;
+    block.backward(trace, c.dy, dx2, g);
+    CHECK(identical(dx1, dx2));
+    CHECK(identical(g.persistent, (2 * once.persistent).eval()));
+    CHECK(identical(g.memory.w_q, (2 * once.memory.w_q).eval()));
+    // Refusals change nothing.
+    Matrixd y3 = y;
+    REQUIRE_THROWS_NAMING(block.forward(st, c.x, y3, trace), titans::ConfigError, "position");
+    CHECK(identical(y3, y));
+    CHECK(trace.rows == c.x.rows());
+    auto st2 = fresh;
+    Matrixd bad_x = c.x;
+    bad_x(0, 0) = std::numeric_limits<double>::infinity();
+    CHECK_THROWS_AS(block.forward(st2, bad_x, y3, trace), titans::NonFiniteError);
+    CHECK(st2.position() == 0);
+    titans::Block<double>::Trace empty;
+    CHECK_THROWS_AS(block.backward(empty, c.dy, dx1, g), titans::ShapeError);
+    const Matrixd short_dy = c.dy.topRows(c.dy.rows() - 1);
+    CHECK_THROWS_AS(block.backward(trace, short_dy, dx1, g), titans::ShapeError);
+    Matrixd bad_dy = c.dy;
+    bad_dy(1, 0) = std::numeric_limits<double>::quiet_NaN();
+    CHECK_THROWS_AS(block.backward(trace, bad_dy, dx1, g), titans::NonFiniteError);
+    auto wrong = g;
+    wrong.persistent.resize(1, 1);
+    CHECK_THROWS_AS(block.backward(trace, c.dy, dx1, wrong), titans::ShapeError);
+    CHECK(identical(g.memory.w_q, (2 * once.memory.w_q).eval()));
+    // A trace of another block kind; MAC has no training pass yet.
+    BlockCase l = draw_block_case(BlockKind::LMM, 0, rng);
+    titans::Block<double> lmm(l.cfg, l.p);
+    auto sl = lmm.make_state(l.batch);
+    titans::Block<double>::Trace tl;
+    lmm.forward(sl, l.x, y3, tl);
+    CHECK_THROWS_AS(block.backward(tl, c.dy, dx1, g), titans::ConfigError);
+    BlockCase m = draw_block_case(BlockKind::MAC, 0, rng);
+    titans::Block<double> mac(m.cfg, m.p);
+    auto sm = mac.make_state(m.batch);
+    REQUIRE_THROWS_NAMING(mac.forward(sm, m.x, y3, tl), titans::ConfigError, "MAC");
+    CHECK(tl.rows == l.x.rows());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Model: embedding, mixed blocks, final norm, head.
+
+namespace {
+
+struct TrainModelCase {
+    titans::ModelConfig cfg;
+    titans::ModelParams<double> p;
+    std::vector<int> ids;
+    Matrixd x, dout;
+    int batch = 1;
+};
+
+TrainModelCase draw_model_case(int i, Rng& rng) {
+    TrainModelCase c;
+    Rng r2(rng());
+    const BlockCase a = draw_block_case(trainable_kinds[static_cast<std::size_t>(i % 3)], i, rng);
+    BlockCase b = draw_block_case(trainable_kinds[static_cast<std::size_t>((i + 1) % 3)], i + 1, r2);
+    c.cfg.d_model = a.cfg.d_model;
+    b.cfg = BlockConfig::make(b.cfg.kind, a.cfg.d_model, a.cfg.memory.n_heads, 1, 3, 2);
+    b.cfg.n_persistent = 2;
+    c.cfg.blocks = {a.cfg, b.cfg};
+    c.cfg.vocab_size = i % 2 == 0 ? uniform_int(rng, 3, 6) : 0;
+    c.cfg.d_out = c.cfg.vocab_size == 0 ? uniform_int(rng, 1, 3) : 0;
+    c.p = titans::ModelParams<double>::random(c.cfg, rng());
+    perturb(c.p.blocks[0], c.cfg.blocks[0], rng);
+    perturb(c.p.blocks[1], c.cfg.blocks[1], rng);
+    c.p.norm_final = (1.0 + 0.3 * random_matrix(1, c.cfg.d_model, rng).array()).matrix();
+    c.batch = a.batch;
+    const Eigen::Index rows = a.x.rows();
+    if (c.cfg.vocab_size > 0) {
+        for (Eigen::Index r = 0; r < rows; ++r) c.ids.push_back(uniform_int(rng, 0, c.cfg.vocab_size - 1));
+    } else {
+        c.x = a.x;
+    }
+    c.dout = random_matrix(rows, c.cfg.output_dim(), rng);
+    return c;
+}
+
+Matrixd model_out(const TrainModelCase& c) {
+    titans::Model<double> model(c.cfg, c.p);
+    auto st = model.make_state(c.batch);
+    return c.ids.empty() ? model.forward(st, c.x) : model.forward_tokens(st, c.ids);
+}
+
+}  // namespace
+
+TEST_CASE("model bwd: FD, mixed blocks", "[train][model]") {
+    const int i = GENERATE(range(0, 6));
+    const std::uint64_t seed = seed_for("model bwd: FD", static_cast<std::uint64_t>(i));
+    Rng rng(seed);
+    TrainModelCase c = draw_model_case(i, rng);
+    INFO("seed=" << seed << " case=" << i << " vocab=" << c.cfg.vocab_size);
+    titans::Model<double> model(c.cfg, c.p);
+    auto st = model.make_state(c.batch);
+    titans::Model<double>::Trace trace;
+    Matrixd out, dx;
+    if (c.ids.empty()) {
+        model.forward(st, c.x, out, trace);
+    } else {
+        model.forward_tokens(st, c.ids, out, trace);
+    }
+    CHECK(rel_error(out, model_out(c)) <= 1e-12);
+    auto g = titans::ModelParams<double>::zeros(c.cfg);
+    model.backward(trace, c.dout, g, &dx);
+    const auto loss = [&]() { return c.dout.cwiseProduct(model_out(c)).sum(); };
+    const double atol = 1e-12 * std::max(1.0, std::abs(loss()));
+    double err = params_fd_error(c.p, g, c.cfg, atol, loss);
+    if (c.ids.empty()) {
+        err = std::max(err, tensor_error(c.x.data(), dx.data(), c.x.size(), atol, loss));
+    } else {  // dx: the gradient of the embedded rows, summed per id into the embedding's
+        Matrixd e = Matrixd::Zero(c.p.embedding.rows(), c.p.embedding.cols());
+        for (std::size_t r = 0; r < c.ids.size(); ++r) e.row(c.ids[r]) += dx.row(static_cast<Eigen::Index>(r));
+        CHECK(rel_error(e, g.embedding) <= 1e-14);
+    }
+    CHECK(note_error<double>("model backward", err) <= 1e-6);
+}
+
+TEST_CASE("model bwd: refusals", "[train][model]") {
+    Rng rng(seed_for("model bwd: refusals"));
+    TrainModelCase c = draw_model_case(0, rng);
+    titans::Model<double> model(c.cfg, c.p);
+    auto st = model.make_state(c.batch);
+    titans::Model<double>::Trace trace;
+    Matrixd out;
+    model.forward_tokens(st, c.ids, out, trace);
+    auto g = titans::ModelParams<double>::zeros(c.cfg);
+    auto st2 = model.make_state(c.batch);
+    std::vector<int> bad = c.ids;
+    bad.back() = c.cfg.vocab_size;
+    Matrixd out2 = out;
+    REQUIRE_THROWS_NAMING(model.forward_tokens(st2, bad, out2, trace), titans::ShapeError, "token id");
+    CHECK(identical(out2, out));
+    CHECK(st2.position == 0);
+    REQUIRE_THROWS_NAMING(model.forward_tokens(st, c.ids, out2, trace), titans::ConfigError, "position");
+    const Matrixd wide = Matrixd::Ones(c.dout.rows(), c.dout.cols() + 1);
+    CHECK_THROWS_AS(model.backward(trace, wide, g), titans::ShapeError);
+    auto wrong = g;
+    wrong.head.resize(1, 1);
+    CHECK_THROWS_AS(model.backward(trace, c.dout, wrong), titans::ShapeError);
+    titans::Model<double>::Trace empty;
+    CHECK_THROWS_AS(model.backward(empty, c.dout, g), titans::ShapeError);
+    CHECK(g.head.isZero(0));
+    Matrixd dx;
+    model.backward(trace, c.dout, g, &dx);
+    CHECK(dx.rows() == c.dout.rows());
+    CHECK(!g.head.isZero(0));
+}
