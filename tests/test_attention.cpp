@@ -98,7 +98,7 @@ Matrixd run_reference(const CoreCase& c) {
 
 /// Largest |a - b| over row r.
 template <class A, class B>
-double row_diff(const A& a, const B& b, Eigen::Index r) {
+double attention_row_diff(const A& a, const B& b, Eigen::Index r) {
     return (a.row(r).template cast<double>() - b.row(r).template cast<double>())
         .cwiseAbs()
         .maxCoeff();
@@ -313,7 +313,7 @@ TEMPLATE_TEST_CASE("window attn: window edges", "[attention]", float, double) {
                 near.ks.row(t - w + 1).array() += 0.75;
                 near.vs.row(t - w + 1).array() -= 0.5;
                 const Matrix<T> out_near = run_core<T>(near);
-                CHECK(row_diff(out_near, out, t) > 1e-4);
+                CHECK(attention_row_diff(out_near, out, t) > 1e-4);
                 CHECK(rel_error(out_near, run_reference(near)) <= tol<T>());
             }
         }
@@ -347,7 +347,7 @@ TEMPLATE_TEST_CASE("window attn: prefix keys", "[attention]", float, double) {
         const Matrix<T> out_pk = run_core<T>(pk);
         for (Eigen::Index i = 0; i < c.n; ++i) {
             INFO("row " << i);
-            CHECK(row_diff(out_pk, out, i) > 1e-5);
+            CHECK(attention_row_diff(out_pk, out, i) > 1e-5);
         }
 
         // Sequence token j: rows before j unchanged; rows j .. j + w - 1 change; later unchanged.
@@ -361,7 +361,7 @@ TEMPLATE_TEST_CASE("window attn: prefix keys", "[attention]", float, double) {
                 if (i < j || i >= j + w) {
                     CHECK(identical(out_sj.row(i), out.row(i)));
                 } else {
-                    CHECK(row_diff(out_sj, out, i) > 1e-5);
+                    CHECK(attention_row_diff(out_sj, out, i) > 1e-5);
                 }
             }
         }
@@ -548,7 +548,7 @@ TEMPLATE_LIST_TEST_CASE("Attention: causal", "[attention]", Both) {
             if (i < j || i >= j + cfg.window) {
                 CHECK(identical(yj.row(i), y.row(i)));
             } else {
-                CHECK(row_diff(yj, y, i) > 1e-6);
+                CHECK(attention_row_diff(yj, y, i) > 1e-6);
             }
         }
         CHECK(identical(yj.bottomRows(N), y.bottomRows(N)));

@@ -20,7 +20,7 @@ using titans::BlockParams;
 
 namespace {
 
-struct BlockCase {
+struct BackwardBlockCase {
     BlockConfig cfg;
     BlockParams<double> p;
     Matrixd x, dy;
@@ -46,8 +46,8 @@ void perturb(BlockParams<double>& p, const BlockConfig& cfg, Rng& rng) {
 /// 2..4, 0..3 persistent tokens, feed-forward SwiGLU / GELU / none, RoPE when the head width is
 /// even, both retrievals and gate modes; 5..9 tokens (several chunks, beyond the window),
 /// batch 1..2; bit 4 of i: a constant stream.
-BlockCase draw_block_case(BlockKind kind, int i, Rng& rng) {
-    BlockCase c;
+BackwardBlockCase draw_block_case(BlockKind kind, int i, Rng& rng) {
+    BackwardBlockCase c;
     const int heads = uniform_int(rng, 1, 2), d = heads * uniform_int(rng, 1, 3);
     c.cfg = BlockConfig::make(kind, d, heads, uniform_int(rng, 1, 2), uniform_int(rng, 2, 4),
                               uniform_int(rng, 1, 4));
@@ -69,10 +69,10 @@ BlockCase draw_block_case(BlockKind kind, int i, Rng& rng) {
     return c;
 }
 
-double block_loss(const BlockCase& c) {
+double block_loss(const BackwardBlockCase& c) {
     return fresh_loss<titans::Block<double>>(c.cfg, c.p, c.batch, c.x, c.dy);
 }
-BlockParams<double> block_gradients(const BlockCase& c, Matrixd& dx) {
+BlockParams<double> block_gradients(const BackwardBlockCase& c, Matrixd& dx) {
     return fresh_gradients<titans::Block<double>>(c.cfg, c.p, c.batch, c.x, c.dy, dx);
 }
 
@@ -84,7 +84,7 @@ TEST_CASE("block bwd: FD, LMM MAG MAL", "[train][blocks]") {
     const int i = GENERATE(range(0, 18));
     const std::uint64_t seed = seed_for("block bwd: FD", static_cast<std::uint64_t>(i));
     Rng rng(seed);
-    BlockCase c = draw_block_case(trainable_kinds[static_cast<std::size_t>(i % 3)], i, rng);
+    BackwardBlockCase c = draw_block_case(trainable_kinds[static_cast<std::size_t>(i % 3)], i, rng);
     INFO("seed=" << seed << " case=" << i << " kind=" << titans::to_string(c.cfg.kind)
                  << " rows=" << c.x.rows() << " persistent=" << c.cfg.n_persistent);
     Matrixd dx;
@@ -101,7 +101,7 @@ TEMPLATE_TEST_CASE("block bwd: as inference", "[train][blocks]", float, double) 
     using T = TestType;
     for (int i = 0; i < 6; ++i) {
         Rng rng(seed_for("block bwd: as inference", static_cast<std::uint64_t>(i)));
-        const BlockCase c = draw_block_case(trainable_kinds[static_cast<std::size_t>(i % 3)],
+        const BackwardBlockCase c = draw_block_case(trainable_kinds[static_cast<std::size_t>(i % 3)],
                                             i + 16 * (i / 3), rng);
         INFO("case " << i << " kind " << titans::to_string(c.cfg.kind));
         const auto pt = cast_block<T>(c.p);
@@ -122,7 +122,7 @@ TEMPLATE_TEST_CASE("block bwd: as inference", "[train][blocks]", float, double) 
 
 TEST_CASE("block bwd: sums and refusals", "[train][blocks]") {
     Rng rng(seed_for("block bwd: sums and refusals"));
-    BlockCase c = draw_block_case(BlockKind::MAG, 0, rng);
+    BackwardBlockCase c = draw_block_case(BlockKind::MAG, 0, rng);
     titans::Block<double> block(c.cfg, c.p);
     auto st = block.make_state(c.batch);
     const auto fresh = block.make_state(c.batch);
@@ -159,13 +159,13 @@ TEST_CASE("block bwd: sums and refusals", "[train][blocks]") {
     CHECK_THROWS_AS(block.backward(trace, c.dy, dx1, wrong), titans::ShapeError);
     CHECK(identical(g.memory.w_q, (2 * once.memory.w_q).eval()));
     // A trace of another block kind; MAC has no training pass yet.
-    BlockCase l = draw_block_case(BlockKind::LMM, 0, rng);
+    BackwardBlockCase l = draw_block_case(BlockKind::LMM, 0, rng);
     titans::Block<double> lmm(l.cfg, l.p);
     auto sl = lmm.make_state(l.batch);
     titans::Block<double>::Trace tl;
     lmm.forward(sl, l.x, y3, tl);
     CHECK_THROWS_AS(block.backward(tl, c.dy, dx1, g), titans::ConfigError);
-    BlockCase m = draw_block_case(BlockKind::MAC, 0, rng);
+    BackwardBlockCase m = draw_block_case(BlockKind::MAC, 0, rng);
     titans::Block<double> mac(m.cfg, m.p);
     auto sm = mac.make_state(m.batch);
     REQUIRE_THROWS_NAMING(mac.forward(sm, m.x, y3, tl), titans::ConfigError, "MAC");
@@ -188,8 +188,8 @@ struct TrainModelCase {
 TrainModelCase draw_model_case(int i, Rng& rng) {
     TrainModelCase c;
     Rng r2(rng());
-    const BlockCase a = draw_block_case(trainable_kinds[static_cast<std::size_t>(i % 3)], i, rng);
-    BlockCase b = draw_block_case(trainable_kinds[static_cast<std::size_t>((i + 1) % 3)], i + 1, r2);
+    const BackwardBlockCase a = draw_block_case(trainable_kinds[static_cast<std::size_t>(i % 3)], i, rng);
+    BackwardBlockCase b = draw_block_case(trainable_kinds[static_cast<std::size_t>((i + 1) % 3)], i + 1, r2);
     c.cfg.d_model = a.cfg.d_model;
     b.cfg = BlockConfig::make(b.cfg.kind, a.cfg.d_model, a.cfg.memory.n_heads, 1, 3, 2);
     b.cfg.n_persistent = 2;
@@ -279,4 +279,55 @@ TEST_CASE("model bwd: refusals", "[train][model]") {
     model.backward(trace, c.dout, g, &dx);
     CHECK(dx.rows() == c.dout.rows());
     CHECK(!g.head.isZero(0));
+}
+
+// An empty piece (0 rows) through every layer's training pass: a 0-row output, a 0-row dx and
+// no gradient (the sums over no rows are 0), never an out-of-bounds access.
+TEST_CASE("training: empty pieces", "[train][model]") {
+    Rng rng(seed_for("training: empty pieces"));
+    for (BlockKind kind : trainable_kinds) {
+        BackwardBlockCase c = draw_block_case(kind, 0, rng);
+        INFO("kind " << titans::to_string(kind));
+        const Matrixd none(0, c.cfg.d_model);
+        titans::Block<double> block(c.cfg, c.p);
+        auto st = block.make_state(c.batch);
+        titans::Block<double>::Trace trace;
+        Matrixd y, dx;
+        block.forward(st, none, y, trace);
+        CHECK((y.rows() == 0 && y.cols() == c.cfg.d_model && st.position() == 0));
+        auto g = BlockParams<double>::zeros(c.cfg);
+        block.backward(trace, none, dx, g);
+        CHECK((dx.rows() == 0 && dx.cols() == c.cfg.d_model));
+        CHECK(g.memory.w_q.isZero(0));
+        CHECK(g.persistent.isZero(0));
+        // The memory and the attention on their own.
+        titans::NeuralMemory<double> mem(c.cfg.memory, c.p.memory);
+        auto ms = mem.make_state(c.batch);
+        titans::NeuralMemory<double>::Trace mt;
+        mem.forward(ms, none, y, mt);
+        auto mg = titans::MemoryParams<double>::zeros(c.cfg.memory);
+        mem.backward(mt, none, dx, mg);
+        CHECK((y.rows() == 0 && dx.rows() == 0 && mg.w_o.isZero(0)));
+        if (kind == BlockKind::LMM) {
+            continue;  // no attention
+        }
+        titans::Attention<double> att(c.cfg.attention, c.p.attention);
+        auto as = att.make_state(c.batch);
+        titans::Attention<double>::Trace at;
+        att.forward(as, none, y, at);
+        auto ag = titans::AttentionParams<double>::zeros(c.cfg.attention);
+        att.backward(at, none, dx, ag);
+        CHECK((y.rows() == 0 && dx.rows() == 0 && ag.w_q.isZero(0)));
+    }
+    TrainModelCase c = draw_model_case(0, rng);
+    titans::Model<double> model(c.cfg, c.p);
+    auto st = model.make_state(c.batch);
+    titans::Model<double>::Trace trace;
+    Matrixd out;
+    model.forward_tokens(st, std::vector<int>{}, out, trace);
+    CHECK(out.rows() == 0);
+    auto g = titans::ModelParams<double>::zeros(c.cfg);
+    Matrixd dx;
+    model.backward(trace, Matrixd(0, out.cols()), g, &dx);
+    CHECK((dx.rows() == 0 && g.head.isZero(0) && g.embedding.isZero(0)));
 }

@@ -40,13 +40,13 @@ FeedForwardConfig small_ffn(FeedForwardKind kind, Rng& rng) {
 }
 
 /// dx and the parameter gradients of one layer call, as host matrices.
-struct Grads {
+struct LayerGrads {
     Matrixd dx;
     std::vector<Matrixd> params;
 };
 
 template <class T, class B>
-Grads norm_grads(const RMSNorm<T, B>& norm, const Matrix<T>& x, const Matrix<T>& dy) {
+LayerGrads norm_grads(const RMSNorm<T, B>& norm, const Matrix<T>& x, const Matrix<T>& dy) {
     typename RMSNorm<T, B>::Trace trace;
     Matrix<T> y, dx;
     norm.forward(x, y, trace);
@@ -56,13 +56,13 @@ Grads norm_grads(const RMSNorm<T, B>& norm, const Matrix<T>& x, const Matrix<T>&
 }
 
 template <class T, class B>
-Grads ffn_grads(const FeedForward<T, B>& ff, const Matrix<T>& x, const Matrix<T>& dy) {
+LayerGrads ffn_grads(const FeedForward<T, B>& ff, const Matrix<T>& x, const Matrix<T>& dy) {
     typename FeedForward<T, B>::Trace trace;
     Matrix<T> y, dx;
     ff.forward(x, y, trace);
     auto g = FeedForwardParams<T>::zeros(ff.config());
     ff.backward(trace, dy, dx, g);
-    Grads out{dx.template cast<double>(), {}};
+    LayerGrads out{dx.template cast<double>(), {}};
     FeedForwardParams<T>::tensors(g, ff.config(), [&](const std::string&, Matrix<T>& m) {
         out.params.push_back(m.template cast<double>());
     });
@@ -91,7 +91,7 @@ TEMPLATE_LIST_TEST_CASE("norm: backward vs FD", "[backward]", BothD) {
         const RMSNorm<double, B> n(RowVector<double>(w), eps);
         return dot(dy, n.forward(x));
     };
-    const Grads g = norm_grads(RMSNorm<double, B>(RowVector<double>(w), eps), x, dy);
+    const LayerGrads g = norm_grads(RMSNorm<double, B>(RowVector<double>(w), eps), x, dy);
     const double s = input_scale(kind);
     // Relative to the size of dx's terms, max_r |dy_r ⊙ w| / rms_r: where they cancel (d = 1:
     // dx = eps dy w / rms^3, 1e-9 of them for |x| ~ 1e3) central differences resolve the
@@ -127,7 +127,7 @@ TEMPLATE_LIST_TEST_CASE("ffn: backward vs FD", "[backward]", BothD) {
     INFO("seed=" << seed << " d=" << cfg.d_model << " h=" << cfg.hidden << " rows=" << rows
                  << " kind=" << titans::to_string(kind));
     const auto loss = [&]() { return dot(dy, FeedForward<double, B>(cfg, p).forward(x)); };
-    const Grads g = ffn_grads(FeedForward<double, B>(cfg, p), x, dy);
+    const LayerGrads g = ffn_grads(FeedForward<double, B>(cfg, p), x, dy);
     CHECK(note_error<double>("backward:ffn dx", rel_error(g.dx, central_diff(x, 1e-5 * s, loss))) <= 1e-6);
     std::size_t i = 0;
     FeedForwardParams<double>::tensors(p, cfg, [&](const std::string& name, Matrixd& m) {
@@ -168,21 +168,21 @@ TEMPLATE_LIST_TEST_CASE("layers: grads add up", "[backward]", Both) {
         norm.backward(nt, dy, dx, gw);
         ff.backward(ft, dy, dx, gp);
     }
-    const Grads n1 = norm_grads(norm, x, dy), f1 = ffn_grads(ff, x, dy);
+    const LayerGrads n1 = norm_grads(norm, x, dy), f1 = ffn_grads(ff, x, dy);
     CHECK(identical(Matrixd(gw.template cast<double>()), Matrixd(2 * n1.params[0])));
     CHECK(identical(gp.w1.template cast<double>(), 2 * f1.params[0]));
     CHECK(identical(gp.w2.template cast<double>(), 2 * f1.params[2]));
 
     // Two pieces.
-    const Grads a = ffn_grads(ff, x.topRows(k).eval(), dy.topRows(k).eval());
-    const Grads b = ffn_grads(ff, x.bottomRows(rows - k).eval(), dy.bottomRows(rows - k).eval());
+    const LayerGrads a = ffn_grads(ff, x.topRows(k).eval(), dy.topRows(k).eval());
+    const LayerGrads b = ffn_grads(ff, x.bottomRows(rows - k).eval(), dy.bottomRows(rows - k).eval());
     CHECK(rel_error(a.dx, f1.dx.topRows(k)) <= tol<T>());
     CHECK(rel_error(b.dx, f1.dx.bottomRows(rows - k)) <= tol<T>());
     for (std::size_t i = 0; i < f1.params.size(); ++i) {
         CHECK(rel_error(a.params[i] + b.params[i], f1.params[i]) <= 10 * tol<T>());
     }
-    const Grads na = norm_grads(norm, x.topRows(k).eval(), dy.topRows(k).eval());
-    const Grads nb = norm_grads(norm, x.bottomRows(rows - k).eval(), dy.bottomRows(rows - k).eval());
+    const LayerGrads na = norm_grads(norm, x.topRows(k).eval(), dy.topRows(k).eval());
+    const LayerGrads nb = norm_grads(norm, x.bottomRows(rows - k).eval(), dy.bottomRows(rows - k).eval());
     CHECK(identical(na.dx, n1.dx.topRows(k)));
     CHECK(rel_error(na.params[0] + nb.params[0], n1.params[0]) <= 10 * tol<T>());
 }
@@ -197,13 +197,13 @@ TEMPLATE_TEST_CASE("layers: backward on device", "[backward]", float, double) {
         const Matrix<T> x = random_matrix(5, cfg.d_model, rng).cast<T>();
         const Matrix<T> dy = random_matrix(5, cfg.d_model, rng).cast<T>();
         const auto p = FeedForwardParams<T>::random(cfg, 11);
-        const Grads c = ffn_grads(FeedForward<T, Cpu>(cfg, p), x, dy);
-        const Grads s = ffn_grads(FeedForward<T, SimulatedDevice>(cfg, p), x, dy);
+        const LayerGrads c = ffn_grads(FeedForward<T, Cpu>(cfg, p), x, dy);
+        const LayerGrads s = ffn_grads(FeedForward<T, SimulatedDevice>(cfg, p), x, dy);
         CHECK(identical(c.dx, s.dx));
         for (std::size_t i = 0; i < c.params.size(); ++i) CHECK(identical(c.params[i], s.params[i]));
         const RowVector<T> w = random_matrix(1, cfg.d_model, rng).cast<T>();
-        const Grads nc = norm_grads(RMSNorm<T, Cpu>(w), x, dy);
-        const Grads ns = norm_grads(RMSNorm<T, SimulatedDevice>(w), x, dy);
+        const LayerGrads nc = norm_grads(RMSNorm<T, Cpu>(w), x, dy);
+        const LayerGrads ns = norm_grads(RMSNorm<T, SimulatedDevice>(w), x, dy);
         CHECK(identical(nc.dx, ns.dx));
         CHECK(identical(nc.params[0], ns.params[0]));
     }

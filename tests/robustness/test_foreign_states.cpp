@@ -13,10 +13,10 @@ using titans::ConfigError;
 
 namespace {
 
-using Edit = std::function<void(BlockConfig&)>;
+using SettingEdit = std::function<void(BlockConfig&)>;
 
 /// Every setting a block's state depends on, changed one at a time.
-std::vector<std::pair<const char*, Edit>> state_settings() {
+std::vector<std::pair<const char*, SettingEdit>> state_settings() {
     return {
         {"kind", [](BlockConfig& c) { c.kind = c.kind == BlockKind::MAG ? BlockKind::MAL : BlockKind::MAG; }},
         {"memory.chunk", [](BlockConfig& c) { c.memory.chunk += 1; }},

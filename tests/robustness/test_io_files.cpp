@@ -67,7 +67,7 @@ std::string load_message_params(const Config& cfg, const Params& p) {
     return message_of<titans::Error>([&] { (void)io::load_parameters<Params>(f, cfg); });
 }
 
-const MemoryConfig small_memory{.d_model = 8, .n_heads = 2, .depth = 1, .chunk = 2};
+const MemoryConfig io_small_memory{.d_model = 8, .n_heads = 2, .depth = 1, .chunk = 2};
 
 ModelConfig two_block_model() {
     ModelConfig cfg = ModelConfig::uniform(BlockKind::MAL, 1, 16, 2, 2, 4, 0, 3);
@@ -82,15 +82,15 @@ ModelConfig two_block_model() {
 TEST_CASE("io files: save refuses NaN params", "[io]") {
     TempDir dir("nan");
     const fs::path path = dir / "p.safetensors";
-    auto p = MemoryParams<float>::random(small_memory, 3);
+    auto p = MemoryParams<float>::random(io_small_memory, 3);
     p.w_k(1, 2) = std::numeric_limits<float>::quiet_NaN();
     const std::string msg = message_of<titans::NonFiniteError>(
-        [&] { io::save_parameters(path, small_memory, p); });
+        [&] { io::save_parameters(path, io_small_memory, p); });
     CHECK(after_source(msg, write_source(path)) == "tensor 'w_k' has a NaN or infinite value");
     // The same words as loading such a file.
-    CHECK(after_source(load_message_params(small_memory, p), "raw") ==
+    CHECK(after_source(load_message_params(io_small_memory, p), "raw") ==
           after_source(msg, write_source(path)));
-    REQUIRE_THROWS_NAMING(io::parameters_writer(small_memory, p), titans::NonFiniteError,
+    REQUIRE_THROWS_NAMING(io::parameters_writer(io_small_memory, p), titans::NonFiniteError,
                           "tensor 'w_k'");
 
     const ModelConfig mc = two_block_model();
@@ -105,25 +105,25 @@ TEST_CASE("io files: save refuses NaN params", "[io]") {
 TEST_CASE("io files: save refuses bad shapes", "[io]") {
     TempDir dir("shape");
     const fs::path path = dir / "p.safetensors";
-    const auto good = MemoryParams<float>::random(small_memory, 5);
+    const auto good = MemoryParams<float>::random(io_small_memory, 5);
     {
         auto p = good;
         p.w_q = Matrix<float>::Ones(8, 6);
         const std::string msg =
-            message_of<titans::ShapeError>([&] { io::save_parameters(path, small_memory, p); });
+            message_of<titans::ShapeError>([&] { io::save_parameters(path, io_small_memory, p); });
         CHECK(after_source(msg, write_source(path)) ==
               "tensor 'w_q' has shape [8, 6], expected [8, 8]");
-        CHECK(after_source(load_message_params(small_memory, p), "raw") ==
+        CHECK(after_source(load_message_params(io_small_memory, p), "raw") ==
               after_source(msg, write_source(path)));
     }
     {
         auto p = good;
         p.b_eta = titans::RowVector<float>::Zero(3);
-        REQUIRE_THROWS_NAMING(io::save_parameters(path, small_memory, p), titans::ShapeError,
+        REQUIRE_THROWS_NAMING(io::save_parameters(path, io_small_memory, p), titans::ShapeError,
                               "tensor 'b_eta' has shape [3], expected [2]");
         p = good;
         p.memory_init.pop_back();
-        REQUIRE_THROWS_NAMING(io::save_parameters(path, small_memory, p), titans::ShapeError,
+        REQUIRE_THROWS_NAMING(io::save_parameters(path, io_small_memory, p), titans::ShapeError,
                               "memory_init");
     }
     const ModelConfig mc = two_block_model();
@@ -138,8 +138,8 @@ TEST_CASE("io files: save refuses bad shapes", "[io]") {
 TEST_CASE("io files: save refuses bad config", "[io]") {
     TempDir dir("config");
     const fs::path path = dir / "p.safetensors";
-    const auto p = MemoryParams<float>::random(small_memory, 7);
-    MemoryConfig bad = small_memory;
+    const auto p = MemoryParams<float>::random(io_small_memory, 7);
+    MemoryConfig bad = io_small_memory;
     bad.chunk = 0;
     REQUIRE_THROWS_NAMING(io::save_parameters(path, bad, p), titans::ConfigError, "chunk");
     REQUIRE_THROWS_NAMING(io::save_parameters(path, bad, p), titans::ConfigError,
@@ -151,8 +151,8 @@ TEST_CASE("io files: save refuses bad config", "[io]") {
 TEST_CASE("io files: save refuses foreign state", "[io]") {
     TempDir dir("foreign");
     const fs::path path = dir / "s.ckpt";
-    const NeuralMemory<float> m1(small_memory, MemoryParams<float>::random(small_memory, 1));
-    MemoryConfig other = small_memory;
+    const NeuralMemory<float> m1(io_small_memory, MemoryParams<float>::random(io_small_memory, 1));
+    MemoryConfig other = io_small_memory;
     other.chunk = 4;
     const NeuralMemory<float> m2(other, MemoryParams<float>::random(other, 1));
     REQUIRE_THROWS_NAMING(io::save_checkpoint(path, m1, m2.make_state(1)), titans::ConfigError,
@@ -219,7 +219,7 @@ TEST_CASE("io files: load dir or /dev/null", "[io]") {
     TempDir dir("dir");
     REQUIRE_THROWS_NAMING(io::SafetensorsFile::read(dir.path), titans::FileError,
                           "it is a directory, expected a regular file");
-    REQUIRE_THROWS_NAMING(io::load_parameters<MemoryParams<float>>(dir.path, small_memory),
+    REQUIRE_THROWS_NAMING(io::load_parameters<MemoryParams<float>>(dir.path, io_small_memory),
                           titans::FileError, dir.path.string());
 #if defined(TITANS_TEST_POSIX)
     if (fs::exists("/dev/null")) {
@@ -235,7 +235,7 @@ TEST_CASE("io files: load FIFO fails at once", "[io]") {
     TempDir dir("fifo");
     const fs::path fifo = dir / "pipe.safetensors";
     REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
-    const NeuralMemory<float> mem(small_memory, MemoryParams<float>::random(small_memory, 1));
+    const NeuralMemory<float> mem(io_small_memory, MemoryParams<float>::random(io_small_memory, 1));
     // Each load runs on another thread: a regression that blocks in open() (a FIFO without a
     // writer) fails here instead of hanging the test binary.
     auto load_within = [&](auto load) {
@@ -268,7 +268,7 @@ TEST_CASE("io files: load FIFO fails at once", "[io]") {
     msg = load_within([&] { (void)io::load_checkpoint(fifo, mem); });
     CHECK_THAT(msg, TITANS_CONTAINS(what));
     msg = load_within(
-        [&] { (void)io::load_parameters<MemoryParams<float>>(fifo, small_memory); });
+        [&] { (void)io::load_parameters<MemoryParams<float>>(fifo, io_small_memory); });
     CHECK_THAT(msg, TITANS_CONTAINS(what));
 }
 #endif
@@ -335,12 +335,12 @@ TEST_CASE("io files: 255-byte file name", "[io]") {
     const std::string ext = ".safetensors";
     const fs::path path = dir / (std::string(255 - ext.size(), 'n') + ext);
     REQUIRE(path.filename().string().size() == 255);
-    const auto p = MemoryParams<float>::random(small_memory, 9);
-    io::save_parameters(path, small_memory, p);
+    const auto p = MemoryParams<float>::random(io_small_memory, 9);
+    io::save_parameters(path, io_small_memory, p);
     CHECK(dir.entries() == 1);  // no temporary left
-    const auto q = io::load_parameters<MemoryParams<float>>(path, small_memory);
+    const auto q = io::load_parameters<MemoryParams<float>>(path, io_small_memory);
     CHECK(identical(q.w_q, p.w_q));
-    const NeuralMemory<float> mem(small_memory, p);
+    const NeuralMemory<float> mem(io_small_memory, p);
     auto st = mem.make_state(1);
     io::save_checkpoint(path, mem, st);  // replaces the parameter file
     CHECK(dir.entries() == 1);

@@ -63,6 +63,9 @@ struct MemoryTraining<Cpu, T> {
     /// dy = dL/dy.
     static void backward(const MemoryConfig& cfg, const typename Kernels::Prepared& prepared,
                          const Trace& tr, View<const T> dyv, View<T> dxv, MemoryParams<T>& g) {
+        if (tr.x.rows() == 0) {
+            return;  // an empty piece: dx is 0 x d, no parameter gradient
+        }
         const MemoryParams<T>& p = *prepared;
         const int B = tr.batch, H = cfg.n_heads, D = cfg.inner_dim();
         const Eigen::Index N = tr.x.rows() / B;

@@ -1,0 +1,172 @@
+// bench/cuda/bench_cuda.cu: the neural memory on the CUDA backend (float), read against the
+// same run's cuBLAS rates.
+//
+//   BM_CublasSgemm/n/tf32     n x n x n SGEMM, TF32 tensor cores off (0) or on (1): the GPU's
+//                             dense-product rate in this run
+//   BM_CudaMemory/B/N/tf32    the headline memory (d 512, H 8, d_h 64, L 2, e 4, b 64, lagged,
+//                             data-dependent gates, conv) over B sequences of N tokens, device
+//                             input and output (the kernel seam, no host copies);
+//                             counters tokens_per_second, GFLOPS (bench/memory_flops.hpp),
+//                             frac_sgemm and frac_tf32 (GFLOPS over BM_CublasSgemm/4096's)
+//   BM_CudaDecode/B           the same memory fed one token per sequence per call (serving)
+//
+// Run: build/.../bench_cuda --benchmark_counters_tabular=true (tools/gpu_check.sh does).
+
+#include <benchmark/benchmark.h>
+
+#include <titans/titans.hpp>
+#include <titans/backend/cuda/cuda.cuh>
+
+#include <chrono>
+#include <map>
+
+#include "../memory_flops.hpp"
+
+namespace {
+
+using titans::backend::Cuda;
+namespace tc = titans::backend::cuda;
+using Kernels = titans::backend::MemoryKernels<Cuda, float>;
+using Transfer = titans::backend::Transfer<Cuda, float>;
+
+/// SGEMM GFLOPS at n (cached per (n, tf32)): 3 warm-ups, then 10 timed products.
+double sgemm_rate(int n, bool tf32) {
+    static std::map<std::pair<int, bool>, double> cache;
+    const auto key = std::make_pair(n, tf32);
+    if (auto it = cache.find(key); it != cache.end()) {
+        return it->second;
+    }
+    tc::set_allow_tf32(tf32);
+    const tc::StreamContext cx;
+    tc::set_allow_tf32(false);
+    const auto nn = static_cast<std::size_t>(n) * static_cast<std::size_t>(n);
+    tc::DeviceBuffer<float> a(nn), b(nn), c(nn);
+    tc::check(cudaMemset(a.data(), 0, nn * sizeof(float)), "memset");
+    tc::check(cudaMemset(b.data(), 0, nn * sizeof(float)), "memset");
+    auto product = [&] {
+        tc::gemm<float>(cx.blas(), false, false, n, n, n, 1.0f, {a.data(), n}, {b.data(), n},
+                        0.0f, c.data(), n, 0, 1);
+    };
+    for (int i = 0; i < 3; ++i) {
+        product();
+    }
+    cx.synchronize();
+    cudaEvent_t t0, t1;
+    tc::check(cudaEventCreate(&t0), "event");
+    tc::check(cudaEventCreate(&t1), "event");
+    tc::check(cudaEventRecord(t0, cx.stream()), "event");
+    for (int i = 0; i < 10; ++i) {
+        product();
+    }
+    tc::check(cudaEventRecord(t1, cx.stream()), "event");
+    tc::check(cudaEventSynchronize(t1), "event");
+    float ms = 0;
+    tc::check(cudaEventElapsedTime(&ms, t0, t1), "event");
+    (void)cudaEventDestroy(t0);
+    (void)cudaEventDestroy(t1);
+    const double rate = 10.0 * 2.0 * n * static_cast<double>(n) * n / (ms * 1e-3) / 1e9;
+    cache[key] = rate;
+    return rate;
+}
+
+void BM_CublasSgemm(benchmark::State& state) {
+    const int n = static_cast<int>(state.range(0));
+    const bool tf32 = state.range(1) != 0;
+    double rate = 0;
+    for (auto _ : state) {
+        rate = sgemm_rate(n, tf32);
+    }
+    state.counters["GFLOPS"] = rate;
+}
+
+titans::MemoryConfig headline() {
+    titans::MemoryConfig cfg{};
+    cfg.d_model = 512;
+    cfg.n_heads = 8;
+    cfg.d_head = 64;
+    cfg.depth = 2;
+    cfg.expansion = 4;
+    cfg.chunk = 64;
+    cfg.retrieval = titans::Retrieval::Lagged;
+    return cfg;
+}
+
+/// A memory, a device input of B*N random rows and a device output.
+struct Setup {
+    titans::MemoryConfig cfg = headline();
+    std::shared_ptr<const titans::MemoryParams<float>> params;
+    Kernels::Prepared prepared;
+    Transfer::Buffer x, y;
+    Setup(int B, long N) {
+        auto p = titans::MemoryParams<float>::random(cfg, 1);
+        p.b_alpha.setConstant(-8.0f);
+        params = std::make_shared<const titans::MemoryParams<float>>(std::move(p));
+        prepared = Kernels::prepare(cfg, params);
+        const titans::Matrixf host = titans::Matrixf::Random(B * N, cfg.d_model);
+        x = Transfer::upload(titans::view_of(host));
+        y = Transfer::allocate(B * N, cfg.d_model);
+    }
+    void forward(Kernels::State& st) {
+        Kernels::forward(cfg, prepared, st, Transfer::view(std::as_const(x)), Transfer::view(y),
+                         nullptr);
+    }
+};
+
+void counters(benchmark::State& state, const titans::MemoryConfig& cfg, int B, long N) {
+    const double iters = static_cast<double>(state.iterations());
+    const double flops = titans_bench::memory_forward_flops(cfg, B, N);
+    state.counters["tokens_per_second"] =
+        benchmark::Counter(iters * B * static_cast<double>(N), benchmark::Counter::kIsRate);
+    state.counters["GFLOPS"] = benchmark::Counter(iters * flops / 1e9, benchmark::Counter::kIsRate);
+}
+
+void BM_CudaMemory(benchmark::State& state) {
+    const int B = static_cast<int>(state.range(0));
+    const long N = state.range(1);
+    const bool tf32 = state.range(2) != 0;
+    const double sgemm = sgemm_rate(4096, false), tf32_rate = sgemm_rate(4096, true);
+    Setup s(B, N);
+    tc::set_allow_tf32(tf32);
+    const Kernels::State fresh = Kernels::make_state(s.cfg, s.prepared, B);
+    tc::set_allow_tf32(false);
+    Kernels::State st = fresh;
+    s.forward(st);  // warm-up: workspaces, cuBLAS heuristics
+    double seconds = 0;
+    for (auto _ : state) {
+        state.PauseTiming();
+        st = fresh;
+        cudaDeviceSynchronize();
+        state.ResumeTiming();
+        const auto t0 = std::chrono::steady_clock::now();
+        s.forward(st);  // returns with the stream idle
+        seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
+    counters(state, s.cfg, B, N);
+    const double gflops = static_cast<double>(state.iterations()) *
+                          titans_bench::memory_forward_flops(s.cfg, B, N) / 1e9 / seconds;
+    state.counters["frac_sgemm"] = gflops / sgemm;
+    state.counters["frac_tf32"] = gflops / tf32_rate;
+}
+
+void BM_CudaDecode(benchmark::State& state) {
+    const int B = static_cast<int>(state.range(0));
+    Setup s(B, 1);
+    Kernels::State st = Kernels::make_state(s.cfg, s.prepared, B);
+    s.forward(st);
+    for (auto _ : state) {
+        s.forward(st);
+    }
+    counters(state, s.cfg, B, 1);
+}
+
+}  // namespace
+
+BENCHMARK(BM_CublasSgemm)->Args({4096, 0})->Args({4096, 1})->Iterations(1)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_CudaMemory)
+    ->ArgNames({"B", "N", "tf32"})
+    ->Args({1, 2048, 0})->Args({16, 2048, 0})->Args({64, 1024, 0})->Args({256, 512, 0})
+    ->Args({64, 1024, 1})->Args({256, 512, 1})
+    ->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_CudaDecode)->ArgNames({"B"})->Arg(1)->Arg(64)->Arg(1024)->Unit(benchmark::kMicrosecond)->UseRealTime();
+
+BENCHMARK_MAIN();

@@ -1,0 +1,42 @@
+#pragma once
+// titans/backend/cuda/cuda.cuh: the CUDA backend policy. Include it (from a .cu translation
+// unit, compiled by nvcc with --extended-lambda; target titans::cuda) and name
+// titans::backend::Cuda as a layer's Backend:
+//
+//     #include <titans/titans.hpp>
+//     #include <titans/backend/cuda/cuda.cuh>
+//     titans::NeuralMemory<float, titans::backend::Cuda> mem(cfg, params);
+//     auto st = mem.make_state(64);           // device state, own stream and cuBLAS handle
+//     Matrixf y = mem.forward(st, x);         // x uploaded, y downloaded once per call
+//
+// Covered: the neural memory (every mode of math §1-5). Attention, norms, feed-forward, the
+// blocks and the model have no CUDA kernels yet (docs/design.md, "CUDA backend").
+
+#if !defined(__CUDACC__)
+#error "titans/backend/cuda/cuda.cuh is for CUDA translation units (nvcc); use the CPU backend elsewhere"
+#endif
+
+#include <type_traits>
+
+#include "../backend.hpp"
+
+namespace titans::backend {
+
+/// Tag type of the CUDA backend: cuBLAS for the products, kernels of ours for the rest;
+/// states and outputs in device memory, host matrices moved at the API edge (edge.hpp).
+struct Cuda {
+    static constexpr const char* name = "cuda";
+};
+
+template <>
+struct BackendTraits<Cuda> {
+    static constexpr bool host_accessible = false;
+    template <class T>
+    static constexpr bool supports = std::is_same_v<T, float> || std::is_same_v<T, double>;
+};
+
+}  // namespace titans::backend
+
+#include "runtime.cuh"
+#include "transfer.cuh"
+#include "memory_kernels.cuh"

@@ -1,0 +1,53 @@
+#pragma once
+// titans/backend/cuda/launch.cuh: the elementwise launcher the CUDA backend's kernels use.
+//
+// each(stream, n, f) runs f(i) for i in [0, n) on the device, f a __device__ lambda
+// (nvcc --extended-lambda, which the titans::cuda target adds) or functor.
+
+#include <algorithm>
+#include <limits>
+
+#include "../../config.hpp"
+#include "runtime.cuh"
+
+namespace titans::backend::cuda {
+
+#if defined(__CUDACC__)
+template <class F>
+__global__ void each_kernel(unsigned n, F f) {
+    const unsigned step = gridDim.x * blockDim.x;
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += step) {
+        f(i);
+    }
+}
+
+/// f(i) for every i < n, on `stream` (grid-stride loop, 256 threads a block). Indices are
+/// 32-bit: a kernel's index arithmetic then divides in 32 bits (64-bit division costs several
+/// times more on the GPU); n beyond 2^32 - 1 throws CudaError (split the call).
+template <class F>
+void each(cudaStream_t stream, long long n, F f) {
+    if (n <= 0) {
+        return;
+    }
+    if (n > static_cast<long long>(std::numeric_limits<unsigned>::max())) {
+        throw CudaError(detail::concat("titans (CUDA backend): an element-wise kernel over ", n,
+                                       " entries, expected at most 2^32 - 1 (split the call into "
+                                       "smaller pieces or batches)"));
+    }
+    constexpr int threads = 256;
+    const long long blocks = std::min<long long>((n + threads - 1) / threads, 1LL << 16);
+    each_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(static_cast<unsigned>(n), f);
+    check_launch("a titans CUDA kernel launch");
+}
+#endif
+
+/// x as an unsigned 32-bit divisor (each() bounds every index, so the operands fit).
+TITANS_HOST_DEVICE unsigned u32(long long x) { return static_cast<unsigned>(x); }
+
+/// A device-side non-finite test that works under --use_fast_math too.
+template <class T>
+TITANS_HOST_DEVICE bool not_finite(T v) {
+    return !(v - v == T(0));
+}
+
+}  // namespace titans::backend::cuda

@@ -1,0 +1,988 @@
+#pragma once
+// titans/backend/cuda/memory_kernels.cuh: the neural memory on the GPU (math §1-5), float and
+// double.
+//
+// The same algorithm as the CPU backend (backend/cpu/memory_kernels.hpp), with every
+// (sequence, head) pair p = s * H + h processed at once: the projections are one cuBLAS GEMM
+// over the piece; conv, phi, the L2 norm and the gates are kernels of ours; the inputs are
+// then laid out pair-major ([p][t][d_h]), so that each chunk segment's products (the keys
+// forward and backward through the memory MLP, the lagged read, the dual form of §5, the
+// closed-form chunk end of §4) are strided-batched GEMMs over the B*H pairs. The chunk
+// coefficients are the shared TITANS_HOST_DEVICE functions of memory/chunk_coefficients.hpp,
+// one thread per pair. UpdateMode::PerToken runs as the chunked form with b = 1 (the same
+// recurrence, math §4). Every call ends with its stream idle.
+
+#include <cmath>
+#include <memory>
+#include <vector>
+
+#include "../../detail/activation.hpp"
+#include "../../error.hpp"
+#include "../../limits.hpp"
+#include "../../memory/chunk_coefficients.hpp"
+#include "../../memory/config.hpp"
+#include "../../memory/diagnostics.hpp"
+#include "../../memory/params.hpp"
+#include "../../types.hpp"
+#include "../../view.hpp"
+#include "../backend.hpp"
+#include "blas.cuh"
+#include "launch.cuh"
+#include "memory_state.cuh"
+#include "transfer.cuh"
+
+namespace titans::backend {
+
+/// The memory's kernels on CUDA. Only forward, read, read_weights, make_state, prepare, the
+/// transactions and current_weights / current_momentum are the seam (MemoryBackend); the other
+/// members are its pieces (public only because nvcc's device lambdas need a public enclosing
+/// function).
+template <class T>
+struct MemoryKernels<Cuda, T> {
+    using State = CudaMemoryState<T>;
+    using Mat = Matrix<T>;
+    using Buf = cuda::DeviceBuffer<T>;
+
+    /// The outer parameters in device memory, laid out for the kernels.
+    struct Params {
+        Buf w_qkv;    // d x 3D: [W_Q | W_K | W_V]
+        Buf w_gates;  // d x 3H: [w_theta | w_eta | w_alpha]
+        Buf b_gates;  // 3H
+        Buf taps;     // K x 3D: [conv_q | conv_k | conv_v]
+        Buf w_o;      // D x d
+        std::vector<std::vector<Mat>> init;  // memory_init (host; make_state uploads it)
+    };
+    using Prepared = std::shared_ptr<const Params>;
+
+    /// Per-layer pointers a kernel reads (captured by value).
+    struct Layers {
+        const T* a[limits::max_depth];
+        const T* d[limits::max_depth];
+        int in[limits::max_depth];
+        int out[limits::max_depth];
+        int depth;
+    };
+
+    static Buf upload(const T* host, std::size_t n) {
+        Buf b(n);
+        if (n > 0) {
+            cuda::check(cudaMemcpy(b.data(), host, n * sizeof(T), cudaMemcpyHostToDevice),
+                        "cudaMemcpy (parameters to the device)");
+        }
+        return b;
+    }
+    static Buf upload(const Mat& m) { return upload(m.data(), static_cast<std::size_t>(m.size())); }
+    static Mat concat(std::initializer_list<const Mat*> parts) {
+        Eigen::Index cols = 0;
+        for (const Mat* m : parts) {
+            cols += m->cols();
+        }
+        Mat out((*parts.begin())->rows(), cols);
+        Eigen::Index c = 0;
+        for (const Mat* m : parts) {
+            out.middleCols(c, m->cols()) = *m;
+            c += m->cols();
+        }
+        return out;
+    }
+
+    static Prepared prepare(const MemoryConfig&, const std::shared_ptr<const MemoryParams<T>>& hp) {
+        const MemoryParams<T>& p = *hp;
+        auto out = std::make_shared<Params>();
+        out->w_qkv = upload(concat({&p.w_q, &p.w_k, &p.w_v}));
+        out->w_gates = upload(concat({&p.w_theta, &p.w_eta, &p.w_alpha}));
+        const Mat bt = p.b_theta, be = p.b_eta, ba = p.b_alpha;
+        out->b_gates = upload(concat({&bt, &be, &ba}));
+        out->taps = upload(concat({&p.conv_q, &p.conv_k, &p.conv_v}));
+        out->w_o = upload(p.w_o);
+        out->init = p.memory_init;
+        return out;
+    }
+
+    static void zero(Buf& b, std::size_t n) {
+        b = Buf(n);
+        if (n > 0) {
+            cuda::check(cudaMemset(b.data(), 0, n * sizeof(T)), "cudaMemset");
+        }
+    }
+
+    static State make_state(const MemoryConfig& cfg, const Prepared& prepared, int batch) {
+        State st;
+        st.cfg_ = cfg;
+        st.batch_ = batch;
+        st.chunk_ = cfg.effective_chunk();
+        st.position_ = 0;
+        st.ctx_.emplace();
+        const int H = cfg.n_heads, b = st.chunk_, P = batch * H;
+        for (int l = 1; l <= cfg.depth; ++l) {
+            const std::size_t in = static_cast<std::size_t>(cfg.layer_in(l)),
+                              out = static_cast<std::size_t>(cfg.layer_out(l));
+            std::vector<T> host(static_cast<std::size_t>(P) * in * out);
+            for (int p = 0; p < P; ++p) {
+                const Mat& w0 = prepared->init[static_cast<std::size_t>(p % H)]
+                                              [static_cast<std::size_t>(l - 1)];
+                std::copy(w0.data(), w0.data() + w0.size(),
+                          host.begin() + static_cast<std::ptrdiff_t>(p * in * out));
+            }
+            st.w_.push_back(upload(host.data(), host.size()));
+            st.s_.emplace_back();
+            zero(st.s_.back(), host.size());
+            st.a_.emplace_back();
+            zero(st.a_.back(), static_cast<std::size_t>(P * b) * in);
+            st.delta_.emplace_back();
+            zero(st.delta_.back(), static_cast<std::size_t>(P * b) * out);
+        }
+        zero(st.gates_, static_cast<std::size_t>(P * b) * 3);
+        const int tail = cfg.use_conv ? cfg.conv_kernel - 1 : 0;
+        zero(st.tail_, static_cast<std::size_t>(batch * tail) * 3 * cfg.inner_dim());
+        return st;
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Transactions (forward opens its own when none is open).
+    // ---------------------------------------------------------------------------------------
+    static void copy_into(Buf& dst, const Buf& src, cudaStream_t sm) {
+        dst.reserve(src.size());
+        if (src.size() > 0) {
+            cuda::check(cudaMemcpyAsync(dst.data(), src.data(), src.size() * sizeof(T),
+                                        cudaMemcpyDeviceToDevice, sm),
+                        "cudaMemcpyAsync (state snapshot)");
+        }
+    }
+    static void copy_all(std::vector<Buf>& dst, const std::vector<Buf>& src, cudaStream_t sm) {
+        dst.resize(src.size());
+        for (std::size_t i = 0; i < src.size(); ++i) {
+            copy_into(dst[i], src[i], sm);
+        }
+    }
+    static bool begin(State& st) {
+        if (st.undo_.open) {
+            return false;
+        }
+        st.undo_.open = true;
+        st.undo_.full = false;
+        st.undo_.position = st.position_;
+        copy_into(st.undo_.tail, st.tail_, st.ctx_->stream());
+        st.ctx_->synchronize();
+        return true;
+    }
+    static void commit(State& st) { st.undo_.open = false; }
+    static void rollback(State& st) {
+        if (!st.undo_.open) {
+            return;
+        }
+        const cudaStream_t sm = st.ctx_->stream();
+        if (st.undo_.full) {
+            for (std::size_t l = 0; l < st.w_.size(); ++l) {
+                copy_into(st.w_[l], st.undo_.w[l], sm);
+                copy_into(st.s_[l], st.undo_.s[l], sm);
+                copy_into(st.a_[l], st.undo_.a[l], sm);
+                copy_into(st.delta_[l], st.undo_.delta[l], sm);
+            }
+            copy_into(st.gates_, st.undo_.gates, sm);
+        }
+        copy_into(st.tail_, st.undo_.tail, sm);
+        st.position_ = st.undo_.position;
+        st.undo_.open = false;
+        st.ctx_->synchronize();
+    }
+    /// Before the first chunk end inside a transaction: the memory and pending rows are still
+    /// as they were at begin (rows written since lie past the pending count at begin).
+    static void save_full(State& st) {
+        if (!st.undo_.open || st.undo_.full) {
+            return;
+        }
+        const cudaStream_t sm = st.ctx_->stream();
+        copy_all(st.undo_.w, st.w_, sm);
+        copy_all(st.undo_.s, st.s_, sm);
+        copy_all(st.undo_.a, st.a_, sm);
+        copy_all(st.undo_.delta, st.delta_, sm);
+        copy_into(st.undo_.gates, st.gates_, sm);
+        st.undo_.full = true;
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Workspaces and small kernels.
+    // ---------------------------------------------------------------------------------------
+    static int widest(const MemoryConfig& cfg) {
+        int w = cfg.head_dim();
+        for (int l = 1; l <= cfg.depth; ++l) {
+            w = std::max(w, cfg.layer_out(l));
+        }
+        return w;
+    }
+
+    /// Grows the workspaces for B sequences of N rows with chunk b.
+    static void reserve(const MemoryConfig& cfg, typename State::Work& w, int B, long long N,
+                        int b) {
+        const long long H = cfg.n_heads, D = cfg.inner_dim(), P = B * H, M = B * N;
+        const long long R = std::max<long long>(b, N), wd = widest(cfg);
+        auto sz = [](long long n) { return static_cast<std::size_t>(n); };
+        w.u.reserve(sz(M * 3 * D));
+        w.logits.reserve(sz(M * 3 * H));
+        w.q.reserve(sz(M * D));
+        w.k.reserve(sz(M * D));
+        w.v.reserve(sz(M * D));
+        w.lp.reserve(sz(M * 3 * H));
+        w.yp.reserve(sz(M * D));
+        w.yh.reserve(sz(M * D));
+        w.t1.reserve(sz(P * R * wd));
+        w.scores.reserve(sz(P * b * b));
+        w.g.reserve(sz(P * b * b));
+        w.coef.reserve(sz(P * coef_stride(b)));
+        w.scratch.reserve(sz(P * b * wd));
+        w.diag.reserve(sz(2 * M * H));
+        w.z.resize(static_cast<std::size_t>(cfg.depth));
+        w.hid.resize(static_cast<std::size_t>(cfg.depth));
+        for (int l = 1; l <= cfg.depth; ++l) {
+            w.z[static_cast<std::size_t>(l - 1)].reserve(sz(P * R * cfg.layer_out(l)));
+            w.hid[static_cast<std::size_t>(l - 1)].reserve(sz(P * R * cfg.layer_out(l)));
+        }
+        w.flags.reserve(4);
+    }
+
+    /// flags[slot] = 1 if any entry of P matrices (rows x cols, row stride ld, pair stride ps)
+    /// is not finite.
+    static void flag_nonfinite(cudaStream_t sm, const T* x, long long P, long long rows,
+                               long long cols, long long ld, long long ps, int* flags, int slot) {
+        cuda::each(sm, P * rows * cols, [=] __device__(unsigned i) {
+            const long long p = i / cuda::u32(rows * cols), r = (i / cuda::u32(cols)) % cuda::u32(rows), c = i % cuda::u32(cols);
+            if (cuda::not_finite(x[p * ps + r * ld + c])) {
+                flags[slot] = 1;
+            }
+        });
+    }
+
+    static Layers layers(const MemoryConfig& cfg, const std::vector<Buf>& a,
+                         const std::vector<Buf>& d) {
+        Layers ly{};
+        ly.depth = cfg.depth;
+        for (int l = 0; l < cfg.depth; ++l) {
+            const auto li = static_cast<std::size_t>(l);
+            ly.a[l] = a[li].data();
+            ly.d[l] = d[li].data();
+            ly.in[l] = cfg.layer_in(l + 1);
+            ly.out[l] = cfg.layer_out(l + 1);
+        }
+        return ly;
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // math §1: projections.
+    // ---------------------------------------------------------------------------------------
+    /// x (M x d, M = B*N) into the pair-major q (and k, v, gate logits unless queries_only):
+    /// GEMM, conv continuing `tail` (when given; advanced when `advance`), phi, L2 norm.
+    static void project(const MemoryConfig& cfg, const Params& p, const cuda::StreamContext& cx,
+                        typename State::Work& w, View<const T> x, int B, long long N, bool conv,
+                        T* tail, bool advance, bool queries_only) {
+        const cudaStream_t sm = cx.stream();
+        const long long M = x.rows, H = cfg.n_heads, dh = cfg.head_dim(), D = cfg.inner_dim();
+        const long long C = queries_only ? D : 3 * D, C3 = 3 * D;
+        const int d = cfg.d_model, K = cfg.conv_kernel;
+        cuda::gemm<T>(cx.blas(), false, false, static_cast<int>(M), static_cast<int>(C), d, T(1),
+                      {x.data, static_cast<int>(x.stride)}, {p.w_qkv.data(), static_cast<int>(C3)},
+                      T(0), w.u.data(), static_cast<int>(C), 0, 1);
+        const T* u = w.u.data();
+        const T* taps = p.taps.data();
+        const bool silu = cfg.qkv_activation == Activation::SiLU;
+        T* q = w.q.data();
+        T* k = w.k.data();
+        T* v = w.v.data();
+        cuda::each(sm, M * C, [=] __device__(unsigned i) {
+            const long long r = i / cuda::u32(C), c = i % cuda::u32(C), s = cuda::u32(r) / cuda::u32(N), t = cuda::u32(r) % cuda::u32(N);
+            T val = u[i];
+            if (conv) {
+                val *= taps[(K - 1) * C3 + c];
+                for (int j = 0; j < K - 1; ++j) {
+                    const long long tt = t - K + 1 + j;
+                    const T in = tt >= 0 ? u[(s * N + tt) * C + c]
+                                         : tail[(s * (K - 1) + tt + K - 1) * C3 + c];
+                    val += taps[j * C3 + c] * in;
+                }
+            }
+            if (silu) {
+                val = detail::silu(val);
+            }
+            const long long which = c / D, h = (c % D) / dh, j = c % dh;
+            T* out = which == 0 ? q : (which == 1 ? k : v);
+            out[((s * H + h) * N + t) * dh + j] = val;
+        });
+        if (conv && advance && K > 1) {
+            advance_tail(sm, u, tail, B, N, K, C3);
+        }
+        if (cfg.normalize_qk) {
+            const long long rows = B * H * N, which = queries_only ? 1 : 2;
+            cuda::each(sm, which * rows, [=] __device__(unsigned i) {
+                T* row = (i < rows ? q : k) + (i % cuda::u32(rows)) * dh;
+                T ss = T(0);
+                for (long long j = 0; j < dh; ++j) {
+                    ss += row[j] * row[j];
+                }
+                const T nrm = sqrt(ss) > T(1e-12) ? sqrt(ss) : T(1e-12);
+                for (long long j = 0; j < dh; ++j) {
+                    row[j] /= nrm;
+                }
+            });
+        }
+        if (!queries_only && cfg.gates != GateMode::Constant) {
+            gate_logits(cfg, p, cx, w, x, N);
+        }
+    }
+
+    /// The conv tails: the last K-1 pre-conv rows of [tail; u] per sequence.
+    static void advance_tail(cudaStream_t sm, const T* u, T* tail, int B, long long N, int K,
+                             long long C3) {
+        cuda::each(sm, static_cast<long long>(B) * C3, [=] __device__(unsigned i) {
+            const long long s = i / cuda::u32(C3), c = i % cuda::u32(C3);
+            for (int r = 0; r < K - 1; ++r) {  // ascending: row r reads row r + N > r
+                const long long tt = N - (K - 1) + r;
+                tail[(s * (K - 1) + r) * C3 + c] =
+                    tt >= 0 ? u[(s * N + tt) * C3 + c] : tail[(s * (K - 1) + tt + K - 1) * C3 + c];
+            }
+        });
+    }
+
+    /// Gate logits x [w_theta | w_eta | w_alpha] + b, pair-major ([p][t][3]).
+    static void gate_logits(const MemoryConfig& cfg, const Params& p, const cuda::StreamContext& cx,
+                            typename State::Work& w, View<const T> x, long long N) {
+        const long long M = x.rows, H = cfg.n_heads, C = 3 * H;
+        cuda::gemm<T>(cx.blas(), false, false, static_cast<int>(M), static_cast<int>(C),
+                      cfg.d_model, T(1), {x.data, static_cast<int>(x.stride)},
+                      {p.w_gates.data(), static_cast<int>(C)}, T(0), w.logits.data(),
+                      static_cast<int>(C), 0, 1);
+        const T* lg = w.logits.data();
+        const T* bias = p.b_gates.data();
+        T* lp = w.lp.data();
+        cuda::each(cx.stream(), M * C, [=] __device__(unsigned i) {
+            const long long r = i / cuda::u32(C), c = i % cuda::u32(C), s = cuda::u32(r) / cuda::u32(N), t = cuda::u32(r) % cuda::u32(N),
+                            g = cuda::u32(c) / cuda::u32(H), h = cuda::u32(c) % cuda::u32(H);
+            lp[((s * H + h) * N + t) * 3 + g] = lg[i] + bias[c];
+        });
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // math §2: the memory MLP, batched over pairs.
+    // ---------------------------------------------------------------------------------------
+    /// In place over P matrices of rows x cols (row stride cols, pair stride ps): act(z), and
+    /// when `grad` is given, grad <- act'(z) (same layout).
+    static void activate(cudaStream_t sm, Activation act, T* z, T* into, long long into_ps,
+                         T* grad, long long P, long long rows, long long cols, long long ps) {
+        cuda::each(sm, P * rows * cols, [=] __device__(unsigned i) {
+            const long long p = i / cuda::u32(rows * cols), rc = i % cuda::u32(rows * cols);
+            const T zz = z[p * ps + rc];
+            if (grad != nullptr) {
+                grad[p * ps + rc] = detail::activate_grad(act, zz);
+            }
+            into[p * into_ps + rc] = detail::activate(act, zz);
+        });
+    }
+
+    /// y = M_W(q) for m rows of each pair (math §2): q rows at q + p*qs (ld d_h), W[l] pair
+    /// stride in*out, workspaces hid (rows >= m), y rows at y + p*ys (ld d_h).
+    static void mlp_read(const MemoryConfig& cfg, const cuda::StreamContext& cx,
+                         const std::vector<const T*>& W, const T* q, long long qs, long long m,
+                         std::vector<Buf>& hid, long long hid_rows, T* y, long long ys, int P) {
+        const int L = cfg.depth, dh = cfg.head_dim();
+        for (int l = 0; l < L; ++l) {
+            const int in = cfg.layer_in(l + 1), out = cfg.layer_out(l + 1);
+            const T* hin = l == 0 ? q : hid[static_cast<std::size_t>(l - 1)].data();
+            const long long hs = l == 0 ? qs : hid_rows * in;
+            const bool last = l + 1 == L;
+            T* o = last ? y : hid[static_cast<std::size_t>(l)].data();
+            const long long os = last ? ys : hid_rows * out;
+            cuda::gemm<T>(cx.blas(), false, false, static_cast<int>(m), out, in, T(1),
+                          {hin, in, hs}, {W[static_cast<std::size_t>(l)], out,
+                                          static_cast<long long>(in) * out},
+                          T(0), o, out, os, P);
+            if (!last) {
+                activate(cx.stream(), cfg.activation, o, o, os, nullptr, P, m, out, os);
+            }
+        }
+        if (cfg.residual) {
+            add_rows(cx.stream(), y, ys, q, qs, P, m, dh);
+        }
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // math §1 gates, §10 clipping, §4-5 chunk coefficients. coef holds per pair, CS apart:
+    // rows theta, eta, alpha, beta_i, c_i, g_k, s_k (b each), then beta_end, c_end, p_end.
+    // ---------------------------------------------------------------------------------------
+    static long long coef_stride(int b) { return 7LL * b + 3; }
+
+    /// theta, eta, alpha of pending rows [0, n) (clipped, math §10) into coef.
+    static void gate_values(const MemoryConfig& cfg, cudaStream_t sm, const Layers& ly,
+                            const T* gates, T* coef, long long P, int b, int n) {
+        const GateMode mode = cfg.gates;
+        const T tmax = static_cast<T>(cfg.theta_max), ct = static_cast<T>(cfg.constant_theta),
+                ce = static_cast<T>(cfg.constant_eta), ca = static_cast<T>(cfg.constant_alpha),
+                clip = static_cast<T>(cfg.max_grad_norm);
+        const long long CS = coef_stride(b);
+        cuda::each(sm, P * n, [=] __device__(unsigned i) {
+            const long long p = i / cuda::u32(n), r = i % cuda::u32(n);
+            T th = ct, et = ce, al = ca;
+            if (mode == GateMode::DataDependent) {
+                const T* g = gates + (p * b + r) * 3;
+                th = tmax * detail::sigmoid(g[0]);
+                et = detail::sigmoid(g[1]);
+                al = detail::sigmoid(g[2]);
+            } else if (mode == GateMode::PerChunk) {
+                T s0 = T(0), s1 = T(0), s2 = T(0);
+                for (int j = 0; j < n; ++j) {
+                    const T* g = gates + (p * b + j) * 3;
+                    s0 += g[0];
+                    s1 += g[1];
+                    s2 += g[2];
+                }
+                th = tmax * detail::sigmoid(s0 / T(n));
+                et = detail::sigmoid(s1 / T(n));
+                al = detail::sigmoid(s2 / T(n));
+            }
+            if (clip > T(0)) {
+                T g2 = T(0);
+                for (int l = 0; l < ly.depth; ++l) {
+                    const T* a = ly.a[l] + (p * b + r) * ly.in[l];
+                    const T* d = ly.d[l] + (p * b + r) * ly.out[l];
+                    T sa = T(0), sd = T(0);
+                    for (int c = 0; c < ly.in[l]; ++c) {
+                        sa += a[c] * a[c];
+                    }
+                    for (int c = 0; c < ly.out[l]; ++c) {
+                        sd += d[c] * d[c];
+                    }
+                    g2 += sa * sd;
+                }
+                if (g2 > clip * clip) {
+                    th *= clip / sqrt(g2);
+                }
+            }
+            T* cf = coef + p * CS;
+            cf[r] = th;
+            cf[b + r] = et;
+            cf[2 * b + r] = al;
+        });
+    }
+
+    /// Dual-form row coefficients (math §5) for rows [row0, n): beta, c and G (m x n, ld n).
+    static void row_coefficients(cudaStream_t sm, T* coef, T* G, long long P, int b, int n,
+                                 int row0) {
+        const long long CS = coef_stride(b);
+        cuda::each(sm, P, [=] __device__(unsigned p) {
+            T* cf = coef + p * CS;
+            chunk_row_coefficients<T>(n, row0, cf, cf + b, cf + 2 * b, cf + 3 * b, cf + 4 * b,
+                                      G + p * b * b);
+        });
+    }
+
+    /// Chunk-end coefficients (math §4) over n rows: g, s and beta_end, c_end, p_end.
+    static void end_coefficients(cudaStream_t sm, T* coef, long long P, int b, int n) {
+        const long long CS = coef_stride(b);
+        cuda::each(sm, P, [=] __device__(unsigned p) {
+            T* cf = coef + p * CS;
+            chunk_end_coefficients<T>(n, cf, cf + b, cf + 2 * b, cf + 5 * b, cf + 6 * b,
+                                      cf + 7 * b, cf + 7 * b + 1, cf + 7 * b + 2);
+        });
+    }
+
+    /// math §4 chunk end over n pending rows, in place on W, S (per layer, pairs contiguous):
+    /// W <- beta_n W + c_n S - A^T diag(g) Delta,  S <- P_n S - A^T diag(s) Delta.
+    static void chunk_end(const MemoryConfig& cfg, const cuda::StreamContext& cx,
+                          typename State::Work& w, const Layers& ly, const T* gates,
+                          const std::vector<T*>& W, const std::vector<T*>& S, long long P, int b,
+                          int n) {
+        const cudaStream_t sm = cx.stream();
+        T* coef = w.coef.data();
+        gate_values(cfg, sm, ly, gates, coef, P, b, n);
+        end_coefficients(sm, coef, P, b, n);
+        const long long CS = coef_stride(b), wd = widest(cfg);
+        T* sd = w.scratch.data();
+        for (int l = 0; l < cfg.depth; ++l) {
+            const long long in = ly.in[l], out = ly.out[l], io = in * out;
+            T* wl = W[static_cast<std::size_t>(l)];
+            T* sl = S[static_cast<std::size_t>(l)];
+            scale_rows(sm, coef, 5, ly.d[l], sd, P, b, n, out, wd);
+            cuda::each(sm, P * io, [=] __device__(unsigned i) {
+                const T* cf = coef + (i / cuda::u32(io)) * CS + 7 * b;
+                wl[i] = wl[i] * cf[0] + cf[1] * sl[i];
+            });
+            minus_at_sd(cx, ly.a[l], sd, wl, P, b, n, in, out, wd);
+            scale_rows(sm, coef, 6, ly.d[l], sd, P, b, n, out, wd);
+            cuda::each(sm, P * io, [=] __device__(unsigned i) {
+                sl[i] *= coef[(i / cuda::u32(io)) * CS + 7 * b + 2];
+            });
+            minus_at_sd(cx, ly.a[l], sd, sl, P, b, n, in, out, wd);
+        }
+    }
+
+    /// sd = diag(coef row `row`) Delta over n rows (sd pair stride b * wd, ld out).
+    static void scale_rows(cudaStream_t sm, const T* coef, long long row, const T* dl, T* sd,
+                           long long P, int b, int n, long long out, long long wd) {
+        const long long CS = coef_stride(b);
+        cuda::each(sm, P * n * out, [=] __device__(unsigned i) {
+            const long long p = i / cuda::u32(n * out), r = (i / cuda::u32(out)) % cuda::u32(n), c = i % cuda::u32(out);
+            sd[p * b * wd + r * out + c] = coef[p * CS + row * b + r] * dl[(p * b + r) * out + c];
+        });
+    }
+
+    /// target -= A^T sd per pair (A: n x in pending rows, sd: n x out, target: in x out).
+    static void minus_at_sd(const cuda::StreamContext& cx, const T* a, const T* sd, T* target,
+                            long long P, int b, int n, long long in, long long out, long long wd) {
+        cuda::gemm<T>(cx.blas(), true, false, static_cast<int>(in), static_cast<int>(out), n,
+                      T(-1), {a, static_cast<int>(in), b * in}, {sd, static_cast<int>(out), b * wd},
+                      T(1), target, static_cast<int>(out), in * out, static_cast<int>(P));
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // math §4-5: one chunk segment of the scan, all pairs at once.
+    // ---------------------------------------------------------------------------------------
+    /// Rows [t, t+m) of the pair-major src (N rows, `width` wide) to rows [o, o+m) of dst
+    /// (b rows), per pair.
+    static void copy_rows(cudaStream_t sm, T* dst, const T* src, long long P, int b, long long N,
+                          long long t, int o, long long m, long long width) {
+        const std::size_t e = sizeof(T);
+        cuda::check(cudaMemcpy2DAsync(dst + o * width, static_cast<std::size_t>(b * width) * e,
+                                      src + t * width, static_cast<std::size_t>(N * width) * e,
+                                      static_cast<std::size_t>(m * width) * e,
+                                      static_cast<std::size_t>(P), cudaMemcpyDeviceToDevice, sm),
+                    "cudaMemcpy2DAsync (pending rows)");
+    }
+
+    /// Keys of tokens [t, t+m) forward through W^s and backward through the loss (math §2)
+    /// into pending rows [o, o+m): A_l, Delta_L = M(k) - v, Delta_l = (Delta_{l+1} W^T) . act'.
+    static void key_pass(const MemoryConfig& cfg, State& st, long long N, long long t, int o,
+                         long long m) {
+        const cuda::StreamContext& cx = *st.ctx_;
+        const cudaStream_t sm = cx.stream();
+        auto& w = st.work_;
+        const int L = cfg.depth, b = st.chunk_;
+        const long long P = static_cast<long long>(st.batch_) * cfg.n_heads, dh = cfg.head_dim();
+        copy_rows(sm, st.a_[0].data(), w.k.data(), P, b, N, t, o, m, dh);
+        for (int l = 0; l < L; ++l) {
+            const auto li = static_cast<std::size_t>(l);
+            const int in = cfg.layer_in(l + 1), out = cfg.layer_out(l + 1);
+            T* z = w.z[li].data();
+            cuda::gemm<T>(cx.blas(), false, false, static_cast<int>(m), out, in, T(1),
+                          {st.a_[li].data() + o * in, in, static_cast<long long>(b) * in},
+                          {st.w_[li].data(), out, static_cast<long long>(in) * out}, T(0), z, out,
+                          static_cast<long long>(b) * out, static_cast<int>(P));
+            if (l + 1 < L) {
+                activate(sm, cfg.activation, z, st.a_[li + 1].data() + o * out,
+                         static_cast<long long>(b) * out, z, P, m, out,
+                         static_cast<long long>(b) * out);
+            }
+        }
+        output_error(cfg, st, N, t, o, m);
+        for (int l = L - 1; l >= 1; --l) {
+            const auto li = static_cast<std::size_t>(l);
+            const int in = cfg.layer_in(l + 1), out = cfg.layer_out(l + 1);
+            T* dl = st.delta_[li - 1].data() + o * in;
+            cuda::gemm<T>(cx.blas(), false, true, static_cast<int>(m), in, out, T(1),
+                          {st.delta_[li].data() + o * out, out, static_cast<long long>(b) * out},
+                          {st.w_[li].data(), out, static_cast<long long>(in) * out}, T(0), dl, in,
+                          static_cast<long long>(b) * in, static_cast<int>(P));
+            const T* zg = w.z[li - 1].data();
+            const long long bi = static_cast<long long>(b) * in, row = in;
+            cuda::each(sm, P * m * in, [=] __device__(unsigned i) {
+                const long long p = i / cuda::u32(m * row), rc = i % cuda::u32(m * row);
+                dl[p * bi + rc] *= zg[p * bi + rc];
+            });
+        }
+    }
+
+    /// Delta_L rows [o, o+m) = M(k) - v (+ k when residual), from the last layer's z.
+    static void output_error(const MemoryConfig& cfg, State& st, long long N, long long t, int o,
+                             long long m) {
+        const int L = cfg.depth, b = st.chunk_;
+        const long long P = static_cast<long long>(st.batch_) * cfg.n_heads, dh = cfg.head_dim();
+        const T* z = st.work_.z[static_cast<std::size_t>(L - 1)].data();
+        const T* k = st.work_.k.data();
+        const T* v = st.work_.v.data();
+        T* dL = st.delta_[static_cast<std::size_t>(L - 1)].data();
+        const bool residual = cfg.residual;
+        cuda::each(st.ctx_->stream(), P * m * dh, [=] __device__(unsigned i) {
+            const long long p = i / cuda::u32(m * dh), r = (i / cuda::u32(dh)) % cuda::u32(m), c = i % cuda::u32(dh);
+            const long long in_row = (p * N + t + r) * dh + c;
+            T e = z[(p * b + r) * dh + c] - v[in_row];
+            if (residual) {
+                e += k[in_row];
+            }
+            dL[(p * b + o + r) * dh + c] = e;
+        });
+    }
+
+    /// Diagnostics of tokens [t, t+m): the loss 1/2 ||Delta_L||^2 and the gradient norm,
+    /// into work.diag (loss then grad_norm, each [p][N]).
+    static void surprise(const MemoryConfig& cfg, State& st, long long N, long long t, int o,
+                         long long m) {
+        const Layers ly = layers(cfg, st.a_, st.delta_);
+        const int b = st.chunk_;
+        const long long P = static_cast<long long>(st.batch_) * cfg.n_heads;
+        T* out = st.work_.diag.data();
+        cuda::each(st.ctx_->stream(), P * m, [=] __device__(unsigned i) {
+            const long long p = i / cuda::u32(m), r = o + i % cuda::u32(m);
+            T g2 = T(0), loss = T(0);
+            for (int l = 0; l < ly.depth; ++l) {
+                T sa = T(0), sd = T(0);
+                for (int c = 0; c < ly.in[l]; ++c) {
+                    sa += ly.a[l][(p * b + r) * ly.in[l] + c] * ly.a[l][(p * b + r) * ly.in[l] + c];
+                }
+                for (int c = 0; c < ly.out[l]; ++c) {
+                    sd += ly.d[l][(p * b + r) * ly.out[l] + c] * ly.d[l][(p * b + r) * ly.out[l] + c];
+                }
+                g2 += sa * sd;
+                loss = sd;
+            }
+            out[p * N + t + i % cuda::u32(m)] = T(0.5) * loss;
+            out[P * N + p * N + t + i % cuda::u32(m)] = sqrt(g2);
+        });
+    }
+
+    /// math §5 dual form for query rows [o, o+m) of the chunk prefix n = o + m, into the
+    /// pair-major output rows [t, t+m):
+    /// Z_l = diag(beta) H W^s + diag(c) H S^s - (G . (H A_{l-1}^T)) Delta_l, H_l = act(Z_l).
+    static void read_in_chunk(const MemoryConfig& cfg, State& st, long long N, long long t, int o,
+                              long long m) {
+        const cuda::StreamContext& cx = *st.ctx_;
+        const cudaStream_t sm = cx.stream();
+        auto& w = st.work_;
+        const int L = cfg.depth, b = st.chunk_, n = o + static_cast<int>(m);
+        const long long P = static_cast<long long>(st.batch_) * cfg.n_heads, dh = cfg.head_dim();
+        const long long CS = coef_stride(b), wd = widest(cfg), bb = static_cast<long long>(b) * b;
+        gate_values(cfg, sm, layers(cfg, st.a_, st.delta_), st.gates_.data(), w.coef.data(), P, b, n);
+        row_coefficients(sm, w.coef.data(), w.g.data(), P, b, n, o);
+        const T* q = w.q.data() + t * dh;
+        for (int l = 0; l < L; ++l) {
+            const auto li = static_cast<std::size_t>(l);
+            const int in = cfg.layer_in(l + 1), out = cfg.layer_out(l + 1);
+            const bool last = l + 1 == L;
+            const T* hin = l == 0 ? q : w.hid[li - 1].data();
+            const long long hs = l == 0 ? N * dh : static_cast<long long>(b) * in;
+            T* z = last ? w.yp.data() + t * dh : w.hid[li].data();
+            const long long zs = last ? N * dh : static_cast<long long>(b) * out;
+            const cuda::Operand<T> H{hin, in, hs};
+            const auto io = static_cast<long long>(in) * out;
+            cuda::gemm<T>(cx.blas(), false, false, static_cast<int>(m), out, in, T(1), H,
+                          {st.w_[li].data(), out, io}, T(0), z, out, zs, static_cast<int>(P));
+            T* t1 = w.t1.data();
+            cuda::gemm<T>(cx.blas(), false, false, static_cast<int>(m), out, in, T(1), H,
+                          {st.s_[li].data(), out, io}, T(0), t1, out, b * wd, static_cast<int>(P));
+            const T* coef = w.coef.data();
+            cuda::each(sm, P * m * out, [=] __device__(unsigned i) {
+                const long long p = i / cuda::u32(m * out), r = (i / cuda::u32(out)) % cuda::u32(m), rc = i % cuda::u32(m * out);
+                z[p * zs + rc] = coef[p * CS + 3 * b + r] * z[p * zs + rc] +
+                                 coef[p * CS + 4 * b + r] * t1[p * b * wd + rc];
+            });
+            T* sc = w.scores.data();
+            cuda::gemm<T>(cx.blas(), false, true, static_cast<int>(m), n, in, T(1), H,
+                          {st.a_[li].data(), in, static_cast<long long>(b) * in}, T(0), sc, n, bb,
+                          static_cast<int>(P));
+            const T* G = w.g.data();
+            cuda::each(sm, P * m * n, [=] __device__(unsigned i) {
+                const long long p = i / cuda::u32(m * n), rc = i % cuda::u32(m * n);
+                sc[p * bb + rc] *= G[p * bb + rc];
+            });
+            cuda::gemm<T>(cx.blas(), false, false, static_cast<int>(m), out, n, T(-1),
+                          {sc, n, bb}, {st.delta_[li].data(), out, static_cast<long long>(b) * out},
+                          T(1), z, out, zs, static_cast<int>(P));
+            if (!last) {
+                activate(sm, cfg.activation, z, z, zs, nullptr, P, m, out, zs);
+            }
+        }
+        if (cfg.residual) {
+            add_rows(sm, w.yp.data() + t * dh, N * dh, q, N * dh, P, m, dh);
+        }
+    }
+
+    /// y += q over m rows of each pair (both ld dh; pair strides ys, qs).
+    static void add_rows(cudaStream_t sm, T* y, long long ys, const T* q, long long qs,
+                         long long P, long long m, long long dh) {
+        cuda::each(sm, P * m * dh, [=] __device__(unsigned i) {
+            const long long p = i / cuda::u32(m * dh), rc = i % cuda::u32(m * dh);
+            y[p * ys + rc] += q[p * qs + rc];
+        });
+    }
+
+    /// math §3-5 over the piece: chunk segments at absolute positions, all pairs at once.
+    /// Returns true if a chunk ended inside the piece.
+    static bool scan(const MemoryConfig& cfg, State& st, long long N, bool want_diag) {
+        const int b = st.chunk_, L = cfg.depth;
+        const long long P = static_cast<long long>(st.batch_) * cfg.n_heads, dh = cfg.head_dim();
+        const cudaStream_t sm = st.ctx_->stream();
+        auto& w = st.work_;
+        bool ended = false;
+        long long t = 0;
+        while (t < N) {
+            const int o = static_cast<int>((st.position_ + t) % b);
+            const long long m = std::min<long long>(b - o, N - t);
+            key_pass(cfg, st, N, t, o, m);
+            if (cfg.gates != GateMode::Constant) {
+                copy_rows(sm, st.gates_.data(), w.lp.data(), P, b, N, t, o, m, 3);
+            }
+            if (want_diag) {
+                surprise(cfg, st, N, t, o, m);
+            }
+            if (cfg.retrieval == Retrieval::Lagged) {
+                std::vector<const T*> W;
+                for (const Buf& x : st.w_) {
+                    W.push_back(x.data());
+                }
+                mlp_read(cfg, *st.ctx_, W, w.q.data() + t * dh, N * dh, m, w.hid, b,
+                         w.yp.data() + t * dh, N * dh, static_cast<int>(P));
+            } else {
+                read_in_chunk(cfg, st, N, t, o, m);
+            }
+            if (o + m == b) {
+                save_full(st);
+                chunk_end(cfg, *st.ctx_, w, layers(cfg, st.a_, st.delta_), st.gates_.data(),
+                          pointers(st.w_), pointers(st.s_), P, b, b);
+                ended = true;
+            }
+            t += m;
+        }
+        (void)L;
+        return ended;
+    }
+
+    static std::vector<T*> pointers(std::vector<Buf>& v) {
+        std::vector<T*> out;
+        for (Buf& x : v) {
+            out.push_back(x.data());
+        }
+        return out;
+    }
+
+    /// Flags the non-finite entries of a forward call: 0 projections, 1 memory read,
+    /// 2 memory state (weights and momentum after a chunk end, pending rows), 3 output.
+    static void check_state(const MemoryConfig& cfg, State& st, bool ended, int* flags) {
+        const cudaStream_t sm = st.ctx_->stream();
+        const long long P = static_cast<long long>(st.batch_) * cfg.n_heads;
+        const int b = st.chunk_, n = st.pending();
+        for (int l = 1; l <= cfg.depth; ++l) {
+            const auto li = static_cast<std::size_t>(l - 1);
+            const long long in = cfg.layer_in(l), out = cfg.layer_out(l);
+            if (ended) {
+                flag_nonfinite(sm, st.w_[li].data(), P, in, out, out, in * out, flags, 2);
+                flag_nonfinite(sm, st.s_[li].data(), P, in, out, out, in * out, flags, 2);
+            }
+            flag_nonfinite(sm, st.a_[li].data(), P, n, in, in, b * in, flags, 2);
+            flag_nonfinite(sm, st.delta_[li].data(), P, n, out, out, b * out, flags, 2);
+        }
+    }
+
+    /// The pair-major rows yp ([p][N][d_h]) back to (B*N) x D, then y = yh W_O.
+    static void output(const MemoryConfig& cfg, const Params& p, const cuda::StreamContext& cx,
+                       typename State::Work& w, int B, long long N, View<T> y) {
+        const long long H = cfg.n_heads, dh = cfg.head_dim(), D = cfg.inner_dim(), M = B * N;
+        const T* yp = w.yp.data();
+        T* yh = w.yh.data();
+        cuda::each(cx.stream(), M * D, [=] __device__(unsigned i) {
+            const long long r = i / cuda::u32(D), c = i % cuda::u32(D), s = cuda::u32(r) / cuda::u32(N), t = cuda::u32(r) % cuda::u32(N),
+                            h = cuda::u32(c) / cuda::u32(dh), j = cuda::u32(c) % cuda::u32(dh);
+            yh[i] = yp[((s * H + h) * N + t) * dh + j];
+        });
+        cuda::gemm<T>(cx.blas(), false, false, static_cast<int>(M), cfg.d_model,
+                      static_cast<int>(D), T(1), {yh, static_cast<int>(D)},
+                      {p.w_o.data(), cfg.d_model}, T(0), y.data, static_cast<int>(y.stride), 0, 1);
+    }
+
+    /// math §1-5 over a piece: x (B*N) x d and y (B*N) x d in device memory, diag optional
+    /// (host). Throws NonFiniteError if an output or the new state holds a NaN or an infinity;
+    /// the state is then as before the call (or as at the open transaction's begin).
+    static void forward(const MemoryConfig& cfg, const Prepared& pp, State& st, View<const T> x,
+                        View<T> y, Diagnostics<T>* diag) {
+        if (diag != nullptr) {
+            diag->loss.setZero(x.rows, cfg.n_heads);
+            diag->grad_norm.setZero(x.rows, cfg.n_heads);
+        }
+        if (x.rows == 0) {
+            return;
+        }
+        const bool own = begin(st);
+        try {
+            forward_piece(cfg, *pp, st, x, y, diag);
+        } catch (...) {
+            rollback(st);
+            throw;
+        }
+        if (own) {
+            commit(st);
+        }
+    }
+
+    static void forward_piece(const MemoryConfig& cfg, const Params& p, State& st,
+                              View<const T> x, View<T> y, Diagnostics<T>* diag) {
+        const int B = st.batch_;
+        const long long N = x.rows / B, P = static_cast<long long>(B) * cfg.n_heads,
+                        dh = cfg.head_dim();
+        const cuda::StreamContext& cx = *st.ctx_;
+        auto& w = st.work_;
+        reserve(cfg, w, B, N, st.chunk_);
+        int* flags = w.flags.data();
+        cuda::check(cudaMemsetAsync(flags, 0, 4 * sizeof(int), cx.stream()), "cudaMemsetAsync");
+        project(cfg, p, cx, w, x, B, N, cfg.use_conv, st.tail_.data(), true, false);
+        for (const Buf* b : {&w.q, &w.k, &w.v}) {
+            flag_nonfinite(cx.stream(), b->data(), 1, 1, P * N * dh, 0, 0, flags, 0);
+        }
+        if (cfg.gates != GateMode::Constant) {
+            flag_nonfinite(cx.stream(), w.lp.data(), 1, 1, P * N * 3, 0, 0, flags, 0);
+        }
+        const bool ended = scan(cfg, st, N, diag != nullptr);
+        flag_nonfinite(cx.stream(), w.yp.data(), 1, 1, P * N * dh, 0, 0, flags, 1);
+        const std::int64_t pos0 = st.position_;
+        st.position_ += N;  // rolled back with the rest if a check fails below
+        check_state(cfg, st, ended, flags);
+        output(cfg, p, cx, w, B, N, y);
+        flag_nonfinite(cx.stream(), y.data, 1, x.rows, cfg.d_model, y.stride, 0, flags, 3);
+        int host[4] = {0, 0, 0, 0};
+        cuda::check(cudaMemcpyAsync(host, flags, sizeof(host), cudaMemcpyDeviceToHost, cx.stream()),
+                    "cudaMemcpyAsync (flags)");
+        cx.synchronize();
+        throw_if_flagged(host, pos0, N);
+        if (diag != nullptr) {
+            download_diag(cfg, w, B, N, *diag);
+        }
+    }
+
+    [[noreturn]] static void fail(const char* what, std::int64_t pos0, long long N) {
+        throw NonFiniteError(detail::concat(
+            "NeuralMemory::forward: ", what, " at positions ", pos0, "..", pos0 + N - 1,
+            " of this piece, expected finite values (see max_grad_norm and theta_max); the "
+            "state is unchanged"));
+    }
+    static void throw_if_flagged(const int* f, std::int64_t pos0, long long N) {
+        if (f[0] != 0) {
+            fail("the projections of x (q, k, v or gate logits) overflow", pos0, N);
+        }
+        if (f[1] != 0) {
+            fail("a non-finite memory read (the memory diverged)", pos0, N);
+        }
+        if (f[2] != 0) {
+            fail("non-finite memory weights, momentum or key errors (surprise)", pos0, N);
+        }
+        if (f[3] != 0) {
+            fail("the output projection W_O overflows", pos0, N);
+        }
+    }
+
+    static void download_diag(const MemoryConfig& cfg, typename State::Work& w, int B,
+                              long long N, Diagnostics<T>& diag) {
+        const long long H = cfg.n_heads, P = B * H;
+        std::vector<T> host(static_cast<std::size_t>(2 * P * N));
+        cuda::check(cudaMemcpy(host.data(), w.diag.data(), host.size() * sizeof(T),
+                               cudaMemcpyDeviceToHost),
+                    "cudaMemcpy (diagnostics)");
+        for (long long p = 0; p < P; ++p) {
+            for (long long t = 0; t < N; ++t) {
+                const auto r = static_cast<Eigen::Index>((p / H) * N + t);
+                const auto h = static_cast<Eigen::Index>(p % H);
+                diag.loss(r, h) = host[static_cast<std::size_t>(p * N + t)];
+                diag.grad_norm(r, h) = host[static_cast<std::size_t>(P * N + p * N + t)];
+            }
+        }
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Reads and the memory as it is now.
+    // ---------------------------------------------------------------------------------------
+    /// The memory after the last token into work.w / work.s: W^s, S^s with the pending rows'
+    /// closed-form chunk end applied (math §4); returns the weights' (or momentum's) pointers.
+    static std::vector<T*> materialise(const MemoryConfig& cfg, const State& st, bool weights) {
+        auto& w = st.work_;
+        State& ms = const_cast<State&>(st);  // workspaces only; the state is not changed
+        const long long P = static_cast<long long>(st.batch_) * cfg.n_heads;
+        const int n = st.pending();
+        if (n == 0) {
+            return pointers(weights ? ms.w_ : ms.s_);
+        }
+        reserve(cfg, w, st.batch_, 1, st.chunk_);
+        const cudaStream_t sm = st.ctx_->stream();
+        copy_all(w.w, st.w_, sm);
+        copy_all(w.s, st.s_, sm);
+        chunk_end(cfg, *st.ctx_, w, layers(cfg, st.a_, st.delta_), st.gates_.data(),
+                  pointers(w.w), pointers(w.s), P, st.chunk_, n);
+        return pointers(weights ? w.w : w.s);
+    }
+
+    /// Queries of x ((B*N) x d) read through the pair-major weights W, then W_O into y.
+    static void read_through(const MemoryConfig& cfg, const Params& p,
+                             const cuda::StreamContext& cx, typename State::Work& w,
+                             View<const T> x, int B, int b, bool conv, const T* tail,
+                             const std::vector<const T*>& W, View<T> y) {
+        const long long N = x.rows / B, dh = cfg.head_dim();
+        if (N == 0) {
+            return;
+        }
+        reserve(cfg, w, B, N, b);
+        project(cfg, p, cx, w, x, B, N, conv, const_cast<T*>(tail), false, true);
+        mlp_read(cfg, cx, W, w.q.data(), N * dh, N, w.hid, std::max<long long>(b, N), w.yp.data(),
+                 N * dh, B * cfg.n_heads);
+        output(cfg, p, cx, w, B, N, y);
+        cx.synchronize();
+    }
+
+    static std::vector<const T*> as_const(const std::vector<T*>& v) {
+        return std::vector<const T*>(v.begin(), v.end());
+    }
+
+    /// Read-only retrieval with the memory after the last token (conv continuing the stream,
+    /// tails not advanced).
+    static void read(const MemoryConfig& cfg, const Prepared& p, const State& st,
+                     View<const T> x, View<T> y) {
+        if (x.rows == 0) {
+            return;
+        }
+        const std::vector<T*> W = materialise(cfg, st, true);
+        read_through(cfg, *p, *st.ctx_, st.work_, x, st.batch_, st.chunk_,
+                     cfg.use_conv, st.tail_.data(), as_const(W), y);
+    }
+
+    /// Retrieval through given host weights (weights[s * H + h][l]), no conv, no state.
+    static void read_weights(const MemoryConfig& cfg, const Prepared& p,
+                             const std::vector<std::vector<Mat>>& weights, View<const T> x,
+                             int batch, View<T> y) {
+        if (x.rows == 0) {
+            return;
+        }
+        const cuda::StreamContext cx;
+        typename State::Work w;
+        std::vector<Buf> dev;
+        std::vector<const T*> W;
+        for (int l = 0; l < cfg.depth; ++l) {
+            std::vector<T> host;
+            for (const auto& pair : weights) {
+                const Mat& m = pair[static_cast<std::size_t>(l)];
+                host.insert(host.end(), m.data(), m.data() + m.size());
+            }
+            dev.push_back(upload(host.data(), host.size()));
+            W.push_back(dev.back().data());
+        }
+        read_through(cfg, *p, cx, w, x, batch, 1, false, nullptr, W, y);
+    }
+
+    /// The memory (weights or momentum) of sequence s, head h after the last token, on the host.
+    static std::vector<Mat> current(const MemoryConfig& cfg, const State& st, int s, int h,
+                                    bool weights) {
+        const std::vector<T*> src = materialise(cfg, st, weights);
+        st.ctx_->synchronize();
+        const long long p = static_cast<long long>(s) * cfg.n_heads + h;
+        std::vector<Mat> out;
+        for (int l = 1; l <= cfg.depth; ++l) {
+            Mat m(cfg.layer_in(l), cfg.layer_out(l));
+            cuda::check(cudaMemcpy(m.data(), src[static_cast<std::size_t>(l - 1)] + p * m.size(),
+                                   static_cast<std::size_t>(m.size()) * sizeof(T),
+                                   cudaMemcpyDeviceToHost),
+                        "cudaMemcpy (current memory)");
+            out.push_back(std::move(m));
+        }
+        return out;
+    }
+    static std::vector<Mat> current_weights(const MemoryConfig& cfg, const State& st, int s,
+                                            int h) {
+        return current(cfg, st, s, h, true);
+    }
+    static std::vector<Mat> current_momentum(const MemoryConfig& cfg, const State& st, int s,
+                                             int h) {
+        return current(cfg, st, s, h, false);
+    }
+};
+
+}  // namespace titans::backend

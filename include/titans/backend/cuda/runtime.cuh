@@ -1,0 +1,163 @@
+#pragma once
+// titans/backend/cuda/runtime.cuh: the CUDA runtime as the CUDA backend uses it: the error
+// type and checks, an owning device buffer, a stream and a cuBLAS handle (RAII, no managed
+// memory). Only CUDA translation units (nvcc) include the backend/cuda/ headers.
+
+#include <cuda_runtime.h>
+#include <cublas_v2.h>
+
+#include <atomic>
+#include <cstddef>
+#include <utility>
+
+#include "../../error.hpp"
+
+namespace titans {
+
+/// A CUDA runtime or cuBLAS call failed (no device, out of device memory, a launch error).
+/// The message names the call and the CUDA error string.
+class CudaError : public Error {
+public:
+    using Error::Error;
+};
+
+namespace backend::cuda {
+
+/// Throws CudaError naming `what` unless `e` is cudaSuccess.
+inline void check(cudaError_t e, const char* what) {
+    if (e != cudaSuccess) {
+        throw CudaError(detail::concat("titans (CUDA backend): ", what, " failed: ",
+                                       cudaGetErrorName(e), " (", cudaGetErrorString(e), ")"));
+    }
+}
+
+/// Throws CudaError naming `what` unless `s` is CUBLAS_STATUS_SUCCESS.
+inline void check(cublasStatus_t s, const char* what) {
+    if (s != CUBLAS_STATUS_SUCCESS) {
+        throw CudaError(detail::concat("titans (CUDA backend): ", what, " failed: cuBLAS status ",
+                                       static_cast<int>(s)));
+    }
+}
+
+/// Checks the last kernel launch (configuration errors surface here, at once).
+inline void check_launch(const char* what) { check(cudaGetLastError(), what); }
+
+/// Number of CUDA devices (0 when there is no GPU or no driver; never throws).
+inline int device_count() {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+        (void)cudaGetLastError();  // clear the sticky "no device" error
+        return 0;
+    }
+    return n;
+}
+
+/// Process-wide switch for TF32 tensor-core GEMMs in float (off by default: float results
+/// then match the CPU to ~1e-6). Read when a state is made (its cuBLAS handle's math mode).
+inline std::atomic<bool>& tf32_flag() {
+    static std::atomic<bool> flag{false};
+    return flag;
+}
+inline void set_allow_tf32(bool on) { tf32_flag().store(on); }
+[[nodiscard]] inline bool allow_tf32() { return tf32_flag().load(); }
+
+/// An owning array of n elements of T in device memory (cudaMalloc). Copies are deep
+/// (device to device); a moved-from buffer is empty.
+template <class T>
+class DeviceBuffer {
+public:
+    DeviceBuffer() = default;
+    explicit DeviceBuffer(std::size_t n) : n_(n) {
+        if (n_ > 0) {
+            check(cudaMalloc(reinterpret_cast<void**>(&p_), n_ * sizeof(T)), "cudaMalloc");
+        }
+    }
+    DeviceBuffer(const DeviceBuffer& o) : DeviceBuffer(o.n_) { copy_from(o); }
+    DeviceBuffer(DeviceBuffer&& o) noexcept
+        : p_(std::exchange(o.p_, nullptr)), n_(std::exchange(o.n_, 0)) {}
+    DeviceBuffer& operator=(const DeviceBuffer& o) {
+        if (this != &o) {
+            DeviceBuffer tmp(o);
+            swap(tmp);
+        }
+        return *this;
+    }
+    DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+        DeviceBuffer tmp(std::move(o));
+        swap(tmp);
+        return *this;
+    }
+    ~DeviceBuffer() {
+        if (p_ != nullptr) {
+            (void)cudaFree(p_);
+        }
+    }
+    void swap(DeviceBuffer& o) noexcept {
+        std::swap(p_, o.p_);
+        std::swap(n_, o.n_);
+    }
+    /// Grows to at least n elements (contents lost when it grows).
+    void reserve(std::size_t n) {
+        if (n > n_) {
+            DeviceBuffer tmp(n);
+            swap(tmp);
+        }
+    }
+    /// Copies o's elements (same size) into this buffer, on the legacy stream.
+    void copy_from(const DeviceBuffer& o) {
+        if (n_ > 0) {
+            check(cudaMemcpy(p_, o.p_, n_ * sizeof(T), cudaMemcpyDeviceToDevice),
+                  "cudaMemcpy (device to device)");
+        }
+    }
+    [[nodiscard]] T* data() { return p_; }
+    [[nodiscard]] const T* data() const { return p_; }
+    [[nodiscard]] std::size_t size() const { return n_; }
+
+private:
+    T* p_ = nullptr;
+    std::size_t n_ = 0;
+};
+
+/// A CUDA stream and a cuBLAS handle bound to it: each state owns one, so states on different
+/// host threads run concurrently. The stream is a blocking one (ordered with the legacy
+/// default stream that Transfer's copies use).
+class StreamContext {
+public:
+    /// A stream and a handle; TF32 GEMMs in float when `tf32` (default: allow_tf32()).
+    explicit StreamContext(bool tf32 = allow_tf32()) : tf32_(tf32) {
+        check(cudaStreamCreate(&stream_), "cudaStreamCreate");
+        if (cublasCreate(&blas_) != CUBLAS_STATUS_SUCCESS) {
+            (void)cudaStreamDestroy(stream_);
+            throw CudaError("titans (CUDA backend): cublasCreate failed");
+        }
+        check(cublasSetStream(blas_, stream_), "cublasSetStream");
+        check(cublasSetMathMode(blas_, tf32_ ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH),
+              "cublasSetMathMode");
+    }
+    /// A copy has its own stream and handle, with the same math mode.
+    StreamContext(const StreamContext& o) : StreamContext(o.tf32_) {}
+    StreamContext& operator=(const StreamContext& o) {
+        if (this != &o && tf32_ != o.tf32_) {
+            tf32_ = o.tf32_;
+            check(cublasSetMathMode(blas_, tf32_ ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH),
+                  "cublasSetMathMode");
+        }
+        return *this;
+    }
+    ~StreamContext() {
+        (void)cublasDestroy(blas_);
+        (void)cudaStreamDestroy(stream_);
+    }
+    [[nodiscard]] cudaStream_t stream() const { return stream_; }
+    [[nodiscard]] cublasHandle_t blas() const { return blas_; }
+    void synchronize() const { check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize"); }
+
+private:
+    bool tf32_ = false;
+    cudaStream_t stream_{};
+    cublasHandle_t blas_{};
+};
+
+}  // namespace backend::cuda
+}  // namespace titans

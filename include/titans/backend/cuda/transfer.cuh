@@ -1,0 +1,52 @@
+#pragma once
+// titans/backend/cuda/transfer.cuh: Transfer<Cuda, T>, dense row-major matrices in device
+// memory and the copies between them and host views (backend/backend.hpp, TransferBackend).
+
+#include <cstddef>
+
+#include "../../view.hpp"
+#include "../backend.hpp"
+#include "runtime.cuh"
+
+namespace titans::backend {
+
+struct Cuda;
+
+/// Device matrices: a Buffer is a dense rows x cols row-major DeviceBuffer; upload and download
+/// are cudaMemcpy2D calls (synchronous with the host), so a host view is free to reuse on
+/// return.
+template <class T>
+struct Transfer<Cuda, T> {
+    struct Buffer {
+        cuda::DeviceBuffer<T> mem;
+        std::ptrdiff_t rows = 0, cols = 0;
+    };
+    static Buffer allocate(std::ptrdiff_t rows, std::ptrdiff_t cols) {
+        return Buffer{cuda::DeviceBuffer<T>(static_cast<std::size_t>(rows * cols)), rows, cols};
+    }
+    static Buffer upload(View<const T> host) {
+        Buffer b = allocate(host.rows, host.cols);
+        copy(view(b), host, cudaMemcpyHostToDevice, "upload (cudaMemcpy2D host to device)");
+        return b;
+    }
+    static View<T> view(Buffer& b) { return View<T>{b.mem.data(), b.rows, b.cols, b.cols}; }
+    static View<const T> view(const Buffer& b) {
+        return View<const T>{b.mem.data(), b.rows, b.cols, b.cols};
+    }
+    static void download(View<const T> from, View<T> host) {
+        copy(host, from, cudaMemcpyDeviceToHost, "download (cudaMemcpy2D device to host)");
+    }
+    /// to <- from, same shape, either side strided.
+    static void copy(View<T> to, View<const T> from, cudaMemcpyKind kind, const char* what) {
+        if (to.rows == 0 || to.cols == 0) {
+            return;
+        }
+        cuda::check(cudaMemcpy2D(to.data, static_cast<std::size_t>(to.stride) * sizeof(T),
+                                 from.data, static_cast<std::size_t>(from.stride) * sizeof(T),
+                                 static_cast<std::size_t>(to.cols) * sizeof(T),
+                                 static_cast<std::size_t>(to.rows), kind),
+                    what);
+    }
+};
+
+}  // namespace titans::backend

@@ -1,0 +1,266 @@
+// The neural memory on the CUDA backend against the CPU backend (math §1-5): every update,
+// retrieval and gate mode with the 32 combinations of the other options, streams in pieces,
+// reads, the memory after the last token, diagnostics, errors. CPU double is the reference:
+// CUDA double within 1e-12, CUDA float (TF32 off) within 1e-5 of the same problem rounded
+// to float on the CPU. Outputs are poisoned (NaN) before each kernel-level call.
+
+#include <titans/backend/cuda/cuda.cuh>
+
+#include "test_common.hpp"
+
+namespace {
+
+using namespace titans_test;
+
+using titans::backend::Cuda;
+using titans::backend::Transfer;
+
+template <class T>
+using CudaMemory = NeuralMemory<T, Cuda>;
+
+/// Pieces of random lengths (some 0) that add up to N.
+std::vector<int> random_pieces(int N, Rng& rng) {
+    std::vector<int> out;
+    int left = N;
+    while (left > 0) {
+        const int n = std::min(left, uniform_int(rng, 0, 9));
+        out.push_back(n);
+        left -= n;
+    }
+    return out;
+}
+
+/// Rows of sequence-major x for tokens [t, t+n) of every sequence.
+Matrixd piece_rows(const Matrixd& x, int B, int N, int t, int n) {
+    Matrixd out(static_cast<Eigen::Index>(B) * n, x.cols());
+    for (int s = 0; s < B; ++s) {
+        out.middleRows(static_cast<Eigen::Index>(s) * n, n) =
+            x.middleRows(static_cast<Eigen::Index>(s) * N + t, n);
+    }
+    return out;
+}
+void put_rows(Matrixd& y, const Matrixd& piece, int B, int N, int t, int n) {
+    for (int s = 0; s < B; ++s) {
+        y.middleRows(static_cast<Eigen::Index>(s) * N + t, n) =
+            piece.middleRows(static_cast<Eigen::Index>(s) * n, n);
+    }
+}
+
+std::string detail_string(std::size_t i, int t, int n, double e) {
+    std::ostringstream os;
+    os << "piece " << i << " at t " << t << ", " << n << " rows, error " << e;
+    return os.str();
+}
+
+/// The forward of x through the kernel seam, y poisoned with NaN before the call.
+template <class T>
+Matrix<T> kernel_forward(const CudaMemory<T>& mem, typename CudaMemory<T>::State& st,
+                         const Matrix<T>& x) {
+    using K = titans::backend::MemoryKernels<Cuda, T>;
+    auto xb = Transfer<Cuda, T>::upload(titans::view_of(x));
+    auto yb = Transfer<Cuda, T>::allocate(x.rows(), x.cols());
+    if (yb.mem.size() > 0) {
+        REQUIRE(cudaMemset(yb.mem.data(), 0xff, yb.mem.size() * sizeof(T)) == cudaSuccess);
+    }
+    const auto prepared = K::prepare(mem.config(), mem.shared_params());
+    K::forward(mem.config(), prepared, st, Transfer<Cuda, T>::view(std::as_const(xb)),
+               Transfer<Cuda, T>::view(yb), nullptr);
+    Matrix<T> y(x.rows(), x.cols());
+    Transfer<Cuda, T>::download(Transfer<Cuda, T>::view(std::as_const(yb)), titans::view_of(y));
+    return y;
+}
+
+/// One case: x through the CPU (double, one call) and CUDA (T, in pieces), compared after
+/// every piece's position: outputs, the memory after the last token, a read.
+template <class T>
+double compare_case(const MemoryConfig& cfg, const titans::MemoryParamsd& p, const Matrixd& x,
+                    int B, int N, Rng& rng, double bound) {
+    NeuralMemory<double> cpu(cfg, p);
+    CudaMemory<T> gpu(cfg, cast_params<T>(p));
+    auto cs = cpu.make_state(B);
+    auto gs = gpu.make_state(B);
+    const Matrixd xr = round_through<T>(x);
+    Matrixd y_cpu;
+    cpu.forward(cs, xr, y_cpu);
+    Matrixd y_gpu(y_cpu.rows(), y_cpu.cols());
+    int t = 0;
+    std::string first_bad;
+    const auto pieces = random_pieces(N, rng);
+    for (std::size_t i = 0; i < pieces.size(); ++i) {
+        const Matrix<T> xp = piece_rows(xr, B, N, t, pieces[i]).template cast<T>();
+        const Matrix<T> yp = i % 2 == 0 ? kernel_forward(gpu, gs, xp) : gpu.forward(gs, xp);
+        put_rows(y_gpu, yp.template cast<double>(), B, N, t, pieces[i]);
+        const double e = rel_error(yp.template cast<double>(), piece_rows(y_cpu, B, N, t, pieces[i]));
+        if (e > bound && first_bad.empty()) {
+            first_bad = detail_string(i, t, pieces[i], e);
+        }
+        t += pieces[i];
+    }
+    INFO("first bad piece: " << first_bad);
+    REQUIRE(gs.position() == cs.position());
+    const double ey = rel_error(y_gpu, y_cpu);
+    const int s = uniform_int(rng, 0, B - 1), h = uniform_int(rng, 0, cfg.n_heads - 1);
+    const double ew = rel_error(cast_layers<double>(gpu.current_weights(gs, s, h)),
+                                cpu.current_weights(cs, s, h));
+    const double es = rel_error(cast_layers<double>(gpu.current_momentum(gs, s, h)),
+                                cpu.current_momentum(cs, s, h), 1e-12);
+    const Matrixd q = round_through<T>(random_matrix(B * 3, cfg.d_model, rng));
+    const double er = rel_error(gpu.read(gs, q.cast<T>()).template cast<double>(), cpu.read(cs, q));
+    INFO("errors: outputs " << ey << ", weights " << ew << ", momentum " << es << ", read " << er);
+    CHECK(std::max({ey, ew, es, er}) <= bound);
+    return std::max({ey, ew, es, er});
+}
+
+/// The reference of T: the problem rounded to T, run in double on the CPU; the bound is
+/// relative to it (double: rounding only; float: float arithmetic over the whole stream).
+template <class T>
+void parity_sweep(const char* name, int cases_per_mode, double bound) {
+    int index = 0;
+    double worst = 0;
+    for (const Modes& base : all_primary_modes()) {
+        for (int k = 0; k < cases_per_mode; ++k, ++index) {
+            Rng rng(seed_for(name, static_cast<std::uint64_t>(index)));
+            const Modes m = with_flags(base, k % 32);
+            Limits lim;
+            lim.min_head_dim = 3;
+            const MemoryConfig cfg = random_config(m, rng, lim);
+            const int B = uniform_int(rng, 1, 3);
+            const int N = random_tokens(cfg, rng, 40);
+            const auto p = random_params(cfg, rng);
+            const Matrixd x = random_matrix(static_cast<Eigen::Index>(B) * N, cfg.d_model, rng);
+            INFO("case " << index << ": " << to_string(cfg.update) << "/" << to_string(cfg.retrieval)
+                         << "/" << to_string(cfg.gates) << " flags " << k % 32 << " depth "
+                         << cfg.depth << " chunk " << cfg.chunk << " conv " << cfg.conv_kernel << " clip "
+                         << cfg.max_grad_norm << " B " << B << " N " << N);
+            const double e = compare_case<T>(cfg, p, x, B, N, rng, bound);
+            worst = std::max(worst, e);
+        }
+    }
+    std::printf("%s: %d cases, worst relative error %.3g (bound %.0e)\n", name, index, worst, bound);
+}
+
+}  // namespace
+
+TEST_CASE("cuda memory: parity, double", "[cuda]") {
+    parity_sweep<double>("cuda parity double", 32, 1e-12);
+}
+
+TEST_CASE("cuda memory: parity, float", "[cuda]") {
+    parity_sweep<float>("cuda parity float", 12, 1e-5);
+}
+
+namespace {
+
+/// A mid-sized case with every default on (data-dependent gates, conv, clipping).
+struct Fixture {
+    MemoryConfig cfg;
+    titans::MemoryParamsd p;
+    Fixture(std::uint64_t seed, Retrieval r, int chunk) {
+        Rng rng(seed);
+        cfg.d_model = 24;
+        cfg.n_heads = 3;
+        cfg.depth = 2;
+        cfg.expansion = 2;
+        cfg.chunk = chunk;
+        cfg.retrieval = r;
+        p = random_params(cfg, rng);
+    }
+};
+
+}  // namespace
+
+TEST_CASE("cuda memory: diagnostics, read_weights", "[cuda]") {
+    for (Retrieval r : {Retrieval::Lagged, Retrieval::InChunk}) {
+        Rng rng(seed_for("cuda diag", static_cast<std::uint64_t>(r)));
+        const Fixture f(rng(), r, 5);
+        NeuralMemory<double> cpu(f.cfg, f.p);
+        CudaMemory<double> gpu(f.cfg, f.p);
+        auto cs = cpu.make_state(2);
+        auto gs = gpu.make_state(2);
+        const Matrixd x = random_matrix(2 * 13, f.cfg.d_model, rng);
+        Diagnostics<double> dc, dg;
+        const Matrixd yc = cpu.forward(cs, x, &dc);
+        const Matrixd yg = gpu.forward(gs, x, &dg);
+        CHECK(rel_error(yg, yc) <= 1e-12);
+        CHECK(rel_error(dg.loss, dc.loss) <= 1e-12);
+        CHECK(rel_error(dg.grad_norm, dc.grad_norm) <= 1e-12);
+        std::vector<std::vector<Matrixd>> weights;
+        for (int s = 0; s < 2; ++s) {
+            for (int h = 0; h < f.cfg.n_heads; ++h) {
+                weights.push_back(cpu.current_weights(cs, s, h));
+            }
+        }
+        const Matrixd q = random_matrix(2 * 4, f.cfg.d_model, rng);
+        CHECK(rel_error(gpu.read_weights(weights, q, 2), cpu.read_weights(weights, q, 2)) <= 1e-12);
+    }
+}
+
+TEST_CASE("cuda memory: real streams", "[cuda]") {
+    // Constant rows, a repeated short pattern, bursts, huge and tiny magnitudes.
+    Rng rng(seed_for("cuda streams"));
+    const Fixture f(rng(), Retrieval::InChunk, 8);
+    const int N = 70;
+    const Matrixd row = random_matrix(1, f.cfg.d_model, rng);
+    const Matrixd pattern = random_matrix(3, f.cfg.d_model, rng);
+    for (int kind = 0; kind < 4; ++kind) {
+        Matrixd x(N, f.cfg.d_model);
+        for (int t = 0; t < N; ++t) {
+            x.row(t) = kind == 0 ? row : pattern.row(t % 3);
+        }
+        if (kind == 2) {
+            x *= 1e3;
+        } else if (kind == 3) {
+            x *= 1e-6;
+        }
+        NeuralMemory<double> cpu(f.cfg, f.p);
+        CudaMemory<double> gpu(f.cfg, f.p);
+        auto cs = cpu.make_state(1);
+        auto gs = gpu.make_state(1);
+        INFO("stream kind " << kind);
+        CHECK(rel_error(gpu.forward(gs, x), cpu.forward(cs, x)) <= 1e-12);
+        CHECK(rel_error(gpu.current_weights(gs, 0, 1), cpu.current_weights(cs, 0, 1)) <= 1e-12);
+    }
+}
+
+TEST_CASE("cuda memory: errors leave the state", "[cuda]") {
+    Rng rng(seed_for("cuda errors"));
+    const Fixture f(rng(), Retrieval::Lagged, 4);
+    NeuralMemory<double> cpu(f.cfg, f.p);
+    CudaMemory<double> gpu(f.cfg, f.p);
+    auto cs = cpu.make_state(2);
+    auto gs = gpu.make_state(2);
+    const Matrixd x1 = random_matrix(2 * 6, f.cfg.d_model, rng);
+    (void)cpu.forward(cs, x1);
+    (void)gpu.forward(gs, x1);
+    // Values of 1e200 with clipping off: the memory's next keys overflow after the chunk end
+    // inside the call. NonFiniteError (as on the CPU), and the state as it was.
+    {
+        MemoryConfig cfg2 = f.cfg;
+        cfg2.max_grad_norm = 0;
+        titans::MemoryParamsd p2 = f.p;
+        p2.w_v *= 1e200;
+        NeuralMemory<double> cpu2(cfg2, p2);
+        CudaMemory<double> gpu2(cfg2, p2);
+        auto cs2 = cpu2.make_state(2);
+        auto gs2 = gpu2.make_state(2);
+        const Matrixd x = random_matrix(2 * 7, f.cfg.d_model, rng);
+        REQUIRE_THROWS_AS(cpu2.forward(cs2, x), titans::NonFiniteError);
+        REQUIRE_THROWS_NAMING(gpu2.forward(gs2, x), titans::NonFiniteError, "expected finite");
+        REQUIRE(gs2.position() == 0);
+        CHECK(rel_error(gpu2.current_weights(gs2, 1, 1), f.p.memory_init[1]) == 0.0);
+        CHECK(rel_error(gpu2.forward(gs2, x.topRows(6)), cpu2.forward(cs2, x.topRows(6))) <= 1e-12);
+    }
+    // A transaction over two calls, rolled back.
+    REQUIRE(gpu.begin(gs));
+    (void)gpu.forward(gs, random_matrix(2 * 5, f.cfg.d_model, rng));
+    (void)gpu.forward(gs, random_matrix(2 * 3, f.cfg.d_model, rng));
+    gpu.rollback(gs);
+    REQUIRE(gs.position() == 6);
+    // A copy is a snapshot: advance the original, then continue the copy.
+    auto snapshot = gs;
+    (void)gpu.forward(gs, random_matrix(2 * 9, f.cfg.d_model, rng));
+    const Matrixd x2 = random_matrix(2 * 11, f.cfg.d_model, rng);
+    const Matrixd yc = cpu.forward(cs, x2);
+    CHECK(rel_error(gpu.forward(snapshot, x2), yc) <= 1e-12);
+    CHECK(rel_error(gpu.current_momentum(snapshot, 1, 2), cpu.current_momentum(cs, 1, 2)) <= 1e-12);
+}

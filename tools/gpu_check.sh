@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# tools/gpu_check.sh: the CUDA backend's checks, for whoever has a GPU.
+#
+#   tools/gpu_check.sh            build, then run (on a machine with the Debian packages, nvcc
+#                                 and a GPU)
+#   tools/gpu_check.sh build      configure and build the CUDA tests and benchmark into
+#                                 build/gpu-check (Release; needs nvcc, Eigen, Catch2, Google
+#                                 Benchmark), and copy beside them the one shared library a bare
+#                                 GPU machine may lack (libbenchmark), so the folder can be
+#                                 carried to one
+#   tools/gpu_check.sh run [DIR]  run them from build/gpu-check: the parity tests (exit 77 and
+#                                 "skipped" without a GPU, never "passed"), then the benchmarks;
+#                                 results into DIR (default build/gpu-check/results):
+#                                 cuda_tests.txt, cuda_bench.txt, cuda_bench.json, device.txt
+#
+# The figures in docs/performance.md ("CUDA backend") come from `run`.
+set -euo pipefail
+
+repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+build="${repo_root}/build/gpu-check"
+
+do_build() {
+  cmake -S "${repo_root}" -B "${build}" -DCMAKE_BUILD_TYPE=Release -DTITANS_ENABLE_CUDA=ON \
+    -DTITANS_BUILD_EXAMPLES=OFF -DTITANS_IO=OFF -DTITANS_HEADER_CHECK=OFF -DTITANS_INSTALL=OFF
+  cmake --build "${build}" -j "$(nproc)" --target titans_cuda_tests bench_cuda
+  local lib
+  lib="$(ldd "${build}/bench/bench_cuda" | awk '/libbenchmark/ {print $3}')"
+  if [ -n "${lib}" ]; then
+    cp -L "${lib}" "${build}/bench/"
+  fi
+}
+
+do_run() {
+  local out="${1:-${build}/results}"
+  mkdir -p "${out}"
+  export LD_LIBRARY_PATH="${build}/bench${LD_LIBRARY_PATH:+:${LD_LIBRARY_PATH}}"
+  { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv || true
+    uptime; } > "${out}/device.txt" 2>&1
+  local rc=0
+  "${build}/tests/titans_cuda_tests" --warn NoTests > "${out}/cuda_tests.txt" 2>&1 || rc=$?
+  tail -n 3 "${out}/cuda_tests.txt"
+  grep "worst relative error" "${out}/cuda_tests.txt" || true
+  if [ "${rc}" -eq 77 ]; then
+    echo "gpu_check: no CUDA device here: tests skipped, benchmarks not run"
+    return 77
+  fi
+  "${build}/bench/bench_cuda" --benchmark_counters_tabular=true \
+    --benchmark_out="${out}/cuda_bench.json" --benchmark_out_format=json \
+    | tee "${out}/cuda_bench.txt"
+  return "${rc}"
+}
+
+case "${1:-all}" in
+  build) do_build ;;
+  run) do_run "${2:-}" ;;
+  all) do_build && do_run ;;
+  *) echo "usage: tools/gpu_check.sh [build | run [DIR]]" >&2; exit 2 ;;
+esac
