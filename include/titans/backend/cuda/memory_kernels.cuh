@@ -28,6 +28,7 @@
 #include "../backend.hpp"
 #include "blas.cuh"
 #include "launch.cuh"
+#include "memory_device.cuh"
 #include "memory_state.cuh"
 #include "transfer.cuh"
 
@@ -55,13 +56,7 @@ struct MemoryKernels<Cuda, T> {
     using Prepared = std::shared_ptr<const Params>;
 
     /// Per-layer pointers a kernel reads (captured by value).
-    struct Layers {
-        const T* a[limits::max_depth];
-        const T* d[limits::max_depth];
-        int in[limits::max_depth];
-        int out[limits::max_depth];
-        int depth;
-    };
+    using Layers = cuda::PendingLayers<T>;
 
     static Buf upload(const T* host, std::size_t n) {
         Buf b(n);
@@ -288,41 +283,23 @@ struct MemoryKernels<Cuda, T> {
         T* q = w.q.data();
         T* k = w.k.data();
         T* v = w.v.data();
-        cuda::each(sm, M * C, [=] __device__(unsigned i) {
-            const long long r = i / cuda::u32(C), c = i % cuda::u32(C), s = cuda::u32(r) / cuda::u32(N), t = cuda::u32(r) % cuda::u32(N);
-            T val = u[i];
-            if (conv) {
-                val *= taps[(K - 1) * C3 + c];
-                for (int j = 0; j < K - 1; ++j) {
-                    const long long tt = t - K + 1 + j;
-                    const T in = tt >= 0 ? u[(s * N + tt) * C + c]
-                                         : tail[(s * (K - 1) + tt + K - 1) * C3 + c];
-                    val += taps[j * C3 + c] * in;
-                }
-            }
-            if (silu) {
-                val = detail::silu(val);
-            }
-            const long long which = c / D, h = (c % D) / dh, j = c % dh;
-            T* out = which == 0 ? q : (which == 1 ? k : v);
-            out[((s * H + h) * N + t) * dh + j] = val;
-        });
+        if (M > 0) {
+            cuda::conv_rows_kernel<T><<<static_cast<unsigned>(M), 256, 0, sm>>>(
+                u, taps, tail, q, k, v, N, static_cast<int>(C), static_cast<int>(C3), K,
+                static_cast<int>(D), static_cast<int>(dh), static_cast<int>(H), conv, silu);
+            cuda::check_launch("the conv kernel");
+        }
         if (conv && advance && K > 1) {
             advance_tail(sm, u, tail, B, N, K, C3);
         }
         if (cfg.normalize_qk) {
-            const long long rows = B * H * N, which = queries_only ? 1 : 2;
-            cuda::each(sm, which * rows, [=] __device__(unsigned i) {
-                T* row = (i < rows ? q : k) + (i % cuda::u32(rows)) * dh;
-                T ss = T(0);
-                for (long long j = 0; j < dh; ++j) {
-                    ss += row[j] * row[j];
-                }
-                const T nrm = sqrt(ss) > T(1e-12) ? sqrt(ss) : T(1e-12);
-                for (long long j = 0; j < dh; ++j) {
-                    row[j] /= nrm;
-                }
-            });
+            const long long rows = B * H * N;
+            if (rows > 0) {
+                cuda::l2_rows_kernel<T><<<cuda::warp_blocks(queries_only ? rows : 2 * rows), 256,
+                                          0, sm>>>(q, queries_only ? nullptr : k, rows,
+                                                   static_cast<int>(dh));
+                cuda::check_launch("the L2 norm kernel");
+            }
         }
         if (!queries_only && cfg.gates != GateMode::Constant) {
             gate_logits(cfg, p, cx, w, x, N);
@@ -416,50 +393,12 @@ struct MemoryKernels<Cuda, T> {
         const T tmax = static_cast<T>(cfg.theta_max), ct = static_cast<T>(cfg.constant_theta),
                 ce = static_cast<T>(cfg.constant_eta), ca = static_cast<T>(cfg.constant_alpha),
                 clip = static_cast<T>(cfg.max_grad_norm);
-        const long long CS = coef_stride(b);
-        cuda::each(sm, P * n, [=] __device__(unsigned i) {
-            const long long p = i / cuda::u32(n), r = i % cuda::u32(n);
-            T th = ct, et = ce, al = ca;
-            if (mode == GateMode::DataDependent) {
-                const T* g = gates + (p * b + r) * 3;
-                th = tmax * detail::sigmoid(g[0]);
-                et = detail::sigmoid(g[1]);
-                al = detail::sigmoid(g[2]);
-            } else if (mode == GateMode::PerChunk) {
-                T s0 = T(0), s1 = T(0), s2 = T(0);
-                for (int j = 0; j < n; ++j) {
-                    const T* g = gates + (p * b + j) * 3;
-                    s0 += g[0];
-                    s1 += g[1];
-                    s2 += g[2];
-                }
-                th = tmax * detail::sigmoid(s0 / T(n));
-                et = detail::sigmoid(s1 / T(n));
-                al = detail::sigmoid(s2 / T(n));
-            }
-            if (clip > T(0)) {
-                T g2 = T(0);
-                for (int l = 0; l < ly.depth; ++l) {
-                    const T* a = ly.a[l] + (p * b + r) * ly.in[l];
-                    const T* d = ly.d[l] + (p * b + r) * ly.out[l];
-                    T sa = T(0), sd = T(0);
-                    for (int c = 0; c < ly.in[l]; ++c) {
-                        sa += a[c] * a[c];
-                    }
-                    for (int c = 0; c < ly.out[l]; ++c) {
-                        sd += d[c] * d[c];
-                    }
-                    g2 += sa * sd;
-                }
-                if (g2 > clip * clip) {
-                    th *= clip / sqrt(g2);
-                }
-            }
-            T* cf = coef + p * CS;
-            cf[r] = th;
-            cf[b + r] = et;
-            cf[2 * b + r] = al;
-        });
+        if (P * n == 0) {
+            return;
+        }
+        cuda::gate_values_kernel<T><<<cuda::warp_blocks(P * n), 256, 0, sm>>>(
+            mode, tmax, ct, ce, ca, clip, ly, gates, coef, P, b, n, coef_stride(b));
+        cuda::check_launch("the gate kernel");
     }
 
     /// Dual-form row coefficients (math §5) for rows [row0, n): beta, c and G (m x n, ld n).

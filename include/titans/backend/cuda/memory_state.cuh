@@ -53,8 +53,15 @@ public:
         Buf gates;
     };
 
-    /// Per-call workspaces, grown on demand (a read on a const state uses them too).
+    /// Per-call workspaces, grown on demand (a read on a const state uses them too). Scratch:
+    /// a copy of a state starts with none, and assigning a state keeps the target's own.
     struct Work {
+        Work() = default;
+        Work(const Work&) {}
+        Work& operator=(const Work&) { return *this; }
+        Work(Work&&) = default;
+        Work& operator=(Work&&) = default;
+        ~Work() = default;
         Buf u, logits, q, k, v, lp, yp, yh, t1, scores, g, coef, scratch, diag;
         std::vector<Buf> z, hid, w, s;
         backend::cuda::DeviceBuffer<int> flags;

@@ -75,8 +75,14 @@ public:
     DeviceBuffer(const DeviceBuffer& o) : DeviceBuffer(o.n_) { copy_from(o); }
     DeviceBuffer(DeviceBuffer&& o) noexcept
         : p_(std::exchange(o.p_, nullptr)), n_(std::exchange(o.n_, 0)) {}
+    /// Copies o's elements; reuses this buffer's memory when the sizes agree (no allocation).
     DeviceBuffer& operator=(const DeviceBuffer& o) {
-        if (this != &o) {
+        if (this == &o) {
+            return *this;
+        }
+        if (n_ == o.n_) {
+            copy_from(o);
+        } else {
             DeviceBuffer tmp(o);
             swap(tmp);
         }
