@@ -12,6 +12,10 @@
 #                                 "skipped" without a GPU, never "passed"), then the benchmarks;
 #                                 results into DIR (default build/gpu-check/results):
 #                                 cuda_tests.txt, cuda_bench.txt, cuda_bench.json, device.txt
+#   tools/gpu_check.sh sanitize [DIR]
+#                                 the tests under compute-sanitizer memcheck (leaks too) and
+#                                 initcheck, with a short parity sweep (2 cases per mode):
+#                                 memcheck.txt, initcheck.txt
 #
 # The figures in docs/performance.md ("CUDA backend") come from `run`.
 set -euo pipefail
@@ -50,9 +54,23 @@ do_run() {
   return "${rc}"
 }
 
+do_sanitize() {
+  local out="${1:-${build}/results}" tool rc=0
+  mkdir -p "${out}"
+  for tool in memcheck initcheck; do
+    local extra=()
+    [ "${tool}" = memcheck ] && extra=(--leak-check full)
+    TITANS_CUDA_PARITY_CASES=2 compute-sanitizer --tool "${tool}" "${extra[@]}" --error-exitcode 9 \
+      "${build}/tests/titans_cuda_tests" > "${out}/${tool}.txt" 2>&1 || rc=$?
+    echo "${tool}: $(grep 'ERROR SUMMARY' "${out}/${tool}.txt" || echo 'no summary') (exit ${rc})"
+  done
+  return "${rc}"
+}
+
 case "${1:-all}" in
   build) do_build ;;
   run) do_run "${2:-}" ;;
+  sanitize) do_sanitize "${2:-}" ;;
   all) do_build && do_run ;;
-  *) echo "usage: tools/gpu_check.sh [build | run [DIR]]" >&2; exit 2 ;;
+  *) echo "usage: tools/gpu_check.sh [build | run [DIR] | sanitize [DIR]]" >&2; exit 2 ;;
 esac

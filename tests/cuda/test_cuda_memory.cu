@@ -113,8 +113,13 @@ double compare_case(const MemoryConfig& cfg, const titans::MemoryParamsd& p, con
 
 /// The reference of T: the problem rounded to T, run in double on the CPU; the bound is
 /// relative to it (double: rounding only; float: float arithmetic over the whole stream).
+/// TITANS_CUDA_PARITY_CASES (environment) caps the cases per mode: a short sweep for slow
+/// runs (compute-sanitizer).
 template <class T>
 void parity_sweep(const char* name, int cases_per_mode, double bound) {
+    if (const char* cap = std::getenv("TITANS_CUDA_PARITY_CASES"); cap != nullptr) {
+        cases_per_mode = std::min(cases_per_mode, std::max(1, std::atoi(cap)));
+    }
     int index = 0;
     double worst = 0;
     for (const Modes& base : all_primary_modes()) {
