@@ -11,7 +11,8 @@
 #   tools/gpu_check.sh run [DIR]  run them from build/gpu-check: the parity tests (exit 77 and
 #                                 "skipped" without a GPU, never "passed"), then the benchmarks;
 #                                 results into DIR (default build/gpu-check/results):
-#                                 cuda_tests.txt, cuda_bench.txt, cuda_bench.json, device.txt
+#                                 cuda_tests.txt, example.txt (examples/07_cuda_memory),
+#                                 cuda_bench.txt, cuda_bench.json, device.txt
 #   tools/gpu_check.sh sanitize [DIR]
 #                                 the tests under compute-sanitizer memcheck (leaks too) and
 #                                 initcheck, with a short parity sweep (2 cases per mode):
@@ -25,8 +26,8 @@ build="${repo_root}/build/gpu-check"
 
 do_build() {
   cmake -S "${repo_root}" -B "${build}" -DCMAKE_BUILD_TYPE=Release -DTITANS_ENABLE_CUDA=ON \
-    -DTITANS_BUILD_EXAMPLES=OFF -DTITANS_IO=OFF -DTITANS_HEADER_CHECK=OFF -DTITANS_INSTALL=OFF
-  cmake --build "${build}" -j "$(nproc)" --target titans_cuda_tests bench_cuda
+    -DTITANS_BUILD_EXAMPLES=ON -DTITANS_IO=OFF -DTITANS_HEADER_CHECK=OFF -DTITANS_INSTALL=OFF
+  cmake --build "${build}" -j "$(nproc)" --target titans_cuda_tests bench_cuda 07_cuda_memory
   local lib
   lib="$(ldd "${build}/bench/bench_cuda" | awk '/libbenchmark/ {print $3}')"
   if [ -n "${lib}" ]; then
@@ -48,6 +49,7 @@ do_run() {
     echo "gpu_check: no CUDA device here: tests skipped, benchmarks not run"
     return 77
   fi
+  "${build}/examples/07_cuda_memory" | tee "${out}/example.txt" || rc=$?
   "${build}/bench/bench_cuda" --benchmark_counters_tabular=true \
     --benchmark_out="${out}/cuda_bench.json" --benchmark_out_format=json \
     | tee "${out}/cuda_bench.txt"
