@@ -9,8 +9,9 @@
 //     auto st = mem.make_state(64);           // device state, own stream and cuBLAS handle
 //     Matrixf y = mem.forward(st, x);         // x uploaded, y downloaded once per call
 //
-// Covered: the neural memory (every mode of math §1-5). Attention, norms, feed-forward, the
-// blocks and the model have no CUDA kernels yet (docs/design.md, "CUDA backend").
+// Covered: the neural memory (every mode of math §1-5, forward), RMSNorm and FeedForward
+// (forward and backward). Attention, the blocks and the model have no CUDA kernels yet
+// (docs/cuda.md).
 
 #if !defined(__CUDACC__)
 #error "titans/backend/cuda/cuda.cuh is for CUDA translation units (nvcc); use the CPU backend elsewhere"
@@ -40,3 +41,4 @@ struct BackendTraits<Cuda> {
 #include "runtime.cuh"
 #include "transfer.cuh"
 #include "memory_kernels.cuh"
+#include "layer_kernels.cuh"

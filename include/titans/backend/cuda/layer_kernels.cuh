@@ -1,0 +1,283 @@
+#pragma once
+// titans/backend/cuda/layer_kernels.cuh: RMSNorm and FeedForward on CUDA (math §7, and their
+// backward passes of math §9), float and double.
+//
+// Stateless layers have no state to own a stream: their calls run on the calling host
+// thread's own stream and cuBLAS handle (thread_context()), and return with it idle.
+
+#include <memory>
+
+#include "../../detail/activation.hpp"
+#include "../../layers/feed_forward.hpp"
+#include "../../layers/rms_norm.hpp"
+#include "../../types.hpp"
+#include "../backend.hpp"
+#include "blas.cuh"
+#include "launch.cuh"
+#include "transfer.cuh"
+
+namespace titans::backend {
+
+struct Cuda;
+
+namespace cuda {
+
+/// This host thread's stream and cuBLAS handle (made on first use, with the TF32 setting of
+/// that moment).
+inline const StreamContext& thread_context() {
+    thread_local const StreamContext ctx;
+    return ctx;
+}
+
+/// A host matrix in device memory, dense row-major.
+template <class T>
+DeviceBuffer<T> upload_matrix(const T* host, std::size_t n) {
+    DeviceBuffer<T> b(n);
+    if (n > 0) {
+        check(cudaMemcpy(b.data(), host, n * sizeof(T), cudaMemcpyHostToDevice),
+              "cudaMemcpy (layer parameters to the device)");
+    }
+    return b;
+}
+
+#if defined(__CUDACC__)
+/// RMSNorm of row blockIdx.x: y = x / sqrt(mean(x^2) + eps) ⊙ w (y may be x); inv (when
+/// given) keeps 1 / rms. A block per row, a shared-memory sum.
+template <class T>
+__global__ void rms_rows_kernel(const T* x, long long xs, T* y, long long ys, const T* w,
+                                int d, T eps, T* inv, long long is) {
+    __shared__ T part[256];
+    const long long r = blockIdx.x;
+    T ss = T(0);
+    for (int j = threadIdx.x; j < d; j += blockDim.x) {
+        ss += x[r * xs + j] * x[r * xs + j];
+    }
+    part[threadIdx.x] = ss;
+    __syncthreads();
+    for (int o = blockDim.x / 2; o > 0; o /= 2) {
+        if (static_cast<int>(threadIdx.x) < o) {
+            part[threadIdx.x] += part[threadIdx.x + o];
+        }
+        __syncthreads();
+    }
+    const T rr = T(1) / sqrt(part[0] / static_cast<T>(d) + eps);
+    if (inv != nullptr && threadIdx.x == 0) {
+        inv[r * is] = rr;
+    }
+    for (int j = threadIdx.x; j < d; j += blockDim.x) {
+        y[r * ys + j] = x[r * xs + j] * rr * w[j];
+    }
+}
+
+/// RMSNorm backward of row blockIdx.x: u = dy ⊙ w, dx = r u - x r^3 <u, x> / d.
+template <class T>
+__global__ void rms_backward_rows_kernel(const T* x, long long xs, const T* inv, long long is,
+                                         const T* dy, long long dys, T* dx, long long dxs,
+                                         const T* w, int d) {
+    __shared__ T part[256];
+    const long long r = blockIdx.x;
+    T dot = T(0);
+    for (int j = threadIdx.x; j < d; j += blockDim.x) {
+        dot += dy[r * dys + j] * w[j] * x[r * xs + j];
+    }
+    part[threadIdx.x] = dot;
+    __syncthreads();
+    for (int o = blockDim.x / 2; o > 0; o /= 2) {
+        if (static_cast<int>(threadIdx.x) < o) {
+            part[threadIdx.x] += part[threadIdx.x + o];
+        }
+        __syncthreads();
+    }
+    const T rr = inv[r * is], k = rr * rr * rr * part[0] / static_cast<T>(d);
+    for (int j = threadIdx.x; j < d; j += blockDim.x) {
+        dx[r * dxs + j] = dy[r * dys + j] * w[j] * rr - x[r * xs + j] * k;
+    }
+}
+#endif
+
+}  // namespace cuda
+
+/// RMSNorm on CUDA: the weight uploaded once; a block per row.
+template <class T>
+struct NormKernels<Cuda, T> {
+    using Prepared = std::shared_ptr<const cuda::DeviceBuffer<T>>;
+
+    static Prepared prepare(const std::shared_ptr<const RowVector<T>>& weight) {
+        return std::make_shared<const cuda::DeviceBuffer<T>>(cuda::upload_matrix(
+            weight->data(), static_cast<std::size_t>(weight->size())));
+    }
+    static void forward(const Prepared& w, T eps, View<const T> x, View<T> y) {
+        run(w, eps, x, y, nullptr, 0);
+    }
+    static void forward_train(const Prepared& w, T eps, View<const T> x, View<T> y,
+                              View<T> inv_rms) {
+        run(w, eps, x, y, inv_rms.data, inv_rms.stride);
+    }
+    /// dx from dy; dweight (1 x d) += Σ_rows dy ⊙ x r (a thread per column, rows in order).
+    static void backward(const Prepared& w, View<const T> x, View<const T> inv, View<const T> dy,
+                         View<T> dx, View<T> dweight) {
+        if (x.rows == 0) {
+            return;
+        }
+        const cuda::StreamContext& cx = cuda::thread_context();
+        const int d = static_cast<int>(x.cols);
+        cuda::rms_backward_rows_kernel<T><<<static_cast<unsigned>(x.rows), 256, 0, cx.stream()>>>(
+            x.data, x.stride, inv.data, inv.stride, dy.data, dy.stride, dx.data, dx.stride,
+            w->data(), d);
+        cuda::check_launch("the RMSNorm backward kernel");
+        const T* xp = x.data;
+        const T* ip = inv.data;
+        const T* dyp = dy.data;
+        T* dw = dweight.data;
+        const long long rows = x.rows, xs = x.stride, is = inv.stride, dys = dy.stride;
+        cuda::each(cx.stream(), d, [=] __device__(unsigned j) {
+            T s = T(0);
+            for (long long r = 0; r < rows; ++r) {
+                s += dyp[r * dys + j] * xp[r * xs + j] * ip[r * is];
+            }
+            dw[j] += s;
+        });
+        cx.synchronize();
+    }
+
+    static void run(const Prepared& w, T eps, View<const T> x, View<T> y, T* inv,
+                    std::ptrdiff_t is) {
+        if (x.rows == 0) {
+            return;
+        }
+        const cuda::StreamContext& cx = cuda::thread_context();
+        cuda::rms_rows_kernel<T><<<static_cast<unsigned>(x.rows), 256, 0, cx.stream()>>>(
+            x.data, x.stride, y.data, y.stride, w->data(), static_cast<int>(x.cols), eps, inv, is);
+        cuda::check_launch("the RMSNorm kernel");
+        cx.synchronize();
+    }
+};
+
+/// FeedForward on CUDA: the products on cuBLAS, the activations element-wise.
+template <class T>
+struct FeedForwardKernels<Cuda, T> {
+    struct Params {
+        cuda::DeviceBuffer<T> w1, w3, w2;
+        int d = 0, h = 0;
+    };
+    using Prepared = std::shared_ptr<const Params>;
+
+    static Prepared prepare(const FeedForwardConfig&,
+                            const std::shared_ptr<const FeedForwardParams<T>>& hp) {
+        auto p = std::make_shared<Params>();
+        auto up = [](const Matrix<T>& m) {
+            return cuda::upload_matrix(m.data(), static_cast<std::size_t>(m.size()));
+        };
+        p->w1 = up(hp->w1);
+        p->w3 = up(hp->w3);
+        p->w2 = up(hp->w2);
+        p->d = static_cast<int>(hp->w1.rows());
+        p->h = static_cast<int>(hp->w1.cols());
+        return p;
+    }
+
+    static void forward(const FeedForwardConfig& cfg, const Prepared& p, View<const T> x,
+                        View<T> y) {
+        const auto rows = static_cast<std::size_t>(x.rows), h = static_cast<std::size_t>(p->h);
+        cuda::DeviceBuffer<T> a(rows * h), g(cfg.kind == FeedForwardKind::SwiGLU ? rows * h : 0);
+        const View<T> av{a.data(), x.rows, p->h, p->h}, gv{g.data(), x.rows, p->h, p->h};
+        forward_train(cfg, p, x, y, av, gv);
+    }
+
+    /// forward, keeping a = x W1 and (SwiGLU) g = x W3 for backward.
+    static void forward_train(const FeedForwardConfig& cfg, const Prepared& p, View<const T> x,
+                              View<T> y, View<T> a, View<T> g) {
+        if (x.rows == 0) {
+            return;
+        }
+        const cuda::StreamContext& cx = cuda::thread_context();
+        const bool swiglu = cfg.kind == FeedForwardKind::SwiGLU;
+        product(cx, x, p->w1.data(), p->h, a);
+        if (swiglu) {
+            product(cx, x, p->w3.data(), p->h, g);
+        }
+        cuda::DeviceBuffer<T> hb(static_cast<std::size_t>(x.rows) * static_cast<std::size_t>(p->h));
+        activation(cx, swiglu, a, g, hb.data());
+        cuda::gemm<T>(cx.blas(), false, false, static_cast<int>(x.rows), p->d, p->h, T(1),
+                      {hb.data(), p->h}, {p->w2.data(), p->d}, T(0), y.data,
+                      static_cast<int>(y.stride), 0, 1);
+        cx.synchronize();
+    }
+
+    /// math §9 (feed-forward): dW2 += h^T dy, da = dh ⊙ act'(a) (⊙ g), dg = dh ⊙ silu(a),
+    /// dW1 += x^T da, dW3 += x^T dg, dx = da W1^T + dg W3^T, with dh = dy W2^T.
+    static void backward(const FeedForwardConfig& cfg, const Prepared& p, View<const T> x,
+                         View<const T> a, View<const T> g, View<const T> dy, View<T> dx,
+                         View<T> dw1, View<T> dw3, View<T> dw2) {
+        if (x.rows == 0) {
+            return;
+        }
+        const cuda::StreamContext& cx = cuda::thread_context();
+        const bool swiglu = cfg.kind == FeedForwardKind::SwiGLU;
+        const int rows = static_cast<int>(x.rows), d = p->d, hd = p->h;
+        const auto n = static_cast<std::size_t>(rows) * static_cast<std::size_t>(hd);
+        cuda::DeviceBuffer<T> hb(n), dh(n), dg(swiglu ? n : 0);
+        activation(cx, swiglu, a, g, hb.data());
+        auto bl = cx.blas();
+        cuda::gemm<T>(bl, true, false, hd, d, rows, T(1), {hb.data(), hd},
+                      {dy.data, static_cast<int>(dy.stride)}, T(1), dw2.data,
+                      static_cast<int>(dw2.stride), 0, 1);
+        cuda::gemm<T>(bl, false, true, rows, hd, d, T(1), {dy.data, static_cast<int>(dy.stride)},
+                      {p->w2.data(), d}, T(0), dh.data(), hd, 0, 1);
+        gates_backward(cx, swiglu, a, g, dh.data(), dg.data(), rows, hd);
+        const cuda::Operand<T> xo{x.data, static_cast<int>(x.stride)};
+        cuda::gemm<T>(bl, true, false, d, hd, rows, T(1), xo, {dh.data(), hd}, T(1), dw1.data,
+                      static_cast<int>(dw1.stride), 0, 1);
+        cuda::gemm<T>(bl, false, true, rows, d, hd, T(1), {dh.data(), hd}, {p->w1.data(), hd},
+                      T(0), dx.data, static_cast<int>(dx.stride), 0, 1);
+        if (swiglu) {
+            cuda::gemm<T>(bl, true, false, d, hd, rows, T(1), xo, {dg.data(), hd}, T(1),
+                          dw3.data, static_cast<int>(dw3.stride), 0, 1);
+            cuda::gemm<T>(bl, false, true, rows, d, hd, T(1), {dg.data(), hd},
+                          {p->w3.data(), hd}, T(1), dx.data, static_cast<int>(dx.stride), 0, 1);
+        }
+        cx.synchronize();
+    }
+
+    /// out = x W (rows x cols, W dense d x cols).
+    static void product(const cuda::StreamContext& cx, View<const T> x, const T* w, int cols,
+                        View<T> out) {
+        cuda::gemm<T>(cx.blas(), false, false, static_cast<int>(x.rows), cols,
+                      static_cast<int>(x.cols), T(1), {x.data, static_cast<int>(x.stride)},
+                      {w, cols}, T(0), out.data, static_cast<int>(out.stride), 0, 1);
+    }
+
+    /// h = silu(a) ⊙ g (SwiGLU) or gelu(a), dense rows x h.
+    static void activation(const cuda::StreamContext& cx, bool swiglu, View<const T> a,
+                           View<const T> g, T* h) {
+        const long long cols = a.cols, as = a.stride, gs = g.stride;
+        const T* ap = a.data;
+        const T* gp = g.data;
+        cuda::each(cx.stream(), a.rows * cols, [=] __device__(unsigned i) {
+            const long long r = i / cuda::u32(cols), c = i % cuda::u32(cols);
+            const T z = ap[r * as + c];
+            h[i] = swiglu ? detail::silu(z) * gp[r * gs + c] : detail::gelu(z);
+        });
+    }
+
+    /// dh (dense) -> da in place; dg = dh ⊙ silu(a) (SwiGLU): da = dh ⊙ g ⊙ silu'(a), or
+    /// dh ⊙ gelu'(a).
+    static void gates_backward(const cuda::StreamContext& cx, bool swiglu, View<const T> a,
+                               View<const T> g, T* dh, T* dg, int rows, int hd) {
+        const long long as = a.stride, gs = g.stride, cols = hd;
+        const T* ap = a.data;
+        const T* gp = g.data;
+        cuda::each(cx.stream(), static_cast<long long>(rows) * hd, [=] __device__(unsigned i) {
+            const long long r = i / cuda::u32(cols), c = i % cuda::u32(cols);
+            const T z = ap[r * as + c];
+            if (swiglu) {
+                dg[i] = dh[i] * detail::silu(z);
+                dh[i] = dh[i] * gp[r * gs + c] * detail::silu_grad(z);
+            } else {
+                dh[i] = dh[i] * detail::gelu_grad(z);
+            }
+        });
+    }
+};
+
+}  // namespace titans::backend
