@@ -255,6 +255,19 @@ TEST_CASE("cuda memory: errors leave the state", "[cuda]") {
         CHECK(rel_error(gpu2.current_weights(gs2, 1, 1), f.p.memory_init[1]) == 0.0);
         CHECK(rel_error(gpu2.forward(gs2, x.topRows(6)), cpu2.forward(cs2, x.topRows(6))) <= 1e-12);
     }
+    // A default-constructed state, and one made for another configuration: ConfigError, and
+    // the stream's own state untouched.
+    {
+        typename CudaMemory<double>::State none;
+        REQUIRE_THROWS_NAMING(gpu.forward(none, x1), titans::ConfigError, "configuration");
+        MemoryConfig other = f.cfg;
+        other.chunk = f.cfg.chunk + 1;
+        CudaMemory<double> gpu3(other, f.p);
+        auto foreign = gpu3.make_state(2);
+        REQUIRE_THROWS_NAMING(gpu.forward(foreign, x1), titans::ConfigError, "configuration");
+        REQUIRE_THROWS_AS(gpu.read(foreign, x1), titans::ConfigError);
+        REQUIRE(foreign.position() == 0);
+    }
     // A transaction over two calls, rolled back.
     REQUIRE(gpu.begin(gs));
     (void)gpu.forward(gs, random_matrix(2 * 5, f.cfg.d_model, rng));

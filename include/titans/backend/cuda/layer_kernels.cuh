@@ -29,17 +29,6 @@ inline const StreamContext& thread_context() {
     return ctx;
 }
 
-/// A host matrix in device memory, dense row-major.
-template <class T>
-DeviceBuffer<T> upload_matrix(const T* host, std::size_t n) {
-    DeviceBuffer<T> b(n);
-    if (n > 0) {
-        check(cudaMemcpy(b.data(), host, n * sizeof(T), cudaMemcpyHostToDevice),
-              "cudaMemcpy (layer parameters to the device)");
-    }
-    return b;
-}
-
 #if defined(__CUDACC__)
 /// RMSNorm of row blockIdx.x: y = x / sqrt(mean(x^2) + eps) ⊙ w (y may be x); inv (when
 /// given) keeps 1 / rms. A block per row, a shared-memory sum.
@@ -103,7 +92,7 @@ struct NormKernels<Cuda, T> {
     using Prepared = std::shared_ptr<const cuda::DeviceBuffer<T>>;
 
     static Prepared prepare(const std::shared_ptr<const RowVector<T>>& weight) {
-        return std::make_shared<const cuda::DeviceBuffer<T>>(cuda::upload_matrix(
+        return std::make_shared<const cuda::DeviceBuffer<T>>(cuda::upload_array(
             weight->data(), static_cast<std::size_t>(weight->size())));
     }
     static void forward(const Prepared& w, T eps, View<const T> x, View<T> y) {
@@ -166,7 +155,7 @@ struct FeedForwardKernels<Cuda, T> {
                             const std::shared_ptr<const FeedForwardParams<T>>& hp) {
         auto p = std::make_shared<Params>();
         auto up = [](const Matrix<T>& m) {
-            return cuda::upload_matrix(m.data(), static_cast<std::size_t>(m.size()));
+            return cuda::upload_array(m.data(), static_cast<std::size_t>(m.size()));
         };
         p->w1 = up(hp->w1);
         p->w3 = up(hp->w3);

@@ -58,15 +58,9 @@ struct MemoryKernels<Cuda, T> {
     /// Per-layer pointers a kernel reads (captured by value).
     using Layers = cuda::PendingLayers<T>;
 
-    static Buf upload(const T* host, std::size_t n) {
-        Buf b(n);
-        if (n > 0) {
-            cuda::check(cudaMemcpy(b.data(), host, n * sizeof(T), cudaMemcpyHostToDevice),
-                        "cudaMemcpy (parameters to the device)");
-        }
-        return b;
+    static Buf upload(const Mat& m) {
+        return cuda::upload_array(m.data(), static_cast<std::size_t>(m.size()));
     }
-    static Buf upload(const Mat& m) { return upload(m.data(), static_cast<std::size_t>(m.size())); }
     static Mat concat(std::initializer_list<const Mat*> parts) {
         Eigen::Index cols = 0;
         for (const Mat* m : parts) {
@@ -119,7 +113,7 @@ struct MemoryKernels<Cuda, T> {
                 std::copy(w0.data(), w0.data() + w0.size(),
                           host.begin() + static_cast<std::ptrdiff_t>(p * in * out));
             }
-            st.w_.push_back(upload(host.data(), host.size()));
+            st.w_.push_back(cuda::upload_array(host.data(), host.size()));
             st.s_.emplace_back();
             zero(st.s_.back(), host.size());
             st.a_.emplace_back();
@@ -643,10 +637,14 @@ struct MemoryKernels<Cuda, T> {
     /// math §3-5 over the piece: chunk segments at absolute positions, all pairs at once.
     /// Returns true if a chunk ended inside the piece.
     static bool scan(const MemoryConfig& cfg, State& st, long long N, bool want_diag) {
-        const int b = st.chunk_, L = cfg.depth;
+        const int b = st.chunk_;
         const long long P = static_cast<long long>(st.batch_) * cfg.n_heads, dh = cfg.head_dim();
         const cudaStream_t sm = st.ctx_->stream();
         auto& w = st.work_;
+        // The state's buffers do not move during a call: their pointers once, not per segment.
+        const std::vector<T*> W = pointers(st.w_), S = pointers(st.s_);
+        const std::vector<const T*> Wc = as_const(W);
+        const Layers pending = layers(cfg, st.a_, st.delta_);
         bool ended = false;
         long long t = 0;
         while (t < N) {
@@ -660,24 +658,18 @@ struct MemoryKernels<Cuda, T> {
                 surprise(cfg, st, N, t, o, m);
             }
             if (cfg.retrieval == Retrieval::Lagged) {
-                std::vector<const T*> W;
-                for (const Buf& x : st.w_) {
-                    W.push_back(x.data());
-                }
-                mlp_read(cfg, *st.ctx_, W, w.q.data() + t * dh, N * dh, m, w.hid, b,
+                mlp_read(cfg, *st.ctx_, Wc, w.q.data() + t * dh, N * dh, m, w.hid, b,
                          w.yp.data() + t * dh, N * dh, static_cast<int>(P));
             } else {
                 read_in_chunk(cfg, st, N, t, o, m);
             }
             if (o + m == b) {
                 save_full(st);
-                chunk_end(cfg, *st.ctx_, w, layers(cfg, st.a_, st.delta_), st.gates_.data(),
-                          pointers(st.w_), pointers(st.s_), P, b, b);
+                chunk_end(cfg, *st.ctx_, w, pending, st.gates_.data(), W, S, P, b, b);
                 ended = true;
             }
             t += m;
         }
-        (void)L;
         return ended;
     }
 
@@ -891,7 +883,7 @@ struct MemoryKernels<Cuda, T> {
                 const Mat& m = pair[static_cast<std::size_t>(l)];
                 host.insert(host.end(), m.data(), m.data() + m.size());
             }
-            dev.push_back(upload(host.data(), host.size()));
+            dev.push_back(cuda::upload_array(host.data(), host.size()));
             W.push_back(dev.back().data());
         }
         read_through(cfg, *p, cx, w, x, batch, 1, false, nullptr, W, y);

@@ -125,6 +125,17 @@ private:
     std::size_t n_ = 0;
 };
 
+/// n host elements copied into a new device buffer (synchronous).
+template <class T>
+DeviceBuffer<T> upload_array(const T* host, std::size_t n) {
+    DeviceBuffer<T> b(n);
+    if (n > 0) {
+        check(cudaMemcpy(b.data(), host, n * sizeof(T), cudaMemcpyHostToDevice),
+              "cudaMemcpy (host to device)");
+    }
+    return b;
+}
+
 /// A CUDA stream and a cuBLAS handle bound to it: each state owns one, so states on different
 /// host threads run concurrently. The stream is a blocking one (ordered with the legacy
 /// default stream that Transfer's copies use).
