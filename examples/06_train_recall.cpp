@@ -9,7 +9,7 @@
 // Models, trained with the same steps, data, optimiser (AdamW, warm-up + cosine, global
 // clipping) and about the same parameter count: SWA (sliding-window attention blocks with a
 // feed-forward, no memory; composed here from the library's layers), and Titans models of two
-// LMM, MAG or MAL blocks (titans::Model). MAC has no training pass yet.
+// LMM, MAC, MAG or MAL blocks (titans::Model; MAC's segment is the window).
 //
 // Output: progress lines (step, loss, tokens/s, ETA); DIR/train_recall.svg, the loss curves;
 // a table of query accuracy by distance (inside the window, 2x, 8x, 32x the window); a table
@@ -464,7 +464,8 @@ int main(int argc, char** argv) try {
     std::filesystem::create_directories(s.out_dir);
     const titans::AdamWConfig adam{0.9, 0.98, 1e-8, 0.01, false};
     std::vector<TitansModel> titans_models;
-    for (auto kind : {titans::BlockKind::LMM, titans::BlockKind::MAG, titans::BlockKind::MAL}) {
+    for (auto kind : {titans::BlockKind::LMM, titans::BlockKind::MAC, titans::BlockKind::MAG,
+                      titans::BlockKind::MAL}) {
         const auto cfg = titans_config(s, kind);
         titans_models.push_back({cfg, titans::ModelParams<float>::random(cfg, 1), titans::AdamW<float>(adam)});
     }

@@ -43,9 +43,10 @@ void perturb(BlockParams<double>& p, const BlockConfig& cfg, Rng& rng) {
 }
 
 /// A small block of `kind`: width 2..6, 1..2 heads, memory depth 1..2 and chunk 1..4, window
-/// 2..4, 0..3 persistent tokens, feed-forward SwiGLU / GELU / none, RoPE when the head width is
-/// even, both retrievals and gate modes; 5..9 tokens (several chunks, beyond the window),
-/// batch 1..2; bit 4 of i: a constant stream.
+/// or MAC segment 2..4 (segments start inside chunks and at their starts), 0..3 persistent
+/// tokens, feed-forward SwiGLU / GELU / none, RoPE when the head width is even, both retrievals
+/// and gate modes; 5..9 tokens (several chunks and segments, beyond the window), batch 1..2;
+/// bit 4 of i: a constant stream.
 BackwardBlockCase draw_block_case(BlockKind kind, int i, Rng& rng) {
     BackwardBlockCase c;
     const int heads = uniform_int(rng, 1, 2), d = heads * uniform_int(rng, 1, 3);
@@ -58,6 +59,7 @@ BackwardBlockCase draw_block_case(BlockKind kind, int i, Rng& rng) {
     c.cfg.memory.retrieval = (i / 2) % 2 == 0 ? titans::Retrieval::Lagged : titans::Retrieval::InChunk;
     c.cfg.memory.gates = (i / 3) % 2 == 0 ? titans::GateMode::DataDependent : titans::GateMode::Constant;
     c.cfg.attention.rope = i % 2 == 1 && c.cfg.attention.head_dim() % 2 == 0;
+    if (kind == BlockKind::MAC && i % 8 == 7) c.cfg.memory.retrieval = titans::Retrieval::Lagged;
     c.cfg.validate();
     c.p = BlockParams<double>::random(c.cfg, rng());
     perturb(c.p, c.cfg, rng);
@@ -76,15 +78,16 @@ BlockParams<double> block_gradients(const BackwardBlockCase& c, Matrixd& dx) {
     return fresh_gradients<titans::Block<double>>(c.cfg, c.p, c.batch, c.x, c.dy, dx);
 }
 
-const std::vector<BlockKind> trainable_kinds{BlockKind::LMM, BlockKind::MAG, BlockKind::MAL};
+const std::vector<BlockKind> trainable_kinds{BlockKind::LMM, BlockKind::MAG, BlockKind::MAL,
+                                             BlockKind::MAC};
 
 }  // namespace
 
-TEST_CASE("block bwd: FD, LMM MAG MAL", "[train][blocks]") {
-    const int i = GENERATE(range(0, 18));
+TEST_CASE("block bwd: FD, every kind", "[train][blocks]") {
+    const int i = GENERATE(range(0, 24));
     const std::uint64_t seed = seed_for("block bwd: FD", static_cast<std::uint64_t>(i));
     Rng rng(seed);
-    BackwardBlockCase c = draw_block_case(trainable_kinds[static_cast<std::size_t>(i % 3)], i, rng);
+    BackwardBlockCase c = draw_block_case(trainable_kinds[static_cast<std::size_t>(i % 4)], i, rng);
     INFO("seed=" << seed << " case=" << i << " kind=" << titans::to_string(c.cfg.kind)
                  << " rows=" << c.x.rows() << " persistent=" << c.cfg.n_persistent);
     Matrixd dx;
@@ -99,10 +102,10 @@ TEST_CASE("block bwd: FD, LMM MAG MAL", "[train][blocks]") {
 
 TEMPLATE_TEST_CASE("block bwd: as inference", "[train][blocks]", float, double) {
     using T = TestType;
-    for (int i = 0; i < 6; ++i) {
+    for (int i = 0; i < 8; ++i) {
         Rng rng(seed_for("block bwd: as inference", static_cast<std::uint64_t>(i)));
-        const BackwardBlockCase c = draw_block_case(trainable_kinds[static_cast<std::size_t>(i % 3)],
-                                            i + 16 * (i / 3), rng);
+        const BackwardBlockCase c = draw_block_case(trainable_kinds[static_cast<std::size_t>(i % 4)],
+                                            i + 16 * (i / 4), rng);
         INFO("case " << i << " kind " << titans::to_string(c.cfg.kind));
         const auto pt = cast_block<T>(c.p);
         titans::Block<T> block(c.cfg, pt);
@@ -158,18 +161,13 @@ TEST_CASE("block bwd: sums and refusals", "[train][blocks]") {
     wrong.persistent.resize(1, 1);
     CHECK_THROWS_AS(block.backward(trace, c.dy, dx1, wrong), titans::ShapeError);
     CHECK(identical(g.memory.w_q, (2 * once.memory.w_q).eval()));
-    // A trace of another block kind; MAC has no training pass yet.
+    // A trace of another block kind.
     BackwardBlockCase l = draw_block_case(BlockKind::LMM, 0, rng);
     titans::Block<double> lmm(l.cfg, l.p);
     auto sl = lmm.make_state(l.batch);
     titans::Block<double>::Trace tl;
     lmm.forward(sl, l.x, y3, tl);
     CHECK_THROWS_AS(block.backward(tl, c.dy, dx1, g), titans::ConfigError);
-    BackwardBlockCase m = draw_block_case(BlockKind::MAC, 0, rng);
-    titans::Block<double> mac(m.cfg, m.p);
-    auto sm = mac.make_state(m.batch);
-    REQUIRE_THROWS_NAMING(mac.forward(sm, m.x, y3, tl), titans::ConfigError, "MAC");
-    CHECK(tl.rows == l.x.rows());
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -188,8 +186,8 @@ struct TrainModelCase {
 TrainModelCase draw_model_case(int i, Rng& rng) {
     TrainModelCase c;
     Rng r2(rng());
-    const BackwardBlockCase a = draw_block_case(trainable_kinds[static_cast<std::size_t>(i % 3)], i, rng);
-    BackwardBlockCase b = draw_block_case(trainable_kinds[static_cast<std::size_t>((i + 1) % 3)], i + 1, r2);
+    const BackwardBlockCase a = draw_block_case(trainable_kinds[static_cast<std::size_t>(i % 4)], i, rng);
+    BackwardBlockCase b = draw_block_case(trainable_kinds[static_cast<std::size_t>((i + 1) % 4)], i + 1, r2);
     c.cfg.d_model = a.cfg.d_model;
     b.cfg = BlockConfig::make(b.cfg.kind, a.cfg.d_model, a.cfg.memory.n_heads, 1, 3, 2);
     b.cfg.n_persistent = 2;
@@ -220,7 +218,7 @@ Matrixd model_out(const TrainModelCase& c) {
 }  // namespace
 
 TEST_CASE("model bwd: FD, mixed blocks", "[train][model]") {
-    const int i = GENERATE(range(0, 6));
+    const int i = GENERATE(range(0, 8));
     const std::uint64_t seed = seed_for("model bwd: FD", static_cast<std::uint64_t>(i));
     Rng rng(seed);
     TrainModelCase c = draw_model_case(i, rng);

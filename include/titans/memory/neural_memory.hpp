@@ -21,6 +21,11 @@
 
 namespace titans {
 
+namespace detail {
+template <class T, class Backend>
+struct MacTraining;
+}  // namespace detail
+
 /// The neural long-term memory of Titans (math §1-5) as a sequence layer that learns at test
 /// time. Per head, an MLP memory M (depth L) is written with the momentum/forget update
 ///     S_t = eta_t S_{t-1} - theta_t grad l(M_{t-1}; k_t, v_t),   M_t = (1 - alpha_t) M_{t-1} + S_t
@@ -338,6 +343,8 @@ private:
         detail::require<ShapeError>(h >= 0 && h < cfg_.n_heads, where, "h", h,
                                     detail::concat("in [0, ", cfg_.n_heads, ")"));
     }
+
+    friend struct detail::MacTraining<T, Backend>;  // MAC's training: pieces, staged backward
 
     MemoryConfig cfg_;
     std::shared_ptr<const MemoryParams<T>> params_;  // the host copy (io, params())

@@ -313,6 +313,8 @@ struct BlockTrace;
 namespace detail {
 template <class T, class Backend>
 struct BlockTraining;
+template <class T, class Backend>
+struct MacTraining;
 }  // namespace detail
 
 /// The state of B streams through one block: the memory's state, the attention's KV ring
@@ -369,6 +371,7 @@ public:
 private:
     friend class Block<T, Backend>;
     friend struct detail::BlockTraining<T, Backend>;
+    friend struct detail::MacTraining<T, Backend>;
     BlockKind kind_ = BlockKind::LMM;
     BlockConfig cfg_{};  // the block's settings at make_state (what a continuing block must match)
     int batch_ = 0;
@@ -542,8 +545,9 @@ public:
     /// ConfigError otherwise), keeping in `trace` what backward needs; y = the output. The
     /// persistent tokens go through the memory (and MAL's window) in this call, as rows before
     /// each sequence's, so that they are learnt. Same outputs as forward (to rounding) and a
-    /// state that continues the same; on an error nothing changes (state, y, trace). LMM, MAG
-    /// and MAL (MAC: ConfigError, no training pass yet).
+    /// state that continues the same; on an error nothing changes (state, y, trace). Every
+    /// kind; MAC's backward reverses its segments last first through the memory's updates and
+    /// its segment-start reads (mac_training.hpp).
     ///
     ///     Block<double>::Trace trace;
     ///     block.forward(state, x, y, trace);
@@ -639,6 +643,7 @@ public:
 
 private:
     friend struct detail::BlockTraining<T, Backend>;
+    friend struct detail::MacTraining<T, Backend>;
 
     /// Opens a transaction for one call (unless one is open); rolls it back on unwinding.
     class Guard {
@@ -849,7 +854,8 @@ private:
             for (int b = 0; b < B; ++b) {
                 U.middleRows(static_cast<Eigen::Index>(b) * m, m) = u.middleRows(b * N + t, m);
             }
-            const Matrix<T> y = mac_attend(st, U, o, m, pos);
+            // h = M*_{t-1}(S): the memory's query path read through each stream's snapshot.
+            const Matrix<T> y = mac_attend(st, U, memory_.read_weights(st.snapshot_, U, B), o, m, pos);
             // Write the memory with y, read the updated memory: o = y ⊙ σ(M*_t(y)).
             const Matrix<T> r = memory_.forward(st.memory_, y);
             for (int b = 0; b < B; ++b) {
@@ -866,16 +872,15 @@ private:
     }
 
     /// MAC's attention for rows U ((B*m) x d, stream-major) at segment offset o (absolute
-    /// position pos): h = the snapshot read, q/k/v of U and k/v of h projected once over all
-    /// streams, keys and values interleaved into each stream's segment buffers (h_i, s_i), then
-    /// y = Attn(q; P ‖ h ‖ s) W_O. Returns y, (B*m) x d.
-    Matrix<T> mac_attend(State& st, const Matrix<T>& U, int o, int m, std::int64_t pos) const {
+    /// position pos) with hrows = h, the snapshot's read of U: q/k/v of U and k/v of h
+    /// projected once over all streams, keys and values interleaved into each stream's segment
+    /// buffers (h_i, s_i), then y = Attn(q; P ‖ h ‖ s) W_O. Returns y, (B*m) x d.
+    Matrix<T> mac_attend(State& st, const Matrix<T>& U, const Matrix<T>& hrows, int o, int m,
+                         std::int64_t pos) const {
         const int B = st.batch_, C = cfg_.segment;
         const int Ha = cfg_.attention.n_heads, dha = cfg_.attention.head_dim();
         const Eigen::Index D = cfg_.attention.inner_dim();
         const AttentionParams<T>& ap = params_->attention;
-        // h = M*_{t-1}(S): the memory's query path read through each stream's snapshot.
-        const Matrix<T> hrows = memory_.read_weights(st.snapshot_, U, B);
         Matrix<T> qs(U.rows(), D), ks(U.rows(), D), vs(U.rows(), D), kh(U.rows(), D),
             vh(U.rows(), D);
         detail::multiply(qs, U, ap.w_q);

@@ -7,7 +7,7 @@
 // for MAL to the attention window) once at make_state(), are fed here in the same call: each
 // sequence's rows become [P; u], so their gradients reach P. The backward reverses
 //     u = RMSNorm(x),  h = x + Mixer(u),  out = h + FFN(RMSNorm(h))
-// with the mixer by kind (LMM, MAG, MAL; MAC has no training pass yet).
+// with the mixer by kind (LMM, MAG, MAL here; MAC in mac_training.hpp).
 
 #include <utility>
 
@@ -16,11 +16,14 @@
 #include "../error.hpp"
 #include "../train/gradients.hpp"
 #include "block.hpp"
+#include "mac_trace.hpp"
+#include "mac_training.hpp"
 
 namespace titans {
 
-/// What Block's training forward keeps for backward (math §9): each sub-layer's trace and, for
-/// MAG, the two factors of the gated output. Shapes: rows = B*N of the call.
+/// What Block's training forward keeps for backward (math §9): each sub-layer's trace, for MAG
+/// the two factors of the gated output, for MAC u and each segment's reads and outputs.
+/// Shapes: rows = B*N of the call.
 template <class T, class Backend>
 struct BlockTrace {
     BlockConfig cfg;
@@ -28,10 +31,12 @@ struct BlockTrace {
     Eigen::Index rows = 0;
     bool filled = false;
     typename RMSNorm<T, Backend>::Trace norm_mix, norm_ffn, norm_y, norm_m;
-    typename NeuralMemory<T, Backend>::Trace memory;     // over [P; u] per sequence
+    typename NeuralMemory<T, Backend>::Trace memory;     // over [P; u] per sequence (MAC: y)
     typename Attention<T, Backend>::Trace attention;     // MAG: u with prefix P; MAL: [P; M]
     typename FeedForward<T, Backend>::Trace ffn;
     Matrix<T> a, g;  // MAG: RMSNorm_y(attention output), sigma(RMSNorm_m(memory output))
+    Matrix<T> u;     // MAC: RMSNorm_mix(x)
+    std::vector<MacSegmentTrace<T>> segments;  // MAC
 
     [[nodiscard]] bool empty() const { return !filled; }
 };
@@ -91,10 +96,6 @@ struct BlockTraining {
             throw ConfigError(concat(where, ": state.position() = ", state.position_,
                                      ", expected 0 (the training forward starts from a fresh "
                                      "state, make_state())"));
-        }
-        if (blk.cfg_.kind == BlockKind::MAC) {
-            throw ConfigError(concat(where, ": kind = MAC has no training pass yet, expected "
-                                            "LMM, MAG or MAL"));
         }
         const ThreadScope team(blk.threads_, 3.0 * blk.work_estimate(x.rows()));
         State next = state;  // committed only if every step succeeds
@@ -173,6 +174,10 @@ private:
         const int B = next.batch_;
         const Matrix<T>& P = blk.params_->persistent;
         const Eigen::Index p = prefix_rows(cfg);
+        if (cfg.kind == BlockKind::MAC) {
+            t.u = u;
+            return MacTraining<T, Backend>::forward(blk, next, u, t.memory, t.segments);
+        }
         next.memory_ = blk.memory_.make_state(B);
         Matrix<T> m;
         if (cfg.kind == BlockKind::LMM) {
@@ -202,6 +207,9 @@ private:
         const int B = tr.batch;
         const Eigen::Index p = prefix_rows(cfg);
         Matrix<T> du, dfull;
+        if (cfg.kind == BlockKind::MAC) {
+            return MacTraining<T, Backend>::backward(blk, tr.memory, tr.segments, tr.u, B, dout, g);
+        }
         if (cfg.kind == BlockKind::LMM) {
             blk.memory_.backward(tr.memory, dout, du, g.memory);
             return du;

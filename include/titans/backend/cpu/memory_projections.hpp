@@ -7,6 +7,7 @@
 //   pre = phi(c),  qkv = pre with the q and k heads L2-normalised,
 //   logits = x [W_theta | W_eta | W_alpha] + b (data-dependent and per-chunk gates).
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <utility>
@@ -74,32 +75,128 @@ struct MemoryProjections {
         }
     }
 
-    /// The reverse: dqkv (adjoint of qkv, consumed) and dlogits give dx (written) and the
-    /// projection gradients (added to g: w_q, w_k, w_v, conv_*, w_theta.., b_theta..).
-    void backward(const MemoryConfig& cfg, const MemoryParams<T>& p, const Mat& x, int B,
-                  Mat& dqkv, const Mat& dlogits, Mat& dx, MemoryParams<T>& g) const {
-        const int H = cfg.n_heads, D = cfg.inner_dim();
-        if (cfg.normalize_qk) {
-            normalize_backward(cfg, dqkv);
-        }
+    /// The query path alone (MAC's read through given weights: no conv, no gates): u = x W_Q,
+    /// c = u, pre = phi(c), qkv = pre with each head L2-normalised; (B*N) x D each.
+    void compute_queries(const MemoryConfig& cfg, const MemoryParams<T>& p, const Mat& x) {
+        u.resize(x.rows(), cfg.inner_dim());
+        detail::multiply(u, x, p.w_q);
+        c = u;
+        pre = c;
         if (cfg.qkv_activation == Activation::SiLU) {
-            dqkv.array() *= c.unaryExpr([](T z) { return detail::silu_grad(z); }).array();
+            detail::activate_in_place(Activation::SiLU, pre);
         }
+        qkv = pre;
+        if (cfg.normalize_qk) {
+            detail::l2_normalize_heads(qkv, cfg.n_heads, cfg.head_dim());
+        }
+    }
+
+    /// The reverse of compute_queries: dq (the adjoint of qkv, consumed) gives dx (written) and
+    /// g.w_q (added).
+    void queries_backward(const MemoryConfig& cfg, const MemoryParams<T>& p, const Mat& x, Mat& dq,
+                          Mat& dx, MemoryParams<T>& g) const {
+        to_conv_adjoint(cfg, dq, 1, 0, dq.rows());
+        dx.noalias() = dq * p.w_q.transpose();
+        g.w_q.noalias() += x.transpose() * dq;
+    }
+
+    /// The reverse, in stages over rows [t0, t1) of every sequence (the memory's backward
+    /// reaches the rows in pieces, last first): to_conv_adjoint, input_adjoint, input_rows, then
+    /// parameter_gradients once every row is done. to_conv_adjoint: the norm and phi reversed
+    /// in place, d the adjoint of qkv -> of c.
+    void to_conv_adjoint(const MemoryConfig& cfg, Mat& d, int B, Eigen::Index t0,
+                         Eigen::Index t1) const {
+        const Eigen::Index N = d.rows() / B;
+        for (int s = 0; s < B; ++s) {
+            auto rows = d.middleRows(s * N + t0, t1 - t0);
+            if (cfg.normalize_qk) {
+                normalize_backward(cfg, rows, s * N + t0);
+            }
+            if (cfg.qkv_activation == Activation::SiLU) {
+                rows.array() *= c.middleRows(s * N + t0, t1 - t0)
+                                    .unaryExpr([](T z) { return detail::silu_grad(z); })
+                                    .array();
+            }
+        }
+    }
+
+    /// du (the adjoint of u) rows [t0, t1) from dc, the adjoint of c (its rows >= t0 final):
+    /// c_t = taps[K-1] u_t + sum_{j<K-1} taps[j] u_{t-K+1+j}, so
+    /// du_t = sum_j taps[j] dc_{t+K-1-j} over the rows before N.
+    void input_adjoint(const MemoryConfig& cfg, const MemoryParams<T>& p, int B, const Mat& dc,
+                       Mat& du, Eigen::Index t0, Eigen::Index t1) const {
+        const Eigen::Index N = dc.rows() / B;
+        if (!cfg.use_conv) {
+            for (int s = 0; s < B; ++s) {
+                du.middleRows(s * N + t0, t1 - t0) = dc.middleRows(s * N + t0, t1 - t0);
+            }
+            return;
+        }
+        const int K = cfg.conv_kernel;
+        const Mat taps = conv_taps(p);
+        for (int s = 0; s < B; ++s) {
+            for (Eigen::Index t = t0; t < t1; ++t) {
+                auto out = du.row(s * N + t).array();
+                out = taps.row(K - 1).array() * dc.row(s * N + t).array();
+                for (int j = 0; j < K - 1; ++j) {
+                    const Eigen::Index at = t + K - 1 - j;
+                    if (at < N) out += taps.row(j).array() * dc.row(s * N + at).array();
+                }
+            }
+        }
+    }
+
+    /// dL/dx of rows [t0, t1) of every sequence, du [W_Q | W_K | W_V]^T + dlogits
+    /// [W_gates]^T, into dx (B * (t1 - t0)) x d, sequence-major.
+    static void input_rows(const MemoryConfig& cfg, const MemoryParams<T>& p, int B,
+                           const Mat& du, const Mat& dlogits, Eigen::Index t0, Eigen::Index t1,
+                           Mat& dx) {
+        const int H = cfg.n_heads, D = cfg.inner_dim();
+        const Eigen::Index N = du.rows() / B, n = t1 - t0;
+        for (int s = 0; s < B; ++s) {
+            const Eigen::Index r = s * N + t0;
+            auto out = dx.middleRows(s * n, n);
+            out.noalias() = du.block(r, 0, n, D) * p.w_q.transpose();
+            out.noalias() += du.block(r, D, n, D) * p.w_k.transpose();
+            out.noalias() += du.block(r, 2 * D, n, D) * p.w_v.transpose();
+            if (cfg.gates != GateMode::Constant) {
+                out.noalias() += dlogits.block(r, 0, n, H) * p.w_theta.transpose();
+                out.noalias() += dlogits.block(r, H, n, H) * p.w_eta.transpose();
+                out.noalias() += dlogits.block(r, 2 * H, n, H) * p.w_alpha.transpose();
+            }
+        }
+    }
+
+    /// The projections' gradients (added to g) once dc, du and dlogits are final.
+    void parameter_gradients(const MemoryConfig& cfg, const Mat& x, int B, const Mat& dc,
+                             const Mat& du, const Mat& dlogits, MemoryParams<T>& g) const {
+        const int H = cfg.n_heads, D = cfg.inner_dim();
         if (cfg.use_conv) {
-            conv_backward(cfg, p, B, dqkv, g);  // dqkv becomes the adjoint of u
+            const int K = cfg.conv_kernel;
+            const Eigen::Index N = dc.rows() / B;
+            Mat dtaps = Mat::Zero(K, 3 * D);
+            for (int s = 0; s < B; ++s) {
+                for (int j = 0; j < K; ++j) {
+                    const Eigen::Index lag = K - 1 - j, n = N - lag;  // rows t >= lag
+                    if (n > 0) {
+                        dtaps.row(j).noalias() += (dc.middleRows(s * N + lag, n).array() *
+                                                   u.middleRows(s * N, n).array())
+                                                      .matrix()
+                                                      .colwise()
+                                                      .sum();
+                    }
+                }
+            }
+            g.conv_q += dtaps.leftCols(D);
+            g.conv_k += dtaps.middleCols(D, D);
+            g.conv_v += dtaps.rightCols(D);
         }
-        dx.noalias() = dqkv.leftCols(D) * p.w_q.transpose();
-        dx.noalias() += dqkv.middleCols(D, D) * p.w_k.transpose();
-        dx.noalias() += dqkv.rightCols(D) * p.w_v.transpose();
-        g.w_q.noalias() += x.transpose() * dqkv.leftCols(D);
-        g.w_k.noalias() += x.transpose() * dqkv.middleCols(D, D);
-        g.w_v.noalias() += x.transpose() * dqkv.rightCols(D);
+        g.w_q.noalias() += x.transpose() * du.leftCols(D);
+        g.w_k.noalias() += x.transpose() * du.middleCols(D, D);
+        g.w_v.noalias() += x.transpose() * du.rightCols(D);
         if (cfg.gates == GateMode::Constant) {
             return;
         }
-        dx.noalias() += dlogits.leftCols(H) * p.w_theta.transpose();
-        dx.noalias() += dlogits.middleCols(H, H) * p.w_eta.transpose();
-        dx.noalias() += dlogits.rightCols(H) * p.w_alpha.transpose();
         g.w_theta.noalias() += x.transpose() * dlogits.leftCols(H);
         g.w_eta.noalias() += x.transpose() * dlogits.middleCols(H, H);
         g.w_alpha.noalias() += x.transpose() * dlogits.rightCols(H);
@@ -109,16 +206,18 @@ struct MemoryProjections {
     }
 
 private:
-    /// y = s / max(||s||, 1e-12) per q and k head: ds = (dy - y (y . dy)) / ||s||, or
-    /// dy / 1e-12 below the floor.
-    void normalize_backward(const MemoryConfig& cfg, Mat& d) const {
-        const int dh = cfg.head_dim(), heads = 2 * cfg.n_heads;
+    /// y = s / max(||s||, 1e-12) per q and k head (the q heads only when d holds D columns):
+    /// ds = (dy - y (y . dy)) / ||s||, or dy / 1e-12 below the floor. d's row r is row r0 + r.
+    template <class Rows>
+    void normalize_backward(const MemoryConfig& cfg, Rows&& d, Eigen::Index r0) const {
+        const int dh = cfg.head_dim();
+        const int heads = static_cast<int>(std::min<Eigen::Index>(2 * cfg.n_heads, d.cols() / dh));
         for (Eigen::Index r = 0; r < d.rows(); ++r) {
             for (int h = 0; h < heads; ++h) {
                 const Eigen::Index c0 = static_cast<Eigen::Index>(h) * dh;
                 auto dy = d.row(r).segment(c0, dh);
-                const auto y = qkv.row(r).segment(c0, dh);
-                const T norm = pre.row(r).segment(c0, dh).norm();
+                const auto y = qkv.row(r0 + r).segment(c0, dh);
+                const T norm = pre.row(r0 + r).segment(c0, dh).norm();
                 if (norm > T(1e-12)) {
                     const T dot = y.dot(dy);
                     dy = (dy - dot * y) / norm;
@@ -127,39 +226,6 @@ private:
                 }
             }
         }
-    }
-
-    /// c_t = taps[K-1] . u_t + sum_{j<K-1} taps[j] . u_{t-K+1+j} (zero before row 0):
-    /// d (the adjoint of c) becomes the adjoint of u; the taps' gradients go to g.conv_*.
-    void conv_backward(const MemoryConfig& cfg, const MemoryParams<T>& p, int B, Mat& d,
-                       MemoryParams<T>& g) const {
-        const int K = cfg.conv_kernel, D = cfg.inner_dim();
-        const Eigen::Index N = d.rows() / B;
-        const Mat taps = conv_taps(p);
-        Mat dtaps = Mat::Zero(K, 3 * D);
-        Mat du(d.rows(), d.cols());
-        for (int s = 0; s < B; ++s) {
-            const Eigen::Index r0 = s * N;
-            for (Eigen::Index t = 0; t < N; ++t) {
-                const auto dc = d.row(r0 + t).array();
-                du.row(r0 + t).array() = taps.row(K - 1).array() * dc;
-                dtaps.row(K - 1).array() += dc * u.row(r0 + t).array();
-            }
-            for (Eigen::Index t = 0; t < N; ++t) {
-                const auto dc = d.row(r0 + t).array();
-                for (int j = 0; j < K - 1; ++j) {
-                    const Eigen::Index tau = t - K + 1 + j;
-                    if (tau >= 0) {
-                        du.row(r0 + tau).array() += taps.row(j).array() * dc;
-                        dtaps.row(j).array() += dc * u.row(r0 + tau).array();
-                    }
-                }
-            }
-        }
-        d = du;
-        g.conv_q += dtaps.leftCols(D);
-        g.conv_k += dtaps.middleCols(D, D);
-        g.conv_v += dtaps.rightCols(D);
     }
 };
 

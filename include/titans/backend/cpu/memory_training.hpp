@@ -49,14 +49,46 @@ struct MemoryTraining<Cpu, T> {
     static void forward(const MemoryConfig& cfg, const typename Kernels::Prepared& p,
                         typename Kernels::State& st, View<const T> x, View<T> y, Trace& trace) {
         Trace t;
-        t.cfg = cfg;
-        t.batch = st.batch();
-        t.x = cpu::as_eigen(x);
-        t.kept.memory.resize(static_cast<std::size_t>(t.batch) *
-                             static_cast<std::size_t>(cfg.n_heads));
-        Kernels::run(cfg, p, st, x, y, nullptr, &t.kept);
-        t.filled = true;
+        start(cfg, st.batch(), x.rows / st.batch(), x.cols, t);
+        forward_part(cfg, p, st, x, y, t);
         trace = std::move(t);
+    }
+
+    /// An empty trace for B sequences of N rows of width d, filled by forward_part piece by
+    /// piece (MAC feeds its memory a segment at a time).
+    static void start(const MemoryConfig& cfg, int B, Eigen::Index N, Eigen::Index d, Trace& t) {
+        t = Trace{};
+        t.cfg = cfg;
+        t.batch = B;
+        t.x.resize(B * N, d);
+        t.kept.u.resize(B * N, 3 * cfg.inner_dim());
+        if (cfg.gates != GateMode::Constant) {
+            t.kept.logits.resize(B * N, 3 * cfg.n_heads);
+        }
+        t.kept.memory.resize(static_cast<std::size_t>(B) * static_cast<std::size_t>(cfg.n_heads));
+        t.filled = N == 0;
+    }
+
+    /// The next piece of a trace from start(): x, y (B*m) x d, sequence-major, run from st
+    /// (a fresh state fed the trace's earlier pieces), recorded at the rows after them. The
+    /// trace is filled once its N rows are in.
+    static void forward_part(const MemoryConfig& cfg, const typename Kernels::Prepared& p,
+                             typename Kernels::State& st, View<const T> x, View<T> y, Trace& t) {
+        const int B = t.batch;
+        const Eigen::Index N = t.x.rows() / B, m = x.rows / B, t0 = st.position();
+        typename Kernels::Recording rec;
+        rec.memory = std::move(t.kept.memory);
+        Kernels::run(cfg, p, st, x, y, nullptr, &rec);
+        t.kept.memory = std::move(rec.memory);
+        const auto xs = cpu::as_eigen(x);
+        for (int s = 0; s < B && m > 0; ++s) {
+            t.x.middleRows(s * N + t0, m) = xs.middleRows(s * m, m);
+            t.kept.u.middleRows(s * N + t0, m) = rec.u.middleRows(s * m, m);
+            if (cfg.gates != GateMode::Constant) {
+                t.kept.logits.middleRows(s * N + t0, m) = rec.logits.middleRows(s * m, m);
+            }
+        }
+        t.filled = t0 + m == N;
     }
 
     /// dL/dx (written, rows x d) and every parameter's gradient (added to grads) from
@@ -66,36 +98,14 @@ struct MemoryTraining<Cpu, T> {
         if (tr.x.rows() == 0) {
             return;  // an empty piece: dx is 0 x d, no parameter gradient
         }
-        const MemoryParams<T>& p = *prepared;
-        const int B = tr.batch, H = cfg.n_heads, D = cfg.inner_dim();
-        const Eigen::Index N = tr.x.rows() / B;
-        const auto dy = cpu::as_eigen(dyv);
-        cpu::MemoryProjections<T> pr;
-        pr.compute(cfg, p, tr.kept.u, tr.kept.logits, B);
-        const Mat dyh = dy * p.w_o.transpose();
-        Mat yh(tr.x.rows(), D), dqkv(tr.x.rows(), 3 * D), dlogits = Mat::Zero(pr.logits.rows(), pr.logits.cols());
-        const int pairs = B * H;
-        std::vector<Pair> work(static_cast<std::size_t>(pairs));
-#if defined(_OPENMP)
-#pragma omp parallel for schedule(dynamic, 1) if (pairs > 1)
-#endif
-        for (int bh = 0; bh < pairs; ++bh) {
-            const detail::DenormalFlushScope flush(cfg.flush_denormals);
-            const Slice sl{pr, dyh, bh / H * N, bh % H, cfg.head_dim(), D, H};
-            sweep(cfg, tr.kept.memory[static_cast<std::size_t>(bh)], sl, N,
-                  work[static_cast<std::size_t>(bh)], yh, dqkv, dlogits);
-        }
-        g.w_o.noalias() += yh.transpose() * dy;
-        for (int bh = 0; bh < pairs; ++bh) {
-            auto& dw0 = g.memory_init[static_cast<std::size_t>(bh % H)];
-            for (std::size_t l = 0; l < dw0.size(); ++l) {
-                dw0[l] += work[static_cast<std::size_t>(bh)].dWn[l];
-            }
-        }
+        Reverse rev(cfg, prepared, tr, dyv);
         Mat dx;
-        pr.backward(cfg, p, tr.x, B, dqkv, dlogits, dx, g);
+        rev.down_to(0, dx);
+        rev.finish(g);
         cpu::as_eigen(dxv) = dx;
     }
+
+    class Reverse;
 
 private:
     /// One (sequence, head)'s rows and columns in the piece's matrices.
@@ -118,53 +128,93 @@ private:
         }
     };
 
-    /// Workspaces of one pair's reverse sweep.
+    /// Workspaces and position of one pair's reverse sweep.
     struct Pair {
         detail::KeyTape<T> tape;
         Layers W, S, dW, dS, dWn, dSn;  // chunk-start memory; adjoints at its start and end
+        Layers tapW;                    // a tap's adjoint waiting for the stage below it
         Layers hin, z, p1, p2, sc;      // the read, per layer
         Mat dq, dk, dv, dH, tmp, G, dG, dM;
         std::vector<T> theta0, theta, eta, alpha, g2, beta, c, g, s;
         std::vector<T> dtheta, deta, dalpha, dbeta, dc, dg, ds, scratch;
+        Eigen::Index cur = 0;  // rows >= cur are reversed
+        bool has_tap = false;
     };
 
-    /// The reverse sweep over one pair's chunks (see the file comment). Leaves the adjoint of
-    /// the first chunk's start memory (W^0) in w.dWn.
-    static void sweep(const MemoryConfig& cfg, const std::vector<Mat>& snap, const Slice& sl,
-                      Eigen::Index N, Pair& w, Mat& yh, Mat& dqkv, Mat& dlogits) {
-        const int b = cfg.effective_chunk(), L = cfg.depth;
-        const auto Ls = static_cast<std::size_t>(L);
-        const Eigen::Index chunks = (N + b - 1) / b;
-        w.W.resize(Ls);
-        w.S.resize(Ls);
-        w.dW.resize(Ls);
-        w.dS.resize(Ls);
-        w.dWn.resize(Ls);
-        w.dSn.resize(Ls);
-        for (std::size_t l = 0; l < Ls; ++l) {
+    /// Starts a pair's sweep at the end of its N rows: no adjoint of the final memory.
+    static void sweep_start(const std::vector<Mat>& snap, std::size_t L, Eigen::Index N, Pair& w) {
+        for (Layers* v : {&w.W, &w.S, &w.dW, &w.dS, &w.dWn, &w.dSn, &w.tapW}) v->resize(L);
+        for (std::size_t l = 0; l < L; ++l) {
             w.dWn[l].setZero(snap[l].rows(), snap[l].cols());
             w.dSn[l].setZero(snap[l].rows(), snap[l].cols());
         }
-        for (Eigen::Index ch = chunks - 1; ch >= 0; --ch) {
-            const auto at = static_cast<std::size_t>(ch) * 2 * Ls;
-            for (std::size_t l = 0; l < Ls; ++l) {
-                w.W[l] = snap[at + l];
-                w.S[l] = snap[at + Ls + l];
-                w.dW[l].setZero(w.W[l].rows(), w.W[l].cols());
-                w.dS[l].setZero(w.W[l].rows(), w.W[l].cols());
+        w.cur = N;
+        w.has_tap = false;
+    }
+
+    /// The adjoint of the weights after w.cur tokens (the memory a MAC segment starting there
+    /// reads): at a chunk start it is the start memory's (carried in dWn); otherwise it waits
+    /// for the stage that ends there.
+    static void sweep_tap(const MemoryConfig& cfg, Eigen::Index N, const Layers& dW, Pair& w) {
+        const int b = cfg.effective_chunk();
+        const bool boundary = w.cur < N && w.cur % b == 0;
+        for (std::size_t l = 0; l < dW.size(); ++l) {
+            if (boundary) {
+                w.dWn[l] += dW[l];
+            } else {
+                w.tapW[l] = w.has_tap ? (w.tapW[l] + dW[l]).eval() : dW[l];
             }
-            const Eigen::Index t0 = ch * b;
-            const int n = static_cast<int>(std::min<Eigen::Index>(b, N - t0));
-            chunk_backward(cfg, sl, t0, n, ch + 1 < chunks, w, yh, dqkv, dlogits);
-            std::swap(w.dW, w.dWn);
-            std::swap(w.dS, w.dSn);
+        }
+        w.has_tap = w.has_tap || !boundary;
+    }
+
+    /// The reverse sweep over one pair's rows [p, w.cur), chunk by chunk, last first; a chunk
+    /// with taps inside runs in stages split at them, each stage the reads of its rows and the
+    /// chunk end (or the tap's partial end) of its prefix. When a chunk's first row is done
+    /// its start memory's adjoint is carried (w.dWn, w.dSn) to the chunk before it; after
+    /// row 0 that is W^0's.
+    static void sweep_down(const MemoryConfig& cfg, const std::vector<Mat>& snap, const Slice& sl,
+                           Eigen::Index N, Eigen::Index p, Pair& w, Mat& yh, Mat& dqkv,
+                           Mat& dlogits) {
+        const int b = cfg.effective_chunk();
+        const auto Ls = w.W.size();
+        while (w.cur > p) {
+            const Eigen::Index ch = (w.cur - 1) / b, c0 = ch * b, c1 = std::min<Eigen::Index>(c0 + b, N);
+            if (w.cur == c1) {  // a new chunk from its top: its start memory
+                const auto at = static_cast<std::size_t>(ch) * 2 * Ls;
+                for (std::size_t l = 0; l < Ls; ++l) {
+                    w.W[l] = snap[at + l];
+                    w.S[l] = snap[at + Ls + l];
+                    w.dW[l].setZero(w.W[l].rows(), w.W[l].cols());
+                    w.dS[l].setZero(w.W[l].rows(), w.W[l].cols());
+                }
+            }
+            bool end = w.cur == c1 && c1 < N;  // the chunk end, adjoint carried in dWn, dSn
+            if (!end && w.has_tap) {           // a tap's partial end
+                for (std::size_t l = 0; l < Ls; ++l) {
+                    w.dWn[l] = w.tapW[l];
+                    w.dSn[l].setZero();
+                }
+                end = true;
+            }
+            w.has_tap = false;
+            const Eigen::Index lo = std::max(c0, p);
+            chunk_backward(cfg, sl, c0, static_cast<int>(w.cur - c0), static_cast<int>(lo - c0),
+                           end, w, yh, dqkv, dlogits);
+            w.cur = lo;
+            if (lo == c0) {
+                std::swap(w.dW, w.dWn);
+                std::swap(w.dS, w.dSn);
+            }
         }
     }
 
-    /// One chunk of n rows at t0, reversed: recompute, then read, chunk end (if `end`),
-    /// coefficients, clipping, key pass, gates.
+    /// One stage of a chunk at t0: the prefix of n rows, the reads of rows [o, n). Recompute,
+    /// then reverse the reads, the end of the prefix (if `end`: W' = f(W, S, rows < n), the
+    /// adjoint in dWn, dSn), the coefficients, clipping, key pass and gates. Adds to dqkv and
+    /// dlogits.
     static void chunk_backward(const MemoryConfig& cfg, const Slice& sl, Eigen::Index t0, int n,
-                               bool end, Pair& w, Mat& yh, Mat& dqkv, Mat& dlogits) {
+                               int o, bool end, Pair& w, Mat& yh, Mat& dqkv, Mat& dlogits) {
         const Mat& qkv = sl.pr.qkv;
         w.tape.forward(w.W, sl.k(qkv, t0, n), sl.v(qkv, t0, n), cfg.activation, cfg.residual);
         gates(cfg, sl, t0, n, w);
@@ -172,13 +222,13 @@ private:
             v->assign(static_cast<std::size_t>(n), T(0));
         }
         w.scratch.resize(6 * static_cast<std::size_t>(n));
-        auto y = yh.block(sl.r0 + t0, sl.h * sl.dh, n, sl.dh);
-        const auto dy = sl.dyh.block(sl.r0 + t0, sl.h * sl.dh, n, sl.dh);
+        auto y = yh.block(sl.r0 + t0 + o, sl.h * sl.dh, n - o, sl.dh);
+        const auto dy = sl.dyh.block(sl.r0 + t0 + o, sl.h * sl.dh, n - o, sl.dh);
         T dp_end = T(0);
         if (cfg.retrieval == Retrieval::Lagged) {
-            lagged_backward(cfg, sl.q(qkv, t0, n), dy, w, y);
+            lagged_backward(cfg, sl.q(qkv, t0 + o, n - o), dy, w, y);
         } else {
-            dual_backward(cfg, sl.q(qkv, t0, n), dy, n, w, y);
+            dual_backward(cfg, sl.q(qkv, t0 + o, n - o), dy, n, o, w, y);
         }
         if (end) {
             dp_end = end_backward(n, w);
@@ -190,9 +240,9 @@ private:
             w.deta.data(), w.dalpha.data(), w.scratch.data());
         clip_backward(cfg, n, w);
         w.tape.backward(w.W, cfg.activation, cfg.residual, w.dW, w.dk, w.dv);
-        sl.q(dqkv, t0, n) = w.dq;
-        sl.k(dqkv, t0, n) = w.dk;
-        sl.v(dqkv, t0, n) = w.dv;
+        sl.q(dqkv, t0 + o, n - o) += w.dq;
+        sl.k(dqkv, t0, n) += w.dk;
+        sl.v(dqkv, t0, n) += w.dv;
         gates_backward(cfg, sl, t0, n, w, dlogits);
     }
 
@@ -254,10 +304,10 @@ private:
                 }
                 m /= static_cast<T>(n);
                 const T dl = d * scale * dsig(m) / static_cast<T>(n);
-                for (int i = 0; i < n; ++i) dlogits(sl.r0 + t0 + i, col) = dl;
+                for (int i = 0; i < n; ++i) dlogits(sl.r0 + t0 + i, col) += dl;
             } else {
                 for (int i = 0; i < n; ++i) {
-                    dlogits(sl.r0 + t0 + i, col) = (*adj[which])[static_cast<std::size_t>(i)] *
+                    dlogits(sl.r0 + t0 + i, col) += (*adj[which])[static_cast<std::size_t>(i)] *
                                                    scale * dsig(lg(sl.r0 + t0 + i, col));
                 }
             }
@@ -314,18 +364,20 @@ private:
         if (cfg.residual) w.dq += dy;
     }
 
-    /// Dual-form read (math §5) recomputed into y, and reversed: per layer
-    /// Z = diag(beta) H W + diag(c) H S - (G . (H A^T)) Delta. dq written; dW, dS, the tape's
-    /// abar / dbar, dbeta, dc added; dG written.
+    /// Dual-form read (math §5) of rows [o, n) of a chunk prefix of n rows, recomputed into y,
+    /// and reversed: per layer Z = diag(beta) H W + diag(c) H S - (G . (H A^T)) Delta, G
+    /// (n - o) x n. dq written; dW, dS, the tape's abar / dbar, dbeta, dc added; dG (n x n)
+    /// written.
     template <class Q, class DY, class Y>
-    static void dual_backward(const MemoryConfig& cfg, const Q& q, const DY& dy, int n, Pair& w,
-                              Y& y) {
+    static void dual_backward(const MemoryConfig& cfg, const Q& q, const DY& dy, int n, int o,
+                              Pair& w, Y& y) {
         const std::size_t L = w.W.size();
-        for (auto* v : {&w.beta, &w.c}) v->resize(static_cast<std::size_t>(n));
-        w.G.resize(n, n);
-        chunk_row_coefficients<T>(n, 0, w.theta.data(), w.eta.data(), w.alpha.data(),
+        const int m = n - o;
+        for (auto* v : {&w.beta, &w.c}) v->resize(static_cast<std::size_t>(m));
+        w.G.resize(m, n);
+        chunk_row_coefficients<T>(n, o, w.theta.data(), w.eta.data(), w.alpha.data(),
                                   w.beta.data(), w.c.data(), w.G.data());
-        const Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, 1>> beta(w.beta.data(), n), c(w.c.data(), n);
+        const Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, 1>> beta(w.beta.data(), m), c(w.c.data(), m);
         for (auto* v : {&w.hin, &w.z, &w.p1, &w.p2, &w.sc}) v->resize(L);
         w.hin[0] = q;
         for (std::size_t l = 0; l < L; ++l) {
@@ -344,7 +396,7 @@ private:
         w.dG.setZero(n, n);
         w.tmp = dy;
         for (std::size_t l = L; l-- > 0;) {
-            dual_layer_backward(l, beta, c, w);
+            dual_layer_backward(l, o, beta, c, w);
             if (l > 0) {
                 w.tmp = w.dH.cwiseProduct(w.z[l - 1].unaryExpr(
                     [&](T v) { return detail::activate_grad(cfg.activation, v); }));
@@ -354,14 +406,15 @@ private:
         if (cfg.residual) w.dq += dy;
     }
 
-    /// One layer of dual_backward: w.tmp = dZ_l in, w.dH = the adjoint of H_l's input out.
+    /// One layer of dual_backward (query rows [o, n)): w.tmp = dZ_l in, w.dH = the adjoint of
+    /// H_l's input out.
     template <class Vec>
-    static void dual_layer_backward(std::size_t l, const Vec& beta, const Vec& c, Pair& w) {
+    static void dual_layer_backward(std::size_t l, int o, const Vec& beta, const Vec& c, Pair& w) {
         const Mat& dZ = w.tmp;
         const Mat& hin = w.hin[l];
         for (Eigen::Index i = 0; i < dZ.rows(); ++i) {
-            w.dbeta[static_cast<std::size_t>(i)] += dZ.row(i).dot(w.p1[l].row(i));
-            w.dc[static_cast<std::size_t>(i)] += dZ.row(i).dot(w.p2[l].row(i));
+            w.dbeta[static_cast<std::size_t>(o + i)] += dZ.row(i).dot(w.p1[l].row(i));
+            w.dc[static_cast<std::size_t>(o + i)] += dZ.row(i).dot(w.p2[l].row(i));
         }
         Mat scaled = beta.asDiagonal() * dZ;
         w.dW[l].noalias() += hin.transpose() * scaled;
@@ -373,7 +426,7 @@ private:
         const Mat M = w.G.cwiseProduct(w.sc[l]);
         w.tape.dbar[l].noalias() -= M.transpose() * dZ;
         w.dM.noalias() = -dZ * w.tape.delta[l].transpose();
-        w.dG += w.dM.cwiseProduct(w.sc[l]);
+        w.dG.bottomRows(dZ.rows()) += w.dM.cwiseProduct(w.sc[l]);
         const Mat dsc = w.dM.cwiseProduct(w.G);
         w.dH.noalias() += dsc * w.tape.a[l];
         w.tape.abar[l].noalias() += dsc.transpose() * hin;
@@ -414,6 +467,126 @@ private:
         w.dbeta[static_cast<std::size_t>(n - 1)] += dbe;
         w.dc[static_cast<std::size_t>(n - 1)] += dce;
         return dpe;
+    }
+
+public:
+    /// The backward in stages (math §9), for callers whose later inputs depend on the memory
+    /// mid-stream (MAC reads it at every segment start): rows are reversed from the last down,
+    /// and at a position the caller may add the adjoint of the weights after that many tokens
+    /// (current_weights there; per pair s * H + h, layer l at index l-1).
+    ///
+    ///     Reverse rev(cfg, prepared, trace, dy);
+    ///     rev.down_to(p, dx);   // dx: rows [p, previous position) of every sequence, final
+    ///     rev.tap(dW);          // the adjoint of the weights after p tokens
+    ///     rev.down_to(0, dx); rev.finish(grads);
+    class Reverse {
+    public:
+        Reverse(const MemoryConfig& cfg, const typename Kernels::Prepared& prepared,
+                const Trace& tr, View<const T> dyv)
+            : cfg_(cfg), p_(*prepared), tr_(tr), N_(tr.x.rows() / tr.batch), cur_(N_) {
+            const int B = tr.batch, D = cfg.inner_dim();
+            const auto pairs = static_cast<std::size_t>(B) * static_cast<std::size_t>(cfg.n_heads);
+            pr_.compute(cfg, p_, tr.kept.u, tr.kept.logits, B);
+            dy_ = cpu::as_eigen(dyv);
+            dyh_.noalias() = dy_ * p_.w_o.transpose();
+            yh_.resize(tr.x.rows(), D);
+            dqkv_.setZero(tr.x.rows(), 3 * D);
+            du_.resize(tr.x.rows(), 3 * D);
+            dlogits_.setZero(pr_.logits.rows(), pr_.logits.cols());
+            work_.resize(pairs);
+            for (std::size_t i = 0; i < pairs; ++i) {
+                sweep_start(tr.kept.memory[i], static_cast<std::size_t>(cfg.depth), N_, work_[i]);
+            }
+        }
+
+        /// Rows >= position() of every sequence are reversed.
+        [[nodiscard]] Eigen::Index position() const { return cur_; }
+
+        /// Reverses rows [p, position()) of every pair, then their projections: dx (resized)
+        /// gets dL/dx of those rows, (B * (position() - p)) x d, sequence-major.
+        void down_to(Eigen::Index p, Mat& dx) {
+            const int B = tr_.batch, H = cfg_.n_heads;
+            const int pairs = B * H;
+#if defined(_OPENMP)
+#pragma omp parallel for schedule(dynamic, 1) if (pairs > 1)
+#endif
+            for (int bh = 0; bh < pairs; ++bh) {
+                const detail::DenormalFlushScope flush(cfg_.flush_denormals);
+                const Slice sl{pr_, dyh_, bh / H * N_, bh % H, cfg_.head_dim(), cfg_.inner_dim(), H};
+                sweep_down(cfg_, tr_.kept.memory[static_cast<std::size_t>(bh)], sl, N_, p,
+                           work_[static_cast<std::size_t>(bh)], yh_, dqkv_, dlogits_);
+            }
+            pr_.to_conv_adjoint(cfg_, dqkv_, B, p, cur_);
+            pr_.input_adjoint(cfg_, p_, B, dqkv_, du_, p, cur_);
+            dx.resize(B * (cur_ - p), tr_.x.cols());
+            pr_.input_rows(cfg_, p_, B, du_, dlogits_, p, cur_, dx);
+            cur_ = p;
+        }
+
+        /// Adds dW[s * H + h] (L matrices each) to the adjoint of the weights after position()
+        /// tokens.
+        void tap(const std::vector<Layers>& dW) {
+            for (std::size_t i = 0; i < work_.size(); ++i) {
+                sweep_tap(cfg_, N_, dW[i], work_[i]);
+            }
+        }
+
+        /// After down_to(0): every parameter's gradient added to g (W_O, the projections, the
+        /// gates, W^0 from the carried adjoint).
+        void finish(MemoryParams<T>& g) const {
+            g.w_o.noalias() += yh_.transpose() * dy_;
+            const int H = cfg_.n_heads;
+            for (std::size_t bh = 0; bh < work_.size(); ++bh) {
+                auto& dw0 = g.memory_init[bh % static_cast<std::size_t>(H)];
+                for (std::size_t l = 0; l < dw0.size(); ++l) {
+                    dw0[l] += work_[bh].dWn[l];
+                }
+            }
+            pr_.parameter_gradients(cfg_, tr_.x, tr_.batch, dqkv_, du_, dlogits_, g);
+        }
+
+    private:
+        const MemoryConfig& cfg_;
+        const MemoryParams<T>& p_;
+        const Trace& tr_;
+        cpu::MemoryProjections<T> pr_;
+        Mat dy_, dyh_, yh_, dqkv_, du_, dlogits_;
+        std::vector<Pair> work_;
+        Eigen::Index N_, cur_;
+    };
+
+    /// The reverse of Kernels::read_weights (MAC's read of its segment-start memory): from
+    /// dy = dL/dy ((B*m) x d), dx (written), dweights[s * H + h] (written, the weights' shapes)
+    /// and the gradients of W_Q and W_O (added to g).
+    static void read_weights_backward(const MemoryConfig& cfg,
+                                      const typename Kernels::Prepared& prepared,
+                                      const std::vector<Layers>& weights, const Mat& x, int B,
+                                      const Mat& dy, Mat& dx, std::vector<Layers>& dweights,
+                                      MemoryParams<T>& g) {
+        const MemoryParams<T>& p = *prepared;
+        const int H = cfg.n_heads, dh = cfg.head_dim();
+        const Eigen::Index m = x.rows() / B;
+        cpu::MemoryProjections<T> pr;
+        pr.compute_queries(cfg, p, x);
+        const Mat dyh = dy * p.w_o.transpose();
+        Mat yh(x.rows(), cfg.inner_dim()), dq(x.rows(), cfg.inner_dim());
+        dweights.resize(weights.size());
+        Pair w;
+        for (int bh = 0; bh < B * H; ++bh) {
+            const Eigen::Index r0 = bh / H * m;
+            const int c0 = bh % H * dh;
+            w.W = weights[static_cast<std::size_t>(bh)];
+            w.dW.resize(w.W.size());
+            for (std::size_t l = 0; l < w.W.size(); ++l) {
+                w.dW[l].setZero(w.W[l].rows(), w.W[l].cols());
+            }
+            auto y = yh.block(r0, c0, m, dh);
+            lagged_backward(cfg, pr.qkv.block(r0, c0, m, dh), dyh.block(r0, c0, m, dh), w, y);
+            dq.block(r0, c0, m, dh) = w.dq;
+            dweights[static_cast<std::size_t>(bh)] = w.dW;
+        }
+        g.w_o.noalias() += yh.transpose() * dy;
+        pr.queries_backward(cfg, p, x, dq, dx, g);
     }
 };
 
