@@ -199,9 +199,11 @@ TEST_CASE("mem bwd: forward, sums, refusals", "[train][memory]") {
     CHECK(identical(g.memory_init[0][0], (2 * once.memory_init[0][0]).eval()));
     // Refusals leave everything as it was.
     Matrixd y3 = y1;
-    CHECK_THROWS_AS(mem.forward(s2, c.x, y3, trace), titans::ConfigError);  // position > 0
-    CHECK(identical(y3, y1));
-    CHECK(trace.rows() == c.x.rows());
+    if (s2.pending() != 0) {  // a training forward starts at a chunk boundary
+        CHECK_THROWS_AS(mem.forward(s2, c.x, y3, trace), titans::ConfigError);
+        CHECK(identical(y3, y1));
+        CHECK(trace.rows() == c.x.rows());
+    }
     titans::NeuralMemory<double>::Trace empty;
     CHECK_THROWS_AS(mem.backward(empty, c.dy, dx1, g), titans::ShapeError);
     const Matrixd short_dy = c.dy.topRows(c.dy.rows() - 1);
@@ -222,4 +224,110 @@ TEST_CASE("mem bwd: forward, sums, refusals", "[train][memory]") {
     other.chunk = c.cfg.chunk + 1;
     titans::NeuralMemory<double> mem2(other, c.p);
     CHECK_THROWS_AS(mem2.backward(trace, c.dy, dx1, g), titans::ConfigError);
+}
+
+namespace {
+
+/// Rows [t0, t1) of every sequence of a sequence-major (B*N) x d matrix.
+Matrixd piece_rows(const Matrixd& a, int B, Eigen::Index t0, Eigen::Index t1) {
+    const Eigen::Index N = a.rows() / B, n = t1 - t0;
+    Matrixd out(B * n, a.cols());
+    for (int b = 0; b < B; ++b) out.middleRows(b * n, n) = a.middleRows(b * N + t0, n);
+    return out;
+}
+
+}  // namespace
+
+// Pieces cut at chunk boundaries (the last one may end mid-chunk), forward in order and
+// backward last first, each given the next one's d_state_in as its d_state_out: the same dx
+// and gradients as one call, to rounding. Short pieces (under the conv's K-1 rows) pass the
+// tail's adjoint through.
+TEST_CASE("mem bwd: chained pieces", "[train][memory]") {
+    const std::vector<Modes> modes = all_primary_modes();
+    for (int i = 0; i < 24; ++i) {
+        Rng rng(seed_for("mem bwd: chained pieces", static_cast<std::uint64_t>(i)));
+        BackwardCase c = draw_mem_case(modes[static_cast<std::size_t>(i) % modes.size()],
+                                       (i * 29) % 128, rng);
+        const int B = c.batch, b = c.cfg.effective_chunk();
+        const Eigen::Index N = c.x.rows() / B;
+        std::vector<Eigen::Index> cuts{0};
+        while (cuts.back() + b < N) cuts.push_back(cuts.back() + b * uniform_int(rng, 1, 2));
+        cuts.back() = std::min(cuts.back(), N);
+        if (cuts.back() != N) cuts.push_back(N);
+        INFO("case " << i << " chunk " << b << " rows " << N << " pieces " << cuts.size() - 1);
+        titans::NeuralMemory<double> mem(c.cfg, c.p);
+        Matrixd dx_all;
+        const MemoryParams<double> g_all = mem_gradients(c, dx_all);
+        auto st = mem.make_state(B);
+        std::vector<titans::NeuralMemory<double>::Trace> traces(cuts.size() - 1);
+        for (std::size_t k = 0; k + 1 < cuts.size(); ++k) {
+            Matrixd y;
+            mem.forward(st, piece_rows(c.x, B, cuts[k], cuts[k + 1]), y, traces[k]);
+        }
+        auto g = MemoryParams<double>::zeros(c.cfg);
+        Matrixd dx(c.x.rows(), c.x.cols());
+        titans::MemoryStateGradient<double> d_next;
+        for (std::size_t k = traces.size(); k-- > 0;) {
+            Matrixd dxk;
+            titans::MemoryStateGradient<double> d_in;
+            mem.backward(traces[k], piece_rows(c.dy, B, cuts[k], cuts[k + 1]), dxk, g, &d_in, &d_next);
+            const Eigen::Index n = cuts[k + 1] - cuts[k];
+            for (int s = 0; s < B; ++s) dx.middleRows(s * N + cuts[k], n) = dxk.middleRows(s * n, n);
+            d_next = std::move(d_in);
+        }
+        CHECK(note_error<double>("memory chained pieces", rel_error(dx, dx_all, 1e-6)) <= 1e-12);
+        MemoryParams<double>::tensors(g, c.cfg, [&](const std::string& name, const auto& t) {
+            const Matrixd mine = t;
+            Matrixd ref;
+            MemoryParams<double>::tensors(g_all, c.cfg, [&](const std::string& n2, const auto& t2) {
+                if (n2 == name) ref = t2;
+            });
+            INFO(name);
+            CHECK(note_error<double>("memory chained pieces", rel_error(mine, ref, 1e-6)) <= 1e-12);
+        });
+    }
+}
+
+TEST_CASE("mem bwd: state gradient refusals", "[train][memory]") {
+    Rng rng(seed_for("mem bwd: state gradient refusals"));
+    Modes m;
+    BackwardCase c = draw_mem_case(m, 0, rng);  // conv on
+    c.cfg.chunk = 2;
+    c.x = random_matrix(c.batch * 7, c.cfg.d_model, rng);  // 3 chunks and a partial one
+    c.dy = random_matrix(c.batch * 7, c.cfg.d_model, rng);
+    titans::NeuralMemory<double> mem(c.cfg, c.p);
+    const int B = c.batch;
+    const Eigen::Index N = c.x.rows() / B;
+    auto st = mem.make_state(B);
+    titans::NeuralMemory<double>::Trace t1, t2;
+    Matrixd y, dx;
+    mem.forward(st, piece_rows(c.x, B, 0, 2), y, t1);
+    mem.forward(st, piece_rows(c.x, B, 2, N), y, t2);
+    auto g = MemoryParams<double>::zeros(c.cfg);
+    titans::MemoryStateGradient<double> d;
+    mem.backward(t2, piece_rows(c.dy, B, 2, N), dx, g, &d);
+    REQUIRE(d.weights.size() == static_cast<std::size_t>(B * c.cfg.n_heads));
+    REQUIRE(d.conv_tail.size() == static_cast<std::size_t>(B));
+    const auto before = g;
+    // t2 ends mid-chunk (at 7): no state gradient at its end.
+    REQUIRE_THROWS_NAMING(mem.backward(t2, piece_rows(c.dy, B, 2, N), dx, g, nullptr, &d),
+                          titans::ConfigError, "chunk");
+    auto bad = d;
+    bad.conv_tail.pop_back();
+    REQUIRE_THROWS_NAMING(mem.backward(t1, piece_rows(c.dy, B, 0, 2), dx, g, nullptr, &bad),
+                          titans::ShapeError, "conv_tail");
+    bad = d;
+    bad.weights[0][0].resize(1, 1);
+    REQUIRE_THROWS_NAMING(mem.backward(t1, piece_rows(c.dy, B, 0, 2), dx, g, nullptr, &bad),
+                          titans::ShapeError, "weights");
+    bad = d;
+    bad.momentum[0][0](0, 0) = std::numeric_limits<double>::infinity();
+    REQUIRE_THROWS_NAMING(mem.backward(t1, piece_rows(c.dy, B, 0, 2), dx, g, nullptr, &bad),
+                          titans::NonFiniteError, "d_state_out");
+    CHECK(identical(g.w_q, before.w_q));
+    // A state gradient for the start of a mid-chunk forward is refused at the forward.
+    auto s3 = mem.make_state(B);
+    mem.forward(s3, piece_rows(c.x, B, 0, 1), y);
+    REQUIRE_THROWS_NAMING(mem.forward(s3, piece_rows(c.x, B, 1, 3), y, t1), titans::ConfigError,
+                          "pending");
 }

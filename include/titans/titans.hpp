@@ -18,6 +18,7 @@
 #include "memory/mlp.hpp"
 #include "memory/neural_memory.hpp"
 #include "memory/params.hpp"
+#include "memory/state_gradient.hpp"
 
 #include "attention/attention.hpp"
 #include "attention/kernel_backward.hpp"

@@ -18,6 +18,7 @@
 #include "config.hpp"
 #include "diagnostics.hpp"
 #include "params.hpp"
+#include "state_gradient.hpp"
 
 namespace titans {
 
@@ -114,10 +115,11 @@ public:
     /// every chunk start (N/b copies per sequence and head), in the backend's memory.
     using Trace = typename backend::MemoryTraining<Backend, T>::Trace;
 
-    /// The training forward (math §9): forward(state, x, y) from a fresh state (position 0;
-    /// ConfigError otherwise), keeping in `trace` what backward needs. Same outputs and state
-    /// as forward; on an error nothing changes (state, y, trace). Backends with a training pass
-    /// only (the CPU).
+    /// The training forward (math §9): forward(state, x, y) from a state at a chunk boundary
+    /// (state.pending() == 0: a fresh state, or one a whole number of chunks in; ConfigError
+    /// otherwise), keeping in `trace` what backward needs. Same outputs and state as forward;
+    /// on an error nothing changes (state, y, trace). Backends with a training pass only (the
+    /// CPU). Pieces chain: see backward's d_state_in and d_state_out.
     ///
     ///     NeuralMemory<double>::Trace trace;
     ///     mem.forward(state, x, y, trace);
@@ -127,10 +129,11 @@ public:
         requires(backend::MemoryTraining<Backend, T>::available)
     {
         check_forward(state, x, y);
-        if (state.position() != 0) {
+        if (state.pending() != 0) {
             throw ConfigError(detail::concat(
-                "NeuralMemory::forward (training): state.position() = ", state.position(),
-                ", expected 0 (the training forward starts from a fresh state, make_state())"));
+                "NeuralMemory::forward (training): state.pending() = ", state.pending(),
+                ", expected 0 (the training forward starts at a chunk boundary: a fresh state, "
+                "or one fed a multiple of chunk = ", cfg_.chunk, " tokens)"));
         }
         const ThreadScope team(threads_, 3.0 * work_estimate(x.rows()));
         const detail::DenormalFlushScope flush(cfg_.flush_denormals);
@@ -154,8 +157,16 @@ public:
     /// call: chunk ends, their second-order terms, the gate coefficients, clipping and both
     /// reads. Throws ShapeError (empty trace, shapes), ConfigError (a trace of another
     /// configuration), NonFiniteError (dy, or gradients that overflow); nothing changes then.
+    ///
+    /// Chained pieces (math §9): d_state_out, if given and not empty(), is dL/d(the state the
+    /// trace's call left), and the trace must end at a chunk boundary (ConfigError otherwise);
+    /// d_state_in, if given, receives dL/d(the state it started from). grads.memory_init gets
+    /// the start memory's adjoint only for a trace from position 0 (where the state is W^0).
+    /// Reversing pieces last first, each with the next one's d_state_in as its d_state_out,
+    /// gives the dx and grads of one call over their concatenation.
     void backward(const Trace& trace, const MatrixRef<T>& dy, Matrix<T>& dx,
-                  MemoryParams<T>& grads) const
+                  MemoryParams<T>& grads, MemoryStateGradient<T>* d_state_in = nullptr,
+                  const MemoryStateGradient<T>* d_state_out = nullptr) const
         requires(backend::MemoryTraining<Backend, T>::available)
     {
         constexpr const char* where = "NeuralMemory::backward";
@@ -171,23 +182,34 @@ public:
             throw ShapeError(detail::concat(where, ": dx shares storage with dy, expected a "
                                                    "distinct matrix"));
         }
+        const bool chained = d_state_out != nullptr && !d_state_out->empty();
+        if (chained) {
+            check_state_gradient(*d_state_out, trace);
+        }
         const ThreadScope team(threads_, 3.0 * work_estimate(dy.rows()));
         const detail::DenormalFlushScope flush(cfg_.flush_denormals);
         MemoryParams<T> local = MemoryParams<T>::zeros(cfg_);
+        MemoryStateGradient<T> d_in;
         Matrix<T> dx_new;
         {
             const backend::Upload<Backend, T> in(dy);
             backend::Download<Backend, T> out(dx_new, dy.rows(), cfg_.d_model);
             backend::MemoryTraining<Backend, T>::backward(cfg_, prepared_, trace, in.view(),
-                                                          out.view(), local);
+                                                          out.view(), local,
+                                                          chained ? d_state_out : nullptr,
+                                                          d_state_in != nullptr ? &d_in : nullptr);
             out.finish();
         }
-        if (!detail::all_finite(dx_new) || !detail::tensors_finite(local, cfg_)) {
+        if (!detail::all_finite(dx_new) || !detail::tensors_finite(local, cfg_) ||
+            !state_gradient_finite(d_in)) {
             throw NonFiniteError(detail::concat(where, ": the gradients overflow, expected "
                                                        "finite values; grads are unchanged"));
         }
         detail::add_tensors(local, grads, cfg_);
         dx = std::move(dx_new);
+        if (d_state_in != nullptr) {
+            *d_state_in = std::move(d_in);
+        }
     }
 
     /// Reads the memory without writing it: x is projected like forward's queries (q path of
@@ -335,6 +357,50 @@ private:
                 }
             }
         }
+    }
+    /// d: a state gradient of the trace's batch (weights and momentum as check_weights, conv
+    /// tails (K-1) x 3D per sequence, or none without a conv), finite, for a trace that ends
+    /// at a chunk boundary.
+    template <class Tr>
+    void check_state_gradient(const MemoryStateGradient<T>& d, const Tr& trace) const {
+        constexpr const char* where = "NeuralMemory::backward";
+        const std::int64_t end = trace.start + trace.rows() / trace.batch;
+        if (cfg_.update == UpdateMode::Chunked && end % cfg_.chunk != 0) {
+            throw ConfigError(detail::concat(where, ": d_state_out is given but the trace ends at "
+                                             "position ", end, ", expected a multiple of chunk = ",
+                                             cfg_.chunk, " (a state gradient is taken at a chunk "
+                                             "boundary)"));
+        }
+        check_weights(d.weights, trace.batch, "NeuralMemory::backward (d_state_out.weights)");
+        check_weights(d.momentum, trace.batch, "NeuralMemory::backward (d_state_out.momentum)");
+        const int K1 = cfg_.use_conv ? cfg_.conv_kernel - 1 : 0;
+        const auto tails = static_cast<std::size_t>(trace.batch);
+        detail::require<ShapeError>(d.conv_tail.size() == tails || (K1 == 0 && d.conv_tail.empty()),
+                                    where, "d_state_out.conv_tail.size()", d.conv_tail.size(),
+                                    detail::concat(tails, " (the batch)"));
+        for (const Matrix<T>& t : d.conv_tail) {
+            if (t.rows() != K1 || t.cols() != 3 * cfg_.inner_dim()) {
+                throw ShapeError(detail::concat(where, ": d_state_out.conv_tail has a ", t.rows(),
+                                                " x ", t.cols(), " matrix, expected ", K1, " x ",
+                                                3 * cfg_.inner_dim(), " (K-1 x 3D)"));
+            }
+        }
+        if (!state_gradient_finite(d)) {
+            throw NonFiniteError(detail::concat(where, ": d_state_out has a NaN or infinite entry"));
+        }
+    }
+    static bool state_gradient_finite(const MemoryStateGradient<T>& d) {
+        for (const auto* group : {&d.weights, &d.momentum}) {
+            for (const auto& layers : *group) {
+                for (const Matrix<T>& m : layers) {
+                    if (!detail::all_finite(m)) return false;
+                }
+            }
+        }
+        for (const Matrix<T>& m : d.conv_tail) {
+            if (!detail::all_finite(m)) return false;
+        }
+        return true;
     }
     void check_index(const State& state, int b, int h, const char* where) const {
         check_state(state, where);

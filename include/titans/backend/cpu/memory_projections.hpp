@@ -11,6 +11,7 @@
 #include <array>
 #include <cmath>
 #include <utility>
+#include <vector>
 
 #include "../../detail/activation.hpp"
 #include "../../detail/eigen_math.hpp"
@@ -50,9 +51,10 @@ struct MemoryProjections {
     }
 
     /// The stages after the input products, from u = x [W_Q | W_K | W_V] and the gate logits
-    /// the forward kept (moved in): the conv, phi and the norm (elementwise, cheap).
+    /// the forward kept (moved in): the conv (continuing each sequence's tail in `tails`, or
+    /// from a zero history when it is empty), phi and the norm (elementwise, cheap).
     void compute(const MemoryConfig& cfg, const MemoryParams<T>& p, Mat u_kept, Mat logits_kept,
-                 int B) {
+                 int B, const std::vector<Mat>& tails) {
         const int H = cfg.n_heads, dh = cfg.head_dim(), D = cfg.inner_dim();
         u = std::move(u_kept);
         logits = std::move(logits_kept);
@@ -60,9 +62,10 @@ struct MemoryProjections {
         c = u;
         if (cfg.use_conv) {
             const Mat taps = conv_taps(p);
-            const Mat tail = Mat::Zero(cfg.conv_kernel - 1, 3 * D);
+            const Mat zero = Mat::Zero(cfg.conv_kernel - 1, 3 * D);
             for (int s = 0; s < B; ++s) {
-                detail::causal_conv_in_place(taps, tail, c.middleRows(s * N, N));
+                detail::causal_conv_in_place(taps, tails.empty() ? zero : tails[static_cast<std::size_t>(s)],
+                                             c.middleRows(s * N, N));
             }
         }
         pre = c;
@@ -167,9 +170,31 @@ struct MemoryProjections {
         }
     }
 
-    /// The projections' gradients (added to g) once dc, du and dlogits are final.
+    /// The adjoint of each sequence's incoming conv tail (rows before row 0: tail row K-1+tau
+    /// is u_tau for tau < 0) from dc, added to dtails[s] ((K-1) x 3D).
+    void tail_adjoint(const MemoryConfig& cfg, const MemoryParams<T>& p, int B, const Mat& dc,
+                      std::vector<Mat>& dtails) const {
+        const int K = cfg.conv_kernel;
+        const Eigen::Index N = dc.rows() / B;
+        const Mat taps = conv_taps(p);
+        for (int s = 0; s < B; ++s) {
+            for (int r = 0; r < K - 1; ++r) {  // tail row r is u_tau, tau = r - (K-1)
+                for (int j = 0; j < K - 1; ++j) {
+                    const Eigen::Index at = r - j;  // c_t reads u_{t-K+1+j}: t = tau + K-1-j
+                    if (at >= 0 && at < N) {
+                        dtails[static_cast<std::size_t>(s)].row(r).array() +=
+                            taps.row(j).array() * dc.row(s * N + at).array();
+                    }
+                }
+            }
+        }
+    }
+
+    /// The projections' gradients (added to g) once dc, du and dlogits are final; `tails` are
+    /// the incoming conv tails compute() continued (empty: zero).
     void parameter_gradients(const MemoryConfig& cfg, const Mat& x, int B, const Mat& dc,
-                             const Mat& du, const Mat& dlogits, MemoryParams<T>& g) const {
+                             const Mat& du, const Mat& dlogits, const std::vector<Mat>& tails,
+                             MemoryParams<T>& g) const {
         const int H = cfg.n_heads, D = cfg.inner_dim();
         if (cfg.use_conv) {
             const int K = cfg.conv_kernel;
@@ -184,6 +209,11 @@ struct MemoryProjections {
                                                       .matrix()
                                                       .colwise()
                                                       .sum();
+                    }
+                    // rows t < lag read the tail: u_{t-lag} is tail row t - lag + K-1 = t + j
+                    for (Eigen::Index t = 0; t < std::min<Eigen::Index>(lag, N) && !tails.empty(); ++t) {
+                        dtaps.row(j).array() += dc.row(s * N + t).array() *
+                                                tails[static_cast<std::size_t>(s)].row(t + j).array();
                     }
                 }
             }

@@ -17,6 +17,8 @@ template <class Backend, class T>
 struct MemoryKernels;
 template <class T>
 struct MemoryUndo;
+template <class Backend, class T>
+struct MemoryTraining;
 struct Cpu;
 }  // namespace backend
 
@@ -104,6 +106,8 @@ private:
     friend struct backend::MemoryKernels;
     template <class>
     friend struct backend::MemoryUndo;
+    template <class, class>
+    friend struct backend::MemoryTraining;  // the training pass keeps the incoming conv tails
 
     struct Head {
         std::vector<Matrix<T>> w, s;          // W^s_l, S^s_l: layer_in(l) x layer_out(l)

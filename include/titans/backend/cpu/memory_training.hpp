@@ -13,6 +13,7 @@
 // projections are reversed. The per-token update (math §3) is the chunk size 1 of the same.
 
 #include <algorithm>
+#include <cstdint>
 #include <utility>
 #include <vector>
 
@@ -21,6 +22,7 @@
 #include "../../memory/chunk_coefficients.hpp"
 #include "../../memory/chunk_coefficients_backward.hpp"
 #include "../../memory/key_tape.hpp"
+#include "../../memory/state_gradient.hpp"
 #include "memory_kernels.hpp"
 #include "memory_projections.hpp"
 
@@ -34,22 +36,26 @@ struct MemoryTraining<Cpu, T> {
     using Layers = std::vector<Mat>;
 
     /// What backward needs: the input, the memory at every chunk start, the input products
-    /// and gate logits (Kernels::Recording).
+    /// and gate logits (Kernels::Recording), the incoming position and conv tails.
     struct Trace {
         MemoryConfig cfg;
         Mat x;
         int batch = 0;
+        std::int64_t start = 0;       // the state's position at the trace's first row
+        std::vector<Mat> tail_in;     // its conv tails (B of (K-1) x 3D)
         typename Kernels::Recording kept;
         bool filled = false;
         [[nodiscard]] bool empty() const { return !filled; }
         [[nodiscard]] Eigen::Index rows() const { return x.rows(); }
     };
 
-    /// The forward of Kernels::forward from a fresh state (position 0), recording the trace.
+    /// The forward of Kernels::forward from a state at a chunk boundary, recording the trace.
     static void forward(const MemoryConfig& cfg, const typename Kernels::Prepared& p,
                         typename Kernels::State& st, View<const T> x, View<T> y, Trace& trace) {
         Trace t;
         start(cfg, st.batch(), x.rows / st.batch(), x.cols, t);
+        t.start = st.position();
+        t.tail_in = st.conv_tail_;
         forward_part(cfg, p, st, x, y, t);
         trace = std::move(t);
     }
@@ -75,7 +81,7 @@ struct MemoryTraining<Cpu, T> {
     static void forward_part(const MemoryConfig& cfg, const typename Kernels::Prepared& p,
                              typename Kernels::State& st, View<const T> x, View<T> y, Trace& t) {
         const int B = t.batch;
-        const Eigen::Index N = t.x.rows() / B, m = x.rows / B, t0 = st.position();
+        const Eigen::Index N = t.x.rows() / B, m = x.rows / B, t0 = st.position() - t.start;
         typename Kernels::Recording rec;
         rec.memory = std::move(t.kept.memory);
         Kernels::run(cfg, p, st, x, y, nullptr, &rec);
@@ -92,16 +98,16 @@ struct MemoryTraining<Cpu, T> {
     }
 
     /// dL/dx (written, rows x d) and every parameter's gradient (added to grads) from
-    /// dy = dL/dy.
+    /// dy = dL/dy and, if given, d_out = dL/d(the state after the trace; it ends at a chunk
+    /// boundary). d_in, if given, gets dL/d(the state before it).
     static void backward(const MemoryConfig& cfg, const typename Kernels::Prepared& prepared,
-                         const Trace& tr, View<const T> dyv, View<T> dxv, MemoryParams<T>& g) {
-        if (tr.x.rows() == 0) {
-            return;  // an empty piece: dx is 0 x d, no parameter gradient
-        }
-        Reverse rev(cfg, prepared, tr, dyv);
+                         const Trace& tr, View<const T> dyv, View<T> dxv, MemoryParams<T>& g,
+                         const MemoryStateGradient<T>* d_out = nullptr,
+                         MemoryStateGradient<T>* d_in = nullptr) {
+        Reverse rev(cfg, prepared, tr, dyv, d_out);
         Mat dx;
         rev.down_to(0, dx);
-        rev.finish(g);
+        rev.finish(g, d_in);
         cpu::as_eigen(dxv) = dx;
     }
 
@@ -139,17 +145,23 @@ private:
         std::vector<T> dtheta, deta, dalpha, dbeta, dc, dg, ds, scratch;
         Eigen::Index cur = 0;  // rows >= cur are reversed
         bool has_tap = false;
+        bool final_end = false;  // the last chunk's end has an adjoint (the state after the call)
     };
 
-    /// Starts a pair's sweep at the end of its N rows: no adjoint of the final memory.
-    static void sweep_start(const std::vector<Mat>& snap, std::size_t L, Eigen::Index N, Pair& w) {
+    /// Starts a pair's sweep at the end of its N rows, with the final memory's adjoint
+    /// (dW, dS; null: none). Shapes from the layer sizes.
+    static void sweep_start(const MemoryConfig& cfg, Eigen::Index N, const Layers* dW,
+                            const Layers* dS, Pair& w) {
+        const auto L = static_cast<std::size_t>(cfg.depth);
         for (Layers* v : {&w.W, &w.S, &w.dW, &w.dS, &w.dWn, &w.dSn, &w.tapW}) v->resize(L);
         for (std::size_t l = 0; l < L; ++l) {
-            w.dWn[l].setZero(snap[l].rows(), snap[l].cols());
-            w.dSn[l].setZero(snap[l].rows(), snap[l].cols());
+            const int in = cfg.layer_in(static_cast<int>(l) + 1), out = cfg.layer_out(static_cast<int>(l) + 1);
+            w.dWn[l] = dW != nullptr ? (*dW)[l] : Mat::Zero(in, out);
+            w.dSn[l] = dS != nullptr ? (*dS)[l] : Mat::Zero(in, out);
         }
         w.cur = N;
         w.has_tap = false;
+        w.final_end = dW != nullptr;
     }
 
     /// The adjoint of the weights after w.cur tokens (the memory a MAC segment starting there
@@ -189,7 +201,8 @@ private:
                     w.dS[l].setZero(w.W[l].rows(), w.W[l].cols());
                 }
             }
-            bool end = w.cur == c1 && c1 < N;  // the chunk end, adjoint carried in dWn, dSn
+            // The chunk end, adjoint carried in dWn, dSn (the last chunk's: the state after).
+            bool end = w.cur == c1 && (c1 < N || w.final_end);
             if (!end && w.has_tap) {           // a tap's partial end
                 for (std::size_t l = 0; l < Ls; ++l) {
                     w.dWn[l] = w.tapW[l];
@@ -481,12 +494,13 @@ public:
     ///     rev.down_to(0, dx); rev.finish(grads);
     class Reverse {
     public:
+        /// d_out: the adjoint of the state after the trace (null: none).
         Reverse(const MemoryConfig& cfg, const typename Kernels::Prepared& prepared,
-                const Trace& tr, View<const T> dyv)
+                const Trace& tr, View<const T> dyv, const MemoryStateGradient<T>* d_out = nullptr)
             : cfg_(cfg), p_(*prepared), tr_(tr), N_(tr.x.rows() / tr.batch), cur_(N_) {
             const int B = tr.batch, D = cfg.inner_dim();
             const auto pairs = static_cast<std::size_t>(B) * static_cast<std::size_t>(cfg.n_heads);
-            pr_.compute(cfg, p_, tr.kept.u, tr.kept.logits, B);
+            pr_.compute(cfg, p_, tr.kept.u, tr.kept.logits, B, tr.tail_in);
             dy_ = cpu::as_eigen(dyv);
             dyh_.noalias() = dy_ * p_.w_o.transpose();
             yh_.resize(tr.x.rows(), D);
@@ -494,8 +508,13 @@ public:
             du_.resize(tr.x.rows(), 3 * D);
             dlogits_.setZero(pr_.logits.rows(), pr_.logits.cols());
             work_.resize(pairs);
+            const bool given = d_out != nullptr && !d_out->empty();
             for (std::size_t i = 0; i < pairs; ++i) {
-                sweep_start(tr.kept.memory[i], static_cast<std::size_t>(cfg.depth), N_, work_[i]);
+                sweep_start(cfg, N_, given ? &d_out->weights[i] : nullptr,
+                            given ? &d_out->momentum[i] : nullptr, work_[i]);
+            }
+            if (given) {
+                dtail_out_ = d_out->conv_tail;
             }
         }
 
@@ -518,6 +537,7 @@ public:
             }
             pr_.to_conv_adjoint(cfg_, dqkv_, B, p, cur_);
             pr_.input_adjoint(cfg_, p_, B, dqkv_, du_, p, cur_);
+            add_tail_out(p);
             dx.resize(B * (cur_ - p), tr_.x.cols());
             pr_.input_rows(cfg_, p_, B, du_, dlogits_, p, cur_, dx);
             cur_ = p;
@@ -532,25 +552,71 @@ public:
         }
 
         /// After down_to(0): every parameter's gradient added to g (W_O, the projections, the
-        /// gates, W^0 from the carried adjoint).
-        void finish(MemoryParams<T>& g) const {
-            g.w_o.noalias() += yh_.transpose() * dy_;
+        /// gates and, for a trace from position 0, W^0 from the carried adjoint); d_in, if
+        /// given, gets the adjoint of the state before the trace.
+        void finish(MemoryParams<T>& g, MemoryStateGradient<T>* d_in = nullptr) const {
+            if (N_ > 0) {
+                g.w_o.noalias() += yh_.transpose() * dy_;
+            }
             const int H = cfg_.n_heads;
-            for (std::size_t bh = 0; bh < work_.size(); ++bh) {
+            for (std::size_t bh = 0; bh < work_.size() && tr_.start == 0; ++bh) {
                 auto& dw0 = g.memory_init[bh % static_cast<std::size_t>(H)];
                 for (std::size_t l = 0; l < dw0.size(); ++l) {
                     dw0[l] += work_[bh].dWn[l];
                 }
             }
-            pr_.parameter_gradients(cfg_, tr_.x, tr_.batch, dqkv_, du_, dlogits_, g);
+            pr_.parameter_gradients(cfg_, tr_.x, tr_.batch, dqkv_, du_, dlogits_, tr_.tail_in, g);
+            if (d_in != nullptr) {
+                state_in(*d_in);
+            }
         }
 
     private:
+        /// The state after the trace keeps the last K-1 rows of [tail_in; u] per sequence:
+        /// dtail_out row i is row N + i of that, u's row N + i - (K-1) when in [p, cur).
+        void add_tail_out(Eigen::Index p) {
+            const Eigen::Index K1 = static_cast<Eigen::Index>(dtail_out_.empty() ? 0 : dtail_out_[0].rows());
+            for (int s = 0; s < tr_.batch; ++s) {
+                for (Eigen::Index i = 0; i < K1; ++i) {
+                    const Eigen::Index t = N_ + i - K1;
+                    if (t >= p && t < cur_) {
+                        du_.row(s * N_ + t) += dtail_out_[static_cast<std::size_t>(s)].row(i);
+                    }
+                }
+            }
+        }
+
+        /// d_in: the start memory's adjoint carried out of the sweep, and the incoming tails'
+        /// (through the conv, and passed through when the trace is shorter than the tail).
+        void state_in(MemoryStateGradient<T>& d) const {
+            d.weights.resize(work_.size());
+            d.momentum.resize(work_.size());
+            for (std::size_t i = 0; i < work_.size(); ++i) {
+                d.weights[i] = work_[i].dWn;
+                d.momentum[i] = work_[i].dSn;
+            }
+            d.conv_tail.clear();
+            for (const Mat& tail : tr_.tail_in) {
+                d.conv_tail.push_back(Mat::Zero(tail.rows(), tail.cols()));
+            }
+            if (d.conv_tail.empty() || d.conv_tail[0].rows() == 0) {
+                return;
+            }
+            pr_.tail_adjoint(cfg_, p_, tr_.batch, dqkv_, d.conv_tail);
+            const Eigen::Index K1 = d.conv_tail[0].rows();
+            for (std::size_t s = 0; s < dtail_out_.size(); ++s) {
+                for (Eigen::Index i = 0; i + N_ < K1; ++i) {
+                    d.conv_tail[s].row(N_ + i) += dtail_out_[s].row(i);
+                }
+            }
+        }
+
         const MemoryConfig& cfg_;
         const MemoryParams<T>& p_;
         const Trace& tr_;
         cpu::MemoryProjections<T> pr_;
         Mat dy_, dyh_, yh_, dqkv_, du_, dlogits_;
+        std::vector<Mat> dtail_out_;
         std::vector<Pair> work_;
         Eigen::Index N_, cur_;
     };
