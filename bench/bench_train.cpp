@@ -5,9 +5,10 @@
 //   BM_MemoryForward    NeuralMemory<float>::forward from a fresh state (as bench_memory).
 //   BM_MemoryTrainStep  the training forward (keeping the chunk-start memory) + backward
 //                       (dy given), gradients into a preallocated MemoryParams.
-//   BM_ModelForward     a 4-block model (LMM, MAG, MAL, MAG; the headline memory in each,
-//                       attention of 8 heads over a window of 256, SwiGLU feed-forward, vectors
-//                       in and out), forward from a fresh state.
+//   BM_ModelForward     a 4-block model (LMM, MAC, MAG, MAL; the headline memory in each, MAC's
+//                       with the in-chunk read; attention of 8 heads over a window or segment
+//                       of 256, SwiGLU feed-forward, vectors in and out), forward from a fresh
+//                       state.
 //   BM_ModelTrainStep   its training forward + backward (dout given). GFLOPS from
 //                       Model::work_estimate (2 flops per multiply-add; the step 3x).
 //
@@ -101,10 +102,10 @@ void run(benchmark::State& state, bool train) {
 titans::ModelConfig model_config() {
     titans::ModelConfig cfg;
     cfg.d_model = 512;
-    for (auto kind : {titans::BlockKind::LMM, titans::BlockKind::MAG, titans::BlockKind::MAL,
-                      titans::BlockKind::MAG}) {
+    for (auto kind : {titans::BlockKind::LMM, titans::BlockKind::MAC, titans::BlockKind::MAG,
+                      titans::BlockKind::MAL}) {
         auto b = titans::BlockConfig::make(kind, 512, 8, 2, 256, 64);
-        b.memory = headline(0);
+        b.memory = headline(kind == titans::BlockKind::MAC ? 1 : 0);
         cfg.blocks.push_back(b);
     }
     return cfg;
