@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -414,7 +415,8 @@ TEST_CASE("attn bwd: layer refusals", "[train][attention]") {
     attn.backward(trace, c.dy, dx, g);  // gradients add up
     CHECK(identical(g.w_q, (2 * once.w_q).eval()));
     Matrixd y3 = y1;
-    CHECK_THROWS_AS(attn.forward(s2, c.x, y3, trace), titans::ConfigError);  // not fresh
+    auto s3 = attn.make_state(c.batch + 1);  // another batch: refused, nothing written
+    CHECK_THROWS_AS(attn.forward(s3, c.x, y3, trace, &c.prefix, c.sharing), titans::ShapeError);
     CHECK(identical(y3, y1));
     CHECK(trace.rows() == c.x.rows());
     titans::Attention<double>::Trace empty;
@@ -429,4 +431,104 @@ TEST_CASE("attn bwd: layer refusals", "[train][attention]") {
     other.window += 1;
     titans::Attention<double> attn2(other, c.p);
     CHECK_THROWS_AS(attn2.backward(trace, c.dy, dx, g), titans::ConfigError);
+}
+
+// Chained pieces (math §9): a stream cut into pieces of any length (empty ones, single tokens,
+// pieces longer than the window), forward in order from one state and backward last first,
+// each given the next one's d_state_in as its d_state_out: the same dx, gradients and dprefix
+// as one call, to rounding. The kept keys are rotated, so RoPE positions must carry over.
+TEST_CASE("attn bwd: chained pieces", "[train][attention]") {
+    for (int i = 0; i < 24; ++i) {
+        Rng rng(seed_for("attn bwd: chained pieces", static_cast<std::uint64_t>(i)));
+        LayerCase c = draw_layer_case(i, rng);
+        const int B = c.batch;
+        const int N = uniform_int(rng, 3, 14);
+        c.x = random_matrix(B * N, c.cfg.d_model, rng);
+        c.dy = random_matrix(B * N, c.cfg.d_model, rng);
+        const std::vector<int> lens = random_pieces(rng, N, c.cfg.window);
+        INFO("case " << i << " window " << c.cfg.window << " rows " << N << " pieces "
+                     << lens.size() << " prefix " << c.prefix.rows());
+        titans::Attention<double> attn(c.cfg, c.p);
+        const Matrixd* prefix = c.prefix.rows() > 0 ? &c.prefix : nullptr;
+        auto s_all = attn.make_state(B);
+        titans::Attention<double>::Trace t_all;
+        Matrixd y, dx_all, dp_all;
+        attn.forward(s_all, c.x, y, t_all, prefix, c.sharing);
+        auto g_all = titans::AttentionParams<double>::zeros(c.cfg);
+        attn.backward(t_all, c.dy, dx_all, g_all, &dp_all);
+
+        auto st = attn.make_state(B);
+        std::vector<titans::Attention<double>::Trace> traces(lens.size());
+        std::vector<Eigen::Index> t0{0};
+        for (std::size_t k = 0; k < lens.size(); ++k) {
+            t0.push_back(t0.back() + lens[k]);
+            attn.forward(st, take_tokens(c.x, B, N, t0[k], t0[k + 1]), y, traces[k], prefix,
+                         c.sharing);
+        }
+        auto g = titans::AttentionParams<double>::zeros(c.cfg);
+        Matrixd dx(c.x.rows(), c.x.cols()), dp = Matrixd::Zero(c.prefix.rows(), c.cfg.d_model);
+        titans::AttentionStateGradient<double> d_next;
+        for (std::size_t k = traces.size(); k-- > 0;) {
+            Matrixd dxk, dpk;
+            titans::AttentionStateGradient<double> d_in;
+            attn.backward(traces[k], take_tokens(c.dy, B, N, t0[k], t0[k + 1]), dxk, g, &dpk,
+                          &d_in, &d_next);
+            put_tokens(dx, dxk, B, N, t0[k], t0[k + 1]);
+            if (prefix != nullptr) dp += dpk;
+            d_next = std::move(d_in);
+        }
+        REQUIRE(d_next.keys.size() == static_cast<std::size_t>(B));
+        CHECK(d_next.keys[0].rows() == 0);  // the first piece started from a fresh state
+        CHECK(note_error<double>("attention chained pieces", rel_error(dx, dx_all, 1e-6)) <= 1e-12);
+        CHECK(note_error<double>("attention chained pieces", rel_error(dp, dp_all, 1e-6)) <= 1e-12);
+        titans::AttentionParams<double>::tensors(g, c.cfg, [&](const std::string& name,
+                                                                 const auto& t) {
+            titans::AttentionParams<double>::tensors(
+                g_all, c.cfg, [&](const std::string& n2, const auto& t2) {
+                    if (n2 != name) return;
+                    INFO(name);
+                    CHECK(note_error<double>("attention chained pieces",
+                                             rel_error(Matrixd(t), Matrixd(t2), 1e-6)) <= 1e-12);
+                });
+        });
+    }
+}
+
+TEST_CASE("attn bwd: state gradient refusals", "[train][attention]") {
+    Rng rng(seed_for("attn bwd: state gradient refusals"));
+    LayerCase c = draw_layer_case(0, rng);
+    c.cfg.window = 3;
+    const int B = c.batch;
+    const Eigen::Index N = c.x.rows() / B;
+    c.x = random_matrix(B * (N + 4), c.cfg.d_model, rng);
+    c.dy = random_matrix(B * (N + 4), c.cfg.d_model, rng);
+    titans::Attention<double> attn(c.cfg, c.p);
+    auto st = attn.make_state(B);
+    titans::Attention<double>::Trace t1, t2;
+    Matrixd y, dx;
+    attn.forward(st, take_tokens(c.x, B, N + 4, 0, 4), y, t1);
+    attn.forward(st, take_tokens(c.x, B, N + 4, 4, N + 4), y, t2);
+    auto g = titans::AttentionParams<double>::zeros(c.cfg);
+    titans::AttentionStateGradient<double> d;
+    attn.backward(t2, take_tokens(c.dy, B, N + 4, 4, N + 4), dx, g, nullptr, &d);
+    REQUIRE(d.keys.size() == static_cast<std::size_t>(B));
+    REQUIRE(d.keys[0].rows() == 2);  // min(w - 1, 4) kept rows
+    const auto before = g;
+    const Matrixd dy1 = take_tokens(c.dy, B, N + 4, 0, 4);
+    auto bad = d;
+    bad.keys.push_back(bad.keys.back());  // one sequence too many
+    REQUIRE_THROWS_NAMING(attn.backward(t1, dy1, dx, g, nullptr, nullptr, &bad),
+                          titans::ShapeError, "keys.size()");
+    bad = d;
+    bad.values[0].resize(1, c.cfg.inner_dim());
+    REQUIRE_THROWS_NAMING(attn.backward(t1, dy1, dx, g, nullptr, nullptr, &bad),
+                          titans::ShapeError, "d_state_out.values");
+    bad = d;
+    bad.keys[0](0, 0) = std::numeric_limits<double>::quiet_NaN();
+    REQUIRE_THROWS_NAMING(attn.backward(t1, dy1, dx, g, nullptr, nullptr, &bad),
+                          titans::NonFiniteError, "d_state_out");
+    CHECK(identical(g.w_q, before.w_q));
+    // The state gradient of t2's start, given as t2's own end adjoint: t2 ends at N + 4, where
+    // the window also keeps 2 rows, so the shapes agree and it is accepted.
+    attn.backward(t2, take_tokens(c.dy, B, N + 4, 4, N + 4), dx, g, nullptr, nullptr, &d);
 }

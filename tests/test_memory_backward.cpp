@@ -226,17 +226,6 @@ TEST_CASE("mem bwd: forward, sums, refusals", "[train][memory]") {
     CHECK_THROWS_AS(mem2.backward(trace, c.dy, dx1, g), titans::ConfigError);
 }
 
-namespace {
-
-/// Rows [t0, t1) of every sequence of a sequence-major (B*N) x d matrix.
-Matrixd piece_rows(const Matrixd& a, int B, Eigen::Index t0, Eigen::Index t1) {
-    const Eigen::Index N = a.rows() / B, n = t1 - t0;
-    Matrixd out(B * n, a.cols());
-    for (int b = 0; b < B; ++b) out.middleRows(b * n, n) = a.middleRows(b * N + t0, n);
-    return out;
-}
-
-}  // namespace
 
 // Pieces cut at chunk boundaries (the last one may end mid-chunk), forward in order and
 // backward last first, each given the next one's d_state_in as its d_state_out: the same dx
@@ -262,7 +251,7 @@ TEST_CASE("mem bwd: chained pieces", "[train][memory]") {
         std::vector<titans::NeuralMemory<double>::Trace> traces(cuts.size() - 1);
         for (std::size_t k = 0; k + 1 < cuts.size(); ++k) {
             Matrixd y;
-            mem.forward(st, piece_rows(c.x, B, cuts[k], cuts[k + 1]), y, traces[k]);
+            mem.forward(st, take_tokens(c.x, B, N, cuts[k], cuts[k + 1]), y, traces[k]);
         }
         auto g = MemoryParams<double>::zeros(c.cfg);
         Matrixd dx(c.x.rows(), c.x.cols());
@@ -270,7 +259,7 @@ TEST_CASE("mem bwd: chained pieces", "[train][memory]") {
         for (std::size_t k = traces.size(); k-- > 0;) {
             Matrixd dxk;
             titans::MemoryStateGradient<double> d_in;
-            mem.backward(traces[k], piece_rows(c.dy, B, cuts[k], cuts[k + 1]), dxk, g, &d_in, &d_next);
+            mem.backward(traces[k], take_tokens(c.dy, B, N, cuts[k], cuts[k + 1]), dxk, g, &d_in, &d_next);
             const Eigen::Index n = cuts[k + 1] - cuts[k];
             for (int s = 0; s < B; ++s) dx.middleRows(s * N + cuts[k], n) = dxk.middleRows(s * n, n);
             d_next = std::move(d_in);
@@ -301,33 +290,33 @@ TEST_CASE("mem bwd: state gradient refusals", "[train][memory]") {
     auto st = mem.make_state(B);
     titans::NeuralMemory<double>::Trace t1, t2;
     Matrixd y, dx;
-    mem.forward(st, piece_rows(c.x, B, 0, 2), y, t1);
-    mem.forward(st, piece_rows(c.x, B, 2, N), y, t2);
+    mem.forward(st, take_tokens(c.x, B, N, 0, 2), y, t1);
+    mem.forward(st, take_tokens(c.x, B, N, 2, N), y, t2);
     auto g = MemoryParams<double>::zeros(c.cfg);
     titans::MemoryStateGradient<double> d;
-    mem.backward(t2, piece_rows(c.dy, B, 2, N), dx, g, &d);
+    mem.backward(t2, take_tokens(c.dy, B, N, 2, N), dx, g, &d);
     REQUIRE(d.weights.size() == static_cast<std::size_t>(B * c.cfg.n_heads));
     REQUIRE(d.conv_tail.size() == static_cast<std::size_t>(B));
     const auto before = g;
     // t2 ends mid-chunk (at 7): no state gradient at its end.
-    REQUIRE_THROWS_NAMING(mem.backward(t2, piece_rows(c.dy, B, 2, N), dx, g, nullptr, &d),
+    REQUIRE_THROWS_NAMING(mem.backward(t2, take_tokens(c.dy, B, N, 2, N), dx, g, nullptr, &d),
                           titans::ConfigError, "chunk");
     auto bad = d;
     bad.conv_tail.pop_back();
-    REQUIRE_THROWS_NAMING(mem.backward(t1, piece_rows(c.dy, B, 0, 2), dx, g, nullptr, &bad),
+    REQUIRE_THROWS_NAMING(mem.backward(t1, take_tokens(c.dy, B, N, 0, 2), dx, g, nullptr, &bad),
                           titans::ShapeError, "conv_tail");
     bad = d;
     bad.weights[0][0].resize(1, 1);
-    REQUIRE_THROWS_NAMING(mem.backward(t1, piece_rows(c.dy, B, 0, 2), dx, g, nullptr, &bad),
+    REQUIRE_THROWS_NAMING(mem.backward(t1, take_tokens(c.dy, B, N, 0, 2), dx, g, nullptr, &bad),
                           titans::ShapeError, "weights");
     bad = d;
     bad.momentum[0][0](0, 0) = std::numeric_limits<double>::infinity();
-    REQUIRE_THROWS_NAMING(mem.backward(t1, piece_rows(c.dy, B, 0, 2), dx, g, nullptr, &bad),
+    REQUIRE_THROWS_NAMING(mem.backward(t1, take_tokens(c.dy, B, N, 0, 2), dx, g, nullptr, &bad),
                           titans::NonFiniteError, "d_state_out");
     CHECK(identical(g.w_q, before.w_q));
     // A state gradient for the start of a mid-chunk forward is refused at the forward.
     auto s3 = mem.make_state(B);
-    mem.forward(s3, piece_rows(c.x, B, 0, 1), y);
-    REQUIRE_THROWS_NAMING(mem.forward(s3, piece_rows(c.x, B, 1, 3), y, t1), titans::ConfigError,
+    mem.forward(s3, take_tokens(c.x, B, N, 0, 1), y);
+    REQUIRE_THROWS_NAMING(mem.forward(s3, take_tokens(c.x, B, N, 1, 3), y, t1), titans::ConfigError,
                           "pending");
 }

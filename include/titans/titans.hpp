@@ -23,6 +23,7 @@
 #include "attention/attention.hpp"
 #include "attention/kernel_backward.hpp"
 #include "attention/rope.hpp"
+#include "attention/state_gradient.hpp"
 
 #include "layers/feed_forward.hpp"
 #include "layers/persistent_memory.hpp"

@@ -19,6 +19,7 @@
 // The parts: config.hpp, params.hpp, kernel.hpp (prefix_window_attention), state.hpp; this file
 // holds the layer.
 
+#include <algorithm>
 #include <concepts>
 #include <cstdint>
 #include <memory>
@@ -41,6 +42,7 @@
 #include "params.hpp"
 #include "rope.hpp"
 #include "state.hpp"
+#include "state_gradient.hpp"
 
 namespace titans {
 
@@ -243,24 +245,20 @@ public:
         run(state, x, y, k_prefix.rows() > 0 ? &view : nullptr);
     }
 
-    /// What the training forward keeps for backward (math §9): the input and the prefix rows.
+    /// What the training forward keeps for backward (math §9): the input, the prefix rows, the
+    /// incoming position and the window's kept keys and values.
     using Trace = typename backend::AttentionTraining<Backend, T>::Trace;
 
-    /// The training forward (math §9): forward(state, x, y, prefix, sharing) from a fresh state
-    /// (position 0; ConfigError otherwise), keeping in `trace` what backward needs. Same
-    /// outputs and state as forward; on an error nothing changes. Backends with a training
-    /// pass only (the CPU).
+    /// The training forward (math §9): forward(state, x, y, prefix, sharing) from any state (a
+    /// fresh one, or one that has seen earlier pieces: see backward's d_state_in/d_state_out),
+    /// keeping in `trace` what backward needs. Same outputs and state as forward; on an error
+    /// nothing changes. Backends with a training pass only (the CPU).
     void forward(State& state, const MatrixRef<T>& x, Matrix<T>& y, Trace& trace,
                  const Matrix<T>* prefix = nullptr,
                  PrefixSharing sharing = PrefixSharing::Shared) const
         requires(backend::AttentionTraining<Backend, T>::available)
     {
         check_forward(state, x, y, prefix, sharing);
-        if (state.position() != 0) {
-            throw ConfigError(detail::concat(
-                "Attention::forward (training): state.position() = ", state.position(),
-                ", expected 0 (the training forward starts from a fresh state, make_state())"));
-        }
         const ThreadScope team(threads_, work_estimate(x.rows(), prefix ? prefix->rows() : 0));
         Matrix<T> y_new;
         Trace t;
@@ -280,35 +278,39 @@ public:
     /// (shaped as params(), e.g. AttentionParams<T>::zeros(config())) and, if `dprefix` is
     /// given and the forward had a prefix, dL/dprefix (resized to the prefix's shape).
     /// Through the output projection, the tiled kernel (softmax recomputed per tile), RoPE and
-    /// the projections of x and of the prefix. Throws ShapeError (empty trace, shapes, shared
-    /// storage), ConfigError (another configuration's trace), NonFiniteError (dy); nothing
+    /// the projections of x and of the prefix.
+    ///
+    /// Chained pieces (math §9): d_state_out, if given and not empty(), is dL/d(the window the
+    /// call left: per sequence min(w - 1, position) x D keys and values); d_state_in, if given,
+    /// receives dL/d(the window it started from), the incoming state's kept rows. Reversing
+    /// pieces last first, each with the next one's d_state_in as its d_state_out, gives the dx
+    /// and grads of one call over their concatenation.
+    ///
+    /// Throws ShapeError (empty trace, shapes, shared storage; d_state_out's shapes),
+    /// ConfigError (another configuration's trace), NonFiniteError (dy, d_state_out); nothing
     /// changes then.
     void backward(const Trace& trace, const MatrixRef<T>& dy, Matrix<T>& dx,
-                  AttentionParams<T>& grads, Matrix<T>* dprefix = nullptr) const
+                  AttentionParams<T>& grads, Matrix<T>* dprefix = nullptr,
+                  AttentionStateGradient<T>* d_state_in = nullptr,
+                  const AttentionStateGradient<T>* d_state_out = nullptr) const
         requires(backend::AttentionTraining<Backend, T>::available)
     {
         constexpr const char* where = "Attention::backward";
-        detail::check_trace(!trace.empty(), trace.empty() ? cfg_.d_model : trace.x.cols(),
-                            cfg_.d_model, where);
-        if (!(trace.cfg == cfg_)) {
-            throw ConfigError(detail::concat(where, ": trace was made by an attention with "
-                                                    "another configuration, expected this one's"));
-        }
-        detail::check_gradient_rows(dy, trace.rows(), cfg_.d_model, where, "dy");
-        detail::check_same_tensors(*params_, grads, cfg_, where, "grads");
-        if (detail::overlaps(dy, dx) || (dprefix != nullptr && (detail::overlaps(dy, *dprefix) ||
-                                                                dprefix == &dx))) {
-            throw ShapeError(detail::concat(where, ": dx, dprefix and dy share storage, "
-                                                   "expected distinct matrices"));
+        check_backward(trace, dy, dx, grads, dprefix, where);
+        const bool chained = d_state_out != nullptr && !d_state_out->empty();
+        if (chained) {
+            check_state_gradient(*d_state_out, trace, where);
         }
         const ThreadScope team(threads_, 3.0 * work_estimate(dy.rows(), trace.prefix.rows()));
         auto local = AttentionParams<T>::zeros(cfg_);
         Matrix<T> dx_new, dp_new;
+        AttentionStateGradient<T> d_in;
         {
             const backend::Upload<Backend, T> in(dy);
             backend::Download<Backend, T> out(dx_new, dy.rows(), cfg_.d_model);
-            backend::AttentionTraining<Backend, T>::backward(cfg_, prepared_, trace, in.view(),
-                                                             out.view(), local, &dp_new);
+            backend::AttentionTraining<Backend, T>::backward(
+                cfg_, prepared_, trace, in.view(), out.view(), local, &dp_new,
+                chained ? d_state_out : nullptr, d_state_in != nullptr ? &d_in : nullptr);
             out.finish();
         }
         detail::add_tensors(local, grads, cfg_);
@@ -316,6 +318,9 @@ public:
         if (dprefix != nullptr) {
             *dprefix = trace.prefix.rows() > 0 ? std::move(dp_new)
                                                 : Matrix<T>(0, cfg_.d_model);
+        }
+        if (d_state_in != nullptr) {
+            *d_state_in = std::move(d_in);
         }
     }
 
@@ -371,6 +376,53 @@ private:
         backend::Download<Backend, T> out(y, x.rows(), cfg_.d_model);
         Kernels::forward(cfg_, prepared_, state, in.view(), out.view(), prefix);
         out.finish();
+    }
+
+    template <class Tr>
+    void check_backward(const Tr& trace, const MatrixRef<T>& dy, const Matrix<T>& dx,
+                        const AttentionParams<T>& grads, const Matrix<T>* dprefix,
+                        const char* where) const {
+        detail::check_trace(!trace.empty(), trace.empty() ? cfg_.d_model : trace.x.cols(),
+                            cfg_.d_model, where);
+        if (!(trace.cfg == cfg_)) {
+            throw ConfigError(detail::concat(where, ": trace was made by an attention with "
+                                                    "another configuration, expected this one's"));
+        }
+        detail::check_gradient_rows(dy, trace.rows(), cfg_.d_model, where, "dy");
+        detail::check_same_tensors(*params_, grads, cfg_, where, "grads");
+        if (detail::overlaps(dy, dx) || (dprefix != nullptr && (detail::overlaps(dy, *dprefix) ||
+                                                                dprefix == &dx))) {
+            throw ShapeError(detail::concat(where, ": dx, dprefix and dy share storage, "
+                                                   "expected distinct matrices"));
+        }
+    }
+
+    /// d: per sequence of the trace's batch, keys and values of min(w - 1, end position) x D
+    /// rows, finite.
+    template <class Tr>
+    void check_state_gradient(const AttentionStateGradient<T>& d, const Tr& trace,
+                              const char* where) const {
+        const auto B = static_cast<std::size_t>(trace.batch);
+        const std::int64_t end = trace.start + trace.rows() / trace.batch;
+        const std::int64_t keep = std::min<std::int64_t>(cfg_.window - 1, end);
+        detail::require<ShapeError>(d.keys.size() == B, where, "d_state_out.keys.size()",
+                                    d.keys.size(), detail::concat(B, " (the batch)"));
+        detail::require<ShapeError>(d.values.size() == B, where, "d_state_out.values.size()",
+                                    d.values.size(), detail::concat(B, " (the batch)"));
+        for (const auto* group : {&d.keys, &d.values}) {
+            for (const Matrix<T>& m : *group) {
+                if (m.rows() != keep || m.cols() != cfg_.inner_dim()) {
+                    throw ShapeError(detail::concat(
+                        where, ": d_state_out.", group == &d.keys ? "keys" : "values", " has a ",
+                        m.rows(), " x ", m.cols(), " matrix, expected ", keep, " x ",
+                        cfg_.inner_dim(), " (min(window - 1, position) x n_heads * d_head)"));
+                }
+                if (!detail::all_finite(m)) {
+                    throw NonFiniteError(detail::concat(where, ": d_state_out has a NaN or "
+                                                               "infinite entry"));
+                }
+            }
+        }
     }
 
     void check_state(const State& state, const char* where) const {

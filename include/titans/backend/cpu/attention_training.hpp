@@ -2,14 +2,19 @@
 // titans/backend/cpu/attention_training.hpp: the attention layer's training pass on the CPU
 // (math §9).
 //
-// forward: the inference forward from a fresh state, keeping the input and the prefix rows.
-// backward: the projections, RoPE and the per-sequence attention outputs recomputed; then
-// W_O, the tiled kernel's backward (attention/kernel_backward.hpp), the transposed rotation,
-// the input products and the prefix's projections reversed.
+// forward: the inference forward from any state, keeping the input, the prefix rows, the
+// incoming position and the window's kept keys and values. backward: the projections, RoPE and
+// the per-sequence attention outputs recomputed; then W_O, the tiled kernel's backward
+// (attention/kernel_backward.hpp) over [kept ; new] keys, the adjoint of the window the call
+// left added to its rows, the transposed rotation, the input products and the prefix's
+// projections reversed; the kept rows' adjoint is the incoming state's.
 
+#include <cstdint>
 #include <utility>
+#include <vector>
 
 #include "../../attention/kernel_backward.hpp"
+#include "../../attention/state_gradient.hpp"
 #include "attention_kernels.hpp"
 
 namespace titans::backend {
@@ -21,18 +26,21 @@ struct AttentionTraining<Cpu, T> {
     using Mat = Matrix<T>;
     using Index = Eigen::Index;
 
-    /// What backward needs: the input, the prefix rows (0 rows if none) and their sharing.
+    /// What backward needs: the input, the prefix rows (0 rows if none) and their sharing, the
+    /// incoming position and each sequence's kept keys (rotated) and values.
     struct Trace {
         AttentionConfig cfg;
         Mat x, prefix;
         PrefixSharing sharing = PrefixSharing::Shared;
         int batch = 0;
+        std::int64_t start = 0;
+        std::vector<Mat> kept_k, kept_v;
         bool filled = false;
         [[nodiscard]] bool empty() const { return !filled; }
         [[nodiscard]] Index rows() const { return x.rows(); }
     };
 
-    /// Kernels::forward from a fresh state, recording the trace. prefix: checked rows or null.
+    /// Kernels::forward from any state, recording the trace. prefix: checked rows or null.
     static void forward(const AttentionConfig& cfg, const typename Kernels::Prepared& p,
                         typename Kernels::State& st, View<const T> x, View<T> y,
                         const Mat* prefix, PrefixSharing sharing, Trace& trace) {
@@ -42,6 +50,11 @@ struct AttentionTraining<Cpu, T> {
         t.x = cpu::as_eigen(x);
         t.prefix = prefix != nullptr ? *prefix : Mat(0, cfg.d_model);
         t.sharing = sharing;
+        t.start = st.position();
+        for (int b = 0; b < t.batch; ++b) {
+            t.kept_k.emplace_back(st.keys(b));
+            t.kept_v.emplace_back(st.values(b));
+        }
         if (t.prefix.rows() > 0) {
             const auto projected = Kernels::project_prefix(cfg, p, view_of(t.prefix), sharing);
             const PrefixView<T> view = projected.view();
@@ -54,16 +67,18 @@ struct AttentionTraining<Cpu, T> {
     }
 
     /// dL/dx (written), the parameters' gradients (added to g) and, if dprefix is given,
-    /// dL/dprefix (written, the prefix's shape) from dy = dL/dy.
+    /// dL/dprefix (written, the prefix's shape) from dy = dL/dy. d_out (checked, or null): the
+    /// adjoint of the window the call left; d_in (or null) receives the incoming window's.
     static void backward(const AttentionConfig& cfg, const typename Kernels::Prepared& prepared,
                          const Trace& tr, View<const T> dyv, View<T> dxv, AttentionParams<T>& g,
-                         Mat* dprefix) {
+                         Mat* dprefix, const AttentionStateGradient<T>* d_out = nullptr,
+                         AttentionStateGradient<T>* d_in = nullptr) {
         const AttentionParams<T>& p = *prepared;
         const int B = tr.batch, H = cfg.n_heads, dh = cfg.head_dim(), D = cfg.inner_dim();
         const Index N = tr.x.rows() / B;
         const auto dy = cpu::as_eigen(dyv);
         Mat q = tr.x * p.w_q, k = tr.x * p.w_k, v = tr.x * p.w_v;
-        const detail::RopeTable<T> table(cfg.rope ? N : 0, dh, 0, cfg.rope_base);
+        const detail::RopeTable<T> table(cfg.rope ? N : 0, dh, tr.start, cfg.rope_base);
         if (cfg.rope) {
             for (int b = 0; b < B; ++b) {
                 table.apply(q.middleRows(b * N, N), H, dh);
@@ -76,28 +91,23 @@ struct AttentionTraining<Cpu, T> {
         Mat o(tr.x.rows(), D);
         for (int b = 0; b < B; ++b) {
             const Index p0 = shared ? 0 : b * np;
+            const auto i = static_cast<std::size_t>(b);
+            const Mat ks = stacked(tr.kept_k[i], k.middleRows(b * N, N));
+            const Mat vs = stacked(tr.kept_v[i], v.middleRows(b * N, N));
             detail::prefix_window_attention_impl<T>(
-                q.middleRows(b * N, N), kp.middleRows(p0, np), vp.middleRows(p0, np),
-                k.middleRows(b * N, N), v.middleRows(b * N, N), H, dh, cfg.window, 0,
-                o.middleRows(b * N, N));
+                q.middleRows(b * N, N), kp.middleRows(p0, np), vp.middleRows(p0, np), ks, vs, H,
+                dh, cfg.window, tr.kept_k[i].rows(), o.middleRows(b * N, N));
         }
         g.w_o.noalias() += o.transpose() * dy;
         const Mat dout = dy * p.w_o.transpose();
         Mat dq(q.rows(), D), dk(k.rows(), D), dv(v.rows(), D);
         Mat dkp = Mat::Zero(kp.rows(), D), dvp = Mat::Zero(vp.rows(), D);
+        if (d_in != nullptr) {
+            d_in->keys.assign(static_cast<std::size_t>(B), Mat());
+            d_in->values.assign(static_cast<std::size_t>(B), Mat());
+        }
         for (int b = 0; b < B; ++b) {
-            const Index p0 = shared ? 0 : b * np;
-            Mat dq_b, dkp_b = Mat::Zero(np, D), dvp_b = Mat::Zero(np, D);
-            Mat dk_b = Mat::Zero(N, D), dv_b = Mat::Zero(N, D);
-            prefix_window_attention_backward<T>(
-                q.middleRows(b * N, N), kp.middleRows(p0, np), vp.middleRows(p0, np),
-                k.middleRows(b * N, N), v.middleRows(b * N, N), H, dh, cfg.window, 0,
-                dout.middleRows(b * N, N), dq_b, dkp_b, dvp_b, dk_b, dv_b);
-            dq.middleRows(b * N, N) = dq_b;
-            dk.middleRows(b * N, N) = dk_b;
-            dv.middleRows(b * N, N) = dv_b;
-            dkp.middleRows(p0, np) += dkp_b;
-            dvp.middleRows(p0, np) += dvp_b;
+            sequence_backward(cfg, tr, b, q, k, v, kp, vp, dout, d_out, d_in, dq, dk, dv, dkp, dvp);
         }
         if (cfg.rope) {
             for (int b = 0; b < B; ++b) {
@@ -109,6 +119,56 @@ struct AttentionTraining<Cpu, T> {
     }
 
 private:
+    /// [top ; bottom], rows stacked.
+    template <class A>
+    static Mat stacked(const Mat& top, const A& bottom) {
+        Mat out(top.rows() + bottom.rows(), top.cols());
+        out.topRows(top.rows()) = top;
+        out.bottomRows(bottom.rows()) = bottom;
+        return out;
+    }
+
+    /// Sequence b's kernel backward over keys [kept ; new] (queries after the kept rows): its
+    /// rows of dq, dk, dv written, its prefix rows of dkp, dvp added to; the window the call
+    /// left (the last min(w - 1, h + N) of those keys) takes d_out's adjoint, and the kept
+    /// rows' adjoint goes to d_in.
+    static void sequence_backward(const AttentionConfig& cfg, const Trace& tr, int b,
+                                  const Mat& q, const Mat& k, const Mat& v, const Mat& kp,
+                                  const Mat& vp, const Mat& dout,
+                                  const AttentionStateGradient<T>* d_out,
+                                  AttentionStateGradient<T>* d_in, Mat& dq, Mat& dk, Mat& dv,
+                                  Mat& dkp, Mat& dvp) {
+        const int B = tr.batch, D = cfg.inner_dim();
+        const auto i = static_cast<std::size_t>(b);
+        const Index N = tr.x.rows() / B, h = tr.kept_k[i].rows();
+        const bool shared = tr.sharing == PrefixSharing::Shared;
+        const Index np = shared ? kp.rows() : kp.rows() / B, p0 = shared ? 0 : b * np;
+        const Mat ks = stacked(tr.kept_k[i], k.middleRows(b * N, N));
+        const Mat vs = stacked(tr.kept_v[i], v.middleRows(b * N, N));
+        Mat dq_b, dkp_b = Mat::Zero(np, D), dvp_b = Mat::Zero(np, D);
+        Mat dks = Mat::Zero(h + N, D), dvs = Mat::Zero(h + N, D);
+        if (N > 0) {
+            prefix_window_attention_backward<T>(
+                q.middleRows(b * N, N), kp.middleRows(p0, np), vp.middleRows(p0, np), ks, vs,
+                cfg.n_heads, cfg.head_dim(), cfg.window, h, dout.middleRows(b * N, N), dq_b,
+                dkp_b, dvp_b, dks, dvs);
+            dq.middleRows(b * N, N) = dq_b;
+        }
+        if (d_out != nullptr) {
+            const Index keep = d_out->keys[i].rows();
+            dks.bottomRows(keep) += d_out->keys[i];
+            dvs.bottomRows(keep) += d_out->values[i];
+        }
+        dk.middleRows(b * N, N) = dks.bottomRows(N);
+        dv.middleRows(b * N, N) = dvs.bottomRows(N);
+        dkp.middleRows(p0, np) += dkp_b;
+        dvp.middleRows(p0, np) += dvp_b;
+        if (d_in != nullptr) {
+            d_in->keys[i] = dks.topRows(h);
+            d_in->values[i] = dvs.topRows(h);
+        }
+    }
+
     /// q = x W_Q, k = x W_K, v = x W_V, k_P = P W_K, v_P = P W_V, reversed.
     template <class DX>
     static void inputs_backward(const AttentionParams<T>& p, const Trace& tr, const Mat& dq,
