@@ -140,11 +140,16 @@ TEST_CASE("block bwd: sums and refusals", "[train][blocks]") {
     CHECK(identical(dx1, dx2));
     CHECK(identical(g.persistent, (2 * once.persistent).eval()));
     CHECK(identical(g.memory.w_q, (2 * once.memory.w_q).eval()));
-    // Refusals change nothing.
+    // Refusals change nothing: a continuing training forward with the memory inside a chunk.
     Matrixd y3 = y;
-    REQUIRE_THROWS_NAMING(block.forward(st, c.x, y3, trace), titans::ConfigError, "position");
-    CHECK(identical(y3, y));
-    CHECK(trace.rows == c.x.rows());
+    auto mid = fresh;
+    const int pm = c.cfg.memory.chunk - static_cast<int>(c.cfg.n_persistent % c.cfg.memory.chunk);
+    (void)block.forward(mid, c.x.topRows(c.batch * (pm == 1 ? 2 : 1)));  // memory mid-chunk
+    if (mid.memory().pending() != 0) {
+        REQUIRE_THROWS_NAMING(block.forward(mid, c.x, y3, trace), titans::ConfigError, "chunk");
+        CHECK(identical(y3, y));
+        CHECK(trace.rows == c.x.rows());
+    }
     auto st2 = fresh;
     Matrixd bad_x = c.x;
     bad_x(0, 0) = std::numeric_limits<double>::infinity();
@@ -168,6 +173,98 @@ TEST_CASE("block bwd: sums and refusals", "[train][blocks]") {
     titans::Block<double>::Trace tl;
     lmm.forward(sl, l.x, y3, tl);
     CHECK_THROWS_AS(block.backward(tl, c.dy, dx1, g), titans::ConfigError);
+}
+
+namespace {
+
+/// Cuts of N tokens into pieces, every inner cut where the memory (which counts the persistent
+/// tokens first) is at a chunk boundary; the last piece may end mid-chunk.
+std::vector<Eigen::Index> chunk_cuts(const BlockConfig& cfg, Eigen::Index N, Rng& rng) {
+    const Eigen::Index b = cfg.memory.effective_chunk();
+    const Eigen::Index pm = cfg.kind == BlockKind::LMM ? 0 : cfg.n_persistent;
+    std::vector<Eigen::Index> cuts{0};
+    Eigen::Index t = (b - pm % b) % b;  // the first boundary after 0
+    while (true) {
+        t += b * uniform_int(rng, 0, 2);
+        if (t <= cuts.back()) t += b;
+        if (t >= N) break;
+        cuts.push_back(t);
+    }
+    cuts.push_back(N);
+    return cuts;
+}
+
+}  // namespace
+
+// Chained pieces (math §9): LMM, MAG and MAL blocks over pieces cut where the memory is at a
+// chunk boundary (pieces longer and shorter than the window), forward in order and backward
+// last first, each given the next one's d_state_in as its d_state_out: the dx and gradients of
+// one call, to rounding. The first piece takes P; the later ones continue the memory and the
+// attention window. Gradients of unit-sized terms that cancel (a constant stream leaves some
+// near 1e-18) are compared absolutely below 1e-4: 1e-16, the rounding of such terms.
+TEST_CASE("block bwd: chained pieces", "[train][blocks]") {
+    const std::vector<BlockKind> kinds{BlockKind::LMM, BlockKind::MAG, BlockKind::MAL};
+    for (int i = 0; i < 18; ++i) {
+        Rng rng(seed_for("block bwd: chained pieces", static_cast<std::uint64_t>(i)));
+        BackwardBlockCase c = draw_block_case(kinds[static_cast<std::size_t>(i % 3)], i, rng);
+        const int B = c.batch;
+        const Eigen::Index N = uniform_int(rng, 8, 16);
+        c.x = random_matrix(B * N, c.cfg.d_model, rng);
+        c.dy = random_matrix(B * N, c.cfg.d_model, rng);
+        const std::vector<Eigen::Index> cuts = chunk_cuts(c.cfg, N, rng);
+        INFO("case " << i << " kind " << titans::to_string(c.cfg.kind) << " chunk "
+                     << c.cfg.memory.chunk << " persistent " << c.cfg.n_persistent << " pieces "
+                     << cuts.size() - 1);
+        Matrixd dx_all;
+        const BlockParams<double> g_all = block_gradients(c, dx_all);
+        titans::Block<double> block(c.cfg, c.p);
+        auto st = block.make_state(B);
+        std::vector<titans::Block<double>::Trace> traces(cuts.size() - 1);
+        Matrixd y;
+        for (std::size_t k = 0; k + 1 < cuts.size(); ++k) {
+            block.forward(st, take_tokens(c.x, B, N, cuts[k], cuts[k + 1]), y, traces[k]);
+        }
+        auto g = BlockParams<double>::zeros(c.cfg);
+        Matrixd dx(c.x.rows(), c.x.cols());
+        titans::BlockStateGradient<double> d_next;
+        for (std::size_t k = traces.size(); k-- > 0;) {
+            Matrixd dxk;
+            titans::BlockStateGradient<double> d_in;
+            block.backward(traces[k], take_tokens(c.dy, B, N, cuts[k], cuts[k + 1]), dxk, g,
+                           &d_in, &d_next);
+            put_tokens(dx, dxk, B, N, cuts[k], cuts[k + 1]);
+            CHECK(d_in.empty() == (k == 0));
+            d_next = std::move(d_in);
+        }
+        CHECK(note_error<double>("block chained pieces", rel_error(dx, dx_all, 1e-6)) <= 1e-12);
+        BlockParams<double>::tensors(g, c.cfg, [&](const std::string& name, const auto& t) {
+            BlockParams<double>::tensors(g_all, c.cfg, [&](const std::string& n2, const auto& t2) {
+                if (n2 != name) return;
+                INFO(name << " norm " << Matrixd(t2).norm());
+                CHECK(note_error<double>("block chained pieces",
+                                         rel_error(Matrixd(t), Matrixd(t2), 1e-4)) <= 1e-12);
+            });
+        });
+    }
+}
+
+TEST_CASE("block bwd: MAC does not chain", "[train][blocks]") {
+    Rng rng(seed_for("block bwd: MAC does not chain"));
+    BackwardBlockCase c = draw_block_case(BlockKind::MAC, 0, rng);
+    titans::Block<double> block(c.cfg, c.p);
+    auto st = block.make_state(c.batch);
+    titans::Block<double>::Trace trace;
+    Matrixd y, dx;
+    block.forward(st, c.x, y, trace);
+    Matrixd y2 = y;
+    REQUIRE_THROWS_NAMING(block.forward(st, c.x, y2, trace), titans::ConfigError, "position");
+    CHECK(identical(y2, y));
+    auto g = BlockParams<double>::zeros(c.cfg);
+    titans::BlockStateGradient<double> d;
+    REQUIRE_THROWS_NAMING(block.backward(trace, c.dy, dx, g, &d), titans::ConfigError, "MAC");
+    CHECK(g.memory.w_q.isZero(0));
+    block.backward(trace, c.dy, dx, g);  // without state gradients: fine
+    CHECK(!g.memory.w_q.isZero(0));
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@
 
 #include "models/block.hpp"
 #include "models/model.hpp"
+#include "models/state_gradient.hpp"
 #include "train/adamw.hpp"
 #include "train/gradients.hpp"
 #include "train/loss.hpp"

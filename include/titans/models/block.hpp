@@ -30,6 +30,7 @@
 #include "../layers/rms_norm.hpp"
 #include "../limits.hpp"
 #include "../memory/neural_memory.hpp"
+#include "state_gradient.hpp"
 #include "../threads.hpp"
 #include "../types.hpp"
 
@@ -541,13 +542,16 @@ public:
     static constexpr bool trainable = backend::MemoryTraining<Backend, T>::available &&
                                       backend::AttentionTraining<Backend, T>::available;
 
-    /// The training forward (math §9): forward(state, x) from a fresh state (position 0;
-    /// ConfigError otherwise), keeping in `trace` what backward needs; y = the output. The
-    /// persistent tokens go through the memory (and MAL's window) in this call, as rows before
-    /// each sequence's, so that they are learnt. Same outputs as forward (to rounding) and a
-    /// state that continues the same; on an error nothing changes (state, y, trace). Every
-    /// kind; MAC's backward reverses its segments last first through the memory's updates and
-    /// its segment-start reads (mac_training.hpp).
+    /// The training forward (math §9): forward(state, x), keeping in `trace` what backward
+    /// needs; y = the output. From a fresh state (position 0) the persistent tokens go through
+    /// the memory (and MAL's window) in this call, as rows before each sequence's, so that
+    /// they are learnt. LMM, MAG and MAL also start from a state that has seen earlier pieces
+    /// (chained pieces: see backward's d_state_in / d_state_out), when the memory is at a chunk
+    /// boundary (its position, persistent tokens included, a multiple of chunk; ConfigError
+    /// otherwise); MAC only from a fresh state (ConfigError). Same outputs as forward (to
+    /// rounding) and a state that continues the same; on an error nothing changes (state, y,
+    /// trace). MAC's backward reverses its segments last first through the memory's updates
+    /// and its segment-start reads (mac_training.hpp).
     ///
     ///     Block<double>::Trace trace;
     ///     block.forward(state, x, y, trace);
@@ -562,14 +566,24 @@ public:
     /// The backward pass (math §9) of a training forward: dy = dL/dy (the trace's rows x d)
     /// gives dx = dL/dx (resized; not sharing dy's storage), and the gradient of every
     /// parameter the block uses (norms, memory, attention, persistent tokens, feed-forward)
-    /// is added to grads (shaped as params(), e.g. BlockParams<T>::zeros(config())). Throws
-    /// ShapeError (empty trace, shapes), ConfigError (another configuration's trace),
-    /// NonFiniteError (dy or grads, or gradients that overflow); nothing changes then.
+    /// is added to grads (shaped as params(), e.g. BlockParams<T>::zeros(config())).
+    ///
+    /// Chained pieces (LMM, MAG, MAL): d_state_out, if given and not empty(), is dL/d(the state
+    /// the call left), its memory part taken at a chunk boundary; d_state_in, if given,
+    /// receives dL/d(the state the call started from) (empty for a call from a fresh state,
+    /// whose memory restarts from W^0 and P). Reversing pieces last first, each with
+    /// the next one's d_state_in as its d_state_out, gives the dx and grads of one call over
+    /// their concatenation. MAC refuses both (ConfigError).
+    ///
+    /// Throws ShapeError (empty trace, shapes), ConfigError (another configuration's trace),
+    /// NonFiniteError (dy, d_state_out, or gradients that overflow); nothing changes then.
     void backward(const Trace& trace, const MatrixRef<T>& dy, Matrix<T>& dx,
-                  BlockParams<T>& grads) const
+                  BlockParams<T>& grads, BlockStateGradient<T>* d_state_in = nullptr,
+                  const BlockStateGradient<T>* d_state_out = nullptr) const
         requires(trainable)
     {
-        detail::BlockTraining<T, Backend>::backward(*this, trace, dy, dx, grads);
+        detail::BlockTraining<T, Backend>::backward(*this, trace, dy, dx, grads, d_state_in,
+                                                    d_state_out);
     }
 
     /// Transactions over several calls, as NeuralMemory::begin: after begin(state), forward

@@ -2,13 +2,16 @@
 // titans/models/block_training.hpp: the training pass of a Titans block (math §9, "Blocks and
 // the model"): Block::forward(state, x, y, trace) and Block::backward(trace, dy, dx, grads).
 //
-// The forward is the inference forward from a fresh state, with every sub-layer's training
-// forward keeping its trace. The persistent tokens P, which inference feeds to the memory (and
+// The forward is the inference forward, with every sub-layer's training forward keeping its
+// trace. From a fresh state, the persistent tokens P, which inference feeds to the memory (and
 // for MAL to the attention window) once at make_state(), are fed here in the same call: each
-// sequence's rows become [P; u], so their gradients reach P. The backward reverses
+// sequence's rows become [P; u], so their gradients reach P. From a later state (chained
+// pieces, LMM / MAG / MAL) the sub-layers continue from the state's, and the state's adjoint
+// passes through theirs. The backward reverses
 //     u = RMSNorm(x),  h = x + Mixer(u),  out = h + FFN(RMSNorm(h))
 // with the mixer by kind (LMM, MAG, MAL here; MAC in mac_training.hpp).
 
+#include <cstdint>
 #include <utility>
 
 #include "../detail/activation.hpp"
@@ -28,6 +31,7 @@ template <class T, class Backend>
 struct BlockTrace {
     BlockConfig cfg;
     int batch = 0;
+    std::int64_t start = 0;  // the block's position at the call (0: P went through this call)
     Eigen::Index rows = 0;
     bool filled = false;
     typename RMSNorm<T, Backend>::Trace norm_mix, norm_ffn, norm_y, norm_m;
@@ -72,9 +76,13 @@ Matrix<T> zero_prefix(const Matrix<T>& du, int B, Eigen::Index p) {
     return with_prefix(Matrix<T>::Zero(p, du.cols()).eval(), du, B);
 }
 
-/// dP += the sum over sequences of the prefix rows of dfull: the adjoint of P in with_prefix.
+/// dP += the sum over sequences of the prefix rows of dfull: the adjoint of P in with_prefix
+/// (nothing when p = 0: P did not go through this call).
 template <class T>
 void add_prefix_rows(const Matrix<T>& dfull, int B, Eigen::Index p, Matrix<T>& dP) {
+    if (p == 0) {
+        return;
+    }
     const Eigen::Index n = dfull.rows() / B;
     for (int b = 0; b < B; ++b) {
         dP += dfull.middleRows(b * n, p);
@@ -92,16 +100,13 @@ struct BlockTraining {
                         Trace& trace) {
         constexpr const char* where = "Block::forward (training)";
         blk.check(state, x, where);
-        if (state.position_ != 0) {
-            throw ConfigError(concat(where, ": state.position() = ", state.position_,
-                                     ", expected 0 (the training forward starts from a fresh "
-                                     "state, make_state())"));
-        }
+        check_start(blk, state, where);
         const ThreadScope team(blk.threads_, 3.0 * blk.work_estimate(x.rows()));
         State next = state;  // committed only if every step succeeds
         Trace t;
         t.cfg = blk.cfg_;
         t.batch = state.batch_;
+        t.start = state.position_;
         t.rows = x.rows();
         Matrix<T> u;
         blk.norm_mix_.forward(x, u, t.norm_mix);
@@ -127,9 +132,14 @@ struct BlockTraining {
     }
 
     static void backward(const Blk& blk, const Trace& tr, const MatrixRef<T>& dy, Matrix<T>& dx,
-                         BlockParams<T>& grads) {
+                         BlockParams<T>& grads, BlockStateGradient<T>* d_in,
+                         const BlockStateGradient<T>* d_out) {
         constexpr const char* where = "Block::backward";
         const BlockConfig& cfg = blk.cfg_;
+        if (cfg.kind == BlockKind::MAC && (d_in != nullptr || (d_out && !d_out->empty()))) {
+            throw ConfigError(concat(where, ": d_state_in or d_state_out given to a MAC block, "
+                                            "expected none (MAC pieces do not chain yet)"));
+        }
         check_trace(tr.filled, tr.filled ? tr.cfg.d_model : cfg.d_model, cfg.d_model, where);
         if (tr.cfg.kind != cfg.kind || !Blk::same_stream(tr.cfg, cfg)) {
             throw ConfigError(concat(where, ": trace was made by a block with another "
@@ -150,7 +160,9 @@ struct BlockTraining {
             blk.norm_ffn_.backward(tr.norm_ffn, dz, dres, g.norm_ffn);
             dh += dres;
         }
-        const Matrix<T> du = mix_backward(blk, tr, dh, g);
+        BlockStateGradient<T> d_start;  // stays empty for a fresh start: no earlier piece
+        const Matrix<T> du = mix_backward(blk, tr, dh, g, d_out,
+                                          d_in != nullptr && tr.start != 0 ? &d_start : nullptr);
         Matrix<T> dres;
         blk.norm_mix_.backward(tr.norm_mix, du, dres, g.norm_mix);
         dh += dres;
@@ -160,6 +172,9 @@ struct BlockTraining {
         }
         add_tensors(g, grads, cfg);
         dx = std::move(dh);
+        if (d_in != nullptr) {
+            *d_in = std::move(d_start);
+        }
     }
 
 private:
@@ -167,57 +182,90 @@ private:
         return cfg.kind == BlockKind::MAG || cfg.kind == BlockKind::MAL ? cfg.n_persistent : 0;
     }
 
-    /// The mixer's training forward on u; next's memory (and MAL's attention) restart from
-    /// fresh states that take P first.
+    /// MAC trains from a fresh state only; the others from a fresh one or one whose memory is
+    /// at a chunk boundary.
+    static void check_start(const Blk& blk, const State& state, const char* where) {
+        if (state.position_ == 0) {
+            return;
+        }
+        if (blk.cfg_.kind == BlockKind::MAC) {
+            throw ConfigError(concat(where, ": state.position() = ", state.position_,
+                                     ", expected 0 (a MAC block's training forward starts from "
+                                     "a fresh state, make_state())"));
+        }
+        if (state.memory_.pending() != 0) {
+            throw ConfigError(concat(
+                where, ": the memory is ", state.memory_.pending(), " tokens into a chunk, "
+                "expected a chunk boundary (a continuing training forward needs the memory's "
+                "position, persistent tokens included, a multiple of chunk = ",
+                blk.cfg_.memory.chunk, ")"));
+        }
+    }
+
+    /// The mixer's training forward on u. From a fresh state, next's memory (and MAL's
+    /// attention) restart from fresh states that take P first; else they continue.
     static Matrix<T> mix(const Blk& blk, State& next, const Matrix<T>& u, Trace& t) {
         const BlockConfig& cfg = blk.cfg_;
         const int B = next.batch_;
         const Matrix<T>& P = blk.params_->persistent;
-        const Eigen::Index p = prefix_rows(cfg);
+        const bool fresh = next.position_ == 0;
+        const Eigen::Index p = fresh ? prefix_rows(cfg) : 0;
         if (cfg.kind == BlockKind::MAC) {
             t.u = u;
             return MacTraining<T, Backend>::forward(blk, next, u, t.memory, t.segments);
         }
-        next.memory_ = blk.memory_.make_state(B);
+        if (fresh) {
+            next.memory_ = blk.memory_.make_state(B);
+        }
         Matrix<T> m;
         if (cfg.kind == BlockKind::LMM) {
             blk.memory_.forward(next.memory_, u, m, t.memory);
             return m;
         }
-        blk.memory_.forward(next.memory_, with_prefix(P, u, B), m, t.memory);
+        blk.memory_.forward(next.memory_, p > 0 ? with_prefix(P, u, B) : u, m, t.memory);
         Matrix<T> y;
         if (cfg.kind == BlockKind::MAL) {
-            next.attention_ = blk.attention_->make_state(B);
+            if (fresh) {
+                next.attention_ = blk.attention_->make_state(B);
+            }
             blk.attention_->forward(next.attention_, m, y, t.attention);
-            return without_prefix(y, B, p);
+            return p > 0 ? without_prefix(y, B, p) : y;
         }
         // MAG: o = RMSNorm_y(SWA*(P ‖ u)) ⊙ σ(RMSNorm_m(M(P ‖ u))).
-        blk.attention_->forward(next.attention_, u, y, t.attention, p > 0 ? &P : nullptr);
+        const bool np = cfg.n_persistent > 0;
+        blk.attention_->forward(next.attention_, u, y, t.attention, np ? &P : nullptr);
         Matrix<T> gl;
         blk.norm_y_->forward(y, t.a, t.norm_y);
-        blk.norm_m_->forward(without_prefix(m, B, p), gl, t.norm_m);
+        blk.norm_m_->forward(p > 0 ? without_prefix(m, B, p) : m, gl, t.norm_m);
         t.g = gl.unaryExpr([](T v) { return sigmoid(v); });
         return t.a.cwiseProduct(t.g);
     }
 
-    /// The mixer's backward: do (B*N x d) -> du; parameter gradients added to g.
+    /// The mixer's backward: do (B*N x d) -> du; parameter gradients added to g; the state's
+    /// adjoint through the memory and the attention (d_out in, d_in out, either may be null).
     static Matrix<T> mix_backward(const Blk& blk, const Trace& tr, const Matrix<T>& dout,
-                                  BlockParams<T>& g) {
+                                  BlockParams<T>& g, const BlockStateGradient<T>* d_out,
+                                  BlockStateGradient<T>* d_in) {
         const BlockConfig& cfg = blk.cfg_;
         const int B = tr.batch;
-        const Eigen::Index p = prefix_rows(cfg);
+        const Eigen::Index p = tr.start == 0 ? prefix_rows(cfg) : 0;
+        const auto* dm_out = d_out != nullptr ? &d_out->memory : nullptr;
+        const auto* da_out = d_out != nullptr ? &d_out->attention : nullptr;
+        auto* dm_in = d_in != nullptr ? &d_in->memory : nullptr;
+        auto* da_in = d_in != nullptr ? &d_in->attention : nullptr;
         Matrix<T> du, dfull;
         if (cfg.kind == BlockKind::MAC) {
             return MacTraining<T, Backend>::backward(blk, tr.memory, tr.segments, tr.u, B, dout, g);
         }
         if (cfg.kind == BlockKind::LMM) {
-            blk.memory_.backward(tr.memory, dout, du, g.memory);
+            blk.memory_.backward(tr.memory, dout, du, g.memory, dm_in, dm_out);
             return du;
         }
         if (cfg.kind == BlockKind::MAL) {
             Matrix<T> dm;
-            blk.attention_->backward(tr.attention, zero_prefix(dout, B, p), dm, g.attention);
-            blk.memory_.backward(tr.memory, dm, dfull, g.memory);
+            blk.attention_->backward(tr.attention, zero_prefix(dout, B, p), dm, g.attention,
+                                     nullptr, da_in, da_out);
+            blk.memory_.backward(tr.memory, dm, dfull, g.memory, dm_in, dm_out);
             add_prefix_rows(dfull, B, p, g.persistent);
             return without_prefix(dfull, B, p);
         }
@@ -227,11 +275,13 @@ private:
         Matrix<T> dya, dm, dP;
         blk.norm_y_->backward(tr.norm_y, da, dya, g.norm_y);
         blk.norm_m_->backward(tr.norm_m, dgl, dm, g.norm_m);
-        blk.attention_->backward(tr.attention, dya, du, g.attention, p > 0 ? &dP : nullptr);
-        if (p > 0) {
+        const bool np = cfg.n_persistent > 0;
+        blk.attention_->backward(tr.attention, dya, du, g.attention, np ? &dP : nullptr, da_in,
+                                 da_out);
+        if (np) {
             g.persistent += dP;
         }
-        blk.memory_.backward(tr.memory, zero_prefix(dm, B, p), dfull, g.memory);
+        blk.memory_.backward(tr.memory, zero_prefix(dm, B, p), dfull, g.memory, dm_in, dm_out);
         add_prefix_rows(dfull, B, p, g.persistent);
         du += without_prefix(dfull, B, p);
         return du;
