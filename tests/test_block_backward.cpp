@@ -177,18 +177,19 @@ TEST_CASE("block bwd: sums and refusals", "[train][blocks]") {
 
 namespace {
 
-/// Cuts of N tokens into pieces, every inner cut where the memory (which counts the persistent
-/// tokens first) is at a chunk boundary; the last piece may end mid-chunk.
-std::vector<Eigen::Index> chunk_cuts(const BlockConfig& cfg, Eigen::Index N, Rng& rng) {
-    const Eigen::Index b = cfg.memory.effective_chunk();
-    const Eigen::Index pm = cfg.kind == BlockKind::LMM ? 0 : cfg.n_persistent;
+/// Cuts of N tokens into pieces, every inner cut where each block's memory (which counts the
+/// persistent tokens first) is at a chunk boundary, about half of those taken; the last piece
+/// may end mid-chunk.
+std::vector<Eigen::Index> chunk_cuts(const std::vector<BlockConfig>& blocks, Eigen::Index N,
+                                     Rng& rng) {
     std::vector<Eigen::Index> cuts{0};
-    Eigen::Index t = (b - pm % b) % b;  // the first boundary after 0
-    while (true) {
-        t += b * uniform_int(rng, 0, 2);
-        if (t <= cuts.back()) t += b;
-        if (t >= N) break;
-        cuts.push_back(t);
+    for (Eigen::Index t = 1; t < N; ++t) {
+        bool aligned = true;
+        for (const BlockConfig& cfg : blocks) {
+            const Eigen::Index pm = cfg.kind == BlockKind::LMM ? 0 : cfg.n_persistent;
+            aligned = aligned && (pm + t) % cfg.memory.effective_chunk() == 0;
+        }
+        if (aligned && uniform_int(rng, 0, 1) == 1) cuts.push_back(t);
     }
     cuts.push_back(N);
     return cuts;
@@ -211,7 +212,7 @@ TEST_CASE("block bwd: chained pieces", "[train][blocks]") {
         const Eigen::Index N = uniform_int(rng, 8, 16);
         c.x = random_matrix(B * N, c.cfg.d_model, rng);
         c.dy = random_matrix(B * N, c.cfg.d_model, rng);
-        const std::vector<Eigen::Index> cuts = chunk_cuts(c.cfg, N, rng);
+        const std::vector<Eigen::Index> cuts = chunk_cuts({c.cfg}, N, rng);
         INFO("case " << i << " kind " << titans::to_string(c.cfg.kind) << " chunk "
                      << c.cfg.memory.chunk << " persistent " << c.cfg.n_persistent << " pieces "
                      << cuts.size() - 1);
@@ -361,7 +362,20 @@ TEST_CASE("model bwd: refusals", "[train][model]") {
     REQUIRE_THROWS_NAMING(model.forward_tokens(st2, bad, out2, trace), titans::ShapeError, "token id");
     CHECK(identical(out2, out));
     CHECK(st2.position == 0);
-    REQUIRE_THROWS_NAMING(model.forward_tokens(st, c.ids, out2, trace), titans::ConfigError, "position");
+    {  // a continuing training forward through a MAC block (case 3: MAC, LMM)
+        TrainModelCase m = draw_model_case(3, rng);
+        titans::Model<double> mac(m.cfg, m.p);
+        auto sm = mac.make_state(m.batch);
+        titans::Model<double>::Trace tm;
+        mac.forward(sm, m.x, out2, tm);
+        const Matrixd before = out2;
+        REQUIRE_THROWS_NAMING(mac.forward(sm, m.x, out2, tm), titans::ConfigError, "block 0");
+        CHECK(identical(out2, before));
+        auto gm = titans::ModelParams<double>::zeros(m.cfg);
+        titans::ModelStateGradient<double> dm;
+        REQUIRE_THROWS_NAMING(mac.backward(tm, m.dout, gm, nullptr, &dm), titans::ConfigError, "MAC");
+        CHECK(gm.head.isZero(0));
+    }
     const Matrixd wide = Matrixd::Ones(c.dout.rows(), c.dout.cols() + 1);
     CHECK_THROWS_AS(model.backward(trace, wide, g), titans::ShapeError);
     auto wrong = g;
@@ -374,6 +388,68 @@ TEST_CASE("model bwd: refusals", "[train][model]") {
     model.backward(trace, c.dout, g, &dx);
     CHECK(dx.rows() == c.dout.rows());
     CHECK(!g.head.isZero(0));
+}
+
+// Chained pieces through a model of two blocks (LMM + MAG, MAG + MAL; token ids or rows): the
+// same dx and gradients as one call, each piece's d_state_in given to the piece before it.
+TEST_CASE("model bwd: chained pieces", "[train][model]") {
+    for (int i = 0; i < 8; ++i) {
+        Rng rng(seed_for("model bwd: chained pieces", static_cast<std::uint64_t>(i)));
+        const int kind = (i / 4) * 4 + i % 2;  // blocks LMM, MAG or MAG, MAL
+        TrainModelCase c = draw_model_case(kind, rng);
+        const int B = c.batch;
+        const Eigen::Index N = uniform_int(rng, 8, 14);
+        c.dout = random_matrix(B * N, c.cfg.output_dim(), rng);
+        c.ids.clear();
+        c.x = random_matrix(B * N, c.cfg.d_model, rng);
+        const std::vector<Eigen::Index> cuts = chunk_cuts(c.cfg.blocks, N, rng);
+        INFO("case " << i << " pieces " << cuts.size() - 1);
+        titans::Model<double> model(c.cfg, c.p);
+        auto s_all = model.make_state(B);
+        titans::Model<double>::Trace t_all;
+        Matrixd out, dx_all;
+        model.forward(s_all, c.x, out, t_all);
+        auto g_all = titans::ModelParams<double>::zeros(c.cfg);
+        model.backward(t_all, c.dout, g_all, &dx_all);
+        auto st = model.make_state(B);
+        std::vector<titans::Model<double>::Trace> traces(cuts.size() - 1);
+        for (std::size_t k = 0; k + 1 < cuts.size(); ++k) {
+            model.forward(st, take_tokens(c.x, B, N, cuts[k], cuts[k + 1]), out, traces[k]);
+        }
+        auto g = titans::ModelParams<double>::zeros(c.cfg);
+        Matrixd dx(c.x.rows(), c.x.cols());
+        titans::ModelStateGradient<double> d_next;
+        for (std::size_t k = traces.size(); k-- > 0;) {
+            Matrixd dxk;
+            titans::ModelStateGradient<double> d_in;
+            model.backward(traces[k], take_tokens(c.dout, B, N, cuts[k], cuts[k + 1]), g, &dxk,
+                           &d_in, &d_next);
+            put_tokens(dx, dxk, B, N, cuts[k], cuts[k + 1]);
+            d_next = std::move(d_in);
+        }
+        // Each tensor against its one-call value, relative to its own largest entry or, for a
+        // tensor far below the gradient's scale (the largest entry of any gradient or dx; a
+        // final norm over large rows leaves the blocks' near 1e-6 of the head's), 1e-3 of it.
+        double scale = dx_all.cwiseAbs().maxCoeff();
+        titans::ModelParams<double>::tensors(g_all, c.cfg, [&](const std::string&, const auto& t) {
+            if (t.size() > 0) scale = std::max(scale, Matrixd(t).cwiseAbs().maxCoeff());
+        });
+        const double floor = 1e-3 * scale;
+        CHECK(note_error<double>("model chained pieces", rel_error(dx, dx_all, floor)) <= 1e-12);
+        titans::ModelParams<double>::tensors(g, c.cfg, [&](const std::string& name, const auto& t) {
+            titans::ModelParams<double>::tensors(g_all, c.cfg, [&](const std::string& n2, const auto& t2) {
+                if (n2 != name) return;
+                INFO(name);
+                CHECK(note_error<double>("model chained pieces",
+                                         rel_error(Matrixd(t), Matrixd(t2), floor)) <= 1e-12);
+            });
+        });
+        titans::ModelStateGradient<double> wrong;
+        wrong.blocks.resize(3);
+        REQUIRE_THROWS_NAMING(model.backward(traces[0], take_tokens(c.dout, B, N, 0, cuts[1]), g,
+                                             nullptr, nullptr, &wrong),
+                              titans::ShapeError, "blocks.size()");
+    }
 }
 
 // An empty piece (0 rows) through every layer's training pass: a 0-row output, a 0-row dx and

@@ -335,10 +335,12 @@ public:
     /// Whether this backend has the training pass of every layer (the CPU's does).
     static constexpr bool trainable = Block<T, Backend>::trainable;
 
-    /// The training forward (math §9): forward(state, x) from a fresh state (position 0;
-    /// ConfigError otherwise), every block's training forward keeping its trace in `trace`;
-    /// out = the output. Same outputs as forward (to rounding) and a state that continues the
-    /// same; on an error nothing changes (state, out, trace). Blocks LMM, MAG, MAL.
+    /// The training forward (math §9): forward(state, x), every block's training forward
+    /// keeping its trace in `trace`; out = the output. From a fresh state, or (chained pieces:
+    /// see backward's d_state_in / d_state_out) from one that has seen earlier pieces when no
+    /// block is MAC and every block's memory is at a chunk boundary (ConfigError naming the
+    /// block otherwise). Same outputs as forward (to rounding) and a state that continues the
+    /// same; on an error nothing changes (state, out, trace). Every block kind.
     ///
     ///     Model<double>::Trace trace;
     ///     model.forward_tokens(state, ids, logits, trace);
@@ -362,13 +364,24 @@ public:
     /// output_dim()) adds the gradient of every parameter (embedding rows of the tokens, every
     /// block, norm_final, head) to grads (shaped as params(), e.g. ModelParams<T>::zeros(
     /// config())) and, if dx is given, writes dL/dx (for tokens: dL/d of their embedding rows).
-    /// Throws ShapeError (empty trace, shapes), ConfigError (another model's trace),
-    /// NonFiniteError (dout or grads, or gradients that overflow); nothing changes then.
+    ///
+    /// Chained pieces (no MAC block): d_state_out, if given and not empty(), is dL/d(the state
+    /// the call left), one BlockStateGradient per block; d_state_in, if given, receives
+    /// dL/d(the state it started from) (empty for a call from a fresh state). Reversing pieces
+    /// last first, each with the next one's d_state_in as its d_state_out, gives the grads and
+    /// dx of one call over their concatenation (truncated backpropagation through time: stop
+    /// passing them).
+    ///
+    /// Throws ShapeError (empty trace, shapes, d_state_out's block count), ConfigError
+    /// (another model's trace, state gradients with a MAC block), NonFiniteError (dout,
+    /// d_state_out or grads, or gradients that overflow); nothing changes then.
     void backward(const Trace& trace, const MatrixRef<T>& dout, ModelParams<T>& grads,
-                  Matrix<T>* dx = nullptr) const
+                  Matrix<T>* dx = nullptr, ModelStateGradient<T>* d_state_in = nullptr,
+                  const ModelStateGradient<T>* d_state_out = nullptr) const
         requires(trainable)
     {
-        detail::ModelTraining<T, Backend>::backward(*this, trace, dout, grads, dx);
+        detail::ModelTraining<T, Backend>::backward(*this, trace, dout, grads, dx, d_state_in,
+                                                    d_state_out);
     }
 
 private:

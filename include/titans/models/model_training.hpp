@@ -1,12 +1,13 @@
 #pragma once
 // titans/models/model_training.hpp: the training pass of a Model (math §9, "Blocks and the
 // model"): Model::forward(state, x, out, trace), forward_tokens(state, ids, out, trace) and
-// Model::backward(trace, dout, grads, dx). The forward runs every block's training forward
-// from a fresh state; the backward reverses
+// Model::backward(trace, dout, grads, dx, d_state_in, d_state_out). The forward runs every
+// block's training forward from the model's state; the backward reverses
 //     h_0 = x (or embedding rows),  h_i = Block_i(h_{i-1}),  out = RMSNorm(h_n) head
 // and scatters the input gradient into the embedding rows of the tokens.
 
 #include <cstddef>
+#include <cstdint>
 #include <utility>
 #include <vector>
 
@@ -15,6 +16,7 @@
 #include "../train/gradients.hpp"
 #include "block_training.hpp"
 #include "model.hpp"
+#include "state_gradient.hpp"
 
 namespace titans {
 
@@ -23,6 +25,7 @@ namespace titans {
 template <class T, class Backend>
 struct ModelTrace {
     int batch = 0;
+    std::int64_t start = 0;  // the model's position at the call
     Eigen::Index rows = 0;
     bool filled = false;
     std::vector<BlockTrace<T, Backend>> blocks;
@@ -46,15 +49,11 @@ struct ModelTraining {
                         Trace& trace, std::vector<int> ids = {}) {
         constexpr const char* where = "Model::forward (training)";
         model.check_input(state, x, where);
-        if (state.position != 0) {
-            throw ConfigError(concat(where, ": state.position = ", state.position,
-                                     ", expected 0 (the training forward starts from a fresh "
-                                     "state, make_state())"));
-        }
         const ThreadScope team(model.threads_, 3.0 * model.work_estimate(x.rows()));
         State next = state;  // committed only if every block and the head succeed
         Trace t;
         t.batch = state.batch;
+        t.start = state.position;
         t.rows = x.rows();
         t.blocks.resize(model.blocks_.size());
         Matrix<T> h = x, hn;
@@ -63,6 +62,8 @@ struct ModelTraining {
                 model.blocks_[i].forward(next.blocks[i], h, hn, t.blocks[i]);
             } catch (const NonFiniteError& e) {
                 throw NonFiniteError(concat("Model::forward: block ", i, ": ", e.what()));
+            } catch (const ConfigError& e) {  // a continuing forward the block cannot take
+                throw ConfigError(concat("Model::forward: block ", i, ": ", e.what()));
             }
             h.swap(hn);
         }
@@ -79,7 +80,8 @@ struct ModelTraining {
     }
 
     static void backward(const Mdl& model, const Trace& tr, const MatrixRef<T>& dout,
-                         ModelParams<T>& grads, Matrix<T>* dx) {
+                         ModelParams<T>& grads, Matrix<T>* dx, ModelStateGradient<T>* d_in,
+                         const ModelStateGradient<T>* d_out) {
         constexpr const char* where = "Model::backward";
         const ModelConfig& cfg = model.cfg_;
         check_trace(tr.filled, tr.filled ? tr.normed.cols() : cfg.d_model, cfg.d_model, where);
@@ -93,14 +95,24 @@ struct ModelTraining {
             throw ShapeError(concat(where, ": dx shares storage with dout, expected a distinct "
                                            "matrix"));
         }
+        const bool chained = d_out != nullptr && !d_out->empty();
+        require<ShapeError>(!chained || d_out->blocks.size() == cfg.blocks.size(), where,
+                            "d_state_out.blocks.size()", chained ? d_out->blocks.size() : 0,
+                            concat(cfg.blocks.size(), " (the model's blocks)"));
         const ThreadScope team(model.threads_, 3.0 * model.work_estimate(tr.rows));
         ModelParams<T> g = ModelParams<T>::zeros(cfg);
+        ModelStateGradient<T> d_start;
+        if (d_in != nullptr) {
+            d_start.blocks.resize(cfg.blocks.size());
+        }
         g.head.noalias() = tr.normed.transpose() * dout;
         const Matrix<T> dz = dout * model.params_->head.transpose();
         Matrix<T> dh, dprev;
         model.norm_final_.backward(tr.norm_final, dz, dh, g.norm_final);
         for (std::size_t i = model.blocks_.size(); i-- > 0;) {
-            model.blocks_[i].backward(tr.blocks[i], dh, dprev, g.blocks[i]);
+            model.blocks_[i].backward(tr.blocks[i], dh, dprev, g.blocks[i],
+                                      d_in != nullptr ? &d_start.blocks[i] : nullptr,
+                                      chained ? &d_out->blocks[i] : nullptr);
             dh.swap(dprev);
         }
         for (std::size_t r = 0; r < tr.ids.size(); ++r) {
@@ -113,6 +125,10 @@ struct ModelTraining {
         add_tensors(g, grads, cfg);
         if (dx != nullptr) {
             *dx = std::move(dh);
+        }
+        if (d_in != nullptr) {  // empty after a fresh start: no earlier piece
+            const bool none = tr.start == 0;
+            *d_in = none ? ModelStateGradient<T>{} : std::move(d_start);
         }
     }
 };
