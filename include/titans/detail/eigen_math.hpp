@@ -10,18 +10,48 @@
 
 namespace titans::detail {
 
-/// dst = act(src). SiLU goes through Eigen's SIMD exp (a scalar libm call per element costs as
-/// much as the products around it); GELU stays on std::erf. exp(-z) overflowing to inf gives
-/// SiLU -0, the right limit.
+/// dst = act(src) (dst resized if it can be). SiLU goes through Eigen's SIMD exp (a scalar
+/// libm call per element costs as much as the products around it); GELU stays on std::erf.
+/// exp(-z) overflowing to inf gives SiLU -0, the right limit.
 template <class Src, class Dst>
 void activate_into(Activation act, const Src& src, Dst&& dst) {
     using T = typename Src::Scalar;
+    dst.resize(src.rows(), src.cols());
     if (act == Activation::SiLU) {
         dst.array() = src.array() / (T(1) + (-src.array()).exp());
     } else if (act == Activation::GELU) {
         dst = src.unaryExpr([](T v) { return gelu(v); });
     } else {
         dst = src;
+    }
+}
+
+/// dst = act'(src) (resized if it can be; not sharing src's storage). SiLU: s (1 + z (1 - s)),
+/// s = sigmoid(z) through the SIMD exp (exp(-z) = inf gives s = 0 and 0, the right limits).
+template <class Src, class Dst>
+void activate_grad_into(Activation act, const Src& src, Dst&& dst) {
+    using T = typename Src::Scalar;
+    dst.resize(src.rows(), src.cols());
+    if (act == Activation::SiLU) {
+        dst.array() = T(1) / (T(1) + (-src.array()).exp());
+        dst.array() *= T(1) + src.array() * (T(1) - dst.array());
+    } else {
+        dst = src.unaryExpr([act](T v) { return activate_grad(act, v); });
+    }
+}
+
+/// dst = act''(src) (resized if it can be; not sharing src's storage). SiLU:
+/// s (1 - s) (2 + z (1 - 2 s)) through the SIMD exp.
+template <class Src, class Dst>
+void activate_grad2_into(Activation act, const Src& src, Dst&& dst) {
+    using T = typename Src::Scalar;
+    dst.resize(src.rows(), src.cols());
+    if (act == Activation::SiLU) {
+        dst.array() = T(1) / (T(1) + (-src.array()).exp());
+        dst.array() = dst.array() * (T(1) - dst.array()) *
+                      (T(2) + src.array() * (T(1) - T(2) * dst.array()));
+    } else {
+        dst = src.unaryExpr([act](T v) { return activate_grad2(act, v); });
     }
 }
 

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "../detail/activation.hpp"
+#include "../detail/eigen_math.hpp"
 #include "../types.hpp"
 #include "config.hpp"
 
@@ -23,7 +24,7 @@ template <class T>
 struct KeyTape {
     std::vector<Matrix<T>> a, z, d1, delta, back;  // forward
     std::vector<Matrix<T>> abar, dbar, zbar;       // adjoints
-    Matrix<T> bbar;                                // scratch of backward
+    Matrix<T> bbar, f2;                            // scratch of backward
 
     template <class K, class V>
     void forward(const std::vector<Matrix<T>>& W, const K& k, const V& v, Activation act,
@@ -36,8 +37,8 @@ struct KeyTape {
         for (std::size_t l = 0; l < L; ++l) {
             z[l].noalias() = a[l] * W[l];
             if (l + 1 < L) {
-                a[l + 1] = z[l].unaryExpr([act](T x) { return activate(act, x); });
-                d1[l] = z[l].unaryExpr([act](T x) { return activate_grad(act, x); });
+                activate_into(act, z[l], a[l + 1]);
+                activate_grad_into(act, z[l], d1[l]);
             }
         }
         delta[L - 1] = z[L - 1] - v;
@@ -59,14 +60,13 @@ struct KeyTape {
     void backward(const std::vector<Matrix<T>>& W, Activation act, bool residual,
                   std::vector<Matrix<T>>& dW, Matrix<T>& dk, Matrix<T>& dv) {
         const std::size_t L = W.size();
-        const auto f2 = [act](T x) { return activate_grad2(act, x); };
         for (std::size_t l = 0; l < L; ++l) {
             zbar[l].setZero(z[l].rows(), z[l].cols());
         }
         for (std::size_t l = 1; l < L; ++l) {  // delta_{l-1} = back_l ⊙ act'(z_{l-1}), reversed
             bbar = dbar[l - 1].cwiseProduct(d1[l - 1]);
-            zbar[l - 1].array() +=
-                dbar[l - 1].array() * back[l].array() * z[l - 1].unaryExpr(f2).array();
+            activate_grad2_into(act, z[l - 1], f2);
+            zbar[l - 1].array() += dbar[l - 1].array() * back[l].array() * f2.array();
             dbar[l].noalias() += bbar * W[l];
             dW[l].noalias() += bbar.transpose() * delta[l];
         }

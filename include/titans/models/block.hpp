@@ -24,6 +24,7 @@
 #include "../detail/float_env.hpp"
 #include "../detail/visit.hpp"
 #include "../detail/random.hpp"
+#include "../detail/rows.hpp"
 #include "../detail/shared.hpp"
 #include "../error.hpp"
 #include "../layers/feed_forward.hpp"
@@ -864,10 +865,7 @@ private:
                 }
             }
             save_segment_rows(st, 2 * o, 2 * m);
-            Matrix<T> U(static_cast<Eigen::Index>(B) * m, cfg_.d_model);  // stream-major rows
-            for (int b = 0; b < B; ++b) {
-                U.middleRows(static_cast<Eigen::Index>(b) * m, m) = u.middleRows(b * N + t, m);
-            }
+            const Matrix<T> U = detail::segment_rows(u, B, t, m);  // stream-major rows
             // h = M*_{t-1}(S): the memory's query path read through each stream's snapshot.
             const Matrix<T> y = mac_attend(st, U, memory_.read_weights(st.snapshot_, U, B), o, m, pos);
             // Write the memory with y, read the updated memory: o = y ⊙ σ(M*_t(y)).

@@ -27,26 +27,6 @@ namespace titans {
 
 namespace detail {
 
-/// Rows [t0, t0 + m) of each of B sequences of a sequence-major matrix, stacked: (B*m) x cols.
-template <class T>
-Matrix<T> segment_rows(const Matrix<T>& a, int B, Eigen::Index t0, Eigen::Index m) {
-    const Eigen::Index N = a.rows() / B;
-    Matrix<T> out(B * m, a.cols());
-    for (int b = 0; b < B; ++b) {
-        out.middleRows(b * m, m) = a.middleRows(b * N + t0, m);
-    }
-    return out;
-}
-
-/// The inverse of segment_rows: seg's rows added to rows [t0, t0 + m) of each sequence.
-template <class T>
-void add_segment_rows(const Matrix<T>& seg, int B, Eigen::Index t0, Matrix<T>& a) {
-    const Eigen::Index N = a.rows() / B, m = seg.rows() / B;
-    for (int b = 0; b < B; ++b) {
-        a.middleRows(b * N + t0, m) += seg.middleRows(b * m, m);
-    }
-}
-
 /// MAC's training forward and backward (a friend of Block, BlockState and NeuralMemory).
 template <class T, class Backend>
 struct MacTraining {
@@ -76,7 +56,6 @@ struct MacTraining {
                     sg.weights.push_back(memory.current_weights(next.memory_, b, h));
                 }
             }
-            next.snapshot_ = sg.weights;
             const Matrix<T> U = segment_rows(u, B, t0, m);
             sg.h = memory.read_weights(sg.weights, U, B);
             sg.y = blk.mac_attend(next, U, sg.h, 0, static_cast<int>(m), t0);
@@ -90,6 +69,9 @@ struct MacTraining {
                 out.middleRows(b * N + t0, m) = o.middleRows(b * m, m);
             }
             segs.push_back(std::move(sg));
+        }
+        if (!segs.empty()) {  // the state keeps the last segment's start weights
+            next.snapshot_ = segs.back().weights;
         }
         return out;
     }

@@ -6,6 +6,7 @@
 #include <memory>
 
 #include "../../detail/activation.hpp"
+#include "../../detail/eigen_math.hpp"
 #include "../../detail/product.hpp"
 #include "../../layers/feed_forward.hpp"
 #include "../../layers/rms_norm.hpp"
@@ -118,9 +119,11 @@ struct FeedForwardKernels<Cpu, T> {
         if (swiglu) {
             const auto g = cpu::as_eigen(gv);
             // h is reused for dg = dh ⊙ silu(a); dh becomes da = dh ⊙ g ⊙ silu'(a).
-            h = dh.cwiseProduct(a.unaryExpr([](T z) { return detail::silu(z); }));
-            dh = dh.cwiseProduct(g).cwiseProduct(
-                a.unaryExpr([](T z) { return detail::silu_grad(z); }));
+            detail::activate_into(Activation::SiLU, a, h);
+            h.array() *= dh.array();
+            Matrix<T> grad;
+            detail::activate_grad_into(Activation::SiLU, a, grad);
+            dh.array() *= g.array() * grad.array();
             cpu::as_eigen(dw3).noalias() += x.transpose() * h;
         } else {
             dh = dh.cwiseProduct(a.unaryExpr([](T z) { return detail::gelu_grad(z); }));
@@ -143,7 +146,8 @@ private:
     template <class G>
     static void activate(const FeedForwardConfig& cfg, Matrix<T>& a, const G& g) {
         if (cfg.kind == FeedForwardKind::SwiGLU) {
-            a = a.unaryExpr([](T z) { return detail::silu(z); }).cwiseProduct(g);
+            detail::activate_in_place(Activation::SiLU, a);
+            a.array() *= g.array();
         } else {
             a = a.unaryExpr([](T z) { return detail::gelu(z); });
         }

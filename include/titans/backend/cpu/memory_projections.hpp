@@ -116,9 +116,9 @@ struct MemoryProjections {
                 normalize_backward(cfg, rows, s * N + t0);
             }
             if (cfg.qkv_activation == Activation::SiLU) {
-                rows.array() *= c.middleRows(s * N + t0, t1 - t0)
-                                    .unaryExpr([](T z) { return detail::silu_grad(z); })
-                                    .array();
+                Mat grad;
+                detail::activate_grad_into(Activation::SiLU, c.middleRows(s * N + t0, t1 - t0), grad);
+                rows.array() *= grad.array();
             }
         }
     }
@@ -203,12 +203,9 @@ struct MemoryProjections {
             for (int s = 0; s < B; ++s) {
                 for (int j = 0; j < K; ++j) {
                     const Eigen::Index lag = K - 1 - j, n = N - lag;  // rows t >= lag
-                    if (n > 0) {
-                        dtaps.row(j).noalias() += (dc.middleRows(s * N + lag, n).array() *
-                                                   u.middleRows(s * N, n).array())
-                                                      .matrix()
-                                                      .colwise()
-                                                      .sum();
+                    auto acc = dtaps.row(j).array();
+                    for (Eigen::Index t = 0; t < n; ++t) {  // along rows: contiguous, SIMD
+                        acc += dc.row(s * N + lag + t).array() * u.row(s * N + t).array();
                     }
                     // rows t < lag read the tail: u_{t-lag} is tail row t - lag + K-1 = t + j
                     for (Eigen::Index t = 0; t < std::min<Eigen::Index>(lag, N) && !tails.empty(); ++t) {

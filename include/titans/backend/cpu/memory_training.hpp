@@ -359,7 +359,7 @@ private:
         for (std::size_t l = 0; l < L; ++l) {
             w.z[l].noalias() = w.hin[l] * w.W[l];
             if (l + 1 < L) {
-                w.hin[l + 1] = w.z[l].unaryExpr([&](T v) { return detail::activate(cfg.activation, v); });
+                detail::activate_into(cfg.activation, w.z[l], w.hin[l + 1]);
             }
         }
         y = w.z[L - 1];
@@ -369,8 +369,8 @@ private:
             w.dW[l].noalias() += w.hin[l].transpose() * w.tmp;
             w.dH.noalias() = w.tmp * w.W[l].transpose();
             if (l > 0) {
-                w.tmp = w.dH.cwiseProduct(w.z[l - 1].unaryExpr(
-                    [&](T v) { return detail::activate_grad(cfg.activation, v); }));
+                detail::activate_grad_into(cfg.activation, w.z[l - 1], w.tmp);
+                w.tmp.array() *= w.dH.array();
             }
         }
         w.dq = w.dH;
@@ -401,7 +401,7 @@ private:
             w.z[l] = beta.asDiagonal() * w.p1[l] + c.asDiagonal() * w.p2[l];
             w.z[l].noalias() -= w.dM * w.tape.delta[l];
             if (l + 1 < L) {
-                w.hin[l + 1] = w.z[l].unaryExpr([&](T v) { return detail::activate(cfg.activation, v); });
+                detail::activate_into(cfg.activation, w.z[l], w.hin[l + 1]);
             }
         }
         y = w.z[L - 1];
@@ -411,8 +411,8 @@ private:
         for (std::size_t l = L; l-- > 0;) {
             dual_layer_backward(l, o, beta, c, w);
             if (l > 0) {
-                w.tmp = w.dH.cwiseProduct(w.z[l - 1].unaryExpr(
-                    [&](T v) { return detail::activate_grad(cfg.activation, v); }));
+                detail::activate_grad_into(cfg.activation, w.z[l - 1], w.tmp);
+                w.tmp.array() *= w.dH.array();
             }
         }
         w.dq = w.dH;
