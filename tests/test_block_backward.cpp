@@ -178,15 +178,16 @@ TEST_CASE("block bwd: sums and refusals", "[train][blocks]") {
 namespace {
 
 /// Cuts of N tokens into pieces, every inner cut where each block's memory (which counts the
-/// persistent tokens first) is at a chunk boundary, about half of those taken; the last piece
-/// may end mid-chunk.
+/// persistent tokens first for MAG and MAL) is at a chunk boundary, about half of those taken
+/// (MAC's cuts fall inside and at the ends of segments); the last piece may end mid-chunk.
 std::vector<Eigen::Index> chunk_cuts(const std::vector<BlockConfig>& blocks, Eigen::Index N,
                                      Rng& rng) {
     std::vector<Eigen::Index> cuts{0};
     for (Eigen::Index t = 1; t < N; ++t) {
         bool aligned = true;
         for (const BlockConfig& cfg : blocks) {
-            const Eigen::Index pm = cfg.kind == BlockKind::LMM ? 0 : cfg.n_persistent;
+            const bool fed_p = cfg.kind == BlockKind::MAG || cfg.kind == BlockKind::MAL;
+            const Eigen::Index pm = fed_p ? cfg.n_persistent : 0;
             aligned = aligned && (pm + t) % cfg.memory.effective_chunk() == 0;
         }
         if (aligned && uniform_int(rng, 0, 1) == 1) cuts.push_back(t);
@@ -197,34 +198,39 @@ std::vector<Eigen::Index> chunk_cuts(const std::vector<BlockConfig>& blocks, Eig
 
 }  // namespace
 
-// Chained pieces (math §9): LMM, MAG and MAL blocks over pieces cut where the memory is at a
-// chunk boundary (pieces longer and shorter than the window), forward in order and backward
-// last first, each given the next one's d_state_in as its d_state_out: the dx and gradients of
-// one call, to rounding. The first piece takes P; the later ones continue the memory and the
-// attention window. Gradients of unit-sized terms that cancel (a constant stream leaves some
+// Chained pieces (math §9): blocks of every kind over pieces cut where the memory is at a
+// chunk boundary (pieces longer and shorter than the window, MAC's cut inside segments and at
+// their ends), forward in order and backward last first, each given the next one's d_state_in
+// as its d_state_out: the dx and gradients of one call, to rounding. The first piece takes P;
+// the later ones continue the memory, the attention window and MAC's segment state. Inputs of
+// unit size, 1e-4 and 1e4. Gradients of unit-sized terms that cancel (a constant stream leaves some
 // near 1e-18) are compared absolutely below 1e-4: 1e-16, the rounding of such terms.
 TEST_CASE("block bwd: chained pieces", "[train][blocks]") {
-    const std::vector<BlockKind> kinds{BlockKind::LMM, BlockKind::MAG, BlockKind::MAL};
-    for (int i = 0; i < 18; ++i) {
+    for (int i = 0; i < 24; ++i) {
         Rng rng(seed_for("block bwd: chained pieces", static_cast<std::uint64_t>(i)));
-        BackwardBlockCase c = draw_block_case(kinds[static_cast<std::size_t>(i % 3)], i, rng);
+        BackwardBlockCase c = draw_block_case(trainable_kinds[static_cast<std::size_t>(i % 4)], i, rng);
         const int B = c.batch;
         const Eigen::Index N = uniform_int(rng, 8, 16);
         c.x = random_matrix(B * N, c.cfg.d_model, rng);
+        if (i % 6 == 4) c.x *= 1e-4;  // tiny and huge inputs (the residual keeps their scale)
+        if (i % 6 == 5) c.x *= 1e4;
         c.dy = random_matrix(B * N, c.cfg.d_model, rng);
         const std::vector<Eigen::Index> cuts = chunk_cuts({c.cfg}, N, rng);
         INFO("case " << i << " kind " << titans::to_string(c.cfg.kind) << " chunk "
-                     << c.cfg.memory.chunk << " persistent " << c.cfg.n_persistent << " pieces "
-                     << cuts.size() - 1);
+                     << c.cfg.memory.chunk << " segment " << c.cfg.segment << " persistent "
+                     << c.cfg.n_persistent << " pieces " << cuts.size() - 1);
         Matrixd dx_all;
         const BlockParams<double> g_all = block_gradients(c, dx_all);
         titans::Block<double> block(c.cfg, c.p);
         auto st = block.make_state(B);
         std::vector<titans::Block<double>::Trace> traces(cuts.size() - 1);
-        Matrixd y;
+        Matrixd y, y_pieces(c.x.rows(), c.x.cols());
         for (std::size_t k = 0; k + 1 < cuts.size(); ++k) {
             block.forward(st, take_tokens(c.x, B, N, cuts[k], cuts[k + 1]), y, traces[k]);
+            put_tokens(y_pieces, y, B, N, cuts[k], cuts[k + 1]);
         }
+        auto s_inf = block.make_state(B);  // the inference forward over the whole stream
+        CHECK(rel_error(y_pieces, block.forward(s_inf, c.x)) <= 1e-12);
         auto g = BlockParams<double>::zeros(c.cfg);
         Matrixd dx(c.x.rows(), c.x.cols());
         titans::BlockStateGradient<double> d_next;
@@ -249,23 +255,54 @@ TEST_CASE("block bwd: chained pieces", "[train][blocks]") {
     }
 }
 
-TEST_CASE("block bwd: MAC does not chain", "[train][blocks]") {
-    Rng rng(seed_for("block bwd: MAC does not chain"));
+// A state gradient with a part the block's kind lacks, or MAC's segment part of the wrong count,
+// shape or with a NaN, is refused naming it; grads are unchanged.
+TEST_CASE("block bwd: state gradient checks", "[train][blocks]") {
+    Rng rng(seed_for("block bwd: state gradient checks"));
     BackwardBlockCase c = draw_block_case(BlockKind::MAC, 0, rng);
+    c.cfg.segment = 4;
+    c.cfg.memory.chunk = 1;
+    c.p = BlockParams<double>::random(c.cfg, rng());
     titans::Block<double> block(c.cfg, c.p);
     auto st = block.make_state(c.batch);
-    titans::Block<double>::Trace trace;
+    titans::Block<double>::Trace t1, t2;
     Matrixd y, dx;
-    block.forward(st, c.x, y, trace);
-    Matrixd y2 = y;
-    REQUIRE_THROWS_NAMING(block.forward(st, c.x, y2, trace), titans::ConfigError, "position");
-    CHECK(identical(y2, y));
-    auto g = BlockParams<double>::zeros(c.cfg);
+    const Eigen::Index N = c.x.rows() / c.batch;  // 5..9 tokens: the second piece ends mid-segment
+    block.forward(st, take_tokens(c.x, c.batch, N, 0, 3), y, t1);
+    block.forward(st, take_tokens(c.x, c.batch, N, 3, N), y, t2);
+    const Matrixd dy = take_tokens(c.dy, c.batch, N, 0, 3);
     titans::BlockStateGradient<double> d;
-    REQUIRE_THROWS_NAMING(block.backward(trace, c.dy, dx, g, &d), titans::ConfigError, "MAC");
+    auto g2 = BlockParams<double>::zeros(c.cfg);
+    block.backward(t2, take_tokens(c.dy, c.batch, N, 3, N), dx, g2, &d);
+    REQUIRE(d.mac.keys.size() == static_cast<std::size_t>(c.batch));
+    CHECK(d.mac.keys[0].rows() == 2 * 3);  // 3 tokens into the first segment
+    CHECK(d.attention.empty());
+    auto g = BlockParams<double>::zeros(c.cfg);
+    auto bad = d;
+    bad.mac.keys.pop_back();
+    REQUIRE_THROWS_NAMING(block.backward(t1, dy, dx, g, nullptr, &bad), titans::ShapeError, "mac.keys.size()");
+    bad = d;
+    bad.mac.values[0].conservativeResize(1, Eigen::NoChange);
+    REQUIRE_THROWS_NAMING(block.backward(t1, dy, dx, g, nullptr, &bad), titans::ShapeError, "mac.values");
+    bad = d;
+    bad.mac.snapshot.back().back()(0, 0) = std::numeric_limits<double>::quiet_NaN();
+    REQUIRE_THROWS_NAMING(block.backward(t1, dy, dx, g, nullptr, &bad), titans::NonFiniteError, "mac");
+    bad = d;
+    bad.attention.keys = bad.mac.keys;
+    REQUIRE_THROWS_NAMING(block.backward(t1, dy, dx, g, nullptr, &bad), titans::ConfigError, "attention");
     CHECK(g.memory.w_q.isZero(0));
-    block.backward(trace, c.dy, dx, g);  // without state gradients: fine
+    block.backward(t1, dy, dx, g, nullptr, &d);  // the right one: fine
     CHECK(!g.memory.w_q.isZero(0));
+    BackwardBlockCase m = draw_block_case(BlockKind::MAG, 1, rng);
+    titans::Block<double> mag(m.cfg, m.p);
+    auto sm = mag.make_state(m.batch);
+    titans::Block<double>::Trace tm;
+    mag.forward(sm, m.x, y, tm);
+    titans::BlockStateGradient<double> stray;
+    stray.mac = d.mac;
+    auto gm = BlockParams<double>::zeros(m.cfg);
+    REQUIRE_THROWS_NAMING(mag.backward(tm, m.dy, dx, gm, nullptr, &stray), titans::ConfigError, "mac");
+    CHECK(gm.memory.w_q.isZero(0));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -362,19 +399,19 @@ TEST_CASE("model bwd: refusals", "[train][model]") {
     REQUIRE_THROWS_NAMING(model.forward_tokens(st2, bad, out2, trace), titans::ShapeError, "token id");
     CHECK(identical(out2, out));
     CHECK(st2.position == 0);
-    {  // a continuing training forward through a MAC block (case 3: MAC, LMM)
+    {  // a training forward continuing a memory mid-chunk (case 3: MAC, then LMM of chunk 2)
         TrainModelCase m = draw_model_case(3, rng);
         titans::Model<double> mac(m.cfg, m.p);
         auto sm = mac.make_state(m.batch);
         titans::Model<double>::Trace tm;
-        mac.forward(sm, m.x, out2, tm);
+        const Eigen::Index N = m.x.rows() / m.batch;
+        mac.forward(sm, take_tokens(m.x, m.batch, N, 0, 1), out2, tm);
         const Matrixd before = out2;
-        REQUIRE_THROWS_NAMING(mac.forward(sm, m.x, out2, tm), titans::ConfigError, "block 0");
+        const int first = m.cfg.blocks[0].memory.effective_chunk() > 1 ? 0 : 1;
+        REQUIRE_THROWS_NAMING(mac.forward(sm, take_tokens(m.x, m.batch, N, 1, N), out2, tm),
+                              titans::ConfigError, "block " + std::to_string(first));
         CHECK(identical(out2, before));
-        auto gm = titans::ModelParams<double>::zeros(m.cfg);
-        titans::ModelStateGradient<double> dm;
-        REQUIRE_THROWS_NAMING(mac.backward(tm, m.dout, gm, nullptr, &dm), titans::ConfigError, "MAC");
-        CHECK(gm.head.isZero(0));
+        CHECK(sm.position == 1);
     }
     const Matrixd wide = Matrixd::Ones(c.dout.rows(), c.dout.cols() + 1);
     CHECK_THROWS_AS(model.backward(trace, wide, g), titans::ShapeError);
@@ -390,13 +427,13 @@ TEST_CASE("model bwd: refusals", "[train][model]") {
     CHECK(!g.head.isZero(0));
 }
 
-// Chained pieces through a model of two blocks (LMM + MAG, MAG + MAL; token ids or rows): the
-// same dx and gradients as one call, each piece's d_state_in given to the piece before it.
+// Chained pieces through a model of two blocks (every kind, first and second; token ids or
+// rows): the same dx and gradients as one call, each piece's d_state_in given to the piece
+// before it.
 TEST_CASE("model bwd: chained pieces", "[train][model]") {
     for (int i = 0; i < 8; ++i) {
         Rng rng(seed_for("model bwd: chained pieces", static_cast<std::uint64_t>(i)));
-        const int kind = (i / 4) * 4 + i % 2;  // blocks LMM, MAG or MAG, MAL
-        TrainModelCase c = draw_model_case(kind, rng);
+        TrainModelCase c = draw_model_case(i, rng);  // LMM+MAG, MAG+MAL, MAL+MAC, MAC+LMM
         const int B = c.batch;
         const Eigen::Index N = uniform_int(rng, 8, 14);
         c.dout = random_matrix(B * N, c.cfg.output_dim(), rng);

@@ -546,10 +546,10 @@ public:
     /// The training forward (math §9): forward(state, x), keeping in `trace` what backward
     /// needs; y = the output. From a fresh state (position 0) the persistent tokens go through
     /// the memory (and MAL's window) in this call, as rows before each sequence's, so that
-    /// they are learnt. LMM, MAG and MAL also start from a state that has seen earlier pieces
-    /// (chained pieces: see backward's d_state_in / d_state_out), when the memory is at a chunk
-    /// boundary (its position, persistent tokens included, a multiple of chunk; ConfigError
-    /// otherwise); MAC only from a fresh state (ConfigError). Same outputs as forward (to
+    /// they are learnt. It also starts from a state that has seen earlier pieces (chained
+    /// pieces: see backward's d_state_in / d_state_out) when the memory is at a chunk boundary
+    /// (its position, persistent tokens included for MAG and MAL, a multiple of chunk;
+    /// ConfigError otherwise); MAC anywhere in a segment. Same outputs as forward (to
     /// rounding) and a state that continues the same; on an error nothing changes (state, y,
     /// trace). MAC's backward reverses its segments last first through the memory's updates
     /// and its segment-start reads (mac_training.hpp).
@@ -569,12 +569,13 @@ public:
     /// parameter the block uses (norms, memory, attention, persistent tokens, feed-forward)
     /// is added to grads (shaped as params(), e.g. BlockParams<T>::zeros(config())).
     ///
-    /// Chained pieces (LMM, MAG, MAL): d_state_out, if given and not empty(), is dL/d(the state
-    /// the call left), its memory part taken at a chunk boundary; d_state_in, if given,
-    /// receives dL/d(the state the call started from) (empty for a call from a fresh state,
-    /// whose memory restarts from W^0 and P). Reversing pieces last first, each with
-    /// the next one's d_state_in as its d_state_out, gives the dx and grads of one call over
-    /// their concatenation. MAC refuses both (ConfigError).
+    /// Chained pieces: d_state_out, if given and not empty(), is dL/d(the state the call
+    /// left), its memory part taken at a chunk boundary, its attention part for MAG and MAL,
+    /// its mac part (segment buffers and snapshot) for MAC (a part the kind lacks: ConfigError);
+    /// d_state_in, if given, receives dL/d(the state the call started from) (empty for a call
+    /// from a fresh state, whose memory restarts from W^0 and P). Reversing pieces last first,
+    /// each with the next one's d_state_in as its d_state_out, gives the dx and grads of one
+    /// call over their concatenation.
     ///
     /// Throws ShapeError (empty trace, shapes), ConfigError (another configuration's trace),
     /// NonFiniteError (dy, d_state_out, or gradients that overflow); nothing changes then.

@@ -6,8 +6,8 @@
 // trace. From a fresh state, the persistent tokens P, which inference feeds to the memory (and
 // for MAL to the attention window) once at make_state(), are fed here in the same call: each
 // sequence's rows become [P; u], so their gradients reach P. From a later state (chained
-// pieces, LMM / MAG / MAL) the sub-layers continue from the state's, and the state's adjoint
-// passes through theirs. The backward reverses
+// pieces) the sub-layers continue from the state's, and the state's adjoint passes through
+// theirs (MAC: through its memory and segment state, mac_training.hpp). The backward reverses
 //     u = RMSNorm(x),  h = x + Mixer(u),  out = h + FFN(RMSNorm(h))
 // with the mixer by kind (LMM, MAG, MAL here; MAC in mac_training.hpp).
 
@@ -136,10 +136,6 @@ struct BlockTraining {
                          const BlockStateGradient<T>* d_out) {
         constexpr const char* where = "Block::backward";
         const BlockConfig& cfg = blk.cfg_;
-        if (cfg.kind == BlockKind::MAC && (d_in != nullptr || (d_out && !d_out->empty()))) {
-            throw ConfigError(concat(where, ": d_state_in or d_state_out given to a MAC block, "
-                                            "expected none (MAC pieces do not chain yet)"));
-        }
         check_trace(tr.filled, tr.filled ? tr.cfg.d_model : cfg.d_model, cfg.d_model, where);
         if (tr.cfg.kind != cfg.kind || !Blk::same_stream(tr.cfg, cfg)) {
             throw ConfigError(concat(where, ": trace was made by a block with another "
@@ -150,6 +146,9 @@ struct BlockTraining {
         if (overlaps(dy, dx)) {
             throw ShapeError(concat(where, ": dx shares storage with dy, expected a distinct "
                                            "matrix"));
+        }
+        if (d_out != nullptr && !d_out->empty()) {
+            check_state_gradient(blk, tr, *d_out);
         }
         const ThreadScope team(blk.threads_, 3.0 * blk.work_estimate(tr.rows));
         BlockParams<T> g = BlockParams<T>::zeros(cfg);
@@ -182,16 +181,10 @@ private:
         return cfg.kind == BlockKind::MAG || cfg.kind == BlockKind::MAL ? cfg.n_persistent : 0;
     }
 
-    /// MAC trains from a fresh state only; the others from a fresh one or one whose memory is
-    /// at a chunk boundary.
+    /// A training forward starts from a fresh state or one whose memory is at a chunk boundary.
     static void check_start(const Blk& blk, const State& state, const char* where) {
         if (state.position_ == 0) {
             return;
-        }
-        if (blk.cfg_.kind == BlockKind::MAC) {
-            throw ConfigError(concat(where, ": state.position() = ", state.position_,
-                                     ", expected 0 (a MAC block's training forward starts from "
-                                     "a fresh state, make_state())"));
         }
         if (state.memory_.pending() != 0) {
             throw ConfigError(concat(
@@ -199,6 +192,25 @@ private:
                 "expected a chunk boundary (a continuing training forward needs the memory's "
                 "position, persistent tokens included, a multiple of chunk = ",
                 blk.cfg_.memory.chunk, ")"));
+        }
+    }
+
+    /// d_out's parts the block's kind does not have must be empty (ConfigError); MAC's own are
+    /// checked by MacTraining, the others' by the sub-layers' backward.
+    static void check_state_gradient(const Blk& blk, const Trace& tr,
+                                     const BlockStateGradient<T>& d) {
+        const BlockKind kind = blk.cfg_.kind;
+        if (kind == BlockKind::MAC) {
+            MacTraining<T, Backend>::check_state_gradient(blk, tr.memory, tr.batch,
+                                                          tr.start + tr.rows / tr.batch, d);
+            return;
+        }
+        const bool stray_attention = kind == BlockKind::LMM && !d.attention.empty();
+        if (stray_attention || !d.mac.empty()) {
+            throw ConfigError(concat("Block::backward: d_state_out.",
+                                     stray_attention ? "attention" : "mac", " given to a ",
+                                     to_string(kind), " block, expected none (it has no ",
+                                     stray_attention ? "attention" : "MAC segment", " state)"));
         }
     }
 
@@ -232,8 +244,8 @@ private:
             return p > 0 ? without_prefix(y, B, p) : y;
         }
         // MAG: o = RMSNorm_y(SWA*(P ‖ u)) ⊙ σ(RMSNorm_m(M(P ‖ u))).
-        const bool np = cfg.n_persistent > 0;
-        blk.attention_->forward(next.attention_, u, y, t.attention, np ? &P : nullptr);
+        const bool has_p = cfg.n_persistent > 0;
+        blk.attention_->forward(next.attention_, u, y, t.attention, has_p ? &P : nullptr);
         Matrix<T> gl;
         blk.norm_y_->forward(y, t.a, t.norm_y);
         blk.norm_m_->forward(p > 0 ? without_prefix(m, B, p) : m, gl, t.norm_m);
@@ -255,7 +267,8 @@ private:
         auto* da_in = d_in != nullptr ? &d_in->attention : nullptr;
         Matrix<T> du, dfull;
         if (cfg.kind == BlockKind::MAC) {
-            return MacTraining<T, Backend>::backward(blk, tr.memory, tr.segments, tr.u, B, dout, g);
+            return MacTraining<T, Backend>::backward(blk, tr.memory, tr.segments, tr.u, B,
+                                                     tr.start, dout, g, d_out, d_in);
         }
         if (cfg.kind == BlockKind::LMM) {
             blk.memory_.backward(tr.memory, dout, du, g.memory, dm_in, dm_out);
@@ -275,10 +288,10 @@ private:
         Matrix<T> dya, dm, dP;
         blk.norm_y_->backward(tr.norm_y, da, dya, g.norm_y);
         blk.norm_m_->backward(tr.norm_m, dgl, dm, g.norm_m);
-        const bool np = cfg.n_persistent > 0;
-        blk.attention_->backward(tr.attention, dya, du, g.attention, np ? &dP : nullptr, da_in,
+        const bool has_p = cfg.n_persistent > 0;
+        blk.attention_->backward(tr.attention, dya, du, g.attention, has_p ? &dP : nullptr, da_in,
                                  da_out);
-        if (np) {
+        if (has_p) {
             g.persistent += dP;
         }
         blk.memory_.backward(tr.memory, zero_prefix(dm, B, p), dfull, g.memory, dm_in, dm_out);

@@ -35,40 +35,43 @@ struct MacTraining {
     using MemoryPass = backend::MemoryTraining<Backend, T>;
     using MemoryTrace = typename NeuralMemory<T, Backend>::Trace;
     using Layers = std::vector<Matrix<T>>;
+    using Segments = std::vector<MacSegmentTrace<T>>;
 
-    /// The mixer on u ((B*N) x d) from next's fresh memory, as Block::mix_mac computes it;
-    /// fills mem (one trace over all y) and segs.
+    /// The mixer on u ((B*N) x d) from next (fresh, or at a memory chunk boundary), as
+    /// Block::mix_mac computes it, segment part by segment part; fills mem (one trace over all
+    /// y) and segs.
     static Matrix<T> forward(const Blk& blk, State& next, const Matrix<T>& u, MemoryTrace& mem,
-                             std::vector<MacSegmentTrace<T>>& segs) {
+                             Segments& segs) {
         const BlockConfig& cfg = blk.cfg_;
-        const int B = next.batch_, C = cfg.segment, H = cfg.memory.n_heads;
+        const int B = next.batch_, C = cfg.segment;
         const Eigen::Index N = u.rows() / B;
-        const NeuralMemory<T, Backend>& memory = blk.memory_;
         const DenormalFlushScope flush(cfg.memory.flush_denormals);
-        next.memory_ = memory.make_state(B);
-        MemoryPass::start(cfg.memory, B, N, cfg.d_model, mem);
+        if (next.position_ == 0) {
+            next.memory_ = blk.memory_.make_state(B);
+        }
+        MemoryPass::start(cfg.memory, next.memory_, N, cfg.d_model, mem);
         Matrix<T> out(u.rows(), cfg.d_model);
-        for (Eigen::Index t0 = 0; t0 < N; t0 += C) {
-            const Eigen::Index m = std::min<Eigen::Index>(C, N - t0);
+        for (Eigen::Index t = 0; t < N;) {
+            const std::int64_t pos = next.position_ + t;
             MacSegmentTrace<T> sg;
-            for (int b = 0; b < B; ++b) {
-                for (int h = 0; h < H; ++h) {
-                    sg.weights.push_back(memory.current_weights(next.memory_, b, h));
-                }
-            }
-            const Matrix<T> U = segment_rows(u, B, t0, m);
-            sg.h = memory.read_weights(sg.weights, U, B);
-            sg.y = blk.mac_attend(next, U, sg.h, 0, static_cast<int>(m), t0);
+            sg.t0 = t;
+            sg.offset = static_cast<int>(pos % C);
+            const int m = static_cast<int>(std::min<Eigen::Index>(C - sg.offset, N - t));
+            begin_part(blk, next, sg);
+            const Matrix<T> U = segment_rows(u, B, t, m);
+            sg.h = blk.memory_.read_weights(sg.weights, U, B);
+            sg.y = blk.mac_attend(next, U, sg.h, sg.offset, m, pos);
             sg.r.resize(sg.y.rows(), cfg.d_model);
-            MemoryPass::forward_part(cfg.memory, memory.prepared_, next.memory_,
+            MemoryPass::forward_part(cfg.memory, blk.memory_.prepared_, next.memory_,
                                      view_of(std::as_const(sg.y)), view_of(sg.r), mem);
             const Matrix<T> o = (sg.y.array() * sg.r.unaryExpr([](T v) { return sigmoid(v); })
                                                      .array())
                                     .matrix();
             for (int b = 0; b < B; ++b) {
-                out.middleRows(b * N + t0, m) = o.middleRows(b * m, m);
+                out.middleRows(b * N + t, m) = o.middleRows(b * m, m);
             }
             segs.push_back(std::move(sg));
+            t += m;
         }
         if (!segs.empty()) {  // the state keeps the last segment's start weights
             next.snapshot_ = segs.back().weights;
@@ -76,101 +79,250 @@ struct MacTraining {
         return out;
     }
 
-    /// The mixer's backward: dout (B*N x d) -> du; parameter gradients added to g.
-    static Matrix<T> backward(const Blk& blk, const MemoryTrace& mem,
-                              const std::vector<MacSegmentTrace<T>>& segs, const Matrix<T>& u,
-                              int B, const Matrix<T>& dout, BlockParams<T>& g) {
+    /// The mixer's backward: dout (B*N x d) -> du; parameter gradients added to g. The trace
+    /// began at position `start`; d_out (checked by check_state_gradient, or null) is the
+    /// adjoint of the state after it and d_in, if given, gets the adjoint of the state before
+    /// it (memory and segment parts).
+    static Matrix<T> backward(const Blk& blk, const MemoryTrace& mem, const Segments& segs,
+                              const Matrix<T>& u, int B, std::int64_t start, const Matrix<T>& dout,
+                              BlockParams<T>& g, const BlockStateGradient<T>* d_out,
+                              BlockStateGradient<T>* d_in) {
         const BlockConfig& cfg = blk.cfg_;
-        const int C = cfg.segment;
         const Eigen::Index N = u.rows() / B;
-        const NeuralMemory<T, Backend>& memory = blk.memory_;
-        if (N == 0) {
-            return Matrix<T>(0, cfg.d_model);  // an empty piece: no rows, no gradient
+        const bool given = d_out != nullptr && !d_out->empty();
+        if (N == 0) {  // an empty piece: no rows, no gradient; the state passes through
+            if (d_in != nullptr) {
+                *d_in = given ? *d_out : BlockStateGradient<T>{};
+            }
+            return Matrix<T>(0, cfg.d_model);
         }
         const DenormalFlushScope flush(cfg.memory.flush_denormals);
-        // o = y ⊙ σ(r): dr = dout ⊙ y ⊙ σ'(r) for the memory, dy's direct part dout ⊙ σ(r).
-        Matrix<T> dr(u.rows(), cfg.d_model), dy_gate(u.rows(), cfg.d_model);
-        for (std::size_t k = 0; k < segs.size(); ++k) {
-            const Eigen::Index t0 = static_cast<Eigen::Index>(k) * C;
-            const Matrix<T> d = segment_rows(dout, B, t0, segs[k].y.rows() / B);
-            const Matrix<T> s = segs[k].r.unaryExpr([](T v) { return sigmoid(v); });
-            const Eigen::Index m = d.rows() / B;
-            for (int b = 0; b < B; ++b) {
-                const auto rows = [&](const Matrix<T>& a) { return a.middleRows(b * m, m).array(); };
-                dr.middleRows(b * N + t0, m) =
-                    (rows(d) * rows(segs[k].y) * rows(s) * (T(1) - rows(s))).matrix();
-                dy_gate.middleRows(b * N + t0, m) = (rows(d) * rows(s)).matrix();
-            }
-        }
-        typename MemoryPass::Reverse rev(cfg.memory, memory.prepared_, mem, view_of(std::as_const(dr)));
+        Matrix<T> dr, dy_gate;
+        gate_backward(segs, B, N, dout, dr, dy_gate);
+        const auto* dm_out = given && !d_out->memory.empty() ? &d_out->memory : nullptr;
+        const auto* dseg_out = given && !d_out->mac.empty() ? &d_out->mac : nullptr;
+        typename MemoryPass::Reverse rev(cfg.memory, blk.memory_.prepared_, mem,
+                                         view_of(std::as_const(dr)), dm_out);
+        MacStateGradient<T> dseg = zero_segment_state(blk, B, start % cfg.segment);
         Matrix<T> du = Matrix<T>::Zero(u.rows(), cfg.d_model);
         for (std::size_t k = segs.size(); k-- > 0;) {
             const MacSegmentTrace<T>& sg = segs[k];
-            const Eigen::Index t0 = static_cast<Eigen::Index>(k) * C, m = sg.y.rows() / B;
+            const Eigen::Index m = sg.y.rows() / B;
+            const auto* dlast = k + 1 == segs.size() ? dseg_out : nullptr;
             Matrix<T> dy;
-            rev.down_to(t0, dy);
-            dy += segment_rows(dy_gate, B, t0, m);
-            const Matrix<T> U = segment_rows(u, B, t0, m);
+            rev.down_to(sg.t0, dy);
+            dy += segment_rows(dy_gate, B, sg.t0, m);
+            const Matrix<T> U = segment_rows(u, B, sg.t0, m);
             Matrix<T> dU, dh, dU_read;
-            attend_backward(blk, sg, U, B, t0, dy, dU, dh, g);
+            attend_backward(blk, sg, U, B, start + sg.t0, dy, dlast, dU, dh, dseg, g);
             std::vector<Layers> dW;
-            MemoryPass::read_weights_backward(cfg.memory, memory.prepared_, sg.weights, U, B, dh,
-                                              dU_read, dW, g.memory);
-            rev.tap(dW);
+            MemoryPass::read_weights_backward(cfg.memory, blk.memory_.prepared_, sg.weights, U, B,
+                                              dh, dU_read, dW, g.memory);
+            if (dlast != nullptr) {  // the state after the call keeps this segment's snapshot
+                add_layers(dlast->snapshot, dW);
+            }
+            if (sg.offset == 0) {
+                rev.tap(dW);  // the weights after t0 tokens
+            } else {
+                dseg.snapshot = std::move(dW);  // the snapshot the call started with
+            }
             dU += dU_read;
-            add_segment_rows(dU, B, t0, du);
+            add_segment_rows(dU, B, sg.t0, du);
         }
-        rev.finish(g.memory);
+        rev.finish(g.memory, d_in != nullptr ? &d_in->memory : nullptr);
+        if (d_in != nullptr) {
+            if (!NeuralMemory<T, Backend>::state_gradient_finite(d_in->memory) ||
+                !segment_finite(dseg)) {
+                throw NonFiniteError("Block::backward: the state's gradient overflows, expected "
+                                     "finite values; grads are unchanged");
+            }
+            d_in->mac = std::move(dseg);
+        }
         return du;
     }
 
+    /// d (a MAC block's d_state_out for a trace of B streams from `start` over N tokens): the
+    /// memory part as NeuralMemory::backward checks it, no attention part, and a segment part
+    /// that is empty or has, per stream, keys and values of 2 * (end % segment) rows x D_att
+    /// and, per (stream, head), the memory's weight shapes; all finite. Throws ConfigError,
+    /// ShapeError, NonFiniteError naming the part.
+    static void check_state_gradient(const Blk& blk, const MemoryTrace& mem, int B,
+                                     std::int64_t end, const BlockStateGradient<T>& d) {
+        constexpr const char* where = "Block::backward";
+        if (!d.attention.empty()) {
+            throw ConfigError(concat(where, ": d_state_out.attention given to a MAC block, "
+                                            "expected none (MAC's keys are in d_state_out.mac)"));
+        }
+        if (!d.memory.empty()) {
+            blk.memory_.check_state_gradient(d.memory, mem);
+        }
+        if (d.mac.empty()) {
+            return;
+        }
+        const auto rows = 2 * (end % blk.cfg_.segment);
+        const Eigen::Index D = blk.cfg_.attention.inner_dim();
+        for (const auto* group : {&d.mac.keys, &d.mac.values}) {
+            const char* name = group == &d.mac.keys ? "keys" : "values";
+            require<ShapeError>(group->size() == static_cast<std::size_t>(B), where,
+                                concat("d_state_out.mac.", name, ".size()").c_str(), group->size(),
+                                concat(B, " (the batch)"));
+            for (const Matrix<T>& m : *group) {
+                if (m.rows() != rows || m.cols() != D) {
+                    throw ShapeError(concat(where, ": d_state_out.mac.", name, " has a ", m.rows(),
+                                            " x ", m.cols(), " matrix, expected ", rows, " x ", D,
+                                            " (2 (position % segment) x n_heads * d_head)"));
+                }
+            }
+        }
+        blk.memory_.check_weights(d.mac.snapshot, B, "Block::backward (d_state_out.mac.snapshot)");
+        if (!segment_finite(d.mac)) {
+            throw NonFiniteError(concat(where, ": d_state_out.mac has a NaN or infinite entry"));
+        }
+    }
+
 private:
-    /// The reverse of Block::mac_attend for one segment at t0 (offset 0): dy -> dU, dh and the
-    /// attention's and P's gradients (added to g).
+    /// A part's segment-start weights and, mid-segment (a call's first part continuing an
+    /// earlier call's segment), the state's snapshot and the first 2 offset rows of its buffers.
+    static void begin_part(const Blk& blk, const State& st, MacSegmentTrace<T>& sg) {
+        const int B = st.batch_, H = blk.cfg_.memory.n_heads;
+        if (sg.offset > 0) {
+            sg.weights = st.snapshot_;
+            for (int b = 0; b < B; ++b) {
+                sg.kept_k.push_back(st.seg_k_[static_cast<std::size_t>(b)].topRows(2 * sg.offset));
+                sg.kept_v.push_back(st.seg_v_[static_cast<std::size_t>(b)].topRows(2 * sg.offset));
+            }
+            return;
+        }
+        for (int b = 0; b < B; ++b) {
+            for (int h = 0; h < H; ++h) {
+                sg.weights.push_back(blk.memory_.current_weights(st.memory_, b, h));
+            }
+        }
+    }
+
+    /// o = y ⊙ σ(r): dr = dout ⊙ y ⊙ σ'(r) for the memory, dy_gate = dout ⊙ σ(r), y's direct
+    /// part (both B*N x d, the call's rows).
+    static void gate_backward(const Segments& segs, int B, Eigen::Index N, const Matrix<T>& dout,
+                              Matrix<T>& dr, Matrix<T>& dy_gate) {
+        dr.resize(dout.rows(), dout.cols());
+        dy_gate.resize(dout.rows(), dout.cols());
+        for (const MacSegmentTrace<T>& sg : segs) {
+            const Eigen::Index m = sg.y.rows() / B;
+            const Matrix<T> s = sg.r.unaryExpr([](T v) { return sigmoid(v); });
+            for (int b = 0; b < B; ++b) {
+                const auto d = dout.middleRows(b * N + sg.t0, m).array();
+                const auto y = sg.y.middleRows(b * m, m).array();
+                const auto sb = s.middleRows(b * m, m).array();
+                dr.middleRows(b * N + sg.t0, m) = (d * y * sb * (T(1) - sb)).matrix();
+                dy_gate.middleRows(b * N + sg.t0, m) = (d * sb).matrix();
+            }
+        }
+    }
+
+    /// The segment part of a state gradient at `offset` tokens into a segment, all zeros.
+    static MacStateGradient<T> zero_segment_state(const Blk& blk, int B, std::int64_t offset) {
+        const Eigen::Index D = blk.cfg_.attention.inner_dim();
+        MacStateGradient<T> d;
+        d.keys.assign(static_cast<std::size_t>(B), Matrix<T>::Zero(2 * offset, D));
+        d.values = d.keys;
+        for (int b = 0; b < B; ++b) {
+            for (int h = 0; h < blk.cfg_.memory.n_heads; ++h) {
+                Layers zero;
+                for (const Matrix<T>& w : blk.memory_.params().memory_init[static_cast<std::size_t>(h)]) {
+                    zero.push_back(Matrix<T>::Zero(w.rows(), w.cols()));
+                }
+                d.snapshot.push_back(std::move(zero));
+            }
+        }
+        return d;
+    }
+
+    static bool segment_finite(const MacStateGradient<T>& d) {
+        for (const auto* group : {&d.keys, &d.values}) {
+            for (const Matrix<T>& m : *group) {
+                if (!all_finite(m)) return false;
+            }
+        }
+        for (const Layers& layers : d.snapshot) {
+            for (const Matrix<T>& m : layers) {
+                if (!all_finite(m)) return false;
+            }
+        }
+        return true;
+    }
+
+    static void add_layers(const std::vector<Layers>& from, std::vector<Layers>& to) {
+        for (std::size_t i = 0; i < to.size(); ++i) {
+            for (std::size_t l = 0; l < to[i].size(); ++l) {
+                to[i][l] += from[i][l];
+            }
+        }
+    }
+
+    /// The reverse of Block::mac_attend for one part at absolute position pos: dy -> dU, dh and
+    /// the attention's and P's gradients (added to g). dlast (the part that ends the call, or
+    /// null) adds the adjoint of the keys and values the state keeps after the call; a part
+    /// continuing an earlier call's segment writes its kept rows' adjoint into dseg.
     static void attend_backward(const Blk& blk, const MacSegmentTrace<T>& sg, const Matrix<T>& U,
-                                int B, Eigen::Index t0, const Matrix<T>& dy, Matrix<T>& dU,
-                                Matrix<T>& dh, BlockParams<T>& g) {
+                                int B, std::int64_t pos, const Matrix<T>& dy,
+                                const MacStateGradient<T>* dlast, Matrix<T>& dU, Matrix<T>& dh,
+                                MacStateGradient<T>& dseg, BlockParams<T>& g) {
         const BlockConfig& cfg = blk.cfg_;
         const int Ha = cfg.attention.n_heads, dha = cfg.attention.head_dim();
         const Eigen::Index D = cfg.attention.inner_dim(), m = U.rows() / B, np = blk.k_prefix_.rows();
+        const Eigen::Index o = sg.offset, n = 2 * (o + m);  // the segment's rows so far
         const AttentionParams<T>& ap = blk.params_->attention;
         AttentionParams<T>& ga = g.attention;
         Matrix<T> qs = U * ap.w_q, ks = U * ap.w_k;
         const Matrix<T> vs = U * ap.w_v, kh = sg.h * ap.w_k, vh = sg.h * ap.w_v;
-        const RopeTable<T> table(cfg.attention.rope ? m : 0, dha, t0, cfg.attention.rope_base);
+        const RopeTable<T> table(cfg.attention.rope ? m : 0, dha, pos, cfg.attention.rope_base);
         Matrix<T> att(U.rows(), D), dq(U.rows(), D), dks(U.rows(), D), dvs(U.rows(), D),
             dkh(U.rows(), D), dvh(U.rows(), D);
         Matrix<T> dkp = Matrix<T>::Zero(np, D), dvp = Matrix<T>::Zero(np, D);
         const Matrix<T> datt = dy * ap.w_o.transpose();
         for (int b = 0; b < B; ++b) {
+            const auto sb = static_cast<std::size_t>(b);
             const Eigen::Index r0 = b * m;
             if (cfg.attention.rope) {
                 table.apply(qs.middleRows(r0, m), Ha, dha);
                 table.apply(ks.middleRows(r0, m), Ha, dha);
             }
-            Matrix<T> sk(2 * m, D), sv(2 * m, D);  // [h_0, s_0, h_1, s_1, ...]
-            for (Eigen::Index i = 0; i < m; ++i) {
-                sk.row(2 * i) = kh.row(r0 + i);
-                sk.row(2 * i + 1) = ks.row(r0 + i);
-                sv.row(2 * i) = vh.row(r0 + i);
-                sv.row(2 * i + 1) = vs.row(r0 + i);
+            Matrix<T> sk(n, D), sv(n, D);  // [kept; h_o, s_o, h_{o+1}, s_{o+1}, ...]
+            if (o > 0) {
+                sk.topRows(2 * o) = sg.kept_k[sb];
+                sv.topRows(2 * o) = sg.kept_v[sb];
             }
+            for (Eigen::Index i = 0; i < m; ++i) {
+                sk.row(2 * (o + i)) = kh.row(r0 + i);
+                sk.row(2 * (o + i) + 1) = ks.row(r0 + i);
+                sv.row(2 * (o + i)) = vh.row(r0 + i);
+                sv.row(2 * (o + i) + 1) = vs.row(r0 + i);
+            }
+            const Eigen::Index q0 = 2 * o + 1;
             prefix_window_attention<T>(qs.middleRows(r0, m), blk.k_prefix_, blk.v_prefix_, sk, sv,
-                                       Ha, dha, 2 * cfg.segment, 1, att.middleRows(r0, m), 2);
+                                       Ha, dha, 2 * cfg.segment, q0, att.middleRows(r0, m), 2);
             Matrix<T> dq_b, dkp_b = Matrix<T>::Zero(np, D), dvp_b = Matrix<T>::Zero(np, D);
-            Matrix<T> dsk = Matrix<T>::Zero(2 * m, D), dsv = Matrix<T>::Zero(2 * m, D);
+            Matrix<T> dsk = Matrix<T>::Zero(n, D), dsv = Matrix<T>::Zero(n, D);
             prefix_window_attention_backward<T>(qs.middleRows(r0, m), blk.k_prefix_, blk.v_prefix_,
-                                                sk, sv, Ha, dha, 2 * cfg.segment, 1,
+                                                sk, sv, Ha, dha, 2 * cfg.segment, q0,
                                                 datt.middleRows(r0, m), dq_b, dkp_b, dvp_b, dsk,
                                                 dsv, 2);
+            if (dlast != nullptr && dlast->keys[sb].rows() == n) {  // the call ends mid-segment
+                dsk += dlast->keys[sb];
+                dsv += dlast->values[sb];
+            }
+            if (o > 0) {
+                dseg.keys[sb] = dsk.topRows(2 * o);
+                dseg.values[sb] = dsv.topRows(2 * o);
+            }
             dq.middleRows(r0, m) = dq_b;
             dkp += dkp_b;
             dvp += dvp_b;
             for (Eigen::Index i = 0; i < m; ++i) {
-                dkh.row(r0 + i) = dsk.row(2 * i);
-                dks.row(r0 + i) = dsk.row(2 * i + 1);
-                dvh.row(r0 + i) = dsv.row(2 * i);
-                dvs.row(r0 + i) = dsv.row(2 * i + 1);
+                dkh.row(r0 + i) = dsk.row(2 * (o + i));
+                dks.row(r0 + i) = dsk.row(2 * (o + i) + 1);
+                dvh.row(r0 + i) = dsv.row(2 * (o + i));
+                dvs.row(r0 + i) = dsv.row(2 * (o + i) + 1);
             }
             if (cfg.attention.rope) {
                 table.apply_transpose(dq.middleRows(r0, m), Ha, dha);

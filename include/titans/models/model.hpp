@@ -337,8 +337,8 @@ public:
 
     /// The training forward (math §9): forward(state, x), every block's training forward
     /// keeping its trace in `trace`; out = the output. From a fresh state, or (chained pieces:
-    /// see backward's d_state_in / d_state_out) from one that has seen earlier pieces when no
-    /// block is MAC and every block's memory is at a chunk boundary (ConfigError naming the
+    /// see backward's d_state_in / d_state_out) from one that has seen earlier pieces when
+    /// every block's memory is at a chunk boundary (ConfigError naming the
     /// block otherwise). Same outputs as forward (to rounding) and a state that continues the
     /// same; on an error nothing changes (state, out, trace). Every block kind.
     ///
@@ -365,7 +365,7 @@ public:
     /// block, norm_final, head) to grads (shaped as params(), e.g. ModelParams<T>::zeros(
     /// config())) and, if dx is given, writes dL/dx (for tokens: dL/d of their embedding rows).
     ///
-    /// Chained pieces (no MAC block): d_state_out, if given and not empty(), is dL/d(the state
+    /// Chained pieces: d_state_out, if given and not empty(), is dL/d(the state
     /// the call left), one BlockStateGradient per block; d_state_in, if given, receives
     /// dL/d(the state it started from) (empty for a call from a fresh state). Reversing pieces
     /// last first, each with the next one's d_state_in as its d_state_out, gives the grads and
@@ -373,7 +373,7 @@ public:
     /// passing them).
     ///
     /// Throws ShapeError (empty trace, shapes, d_state_out's block count), ConfigError
-    /// (another model's trace, state gradients with a MAC block), NonFiniteError (dout,
+    /// (another model's trace, a state-gradient part a block's kind lacks), NonFiniteError (dout,
     /// d_state_out or grads, or gradients that overflow); nothing changes then.
     void backward(const Trace& trace, const MatrixRef<T>& dout, ModelParams<T>& grads,
                   Matrix<T>* dx = nullptr, ModelStateGradient<T>* d_state_in = nullptr,

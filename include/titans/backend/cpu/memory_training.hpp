@@ -53,19 +53,21 @@ struct MemoryTraining<Cpu, T> {
     static void forward(const MemoryConfig& cfg, const typename Kernels::Prepared& p,
                         typename Kernels::State& st, View<const T> x, View<T> y, Trace& trace) {
         Trace t;
-        start(cfg, st.batch(), x.rows / st.batch(), x.cols, t);
-        t.start = st.position();
-        t.tail_in = st.conv_tail_;
+        start(cfg, st, x.rows / st.batch(), x.cols, t);
         forward_part(cfg, p, st, x, y, t);
         trace = std::move(t);
     }
 
-    /// An empty trace for B sequences of N rows of width d, filled by forward_part piece by
-    /// piece (MAC feeds its memory a segment at a time).
-    static void start(const MemoryConfig& cfg, int B, Eigen::Index N, Eigen::Index d, Trace& t) {
+    /// An empty trace for st's B sequences of N rows of width d from st (at a chunk boundary),
+    /// filled by forward_part piece by piece (MAC feeds its memory a segment at a time).
+    static void start(const MemoryConfig& cfg, const typename Kernels::State& st, Eigen::Index N,
+                      Eigen::Index d, Trace& t) {
+        const int B = st.batch();
         t = Trace{};
         t.cfg = cfg;
         t.batch = B;
+        t.start = st.position();
+        t.tail_in = st.conv_tail_;
         t.x.resize(B * N, d);
         t.kept.u.resize(B * N, 3 * cfg.inner_dim());
         if (cfg.gates != GateMode::Constant) {
@@ -76,8 +78,8 @@ struct MemoryTraining<Cpu, T> {
     }
 
     /// The next piece of a trace from start(): x, y (B*m) x d, sequence-major, run from st
-    /// (a fresh state fed the trace's earlier pieces), recorded at the rows after them. The
-    /// trace is filled once its N rows are in.
+    /// (the state start() saw, fed the trace's earlier pieces), recorded at the rows after
+    /// them. The trace is filled once its N rows are in.
     static void forward_part(const MemoryConfig& cfg, const typename Kernels::Prepared& p,
                              typename Kernels::State& st, View<const T> x, View<T> y, Trace& t) {
         const int B = t.batch;
