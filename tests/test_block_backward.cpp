@@ -222,36 +222,14 @@ TEST_CASE("block bwd: chained pieces", "[train][blocks]") {
         Matrixd dx_all;
         const BlockParams<double> g_all = block_gradients(c, dx_all);
         titans::Block<double> block(c.cfg, c.p);
-        auto st = block.make_state(B);
-        std::vector<titans::Block<double>::Trace> traces(cuts.size() - 1);
-        Matrixd y, y_pieces(c.x.rows(), c.x.cols());
-        for (std::size_t k = 0; k + 1 < cuts.size(); ++k) {
-            block.forward(st, take_tokens(c.x, B, N, cuts[k], cuts[k + 1]), y, traces[k]);
-            put_tokens(y_pieces, y, B, N, cuts[k], cuts[k + 1]);
-        }
+        auto g = BlockParams<double>::zeros(c.cfg);
+        Matrixd y_pieces;
+        const Matrixd dx = chained_pieces<titans::BlockStateGradient<double>>(block, B, c.x, c.dy,
+                                                                              cuts, g, true, &y_pieces);
         auto s_inf = block.make_state(B);  // the inference forward over the whole stream
         CHECK(rel_error(y_pieces, block.forward(s_inf, c.x)) <= 1e-12);
-        auto g = BlockParams<double>::zeros(c.cfg);
-        Matrixd dx(c.x.rows(), c.x.cols());
-        titans::BlockStateGradient<double> d_next;
-        for (std::size_t k = traces.size(); k-- > 0;) {
-            Matrixd dxk;
-            titans::BlockStateGradient<double> d_in;
-            block.backward(traces[k], take_tokens(c.dy, B, N, cuts[k], cuts[k + 1]), dxk, g,
-                           &d_in, &d_next);
-            put_tokens(dx, dxk, B, N, cuts[k], cuts[k + 1]);
-            CHECK(d_in.empty() == (k == 0));
-            d_next = std::move(d_in);
-        }
         CHECK(note_error<double>("block chained pieces", rel_error(dx, dx_all, 1e-6)) <= 1e-12);
-        BlockParams<double>::tensors(g, c.cfg, [&](const std::string& name, const auto& t) {
-            BlockParams<double>::tensors(g_all, c.cfg, [&](const std::string& n2, const auto& t2) {
-                if (n2 != name) return;
-                INFO(name << " norm " << Matrixd(t2).norm());
-                CHECK(note_error<double>("block chained pieces",
-                                         rel_error(Matrixd(t), Matrixd(t2), 1e-4)) <= 1e-12);
-            });
-        });
+        check_gradients_match(g, g_all, c.cfg, 1e-4, "block chained pieces");
     }
 }
 
@@ -473,14 +451,7 @@ TEST_CASE("model bwd: chained pieces", "[train][model]") {
         });
         const double floor = 1e-3 * scale;
         CHECK(note_error<double>("model chained pieces", rel_error(dx, dx_all, floor)) <= 1e-12);
-        titans::ModelParams<double>::tensors(g, c.cfg, [&](const std::string& name, const auto& t) {
-            titans::ModelParams<double>::tensors(g_all, c.cfg, [&](const std::string& n2, const auto& t2) {
-                if (n2 != name) return;
-                INFO(name);
-                CHECK(note_error<double>("model chained pieces",
-                                         rel_error(Matrixd(t), Matrixd(t2), floor)) <= 1e-12);
-            });
-        });
+        check_gradients_match(g, g_all, c.cfg, floor, "model chained pieces");
         titans::ModelStateGradient<double> wrong;
         wrong.blocks.resize(3);
         REQUIRE_THROWS_NAMING(model.backward(traces[0], take_tokens(c.dout, B, N, 0, cuts[1]), g,

@@ -247,33 +247,11 @@ TEST_CASE("mem bwd: chained pieces", "[train][memory]") {
         titans::NeuralMemory<double> mem(c.cfg, c.p);
         Matrixd dx_all;
         const MemoryParams<double> g_all = mem_gradients(c, dx_all);
-        auto st = mem.make_state(B);
-        std::vector<titans::NeuralMemory<double>::Trace> traces(cuts.size() - 1);
-        for (std::size_t k = 0; k + 1 < cuts.size(); ++k) {
-            Matrixd y;
-            mem.forward(st, take_tokens(c.x, B, N, cuts[k], cuts[k + 1]), y, traces[k]);
-        }
         auto g = MemoryParams<double>::zeros(c.cfg);
-        Matrixd dx(c.x.rows(), c.x.cols());
-        titans::MemoryStateGradient<double> d_next;
-        for (std::size_t k = traces.size(); k-- > 0;) {
-            Matrixd dxk;
-            titans::MemoryStateGradient<double> d_in;
-            mem.backward(traces[k], take_tokens(c.dy, B, N, cuts[k], cuts[k + 1]), dxk, g, &d_in, &d_next);
-            const Eigen::Index n = cuts[k + 1] - cuts[k];
-            for (int s = 0; s < B; ++s) dx.middleRows(s * N + cuts[k], n) = dxk.middleRows(s * n, n);
-            d_next = std::move(d_in);
-        }
+        const Matrixd dx = chained_pieces<titans::MemoryStateGradient<double>>(mem, B, c.x, c.dy,
+                                                                               cuts, g, false);
         CHECK(note_error<double>("memory chained pieces", rel_error(dx, dx_all, 1e-6)) <= 1e-12);
-        MemoryParams<double>::tensors(g, c.cfg, [&](const std::string& name, const auto& t) {
-            const Matrixd mine = t;
-            Matrixd ref;
-            MemoryParams<double>::tensors(g_all, c.cfg, [&](const std::string& n2, const auto& t2) {
-                if (n2 == name) ref = t2;
-            });
-            INFO(name);
-            CHECK(note_error<double>("memory chained pieces", rel_error(mine, ref, 1e-6)) <= 1e-12);
-        });
+        check_gradients_match(g, g_all, c.cfg, 1e-6, "memory chained pieces");
     }
 }
 

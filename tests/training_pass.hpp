@@ -5,8 +5,17 @@
 //   fresh_loss<Layer>(cfg, p, batch, x, dy)           L = sum(dy . y), y = a fresh forward
 //   fresh_gradients<Layer>(cfg, p, batch, x, dy, dx)  dL/dparams from the training pass (dx
 //                                                     written)
+//   chained_pieces<StateGradient>(layer, B, x, dy, cuts, g, first_empty, y)
+//                                                     the same over pieces, chained in reverse
+//   check_gradients_match(g, g_all, cfg, floor, cat)  every tensor of g against g_all's
+
+#include "catch.hpp"
+#include "test_common.hpp"
 
 #include <titans/titans.hpp>
+
+#include <string>
+#include <vector>
 
 namespace titans_test {
 
@@ -29,6 +38,54 @@ Params fresh_gradients(const Config& cfg, const Params& p, int batch, const tita
     auto g = Params::zeros(cfg);
     layer.backward(trace, dy, dx, g);
     return g;
+}
+
+/// Chained pieces (math §9): layer's training forward over rows [cuts[k], cuts[k + 1]) of each
+/// of the B streams of x (sequence-major, N rows each) in order from a fresh state, then its
+/// backward last piece first, each given the next one's d_state_in as its d_state_out. Returns
+/// dx (B*N x d); gradients added to g; y (if given) gets the pieces' outputs in x's layout.
+/// Checks that every later piece returns a d_state_in, and the first (from a fresh state) an
+/// empty one when first_empty (blocks: their state restarts from W^0 and P).
+template <class StateGradient, class Layer, class Params>
+titans::Matrixd chained_pieces(const Layer& layer, int B, const titans::Matrixd& x,
+                               const titans::Matrixd& dy, const std::vector<Eigen::Index>& cuts,
+                               Params& g, bool first_empty, titans::Matrixd* y = nullptr) {
+    const Eigen::Index N = x.rows() / B;
+    auto st = layer.make_state(B);
+    std::vector<typename Layer::Trace> traces(cuts.size() - 1);
+    titans::Matrixd yk;
+    if (y != nullptr) y->resize(x.rows(), x.cols());
+    for (std::size_t k = 0; k + 1 < cuts.size(); ++k) {
+        layer.forward(st, take_tokens(x, B, N, cuts[k], cuts[k + 1]), yk, traces[k]);
+        if (y != nullptr) put_tokens(*y, yk, B, N, cuts[k], cuts[k + 1]);
+    }
+    titans::Matrixd dx(x.rows(), x.cols());
+    StateGradient d_next;
+    for (std::size_t k = traces.size(); k-- > 0;) {
+        titans::Matrixd dxk;
+        StateGradient d_in;
+        layer.backward(traces[k], take_tokens(dy, B, N, cuts[k], cuts[k + 1]), dxk, g, &d_in,
+                       &d_next);
+        put_tokens(dx, dxk, B, N, cuts[k], cuts[k + 1]);
+        if (k > 0 || first_empty) CHECK(d_in.empty() == (k == 0));
+        d_next = std::move(d_in);
+    }
+    return dx;
+}
+
+/// Every tensor of g against the same-named one of g_all (Params::tensors), relative to its
+/// own largest entry or `floor`, to 1e-12; errors noted under `category`.
+template <class Params, class Config>
+void check_gradients_match(const Params& g, const Params& g_all, const Config& cfg, double floor,
+                        const std::string& category) {
+    Params::tensors(g, cfg, [&](const std::string& name, const auto& t) {
+        Params::tensors(g_all, cfg, [&](const std::string& n2, const auto& t2) {
+            if (n2 != name) return;
+            INFO(name << " norm " << titans::Matrixd(t2).norm());
+            CHECK(note_error<double>(category, rel_error(titans::Matrixd(t), titans::Matrixd(t2),
+                                                         floor)) <= 1e-12);
+        });
+    });
 }
 
 }  // namespace titans_test

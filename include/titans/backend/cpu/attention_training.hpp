@@ -89,14 +89,15 @@ struct AttentionTraining<Cpu, T> {
         const bool shared = tr.sharing == PrefixSharing::Shared;
         const Index np = shared ? kp.rows() : kp.rows() / B;
         Mat o(tr.x.rows(), D);
-        for (int b = 0; b < B; ++b) {
+        std::vector<Mat> ks(static_cast<std::size_t>(B)), vs(static_cast<std::size_t>(B));
+        for (int b = 0; b < B; ++b) {  // each sequence's keys and values [kept ; new]
             const Index p0 = shared ? 0 : b * np;
             const auto i = static_cast<std::size_t>(b);
-            const Mat ks = stacked(tr.kept_k[i], k.middleRows(b * N, N));
-            const Mat vs = stacked(tr.kept_v[i], v.middleRows(b * N, N));
+            ks[i] = stacked(tr.kept_k[i], k.middleRows(b * N, N));
+            vs[i] = stacked(tr.kept_v[i], v.middleRows(b * N, N));
             detail::prefix_window_attention_impl<T>(
-                q.middleRows(b * N, N), kp.middleRows(p0, np), vp.middleRows(p0, np), ks, vs, H,
-                dh, cfg.window, tr.kept_k[i].rows(), o.middleRows(b * N, N));
+                q.middleRows(b * N, N), kp.middleRows(p0, np), vp.middleRows(p0, np), ks[i],
+                vs[i], H, dh, cfg.window, tr.kept_k[i].rows(), o.middleRows(b * N, N));
         }
         g.w_o.noalias() += o.transpose() * dy;
         const Mat dout = dy * p.w_o.transpose();
@@ -107,7 +108,9 @@ struct AttentionTraining<Cpu, T> {
             d_in->values.assign(static_cast<std::size_t>(B), Mat());
         }
         for (int b = 0; b < B; ++b) {
-            sequence_backward(cfg, tr, b, q, k, v, kp, vp, dout, d_out, d_in, dq, dk, dv, dkp, dvp);
+            const auto i = static_cast<std::size_t>(b);
+            sequence_backward(cfg, tr, b, q, ks[i], vs[i], kp, vp, dout, d_out, d_in, dq, dk, dv,
+                              dkp, dvp);
         }
         if (cfg.rope) {
             for (int b = 0; b < B; ++b) {
@@ -128,12 +131,12 @@ private:
         return out;
     }
 
-    /// Sequence b's kernel backward over keys [kept ; new] (queries after the kept rows): its
-    /// rows of dq, dk, dv written, its prefix rows of dkp, dvp added to; the window the call
-    /// left (the last min(w - 1, h + N) of those keys) takes d_out's adjoint, and the kept
-    /// rows' adjoint goes to d_in.
+    /// Sequence b's kernel backward over its keys and values ks, vs = [kept ; new] (queries
+    /// after the kept rows): its rows of dq, dk, dv written, its prefix rows of dkp, dvp added
+    /// to; the window the call left (the last min(w - 1, h + N) of those keys) takes d_out's
+    /// adjoint, and the kept rows' adjoint goes to d_in.
     static void sequence_backward(const AttentionConfig& cfg, const Trace& tr, int b,
-                                  const Mat& q, const Mat& k, const Mat& v, const Mat& kp,
+                                  const Mat& q, const Mat& ks, const Mat& vs, const Mat& kp,
                                   const Mat& vp, const Mat& dout,
                                   const AttentionStateGradient<T>* d_out,
                                   AttentionStateGradient<T>* d_in, Mat& dq, Mat& dk, Mat& dv,
@@ -143,8 +146,6 @@ private:
         const Index N = tr.x.rows() / B, h = tr.kept_k[i].rows();
         const bool shared = tr.sharing == PrefixSharing::Shared;
         const Index np = shared ? kp.rows() : kp.rows() / B, p0 = shared ? 0 : b * np;
-        const Mat ks = stacked(tr.kept_k[i], k.middleRows(b * N, N));
-        const Mat vs = stacked(tr.kept_v[i], v.middleRows(b * N, N));
         Mat dq_b, dkp_b = Mat::Zero(np, D), dvp_b = Mat::Zero(np, D);
         Mat dks = Mat::Zero(h + N, D), dvs = Mat::Zero(h + N, D);
         if (N > 0) {
