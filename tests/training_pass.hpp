@@ -8,12 +8,14 @@
 //   chained_pieces<StateGradient>(layer, B, x, dy, cuts, g, first_empty, y)
 //                                                     the same over pieces, chained in reverse
 //   check_gradients_match(g, g_all, cfg, floor, cat)  every tensor of g against g_all's
+//   gradient_scale(g, cfg, dx)                        the largest entry of dx or of g
 
 #include "catch.hpp"
 #include "test_common.hpp"
 
 #include <titans/titans.hpp>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -71,6 +73,16 @@ titans::Matrixd chained_pieces(const Layer& layer, int B, const titans::Matrixd&
         d_next = std::move(d_in);
     }
     return dx;
+}
+
+/// The scale of a gradient: the largest entry of dx or of any tensor of g.
+template <class Params, class Config>
+double gradient_scale(const Params& g, const Config& cfg, const titans::Matrixd& dx) {
+    double scale = dx.size() > 0 ? dx.cwiseAbs().maxCoeff() : 0.0;
+    Params::tensors(g, cfg, [&](const std::string&, const auto& t) {
+        if (t.size() > 0) scale = std::max(scale, titans::Matrixd(t).cwiseAbs().maxCoeff());
+    });
+    return scale;
 }
 
 /// Every tensor of g against the same-named one of g_all (Params::tensors), relative to its
