@@ -205,6 +205,43 @@ TEMPLATE_TEST_CASE("window attn: query stride", "[attention]", float, double) {
                           titans::ConfigError, "query_stride = 0");
 }
 
+// detail::attention_row (the per-(row, head) function the CUDA backend runs) over every row
+// and head equals the full masked reference: windows, prefixes, query strides 1 to 3, large
+// scores (the maximum's subtraction)
+TEMPLATE_TEST_CASE("window attn: attention_row", "[attention]", float, double) {
+    using T = TestType;
+    int case_index = 0;
+    for (Eigen::Index stride : {1, 2, 3}) {
+        for (int kind = 0; kind < 3; ++kind) {
+            for (int rep = 0; rep < 12; ++rep) {
+                Rng rng(seed_for("attention_row", static_cast<std::uint64_t>(case_index++)));
+                const CoreCase c = make_core_case<T>(rng, kind, rep % 4 == 0 ? 40.0 : 1.5, stride);
+                INFO(c.describe());
+                const Matrix<T> q = to<T>(c.q), kp = to<T>(c.kp), vp = to<T>(c.vp),
+                                ks = to<T>(c.ks), vs = to<T>(c.vs);
+                const Eigen::Index D = static_cast<Eigen::Index>(c.H) * c.dh;
+                Matrix<T> out = Matrix<T>::Constant(c.n, D, std::numeric_limits<T>::quiet_NaN());
+                const T scale = T(1) / std::sqrt(static_cast<T>(c.dh));
+                for (Eigen::Index i = 0; i < c.n; ++i) {
+                    const long long pos = c.f + c.s * i;
+                    for (int h = 0; h < c.H; ++h) {
+                        const long long col = static_cast<long long>(h) * c.dh;
+                        const titans::detail::AttentionRowOperands<T> a{
+                            q.data() + i * D + col, kp.data() + col, vp.data() + col, c.p, D, D,
+                            ks.data() + col, vs.data() + col,
+                            std::max<long long>(0, pos - c.w + 1), pos, D, c.dh, scale};
+                        titans::detail::attention_row(a, out.data() + i * D + col);
+                    }
+                }
+                if (c.n > 0) {
+                    CHECK(note_error<T>("attention: attention_row vs reference",
+                                        rel_error(out, run_reference(c))) <= tol<T>());
+                }
+            }
+        }
+    }
+}
+
 // prefix_window_attention on a larger problem (many tiles; the OpenMP path when built with OpenMP)
 TEMPLATE_TEST_CASE("window attn: large problem", "[attention]", float, double) {
     using T = TestType;

@@ -10,6 +10,11 @@
 //                             counters tokens_per_second, GFLOPS (bench/memory_flops.hpp),
 //                             frac_sgemm and frac_tf32 (GFLOPS over BM_CublasSgemm/4096's)
 //   BM_CudaDecode/B           the same memory fed one token per sequence per call (serving)
+//   BM_CudaBlock/kind/B/N     one Block<float, Cuda> of each kind (d 512, H 8, L 2, window =
+//                             segment 512, b 64, SwiGLU FFN, 4 persistent tokens) over B
+//                             sequences of N tokens in one call, host input and output (the
+//                             public API); MAC's segment attention runs on the host (docs/cuda.md)
+//   BM_CudaModel/B/N          a 4-block model (MAC, MAG, MAL, LMM) of those blocks, the same way
 //
 // Run: build/.../bench_cuda --benchmark_counters_tabular=true (tools/gpu_check.sh does).
 
@@ -162,6 +167,68 @@ void BM_CudaDecode(benchmark::State& state) {
     counters(state, s.cfg, B, 1);
 }
 
+/// The blocks of bench_blocks.cpp (d 512, H 8, L 2, span 512, b 64), memory lr cap 0.01 and
+/// forget-gate bias -8 (a memory that neither decays to 0 nor diverges over long streams).
+titans::BlockConfig bench_block(titans::BlockKind kind) {
+    titans::BlockConfig cfg = titans::BlockConfig::make(kind, 512, 8, 2, 512, 64);
+    cfg.memory.theta_max = 0.01;
+    return cfg;
+}
+titans::BlockParams<float> bench_block_params(const titans::BlockConfig& cfg, std::uint64_t seed) {
+    auto p = titans::BlockParams<float>::random(cfg, seed);
+    p.memory.b_alpha.setConstant(-8.0f);
+    return p;
+}
+
+/// Times f(state) from a fresh copy of `fresh` per iteration (the copy outside the timer);
+/// tokens_per_second over B*N tokens.
+template <class State, class F>
+void stream_timed(benchmark::State& state, const State& fresh, int B, long N, F&& f) {
+    State st = fresh;
+    f(st);  // warm-up: workspaces, cuBLAS heuristics
+    for (auto _ : state) {
+        state.PauseTiming();
+        st = fresh;
+        cudaDeviceSynchronize();
+        state.ResumeTiming();
+        f(st);
+    }
+    state.counters["tokens_per_second"] = benchmark::Counter(
+        static_cast<double>(state.iterations()) * B * static_cast<double>(N),
+        benchmark::Counter::kIsRate);
+}
+
+void BM_CudaBlock(benchmark::State& state) {
+    const auto kind = static_cast<titans::BlockKind>(state.range(0));
+    const int B = static_cast<int>(state.range(1));
+    const long N = state.range(2);
+    const titans::BlockConfig cfg = bench_block(kind);
+    const titans::Block<float, Cuda> block(cfg, bench_block_params(cfg, 1));
+    const titans::Matrixf x = titans::Matrixf::Random(B * N, cfg.d_model);
+    stream_timed(state, block.make_state(B), B, N,
+                 [&](auto& st) { benchmark::DoNotOptimize(block.forward(st, x)); });
+    state.SetLabel(titans::to_string(kind));
+}
+
+void BM_CudaModel(benchmark::State& state) {
+    const int B = static_cast<int>(state.range(0));
+    const long N = state.range(1);
+    titans::ModelConfig cfg;
+    cfg.d_model = 512;
+    for (auto kind : {titans::BlockKind::MAC, titans::BlockKind::MAG, titans::BlockKind::MAL,
+                      titans::BlockKind::LMM}) {
+        cfg.blocks.push_back(bench_block(kind));
+    }
+    auto params = titans::ModelParams<float>::random(cfg, 1);
+    for (std::size_t i = 0; i < cfg.blocks.size(); ++i) {
+        params.blocks[i] = bench_block_params(cfg.blocks[i], i + 1);
+    }
+    const titans::Model<float, Cuda> model(cfg, params);
+    const titans::Matrixf x = titans::Matrixf::Random(B * N, cfg.d_model);
+    stream_timed(state, model.make_state(B), B, N,
+                 [&](auto& st) { benchmark::DoNotOptimize(model.forward(st, x)); });
+}
+
 }  // namespace
 
 BENCHMARK(BM_CublasSgemm)->Args({4096, 0})->Args({4096, 1})->Iterations(1)->Unit(benchmark::kMillisecond);
@@ -171,5 +238,11 @@ BENCHMARK(BM_CudaMemory)
     ->Args({64, 1024, 1})->Args({256, 512, 1})
     ->Unit(benchmark::kMillisecond)->UseManualTime();
 BENCHMARK(BM_CudaDecode)->ArgNames({"B"})->Arg(1)->Arg(64)->Arg(1024)->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK(BM_CudaBlock)
+    ->ArgNames({"kind", "B", "N"})
+    ->ArgsProduct({{0, 1, 2, 3}, {1, 16}, {2048}})
+    ->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_CudaModel)->ArgNames({"B", "N"})->Args({1, 2048})->Args({16, 2048})
+    ->Unit(benchmark::kMillisecond)->UseRealTime();
 
 BENCHMARK_MAIN();

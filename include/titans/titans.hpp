@@ -21,6 +21,7 @@
 #include "memory/state_gradient.hpp"
 
 #include "attention/attention.hpp"
+#include "attention/attention_row.hpp"
 #include "attention/kernel_backward.hpp"
 #include "attention/rope.hpp"
 #include "attention/state_gradient.hpp"

@@ -17,12 +17,19 @@
 #include <cstdint>
 #include <vector>
 
+#include "../config.hpp"
 #include "../error.hpp"
 #include "../types.hpp"
 
 namespace titans {
 
 namespace detail {
+
+/// The frequency omega_i = base^(-2i / d_h) of pair i, in double; the angle at absolute
+/// position t is t * omega_i (the CPU's table and the CUDA backend's RoPE kernel both use it).
+TITANS_HOST_DEVICE double rope_frequency(int i, int d_head, double base) {
+    return std::pow(base, -2.0 * static_cast<double>(i) / static_cast<double>(d_head));
+}
 
 /// cos / sin of t * base^(-2i/d_h) for rows t = first_position .. first_position + rows - 1 and
 /// i = 0 .. d_h/2 - 1, both rows x (d_h/2), row-major. Shared by every head and by q and k.
@@ -36,8 +43,7 @@ struct RopeTable {
         sin.resize(rows, half);
         std::vector<double> omega(static_cast<std::size_t>(half));
         for (int i = 0; i < half; ++i) {
-            omega[static_cast<std::size_t>(i)] =
-                std::pow(base, -2.0 * static_cast<double>(i) / static_cast<double>(d_head));
+            omega[static_cast<std::size_t>(i)] = rope_frequency(i, d_head, base);
         }
         for (Eigen::Index r = 0; r < rows; ++r) {
             const double t = static_cast<double>(first_position + r);

@@ -9,9 +9,10 @@
 //     auto st = mem.make_state(64);           // device state, own stream and cuBLAS handle
 //     Matrixf y = mem.forward(st, x);         // x uploaded, y downloaded once per call
 //
-// Covered: the neural memory (every mode of math §1-5, forward), RMSNorm and FeedForward
-// (forward and backward). Attention, the blocks and the model have no CUDA kernels yet
-// (docs/cuda.md).
+// Covered: the neural memory (every mode of math §1-5, forward), the attention layer
+// (forward), RMSNorm and FeedForward (forward and backward); Block<T, Cuda> and Model<T, Cuda>
+// run their sub-layers on the GPU and their glue on the host. Training of the memory and the
+// attention is CPU-only (docs/cuda.md).
 
 #if !defined(__CUDACC__)
 #error "titans/backend/cuda/cuda.cuh is for CUDA translation units (nvcc); use the CPU backend elsewhere"
@@ -42,3 +43,4 @@ struct BackendTraits<Cuda> {
 #include "transfer.cuh"
 #include "memory_kernels.cuh"
 #include "layer_kernels.cuh"
+#include "attention_kernels.cuh"

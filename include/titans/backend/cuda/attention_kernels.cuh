@@ -1,0 +1,291 @@
+#pragma once
+// titans/backend/cuda/attention_kernels.cuh: the attention layer on CUDA (math §6-7), float
+// and double: AttentionKernels<Cuda, T>.
+//
+// One forward call over B sequences of N tokens:
+//   1. one GEMM x [W_Q | W_K | W_V] over every token of every sequence;
+//   2. RoPE on q and k (the angles in double, rope_frequency of attention/rope.hpp);
+//   3. the new keys and values appended after each sequence's kept window rows;
+//   4. the attention, a thread per (row, head) running attention_row (attention/attention_row.hpp,
+//      the function the CPU tests check against the tiled kernel): the prefix and the window
+//      only, never an N x N matrix;
+//   5. one GEMM with W_O; a kernel finds the first non-finite output row (exact sequence and
+//      position in the NonFiniteError, read with the call's one synchronisation).
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <memory>
+#include <utility>
+
+#include "../../attention/attention_row.hpp"
+#include "../../attention/config.hpp"
+#include "../../attention/params.hpp"
+#include "../../attention/rope.hpp"
+#include "../../error.hpp"
+#include "../backend.hpp"
+#include "attention_state.cuh"
+#include "blas.cuh"
+#include "launch.cuh"
+#include "layer_kernels.cuh"
+#include "transfer.cuh"
+
+namespace titans::backend {
+
+struct Cuda;
+
+template <class T>
+struct AttentionKernels<Cuda, T> {
+    using State = CudaAttentionState<T>;
+    using Prefix = CudaAttentionPrefix<T>;
+    using Buf = cuda::DeviceBuffer<T>;
+    /// The parameters on the device: [W_Q | W_K | W_V] (d x 3D) and W_O (D x d), row-major.
+    struct Params {
+        Buf w_qkv, w_o;
+        int d = 0, D = 0;
+    };
+    using Prepared = std::shared_ptr<const Params>;
+
+    static Prepared prepare(const AttentionConfig& cfg,
+                            const std::shared_ptr<const AttentionParams<T>>& hp) {
+        auto p = std::make_shared<Params>();
+        p->d = cfg.d_model;
+        p->D = cfg.inner_dim();
+        Matrix<T> qkv(p->d, 3 * p->D);
+        qkv << hp->w_q, hp->w_k, hp->w_v;
+        p->w_qkv = cuda::upload_array(qkv.data(), static_cast<std::size_t>(qkv.size()));
+        p->w_o = cuda::upload_array(hp->w_o.data(), static_cast<std::size_t>(hp->w_o.size()));
+        return p;
+    }
+
+    static State make_state(const AttentionConfig& cfg, int batch) {
+        State s;
+        s.cfg_ = cfg;
+        s.batch_ = batch;
+        s.ctx_.emplace();
+        return s;
+    }
+
+    /// P W_K and P W_V of checked prefix rows (device), on this thread's stream.
+    static Prefix project_prefix(const AttentionConfig& cfg, const Prepared& p,
+                                 View<const T> rows, PrefixSharing sharing) {
+        Prefix out;
+        out.sharing = sharing;
+        out.n_rows = rows.rows;
+        out.width = cfg.inner_dim();
+        const auto n = static_cast<std::size_t>(rows.rows * out.width);
+        out.k = Buf(n);
+        out.v = Buf(n);
+        if (n > 0) {
+            const cuda::StreamContext& cx = cuda::thread_context();
+            const int D = p->D, m = static_cast<int>(rows.rows);
+            const cuda::Operand<T> a{rows.data, static_cast<int>(rows.stride)};
+            cuda::gemm<T>(cx.blas(), false, false, m, D, p->d, T(1), a,
+                          {p->w_qkv.data() + D, 3 * D}, T(0), out.k.data(), D, 0, 1);
+            cuda::gemm<T>(cx.blas(), false, false, m, D, p->d, T(1), a,
+                          {p->w_qkv.data() + 2 * D, 3 * D}, T(0), out.v.data(), D, 0, 1);
+            cx.synchronize();
+        }
+        return out;
+    }
+
+    /// Checked inputs: x ((B*N) x d, device) through steps 1-5 into y (sized), inside a
+    /// transaction (the state is unchanged if it throws). prefix may be null.
+    static void forward(const AttentionConfig& cfg, const Prepared& p, State& st,
+                        View<const T> x, View<T> y, const PrefixView<T>* prefix) {
+        const long long N = x.rows / st.batch_;
+        if (N == 0) {
+            return;
+        }
+        const bool own = begin(st);
+        try {
+            run(cfg, *p, st, x, y, prefix, N);
+        } catch (...) {
+            rollback(st);
+            throw;
+        }
+        if (own) {
+            commit(st);
+        }
+    }
+
+    static bool begin(State& st) {
+        auto& u = st.undo_;
+        if (u.open) {
+            return false;
+        }
+        u.open = true;
+        u.saved = false;
+        u.position = st.position_;
+        u.off = st.off_;
+        u.rows = st.rows_;
+        u.cap = st.cap_;
+        return true;
+    }
+    static void commit(State& st) { st.undo_.open = false; }
+    static void rollback(State& st) {
+        auto& u = st.undo_;
+        if (!u.open) {
+            return;
+        }
+        if (u.saved) {
+            st.k_.swap(u.k);
+            st.v_.swap(u.v);
+            st.cap_ = u.cap;
+        }
+        st.position_ = u.position;
+        st.off_ = u.off;
+        st.rows_ = u.rows;
+        u.open = false;
+    }
+
+    // Internal (public only because nvcc's device lambdas cannot sit in private members).
+    static void run(const AttentionConfig& cfg, const Params& p, State& st, View<const T> x,
+                    View<T> y, const PrefixView<T>* prefix, long long N) {
+        const cuda::StreamContext& cx = *st.ctx_;
+        const long long rows = x.rows, D = p.D;
+        auto& w = st.work_;
+        w.qkv.reserve(static_cast<std::size_t>(rows * 3 * D));
+        w.o.reserve(static_cast<std::size_t>(rows * D));
+        w.flag.reserve(1);
+        cuda::gemm<T>(cx.blas(), false, false, static_cast<int>(rows), static_cast<int>(3 * D),
+                      p.d, T(1), {x.data, static_cast<int>(x.stride)},
+                      {p.w_qkv.data(), static_cast<int>(3 * D)}, T(0), w.qkv.data(),
+                      static_cast<int>(3 * D), 0, 1);
+        if (cfg.rope) {
+            rope(cfg, cx.stream(), w.qkv.data(), rows, N, st.position_);
+        }
+        reserve_window(st, N);
+        append(cx.stream(), st, w.qkv.data(), N);
+        attend(cfg, cx.stream(), st, w.qkv.data(), w.o.data(), prefix, N);
+        cuda::gemm<T>(cx.blas(), false, false, static_cast<int>(rows), p.d, static_cast<int>(D),
+                      T(1), {w.o.data(), static_cast<int>(D)}, {p.w_o.data(), p.d}, T(0), y.data,
+                      static_cast<int>(y.stride), 0, 1);
+        const long long bad = first_nonfinite_row(cx, y, w.flag.data());
+        if (bad >= 0) {
+            throw NonFiniteError(detail::concat(
+                "Attention::forward: the output is not finite at sequence ", bad / N,
+                ", position ", st.position_ + bad % N,
+                " (the projections overflow), expected finite values; the state is unchanged"));
+        }
+        const long long keep = std::min<long long>(cfg.window - 1, st.rows_ + N);
+        st.off_ += st.rows_ + N - keep;
+        st.rows_ = keep;
+        st.position_ += N;
+    }
+
+    /// Rotates the q and k parts of qkv (rows x 3D, row r at position pos + r mod N) in place.
+    static void rope(const AttentionConfig& cfg, cudaStream_t sm, T* qkv, long long rows,
+                     long long N, std::int64_t pos) {
+        const int H = cfg.n_heads, dh = cfg.head_dim(), half = dh / 2;
+        const long long D = cfg.inner_dim(), pairs = static_cast<long long>(H) * half;
+        const double base = cfg.rope_base;
+        cuda::each(sm, rows * pairs * 2, [=] __device__(unsigned i) {
+            const long long r = i / cuda::u32(2 * pairs);
+            const unsigned rem = i % cuda::u32(2 * pairs);
+            const unsigned part = rem / cuda::u32(pairs), hp = rem % cuda::u32(pairs);
+            const unsigned h = hp / cuda::u32(half), j = hp % cuda::u32(half);
+            const double angle = static_cast<double>(pos + cuda::u32(r) % cuda::u32(N)) *
+                                 detail::rope_frequency(static_cast<int>(j), dh, base);
+            const T c = static_cast<T>(cos(angle)), s = static_cast<T>(sin(angle));
+            T* e = qkv + r * 3 * D + part * D + h * dh + 2 * j;
+            const T a = e[0], b = e[1];
+            e[0] = a * c - b * s;
+            e[1] = a * s + b * c;
+        });
+    }
+
+    /// Room for N more rows after the kept ones in every window buffer: when the buffers' end
+    /// is near, the kept rows move to the start of buffers of rows + N + w - 1 rows (inside an
+    /// open transaction the old buffers are first swapped out, untouched, for rollback).
+    static void reserve_window(State& st, long long N) {
+        const long long h = st.rows_, D = st.cfg_.inner_dim(), B = st.batch_;
+        if (st.off_ + h + N <= st.cap_) {
+            return;
+        }
+        const long long cap = h + N + std::max<long long>(st.cfg_.window - 1, 1);
+        auto& u = st.undo_;
+        for (Buf* buf : {&st.k_, &st.v_}) {
+            Buf fresh(static_cast<std::size_t>(B * cap * D));
+            if (h > 0) {
+                cuda::check(cudaMemcpy2DAsync(
+                                fresh.data(), static_cast<std::size_t>(cap * D) * sizeof(T),
+                                buf->data() + st.off_ * D,
+                                static_cast<std::size_t>(st.cap_ * D) * sizeof(T),
+                                static_cast<std::size_t>(h * D) * sizeof(T),
+                                static_cast<std::size_t>(B), cudaMemcpyDeviceToDevice,
+                                st.ctx_->stream()),
+                            "cudaMemcpy2DAsync (attention window)");
+            }
+            if (u.open && !u.saved) {
+                (buf == &st.k_ ? u.k : u.v).swap(*buf);
+            }
+            buf->swap(fresh);
+        }
+        u.saved = u.saved || u.open;
+        st.cap_ = cap;
+        st.off_ = 0;
+    }
+
+    /// The piece's keys and values (rotated) after each sequence's kept rows.
+    static void append(cudaStream_t sm, State& st, const T* qkv, long long N) {
+        const long long D = st.cfg_.inner_dim(), cap = st.cap_, at = st.off_ + st.rows_;
+        T* kb = st.k_.data();
+        T* vb = st.v_.data();
+        cuda::each(sm, st.batch_ * N * D, [=] __device__(unsigned i) {
+            const long long r = i / cuda::u32(D), c = i % cuda::u32(D);
+            const long long b = cuda::u32(r) / cuda::u32(N), t = cuda::u32(r) % cuda::u32(N);
+            const long long to = (b * cap + at + t) * D + c;
+            kb[to] = qkv[r * 3 * D + D + c];
+            vb[to] = qkv[r * 3 * D + 2 * D + c];
+        });
+    }
+
+    /// o (rows x D) = the attention of every (row, head), a thread each.
+    static void attend(const AttentionConfig& cfg, cudaStream_t sm, const State& st,
+                       const T* qkv, T* o, const PrefixView<T>* prefix, long long N) {
+        const int H = cfg.n_heads, dh = cfg.head_dim(), wl = cfg.window;
+        const long long D = cfg.inner_dim(), cap = st.cap_, h = st.rows_;
+        const T* kb = st.k_.data() + st.off_ * D;
+        const T* vb = st.v_.data() + st.off_ * D;
+        const bool has_p = prefix != nullptr && prefix->rows() > 0;
+        const bool shared = !has_p || prefix->sharing == PrefixSharing::Shared;
+        const T* kp = has_p ? prefix->k.data : nullptr;
+        const T* vp = has_p ? prefix->v.data : nullptr;
+        const long long kps = has_p ? prefix->k.stride : 0, vps = has_p ? prefix->v.stride : 0;
+        const long long p = !has_p ? 0 : shared ? prefix->rows() : prefix->rows() / st.batch_;
+        const T scale = T(1) / std::sqrt(static_cast<T>(dh));
+        cuda::each(sm, st.batch_ * N * H, [=] __device__(unsigned i) {
+            const unsigned r = i / cuda::u32(H), head = i % cuda::u32(H);
+            const long long b = r / cuda::u32(N), t = r % cuda::u32(N);
+            const long long pos = h + t, col = static_cast<long long>(head) * dh;
+            const long long p0 = shared ? 0 : b * p;
+            const detail::AttentionRowOperands<T> a{
+                qkv + static_cast<long long>(r) * 3 * D + col,
+                kp + p0 * kps + col, vp + p0 * vps + col, p, kps, vps,
+                kb + b * cap * D + col, vb + b * cap * D + col,
+                pos - wl + 1 > 0 ? pos - wl + 1 : 0, pos, D, dh, scale};
+            detail::attention_row(a, o + static_cast<long long>(r) * D + col);
+        });
+    }
+
+    /// The first row of y holding a NaN or an infinity, or -1 (synchronises the stream).
+    static long long first_nonfinite_row(const cuda::StreamContext& cx, View<T> y, int* flag) {
+        cuda::check(cudaMemsetAsync(flag, 0x7f, sizeof(int), cx.stream()), "cudaMemsetAsync");
+        const T* yp = y.data;
+        const long long cols = y.cols, ys = y.stride;
+        cuda::each(cx.stream(), y.rows * cols, [=] __device__(unsigned i) {
+            const unsigned r = i / cuda::u32(cols), c = i % cuda::u32(cols);
+            if (cuda::not_finite(yp[r * ys + c])) {
+                atomicMin(flag, static_cast<int>(r));
+            }
+        });
+        int host = 0;
+        cuda::check(cudaMemcpyAsync(&host, flag, sizeof(int), cudaMemcpyDeviceToHost, cx.stream()),
+                    "cudaMemcpyAsync (non-finite row)");
+        cx.synchronize();
+        return host == 0x7f7f7f7f ? -1 : host;
+    }
+};
+
+}  // namespace titans::backend
