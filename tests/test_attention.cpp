@@ -595,6 +595,93 @@ TEMPLATE_LIST_TEST_CASE("Attention: causal", "[attention]", Both) {
 // ---------------------------------------------------------------------------------------------
 // Basic layers
 
+namespace {
+
+/// The CUDA backend's attention schedule (backend/cuda/attention_kernels.cuh) on the CPU: the
+/// fused QKV product, then the element functors of attention/attention_row.hpp run in a loop
+/// where the GPU launches a thread per element, then W_O. The window buffers hold the whole
+/// stream (cap rows per sequence), the kept rows starting at position - kept.
+template <class T>
+struct FunctorAttention {
+    AttentionConfig cfg;
+    AttentionParams<T> p;
+    int B = 1;
+    long long cap = 0, kept = 0;
+    std::int64_t pos = 0;
+    std::vector<T> k, v;
+
+    template <class F>
+    static void launch(long long n, const F& f) {
+        for (long long i = 0; i < n; ++i) {
+            f(static_cast<unsigned>(i));
+        }
+    }
+
+    Matrix<T> forward(const Matrix<T>& x, const Matrix<T>& prefix, PrefixSharing sharing) {
+        const long long D = cfg.inner_dim(), N = x.rows() / B, H = cfg.n_heads;
+        const int dh = cfg.head_dim();
+        Matrix<T> wqkv(cfg.d_model, 3 * D);
+        wqkv << p.w_q, p.w_k, p.w_v;
+        Matrix<T> qkv = x * wqkv;
+        if (cfg.rope) {
+            launch(x.rows() * 2 * H * (dh / 2),
+                   titans::detail::RopeQK<T>{qkv.data(), N, D, cfg.n_heads, dh, pos, cfg.rope_base});
+        }
+        launch(B * N * D, titans::detail::AppendWindow<T>{qkv.data(), k.data(), v.data(), N, D,
+                                                           cap, pos});
+        const Matrix<T> kp = prefix * p.w_k, vp = prefix * p.w_v;
+        const bool shared = sharing == PrefixSharing::Shared;
+        const long long np = shared ? prefix.rows() : prefix.rows() / B;
+        Matrix<T> o(x.rows(), D);
+        const long long first = pos - kept;  // the first kept row of every sequence's buffer
+        launch(B * N * H,
+               titans::detail::AttendRows<T>{qkv.data(), kp.rows() > 0 ? kp.data() : qkv.data(),
+                                             vp.rows() > 0 ? vp.data() : qkv.data(), np, D, D,
+                                             shared, k.data() + first * D, v.data() + first * D,
+                                             cap, kept, N, D, cfg.n_heads, dh, cfg.window,
+                                             T(1) / std::sqrt(static_cast<T>(dh)), o.data()});
+        pos += N;
+        kept = std::min<long long>(cfg.window - 1, pos);
+        return o * p.w_o;
+    }
+};
+
+}  // namespace
+
+// The CUDA backend's attention functors (RoPE of the fused rows, the window append, a thread
+// per (row, head)) run in loops equal the CPU layer: random configurations with and without
+// RoPE, shared and per-sequence prefixes or none, streams in random pieces
+TEMPLATE_TEST_CASE("Attention: device functors", "[attention]", float, double) {
+    using T = TestType;
+    for (int i = 0; i < 24; ++i) {
+        Rng rng(seed_for("attention functors", static_cast<std::uint64_t>(i)));
+        const int window = pick(rng, std::vector<int>{1, 2, 3, 5, 9, 64});
+        const AttentionConfig cfg = random_attention_config(rng, i % 2 == 0, window);
+        const AttentionParams<T> params = cast_attention_params<T>(random_attention_params<T>(cfg, rng));
+        const Attention<T> layer(cfg, params);
+        const int B = uniform_int(rng, 1, 3), N = uniform_int(rng, 1, 30), np = uniform_int(rng, 0, 3);
+        FunctorAttention<T> dev{cfg, params, B, N + 1, 0, 0, {}, {}};
+        dev.k.assign(static_cast<std::size_t>(B * (N + 1) * cfg.inner_dim()), T(0));
+        dev.v = dev.k;
+        const Matrix<T> x = to<T>(random_matrix(B * N, cfg.d_model, rng, -2.0, 2.0));
+        const Matrix<T> shared = to<T>(random_matrix(np, cfg.d_model, rng));
+        const Matrix<T> per_seq = to<T>(random_matrix(B * np, cfg.d_model, rng));
+        auto st = layer.make_state(B);
+        INFO("case " << i << " window " << window << " rope " << cfg.rope << " B " << B << " N " << N);
+        int t0 = 0;
+        for (int len : random_pieces(rng, N, window)) {
+            const Matrix<T> piece = take_tokens(x, B, N, t0, t0 + len);
+            const bool per = (t0 + len) % 2 == 1;
+            const Matrix<T>& prefix = per ? per_seq : shared;
+            const PrefixSharing sharing = per ? PrefixSharing::PerSequence : PrefixSharing::Shared;
+            const Matrix<T> want = layer.forward(st, piece, &prefix, sharing);
+            CHECK(rel_error(dev.forward(piece, prefix, sharing), want) <= tol<T>());
+            t0 += len;
+        }
+    }
+}
+
+
 // RMSNorm equals a hand-computed value and the loop reference
 TEMPLATE_LIST_TEST_CASE("RMSNorm: == reference", "[layers]", Both) {
     using T = typename TestType::Scalar;

@@ -1,12 +1,20 @@
 #pragma once
-// titans/attention/attention_row.hpp: the attention of one query row and one head (math §7),
-// written once as a TITANS_HOST_DEVICE function: the CUDA backend runs it per (row, head) and
-// the CPU tests compare it with the tiled kernel of attention/kernel.hpp.
+// titans/attention/attention_row.hpp: the attention layer's element kernels on raw row-major
+// buffers (math §6-7), written once as TITANS_HOST_DEVICE code: the CUDA backend launches them
+// (backend/cuda/attention_kernels.cuh, a thread per element) and the CPU tests run the same
+// functors in a loop against the CPU layer, so their arithmetic and index math are checked on
+// every CI run, GPU or not.
+//
+//   attention_row   one query row and one head against the prefix and the window
+//   RopeQK          RoPE of the q and k parts of fused [q | k | v] rows, one pair per element
+//   AppendWindow    a piece's keys and values after each sequence's kept window rows
+//   AttendRows      attention_row for every (row, head) of a piece
 
 #include <cmath>
 #include <cstdint>
 
 #include "../config.hpp"
+#include "rope.hpp"
 
 namespace titans::detail {
 
@@ -68,5 +76,76 @@ TITANS_HOST_DEVICE void attention_row(const AttentionRowOperands<T>& a, T* out) 
         out[c] *= inv;
     }
 }
+
+/// RoPE of rows x [q | k | v] (each D = H d_h wide, row stride 3D): element i rotates pair j
+/// of head h of part (0 q, 1 k) of row r, the row at absolute position pos0 + r mod N.
+/// Elements: rows * 2 * H * (d_h / 2).
+template <class T>
+struct RopeQK {
+    T* qkv;
+    long long N, D;
+    int H, d_head;
+    std::int64_t pos0;
+    double base;
+    TITANS_HOST_DEVICE void operator()(unsigned i) const {
+        const auto half = static_cast<unsigned>(d_head / 2), pairs = static_cast<unsigned>(H) * half;
+        const unsigned r = i / (2 * pairs), rem = i % (2 * pairs);
+        const unsigned part = rem / pairs, h = (rem % pairs) / half, j = (rem % pairs) % half;
+        const double angle = static_cast<double>(pos0 + r % static_cast<unsigned>(N)) *
+                             rope_frequency(static_cast<int>(j), d_head, base);
+        const T c = static_cast<T>(std::cos(angle)), s = static_cast<T>(std::sin(angle));
+        T* e = qkv + static_cast<long long>(r) * 3 * D + part * D + h * d_head + 2 * j;
+        const T a = e[0], b = e[1];
+        e[0] = a * c - b * s;
+        e[1] = a * s + b * c;
+    }
+};
+
+/// The k and v parts of B*N fused rows (sequence-major) into window buffers k_buf, v_buf of
+/// cap x D per sequence, sequence b's row t at buffer row at + t. Elements: B * N * D.
+template <class T>
+struct AppendWindow {
+    const T* qkv;
+    T *k_buf, *v_buf;
+    long long N, D, cap, at;
+    TITANS_HOST_DEVICE void operator()(unsigned i) const {
+        const unsigned r = i / static_cast<unsigned>(D), c = i % static_cast<unsigned>(D);
+        const unsigned b = r / static_cast<unsigned>(N), t = r % static_cast<unsigned>(N);
+        const long long to = (b * cap + at + t) * D + c, from = static_cast<long long>(r) * 3 * D;
+        k_buf[to] = qkv[from + D + c];
+        v_buf[to] = qkv[from + 2 * D + c];
+    }
+};
+
+/// o (B*N rows x D) = the attention of every (row, head) of a piece: row r = b N + t is the
+/// query of fused row r, at position kept + t of sequence b's window rows (k_win, v_win:
+/// kept + N rows per sequence, sequence b's at + b * cap * D), seeing rows max(0, kept + t -
+/// window + 1) .. kept + t and every prefix row (p per sequence: rows b p .. b p + p - 1 of
+/// k_prefix / v_prefix, or rows 0 .. p - 1 for all when shared). Elements: B * N * H.
+template <class T>
+struct AttendRows {
+    const T* qkv;
+    const T *k_prefix, *v_prefix;
+    long long p, k_prefix_stride, v_prefix_stride;
+    bool shared;
+    const T *k_win, *v_win;
+    long long cap, kept, N, D;
+    int H, d_head, window;
+    T scale;
+    T* o;
+    TITANS_HOST_DEVICE void operator()(unsigned i) const {
+        const unsigned r = i / static_cast<unsigned>(H), head = i % static_cast<unsigned>(H);
+        const long long b = r / static_cast<unsigned>(N), t = r % static_cast<unsigned>(N);
+        const long long pos = kept + t, col = static_cast<long long>(head) * d_head;
+        const long long p0 = shared ? 0 : b * p;
+        const AttentionRowOperands<T> a{
+            qkv + static_cast<long long>(r) * 3 * D + col,
+            k_prefix + p0 * k_prefix_stride + col, v_prefix + p0 * v_prefix_stride + col, p,
+            k_prefix_stride, v_prefix_stride,
+            k_win + b * cap * D + col, v_win + b * cap * D + col,
+            pos - window + 1 > 0 ? pos - window + 1 : 0, pos, D, d_head, scale};
+        attention_row(a, o + static_cast<long long>(r) * D + col);
+    }
+};
 
 }  // namespace titans::detail

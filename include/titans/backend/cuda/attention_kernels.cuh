@@ -6,9 +6,10 @@
 //   1. one GEMM x [W_Q | W_K | W_V] over every token of every sequence;
 //   2. RoPE on q and k (the angles in double, rope_frequency of attention/rope.hpp);
 //   3. the new keys and values appended after each sequence's kept window rows;
-//   4. the attention, a thread per (row, head) running attention_row (attention/attention_row.hpp,
-//      the function the CPU tests check against the tiled kernel): the prefix and the window
-//      only, never an N x N matrix;
+//   4. the attention, a thread per (row, head) running attention_row: the prefix and the window
+//      only, never an N x N matrix.
+// Steps 2-4 are the functors of attention/attention_row.hpp (RopeQK, AppendWindow,
+// AttendRows), which the CPU tests run in a loop against the CPU layer;
 //   5. one GEMM with W_O; a kernel finds the first non-finite output row (exact sequence and
 //      position in the NonFiniteError, read with the call's one synchronisation).
 
@@ -177,22 +178,9 @@ struct AttentionKernels<Cuda, T> {
     /// Rotates the q and k parts of qkv (rows x 3D, row r at position pos + r mod N) in place.
     static void rope(const AttentionConfig& cfg, cudaStream_t sm, T* qkv, long long rows,
                      long long N, std::int64_t pos) {
-        const int H = cfg.n_heads, dh = cfg.head_dim(), half = dh / 2;
-        const long long D = cfg.inner_dim(), pairs = static_cast<long long>(H) * half;
-        const double base = cfg.rope_base;
-        cuda::each(sm, rows * pairs * 2, [=] __device__(unsigned i) {
-            const long long r = i / cuda::u32(2 * pairs);
-            const unsigned rem = i % cuda::u32(2 * pairs);
-            const unsigned part = rem / cuda::u32(pairs), hp = rem % cuda::u32(pairs);
-            const unsigned h = hp / cuda::u32(half), j = hp % cuda::u32(half);
-            const double angle = static_cast<double>(pos + cuda::u32(r) % cuda::u32(N)) *
-                                 detail::rope_frequency(static_cast<int>(j), dh, base);
-            const T c = static_cast<T>(cos(angle)), s = static_cast<T>(sin(angle));
-            T* e = qkv + r * 3 * D + part * D + h * dh + 2 * j;
-            const T a = e[0], b = e[1];
-            e[0] = a * c - b * s;
-            e[1] = a * s + b * c;
-        });
+        const int H = cfg.n_heads, dh = cfg.head_dim();
+        cuda::each(sm, rows * 2 * H * (dh / 2),
+                   detail::RopeQK<T>{qkv, N, cfg.inner_dim(), H, dh, pos, cfg.rope_base});
     }
 
     /// Room for N more rows after the kept ones in every window buffer: when the buffers' end
@@ -216,6 +204,7 @@ struct AttentionKernels<Cuda, T> {
                                 static_cast<std::size_t>(B), cudaMemcpyDeviceToDevice,
                                 st.ctx_->stream()),
                             "cudaMemcpy2DAsync (attention window)");
+                st.ctx_->synchronize();  // the old buffer may be freed at the end of this turn
             }
             if (u.open && !u.saved) {
                 (buf == &st.k_ ? u.k : u.v).swap(*buf);
@@ -229,44 +218,39 @@ struct AttentionKernels<Cuda, T> {
 
     /// The piece's keys and values (rotated) after each sequence's kept rows.
     static void append(cudaStream_t sm, State& st, const T* qkv, long long N) {
-        const long long D = st.cfg_.inner_dim(), cap = st.cap_, at = st.off_ + st.rows_;
-        T* kb = st.k_.data();
-        T* vb = st.v_.data();
-        cuda::each(sm, st.batch_ * N * D, [=] __device__(unsigned i) {
-            const long long r = i / cuda::u32(D), c = i % cuda::u32(D);
-            const long long b = cuda::u32(r) / cuda::u32(N), t = cuda::u32(r) % cuda::u32(N);
-            const long long to = (b * cap + at + t) * D + c;
-            kb[to] = qkv[r * 3 * D + D + c];
-            vb[to] = qkv[r * 3 * D + 2 * D + c];
-        });
+        const long long D = st.cfg_.inner_dim();
+        cuda::each(sm, st.batch_ * N * D,
+                   detail::AppendWindow<T>{qkv, st.k_.data(), st.v_.data(), N, D, st.cap_,
+                                           st.off_ + st.rows_});
     }
 
     /// o (rows x D) = the attention of every (row, head), a thread each.
     static void attend(const AttentionConfig& cfg, cudaStream_t sm, const State& st,
                        const T* qkv, T* o, const PrefixView<T>* prefix, long long N) {
-        const int H = cfg.n_heads, dh = cfg.head_dim(), wl = cfg.window;
-        const long long D = cfg.inner_dim(), cap = st.cap_, h = st.rows_;
-        const T* kb = st.k_.data() + st.off_ * D;
-        const T* vb = st.v_.data() + st.off_ * D;
+        const long long D = cfg.inner_dim();
         const bool has_p = prefix != nullptr && prefix->rows() > 0;
         const bool shared = !has_p || prefix->sharing == PrefixSharing::Shared;
-        const T* kp = has_p ? prefix->k.data : nullptr;
-        const T* vp = has_p ? prefix->v.data : nullptr;
-        const long long kps = has_p ? prefix->k.stride : 0, vps = has_p ? prefix->v.stride : 0;
         const long long p = !has_p ? 0 : shared ? prefix->rows() : prefix->rows() / st.batch_;
-        const T scale = T(1) / std::sqrt(static_cast<T>(dh));
-        cuda::each(sm, st.batch_ * N * H, [=] __device__(unsigned i) {
-            const unsigned r = i / cuda::u32(H), head = i % cuda::u32(H);
-            const long long b = r / cuda::u32(N), t = r % cuda::u32(N);
-            const long long pos = h + t, col = static_cast<long long>(head) * dh;
-            const long long p0 = shared ? 0 : b * p;
-            const detail::AttentionRowOperands<T> a{
-                qkv + static_cast<long long>(r) * 3 * D + col,
-                kp + p0 * kps + col, vp + p0 * vps + col, p, kps, vps,
-                kb + b * cap * D + col, vb + b * cap * D + col,
-                pos - wl + 1 > 0 ? pos - wl + 1 : 0, pos, D, dh, scale};
-            detail::attention_row(a, o + static_cast<long long>(r) * D + col);
-        });
+        // Without a prefix the prefix pointers are never read: qkv keeps them non-null.
+        const detail::AttendRows<T> f{qkv,
+                                      has_p ? prefix->k.data : qkv,
+                                      has_p ? prefix->v.data : qkv,
+                                      p,
+                                      has_p ? prefix->k.stride : 0,
+                                      has_p ? prefix->v.stride : 0,
+                                      shared,
+                                      st.k_.data() + st.off_ * D,
+                                      st.v_.data() + st.off_ * D,
+                                      st.cap_,
+                                      st.rows_,
+                                      N,
+                                      D,
+                                      cfg.n_heads,
+                                      cfg.head_dim(),
+                                      cfg.window,
+                                      T(1) / std::sqrt(static_cast<T>(cfg.head_dim())),
+                                      o};
+        cuda::each(sm, st.batch_ * N * cfg.n_heads, f);
     }
 
     /// The first row of y holding a NaN or an infinity, or -1 (synchronises the stream).
