@@ -255,6 +255,36 @@ TEST_CASE("cuda memory: errors leave the state", "[cuda]") {
         CHECK(rel_error(gpu2.current_weights(gs2, 1, 1), f.p.memory_init[1]) == 0.0);
         CHECK(rel_error(gpu2.forward(gs2, x.topRows(6)), cpu2.forward(cs2, x.topRows(6))) <= 1e-12);
     }
+    // One token's projections overflow (w_q x 1e300, that token's x x 1e10; no conv, no
+    // q/k norm): the same NonFiniteError text as the CPU's, naming sequence 1, position 4.
+    {
+        MemoryConfig cfg3 = f.cfg;
+        cfg3.use_conv = false;
+        cfg3.normalize_qk = false;
+        titans::MemoryParamsd p3 = f.p;
+        p3.w_q *= 1e300;
+        NeuralMemory<double> cpu3(cfg3, p3);
+        CudaMemory<double> gpu3(cfg3, p3);
+        auto cs3 = cpu3.make_state(2);
+        auto gs3 = gpu3.make_state(2);
+        Matrixd x = random_matrix(2 * 7, f.cfg.d_model, rng, 0.5, 1.0);
+        x.row(7 + 4) *= 1e10;
+        std::string cpu_message, gpu_message;
+        try {
+            (void)cpu3.forward(cs3, x);
+        } catch (const titans::NonFiniteError& e) {
+            cpu_message = e.what();
+        }
+        try {
+            (void)gpu3.forward(gs3, x);
+        } catch (const titans::NonFiniteError& e) {
+            gpu_message = e.what();
+        }
+        INFO("CPU: " << cpu_message << "\nCUDA: " << gpu_message);
+        REQUIRE(cpu_message.find("sequence 1, position 4") != std::string::npos);
+        CHECK(gpu_message == cpu_message);
+        CHECK(gs3.position() == 0);
+    }
     // A default-constructed state, and one made for another configuration: ConfigError, and
     // the stream's own state untouched.
     {

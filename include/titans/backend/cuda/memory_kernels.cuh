@@ -227,17 +227,31 @@ struct MemoryKernels<Cuda, T> {
             w.z[static_cast<std::size_t>(l - 1)].reserve(sz(P * R * cfg.layer_out(l)));
             w.hid[static_cast<std::size_t>(l - 1)].reserve(sz(P * R * cfg.layer_out(l)));
         }
-        w.flags.reserve(4);
+        w.flags.reserve(5);
     }
 
-    /// flags[slot] = 1 if any entry of P matrices (rows x cols, row stride ld, pair stride ps)
-    /// is not finite.
+    /// Which entry a non-finite check reports, as a key whose minimum wins: entry (p, r, c)
+    /// (matrix p of P, row r) has key (p / div) * a + r * b. Keys of the forward's checks:
+    ///   pair-major rows [s H + h][t][.]  by row:             div H, a N, b 1  -> s N + t
+    ///   pair-major rows, by position then pair:               div 1, a 1, b P  -> t P + p
+    ///   per pair:                                             div 1, a 1, b 0  -> p
+    ///   one sequence-major matrix (B*N rows):                 div 1, a 0, b 1  -> r
+    struct FlagKey {
+        long long div, a, b;
+    };
+    /// No entry flagged (cudaMemset with byte 0x7f: larger than every key).
+    static constexpr int unflagged = 0x7f7f7f7f;
+
+    /// flags[slot] = the smallest key of the non-finite entries of P matrices (rows x cols,
+    /// row stride ld, pair stride ps), if any (atomicMin; the slot starts at `unflagged`).
     static void flag_nonfinite(cudaStream_t sm, const T* x, long long P, long long rows,
-                               long long cols, long long ld, long long ps, int* flags, int slot) {
+                               long long cols, long long ld, long long ps, int* flags, int slot,
+                               FlagKey key) {
         cuda::each(sm, P * rows * cols, [=] __device__(unsigned i) {
             const long long p = i / cuda::u32(rows * cols), r = (i / cuda::u32(cols)) % cuda::u32(rows), c = i % cuda::u32(cols);
             if (cuda::not_finite(x[p * ps + r * ld + c])) {
-                flags[slot] = 1;
+                const long long k = (p / key.div) * key.a + r * key.b;
+                atomicMin(flags + slot, static_cast<int>(k < unflagged ? k : unflagged - 1));
             }
         });
     }
@@ -687,15 +701,16 @@ struct MemoryKernels<Cuda, T> {
         const cudaStream_t sm = st.ctx_->stream();
         const long long P = static_cast<long long>(st.batch_) * cfg.n_heads;
         const int b = st.chunk_, n = st.pending();
+        const FlagKey pair{1, 1, 0};
         for (int l = 1; l <= cfg.depth; ++l) {
             const auto li = static_cast<std::size_t>(l - 1);
             const long long in = cfg.layer_in(l), out = cfg.layer_out(l);
             if (ended) {
-                flag_nonfinite(sm, st.w_[li].data(), P, in, out, out, in * out, flags, 2);
-                flag_nonfinite(sm, st.s_[li].data(), P, in, out, out, in * out, flags, 2);
+                flag_nonfinite(sm, st.w_[li].data(), P, in, out, out, in * out, flags, 2, pair);
+                flag_nonfinite(sm, st.s_[li].data(), P, in, out, out, in * out, flags, 2, pair);
             }
-            flag_nonfinite(sm, st.a_[li].data(), P, n, in, in, b * in, flags, 2);
-            flag_nonfinite(sm, st.delta_[li].data(), P, n, out, out, b * out, flags, 2);
+            flag_nonfinite(sm, st.a_[li].data(), P, n, in, in, b * in, flags, 2, pair);
+            flag_nonfinite(sm, st.delta_[li].data(), P, n, out, out, b * out, flags, 2, pair);
         }
     }
 
@@ -748,49 +763,66 @@ struct MemoryKernels<Cuda, T> {
         auto& w = st.work_;
         reserve(cfg, w, B, N, st.chunk_);
         int* flags = w.flags.data();
-        cuda::check(cudaMemsetAsync(flags, 0, 4 * sizeof(int), cx.stream()), "cudaMemsetAsync");
+        const FlagKey by_row{cfg.n_heads, N, 1};
+        cuda::check(cudaMemsetAsync(flags, 0x7f, 5 * sizeof(int), cx.stream()), "cudaMemsetAsync");
         project(cfg, p, cx, w, x, B, N, cfg.use_conv, st.tail_.data(), true, false);
         for (const Buf* b : {&w.q, &w.k, &w.v}) {
-            flag_nonfinite(cx.stream(), b->data(), 1, 1, P * N * dh, 0, 0, flags, 0);
+            flag_nonfinite(cx.stream(), b->data(), P, N, dh, dh, N * dh, flags, 0, by_row);
         }
         if (cfg.gates != GateMode::Constant) {
-            flag_nonfinite(cx.stream(), w.lp.data(), 1, 1, P * N * 3, 0, 0, flags, 0);
+            flag_nonfinite(cx.stream(), w.lp.data(), P, N, 3, 3, N * 3, flags, 4, by_row);
         }
         const bool ended = scan(cfg, st, N, diag != nullptr);
-        flag_nonfinite(cx.stream(), w.yp.data(), 1, 1, P * N * dh, 0, 0, flags, 1);
+        flag_nonfinite(cx.stream(), w.yp.data(), P, N, dh, dh, N * dh, flags, 1, FlagKey{1, 1, P});
         const std::int64_t pos0 = st.position_;
         st.position_ += N;  // rolled back with the rest if a check fails below
         check_state(cfg, st, ended, flags);
         output(cfg, p, cx, w, B, N, y);
-        flag_nonfinite(cx.stream(), y.data, 1, x.rows, cfg.d_model, y.stride, 0, flags, 3);
-        int host[4] = {0, 0, 0, 0};
+        flag_nonfinite(cx.stream(), y.data, 1, x.rows, cfg.d_model, y.stride, 0, flags, 3,
+                       FlagKey{1, 0, 1});
+        int host[5] = {0, 0, 0, 0, 0};
         cuda::check(cudaMemcpyAsync(host, flags, sizeof(host), cudaMemcpyDeviceToHost, cx.stream()),
                     "cudaMemcpyAsync (flags)");
         cx.synchronize();
-        throw_if_flagged(host, pos0, N);
+        throw_if_flagged(host, pos0, N, cfg.n_heads, P);
         if (diag != nullptr) {
             download_diag(cfg, w, B, N, *diag);
         }
     }
 
-    [[noreturn]] static void fail(const char* what, std::int64_t pos0, long long N) {
-        throw NonFiniteError(detail::concat(
-            "NeuralMemory::forward: ", what, " at positions ", pos0, "..", pos0 + N - 1,
-            " of this piece, expected finite values (see max_grad_norm and theta_max); the "
-            "state is unchanged"));
-    }
-    static void throw_if_flagged(const int* f, std::int64_t pos0, long long N) {
-        if (f[0] != 0) {
-            fail("the projections of x (q, k, v or gate logits) overflow", pos0, N);
+    /// The first non-finite entry of a forward call, named as the CPU names it: slots 0
+    /// (q, k, v) and 4 (gate logits) and 3 (output) hold the first bad row s N + t, slot 1 (the
+    /// memory's reads) the first t P + p, slot 2 (weights, momentum, pending rows) the first
+    /// pair p = s H + h (a chunk end somewhere in the piece).
+    static void throw_if_flagged(const int* f, std::int64_t pos0, long long N, int H,
+                                 long long P) {
+        constexpr const char* tail = ", expected finite values; the state is unchanged";
+        constexpr const char* diverged =
+            ", expected finite values (the memory diverged; see max_grad_norm and theta_max); "
+            "the state is unchanged";
+        auto row = [&](int r, const char* what) {
+            throw NonFiniteError(detail::concat("NeuralMemory::forward: ", what, " at sequence ",
+                                                r / N, ", position ", pos0 + r % N,
+                                                " (all heads)", tail));
+        };
+        const char* proj = "the projections of x (q, k, v or gate logits) overflow";
+        if (f[0] != unflagged || f[4] != unflagged) {
+            row(f[0] != unflagged ? f[0] : f[4], proj);
         }
-        if (f[1] != 0) {
-            fail("a non-finite memory read (the memory diverged)", pos0, N);
+        if (f[1] != unflagged) {
+            const long long t = f[1] / P, p = f[1] % P;
+            throw NonFiniteError(detail::concat(
+                "NeuralMemory::forward: a non-finite memory read at sequence ", p / H, ", head ",
+                p % H, ", position ", pos0 + t, diverged));
         }
-        if (f[2] != 0) {
-            fail("non-finite memory weights, momentum or key errors (surprise)", pos0, N);
+        if (f[2] != unflagged) {
+            throw NonFiniteError(detail::concat(
+                "NeuralMemory::forward: non-finite memory weights, momentum or key errors "
+                "(surprise) at sequence ", f[2] / H, ", head ", f[2] % H, ", positions ", pos0,
+                "..", pos0 + N - 1, " of this piece", diverged));
         }
-        if (f[3] != 0) {
-            fail("the output projection W_O overflows", pos0, N);
+        if (f[3] != unflagged) {
+            row(f[3], "the output projection W_O overflows");
         }
     }
 
