@@ -5,7 +5,8 @@
 #                                 and a GPU)
 #   tools/gpu_check.sh build      configure and build the CUDA tests and benchmark into
 #                                 build/gpu-check (Release; needs nvcc, Eigen, Catch2, Google
-#                                 Benchmark), and copy beside them the one shared library a bare
+#                                 Benchmark; nlohmann/json adds the checkpoint tests), and
+#                                 copy beside them the one shared library a bare
 #                                 GPU machine may lack (libbenchmark), so the folder can be
 #                                 carried to one
 #   tools/gpu_check.sh run [DIR]  run them from build/gpu-check: the parity tests (exit 77 and
@@ -26,7 +27,7 @@ build="${repo_root}/build/gpu-check"
 
 do_build() {
   cmake -S "${repo_root}" -B "${build}" -DCMAKE_BUILD_TYPE=Release -DTITANS_ENABLE_CUDA=ON \
-    -DTITANS_BUILD_EXAMPLES=ON -DTITANS_IO=OFF -DTITANS_HEADER_CHECK=OFF -DTITANS_INSTALL=OFF
+    -DTITANS_BUILD_EXAMPLES=ON -DTITANS_IO=AUTO -DTITANS_HEADER_CHECK=OFF -DTITANS_INSTALL=OFF
   cmake --build "${build}" -j "$(nproc)" --target titans_cuda_tests bench_cuda 07_cuda_memory
   local lib
   lib="$(ldd "${build}/bench/bench_cuda" | awk '/libbenchmark/ {print $3}')"

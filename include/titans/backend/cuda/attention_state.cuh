@@ -2,11 +2,17 @@
 // titans/backend/cuda/attention_state.cuh: the attention layer's state and projected prefix on
 // the CUDA backend.
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "../../attention/config.hpp"
 #include "../../attention/state.hpp"
+#include "../../detail/visit.hpp"
 #include "../../types.hpp"
 #include "runtime.cuh"
 
@@ -45,11 +51,49 @@ public:
     }
     /// Rows kept per sequence: min(w - 1, position).
     [[nodiscard]] long long kept_rows() const { return rows_; }
+    /// Rows of sequence b's kept keys and values: both min(w - 1, position) when well_formed(),
+    /// else (just loaded from inconsistent tensors) the rows loaded.
+    [[nodiscard]] std::pair<long long, long long> window_rows(int b) const {
+        return well_formed() ? std::pair{rows_, rows_} : loaded_[static_cast<std::size_t>(b)];
+    }
     /// A host copy of sequence b's kept keys (rotated if rope): min(w - 1, position) x D,
     /// oldest first (synchronous download).
     [[nodiscard]] Matrix<T> keys(int b) const { return kept(k_, b); }
     /// A host copy of sequence b's kept values, as keys.
     [[nodiscard]] Matrix<T> values(int b) const { return kept(v_, b); }
+
+    /// Serialization hook (checkpoints), the CPU state's names (AttentionState::tensors), so a
+    /// checkpoint written on one backend restores on the other: position, k.{b}, v.{b} (the
+    /// kept rows, min(w - 1, position) x D). Host copies (downloads); a non-const visit takes
+    /// what the loader assigned (any row counts) and uploads it into fresh window buffers, or
+    /// marks the state malformed (well_formed() false) when the row counts or widths differ.
+    template <class Self, class V>
+    static void tensors(Self& self, V&& v) {
+        static_assert(std::is_same_v<std::remove_const_t<Self>, CudaAttentionState>);
+        v(std::string("position"), self.position_);
+        const auto B = static_cast<std::size_t>(self.batch_);
+        std::vector<Matrix<T>> k(B), val(B);
+        for (std::size_t b = 0; b < B; ++b) {
+            k[b] = self.keys(static_cast<int>(b));
+            val[b] = self.values(static_cast<int>(b));
+        }
+        if constexpr (std::is_const_v<Self>) {
+            for (std::size_t b = 0; b < B; ++b) {
+                v(detail::visit_name("k", b), std::as_const(k[b]));
+            }
+            for (std::size_t b = 0; b < B; ++b) {
+                v(detail::visit_name("v", b), std::as_const(val[b]));
+            }
+        } else {
+            for (std::size_t b = 0; b < B; ++b) {
+                v(detail::visit_name("k", b), k[b]);
+            }
+            for (std::size_t b = 0; b < B; ++b) {
+                v(detail::visit_name("v", b), val[b]);
+            }
+            self.load(k, val);
+        }
+    }
 
     // Internal (public only because nvcc's device lambdas name the types of their enclosing
     // function's parameters).
@@ -78,9 +122,41 @@ private:
     template <class, class>
     friend struct backend::AttentionKernels;
 
+    /// The state's window from host rows (tensors): equal row counts h and D columns give
+    /// buffers of h + max(w - 1, 1) rows holding them; anything else a malformed state.
+    void load(const std::vector<Matrix<T>>& k, const std::vector<Matrix<T>>& v) {
+        const long long D = cfg_.inner_dim();
+        const long long h = k.empty() ? 0 : k[0].rows();
+        bool same = true;
+        loaded_.assign(k.size(), {0, 0});
+        for (std::size_t b = 0; b < k.size(); ++b) {
+            loaded_[b] = {k[b].rows(), v[b].rows()};
+            same = same && k[b].rows() == h && v[b].rows() == h && k[b].cols() == D &&
+                   v[b].cols() == D;
+        }
+        if (!same) {
+            rows_ = -1;
+            return;
+        }
+        cap_ = h + std::max<long long>(cfg_.window - 1, 1);
+        off_ = 0;
+        rows_ = h;
+        for (auto [buf, src] : {std::pair{&k_, &k}, std::pair{&v_, &v}}) {
+            Buf fresh(static_cast<std::size_t>(batch_ * cap_ * D));
+            for (std::size_t b = 0; b < src->size() && h > 0; ++b) {
+                backend::cuda::check(
+                    cudaMemcpy(fresh.data() + static_cast<long long>(b) * cap_ * D,
+                               (*src)[b].data(), static_cast<std::size_t>(h * D) * sizeof(T),
+                               cudaMemcpyHostToDevice),
+                    "cudaMemcpy (attention window from host)");
+            }
+            buf->swap(fresh);
+        }
+    }
+
     Matrix<T> kept(const Buf& buf, int b) const {
         const long long D = cfg_.inner_dim();
-        Matrix<T> out(rows_, D);
+        Matrix<T> out(std::max<long long>(rows_, 0), D);  // none in a malformed state
         if (out.size() > 0) {
             backend::cuda::check(cudaMemcpy(out.data(), buf.data() + (b * cap_ + off_) * D,
                                             static_cast<std::size_t>(out.size()) * sizeof(T),
@@ -95,6 +171,7 @@ private:
     std::int64_t position_ = 0;
     Buf k_, v_;  // B x cap x D each
     long long cap_ = 0, off_ = 0, rows_ = 0;
+    std::vector<std::pair<long long, long long>> loaded_;  // rows loaded by tensors(), per b
     Undo undo_;
     std::optional<backend::cuda::StreamContext> ctx_;  // made by make_state
     mutable Work work_;

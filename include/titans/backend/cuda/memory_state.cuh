@@ -3,9 +3,14 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
+#include "../../detail/visit.hpp"
 #include "../../memory/config.hpp"
+#include "../../types.hpp"
 #include "runtime.cuh"
 
 namespace titans {
@@ -39,6 +44,56 @@ public:
     /// The configuration the state was made for.
     [[nodiscard]] const MemoryConfig& config() const { return cfg_; }
 
+    /// Serialization hook (checkpoints), the CPU state's names and shapes (MemoryState::
+    /// tensors), so a checkpoint written on one backend restores on the other: position;
+    /// heads.{b}.{h}.w.{l}, .s.{l}; for UpdateMode::Chunked heads.{b}.{h}.a.{l}, .delta.{l}
+    /// (chunk x layer_in, chunk x layer_out) and, unless the gates are constant,
+    /// heads.{b}.{h}.gates (chunk x 3); conv_tail.{b} ((K-1) x 3D, if use_conv and K > 1).
+    /// Each is a host copy (a download); a non-const visit uploads what the visitor left.
+    template <class Self, class V>
+    static void tensors(Self& self, V&& v) {
+        static_assert(std::is_same_v<std::remove_const_t<Self>, CudaMemoryState>);
+        const MemoryConfig& cfg = self.cfg_;
+        const long long H = cfg.n_heads, b = self.chunk_, L = cfg.depth;
+        v(std::string("position"), self.position_);
+        for (long long s = 0; s < self.batch_; ++s) {
+            for (long long h = 0; h < H; ++h) {
+                const long long p = s * H + h;
+                for (const char* part : {"w", "s"}) {
+                    for (long long l = 0; l < L; ++l) {
+                        const long long in = cfg.layer_in(static_cast<int>(l) + 1),
+                                        out = cfg.layer_out(static_cast<int>(l) + 1);
+                        auto& buf = (part[0] == 'w' ? self.w_ : self.s_)[static_cast<std::size_t>(l)];
+                        visit_slice(buf, p * in * out, in, out,
+                                    detail::visit_name("heads", s, h, part, l), v);
+                    }
+                }
+                if (cfg.update != UpdateMode::Chunked) {
+                    continue;
+                }
+                for (const char* part : {"a", "delta"}) {
+                    for (long long l = 0; l < L; ++l) {
+                        const bool a = part[0] == 'a';
+                        const long long cols = a ? cfg.layer_in(static_cast<int>(l) + 1)
+                                                 : cfg.layer_out(static_cast<int>(l) + 1);
+                        auto& buf = (a ? self.a_ : self.delta_)[static_cast<std::size_t>(l)];
+                        visit_slice(buf, p * b * cols, b, cols,
+                                    detail::visit_name("heads", s, h, part, l), v);
+                    }
+                }
+                if (cfg.gates != GateMode::Constant) {
+                    visit_slice(self.gates_, p * b * 3, b, 3, detail::visit_name("heads", s, h, "gates"), v);
+                }
+            }
+        }
+        if (cfg.use_conv && cfg.conv_kernel > 1) {
+            const long long rows = cfg.conv_kernel - 1, cols = 3LL * cfg.inner_dim();
+            for (long long s = 0; s < self.batch_; ++s) {
+                visit_slice(self.tail_, s * rows * cols, rows, cols, detail::visit_name("conv_tail", s), v);
+            }
+        }
+    }
+
     // Internal (public only because nvcc's device lambdas name the types of their enclosing
     // function's parameters).
     using Buf = backend::cuda::DeviceBuffer<T>;
@@ -70,6 +125,35 @@ public:
 private:
     template <class, class>
     friend struct backend::MemoryKernels;
+
+    /// v(name, a host copy of rows x cols entries of buf from `offset`); when buf is not const,
+    /// the copy (the visitor may have loaded it: same shape, the loader checks) goes back.
+    template <class B, class V>
+    static void visit_slice(B& buf, long long offset, long long rows, long long cols,
+                            const std::string& name, V& v) {
+        Matrix<T> m(rows, cols);
+        const auto bytes = static_cast<std::size_t>(rows * cols) * sizeof(T);
+        if (bytes > 0) {
+            backend::cuda::check(cudaMemcpy(m.data(), buf.data() + offset, bytes,
+                                            cudaMemcpyDeviceToHost),
+                                 "cudaMemcpy (state to host)");
+        }
+        if constexpr (std::is_const_v<B>) {
+            v(name, std::as_const(m));
+        } else {
+            v(name, m);
+            if (m.rows() != rows || m.cols() != cols) {
+                throw ShapeError(detail::concat("CudaMemoryState::tensors: ", name, " came back ",
+                                                m.rows(), " x ", m.cols(), ", expected ", rows,
+                                                " x ", cols));
+            }
+            if (bytes > 0) {
+                backend::cuda::check(cudaMemcpy(buf.data() + offset, m.data(), bytes,
+                                                cudaMemcpyHostToDevice),
+                                     "cudaMemcpy (state from host)");
+            }
+        }
+    }
 
 
     MemoryConfig cfg_{};
