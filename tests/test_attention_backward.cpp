@@ -6,6 +6,7 @@
 // saturated softmaxes (scores ~ 1e3).
 #include "catch.hpp"
 #include "test_common.hpp"
+#include "training_pass.hpp"
 
 #include <titans/titans.hpp>
 #include <titans/attention/kernel_backward.hpp>
@@ -437,6 +438,7 @@ TEST_CASE("attn bwd: layer refusals", "[train][attention]") {
 // pieces longer than the window), forward in order from one state and backward last first,
 // each given the next one's d_state_in as its d_state_out: the same dx, gradients and dprefix
 // as one call, to rounding. The kept keys are rotated, so RoPE positions must carry over.
+// Random and constant streams.
 TEST_CASE("attn bwd: chained pieces", "[train][attention]") {
     for (int i = 0; i < 24; ++i) {
         Rng rng(seed_for("attn bwd: chained pieces", static_cast<std::uint64_t>(i)));
@@ -444,6 +446,11 @@ TEST_CASE("attn bwd: chained pieces", "[train][attention]") {
         const int B = c.batch;
         const int N = uniform_int(rng, 3, 14);
         c.x = random_matrix(B * N, c.cfg.d_model, rng);
+        if (i % 4 == 3) {  // a constant stream: every token of a sequence the same row
+            for (int b = 0; b < B; ++b) {
+                c.x.middleRows(b * N, N).rowwise() = c.x.row(b * N);
+            }
+        }
         c.dy = random_matrix(B * N, c.cfg.d_model, rng);
         const std::vector<int> lens = random_pieces(rng, N, c.cfg.window);
         INFO("case " << i << " window " << c.cfg.window << " rows " << N << " pieces "
@@ -479,8 +486,12 @@ TEST_CASE("attn bwd: chained pieces", "[train][attention]") {
         }
         REQUIRE(d_next.keys.size() == static_cast<std::size_t>(B));
         CHECK(d_next.keys[0].rows() == 0);  // the first piece started from a fresh state
-        CHECK(note_error<double>("attention chained pieces", rel_error(dx, dx_all, 1e-6)) <= 1e-12);
-        CHECK(note_error<double>("attention chained pieces", rel_error(dp, dp_all, 1e-6)) <= 1e-12);
+        // Each tensor relative to its own largest entry or 1e-3 of the gradient's scale: a
+        // constant stream without RoPE sees equal keys, so dL/dq is 0 and the W_Q and W_K
+        // gradients are rounding noise of terms that cancel (as in the block test).
+        const double floor = std::max(1e-6, 1e-3 * gradient_scale(g_all, c.cfg, dx_all));
+        CHECK(note_error<double>("attention chained pieces", rel_error(dx, dx_all, floor)) <= 1e-12);
+        CHECK(note_error<double>("attention chained pieces", rel_error(dp, dp_all, floor)) <= 1e-12);
         titans::AttentionParams<double>::tensors(g, c.cfg, [&](const std::string& name,
                                                                  const auto& t) {
             titans::AttentionParams<double>::tensors(
@@ -488,7 +499,7 @@ TEST_CASE("attn bwd: chained pieces", "[train][attention]") {
                     if (n2 != name) return;
                     INFO(name);
                     CHECK(note_error<double>("attention chained pieces",
-                                             rel_error(Matrixd(t), Matrixd(t2), 1e-6)) <= 1e-12);
+                                             rel_error(Matrixd(t), Matrixd(t2), floor)) <= 1e-12);
                 });
         });
     }

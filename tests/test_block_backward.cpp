@@ -191,8 +191,10 @@ std::vector<Eigen::Index> chunk_cuts(const std::vector<BlockConfig>& blocks, Eig
             aligned = aligned && (pm + t) % cfg.memory.effective_chunk() == 0;
         }
         if (aligned && uniform_int(rng, 0, 1) == 1) cuts.push_back(t);
+        if (aligned && uniform_int(rng, 0, 5) == 0) cuts.push_back(t);  // an empty piece
     }
     cuts.push_back(N);
+    if (uniform_int(rng, 0, 5) == 0) cuts.insert(cuts.begin(), 0);  // an empty first piece
     return cuts;
 }
 
@@ -200,10 +202,10 @@ std::vector<Eigen::Index> chunk_cuts(const std::vector<BlockConfig>& blocks, Eig
 
 // Chained pieces (math §9): blocks of every kind over pieces cut where the memory is at a
 // chunk boundary (pieces longer and shorter than the window, MAC's cut inside segments and at
-// their ends), forward in order and backward last first, each given the next one's d_state_in
-// as its d_state_out: the dx and gradients of one call, to rounding. The first piece takes P;
-// the later ones continue the memory, the attention window and MAC's segment state. Inputs of
-// unit size, 1e-4 and 1e4. Each tensor is compared relative to its own largest entry or, for a
+// their ends, and empty pieces), forward in order and backward last first, each given the next
+// one's d_state_in as its d_state_out: the dx and gradients of one call, to rounding. The first
+// piece takes P; the later ones continue the memory, the attention window and MAC's segment
+// state. Inputs of unit size, 1e-4 and 1e4, and constant streams. Each tensor is compared relative to its own largest entry or, for a
 // tensor far below the gradient's scale (the largest entry of any gradient or dx), 1e-3 of that
 // scale: such a tensor is a sum of terms of the gradient's size that cancel (a constant stream
 // leaves some near 1e-18; MAG's attention gradients can cancel to 1e-6 of the others), and
@@ -217,6 +219,11 @@ TEST_CASE("block bwd: chained pieces", "[train][blocks]") {
         c.x = random_matrix(B * N, c.cfg.d_model, rng);
         if (i % 6 == 4) c.x *= 1e-4;  // tiny and huge inputs (the residual keeps their scale)
         if (i % 6 == 5) c.x *= 1e4;
+        if (i % 6 == 3) {  // a constant stream: every token of a sequence the same row
+            for (int b = 0; b < B; ++b) {
+                c.x.middleRows(b * N, N).rowwise() = c.x.row(b * N);
+            }
+        }
         c.dy = random_matrix(B * N, c.cfg.d_model, rng);
         const std::vector<Eigen::Index> cuts = chunk_cuts({c.cfg}, N, rng);
         INFO("case " << i << " kind " << titans::to_string(c.cfg.kind) << " chunk "

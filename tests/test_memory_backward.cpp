@@ -230,7 +230,7 @@ TEST_CASE("mem bwd: forward, sums, refusals", "[train][memory]") {
 // Pieces cut at chunk boundaries (the last one may end mid-chunk), forward in order and
 // backward last first, each given the next one's d_state_in as its d_state_out: the same dx
 // and gradients as one call, to rounding. Short pieces (under the conv's K-1 rows) pass the
-// tail's adjoint through.
+// tail's adjoint through; so do empty ones. Random and constant streams.
 TEST_CASE("mem bwd: chained pieces", "[train][memory]") {
     const std::vector<Modes> modes = all_primary_modes();
     for (int i = 0; i < 24; ++i) {
@@ -243,6 +243,15 @@ TEST_CASE("mem bwd: chained pieces", "[train][memory]") {
         while (cuts.back() + b < N) cuts.push_back(cuts.back() + b * uniform_int(rng, 1, 2));
         cuts.back() = std::min(cuts.back(), N);
         if (cuts.back() != N) cuts.push_back(N);
+        if (i % 3 == 1) {  // an empty piece at a chunk boundary
+            const auto at = static_cast<std::size_t>(uniform_int(rng, 0, static_cast<int>(cuts.size()) - 2));
+            cuts.insert(cuts.begin() + static_cast<std::ptrdiff_t>(at) + 1, cuts[at]);
+        }
+        if (i % 4 == 2) {  // a constant stream: every token of a sequence the same row
+            for (int s = 0; s < B; ++s) {
+                c.x.middleRows(s * N, N).rowwise() = c.x.row(s * N);
+            }
+        }
         INFO("case " << i << " chunk " << b << " rows " << N << " pieces " << cuts.size() - 1);
         titans::NeuralMemory<double> mem(c.cfg, c.p);
         Matrixd dx_all;

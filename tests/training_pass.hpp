@@ -46,8 +46,9 @@ Params fresh_gradients(const Config& cfg, const Params& p, int batch, const tita
 /// of the B streams of x (sequence-major, N rows each) in order from a fresh state, then its
 /// backward last piece first, each given the next one's d_state_in as its d_state_out. Returns
 /// dx (B*N x d); gradients added to g; y (if given) gets the pieces' outputs in x's layout.
-/// Checks that every later piece returns a d_state_in, and the first (from a fresh state) an
-/// empty one when first_empty (blocks: their state restarts from W^0 and P).
+/// Checks that every piece after position 0 returns a d_state_in, and those at position 0 (the
+/// first, and after empty ones) an empty one when first_empty (blocks: their state restarts
+/// from W^0 and P).
 template <class StateGradient, class Layer, class Params>
 titans::Matrixd chained_pieces(const Layer& layer, int B, const titans::Matrixd& x,
                                const titans::Matrixd& dy, const std::vector<Eigen::Index>& cuts,
@@ -69,7 +70,7 @@ titans::Matrixd chained_pieces(const Layer& layer, int B, const titans::Matrixd&
         layer.backward(traces[k], take_tokens(dy, B, N, cuts[k], cuts[k + 1]), dxk, g, &d_in,
                        &d_next);
         put_tokens(dx, dxk, B, N, cuts[k], cuts[k + 1]);
-        if (k > 0 || first_empty) CHECK(d_in.empty() == (k == 0));
+        if (cuts[k] > 0 || first_empty) CHECK(d_in.empty() == (cuts[k] == 0));
         d_next = std::move(d_in);
     }
     return dx;

@@ -161,7 +161,8 @@ public:
     /// Chained pieces (math §9): d_state_out, if given and not empty(), is dL/d(the state the
     /// trace's call left), and the trace must end at a chunk boundary (ConfigError otherwise);
     /// d_state_in, if given, receives dL/d(the state it started from). grads.memory_init gets
-    /// the start memory's adjoint only for a trace from position 0 (where the state is W^0).
+    /// the start memory's adjoint only for a trace from position 0 (where the state is W^0)
+    /// with tokens: an empty trace there comes before the piece that adds it, and passes it on.
     /// Reversing pieces last first, each with the next one's d_state_in as its d_state_out,
     /// gives the dx and grads of one call over their concatenation.
     void backward(const Trace& trace, const MatrixRef<T>& dy, Matrix<T>& dx,

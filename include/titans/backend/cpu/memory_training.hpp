@@ -554,14 +554,16 @@ public:
         }
 
         /// After down_to(0): every parameter's gradient added to g (W_O, the projections, the
-        /// gates and, for a trace from position 0, W^0 from the carried adjoint); d_in, if
-        /// given, gets the adjoint of the state before the trace.
+        /// gates and, for a trace from position 0 that holds tokens, W^0 from the carried
+        /// adjoint: an empty one at position 0 precedes the piece that adds it, so it only
+        /// passes the adjoint on); d_in, if given, gets the adjoint of the state before the
+        /// trace.
         void finish(MemoryParams<T>& g, MemoryStateGradient<T>* d_in = nullptr) const {
             if (N_ > 0) {
                 g.w_o.noalias() += yh_.transpose() * dy_;
             }
             const int H = cfg_.n_heads;
-            for (std::size_t bh = 0; bh < work_.size() && tr_.start == 0; ++bh) {
+            for (std::size_t bh = 0; bh < work_.size() && tr_.start == 0 && N_ > 0; ++bh) {
                 auto& dw0 = g.memory_init[bh % static_cast<std::size_t>(H)];
                 for (std::size_t l = 0; l < dw0.size(); ++l) {
                     dw0[l] += work_[bh].dWn[l];
