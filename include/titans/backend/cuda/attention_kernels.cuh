@@ -145,7 +145,7 @@ struct AttentionKernels<Cuda, T> {
                     View<T> y, const PrefixView<T>* prefix, long long N) {
         const cuda::StreamContext& cx = *st.ctx_;
         const long long rows = x.rows, D = p.D;
-        auto& w = st.work_;
+        auto& w = *st.work_;
         w.qkv.reserve(static_cast<std::size_t>(rows * 3 * D));
         w.o.reserve(static_cast<std::size_t>(rows * D));
         w.flag.reserve(1);

@@ -106,14 +106,8 @@ public:
         long long off = 0, rows = 0, cap = 0;
         Buf k, v;
     };
-    /// Per-call workspaces (scratch: a copy starts with none, an assignment keeps its own).
+    /// Per-call workspaces (cuda::Scratch: a copy of the state starts with none).
     struct Work {
-        Work() = default;
-        Work(const Work&) {}
-        Work& operator=(const Work&) { return *this; }
-        Work(Work&&) = default;
-        Work& operator=(Work&&) = default;
-        ~Work() = default;
         Buf qkv, o;
         backend::cuda::DeviceBuffer<int> flag;
     };
@@ -174,7 +168,7 @@ private:
     std::vector<std::pair<long long, long long>> loaded_;  // rows loaded by tensors(), per b
     Undo undo_;
     std::optional<backend::cuda::StreamContext> ctx_;  // made by make_state
-    mutable Work work_;
+    mutable backend::cuda::Scratch<Work> work_;
 };
 
 /// A prefix projected once on the GPU (Attention<T, Cuda>::project_prefix): k = P W_K and

@@ -499,7 +499,7 @@ struct MemoryKernels<Cuda, T> {
                          long long m) {
         const cuda::StreamContext& cx = *st.ctx_;
         const cudaStream_t sm = cx.stream();
-        auto& w = st.work_;
+        auto& w = *st.work_;
         const int L = cfg.depth, b = st.chunk_;
         const long long P = static_cast<long long>(st.batch_) * cfg.n_heads, dh = cfg.head_dim();
         copy_rows(sm, st.a_[0].data(), w.k.data(), P, b, N, t, o, m, dh);
@@ -540,9 +540,9 @@ struct MemoryKernels<Cuda, T> {
                              long long m) {
         const int L = cfg.depth, b = st.chunk_;
         const long long P = static_cast<long long>(st.batch_) * cfg.n_heads, dh = cfg.head_dim();
-        const T* z = st.work_.z[static_cast<std::size_t>(L - 1)].data();
-        const T* k = st.work_.k.data();
-        const T* v = st.work_.v.data();
+        const T* z = st.work_->z[static_cast<std::size_t>(L - 1)].data();
+        const T* k = st.work_->k.data();
+        const T* v = st.work_->v.data();
         T* dL = st.delta_[static_cast<std::size_t>(L - 1)].data();
         const bool residual = cfg.residual;
         cuda::each(st.ctx_->stream(), P * m * dh, [=] __device__(unsigned i) {
@@ -563,7 +563,7 @@ struct MemoryKernels<Cuda, T> {
         const Layers ly = layers(cfg, st.a_, st.delta_);
         const int b = st.chunk_;
         const long long P = static_cast<long long>(st.batch_) * cfg.n_heads;
-        T* out = st.work_.diag.data();
+        T* out = st.work_->diag.data();
         cuda::each(st.ctx_->stream(), P * m, [=] __device__(unsigned i) {
             const long long p = i / cuda::u32(m), r = o + i % cuda::u32(m);
             T g2 = T(0), loss = T(0);
@@ -590,7 +590,7 @@ struct MemoryKernels<Cuda, T> {
                               long long m) {
         const cuda::StreamContext& cx = *st.ctx_;
         const cudaStream_t sm = cx.stream();
-        auto& w = st.work_;
+        auto& w = *st.work_;
         const int L = cfg.depth, b = st.chunk_, n = o + static_cast<int>(m);
         const long long P = static_cast<long long>(st.batch_) * cfg.n_heads, dh = cfg.head_dim();
         const long long CS = coef_stride(b), wd = widest(cfg), bb = static_cast<long long>(b) * b;
@@ -654,7 +654,7 @@ struct MemoryKernels<Cuda, T> {
         const int b = st.chunk_;
         const long long P = static_cast<long long>(st.batch_) * cfg.n_heads, dh = cfg.head_dim();
         const cudaStream_t sm = st.ctx_->stream();
-        auto& w = st.work_;
+        auto& w = *st.work_;
         // The state's buffers do not move during a call: their pointers once, not per segment.
         const std::vector<T*> W = pointers(st.w_), S = pointers(st.s_);
         const std::vector<const T*> Wc = as_const(W);
@@ -760,7 +760,7 @@ struct MemoryKernels<Cuda, T> {
         const long long N = x.rows / B, P = static_cast<long long>(B) * cfg.n_heads,
                         dh = cfg.head_dim();
         const cuda::StreamContext& cx = *st.ctx_;
-        auto& w = st.work_;
+        auto& w = *st.work_;
         reserve(cfg, w, B, N, st.chunk_);
         int* flags = w.flags.data();
         const FlagKey by_row{cfg.n_heads, N, 1};
@@ -849,7 +849,7 @@ struct MemoryKernels<Cuda, T> {
     /// The memory after the last token into work.w / work.s: W^s, S^s with the pending rows'
     /// closed-form chunk end applied (math §4); returns the weights' (or momentum's) pointers.
     static std::vector<T*> materialise(const MemoryConfig& cfg, const State& st, bool weights) {
-        auto& w = st.work_;
+        auto& w = *st.work_;
         State& ms = const_cast<State&>(st);  // workspaces only; the state is not changed
         const long long P = static_cast<long long>(st.batch_) * cfg.n_heads;
         const int n = st.pending();
@@ -894,7 +894,7 @@ struct MemoryKernels<Cuda, T> {
             return;
         }
         const std::vector<T*> W = materialise(cfg, st, true);
-        read_through(cfg, *p, *st.ctx_, st.work_, x, st.batch_, st.chunk_,
+        read_through(cfg, *p, *st.ctx_, *st.work_, x, st.batch_, st.chunk_,
                      cfg.use_conv, st.tail_.data(), as_const(W), y);
     }
 

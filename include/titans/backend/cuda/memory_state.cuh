@@ -111,12 +111,6 @@ public:
     /// Per-call workspaces, grown on demand (a read on a const state uses them too). Scratch:
     /// a copy of a state starts with none, and assigning a state keeps the target's own.
     struct Work {
-        Work() = default;
-        Work(const Work&) {}
-        Work& operator=(const Work&) { return *this; }
-        Work(Work&&) = default;
-        Work& operator=(Work&&) = default;
-        ~Work() = default;
         Buf u, logits, q, k, v, lp, yp, yh, t1, scores, g, coef, scratch, diag;
         std::vector<Buf> z, hid, w, s;
         backend::cuda::DeviceBuffer<int> flags;
@@ -165,7 +159,7 @@ private:
     Buf tail_;                            // B x (K-1) x 3D pre-conv rows
     Undo undo_;
     std::optional<backend::cuda::StreamContext> ctx_;  // made by make_state
-    mutable Work work_;
+    mutable backend::cuda::Scratch<Work> work_;
 };
 
 }  // namespace titans

@@ -125,6 +125,24 @@ private:
     std::size_t n_ = 0;
 };
 
+/// A state's per-call workspaces W, not part of its value: a copy of the state starts with an
+/// empty W, and assigning a state keeps the target's own (no device copies of scratch).
+template <class W>
+class Scratch {
+public:
+    Scratch() = default;
+    Scratch(const Scratch&) {}
+    Scratch& operator=(const Scratch&) { return *this; }
+    Scratch(Scratch&&) = default;
+    Scratch& operator=(Scratch&&) = default;
+    ~Scratch() = default;
+    [[nodiscard]] W& operator*() { return w_; }
+    [[nodiscard]] W* operator->() { return &w_; }
+
+private:
+    W w_;
+};
+
 /// n host elements copied into a new device buffer (synchronous).
 template <class T>
 DeviceBuffer<T> upload_array(const T* host, std::size_t n) {
