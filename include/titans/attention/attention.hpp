@@ -402,27 +402,11 @@ private:
     template <class Tr>
     void check_state_gradient(const AttentionStateGradient<T>& d, const Tr& trace,
                               const char* where) const {
-        const auto B = static_cast<std::size_t>(trace.batch);
         const std::int64_t end = trace.start + trace.rows() / trace.batch;
         const std::int64_t keep = std::min<std::int64_t>(cfg_.window - 1, end);
-        detail::require<ShapeError>(d.keys.size() == B, where, "d_state_out.keys.size()",
-                                    d.keys.size(), detail::concat(B, " (the batch)"));
-        detail::require<ShapeError>(d.values.size() == B, where, "d_state_out.values.size()",
-                                    d.values.size(), detail::concat(B, " (the batch)"));
-        for (const auto* group : {&d.keys, &d.values}) {
-            for (const Matrix<T>& m : *group) {
-                if (m.rows() != keep || m.cols() != cfg_.inner_dim()) {
-                    throw ShapeError(detail::concat(
-                        where, ": d_state_out.", group == &d.keys ? "keys" : "values", " has a ",
-                        m.rows(), " x ", m.cols(), " matrix, expected ", keep, " x ",
-                        cfg_.inner_dim(), " (min(window - 1, position) x n_heads * d_head)"));
-                }
-                if (!detail::all_finite(m)) {
-                    throw NonFiniteError(detail::concat(where, ": d_state_out has a NaN or "
-                                                               "infinite entry"));
-                }
-            }
-        }
+        detail::check_sequence_adjoints(d.keys, d.values, static_cast<std::size_t>(trace.batch),
+                                        keep, cfg_.inner_dim(), where, "d_state_out",
+                                        "min(window - 1, position) x n_heads * d_head");
     }
 
     void check_state(const State& state, const char* where) const {

@@ -2,6 +2,10 @@
 // titans/detail/check.hpp: the shape-and-finiteness checks of the parameter structs'
 // validate() and of the layers' backward calls.
 
+#include <cstddef>
+#include <string>
+#include <vector>
+
 #include <Eigen/Core>
 
 #include "../error.hpp"
@@ -24,6 +28,32 @@ struct TensorCheck {
         }
     }
 };
+
+/// A state gradient's per-sequence adjoints of kept key and value rows (the attention's
+/// window, MAC's segment buffers): `name`.keys and `name`.values hold B matrices of rows x D
+/// each (ShapeError naming the part, the shapes and `meaning`, what rows x D is), finite
+/// (NonFiniteError).
+template <class M>
+void check_sequence_adjoints(const std::vector<M>& keys, const std::vector<M>& values,
+                             std::size_t B, Eigen::Index rows, Eigen::Index D, const char* where,
+                             const char* name, const char* meaning) {
+    for (const auto* group : {&keys, &values}) {
+        const std::string part = concat(name, group == &keys ? ".keys" : ".values");
+        if (group->size() != B) {
+            throw ShapeError(concat(where, ": ", part, ".size() = ", group->size(),
+                                    ", expected ", B, " (the batch)"));
+        }
+        for (const M& m : *group) {
+            if (m.rows() != rows || m.cols() != D) {
+                throw ShapeError(concat(where, ": ", part, " has a ", m.rows(), " x ", m.cols(),
+                                        " matrix, expected ", rows, " x ", D, " (", meaning, ")"));
+            }
+            if (!m.allFinite()) {
+                throw NonFiniteError(concat(where, ": ", name, " has a NaN or infinite entry"));
+            }
+        }
+    }
+}
 
 /// True if the storage of `x` (a view) and of `y` (an output about to be resized) overlap:
 /// writing y would then change or free x.

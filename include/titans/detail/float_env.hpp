@@ -8,6 +8,8 @@
 // (MXCSR FTZ and DAZ); the caller's setting is restored on exit, also by an exception. On
 // other architectures it does nothing.
 
+#include <vector>
+
 #include <Eigen/Core>
 
 #if defined(__SSE2__) || defined(_M_X64)
@@ -53,6 +55,22 @@ template <class Derived>
 [[nodiscard]] bool all_finite(const Derived& x) {
     using T = typename Derived::Scalar;
     return (x.array() * T(0)).sum() == T(0);
+}
+
+/// all_finite over every matrix of a (nested) std::vector of matrices: the state gradients'
+/// per-sequence and per-(sequence, head) parts.
+template <class Derived>
+[[nodiscard]] bool all_finite_each(const Eigen::MatrixBase<Derived>& x) {
+    return all_finite(x.derived());
+}
+template <class X>
+[[nodiscard]] bool all_finite_each(const std::vector<X>& xs) {
+    for (const X& x : xs) {
+        if (!all_finite_each(x)) {
+            return false;
+        }
+    }
+    return true;
 }
 
 /// The first row of m holding a NaN or an infinity; m.rows() if every row is finite. What the

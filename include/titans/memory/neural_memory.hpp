@@ -391,17 +391,8 @@ private:
         }
     }
     static bool state_gradient_finite(const MemoryStateGradient<T>& d) {
-        for (const auto* group : {&d.weights, &d.momentum}) {
-            for (const auto& layers : *group) {
-                for (const Matrix<T>& m : layers) {
-                    if (!detail::all_finite(m)) return false;
-                }
-            }
-        }
-        for (const Matrix<T>& m : d.conv_tail) {
-            if (!detail::all_finite(m)) return false;
-        }
-        return true;
+        return detail::all_finite_each(d.weights) && detail::all_finite_each(d.momentum) &&
+               detail::all_finite_each(d.conv_tail);
     }
     void check_index(const State& state, int b, int h, const char* where) const {
         check_state(state, where);

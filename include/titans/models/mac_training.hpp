@@ -159,21 +159,10 @@ struct MacTraining {
         if (d.mac.empty()) {
             return;
         }
-        const auto rows = 2 * (end % blk.cfg_.segment);
-        const Eigen::Index D = blk.cfg_.attention.inner_dim();
-        for (const auto* group : {&d.mac.keys, &d.mac.values}) {
-            const char* name = group == &d.mac.keys ? "keys" : "values";
-            require<ShapeError>(group->size() == static_cast<std::size_t>(B), where,
-                                concat("d_state_out.mac.", name, ".size()").c_str(), group->size(),
-                                concat(B, " (the batch)"));
-            for (const Matrix<T>& m : *group) {
-                if (m.rows() != rows || m.cols() != D) {
-                    throw ShapeError(concat(where, ": d_state_out.mac.", name, " has a ", m.rows(),
-                                            " x ", m.cols(), " matrix, expected ", rows, " x ", D,
-                                            " (2 (position % segment) x n_heads * d_head)"));
-                }
-            }
-        }
+        check_sequence_adjoints(d.mac.keys, d.mac.values, static_cast<std::size_t>(B),
+                                2 * (end % blk.cfg_.segment), blk.cfg_.attention.inner_dim(),
+                                where, "d_state_out.mac",
+                                "2 (position % segment) x n_heads * d_head");
         blk.memory_.check_weights(d.mac.snapshot, B, "Block::backward (d_state_out.mac.snapshot)");
         if (!segment_finite(d.mac)) {
             throw NonFiniteError(concat(where, ": d_state_out.mac has a NaN or infinite entry"));
@@ -238,17 +227,8 @@ private:
     }
 
     static bool segment_finite(const MacStateGradient<T>& d) {
-        for (const auto* group : {&d.keys, &d.values}) {
-            for (const Matrix<T>& m : *group) {
-                if (!all_finite(m)) return false;
-            }
-        }
-        for (const Layers& layers : d.snapshot) {
-            for (const Matrix<T>& m : layers) {
-                if (!all_finite(m)) return false;
-            }
-        }
-        return true;
+        return all_finite_each(d.keys) && all_finite_each(d.values) &&
+               all_finite_each(d.snapshot);
     }
 
     static void add_layers(const std::vector<Layers>& from, std::vector<Layers>& to) {
