@@ -166,8 +166,12 @@ TEST_CASE("block bwd: sums and refusals", "[train][blocks]") {
     wrong.persistent.resize(1, 1);
     CHECK_THROWS_AS(block.backward(trace, c.dy, dx1, wrong), titans::ShapeError);
     CHECK(identical(g.memory.w_q, (2 * once.memory.w_q).eval()));
-    // A trace of another block kind.
+    // A trace of another block kind, of the same width (else the width is refused first).
     BackwardBlockCase l = draw_block_case(BlockKind::LMM, 0, rng);
+    for (int k = 0; k < 100 && l.cfg.d_model != c.cfg.d_model; ++k) {
+        l = draw_block_case(BlockKind::LMM, 0, rng);
+    }
+    REQUIRE(l.cfg.d_model == c.cfg.d_model);
     titans::Block<double> lmm(l.cfg, l.p);
     auto sl = lmm.make_state(l.batch);
     titans::Block<double>::Trace tl;
@@ -279,9 +283,10 @@ TEST_CASE("block bwd: state gradient checks", "[train][blocks]") {
     bad = d;
     bad.attention.keys = bad.mac.keys;
     REQUIRE_THROWS_NAMING(block.backward(t1, dy, dx, g, nullptr, &bad), titans::ConfigError, "attention");
-    CHECK(g.memory.w_q.isZero(0));
+    // (W_O's gradient: W_Q's is exactly 0 when the draw has d_head = 1 and the q/k norm on.)
+    CHECK(g.memory.w_o.isZero(0));
     block.backward(t1, dy, dx, g, nullptr, &d);  // the right one: fine
-    CHECK(!g.memory.w_q.isZero(0));
+    CHECK(!g.memory.w_o.isZero(0));
     BackwardBlockCase m = draw_block_case(BlockKind::MAG, 1, rng);
     titans::Block<double> mag(m.cfg, m.p);
     auto sm = mag.make_state(m.batch);

@@ -103,7 +103,9 @@ struct MacTraining {
         const auto* dseg_out = given && !d_out->mac.empty() ? &d_out->mac : nullptr;
         typename MemoryPass::Reverse rev(cfg.memory, blk.memory_.prepared_, mem,
                                          view_of(std::as_const(dr)), dm_out);
-        MacStateGradient<T> dseg = zero_segment_state(blk, B, start % cfg.segment);
+        // The incoming segment state's adjoint, built only when asked for (d_in).
+        MacStateGradient<T> dseg = d_in != nullptr ? zero_segment_state(blk, B, start % cfg.segment)
+                                                   : MacStateGradient<T>{};
         Matrix<T> du = Matrix<T>::Zero(u.rows(), cfg.d_model);
         for (std::size_t k = segs.size(); k-- > 0;) {
             const MacSegmentTrace<T>& sg = segs[k];
@@ -291,7 +293,7 @@ private:
                 dsk += dlast->keys[sb];
                 dsv += dlast->values[sb];
             }
-            if (o > 0) {
+            if (o > 0 && !dseg.keys.empty()) {
                 dseg.keys[sb] = dsk.topRows(2 * o);
                 dseg.values[sb] = dsv.topRows(2 * o);
             }
