@@ -416,7 +416,8 @@ TEST_CASE("attn bwd: layer refusals", "[train][attention]") {
     attn.backward(trace, c.dy, dx, g);  // gradients add up
     CHECK(identical(g.w_q, (2 * once.w_q).eval()));
     Matrixd y3 = y1;
-    auto s3 = attn.make_state(c.batch + 1);  // another batch: refused, nothing written
+    // A batch that does not divide x's rows: refused, nothing written.
+    auto s3 = attn.make_state(static_cast<int>(c.x.rows()) + 1);
     CHECK_THROWS_AS(attn.forward(s3, c.x, y3, trace, &c.prefix, c.sharing), titans::ShapeError);
     CHECK(identical(y3, y1));
     CHECK(trace.rows() == c.x.rows());

@@ -269,6 +269,8 @@ TEST_CASE("mem bwd: state gradient refusals", "[train][memory]") {
     Modes m;
     BackwardCase c = draw_mem_case(m, 0, rng);  // conv on
     c.cfg.chunk = 2;
+    c.cfg.conv_kernel = std::max(c.cfg.conv_kernel, 2);  // a tail to refuse (K = 1 keeps none)
+    c.p = MemoryParams<double>::random(c.cfg, rng());
     c.x = random_matrix(c.batch * 7, c.cfg.d_model, rng);  // 3 chunks and a partial one
     c.dy = random_matrix(c.batch * 7, c.cfg.d_model, rng);
     titans::NeuralMemory<double> mem(c.cfg, c.p);
@@ -293,7 +295,7 @@ TEST_CASE("mem bwd: state gradient refusals", "[train][memory]") {
     REQUIRE_THROWS_NAMING(mem.backward(t1, take_tokens(c.dy, B, N, 0, 2), dx, g, nullptr, &bad),
                           titans::ShapeError, "conv_tail");
     bad = d;
-    bad.weights[0][0].resize(1, 1);
+    bad.weights[0][0].resize(bad.weights[0][0].rows() + 1, 1);  // never its own shape
     REQUIRE_THROWS_NAMING(mem.backward(t1, take_tokens(c.dy, B, N, 0, 2), dx, g, nullptr, &bad),
                           titans::ShapeError, "weights");
     bad = d;
