@@ -6,7 +6,7 @@
 
 #include <titans/backend/cuda/cuda.cuh>
 
-#include "test_common.hpp"
+#include "cuda_common.hpp"
 
 namespace {
 
@@ -117,9 +117,7 @@ double compare_case(const MemoryConfig& cfg, const titans::MemoryParamsd& p, con
 /// runs (compute-sanitizer).
 template <class T>
 void parity_sweep(const char* name, int cases_per_mode, double bound) {
-    if (const char* cap = std::getenv("TITANS_CUDA_PARITY_CASES"); cap != nullptr) {
-        cases_per_mode = std::min(cases_per_mode, std::max(1, std::atoi(cap)));
-    }
+    cases_per_mode = parity_cases(cases_per_mode);
     int index = 0;
     double worst = 0;
     for (const Modes& base : all_primary_modes()) {
@@ -269,17 +267,8 @@ TEST_CASE("cuda memory: errors leave the state", "[cuda]") {
         auto gs3 = gpu3.make_state(2);
         Matrixd x = random_matrix(2 * 7, f.cfg.d_model, rng, 0.5, 1.0);
         x.row(7 + 4) *= 1e10;
-        std::string cpu_message, gpu_message;
-        try {
-            (void)cpu3.forward(cs3, x);
-        } catch (const titans::NonFiniteError& e) {
-            cpu_message = e.what();
-        }
-        try {
-            (void)gpu3.forward(gs3, x);
-        } catch (const titans::NonFiniteError& e) {
-            gpu_message = e.what();
-        }
+        const std::string cpu_message = nonfinite_message([&] { (void)cpu3.forward(cs3, x); });
+        const std::string gpu_message = nonfinite_message([&] { (void)gpu3.forward(gs3, x); });
         INFO("CPU: " << cpu_message << "\nCUDA: " << gpu_message);
         REQUIRE(cpu_message.find("sequence 1, position 4") != std::string::npos);
         CHECK(gpu_message == cpu_message);

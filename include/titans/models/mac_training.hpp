@@ -166,7 +166,7 @@ struct MacTraining {
                                 where, "d_state_out.mac",
                                 "2 (position % segment) x n_heads * d_head");
         blk.memory_.check_weights(d.mac.snapshot, B, "Block::backward (d_state_out.mac.snapshot)");
-        if (!segment_finite(d.mac)) {
+        if (!all_finite_each(d.mac.snapshot)) {  // keys and values: checked above
             throw NonFiniteError(concat(where, ": d_state_out.mac has a NaN or infinite entry"));
         }
     }
