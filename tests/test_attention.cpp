@@ -650,7 +650,8 @@ struct FunctorAttention {
 
 // The CUDA backend's attention functors (RoPE of the fused rows, the window append, a thread
 // per (row, head)) run in loops equal the CPU layer: random configurations with and without
-// RoPE, shared and per-sequence prefixes or none, streams in random pieces
+// RoPE, shared and per-sequence prefixes or none, streams in random pieces; random, constant,
+// periodic, huge and tiny streams
 TEMPLATE_TEST_CASE("Attention: device functors", "[attention]", float, double) {
     using T = TestType;
     for (int i = 0; i < 24; ++i) {
@@ -663,7 +664,7 @@ TEMPLATE_TEST_CASE("Attention: device functors", "[attention]", float, double) {
         FunctorAttention<T> dev{cfg, params, B, N + 1, 0, 0, {}, {}};
         dev.k.assign(static_cast<std::size_t>(B * (N + 1) * cfg.inner_dim()), T(0));
         dev.v = dev.k;
-        const Matrix<T> x = to<T>(random_matrix(B * N, cfg.d_model, rng, -2.0, 2.0));
+        const Matrix<T> x = to<T>(stream_kind(random_matrix(B * N, cfg.d_model, rng, -2.0, 2.0), B, i));
         const Matrix<T> shared = to<T>(random_matrix(np, cfg.d_model, rng));
         const Matrix<T> per_seq = to<T>(random_matrix(B * np, cfg.d_model, rng));
         auto st = layer.make_state(B);

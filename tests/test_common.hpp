@@ -783,6 +783,20 @@ void put_tokens(M& x, const M& piece, int B, Eigen::Index N, Eigen::Index t0, Ei
     }
 }
 
+/// x as the streams of case `i` of a sweep: i % 5 == 1 constant (each sequence one row
+/// repeated), 2 periodic (a period of 3 rows), 3 huge (x 1e3), 4 tiny (x 1e-6), else as drawn.
+inline Matrixd stream_kind(Matrixd x, int B, int i) {
+    const Eigen::Index N = x.rows() / B;
+    for (int b = 0; b < B && (i % 5 == 1 || i % 5 == 2); ++b) {
+        for (Eigen::Index t = 1; t < N; ++t) {
+            x.row(b * N + t) = x.row(b * N + (i % 5 == 1 ? 0 : t % 3));
+        }
+    }
+    if (i % 5 == 3) x *= 1e3;
+    if (i % 5 == 4) x *= 1e-6;
+    return x;
+}
+
 /// Random piece lengths summing to N: empty pieces, single tokens, pieces within one span
 /// (chunk or segment) and pieces across several, and an empty call at the end.
 inline std::vector<int> random_pieces(Rng& rng, int N, int span) {

@@ -1,6 +1,7 @@
 // The attention layer, every block kind and the model on the CUDA backend against the CPU
 // backend (math §6-7): random widths, heads, windows and RoPE settings, every way of passing a
-// prefix, streams in random pieces (empty ones included), the kept window, transactions, the
+// prefix, random, constant, periodic, huge and tiny streams in random pieces (empty ones
+// included), the kept window, transactions, the
 // exact position of a non-finite output. CPU double is the reference: CUDA double within
 // 1e-12, CUDA float within 1e-5 of the same problem rounded to float, run in double.
 
@@ -48,7 +49,7 @@ struct AttentionInputs {
 };
 
 template <class T>
-AttentionInputs attention_inputs(Rng& rng) {
+AttentionInputs attention_inputs(Rng& rng, int index) {
     AttentionInputs in;
     in.cfg = random_config(rng);
     in.params = cast_attention<double>(
@@ -56,7 +57,10 @@ AttentionInputs attention_inputs(Rng& rng) {
     in.B = uniform_int(rng, 1, 3);
     in.N = uniform_int(rng, 1, 40);
     const int np = uniform_int(rng, 0, 4), d = in.cfg.d_model;
-    in.x = round_through<T>(random_matrix(in.B * in.N, d, rng, -2.0, 2.0));
+    // Float leaves out the huge streams: scores near 1e6 lose more than 1e-5 of the softmax to
+    // float's own rounding of the inputs (the problem's conditioning, not the backend's).
+    const int kind = std::is_same_v<T, float> && index % 5 == 3 ? 0 : index;
+    in.x = round_through<T>(stream_kind(random_matrix(in.B * in.N, d, rng, -2.0, 2.0), in.B, kind));
     in.shared = round_through<T>(random_matrix(np, d, rng, -1.5, 1.5));
     in.per_seq = round_through<T>(random_matrix(in.B * np, d, rng, -1.5, 1.5));
     in.kp = round_through<T>(in.shared * in.params.w_k);
@@ -113,7 +117,7 @@ template <class T>
 double attention_case(int index, double tol_) {
     Rng rng(seed_for(std::string("cuda attention ") + type_name<T>(),
                      static_cast<std::uint64_t>(index)));
-    const AttentionInputs in = attention_inputs<T>(rng);
+    const AttentionInputs in = attention_inputs<T>(rng, index);
     const Attention<double> cpu(in.cfg, in.params);
     const Attention<T, Cuda> gpu(in.cfg, cast_attention<T>(in.params));
     auto sc = cpu.make_state(in.B);
