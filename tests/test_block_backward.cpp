@@ -93,7 +93,7 @@ TEST_CASE("block bwd: FD, every kind", "[train][blocks]") {
     Matrixd dx;
     const BlockParams<double> g = block_gradients(c, dx);
     const auto loss = [&]() { return block_loss(c); };
-    const double atol = 1e-12 * std::max(1.0, std::abs(loss()));
+    const double atol = fd_floor(loss());
     const double ep = params_fd_error(c.p, g, c.cfg, atol, loss);
     const double ex = tensor_error(c.x.data(), dx.data(), c.x.size(), atol, loss);
     if (ex > 1e-6) UNSCOPED_INFO("x: " << ex);
@@ -242,7 +242,7 @@ TEST_CASE("block bwd: chained pieces", "[train][blocks]") {
                                                                               cuts, g, true, &y_pieces);
         auto s_inf = block.make_state(B);  // the inference forward over the whole stream
         CHECK(rel_error(y_pieces, block.forward(s_inf, c.x)) <= 1e-12);
-        const double floor = 1e-3 * gradient_scale(g_all, c.cfg, dx_all);
+        const double floor = chained_floor(g_all, c.cfg, dx_all);
         CHECK(note_error<double>("block chained pieces", rel_error(dx, dx_all, floor)) <= 1e-12);
         check_gradients_match(g, g_all, c.cfg, floor, "block chained pieces");
     }
@@ -365,7 +365,7 @@ TEST_CASE("model bwd: FD, mixed blocks", "[train][model]") {
     auto g = titans::ModelParams<double>::zeros(c.cfg);
     model.backward(trace, c.dout, g, &dx);
     const auto loss = [&]() { return c.dout.cwiseProduct(model_out(c)).sum(); };
-    const double atol = 1e-12 * std::max(1.0, std::abs(loss()));
+    const double atol = fd_floor(loss());
     double err = params_fd_error(c.p, g, c.cfg, atol, loss);
     if (c.ids.empty()) {
         err = std::max(err, tensor_error(c.x.data(), dx.data(), c.x.size(), atol, loss));
@@ -460,8 +460,8 @@ TEST_CASE("model bwd: chained pieces", "[train][model]") {
         }
         // Each tensor against its one-call value, relative to its own largest entry or, for a
         // tensor far below the gradient's scale (the largest entry of any gradient or dx; a
-        // final norm over large rows leaves the blocks' near 1e-6 of the head's), 1e-3 of it.
-        const double floor = 1e-3 * gradient_scale(g_all, c.cfg, dx_all);
+        // final norm over large rows leaves the blocks' near 1e-6 of the head's), chained_floor.
+        const double floor = chained_floor(g_all, c.cfg, dx_all);
         CHECK(note_error<double>("model chained pieces", rel_error(dx, dx_all, floor)) <= 1e-12);
         check_gradients_match(g, g_all, c.cfg, floor, "model chained pieces");
         titans::ModelStateGradient<double> wrong;

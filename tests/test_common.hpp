@@ -302,10 +302,18 @@ std::array<double, 5> derivative_estimates(F&& f) {
             ridders_derivative(f, 1e-4)};
 }
 
+/// The absolute error below which finite differences of a loss L cannot tell a gradient from
+/// its estimate: the rounding of a central difference at the estimators' step 1e-5,
+/// eps |L| / 1e-5 = 2.2e-11 |L| (|L| at least 1). Below it the estimates disagree among
+/// themselves: a gradient of 1e-6 |L| (a weight the output barely depends on) is estimated to
+/// 1e-5 relative at best, however right it is; a gradient that is exactly 0 (d_h = 1,
+/// normalised q, k and every token clipped) would fail on 1e-14 of noise.
+inline double fd_floor(double loss) {
+    return std::numeric_limits<double>::epsilon() / 1e-5 * std::max(1.0, std::abs(loss));
+}
+
 /// For one tensor (entries value[0, n), analytic gradient grad): the best estimator's
-/// max(max|grad - fd| - atol, 0) / max(max|fd|, 1e-8). atol = 1e-12 max(1, |L|) is the
-/// differencing noise floor (a gradient that is exactly 0, as with d_h = 1, normalised q, k and
-/// every token clipped, would otherwise fail on 1e-14 of noise).
+/// max(max|grad - fd| - atol, 0) / max(max|fd|, 1e-8), atol normally fd_floor(L).
 template <class L>
 double tensor_error(double* value, const double* grad, Eigen::Index n, double atol, L&& loss) {
     std::array<double, 5> num{}, den{};

@@ -120,7 +120,7 @@ double mem_fd_error(BackwardCase& c) {
     Matrixd dx;
     const MemoryParams<double> g = mem_gradients(c, dx);
     const auto loss = [&]() { return mem_loss(c); };
-    const double atol = 1e-12 * std::max(1.0, std::abs(loss()));
+    const double atol = fd_floor(loss());
     const double worst = params_fd_error(c.p, g, c.cfg, atol, loss);
     const double ex = tensor_error(c.x.data(), dx.data(), c.x.size(), atol, loss);
     if (ex > 1e-6) UNSCOPED_INFO("x: " << ex);
