@@ -3,12 +3,19 @@
 //
 //   nonfinite_message(f)   the what() of the NonFiniteError f() throws ("" if none)
 //   parity_cases(n)        n, capped by TITANS_CUDA_PARITY_CASES (short compute-sanitizer runs)
+//   state_tensors(st)      every tensor State::tensors visits, as (name, host copy in double);
+//                          the position as a 1 x 1 entry: what a checkpoint would write
+//   same_tensors(a, b)     two of those equal: the same names, shapes and bits
 
 #include "test_common.hpp"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
 
 namespace titans_test {
 
@@ -27,6 +34,26 @@ inline int parity_cases(int cases) {
         return std::min(cases, std::max(1, std::atoi(cap)));
     }
     return cases;
+}
+
+template <class State>
+std::vector<std::pair<std::string, Matrixd>> state_tensors(const State& st) {
+    std::vector<std::pair<std::string, Matrixd>> out;
+    State::tensors(st, [&](const std::string& name, const auto& x) {
+        if constexpr (std::is_same_v<std::decay_t<decltype(x)>, std::int64_t>) {
+            out.emplace_back(name, Matrixd::Constant(1, 1, static_cast<double>(x)));
+        } else {
+            out.emplace_back(name, x.template cast<double>());
+        }
+    });
+    return out;
+}
+
+inline bool same_tensors(const std::vector<std::pair<std::string, Matrixd>>& a,
+                         const std::vector<std::pair<std::string, Matrixd>>& b) {
+    return std::equal(a.begin(), a.end(), b.begin(), b.end(), [](const auto& x, const auto& y) {
+        return x.first == y.first && identical(x.second, y.second);
+    });
 }
 
 }  // namespace titans_test

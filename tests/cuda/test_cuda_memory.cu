@@ -247,9 +247,11 @@ TEST_CASE("cuda memory: errors leave the state", "[cuda]") {
         auto cs2 = cpu2.make_state(2);
         auto gs2 = gpu2.make_state(2);
         const Matrixd x = random_matrix(2 * 7, f.cfg.d_model, rng);
+        const auto before = state_tensors(gs2);  // every row, the unused pending ones too
         REQUIRE_THROWS_AS(cpu2.forward(cs2, x), titans::NonFiniteError);
         REQUIRE_THROWS_NAMING(gpu2.forward(gs2, x), titans::NonFiniteError, "expected finite");
         REQUIRE(gs2.position() == 0);
+        CHECK(same_tensors(state_tensors(gs2), before));
         CHECK(rel_error(gpu2.current_weights(gs2, 1, 1), f.p.memory_init[1]) == 0.0);
         CHECK(rel_error(gpu2.forward(gs2, x.topRows(6)), cpu2.forward(cs2, x.topRows(6))) <= 1e-12);
     }
@@ -287,12 +289,18 @@ TEST_CASE("cuda memory: errors leave the state", "[cuda]") {
         REQUIRE_THROWS_AS(gpu.read(foreign, x1), titans::ConfigError);
         REQUIRE(foreign.position() == 0);
     }
-    // A transaction over two calls, rolled back.
+    // A transaction over two calls (from mid-chunk, over a chunk end), rolled back: a
+    // checkpoint would write what it wrote before, bit for bit.
+    const Matrixd x_one = random_matrix(2 * 1, f.cfg.d_model, rng);
+    (void)gpu.forward(gs, x_one);
+    (void)cpu.forward(cs, x_one);
+    const auto at_begin = state_tensors(gs);
     REQUIRE(gpu.begin(gs));
-    (void)gpu.forward(gs, random_matrix(2 * 5, f.cfg.d_model, rng));
+    (void)gpu.forward(gs, random_matrix(2 * 1, f.cfg.d_model, rng));
     (void)gpu.forward(gs, random_matrix(2 * 3, f.cfg.d_model, rng));
     gpu.rollback(gs);
-    REQUIRE(gs.position() == 6);
+    REQUIRE(gs.position() == 7);
+    CHECK(same_tensors(state_tensors(gs), at_begin));
     // A copy is a snapshot: advance the original, then continue the copy.
     auto snapshot = gs;
     (void)gpu.forward(gs, random_matrix(2 * 9, f.cfg.d_model, rng));

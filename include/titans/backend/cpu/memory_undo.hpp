@@ -29,7 +29,6 @@ struct MemoryUndo {
         if (u.open) {
             return false;
         }
-        u.open = true;
         u.position = st.position_;
         u.conv_tail.resize(st.conv_tail_.size());
         for (std::size_t i = 0; i < st.conv_tail_.size(); ++i) {
@@ -41,6 +40,7 @@ struct MemoryUndo {
             hu.all_saved = false;
             hu.saved_hi = row;
         }
+        u.open = true;  // only once nothing above can throw (an allocation may)
         return true;
     }
 

@@ -123,7 +123,12 @@ struct AttentionKernels<Cuda, T> {
         u.cap = st.cap_;
         return true;
     }
-    static void commit(State& st) { st.undo_.open = false; }
+    static void commit(State& st) {
+        auto& u = st.undo_;
+        u.open = false;
+        Buf().swap(u.k);  // the window before a move: not needed past the transaction
+        Buf().swap(u.v);
+    }
     static void rollback(State& st) {
         auto& u = st.undo_;
         if (!u.open) {
@@ -192,28 +197,35 @@ struct AttentionKernels<Cuda, T> {
             return;
         }
         const long long cap = h + N + std::max<long long>(st.cfg_.window - 1, 1);
-        auto& u = st.undo_;
-        for (Buf* buf : {&st.k_, &st.v_}) {
-            Buf fresh(static_cast<std::size_t>(B * cap * D));
-            if (h > 0) {
-                cuda::check(cudaMemcpy2DAsync(
-                                fresh.data(), static_cast<std::size_t>(cap * D) * sizeof(T),
-                                buf->data() + st.off_ * D,
-                                static_cast<std::size_t>(st.cap_ * D) * sizeof(T),
-                                static_cast<std::size_t>(h * D) * sizeof(T),
-                                static_cast<std::size_t>(B), cudaMemcpyDeviceToDevice,
-                                st.ctx_->stream()),
-                            "cudaMemcpy2DAsync (attention window)");
-                st.ctx_->synchronize();  // the old buffer may be freed at the end of this turn
-            }
-            if (u.open && !u.saved) {
-                (buf == &st.k_ ? u.k : u.v).swap(*buf);
-            }
-            buf->swap(fresh);
+        // Both new buffers filled before the state changes (an allocation or copy may throw).
+        Buf k(static_cast<std::size_t>(B * cap * D)), v(static_cast<std::size_t>(B * cap * D));
+        if (h > 0) {
+            move_rows(st.ctx_->stream(), k.data(), st.k_.data() + st.off_ * D, B, h * D, cap * D,
+                      st.cap_ * D);
+            move_rows(st.ctx_->stream(), v.data(), st.v_.data() + st.off_ * D, B, h * D, cap * D,
+                      st.cap_ * D);
+            st.ctx_->synchronize();  // the old buffers may be freed at the end of this turn
         }
-        u.saved = u.saved || u.open;
+        auto& u = st.undo_;
+        if (u.open && !u.saved) {
+            u.k.swap(st.k_);
+            u.v.swap(st.v_);
+            u.saved = true;
+        }
+        st.k_.swap(k);
+        st.v_.swap(v);
         st.cap_ = cap;
         st.off_ = 0;
+    }
+
+    /// B runs of n entries, src + b * ss to dst + b * ds (separate buffers). A kernel, not
+    /// cudaMemcpy2D: a long window's pitch may pass the device's largest copy pitch.
+    static void move_rows(cudaStream_t sm, T* dst, const T* src, long long B, long long n,
+                          long long ds, long long ss) {
+        cuda::each(sm, B * n, [=] __device__(unsigned i) {
+            const long long b = i / cuda::u32(n), j = i % cuda::u32(n);
+            dst[b * ds + j] = src[b * ss + j];
+        });
     }
 
     /// The piece's keys and values (rotated) after each sequence's kept rows.
@@ -253,22 +265,25 @@ struct AttentionKernels<Cuda, T> {
         cuda::each(sm, st.batch_ * N * cfg.n_heads, f);
     }
 
-    /// The first row of y holding a NaN or an infinity, or -1 (synchronises the stream).
-    static long long first_nonfinite_row(const cuda::StreamContext& cx, View<T> y, int* flag) {
-        cuda::check(cudaMemsetAsync(flag, 0x7f, sizeof(int), cx.stream()), "cudaMemsetAsync");
+    /// The first row of y holding a NaN or an infinity, or -1 (synchronises the stream). Rows
+    /// as unsigned keys, none = 0xFFFFFFFF: each() bounds rows x cols below 2^32, so a row is
+    /// at most 2^32 - 2.
+    static long long first_nonfinite_row(const cuda::StreamContext& cx, View<T> y,
+                                         unsigned* flag) {
+        cuda::check(cudaMemsetAsync(flag, 0xff, sizeof(unsigned), cx.stream()), "cudaMemsetAsync");
         const T* yp = y.data;
         const long long cols = y.cols, ys = y.stride;
         cuda::each(cx.stream(), y.rows * cols, [=] __device__(unsigned i) {
             const unsigned r = i / cuda::u32(cols), c = i % cuda::u32(cols);
             if (cuda::not_finite(yp[r * ys + c])) {
-                atomicMin(flag, static_cast<int>(r));
+                atomicMin(flag, r);
             }
         });
-        int host = 0;
-        cuda::check(cudaMemcpyAsync(&host, flag, sizeof(int), cudaMemcpyDeviceToHost, cx.stream()),
+        unsigned host = 0;
+        cuda::check(cudaMemcpyAsync(&host, flag, sizeof(host), cudaMemcpyDeviceToHost, cx.stream()),
                     "cudaMemcpyAsync (non-finite row)");
         cx.synchronize();
-        return host == 0x7f7f7f7f ? -1 : host;
+        return host == 0xFFFFFFFFu ? -1 : static_cast<long long>(host);
     }
 };
 

@@ -47,14 +47,19 @@ public:
     [[nodiscard]] bool well_formed() const {
         return batch_ >= 1 && ctx_.has_value() && rows_ >= 0 && off_ >= 0 &&
                off_ + rows_ <= cap_ &&
-               k_.size() == static_cast<std::size_t>(batch_ * cap_ * cfg_.inner_dim());
+               k_.size() == static_cast<std::size_t>(batch_ * cap_ * cfg_.inner_dim()) &&
+               v_.size() == k_.size();
     }
     /// Rows kept per sequence: min(w - 1, position).
     [[nodiscard]] long long kept_rows() const { return rows_; }
     /// Rows of sequence b's kept keys and values: both min(w - 1, position) when well_formed(),
     /// else (just loaded from inconsistent tensors) the rows loaded.
     [[nodiscard]] std::pair<long long, long long> window_rows(int b) const {
-        return well_formed() ? std::pair{rows_, rows_} : loaded_[static_cast<std::size_t>(b)];
+        if (well_formed()) {
+            return {rows_, rows_};
+        }
+        const auto i = static_cast<std::size_t>(b);
+        return i < loaded_.size() ? loaded_[i] : std::pair<long long, long long>{0, 0};
     }
     /// A host copy of sequence b's kept keys (rotated if rope): min(w - 1, position) x D,
     /// oldest first (synchronous download).
@@ -109,7 +114,7 @@ public:
     /// Per-call workspaces (cuda::Scratch: a copy of the state starts with none).
     struct Work {
         Buf qkv, o;
-        backend::cuda::DeviceBuffer<int> flag;
+        backend::cuda::DeviceBuffer<unsigned> flag;
     };
 
 private:
@@ -132,20 +137,27 @@ private:
             rows_ = -1;
             return;
         }
-        cap_ = h + std::max<long long>(cfg_.window - 1, 1);
+        const long long cap = h + std::max<long long>(cfg_.window - 1, 1);
+        // Both buffers filled before the state changes (an allocation or copy may throw).
+        Buf kb = upload_rows(k, h, cap), vb = upload_rows(v, h, cap);
+        k_.swap(kb);
+        v_.swap(vb);
+        cap_ = cap;
         off_ = 0;
         rows_ = h;
-        for (auto [buf, src] : {std::pair{&k_, &k}, std::pair{&v_, &v}}) {
-            Buf fresh(static_cast<std::size_t>(batch_ * cap_ * D));
-            for (std::size_t b = 0; b < src->size() && h > 0; ++b) {
-                backend::cuda::check(
-                    cudaMemcpy(fresh.data() + static_cast<long long>(b) * cap_ * D,
-                               (*src)[b].data(), static_cast<std::size_t>(h * D) * sizeof(T),
-                               cudaMemcpyHostToDevice),
-                    "cudaMemcpy (attention window from host)");
-            }
-            buf->swap(fresh);
+    }
+    /// Per sequence b, its h host rows at b * cap rows of a new buffer of batch x cap rows.
+    Buf upload_rows(const std::vector<Matrix<T>>& src, long long h, long long cap) const {
+        const long long D = cfg_.inner_dim();
+        Buf fresh(static_cast<std::size_t>(batch_ * cap * D));
+        for (std::size_t b = 0; b < src.size() && h > 0; ++b) {
+            backend::cuda::check(cudaMemcpy(fresh.data() + static_cast<long long>(b) * cap * D,
+                                            src[b].data(),
+                                            static_cast<std::size_t>(h * D) * sizeof(T),
+                                            cudaMemcpyHostToDevice),
+                                 "cudaMemcpy (attention window from host)");
         }
+        return fresh;
     }
 
     Matrix<T> kept(const Buf& buf, int b) const {

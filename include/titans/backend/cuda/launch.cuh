@@ -16,8 +16,12 @@ namespace titans::backend::cuda {
 template <class F>
 __global__ void each_kernel(unsigned n, F f) {
     const unsigned step = gridDim.x * blockDim.x;
+    // i + step may pass 2^32 (n up to 2^32 - 1, step up to 2^24): stop before it would wrap.
     for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += step) {
         f(i);
+        if (n - i <= step) {
+            break;
+        }
     }
 }
 

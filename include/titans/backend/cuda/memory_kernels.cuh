@@ -148,11 +148,12 @@ struct MemoryKernels<Cuda, T> {
         if (st.undo_.open) {
             return false;
         }
-        st.undo_.open = true;
-        st.undo_.full = false;
-        st.undo_.position = st.position_;
         copy_into(st.undo_.tail, st.tail_, st.ctx_->stream());
         st.ctx_->synchronize();
+        st.undo_.position = st.position_;  // opened only once nothing above can throw
+        st.undo_.full = false;
+        st.undo_.saved_hi = st.pending();
+        st.undo_.open = true;
         return true;
     }
     static void commit(State& st) { st.undo_.open = false; }
@@ -161,22 +162,25 @@ struct MemoryKernels<Cuda, T> {
             return;
         }
         const cudaStream_t sm = st.ctx_->stream();
-        if (st.undo_.full) {
+        auto& u = st.undo_;
+        const int row0 = static_cast<int>(u.position % st.chunk_);
+        if (u.full) {
             for (std::size_t l = 0; l < st.w_.size(); ++l) {
-                copy_into(st.w_[l], st.undo_.w[l], sm);
-                copy_into(st.s_[l], st.undo_.s[l], sm);
-                copy_into(st.a_[l], st.undo_.a[l], sm);
-                copy_into(st.delta_[l], st.undo_.delta[l], sm);
+                copy_into(st.w_[l], u.w[l], sm);
+                copy_into(st.s_[l], u.s[l], sm);
             }
-            copy_into(st.gates_, st.undo_.gates, sm);
+            pending_rows(st, true, 0, std::max(u.saved_hi, row0));
+        } else {
+            pending_rows(st, true, row0, u.saved_hi - row0);
         }
-        copy_into(st.tail_, st.undo_.tail, sm);
+        copy_into(st.tail_, u.tail, sm);
         st.position_ = st.undo_.position;
         st.undo_.open = false;
         st.ctx_->synchronize();
     }
-    /// Before the first chunk end inside a transaction: the memory and pending rows are still
-    /// as they were at begin (rows written since lie past the pending count at begin).
+    /// Before the first chunk end inside a transaction: the memory and the rows pending at
+    /// begin [0, row0) are still as they were then (the rows written since were saved by
+    /// save_rows before they were).
     static void save_full(State& st) {
         if (!st.undo_.open || st.undo_.full) {
             return;
@@ -184,10 +188,47 @@ struct MemoryKernels<Cuda, T> {
         const cudaStream_t sm = st.ctx_->stream();
         copy_all(st.undo_.w, st.w_, sm);
         copy_all(st.undo_.s, st.s_, sm);
-        copy_all(st.undo_.a, st.a_, sm);
-        copy_all(st.undo_.delta, st.delta_, sm);
-        copy_into(st.undo_.gates, st.gates_, sm);
+        pending_rows(st, false, 0, static_cast<int>(st.undo_.position % st.chunk_));
         st.undo_.full = true;
+    }
+    /// Before rows [o, o+m) of the pending arrays (A, Delta, gates) are written: saves those
+    /// not saved yet since begin (until the first chunk end saves the rest), so a rollback
+    /// gives back every row as it was, the rows past the pending count too (checkpoints
+    /// write all b of them). The CPU's MemoryUndo::save_rows.
+    static void save_rows(State& st, int o, long long m) {
+        auto& u = st.undo_;
+        if (!u.open || u.full || o + m <= u.saved_hi) {
+            return;
+        }
+        pending_rows(st, false, u.saved_hi, static_cast<int>(o + m - u.saved_hi));
+        u.saved_hi = static_cast<int>(o + m);
+    }
+    /// Rows [lo, lo+n) of every pair of A_l, Delta_l (each layer) and the gate logits: from the
+    /// state into the undo buffers (sized on first use), or back when `restore`.
+    static void pending_rows(State& st, bool restore, int lo, int n) {
+        if (n <= 0) {
+            return;
+        }
+        auto& u = st.undo_;
+        const cudaStream_t sm = st.ctx_->stream();
+        const long long P = static_cast<long long>(st.batch_) * st.cfg_.n_heads;
+        const int b = st.chunk_;
+        auto one = [&](Buf& live, Buf& saved, long long width) {
+            saved.reserve(live.size());
+            T* dst = restore ? live.data() : saved.data();
+            const T* src = restore ? saved.data() : live.data();
+            copy_rows(sm, dst, src, P, b, b, lo, lo, n, width);
+        };
+        u.a.resize(st.a_.size());
+        u.delta.resize(st.delta_.size());
+        for (std::size_t l = 0; l < st.a_.size(); ++l) {
+            const auto L = static_cast<int>(l) + 1;
+            one(st.a_[l], u.a[l], st.cfg_.layer_in(L));
+            one(st.delta_[l], u.delta[l], st.cfg_.layer_out(L));
+        }
+        if (st.gates_.size() > 0) {
+            one(st.gates_, u.gates, 3);
+        }
     }
 
     // ---------------------------------------------------------------------------------------
@@ -201,11 +242,13 @@ struct MemoryKernels<Cuda, T> {
         return w;
     }
 
-    /// Grows the workspaces for B sequences of N rows with chunk b.
+    /// Grows the workspaces for B sequences of N rows with chunk b. The per-pair scratch of
+    /// the scan (t1, z) holds at most a chunk's b rows; the hidden activations of a read
+    /// (hid) hold `read_rows` per pair: b in the scan, all N in read_through.
     static void reserve(const MemoryConfig& cfg, typename State::Work& w, int B, long long N,
-                        int b) {
+                        int b, long long read_rows) {
         const long long H = cfg.n_heads, D = cfg.inner_dim(), P = B * H, M = B * N;
-        const long long R = std::max<long long>(b, N), wd = widest(cfg);
+        const long long R = b, wd = widest(cfg);
         auto sz = [](long long n) { return static_cast<std::size_t>(n); };
         w.u.reserve(sz(M * 3 * D));
         w.logits.reserve(sz(M * 3 * H));
@@ -225,7 +268,7 @@ struct MemoryKernels<Cuda, T> {
         w.hid.resize(static_cast<std::size_t>(cfg.depth));
         for (int l = 1; l <= cfg.depth; ++l) {
             w.z[static_cast<std::size_t>(l - 1)].reserve(sz(P * R * cfg.layer_out(l)));
-            w.hid[static_cast<std::size_t>(l - 1)].reserve(sz(P * R * cfg.layer_out(l)));
+            w.hid[static_cast<std::size_t>(l - 1)].reserve(sz(P * read_rows * cfg.layer_out(l)));
         }
         w.flags.reserve(5);
     }
@@ -482,15 +525,17 @@ struct MemoryKernels<Cuda, T> {
     // math §4-5: one chunk segment of the scan, all pairs at once.
     // ---------------------------------------------------------------------------------------
     /// Rows [t, t+m) of the pair-major src (N rows, `width` wide) to rows [o, o+m) of dst
-    /// (b rows), per pair.
+    /// (b rows), per pair. A kernel, not cudaMemcpy2D: a piece's pitch N width may pass the
+    /// device's largest copy pitch (cudaDevAttrMaxPitch).
     static void copy_rows(cudaStream_t sm, T* dst, const T* src, long long P, int b, long long N,
                           long long t, int o, long long m, long long width) {
-        const std::size_t e = sizeof(T);
-        cuda::check(cudaMemcpy2DAsync(dst + o * width, static_cast<std::size_t>(b * width) * e,
-                                      src + t * width, static_cast<std::size_t>(N * width) * e,
-                                      static_cast<std::size_t>(m * width) * e,
-                                      static_cast<std::size_t>(P), cudaMemcpyDeviceToDevice, sm),
-                    "cudaMemcpy2DAsync (pending rows)");
+        const long long run = m * width, ds = b * width, ss = N * width;
+        T* d0 = dst + o * width;
+        const T* s0 = src + t * width;
+        cuda::each(sm, P * run, [=] __device__(unsigned i) {
+            const long long p = i / cuda::u32(run), rc = i % cuda::u32(run);
+            d0[p * ds + rc] = s0[p * ss + rc];
+        });
     }
 
     /// Keys of tokens [t, t+m) forward through W^s and backward through the loss (math §2)
@@ -664,6 +709,7 @@ struct MemoryKernels<Cuda, T> {
         while (t < N) {
             const int o = static_cast<int>((st.position_ + t) % b);
             const long long m = std::min<long long>(b - o, N - t);
+            save_rows(st, o, m);
             key_pass(cfg, st, N, t, o, m);
             if (cfg.gates != GateMode::Constant) {
                 copy_rows(sm, st.gates_.data(), w.lp.data(), P, b, N, t, o, m, 3);
@@ -761,7 +807,7 @@ struct MemoryKernels<Cuda, T> {
                         dh = cfg.head_dim();
         const cuda::StreamContext& cx = *st.ctx_;
         auto& w = *st.work_;
-        reserve(cfg, w, B, N, st.chunk_);
+        reserve(cfg, w, B, N, st.chunk_, st.chunk_);
         int* flags = w.flags.data();
         const FlagKey by_row{cfg.n_heads, N, 1};
         cuda::check(cudaMemsetAsync(flags, 0x7f, 5 * sizeof(int), cx.stream()), "cudaMemsetAsync");
@@ -856,7 +902,7 @@ struct MemoryKernels<Cuda, T> {
         if (n == 0) {
             return pointers(weights ? ms.w_ : ms.s_);
         }
-        reserve(cfg, w, st.batch_, 1, st.chunk_);
+        reserve(cfg, w, st.batch_, 1, st.chunk_, st.chunk_);
         const cudaStream_t sm = st.ctx_->stream();
         copy_all(w.w, st.w_, sm);
         copy_all(w.s, st.s_, sm);
@@ -874,9 +920,9 @@ struct MemoryKernels<Cuda, T> {
         if (N == 0) {
             return;
         }
-        reserve(cfg, w, B, N, b);
+        reserve(cfg, w, B, N, b, N);
         project(cfg, p, cx, w, x, B, N, conv, const_cast<T*>(tail), false, true);
-        mlp_read(cfg, cx, W, w.q.data(), N * dh, N, w.hid, std::max<long long>(b, N), w.yp.data(),
+        mlp_read(cfg, cx, W, w.q.data(), N * dh, N, w.hid, N, w.yp.data(),
                  N * dh, B * cfg.n_heads);
         output(cfg, p, cx, w, B, N, y);
         cx.synchronize();

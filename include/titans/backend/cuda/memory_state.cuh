@@ -98,10 +98,12 @@ public:
     // function's parameters).
     using Buf = backend::cuda::DeviceBuffer<T>;
     /// What a transaction (begin .. commit / rollback) keeps: the position and conv tails at
-    /// begin, and, from the first chunk end inside it, the memory and pending rows as they
-    /// were at begin (unchanged until that chunk end).
+    /// begin; the pending arrays' rows [pending at begin, saved_hi) before this transaction
+    /// first wrote them; from the first chunk end inside it, the memory and the rows pending
+    /// at begin (unchanged until that chunk end).
     struct Undo {
         bool open = false, full = false;
+        int saved_hi = 0;
         std::int64_t position = 0;
         Buf tail;
         std::vector<Buf> w, s, a, delta;

@@ -12,6 +12,13 @@
 
 #include "../../error.hpp"
 
+// The backend orders its blocking copies (cudaMemcpy, DeviceBuffer::copy_from, Transfer) with
+// the work on its own streams through the legacy default stream's implicit synchronisation;
+// a per-thread default stream would leave those copies unordered.
+#if defined(CUDA_API_PER_THREAD_DEFAULT_STREAM)
+#error "titans (CUDA backend): compile without --default-stream per-thread (see runtime.cuh)"
+#endif
+
 namespace titans {
 
 /// A CUDA runtime or cuBLAS call failed (no device, out of device memory, a launch error).
@@ -166,9 +173,16 @@ public:
             (void)cudaStreamDestroy(stream_);
             throw CudaError("titans (CUDA backend): cublasCreate failed");
         }
-        check(cublasSetStream(blas_, stream_), "cublasSetStream");
-        check(cublasSetMathMode(blas_, tf32_ ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH),
-              "cublasSetMathMode");
+        try {
+            check(cublasSetStream(blas_, stream_), "cublasSetStream");
+            check(cublasSetMathMode(blas_,
+                                    tf32_ ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH),
+                  "cublasSetMathMode");
+        } catch (...) {  // no destructor runs for an object whose constructor threw
+            (void)cublasDestroy(blas_);
+            (void)cudaStreamDestroy(stream_);
+            throw;
+        }
     }
     /// A copy has its own stream and handle, with the same math mode.
     StreamContext(const StreamContext& o) : StreamContext(o.tf32_) {}
