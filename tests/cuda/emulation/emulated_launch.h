@@ -4,7 +4,8 @@
 // shuffles and atomics.
 //
 // A launch runs at the call, on the launching host thread: its blocks one after another, a
-// block's threads as fibers (ucontext) of that host thread. A fiber runs threads of the block
+// block's threads as fibers of that host thread (on x86-64 a stack switch of our own, which
+// costs a few nanoseconds; elsewhere ucontext, whose swapcontext makes a system call). A fiber runs threads of the block
 // in order until one of them waits (at __syncthreads or a warp shuffle); the block's scheduler
 // then starts the next threads on other fibers and resumes a waiting fiber once its barrier
 // has opened. A kernel that never waits (the element-wise each()) thus runs as a plain loop on
@@ -54,10 +55,79 @@ inline thread_local dim3 gridDim;
 
 namespace cuda_emulation {
 
+#if defined(__x86_64__)
+/// A suspended context: its stack pointer, where switch_context pushed its callee-saved
+/// registers, its floating-point control words and its resume address.
+struct Context {
+    void* sp = nullptr;
+};
+
+/// Saves the running context into *from (its stack pointer after pushing rbp, rbx, r12-r15
+/// and the MXCSR and x87 control words) and resumes the context whose stack pointer is `to`.
+[[gnu::naked, gnu::noinline]] inline void switch_stack(void** /*from*/, void* /*to*/) {
+    asm volatile(
+        "pushq %rbp\n\t"
+        "pushq %rbx\n\t"
+        "pushq %r12\n\t"
+        "pushq %r13\n\t"
+        "pushq %r14\n\t"
+        "pushq %r15\n\t"
+        "subq $8, %rsp\n\t"
+        "stmxcsr (%rsp)\n\t"
+        "fnstcw 4(%rsp)\n\t"
+        "movq %rsp, (%rdi)\n\t"
+        "movq %rsi, %rsp\n\t"
+        "ldmxcsr (%rsp)\n\t"
+        "fldcw 4(%rsp)\n\t"
+        "addq $8, %rsp\n\t"
+        "popq %r15\n\t"
+        "popq %r14\n\t"
+        "popq %r13\n\t"
+        "popq %r12\n\t"
+        "popq %rbx\n\t"
+        "popq %rbp\n\t"
+        "ret\n\t");
+}
+
+inline void switch_context(Context& from, Context& to) { switch_stack(&from.sp, to.sp); }
+
+/// A context that starts entry() (which must never return) on the stack [base, base + size):
+/// the frame switch_stack pops, with the current control words and entry as the return
+/// address, placed so that entry starts with the stack aligned as after a call.
+inline void make_context(Context& c, void* base, std::size_t size, void (*entry)()) {
+    auto top = (reinterpret_cast<std::uintptr_t>(base) + size) & ~std::uintptr_t(15);
+    auto* frame = reinterpret_cast<std::uint64_t*>(top - 72);  // 9 slots, 8 mod 16
+    std::memset(frame, 0, 72);
+    std::uint32_t mxcsr = 0;
+    std::uint16_t fpucw = 0;
+    asm volatile("stmxcsr %0" : "=m"(mxcsr));
+    asm volatile("fnstcw %0" : "=m"(fpucw));
+    std::memcpy(frame, &mxcsr, 4);
+    std::memcpy(reinterpret_cast<char*>(frame) + 4, &fpucw, 2);
+    frame[7] = reinterpret_cast<std::uint64_t>(entry);  // after the control words and 6 registers
+    c.sp = frame;
+}
+#else
+/// A suspended context (ucontext elsewhere than x86-64).
+struct Context {
+    ucontext_t uc{};
+};
+
+inline void switch_context(Context& from, Context& to) { swapcontext(&from.uc, &to.uc); }
+
+inline void make_context(Context& c, void* base, std::size_t size, void (*entry)()) {
+    getcontext(&c.uc);
+    c.uc.uc_stack.ss_sp = base;
+    c.uc.uc_stack.ss_size = size;
+    c.uc.uc_link = nullptr;
+    makecontext(&c.uc, entry, 0);
+}
+#endif
+
 /// A fiber: a stack and a context. `busy` while it is inside a thread of the block (running or
 /// waiting), idle between blocks.
 struct Fiber {
-    ucontext_t ctx{};
+    Context ctx;
     void* stack = nullptr;
     std::size_t stack_size = 0;
     unsigned thread = 0;                  // the block-linear index of the thread it runs
@@ -100,7 +170,7 @@ struct Block {
 
 /// A host thread's emulated device: its fibers and the block they run.
 struct Scheduler {
-    ucontext_t main{};
+    Context main;
     std::vector<std::unique_ptr<Fiber>> fibers;
     std::vector<Fiber*> idle;
     std::vector<Fiber*> waiting;
@@ -138,7 +208,7 @@ inline void to_fiber(Scheduler& s, Fiber& f) {
 #if defined(CUDA_EMULATION_ASAN)
     __sanitizer_start_switch_fiber(&s.fake_stack, f.stack, f.stack_size);
 #endif
-    swapcontext(&s.main, &f.ctx);
+    switch_context(s.main, f.ctx);
 #if defined(CUDA_EMULATION_ASAN)
     __sanitizer_finish_switch_fiber(s.fake_stack, nullptr, nullptr);
 #endif
@@ -158,7 +228,7 @@ inline void to_scheduler(Scheduler& s, Fiber& f) {
 #if defined(CUDA_EMULATION_ASAN)
     __sanitizer_start_switch_fiber(&f.fake_stack, s.main_bottom, s.main_size);
 #endif
-    swapcontext(&f.ctx, &s.main);
+    switch_context(f.ctx, s.main);
     arrived_on_fiber(s, f);
 }
 
@@ -202,11 +272,7 @@ inline Fiber& idle_fiber(Scheduler& s) {
     mprotect(mem, page, PROT_NONE);  // guard page: a stack overflow faults
     f->stack = static_cast<char*>(mem) + page;
     f->stack_size = fiber_stack;
-    getcontext(&f->ctx);
-    f->ctx.uc_stack.ss_sp = f->stack;
-    f->ctx.uc_stack.ss_size = fiber_stack;
-    f->ctx.uc_link = nullptr;
-    makecontext(&f->ctx, fiber_main, 0);
+    make_context(f->ctx, f->stack, fiber_stack, fiber_main);
     s.fibers.push_back(std::move(f));
     return *s.fibers.back();
 }
