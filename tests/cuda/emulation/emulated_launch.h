@@ -393,8 +393,11 @@ T exchange(unsigned mask, T var, unsigned src) {
     return out;
 }
 
-/// The lane of the running thread.
-inline unsigned lane_id() { return scheduler.current->thread % 32; }
+/// The lane of the running thread (device code only).
+inline unsigned lane_id() {
+    (void)this_block();
+    return scheduler.current->thread % 32;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Launch
