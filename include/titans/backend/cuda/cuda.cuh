@@ -13,8 +13,13 @@
 // (forward), RMSNorm and FeedForward (forward and backward); Block<T, Cuda> and Model<T, Cuda>
 // run their sub-layers on the GPU and their glue on the host. Training of the memory and the
 // attention is CPU-only (docs/cuda.md).
+//
+// Outside nvcc the backend compiles only under TITANS_CUDA_EMULATION, the CPU emulation of
+// the CUDA runtime and cuBLAS that the tests use where there is no GPU (tests/cuda/emulation/).
 
-#if !defined(__CUDACC__)
+#include "../../config.hpp"
+
+#if !TITANS_CUDA_DEVICE_CODE
 #error "titans/backend/cuda/cuda.cuh is for CUDA translation units (nvcc); use the CPU backend elsewhere"
 #endif
 

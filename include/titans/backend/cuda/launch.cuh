@@ -1,18 +1,33 @@
 #pragma once
-// titans/backend/cuda/launch.cuh: the elementwise launcher the CUDA backend's kernels use.
+// titans/backend/cuda/launch.cuh: the kernel launches of the CUDA backend.
 //
+// launch(kernel, grid, block, stream, args...) is the one place a kernel is launched:
+// kernel<<<grid, block, 0, stream>>>(args...) under nvcc, the CPU emulator's launch under
+// TITANS_CUDA_EMULATION (tests/cuda/emulation/emulated_launch.h).
 // each(stream, n, f) runs f(i) for i in [0, n) on the device, f a __device__ lambda
 // (nvcc --extended-lambda, which the titans::cuda target adds) or functor.
 
 #include <algorithm>
 #include <limits>
+#include <utility>
 
 #include "../../config.hpp"
 #include "runtime.cuh"
 
 namespace titans::backend::cuda {
 
+#if TITANS_CUDA_DEVICE_CODE
+/// kernel<<<grid, block, 0, stream>>>(args...) (no dynamic shared memory). A launch error (a
+/// bad configuration, say) is left for check_launch, as with <<<>>>.
+template <class... P, class... A>
+void launch(void (*kernel)(P...), dim3 grid, dim3 block, cudaStream_t stream, A&&... args) {
 #if defined(__CUDACC__)
+    kernel<<<grid, block, 0, stream>>>(std::forward<A>(args)...);
+#else
+    ::cuda_emulation::launch(kernel, grid, block, 0, stream, std::forward<A>(args)...);
+#endif
+}
+
 template <class F>
 __global__ void each_kernel(unsigned n, F f) {
     const unsigned step = gridDim.x * blockDim.x;
@@ -40,7 +55,8 @@ void each(cudaStream_t stream, long long n, F f) {
     }
     constexpr int threads = 256;
     const long long blocks = std::min<long long>((n + threads - 1) / threads, 1LL << 16);
-    each_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(static_cast<unsigned>(n), f);
+    launch(each_kernel<F>, static_cast<unsigned>(blocks), threads, stream,
+           static_cast<unsigned>(n), f);
     check_launch("a titans CUDA kernel launch");
 }
 #endif

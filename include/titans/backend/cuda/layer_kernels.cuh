@@ -29,7 +29,7 @@ inline const StreamContext& thread_context() {
     return ctx;
 }
 
-#if defined(__CUDACC__)
+#if TITANS_CUDA_DEVICE_CODE
 /// RMSNorm of row blockIdx.x: y = x / sqrt(mean(x^2) + eps) ⊙ w (y may be x); inv (when
 /// given) keeps 1 / rms. A block per row, a shared-memory sum.
 template <class T>
@@ -110,9 +110,9 @@ struct NormKernels<Cuda, T> {
         }
         const cuda::StreamContext& cx = cuda::thread_context();
         const int d = static_cast<int>(x.cols);
-        cuda::rms_backward_rows_kernel<T><<<static_cast<unsigned>(x.rows), 256, 0, cx.stream()>>>(
-            x.data, x.stride, inv.data, inv.stride, dy.data, dy.stride, dx.data, dx.stride,
-            w->data(), d);
+        cuda::launch(cuda::rms_backward_rows_kernel<T>, static_cast<unsigned>(x.rows), 256,
+                     cx.stream(), x.data, x.stride, inv.data, inv.stride, dy.data, dy.stride,
+                     dx.data, dx.stride, w->data(), d);
         cuda::check_launch("the RMSNorm backward kernel");
         const T* xp = x.data;
         const T* ip = inv.data;
@@ -135,8 +135,9 @@ struct NormKernels<Cuda, T> {
             return;
         }
         const cuda::StreamContext& cx = cuda::thread_context();
-        cuda::rms_rows_kernel<T><<<static_cast<unsigned>(x.rows), 256, 0, cx.stream()>>>(
-            x.data, x.stride, y.data, y.stride, w->data(), static_cast<int>(x.cols), eps, inv, is);
+        cuda::launch(cuda::rms_rows_kernel<T>, static_cast<unsigned>(x.rows), 256, cx.stream(),
+                     x.data, x.stride, y.data, y.stride, w->data(), static_cast<int>(x.cols), eps,
+                     inv, is);
         cuda::check_launch("the RMSNorm kernel");
         cx.synchronize();
     }

@@ -23,7 +23,7 @@ struct PendingLayers {
     int depth;
 };
 
-#if defined(__CUDACC__)
+#if TITANS_CUDA_DEVICE_CODE
 
 /// math §1 for one token row r of u (M x C, C = D for queries only, else 3D): the causal conv
 /// over the sequence (rows before the piece from `tail`, (K-1) x 3D per sequence), phi, and

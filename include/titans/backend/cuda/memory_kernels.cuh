@@ -335,9 +335,10 @@ struct MemoryKernels<Cuda, T> {
         T* k = w.k.data();
         T* v = w.v.data();
         if (M > 0) {
-            cuda::conv_rows_kernel<T><<<static_cast<unsigned>(M), 256, 0, sm>>>(
-                u, taps, tail, q, k, v, N, static_cast<int>(C), static_cast<int>(C3), K,
-                static_cast<int>(D), static_cast<int>(dh), static_cast<int>(H), conv, silu);
+            cuda::launch(cuda::conv_rows_kernel<T>, static_cast<unsigned>(M), 256, sm, u, taps,
+                         tail, q, k, v, N, static_cast<int>(C), static_cast<int>(C3), K,
+                         static_cast<int>(D), static_cast<int>(dh), static_cast<int>(H), conv,
+                         silu);
             cuda::check_launch("the conv kernel");
         }
         if (conv && advance && K > 1) {
@@ -346,9 +347,9 @@ struct MemoryKernels<Cuda, T> {
         if (cfg.normalize_qk) {
             const long long rows = B * H * N;
             if (rows > 0) {
-                cuda::l2_rows_kernel<T><<<cuda::warp_blocks(queries_only ? rows : 2 * rows), 256,
-                                          0, sm>>>(q, queries_only ? nullptr : k, rows,
-                                                   static_cast<int>(dh));
+                cuda::launch(cuda::l2_rows_kernel<T>,
+                             cuda::warp_blocks(queries_only ? rows : 2 * rows), 256, sm, q,
+                             queries_only ? nullptr : k, rows, static_cast<int>(dh));
                 cuda::check_launch("the L2 norm kernel");
             }
         }
@@ -447,8 +448,8 @@ struct MemoryKernels<Cuda, T> {
         if (P * n == 0) {
             return;
         }
-        cuda::gate_values_kernel<T><<<cuda::warp_blocks(P * n), 256, 0, sm>>>(
-            mode, tmax, ct, ce, ca, clip, ly, gates, coef, P, b, n, coef_stride(b));
+        cuda::launch(cuda::gate_values_kernel<T>, cuda::warp_blocks(P * n), 256, sm, mode, tmax,
+                     ct, ce, ca, clip, ly, gates, coef, P, b, n, coef_stride(b));
         cuda::check_launch("the gate kernel");
     }
 

@@ -1,0 +1,121 @@
+// tests/cuda/emulation/test_emulation.cpp: the CPU emulation of CUDA itself (only in
+// titans_cuda_emulated_tests): launch checks, barriers, shuffles, atomics, the copies' and
+// cuBLAS's argument checks.
+
+#include "catch.hpp"
+
+#include <titans/backend/cuda/cuda.cuh>
+
+#include <vector>
+
+namespace {
+
+namespace tc = titans::backend::cuda;
+
+__global__ void block_sum_kernel(const int* in, int* out) {
+    __shared__ int part[256];
+    part[threadIdx.x] = in[blockIdx.x * blockDim.x + threadIdx.x];
+    __syncthreads();
+    for (unsigned o = blockDim.x / 2; o > 0; o /= 2) {
+        if (threadIdx.x < o) {
+            part[threadIdx.x] += part[threadIdx.x + o];
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        out[blockIdx.x] = part[0];
+    }
+}
+
+__global__ void shuffle_kernel(int* out) {
+    const int lane = static_cast<int>(threadIdx.x % 32);
+    int x = lane;
+    for (int o = 16; o > 0; o >>= 1) {
+        x += __shfl_xor_sync(0xffffffffu, x, o);
+    }
+    out[threadIdx.x] = x + 1000 * __shfl_down_sync(0xffffffffu, lane, 1);
+}
+
+__global__ void min_kernel(int* flag) { atomicMin(flag, 100 - static_cast<int>(threadIdx.x)); }
+
+template <class T>
+T* device_alloc(std::size_t n) {
+    void* p = nullptr;
+    REQUIRE(cudaMalloc(&p, n * sizeof(T)) == cudaSuccess);
+    return static_cast<T*>(p);
+}
+
+}  // namespace
+
+TEST_CASE("emulation: barriers and shuffles", "[cuda]") {
+    const int blocks = 3, threads = 256;
+    std::vector<int> host(blocks * threads);
+    for (std::size_t i = 0; i < host.size(); ++i) {
+        host[i] = static_cast<int>(i);
+    }
+    int* in = device_alloc<int>(host.size());
+    int* out = device_alloc<int>(threads);
+    REQUIRE(cudaMemcpy(in, host.data(), host.size() * sizeof(int), cudaMemcpyHostToDevice) ==
+            cudaSuccess);
+    tc::launch(block_sum_kernel, blocks, threads, nullptr, in, out);
+    REQUIRE(cudaGetLastError() == cudaSuccess);
+    std::vector<int> sums(blocks);
+    REQUIRE(cudaMemcpy(sums.data(), out, blocks * sizeof(int), cudaMemcpyDeviceToHost) ==
+            cudaSuccess);
+    for (int b = 0; b < blocks; ++b) {
+        CHECK(sums[static_cast<std::size_t>(b)] == 256 * 256 * b + 255 * 128);
+    }
+    tc::launch(shuffle_kernel, 1, 64, nullptr, out);
+    std::vector<int> sh(64);
+    REQUIRE(cudaMemcpy(sh.data(), out, 64 * sizeof(int), cudaMemcpyDeviceToHost) == cudaSuccess);
+    CHECK(sh[0] == 496 + 1000);      // lane sum 0..31; lane 1's value
+    CHECK(sh[31] == 496 + 31000);    // lane 31 reads its own
+    tc::launch(min_kernel, 1, 64, nullptr, out);
+    int m = 0;
+    REQUIRE(cudaMemcpy(&m, out, sizeof(int), cudaMemcpyDeviceToHost) == cudaSuccess);
+    CHECK(m == 100 - 63);
+    CHECK(cudaFree(in) == cudaSuccess);
+    CHECK(cudaFree(out) == cudaSuccess);
+}
+
+TEST_CASE("emulation: launch errors", "[cuda]") {
+    int* out = device_alloc<int>(1);
+    tc::launch(min_kernel, 0, 32, nullptr, out);
+    CHECK(cudaGetLastError() == cudaErrorInvalidConfiguration);
+    CHECK(cudaGetLastError() == cudaSuccess);  // read and cleared
+    tc::launch(min_kernel, 1, 1025, nullptr, out);
+    CHECK(cudaGetLastError() == cudaErrorInvalidConfiguration);
+    CHECK_NOTHROW(tc::check_launch("after the errors were read"));
+    CHECK(cudaFree(out) == cudaSuccess);
+    CHECK(cudaFree(out) == cudaErrorInvalidValue);
+    (void)cudaGetLastError();
+}
+
+TEST_CASE("emulation: copy checks", "[cuda]") {
+    float* d = device_alloc<float>(16);
+    std::vector<float> h(17, 1.0f);
+    CHECK(cudaMemcpy2D(d, 4 * sizeof(float), h.data(), 8 * sizeof(float), 5 * sizeof(float), 2,
+                       cudaMemcpyHostToDevice) == cudaErrorInvalidPitchValue);
+    CHECK(cudaMemcpy2D(d, std::size_t(1) << 31, h.data(), 8, 4, 1, cudaMemcpyHostToDevice) ==
+          cudaErrorInvalidPitchValue);
+    CHECK(cudaMemcpy(d, h.data(), 17 * sizeof(float), cudaMemcpyHostToDevice) ==
+          cudaErrorInvalidValue);  // past the allocation
+    CHECK(cudaMemcpy(h.data(), d, 4, cudaMemcpyHostToDevice) == cudaErrorInvalidValue);
+    CHECK(cudaMemcpy2D(d + 1, 8, d, 8, 8, 2, cudaMemcpyDeviceToDevice) == cudaErrorInvalidValue);
+    CHECK(cudaGetLastError() == cudaErrorInvalidValue);
+    cublasHandle_t h0 = nullptr;
+    REQUIRE(cublasCreate(&h0) == CUBLAS_STATUS_SUCCESS);
+    const float one = 1, zero = 0;
+    CHECK(cublasSgemm(h0, CUBLAS_OP_N, CUBLAS_OP_N, 4, 4, 4, &one, d, 3, d, 4, &zero, d, 4) ==
+          CUBLAS_STATUS_INVALID_VALUE);  // lda < m
+    float* c = device_alloc<float>(4);
+    REQUIRE(cudaMemcpy(d, h.data(), 16 * sizeof(float), cudaMemcpyHostToDevice) == cudaSuccess);
+    CHECK(cublasSgemm(h0, CUBLAS_OP_T, CUBLAS_OP_N, 2, 2, 4, &one, d, 4, d, 4, &zero, c, 2) ==
+          CUBLAS_STATUS_SUCCESS);
+    float r[4] = {};
+    REQUIRE(cudaMemcpy(r, c, sizeof r, cudaMemcpyDeviceToHost) == cudaSuccess);
+    CHECK(r[3] == 4.0f);
+    CHECK(cublasDestroy(h0) == CUBLAS_STATUS_SUCCESS);
+    CHECK(cudaFree(c) == cudaSuccess);
+    CHECK(cudaFree(d) == cudaSuccess);
+}
