@@ -21,6 +21,8 @@ namespace titans {
 namespace backend {
 template <class Backend, class T>
 struct AttentionKernels;
+template <class Backend, class T>
+struct AttentionTraining;
 struct Cuda;
 }  // namespace backend
 
@@ -120,6 +122,8 @@ public:
 private:
     template <class, class>
     friend struct backend::AttentionKernels;
+    template <class, class>
+    friend struct backend::AttentionTraining;
 
     /// The state's window from host rows (tensors): equal row counts h and D columns give
     /// buffers of h + max(w - 1, 1) rows holding them; anything else a malformed state.

@@ -10,9 +10,10 @@
 //     Matrixf y = mem.forward(st, x);         // x uploaded, y downloaded once per call
 //
 // Covered: the neural memory (every mode of math §1-5, forward), the attention layer
-// (forward), RMSNorm and FeedForward (forward and backward); Block<T, Cuda> and Model<T, Cuda>
-// run their sub-layers on the GPU and their glue on the host. Training of the memory and the
-// attention is CPU-only (docs/cuda.md).
+// (forward, and the training forward and backward of math §9, chained pieces included),
+// RMSNorm and FeedForward (forward and backward); Block<T, Cuda> and Model<T, Cuda> run their
+// sub-layers on the GPU and their glue on the host. Training of the memory is CPU-only
+// (docs/cuda.md).
 //
 // Outside nvcc the backend compiles only under TITANS_CUDA_EMULATION, the CPU emulation of
 // the CUDA runtime and cuBLAS that the tests use where there is no GPU (tests/cuda/emulation/).
@@ -49,3 +50,4 @@ struct BackendTraits<Cuda> {
 #include "memory_kernels.cuh"
 #include "layer_kernels.cuh"
 #include "attention_kernels.cuh"
+#include "attention_training.cuh"

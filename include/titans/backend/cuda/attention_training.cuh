@@ -1,0 +1,296 @@
+#pragma once
+// titans/backend/cuda/attention_training.cuh: the attention layer's training pass on CUDA
+// (math §9), float and double: AttentionTraining<Cuda, T>.
+//
+// forward: the inference forward (attention_kernels.cuh) from any state, keeping in device
+// memory the input, the prefix rows, the incoming position and each sequence's kept keys and
+// values. backward, on the device:
+//   1. qkv = x [W_Q | W_K | W_V] (one GEMM), RoPE, the prefix's P W_K, P W_V, and each
+//      sequence's [kept ; new] keys and values; o recomputed (AttendRows), g_O += o^T dy,
+//      dout = dy W_O^T (GEMMs);
+//   2. the attention backward, three deterministic passes, no atomics (functors of
+//      attention/attention_row_backward.hpp): a thread per (query row, head) recomputes its
+//      softmax and writes dq and the softmax statistics; a thread per (window row, head) and
+//      one per (prefix row, head) sum their dk, dv over the queries that see them;
+//   3. the adjoint of the window the call left added, the kept rows' adjoint downloaded, the
+//      transposed RoPE, then g_QKV += x^T [dq | dk | dv], dx = [dq | dk | dv] [W_Q|W_K|W_V]^T,
+//      g_KV += P^T [dk_P | dv_P], dprefix = [dk_P | dv_P] [W_K | W_V]^T (GEMMs).
+// The gradients are downloaded and added to the host's only after every device step
+// succeeded: a call that throws changes none of its outputs.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "../../attention/attention_row.hpp"
+#include "../../attention/attention_row_backward.hpp"
+#include "../../attention/state_gradient.hpp"
+#include "attention_kernels.cuh"
+
+namespace titans::backend {
+
+struct Cuda;
+
+template <class T>
+struct AttentionTraining<Cuda, T> {
+    static constexpr bool available = true;
+    using Kernels = AttentionKernels<Cuda, T>;
+    using Buf = cuda::DeviceBuffer<T>;
+    using Mat = Matrix<T>;
+    using Index = Eigen::Index;
+
+    /// A dense row-major rows x cols matrix in device memory.
+    struct DeviceMatrix {
+        Buf mem;
+        Index r = 0, c = 0;
+        [[nodiscard]] Index rows() const { return r; }
+        [[nodiscard]] Index cols() const { return c; }
+        [[nodiscard]] View<const T> view() const { return View<const T>{mem.data(), r, c, c}; }
+    };
+
+    /// What backward needs, in device memory: the input, the prefix rows (0 rows if none) and
+    /// their sharing, the incoming position and each sequence's kept keys (rotated) and values
+    /// (kept_k / kept_v: batch x kept x D, sequence b's rows at b * kept * D).
+    struct Trace {
+        AttentionConfig cfg;
+        DeviceMatrix x, prefix;
+        PrefixSharing sharing = PrefixSharing::Shared;
+        int batch = 0;
+        std::int64_t start = 0;
+        long long kept = 0;
+        Buf kept_k, kept_v;
+        bool filled = false;
+        [[nodiscard]] bool empty() const { return !filled; }
+        [[nodiscard]] Index rows() const { return x.rows(); }
+    };
+
+    /// Kernels::forward from any state, recording the trace. x: device rows; prefix: checked
+    /// host rows or null.
+    static void forward(const AttentionConfig& cfg, const typename Kernels::Prepared& p,
+                        typename Kernels::State& st, View<const T> x, View<T> y,
+                        const Mat* prefix, PrefixSharing sharing, Trace& trace) {
+        Trace t;
+        t.cfg = cfg;
+        t.batch = st.batch();
+        t.sharing = sharing;
+        t.start = st.position();
+        const long long D = cfg.inner_dim();
+        t.x = device_copy(x);
+        if (prefix != nullptr) {
+            t.prefix.mem = cuda::upload_array(prefix->data(), static_cast<std::size_t>(prefix->size()));
+            t.prefix.r = prefix->rows();
+            t.prefix.c = prefix->cols();
+        } else {
+            t.prefix.c = cfg.d_model;
+        }
+        const long long h = st.rows_;
+        t.kept = h;
+        t.kept_k = Buf(static_cast<std::size_t>(t.batch * h * D));
+        t.kept_v = Buf(static_cast<std::size_t>(t.batch * h * D));
+        if (h > 0) {
+            const cudaStream_t sm = st.ctx_->stream();
+            Kernels::move_rows(sm, t.kept_k.data(), st.k_.data() + st.off_ * D, t.batch, h * D,
+                               h * D, st.cap_ * D);
+            Kernels::move_rows(sm, t.kept_v.data(), st.v_.data() + st.off_ * D, t.batch, h * D,
+                               h * D, st.cap_ * D);
+            st.ctx_->synchronize();  // before the forward may move the window
+        }
+        if (t.prefix.rows() > 0) {
+            const auto projected = Kernels::project_prefix(cfg, p, t.prefix.view(), sharing);
+            const PrefixView<T> view = projected.view();
+            Kernels::forward(cfg, p, st, x, y, &view);
+        } else {
+            Kernels::forward(cfg, p, st, x, y, nullptr);
+        }
+        t.filled = true;
+        trace = std::move(t);
+    }
+
+    /// dL/dx (written, device), the parameters' gradients (added to g, host) and, if dprefix
+    /// is given, dL/dprefix (written, the prefix's shape) from dy = dL/dy (device). d_out
+    /// (checked, or null): the adjoint of the window the call left; d_in (or null) receives
+    /// the incoming window's.
+    static void backward(const AttentionConfig& cfg, const typename Kernels::Prepared& prepared,
+                         const Trace& tr, View<const T> dyv, View<T> dxv, AttentionParams<T>& g,
+                         Mat* dprefix, const AttentionStateGradient<T>* d_out = nullptr,
+                         AttentionStateGradient<T>* d_in = nullptr) {
+        const typename Kernels::Params& p = *prepared;
+        const cuda::StreamContext& cx = cuda::thread_context();
+        const cudaStream_t sm = cx.stream();
+        const int B = tr.batch, H = cfg.n_heads, dh = cfg.head_dim();
+        const long long D = cfg.inner_dim(), d = cfg.d_model, rows = tr.x.rows();
+        const long long N = rows / B, h = tr.kept, cap = h + N;
+        const int iD = static_cast<int>(D), id = static_cast<int>(d);
+        const int irows = static_cast<int>(rows);
+        // 1. the forward recomputed
+        Buf qkv(static_cast<std::size_t>(rows * 3 * D));
+        cuda::gemm<T>(cx.blas(), false, false, irows, 3 * iD, id, T(1), {tr.x.mem.data(), id},
+                      {p.w_qkv.data(), 3 * iD}, T(0), qkv.data(), 3 * iD, 0, 1);
+        if (cfg.rope) {
+            cuda::each(sm, rows * 2 * H * (dh / 2),
+                       detail::RopeQK<T>{qkv.data(), N, D, H, dh, tr.start, cfg.rope_base});
+        }
+        const long long prows = tr.prefix.rows();
+        const bool shared = tr.sharing == PrefixSharing::Shared;
+        const long long np = prows == 0 ? 0 : shared ? prows : prows / B;
+        typename Kernels::Prefix proj;
+        if (prows > 0) {
+            proj = Kernels::project_prefix(cfg, prepared, tr.prefix.view(), tr.sharing);
+        }
+        Buf kw(static_cast<std::size_t>(B * cap * D)), vw(static_cast<std::size_t>(B * cap * D));
+        if (h > 0) {
+            Kernels::move_rows(sm, kw.data(), tr.kept_k.data(), B, h * D, cap * D, h * D);
+            Kernels::move_rows(sm, vw.data(), tr.kept_v.data(), B, h * D, cap * D, h * D);
+        }
+        cuda::each(sm, rows * D, detail::AppendWindow<T>{qkv.data(), kw.data(), vw.data(), N, D,
+                                                         cap, h});
+        const T scale = T(1) / std::sqrt(static_cast<T>(dh));
+        const T* kp = prows > 0 ? proj.k.data() : qkv.data();  // never read without a prefix
+        const T* vp = prows > 0 ? proj.v.data() : qkv.data();
+        Buf o(static_cast<std::size_t>(rows * D)), dout(static_cast<std::size_t>(rows * D));
+        Buf gqkv(static_cast<std::size_t>(d * 3 * D)), go(static_cast<std::size_t>(D * d));
+        Buf dqkv(static_cast<std::size_t>(rows * 3 * D));
+        if (rows > 0) {
+            cuda::each(sm, rows * H,
+                       detail::AttendRows<T>{qkv.data(), kp, vp, np, D, D, shared, kw.data(),
+                                             vw.data(), cap, h, N, D, H, dh, cfg.window, scale,
+                                             o.data()});
+            cuda::gemm<T>(cx.blas(), true, false, iD, id, irows, T(1), {o.data(), iD},
+                          {dyv.data, static_cast<int>(dyv.stride)}, T(0), go.data(), id, 0, 1);
+            cuda::gemm<T>(cx.blas(), false, true, irows, iD, id, T(1),
+                          {dyv.data, static_cast<int>(dyv.stride)}, {p.w_o.data(), id}, T(0),
+                          dout.data(), iD, 0, 1);
+        }
+        // 2. the attention backward
+        Buf stats(static_cast<std::size_t>(3 * rows * H));
+        const detail::AttentionBackwardOperands<T> ops{
+            qkv.data(), kp, vp, np, D, D, shared, kw.data(), vw.data(), cap, h, N, D, H, dh,
+            cfg.window, scale, dout.data(), stats.data(), stats.data() + rows * H,
+            stats.data() + 2 * rows * H};
+        cuda::each(sm, rows * H, detail::QueryRowsBackward<T>{ops, dqkv.data(), 3 * D});
+        Buf dkw(static_cast<std::size_t>(B * cap * D)), dvw(static_cast<std::size_t>(B * cap * D));
+        cuda::each(sm, B * cap * H, detail::KeyRowsBackward<T>{ops, dkw.data(), dvw.data()});
+        Buf dkvp(static_cast<std::size_t>(prows * 2 * D));
+        cuda::each(sm, prows * H,
+                   detail::PrefixRowsBackward<T>{ops, B, dkvp.data(), 2 * D});
+        // 3. the window's adjoints, RoPE transposed, the projections reversed
+        const long long keep = d_out != nullptr ? d_out->keys[0].rows() : 0;
+        Buf dwin;
+        if (keep > 0) {
+            dwin = Buf(static_cast<std::size_t>(2 * B * keep * D));
+            for (int b = 0; b < B; ++b) {
+                const auto i = static_cast<std::size_t>(b);
+                upload(dwin.data() + b * keep * D, d_out->keys[i]);
+                upload(dwin.data() + (B + b) * keep * D, d_out->values[i]);
+            }
+            add_window(sm, dkw.data(), dvw.data(), dwin.data(), B, keep, cap, D);
+        }
+        cuda::each(sm, rows * D, detail::GatherWindowGrad<T>{dkw.data(), dvw.data(), dqkv.data(),
+                                                              N, D, cap, h});
+        if (cfg.rope) {
+            cuda::each(sm, rows * 2 * H * (dh / 2),
+                       detail::RopeQKTranspose<T>{dqkv.data(), N, D, H, dh, tr.start,
+                                                  cfg.rope_base});
+        }
+        if (rows > 0) {
+            cuda::gemm<T>(cx.blas(), true, false, id, 3 * iD, irows, T(1), {tr.x.mem.data(), id},
+                          {dqkv.data(), 3 * iD}, T(0), gqkv.data(), 3 * iD, 0, 1);
+            cuda::gemm<T>(cx.blas(), false, true, irows, id, 3 * iD, T(1), {dqkv.data(), 3 * iD},
+                          {p.w_qkv.data(), 3 * iD}, T(0), dxv.data, static_cast<int>(dxv.stride),
+                          0, 1);
+        }
+        Buf dp(static_cast<std::size_t>(prows * d));
+        if (prows > 0) {
+            const int ip = static_cast<int>(prows);
+            // rows == 0: gqkv's k and v columns are set here (beta 0), else added to
+            cuda::gemm<T>(cx.blas(), true, false, id, 2 * iD, ip, T(1), {tr.prefix.mem.data(), id},
+                          {dkvp.data(), 2 * iD}, rows > 0 ? T(1) : T(0), gqkv.data() + D, 3 * iD,
+                          0, 1);
+            cuda::gemm<T>(cx.blas(), false, true, ip, id, 2 * iD, T(1), {dkvp.data(), 2 * iD},
+                          {p.w_qkv.data() + D, 3 * iD}, T(0), dp.data(), id, 0, 1);
+        }
+        // Downloads (host copies), then the host outputs: nothing changes before this point.
+        Mat hq, ho, hp;
+        const bool any_q = rows > 0, any_kv = rows > 0 || prows > 0;
+        if (any_kv) {
+            hq = download(gqkv.data(), d, 3 * D);
+        }
+        if (any_q) {
+            ho = download(go.data(), D, d);
+        }
+        if (prows > 0 && dprefix != nullptr) {
+            hp = download(dp.data(), prows, d);
+        }
+        AttentionStateGradient<T> din;
+        if (d_in != nullptr) {
+            din.keys.assign(static_cast<std::size_t>(B), Mat());
+            din.values.assign(static_cast<std::size_t>(B), Mat());
+            for (int b = 0; b < B; ++b) {
+                const auto i = static_cast<std::size_t>(b);
+                din.keys[i] = download(dkw.data() + b * cap * D, h, D);
+                din.values[i] = download(dvw.data() + b * cap * D, h, D);
+            }
+        }
+        cx.synchronize();
+        if (any_q) {
+            g.w_q += hq.leftCols(D);
+            g.w_o += ho;
+        }
+        if (any_kv) {
+            g.w_k += hq.middleCols(D, D);
+            g.w_v += hq.rightCols(D);
+        }
+        if (dprefix != nullptr && prows > 0) {
+            *dprefix = std::move(hp);
+        }
+        if (d_in != nullptr) {
+            *d_in = std::move(din);
+        }
+    }
+
+    // Internal (public only because nvcc's device lambdas cannot sit in private members).
+    /// A dense device copy of a device view.
+    static DeviceMatrix device_copy(View<const T> x) {
+        DeviceMatrix m;
+        m.r = x.rows;
+        m.c = x.cols;
+        m.mem = Buf(static_cast<std::size_t>(x.rows * x.cols));
+        Transfer<Cuda, T>::copy(View<T>{m.mem.data(), m.r, m.c, m.c}, x, cudaMemcpyDeviceToDevice,
+                                "cudaMemcpy2D (attention trace input)");
+        return m;
+    }
+    /// A dense host matrix's entries to device memory at `to` (synchronous).
+    static void upload(T* to, const Mat& m) {
+        if (m.size() > 0) {
+            cuda::check(cudaMemcpy(to, m.data(), static_cast<std::size_t>(m.size()) * sizeof(T),
+                                   cudaMemcpyHostToDevice),
+                        "cudaMemcpy (attention state adjoint to device)");
+        }
+    }
+    /// rows x cols dense device entries at `from` as a host matrix (synchronous).
+    static Mat download(const T* from, long long rows, long long cols) {
+        Mat m(rows, cols);
+        if (m.size() > 0) {
+            cuda::check(cudaMemcpy(m.data(), from, static_cast<std::size_t>(m.size()) * sizeof(T),
+                                   cudaMemcpyDeviceToHost),
+                        "cudaMemcpy (attention gradient to host)");
+        }
+        return m;
+    }
+    /// The adjoint of the window the call left (per sequence, the last `keep` of its cap
+    /// rows): keys at src (B x keep x D), values after them, added to dk_win / dv_win.
+    static void add_window(cudaStream_t sm, T* dk, T* dv, const T* src, long long B,
+                           long long keep, long long cap, long long D) {
+        const long long n = keep * D;
+        cuda::each(sm, B * n, [=] __device__(unsigned i) {
+            const long long b = i / cuda::u32(n), j = i % cuda::u32(n);
+            const long long at = (b * cap + cap - keep) * D + j;
+            dk[at] += src[b * n + j];
+            dv[at] += src[(B + b) * n + j];
+        });
+    }
+};
+
+}  // namespace titans::backend

@@ -1,0 +1,245 @@
+// The attention layer's training pass on the CUDA backend (math §9) against the CPU backend:
+// random widths, heads, windows (1-6, and beyond the stream), RoPE on and off, batches 1-3,
+// no prefix, a shared prefix and one per sequence, pieces of 0-9 rows chained through
+// d_state_in / d_state_out. CPU double is the reference: CUDA double within 1e-12, CUDA float
+// within 1e-5 of the same problem rounded to float, run in double. The refusals change
+// nothing; the backward's functors (attention/attention_row_backward.hpp) also run on the
+// host against the CPU kernel's backward.
+
+#include <titans/attention/attention_row_backward.hpp>
+#include <titans/backend/cuda/cuda.cuh>
+
+#include "block_cases.hpp"
+#include "cuda_common.hpp"
+
+namespace {
+
+using namespace titans_test;
+using titans::Attention;
+using titans::AttentionStateGradient;
+using titans::PrefixSharing;
+using titans::backend::Cuda;
+
+template <class T>
+double bound() {
+    return std::is_same_v<T, double> ? 1e-12 : 1e-5;
+}
+
+/// A training case: the configuration, parameters, the pieces of a stream (sequence-major,
+/// B x len rows each), their upstream gradients, the prefix, the gradients the call adds to.
+struct TrainCase {
+    AttentionConfig cfg;
+    AttentionParams<double> params, g0;
+    int B = 1;
+    std::vector<Matrixd> x, dy;
+    Matrixd prefix;
+    PrefixSharing sharing = PrefixSharing::Shared;
+};
+
+/// Rounded through T (the float run and its double reference see the same numbers).
+template <class T>
+Matrixd rounded(const Matrixd& m) {
+    return m.cast<T>().template cast<double>();
+}
+
+template <class T>
+TrainCase train_case(Rng& rng, int index, int max_pieces) {
+    TrainCase c;
+    c.cfg.n_heads = uniform_int(rng, 1, 3);
+    c.cfg.rope = index % 2 == 0;
+    c.cfg.d_head = c.cfg.rope ? 2 * uniform_int(rng, 1, 3) : uniform_int(rng, 1, 5);
+    c.cfg.d_model = uniform_int(rng, 2, 9);
+    c.cfg.window = index % 7 == 3 ? 64 : uniform_int(rng, 1, 6);  // 64: beyond any stream
+    c.cfg.rope_base = uniform(rng, 2.0, 100.0);
+    c.cfg.validate();
+    c.params = cast_attention<double>(
+        cast_attention<T>(AttentionParams<double>::random(c.cfg, rng())));
+    c.g0 = cast_attention<double>(
+        cast_attention<T>(AttentionParams<double>::random(c.cfg, rng())));
+    c.B = uniform_int(rng, 1, 3);
+    const int pieces = uniform_int(rng, 1, max_pieces);
+    for (int k = 0; k < pieces; ++k) {
+        const int n = uniform_int(rng, 0, 4) == 0 ? 0 : uniform_int(rng, 1, 9);
+        c.x.push_back(rounded<T>(random_matrix(c.B * n, c.cfg.d_model, rng)));
+        c.dy.push_back(rounded<T>(random_matrix(c.B * n, c.cfg.d_model, rng)));
+    }
+    const int kind = (index / 2) % 3;  // 0 none, 1 shared, 2 per sequence
+    const int np = uniform_int(rng, 1, 3);
+    if (kind == 1) c.prefix = rounded<T>(random_matrix(np, c.cfg.d_model, rng));
+    if (kind == 2) {
+        c.prefix = rounded<T>(random_matrix(c.B * np, c.cfg.d_model, rng));
+        c.sharing = PrefixSharing::PerSequence;
+    }
+    return c;
+}
+
+/// What a chained training pass returns, in double: each piece's dx and d_state_in, the
+/// gradients (g0 plus the pass's), the prefix's gradient summed over the pieces.
+struct TrainResult {
+    std::vector<Matrixd> dx, dk_in, dv_in;
+    AttentionParams<double> g;
+    Matrixd dprefix;
+};
+
+template <class T>
+Matrix<T> poisoned(Eigen::Index rows, Eigen::Index cols) {
+    return Matrix<T>::Constant(rows, cols, std::numeric_limits<T>::quiet_NaN());
+}
+
+/// The pieces forward with traces from a fresh state, then backward last first, each with the
+/// next one's d_state_in as its d_state_out (chain = false: one piece, no state adjoints).
+template <class T, class Backend>
+TrainResult train(const TrainCase& c, bool chain = true) {
+    Attention<T, Backend> attn(c.cfg, cast_attention<T>(c.params));
+    auto st = attn.make_state(c.B);
+    const Matrix<T> prefix = c.prefix.cast<T>();
+    const Matrix<T>* pp = c.prefix.rows() > 0 ? &prefix : nullptr;
+    const std::size_t K = c.x.size();
+    std::vector<typename Attention<T, Backend>::Trace> traces(K);
+    for (std::size_t k = 0; k < K; ++k) {
+        Matrix<T> y = poisoned<T>(1, 1);
+        attn.forward(st, Matrix<T>(c.x[k].cast<T>()), y, traces[k], pp, c.sharing);
+    }
+    TrainResult r;
+    r.dx.resize(K);
+    r.dk_in.resize(K);
+    r.dv_in.resize(K);
+    auto g = cast_attention<T>(c.g0);
+    Matrixd dp = Matrixd::Zero(c.prefix.rows(), c.cfg.d_model);
+    AttentionStateGradient<T> d_next;
+    for (std::size_t k = K; k-- > 0;) {
+        Matrix<T> dx = poisoned<T>(3, 2), dpk = poisoned<T>(2, 3);
+        AttentionStateGradient<T> d_in;
+        d_in.keys.assign(1, poisoned<T>(2, 2));
+        d_in.values.assign(1, poisoned<T>(2, 2));
+        attn.backward(traces[k], Matrix<T>(c.dy[k].cast<T>()), dx, g, &dpk,
+                      chain ? &d_in : nullptr, chain ? &d_next : nullptr);
+        r.dx[k] = dx.template cast<double>();
+        if (c.prefix.rows() > 0) dp += dpk.template cast<double>();
+        if (chain) {
+            REQUIRE(d_in.keys.size() == static_cast<std::size_t>(c.B));
+            Matrixd dk(0, c.cfg.inner_dim()), dv(0, c.cfg.inner_dim());
+            for (int b = 0; b < c.B; ++b) {  // stacked over the sequences
+                const auto i = static_cast<std::size_t>(b);
+                Matrixd sk(dk.rows() + d_in.keys[i].rows(), dk.cols());
+                sk << dk, d_in.keys[i].template cast<double>();
+                Matrixd sv(dv.rows() + d_in.values[i].rows(), dv.cols());
+                sv << dv, d_in.values[i].template cast<double>();
+                dk = sk;
+                dv = sv;
+            }
+            r.dk_in[k] = dk;
+            r.dv_in[k] = dv;
+            d_next = std::move(d_in);
+        }
+    }
+    r.g = cast_attention<double>(g);
+    r.dprefix = dp;
+    return r;
+}
+
+/// The largest rel_error of every output of a against b (each tensor relative to its own
+/// largest entry, at least floor).
+double worst_error(const TrainResult& a, const TrainResult& b, const AttentionConfig& cfg,
+                   double floor) {
+    double e = 0.0;
+    for (std::size_t k = 0; k < a.dx.size(); ++k) {
+        e = std::max(e, rel_error(a.dx[k], b.dx[k], floor));
+        e = std::max(e, rel_error(a.dk_in[k], b.dk_in[k], floor));
+        e = std::max(e, rel_error(a.dv_in[k], b.dv_in[k], floor));
+    }
+    e = std::max(e, rel_error(a.dprefix, b.dprefix, floor));
+    AttentionParams<double>::tensors(a.g, cfg, [&](const std::string& name, const auto& t) {
+        AttentionParams<double>::tensors(b.g, cfg, [&](const std::string& n2, const auto& t2) {
+            if (n2 == name) e = std::max(e, rel_error(Matrixd(t), Matrixd(t2), floor));
+        });
+    });
+    return e;
+}
+
+template <class T>
+void parity_sweep(const char* name, int cases, int max_pieces, bool chain) {
+    for (int i = 0; i < parity_cases(cases); ++i) {
+        Rng rng(seed_for(name, static_cast<std::uint64_t>(i)));
+        const TrainCase c = train_case<T>(rng, i, max_pieces);
+        INFO("case " << i << " heads " << c.cfg.n_heads << " d_head " << c.cfg.head_dim()
+                     << " window " << c.cfg.window << " rope " << c.cfg.rope << " B " << c.B
+                     << " pieces " << c.x.size() << " prefix " << c.prefix.rows());
+        const TrainResult ref = train<double, titans::backend::Cpu>(c, chain);
+        const TrainResult got = train<T, Cuda>(c, chain);
+        CHECK(note_error<T>(std::string("attention training ") + (chain ? "chained" : "single"),
+                            worst_error(got, ref, c.cfg, 1e-6)) <= bound<T>());
+    }
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("cuda attention train: one piece", "[cuda]", float, double) {
+    parity_sweep<TestType>("cuda attention train: one piece", 40, 1, false);
+}
+
+TEMPLATE_TEST_CASE("cuda attention train: chained", "[cuda]", float, double) {
+    parity_sweep<TestType>("cuda attention train: chained", 40, 4, true);
+}
+
+TEST_CASE("cuda attention train: can fail", "[cuda]") {
+    // A window one row off, the same problem otherwise: the comparison sees it.
+    int seen = 0;
+    for (int i = 0; i < 20 && seen < 3; ++i) {
+        Rng rng(seed_for("cuda attention train: can fail", static_cast<std::uint64_t>(i)));
+        TrainCase c = train_case<double>(rng, i, 1);
+        if (c.x[0].rows() / c.B <= c.cfg.window + 1 || c.cfg.window >= 6) continue;
+        const TrainResult ref = train<double, titans::backend::Cpu>(c, false);
+        c.cfg.window += 1;
+        const TrainResult off = train<double, Cuda>(c, false);
+        c.cfg.window -= 1;
+        CHECK(worst_error(off, ref, c.cfg, 1e-6) > 1e-6);
+        ++seen;
+    }
+    CHECK(seen > 0);
+}
+
+TEMPLATE_TEST_CASE("cuda attention train: refusals", "[cuda]", float, double) {
+    using T = TestType;
+    Rng rng(seed_for("cuda attention train: refusals"));
+    TrainCase c = train_case<T>(rng, 2, 1);  // a shared prefix
+    c.x[0] = rounded<T>(random_matrix(c.B * 4, c.cfg.d_model, rng));
+    Attention<T, Cuda> gpu(c.cfg, cast_attention<T>(c.params));
+    Attention<T> cpu(c.cfg, cast_attention<T>(c.params));
+    auto sg = gpu.make_state(c.B);
+    auto sc = cpu.make_state(c.B);
+    typename Attention<T, Cuda>::Trace tg, empty_g;
+    typename Attention<T>::Trace tc, empty_c;
+    const Matrix<T> x = c.x[0].cast<T>(), prefix = c.prefix.cast<T>();
+    Matrix<T> y;
+    gpu.forward(sg, x, y, tg, &prefix);
+    cpu.forward(sc, x, y, tc, &prefix);
+    auto g = cast_attention<T>(c.g0);
+    const auto before = g;
+    Matrix<T> dx = poisoned<T>(2, 2), dp = poisoned<T>(1, 1);
+    const Matrix<T> bad_dy = Matrix<T>::Ones(x.rows() + 1, x.cols());
+    const Matrix<T> dy = Matrix<T>::Ones(x.rows(), x.cols());
+    REQUIRE_THROWS_AS(cpu.backward(tc, bad_dy, dx, g, &dp), titans::ShapeError);
+    REQUIRE_THROWS_AS(gpu.backward(tg, bad_dy, dx, g, &dp), titans::ShapeError);
+    REQUIRE_THROWS_AS(cpu.backward(empty_c, dy, dx, g, &dp), titans::ShapeError);
+    REQUIRE_THROWS_AS(gpu.backward(empty_g, dy, dx, g, &dp), titans::ShapeError);
+    AttentionStateGradient<T> bad;  // one sequence too many
+    bad.keys.assign(static_cast<std::size_t>(c.B + 1), Matrix<T>::Zero(3, c.cfg.inner_dim()));
+    bad.values = bad.keys;
+    REQUIRE_THROWS_AS(cpu.backward(tc, dy, dx, g, &dp, nullptr, &bad), titans::ShapeError);
+    REQUIRE_THROWS_AS(gpu.backward(tg, dy, dx, g, &dp, nullptr, &bad), titans::ShapeError);
+    titans::AttentionParams<T>::tensors(g, c.cfg, [&](const std::string& name, const auto& t) {
+        titans::AttentionParams<T>::tensors(before, c.cfg, [&](const std::string& n2,
+                                                                const auto& t2) {
+            if (n2 == name) CHECK(identical(t, t2));
+        });
+    });
+    CHECK(dx.rows() == 2);
+    CHECK(std::isnan(static_cast<double>(dx(0, 0))));
+    CHECK(std::isnan(static_cast<double>(dp(0, 0))));
+    // And the accepted call afterwards writes them.
+    gpu.backward(tg, dy, dx, g, &dp);
+    CHECK(dx.rows() == x.rows());
+    CHECK(dp.rows() == prefix.rows());
+    CHECK(dx.allFinite());
+}
