@@ -252,7 +252,7 @@ public:
     /// The training forward (math §9): forward(state, x, y, prefix, sharing) from any state (a
     /// fresh one, or one that has seen earlier pieces: see backward's d_state_in/d_state_out),
     /// keeping in `trace` what backward needs. Same outputs and state as forward; on an error
-    /// nothing changes. Backends with a training pass only (the CPU).
+    /// nothing changes. Backends with a training pass only (the CPU, CUDA).
     void forward(State& state, const MatrixRef<T>& x, Matrix<T>& y, Trace& trace,
                  const Matrix<T>* prefix = nullptr,
                  PrefixSharing sharing = PrefixSharing::Shared) const

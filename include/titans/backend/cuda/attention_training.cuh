@@ -271,7 +271,7 @@ struct AttentionTraining<Cuda, T> {
     }
     /// rows x cols dense device entries at `from` as a host matrix (synchronous).
     static Mat download(const T* from, long long rows, long long cols) {
-        Mat m(rows, cols);
+        Mat m = Mat::Zero(rows, cols);  // (GCC's -Wmaybe-uninitialized: the emulator reads it)
         if (m.size() > 0) {
             cuda::check(cudaMemcpy(m.data(), from, static_cast<std::size_t>(m.size()) * sizeof(T),
                                    cudaMemcpyDeviceToHost),
