@@ -18,6 +18,8 @@ namespace titans {
 namespace backend {
 template <class Backend, class T>
 struct MemoryKernels;
+template <class, class>
+struct MemoryTraining;
 struct Cuda;
 }  // namespace backend
 
@@ -121,6 +123,8 @@ public:
 private:
     template <class, class>
     friend struct backend::MemoryKernels;
+    template <class, class>
+    friend struct backend::MemoryTraining;
 
     /// v(name, a host copy of rows x cols entries of buf from `offset`); when buf is not const,
     /// the copy (the visitor may have loaded it: same shape, the loader checks) goes back.
