@@ -13,7 +13,8 @@
 // (forward, and the training forward and backward of math §9, chained pieces included),
 // RMSNorm and FeedForward (forward and backward); Block<T, Cuda> and Model<T, Cuda> run their
 // sub-layers on the GPU and their glue on the host. Training of the memory is CPU-only
-// (docs/cuda.md).
+// (docs/cuda.md): memory_training.cuh has its device trace and training forward, not its
+// backward yet, so MemoryTraining<Cuda, T>::available stays false.
 //
 // Outside nvcc the backend compiles only under TITANS_CUDA_EMULATION, the CPU emulation of
 // the CUDA runtime and cuBLAS that the tests use where there is no GPU (tests/cuda/emulation/).

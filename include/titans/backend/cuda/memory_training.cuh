@@ -12,6 +12,19 @@
 //
 // Not done: backward (the reverse sweep of cpu/memory_training.hpp on the device). Until it
 // is, NeuralMemory<T, Cuda>'s training calls stay unavailable (they require available).
+// The plan, all pairs at once, chunks last first (deterministic, no atomics):
+//   1. Kernels::project on the kept input with the kept tails (advance off) gives q, k, v
+//      and the gate logits pair-major; dyh = dy W_O^T, g_O = yh^T dy once yh is recomputed.
+//   2. Per chunk (start memory from `memory`): the key pass as Kernels::key_pass (batched
+//      GEMMs over pairs) keeping A_l, Z_l, Delta_l; gates with clipping (gate_values_kernel);
+//      the read reversed (lagged: mlp_read's GEMMs transposed; in-chunk: the dual form's
+//      products with G from chunk_row_coefficients); the chunk end reversed (GEMMs
+//      A dW', Delta dW'^T); the coefficients by the TITANS_HOST_DEVICE
+//      chunk_coefficients_backward, a thread per pair; clipping and the key pass's
+//      second-order terms (detail::KeyTape::backward as batched GEMMs); dW, dS carried.
+//   3. The projections reversed (cpu::MemoryProjections' steps as element-wise kernels: norm,
+//      phi, conv transposed, tails) and the GEMMs for dx and the parameter gradients.
+//   MAC's staged Reverse (taps) and read_weights_backward come after.
 
 #include <cstdint>
 #include <utility>
