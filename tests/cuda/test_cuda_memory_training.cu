@@ -9,6 +9,7 @@
 #include <titans/backend/cuda/cuda.cuh>
 
 #include "cuda_common.hpp"
+#include "training_pass.hpp"
 
 namespace {
 
@@ -22,8 +23,7 @@ using CudaMemory = NeuralMemory<T, Cuda>;
 template <class T>
 using CudaTraining = titans::backend::MemoryTraining<Cuda, T>;
 
-static_assert(!CudaTraining<float>::available && !CudaTraining<double>::available,
-              "the CUDA memory backward is not done: the training pass must stay unavailable");
+static_assert(CudaTraining<float>::available && CudaTraining<double>::available);
 
 /// n entries of a device buffer from `offset` as a rows x cols host matrix in double.
 template <class T>
@@ -140,6 +140,166 @@ void trace_sweep(const char* name, int cases_per_mode, double bound) {
     std::printf("%s: %d cases, worst relative error %.3g (bound %.0e)\n", name, index, worst, bound);
 }
 
+
+/// A chained training case: config, parameters, the stream cut at chunk boundaries (cuts[0] =
+/// 0 .. N; an empty piece sometimes), upstream gradients, non-zero starting gradients.
+struct TrainCase {
+    MemoryConfig cfg;
+    titans::MemoryParamsd p, g0;
+    int B = 1;
+    Matrixd x, dy;
+    std::vector<Eigen::Index> cuts;
+};
+
+template <class T>
+TrainCase train_case(const Modes& base, int index, Rng& rng, bool chained) {
+    TrainCase c;
+    Limits lim;
+    lim.min_head_dim = 3;
+    lim.max_depth = 2;
+    c.cfg = random_config(with_flags(base, (index * 11) % 32), rng, lim);
+    for (double* v : {&c.cfg.theta_max, &c.cfg.constant_theta, &c.cfg.constant_eta,
+                      &c.cfg.constant_alpha, &c.cfg.max_grad_norm}) {
+        *v = static_cast<double>(static_cast<T>(*v));
+    }
+    c.p = cast_params<double>(cast_params<T>(random_params(c.cfg, rng)));
+    c.g0 = cast_params<double>(cast_params<T>(random_params(c.cfg, rng)));
+    c.B = uniform_int(rng, 1, 2);
+    const int N = random_tokens(c.cfg, rng, 12);
+    c.x = round_through<T>(random_matrix(c.B * N, c.cfg.d_model, rng));
+    c.dy = round_through<T>(random_matrix(c.B * N, c.cfg.d_model, rng));
+    const int b = c.cfg.effective_chunk();
+    c.cuts = {0};
+    while (chained && c.cuts.back() + b < N) c.cuts.push_back(c.cuts.back() + b * uniform_int(rng, 1, 2));
+    c.cuts.back() = std::min<Eigen::Index>(c.cuts.back(), N);
+    if (c.cuts.back() != N) c.cuts.push_back(N);
+    if (chained && index % 3 == 1) {
+        const auto at = static_cast<std::size_t>(uniform_int(rng, 0, static_cast<int>(c.cuts.size()) - 2));
+        c.cuts.insert(c.cuts.begin() + static_cast<std::ptrdiff_t>(at) + 1, c.cuts[at]);
+    }
+    return c;
+}
+
+/// What a chained pass gives, in double: each piece's dx and d_state_in, the gradients.
+struct TrainResult {
+    std::vector<Matrixd> dx;
+    std::vector<titans::MemoryStateGradient<double>> d_in;
+    titans::MemoryParamsd g;
+};
+
+template <class T>
+titans::MemoryStateGradient<T> cast_state_gradient(const titans::MemoryStateGradient<double>& d) {
+    titans::MemoryStateGradient<T> r;
+    for (const auto& w : d.weights) r.weights.push_back(cast_layers<T>(w));
+    for (const auto& w : d.momentum) r.momentum.push_back(cast_layers<T>(w));
+    for (const auto& t : d.conv_tail) r.conv_tail.push_back(t.cast<T>());
+    return r;
+}
+template <class T>
+titans::MemoryStateGradient<double> to_double(const titans::MemoryStateGradient<T>& d) {
+    titans::MemoryStateGradient<double> r;
+    for (const auto& w : d.weights) r.weights.push_back(cast_layers<double>(w));
+    for (const auto& w : d.momentum) r.momentum.push_back(cast_layers<double>(w));
+    for (const auto& t : d.conv_tail) r.conv_tail.push_back(t.template cast<double>());
+    return r;
+}
+
+/// The pieces forward with traces, then backward last first, chained; dx NaN-poisoned.
+template <class T, class Backend>
+TrainResult run_chained(const TrainCase& c) {
+    NeuralMemory<T, Backend> mem(c.cfg, cast_params<T>(c.p));
+    auto st = mem.make_state(c.B);
+    const Eigen::Index N = c.x.rows() / c.B;
+    const std::size_t K = c.cuts.size() - 1;
+    std::vector<typename NeuralMemory<T, Backend>::Trace> traces(K);
+    for (std::size_t k = 0; k < K; ++k) {
+        const Matrix<T> xp = take_tokens(c.x, c.B, N, c.cuts[k], c.cuts[k + 1]).template cast<T>();
+        Matrix<T> y;
+        mem.forward(st, xp, y, traces[k]);
+    }
+    auto g = cast_params<T>(c.g0);
+    TrainResult r;
+    r.dx.resize(K);
+    r.d_in.resize(K);
+    titans::MemoryStateGradient<T> next;
+    for (std::size_t k = K; k-- > 0;) {
+        const Matrix<T> dyp = take_tokens(c.dy, c.B, N, c.cuts[k], c.cuts[k + 1]).template cast<T>();
+        Matrix<T> dx = Matrix<T>::Constant(dyp.rows(), dyp.cols(), std::numeric_limits<T>::quiet_NaN());
+        titans::MemoryStateGradient<T> d_in;
+        mem.backward(traces[k], dyp, dx, g, &d_in, k + 1 < K ? &next : nullptr);
+        r.dx[k] = dx.template cast<double>();
+        r.d_in[k] = to_double(d_in);
+        next = std::move(d_in);
+    }
+    r.g = cast_params<double>(g);
+    return r;
+}
+
+double layers_rel(const std::vector<std::vector<Matrixd>>& a, const std::vector<std::vector<Matrixd>>& b,
+                  double floor) {
+    if (a.size() != b.size()) return std::numeric_limits<double>::infinity();
+    double e = 0;
+    for (std::size_t i = 0; i < a.size(); ++i) {
+        if (a[i].size() != b[i].size()) return std::numeric_limits<double>::infinity();
+        for (std::size_t l = 0; l < a[i].size(); ++l) e = std::max(e, rel_error(a[i][l], b[i][l], floor));
+    }
+    return e;
+}
+
+/// The largest relative error of a CUDA result against the CPU's: dx, d_state_in and every
+/// gradient tensor, each relative to its largest entry or 1e-3 of the case's scale.
+double compare_results(const TrainResult& a, const TrainResult& ref, const MemoryConfig& cfg) {
+    double scale = 0;
+    for (const Matrixd& m : ref.dx) scale = std::max(scale, m.size() ? m.cwiseAbs().maxCoeff() : 0.0);
+    titans::MemoryParamsd::tensors(ref.g, cfg, [&](const std::string&, const auto& t) {
+        scale = std::max(scale, Matrixd(t).cwiseAbs().maxCoeff());
+    });
+    const double floor = std::max(1e-3 * scale, 1e-300);
+    double e = 0;
+    for (std::size_t k = 0; k < ref.dx.size(); ++k) {
+        e = std::max(e, rel_error(a.dx[k], ref.dx[k], floor));
+        e = std::max(e, layers_rel(a.d_in[k].weights, ref.d_in[k].weights, floor));
+        e = std::max(e, layers_rel(a.d_in[k].momentum, ref.d_in[k].momentum, floor));
+        REQUIRE(a.d_in[k].conv_tail.size() == ref.d_in[k].conv_tail.size());
+        for (std::size_t s = 0; s < ref.d_in[k].conv_tail.size(); ++s) {
+            e = std::max(e, rel_error(a.d_in[k].conv_tail[s], ref.d_in[k].conv_tail[s], floor));
+        }
+    }
+    titans::MemoryParamsd::tensors(a.g, cfg, [&](const std::string& name, const auto& t) {
+        titans::MemoryParamsd::tensors(ref.g, cfg, [&](const std::string& n2, const auto& t2) {
+            if (n2 != name) return;
+            const double en = rel_error(Matrixd(t), Matrixd(t2), floor);
+            if (!(en <= 1e-12)) UNSCOPED_INFO("tensor " << name << " error " << en);
+            e = std::max(e, en);
+        });
+    });
+    return e;
+}
+
+template <class T>
+void train_sweep(const char* name, int cases_per_mode, bool chained, double bound) {
+    cases_per_mode = parity_cases(cases_per_mode);
+    int index = 0;
+    double worst = 0;
+    for (const Modes& base : all_primary_modes()) {
+        for (int k = 0; k < cases_per_mode; ++k, ++index) {
+            Rng rng(seed_for(name, static_cast<std::uint64_t>(index)));
+            const TrainCase c = train_case<T>(base, index, rng, chained);
+            INFO("case " << index << ": " << to_string(c.cfg.update) << "/" << to_string(c.cfg.retrieval)
+                         << "/" << to_string(c.cfg.gates) << " flags " << (index * 11) % 32
+                         << " depth " << c.cfg.depth << " chunk " << c.cfg.chunk << " conv "
+                         << c.cfg.use_conv << "/" << c.cfg.conv_kernel << " clip "
+                         << c.cfg.max_grad_norm << " B " << c.B << " N " << c.x.rows() / c.B
+                         << " pieces " << c.cuts.size() - 1);
+            const TrainResult ref = run_chained<double, titans::backend::Cpu>(c);
+            const TrainResult got = run_chained<T, Cuda>(c);
+            const double e = compare_results(got, ref, c.cfg);
+            CHECK(e <= bound);
+            worst = std::max(worst, e);
+        }
+    }
+    std::printf("%s: %d cases, worst relative error %.3g (bound %.0e)\n", name, index, worst, bound);
+}
 }  // namespace
 
 TEST_CASE("cuda memory training: trace double", "[cuda]") {
@@ -201,4 +361,16 @@ TEST_CASE("cuda memory training: errors keep state", "[cuda]") {
                     titans::NonFiniteError);
     CHECK(gt.empty());
     CHECK(same_tensors(state_tensors(gs), before));
+}
+
+TEST_CASE("cuda memory training: double", "[cuda]") {
+    train_sweep<double>("cuda memory training: double", 4, false, 1e-12);
+}
+
+TEST_CASE("cuda memory training: chained double", "[cuda]") {
+    train_sweep<double>("cuda memory training: chained double", 4, true, 1e-12);
+}
+
+TEST_CASE("cuda memory training: float", "[cuda]") {
+    train_sweep<float>("cuda memory training: float", 2, true, 1e-5);
 }

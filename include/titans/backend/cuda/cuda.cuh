@@ -49,7 +49,7 @@ struct BackendTraits<Cuda> {
 #include "runtime.cuh"
 #include "transfer.cuh"
 #include "memory_kernels.cuh"
-#include "memory_training.cuh"
 #include "layer_kernels.cuh"
 #include "attention_kernels.cuh"
 #include "attention_training.cuh"
+#include "memory_training.cuh"
