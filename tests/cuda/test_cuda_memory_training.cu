@@ -374,3 +374,67 @@ TEST_CASE("cuda memory training: chained double", "[cuda]") {
 TEST_CASE("cuda memory training: float", "[cuda]") {
     train_sweep<float>("cuda memory training: float", 2, true, 1e-5);
 }
+
+TEST_CASE("cuda memory training: wrong dy caught", "[cuda]") {
+    // The comparison catches a deliberately wrong value: one entry of dy changed by 1e-6 on
+    // the CUDA side moves dx or a gradient beyond the bound.
+    Rng rng(seed_for("cuda memory training: wrong dy caught", 0));
+    Modes m;
+    m.update = UpdateMode::Chunked;
+    m.retrieval = Retrieval::InChunk;
+    TrainCase c = train_case<double>(m, 0, rng, true);
+    const TrainResult ref = run_chained<double, titans::backend::Cpu>(c);
+    REQUIRE(compare_results(run_chained<double, Cuda>(c), ref, c.cfg) <= 1e-12);
+    c.dy(0, 0) += 1e-6;
+    CHECK(compare_results(run_chained<double, Cuda>(c), ref, c.cfg) > 1e-12);
+}
+
+TEST_CASE("cuda memory training: refusals", "[cuda]") {
+    // The refusals throw the CPU's exception types and leave grads, dx and d_state_in as they
+    // were; backward of one trace twice gives the same result (the trace is not consumed).
+    Rng rng(seed_for("cuda memory training: refusals", 0));
+    Modes m;
+    m.update = UpdateMode::Chunked;
+    MemoryConfig cfg = random_config(m, rng);
+    cfg.chunk = 3;
+    const auto p = random_params(cfg, rng);
+    CudaMemory<double> mem(cfg, p);
+    auto st = mem.make_state(2);
+    const Matrixd x = random_matrix(2 * 4, cfg.d_model, rng);
+    CudaMemory<double>::Trace trace;
+    Matrixd y;
+    mem.forward(st, x, y, trace);
+    const auto g0 = random_params(cfg, rng);
+    auto g = g0;
+    Matrixd dx = Matrixd::Constant(1, 1, 7.0);
+    titans::MemoryStateGradient<double> d_in;
+    const auto unchanged = [&] {
+        bool same = true;
+        titans::MemoryParamsd::tensors(g, cfg, [&](const std::string& name, const auto& t) {
+            titans::MemoryParamsd::tensors(g0, cfg, [&](const std::string& n2, const auto& t2) {
+                if (n2 == name) same = same && identical(Matrixd(t), Matrixd(t2));
+            });
+        });
+        return same && dx.rows() == 1 && dx(0, 0) == 7.0 && d_in.empty();
+    };
+    CHECK_THROWS_AS(mem.backward(trace, random_matrix(2 * 4 + 1, cfg.d_model, rng), dx, g, &d_in),
+                    titans::ShapeError);
+    CHECK(unchanged());
+    CHECK_THROWS_AS(mem.backward(CudaMemory<double>::Trace{}, random_matrix(0, cfg.d_model, rng),
+                                 dx, g, &d_in),
+                    titans::ShapeError);
+    CHECK(unchanged());
+    // d_state_out for a trace that ends inside a chunk (4 tokens, chunk 3).
+    titans::MemoryStateGradient<double> d_out;
+    d_out.weights.assign(2 * static_cast<std::size_t>(cfg.n_heads), mem.current_weights(st, 0, 0));
+    d_out.momentum = d_out.weights;
+    CHECK_THROWS_AS(mem.backward(trace, random_matrix(2 * 4, cfg.d_model, rng), dx, g, &d_in, &d_out),
+                    titans::ConfigError);
+    CHECK(unchanged());
+    const Matrixd dy = random_matrix(2 * 4, cfg.d_model, rng);
+    Matrixd dx1, dx2;
+    auto g1 = g0, g2 = g0;
+    mem.backward(trace, dy, dx1, g1);
+    mem.backward(trace, dy, dx2, g2);
+    CHECK(identical(dx1, dx2));
+}

@@ -78,6 +78,9 @@ struct MemoryKernels {
 template <class Backend, class T>
 struct MemoryTraining {
     static constexpr bool available = false;
+    /// Whether it also has the staged reverse MAC's training drives (Reverse, start,
+    /// forward_part, read_weights_backward; models/mac_training.hpp).
+    static constexpr bool staged = false;
     struct Trace {};
 };
 

@@ -539,8 +539,10 @@ public:
 
     /// What the training forward keeps for backward (math §9; models/block_training.hpp).
     using Trace = BlockTrace<T, Backend>;
-    /// Whether this backend has the training pass of every sub-layer (the CPU's does).
+    /// Whether this backend has the training pass of every sub-layer, the memory's staged
+    /// reverse included (MAC's; the block kind is a run-time choice): the CPU's does.
     static constexpr bool trainable = backend::MemoryTraining<Backend, T>::available &&
+                                      backend::MemoryTraining<Backend, T>::staged &&
                                       backend::AttentionTraining<Backend, T>::available;
 
     /// The training forward (math §9): forward(state, x), keeping in `trace` what backward

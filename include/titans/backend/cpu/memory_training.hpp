@@ -31,6 +31,7 @@ namespace titans::backend {
 template <class T>
 struct MemoryTraining<Cpu, T> {
     static constexpr bool available = true;
+    static constexpr bool staged = true;  // Reverse, start, forward_part (MAC's training)
     using Kernels = MemoryKernels<Cpu, T>;
     using Mat = Matrix<T>;
     using Layers = std::vector<Mat>;

@@ -48,6 +48,9 @@ template <class T>
 struct MemoryTraining<Cuda, T> {
     /// False until backward runs on the device (see the header comment).
     static constexpr bool available = true;
+    /// No staged reverse (Reverse, start, forward_part, read_weights_backward) yet: MAC's
+    /// training needs it, so Block<T, Cuda> is not trainable.
+    static constexpr bool staged = false;
     using Kernels = MemoryKernels<Cuda, T>;
     using Buf = cuda::DeviceBuffer<T>;
     using Mat = Matrix<T>;
@@ -228,27 +231,27 @@ struct MemoryTraining<Cuda, T> {
     /// Offsets in a pair's vector block (b = the chunk size).
     struct Vec {
         long long b;
-        long long theta0() const { return 0; }
-        long long theta() const { return b; }
-        long long eta() const { return 2 * b; }
-        long long alpha() const { return 3 * b; }
-        long long g2() const { return 4 * b; }
-        long long beta() const { return 5 * b; }
-        long long c() const { return 6 * b; }
-        long long g() const { return 7 * b; }
-        long long s() const { return 8 * b; }
-        long long dtheta() const { return 9 * b; }
-        long long deta() const { return 10 * b; }
-        long long dalpha() const { return 11 * b; }
-        long long dbeta() const { return 12 * b; }
-        long long dc() const { return 13 * b; }
-        long long dg() const { return 14 * b; }
-        long long ds() const { return 15 * b; }
-        long long scratch() const { return 16 * b; }  // 6 b
-        long long ends() const { return 22 * b; }     // be, ce, pe, dbe, dce, dpe
-        long long G() const { return 22 * b + 6; }    // b x b
-        long long dG() const { return 22 * b + 6 + b * b; }
-        long long size() const { return 22 * b + 6 + 2 * b * b; }
+        TITANS_HOST_DEVICE long long theta0() const { return 0; }
+        TITANS_HOST_DEVICE long long theta() const { return b; }
+        TITANS_HOST_DEVICE long long eta() const { return 2 * b; }
+        TITANS_HOST_DEVICE long long alpha() const { return 3 * b; }
+        TITANS_HOST_DEVICE long long g2() const { return 4 * b; }
+        TITANS_HOST_DEVICE long long beta() const { return 5 * b; }
+        TITANS_HOST_DEVICE long long c() const { return 6 * b; }
+        TITANS_HOST_DEVICE long long g() const { return 7 * b; }
+        TITANS_HOST_DEVICE long long s() const { return 8 * b; }
+        TITANS_HOST_DEVICE long long dtheta() const { return 9 * b; }
+        TITANS_HOST_DEVICE long long deta() const { return 10 * b; }
+        TITANS_HOST_DEVICE long long dalpha() const { return 11 * b; }
+        TITANS_HOST_DEVICE long long dbeta() const { return 12 * b; }
+        TITANS_HOST_DEVICE long long dc() const { return 13 * b; }
+        TITANS_HOST_DEVICE long long dg() const { return 14 * b; }
+        TITANS_HOST_DEVICE long long ds() const { return 15 * b; }
+        TITANS_HOST_DEVICE long long scratch() const { return 16 * b; }  // 6 b
+        TITANS_HOST_DEVICE long long ends() const { return 22 * b; }     // be, ce, pe, dbe, dce, dpe
+        TITANS_HOST_DEVICE long long G() const { return 22 * b + 6; }    // b x b
+        TITANS_HOST_DEVICE long long dG() const { return 22 * b + 6 + b * b; }
+        TITANS_HOST_DEVICE long long size() const { return 22 * b + 6 + 2 * b * b; }
     };
 
     static void backward(const MemoryConfig& cfg, const typename Kernels::Prepared& pp,
