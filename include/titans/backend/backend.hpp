@@ -74,7 +74,7 @@ struct MemoryKernels {
 /// The memory's training pass (math §9) on a backend: a Trace (what the backward needs: the
 /// input and the memory at every chunk start), forward(cfg, prepared, state, x, y, trace) and
 /// backward(cfg, prepared, trace, dy, dx, grads). Backends that have one specialise it with
-/// `available = true` (the CPU does; NeuralMemory's training calls require it).
+/// `available = true` (the CPU and CUDA do; NeuralMemory's training calls require it).
 template <class Backend, class T>
 struct MemoryTraining {
     static constexpr bool available = false;

@@ -119,7 +119,7 @@ public:
     /// (state.pending() == 0: a fresh state, or one a whole number of chunks in; ConfigError
     /// otherwise), keeping in `trace` what backward needs. Same outputs and state as forward;
     /// on an error nothing changes (state, y, trace). Backends with a training pass only (the
-    /// CPU). Pieces chain: see backward's d_state_in and d_state_out.
+    /// CPU, CUDA). Pieces chain: see backward's d_state_in and d_state_out.
     ///
     ///     NeuralMemory<double>::Trace trace;
     ///     mem.forward(state, x, y, trace);

@@ -9,12 +9,12 @@
 //     auto st = mem.make_state(64);           // device state, own stream and cuBLAS handle
 //     Matrixf y = mem.forward(st, x);         // x uploaded, y downloaded once per call
 //
-// Covered: the neural memory (every mode of math §1-5, forward), the attention layer
-// (forward, and the training forward and backward of math §9, chained pieces included),
-// RMSNorm and FeedForward (forward and backward); Block<T, Cuda> and Model<T, Cuda> run their
-// sub-layers on the GPU and their glue on the host. Training of the memory is CPU-only
-// (docs/cuda.md): memory_training.cuh has its device trace and training forward, not its
-// backward yet, so MemoryTraining<Cuda, T>::available stays false.
+// Covered: the neural memory (every mode of math §1-5, forward; the training forward and
+// backward of math §9, chained pieces included), the attention layer (forward, and the
+// training forward and backward of math §9, chained pieces included), RMSNorm and FeedForward
+// (forward and backward); Block<T, Cuda> and Model<T, Cuda> run their sub-layers on the GPU
+// and their glue on the host. Block and model training are CPU-only: they need the memory's
+// staged reverse (MAC's), which CUDA does not have yet (docs/cuda.md).
 //
 // Outside nvcc the backend compiles only under TITANS_CUDA_EMULATION, the CPU emulation of
 // the CUDA runtime and cuBLAS that the tests use where there is no GPU (tests/cuda/emulation/).

@@ -1,30 +1,25 @@
 #pragma once
-// titans/backend/cuda/memory_training.cuh: the neural memory's training pass on CUDA (math §9)
-// -- IN PROGRESS, not exposed (available = false).
+// titans/backend/cuda/memory_training.cuh: the neural memory's training pass on CUDA (math §9),
+// giving the CPU's results (cpu/memory_training.hpp), every update, retrieval and gate mode.
 //
-// Done: the device trace and the training forward. forward runs Kernels::forward a chunk at
-// a time (from a chunk boundary; one transaction over the call, so an error leaves the state
-// as it was), keeping in device memory what the CPU's Trace keeps (cpu/memory_training.hpp):
-// the input, the incoming conv tails, the pre-conv products u = x [W_Q | W_K | W_V], the gate
-// logits (bias added) and the memory (W, S) at every chunk start, laid out as the state's
-// (per layer, pairs contiguous) so that a chunk's start memory feeds the forward's batched
-// GEMMs (mlp_read, key_pass) as is.
+// forward runs Kernels::forward a chunk at a time (from a chunk boundary; one transaction over
+// the call, so an error leaves the state as it was), keeping in device memory what the CPU's
+// Trace keeps: the input, the incoming conv tails, the pre-conv products u = x [W_Q | W_K |
+// W_V], the gate logits (bias added) and the memory (W, S) at every chunk start, laid out as
+// the state's (per layer, pairs contiguous) so that it feeds batched GEMMs as is.
 //
-// Not done: backward (the reverse sweep of cpu/memory_training.hpp on the device). Until it
-// is, NeuralMemory<T, Cuda>'s training calls stay unavailable (they require available).
-// The plan, all pairs at once, chunks last first (deterministic, no atomics):
-//   1. Kernels::project on the kept input with the kept tails (advance off) gives q, k, v
-//      and the gate logits pair-major; dyh = dy W_O^T, g_O = yh^T dy once yh is recomputed.
-//   2. Per chunk (start memory from `memory`): the key pass as Kernels::key_pass (batched
-//      GEMMs over pairs) keeping A_l, Z_l, Delta_l; gates with clipping (gate_values_kernel);
-//      the read reversed (lagged: mlp_read's GEMMs transposed; in-chunk: the dual form's
-//      products with G from chunk_row_coefficients); the chunk end reversed (GEMMs
-//      A dW', Delta dW'^T); the coefficients by the TITANS_HOST_DEVICE
-//      chunk_coefficients_backward, a thread per pair; clipping and the key pass's
-//      second-order terms (detail::KeyTape::backward as batched GEMMs); dW, dS carried.
-//   3. The projections reversed (cpu::MemoryProjections' steps as element-wise kernels: norm,
-//      phi, conv transposed, tails) and the GEMMs for dx and the parameter gradients.
-//   MAC's staged Reverse (taps) and read_weights_backward come after.
+// backward, all pairs at once, chunks last first (deterministic, no atomics):
+//   1. the projections' stages recomputed from u and the tails (conv, phi, norms), q, k, v and
+//      the logits pair-major; dyh = dy W_O^T.
+//   2. per chunk, from its start memory: the key pass with its intermediates (batched GEMMs),
+//      gates with clipping, the read recomputed and reversed (lagged, or the dual form with G
+//      from chunk_row_coefficients), the chunk end reversed, the coefficients by the shared
+//      TITANS_HOST_DEVICE chunk_coefficients_backward (a thread per pair), clipping, the key
+//      pass's second-order terms (detail::KeyTape::backward as batched GEMMs), the gates; the
+//      start memory's adjoint carried to the chunk before.
+//   3. the projections reversed (norm, phi, conv transposed, tails), dx and the gradients.
+// Not here yet: the staged reverse MAC's training drives (cpu: Reverse, start, forward_part,
+// read_weights_backward), hence staged = false and Block<T, Cuda> is not trainable.
 
 #include <cstdint>
 #include <utility>
