@@ -156,7 +156,7 @@ TrainCase train_case(const Modes& base, int index, Rng& rng, bool chained) {
     TrainCase c;
     Limits lim;
     lim.min_head_dim = 3;
-    lim.max_depth = 2;
+    lim.max_depth = 3;
     c.cfg = random_config(with_flags(base, (index * 11) % 32), rng, lim);
     for (double* v : {&c.cfg.theta_max, &c.cfg.constant_theta, &c.cfg.constant_eta,
                       &c.cfg.constant_alpha, &c.cfg.max_grad_norm}) {
