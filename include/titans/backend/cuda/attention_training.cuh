@@ -41,14 +41,7 @@ struct AttentionTraining<Cuda, T> {
     using Mat = Matrix<T>;
     using Index = Eigen::Index;
 
-    /// A dense row-major rows x cols matrix in device memory.
-    struct DeviceMatrix {
-        Buf mem;
-        Index r = 0, c = 0;
-        [[nodiscard]] Index rows() const { return r; }
-        [[nodiscard]] Index cols() const { return c; }
-        [[nodiscard]] View<const T> view() const { return View<const T>{mem.data(), r, c, c}; }
-    };
+    using DeviceMatrix = cuda::DeviceMatrix<T>;
 
     /// What backward needs, in device memory: the input, the prefix rows (0 rows if none) and
     /// their sharing, the incoming position and each sequence's kept keys (rotated) and values
@@ -77,7 +70,7 @@ struct AttentionTraining<Cuda, T> {
         t.sharing = sharing;
         t.start = st.position();
         const long long D = cfg.inner_dim();
-        t.x = device_copy(x);
+        t.x = DeviceMatrix::copy_of(x, "cudaMemcpy2D (attention trace input)");
         if (prefix != nullptr) {
             t.prefix.mem = cuda::upload_array(prefix->data(), static_cast<std::size_t>(prefix->size()));
             t.prefix.r = prefix->rows();
@@ -251,16 +244,6 @@ struct AttentionTraining<Cuda, T> {
     }
 
     // Internal (public only because nvcc's device lambdas cannot sit in private members).
-    /// A dense device copy of a device view.
-    static DeviceMatrix device_copy(View<const T> x) {
-        DeviceMatrix m;
-        m.r = x.rows;
-        m.c = x.cols;
-        m.mem = Buf(static_cast<std::size_t>(x.rows * x.cols));
-        Transfer<Cuda, T>::copy(View<T>{m.mem.data(), m.r, m.c, m.c}, x, cudaMemcpyDeviceToDevice,
-                                "cudaMemcpy2D (attention trace input)");
-        return m;
-    }
     /// A dense host matrix's entries to device memory at `to` (synchronous).
     static void upload(T* to, const Mat& m) {
         if (m.size() > 0) {

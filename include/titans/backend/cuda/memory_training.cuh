@@ -41,7 +41,6 @@ namespace titans::backend {
 
 template <class T>
 struct MemoryTraining<Cuda, T> {
-    /// False until backward runs on the device (see the header comment).
     static constexpr bool available = true;
     /// No staged reverse (Reverse, start, forward_part, read_weights_backward) yet: MAC's
     /// training needs it, so Block<T, Cuda> is not trainable.
@@ -51,14 +50,7 @@ struct MemoryTraining<Cuda, T> {
     using Mat = Matrix<T>;
     using Index = Eigen::Index;
 
-    /// A dense row-major rows x cols matrix in device memory.
-    struct DeviceMatrix {
-        Buf mem;
-        Index r = 0, c = 0;
-        [[nodiscard]] Index rows() const { return r; }
-        [[nodiscard]] Index cols() const { return c; }
-        [[nodiscard]] View<const T> view() const { return View<const T>{mem.data(), r, c, c}; }
-    };
+    using DeviceMatrix = cuda::DeviceMatrix<T>;
 
     /// What backward needs, in device memory (the CPU Trace's members, same meaning):
     /// x (B*N) x d; tail_in B x (K-1) x 3D; u (B*N) x 3D; logits (B*N) x 3H (Constant gates:
@@ -90,11 +82,7 @@ struct MemoryTraining<Cuda, T> {
         t.cfg = cfg;
         t.batch = B;
         t.start = st.position();
-        t.x.r = x.rows;
-        t.x.c = x.cols;
-        t.x.mem = Buf(static_cast<std::size_t>(x.rows * x.cols));
-        Transfer<Cuda, T>::copy(View<T>{t.x.mem.data(), t.x.r, t.x.c, t.x.c}, x,
-                                cudaMemcpyDeviceToDevice, "cudaMemcpy2D (memory trace input)");
+        t.x = DeviceMatrix::copy_of(x, "cudaMemcpy2D (memory trace input)");
         const cudaStream_t sm = st.ctx_->stream();
         t.tail_in = Buf(static_cast<std::size_t>(B * K1 * 3 * D));
         if (K1 > 0) {

@@ -49,4 +49,28 @@ struct Transfer<Cuda, T> {
     }
 };
 
+namespace cuda {
+
+/// A dense row-major rows x cols matrix in device memory, read as the CPU traces' matrices
+/// are (rows(), cols()): what the training passes keep of their inputs.
+template <class T>
+struct DeviceMatrix {
+    DeviceBuffer<T> mem;
+    Eigen::Index r = 0, c = 0;
+    [[nodiscard]] Eigen::Index rows() const { return r; }
+    [[nodiscard]] Eigen::Index cols() const { return c; }
+    [[nodiscard]] View<const T> view() const { return View<const T>{mem.data(), r, c, c}; }
+    /// A dense copy of a device view (`what` names the copy in an error).
+    static DeviceMatrix copy_of(View<const T> x, const char* what) {
+        DeviceMatrix m;
+        m.r = x.rows;
+        m.c = x.cols;
+        m.mem = DeviceBuffer<T>(static_cast<std::size_t>(x.rows * x.cols));
+        Transfer<Cuda, T>::copy(View<T>{m.mem.data(), m.r, m.c, m.c}, x,
+                                cudaMemcpyDeviceToDevice, what);
+        return m;
+    }
+};
+
+}  // namespace cuda
 }  // namespace titans::backend
