@@ -35,7 +35,7 @@
 #include "../fwd.hpp"
 #include "../limits.hpp"
 #include "../threads.hpp"
-#include "../train/gradients.hpp"
+#include "../detail/tensor_slots.hpp"
 #include "../types.hpp"
 #include "config.hpp"
 #include "kernel.hpp"
@@ -43,6 +43,7 @@
 #include "rope.hpp"
 #include "state.hpp"
 #include "state_gradient.hpp"
+#include "kernels_decl.hpp"
 
 namespace titans {
 

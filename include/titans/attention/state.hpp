@@ -19,6 +19,7 @@
 #include "../types.hpp"
 #include "../view.hpp"
 #include "config.hpp"
+#include "kernels_decl.hpp"
 
 namespace titans {
 

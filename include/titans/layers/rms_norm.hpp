@@ -16,6 +16,7 @@
 #include "../fwd.hpp"
 #include "../limits.hpp"
 #include "../types.hpp"
+#include "kernels_decl.hpp"
 
 namespace titans {
 

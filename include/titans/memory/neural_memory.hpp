@@ -11,7 +11,7 @@
 #include "../detail/check.hpp"
 #include "../detail/float_env.hpp"
 #include "../detail/shared.hpp"
-#include "../train/gradients.hpp"
+#include "../detail/tensor_slots.hpp"
 #include "../error.hpp"
 #include "../threads.hpp"
 #include "../types.hpp"
@@ -19,6 +19,7 @@
 #include "diagnostics.hpp"
 #include "params.hpp"
 #include "state_gradient.hpp"
+#include "kernels_decl.hpp"
 
 namespace titans {
 

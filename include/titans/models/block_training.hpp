@@ -17,7 +17,7 @@
 #include "../detail/activation.hpp"
 #include "../detail/check.hpp"
 #include "../error.hpp"
-#include "../train/gradients.hpp"
+#include "../detail/tensor_slots.hpp"
 #include "block.hpp"
 #include "mac_trace.hpp"
 #include "mac_training.hpp"

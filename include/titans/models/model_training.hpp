@@ -13,7 +13,7 @@
 
 #include "../detail/check.hpp"
 #include "../error.hpp"
-#include "../train/gradients.hpp"
+#include "../detail/tensor_slots.hpp"
 #include "block_training.hpp"
 #include "model.hpp"
 #include "state_gradient.hpp"

@@ -1,7 +1,7 @@
 #pragma once
 // titans/train/gradients.hpp: the gradients of a parameter struct taken as one vector (math
-// §9): its global norm and the clipping of that norm; and the tensors of a parameter struct as
-// flat slots, which the optimiser pairs with the gradients'.
+// §9): its global norm and the clipping of that norm (the tensors as flat slots:
+// detail/tensor_slots.hpp).
 
 #include <algorithm>
 #include <cmath>
@@ -12,98 +12,10 @@
 
 #include <Eigen/Core>
 
+#include "../detail/tensor_slots.hpp"
 #include "../error.hpp"
 
 namespace titans {
-
-namespace detail {
-
-/// The scalar type of a parameter struct: P::Scalar where the struct names it (a user's own
-/// struct), else T of a template P<T> (FeedForwardParams<T>, ModelParams<T>, ...).
-template <class P>
-struct ParamsScalar {
-    using type = typename P::Scalar;
-};
-template <template <class> class P, class T>
-struct ParamsScalar<P<T>> {
-    using type = T;
-};
-
-/// One tensor of a parameter struct as its visitor names it: entries [data, data + size()),
-/// contiguous (Matrix<T> and RowVector<T> both are). X is T or const T.
-template <class X>
-struct TensorSlot {
-    std::string name;
-    X* data;
-    Eigen::Index rows, cols;
-    [[nodiscard]] Eigen::Index size() const { return rows * cols; }
-    [[nodiscard]] auto array() const {
-        using T = std::remove_const_t<X>;
-        using A = Eigen::Array<T, Eigen::Dynamic, 1>;
-        using Map = std::conditional_t<std::is_const_v<X>, Eigen::Map<const A>, Eigen::Map<A>>;
-        return Map(data, size());
-    }
-};
-
-/// The tensors Params::tensors(p, cfg, .) visits, in its order (p const or not).
-template <class Params, class Config>
-[[nodiscard]] auto tensor_slots(Params& p, const Config& cfg) {
-    using T = typename ParamsScalar<std::remove_const_t<Params>>::type;
-    using X = std::conditional_t<std::is_const_v<Params>, const T, T>;
-    std::vector<TensorSlot<X>> out;
-    std::remove_const_t<Params>::tensors(p, cfg, [&](const std::string& name, auto& m) {
-        out.push_back(TensorSlot<X>{name, m.data(), m.rows(), m.cols()});
-    });
-    return out;
-}
-
-/// ShapeError (naming `what` and the tensor) unless slot g has the shape of slot p.
-template <class P, class G>
-void check_slot_shape(const P& p, const G& g, const char* where, const char* what) {
-    if (g.rows != p.rows || g.cols != p.cols) {
-        throw ShapeError(concat(where, ": ", what, " '", g.name, "' is ", g.rows, " x ", g.cols,
-                                ", expected ", p.rows, " x ", p.cols,
-                                " (the shape of the parameter)"));
-    }
-}
-
-/// The gradients a backward adds to: ShapeError unless every tensor of grads has the shape of
-/// params' tensor of the same name, NonFiniteError if an entry is NaN or infinite. Reads grads
-/// only (a const visit).
-template <class Params, class Config>
-void check_same_tensors(const Params& params, const Params& grads, const Config& cfg,
-                        const char* where, const char* what) {
-    const auto ps = tensor_slots(params, cfg);
-    const auto gs = tensor_slots(grads, cfg);
-    for (std::size_t i = 0; i < ps.size(); ++i) {
-        check_slot_shape(ps[i], gs[i], where, what);
-        if (!gs[i].array().allFinite()) {
-            throw NonFiniteError(concat(where, ": ", what, " '", gs[i].name,
-                                        "' has a NaN or infinite entry"));
-        }
-    }
-}
-
-/// Whether every entry of every tensor of p is finite.
-template <class Params, class Config>
-[[nodiscard]] bool tensors_finite(const Params& p, const Config& cfg) {
-    for (const auto& s : tensor_slots(p, cfg)) {
-        if (!s.array().allFinite()) return false;
-    }
-    return true;
-}
-
-/// to += from, tensor by tensor (same shapes).
-template <class Params, class Config>
-void add_tensors(const Params& from, Params& to, const Config& cfg) {
-    const auto fs = tensor_slots(from, cfg);
-    const auto ts = tensor_slots(to, cfg);
-    for (std::size_t i = 0; i < fs.size(); ++i) {
-        ts[i].array() += fs[i].array();
-    }
-}
-
-}  // namespace detail
 
 /// The Euclidean norm of every tensor of `grads` taken as one vector (the tensors
 /// Params::tensors(grads, cfg, .) names), computed in double with scaling, so it neither

@@ -24,6 +24,7 @@
 #include "../../types.hpp"
 #include "../backend.hpp"
 #include "transfer.hpp"
+#include "../../attention/kernels_decl.hpp"
 
 namespace titans::backend {
 

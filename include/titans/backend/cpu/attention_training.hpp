@@ -16,6 +16,7 @@
 #include "../../attention/kernel_backward.hpp"
 #include "../../attention/state_gradient.hpp"
 #include "attention_kernels.hpp"
+#include "../../attention/kernels_decl.hpp"
 
 namespace titans::backend {
 

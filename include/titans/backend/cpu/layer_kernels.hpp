@@ -13,6 +13,7 @@
 #include "../../types.hpp"
 #include "../backend.hpp"
 #include "transfer.hpp"
+#include "../../layers/kernels_decl.hpp"
 
 namespace titans::backend {
 

@@ -25,6 +25,7 @@
 #include "memory_state.hpp"
 #include "memory_undo.hpp"
 #include "transfer.hpp"
+#include "../../memory/kernels_decl.hpp"
 
 namespace titans::backend {
 

@@ -19,6 +19,7 @@
 #include "../../memory/config.hpp"
 #include "../../memory/params.hpp"
 #include "../../types.hpp"
+#include "../../memory/kernels_decl.hpp"
 
 namespace titans::backend::cpu {
 

@@ -9,6 +9,7 @@
 #include "../../detail/visit.hpp"
 #include "../../memory/config.hpp"
 #include "../../types.hpp"
+#include "../../memory/kernels_decl.hpp"
 
 namespace titans {
 

@@ -25,6 +25,7 @@
 #include "../../memory/state_gradient.hpp"
 #include "memory_kernels.hpp"
 #include "memory_projections.hpp"
+#include "../../memory/kernels_decl.hpp"
 
 namespace titans::backend {
 

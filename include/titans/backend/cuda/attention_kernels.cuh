@@ -30,6 +30,7 @@
 #include "launch.cuh"
 #include "layer_kernels.cuh"
 #include "transfer.cuh"
+#include "../../attention/kernels_decl.hpp"
 
 namespace titans::backend {
 

@@ -15,6 +15,7 @@
 #include "../../detail/visit.hpp"
 #include "../../types.hpp"
 #include "runtime.cuh"
+#include "../../attention/kernels_decl.hpp"
 
 namespace titans {
 

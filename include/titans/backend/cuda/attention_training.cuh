@@ -28,6 +28,7 @@
 #include "../../attention/attention_row_backward.hpp"
 #include "../../attention/state_gradient.hpp"
 #include "attention_kernels.cuh"
+#include "../../attention/kernels_decl.hpp"
 
 namespace titans::backend {
 

@@ -15,6 +15,7 @@
 #include "blas.cuh"
 #include "launch.cuh"
 #include "transfer.cuh"
+#include "../../layers/kernels_decl.hpp"
 
 namespace titans::backend {
 

@@ -31,6 +31,7 @@
 #include "memory_device.cuh"
 #include "memory_state.cuh"
 #include "transfer.cuh"
+#include "../../memory/kernels_decl.hpp"
 
 namespace titans::backend {
 

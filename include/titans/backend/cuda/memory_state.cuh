@@ -12,6 +12,7 @@
 #include "../../memory/config.hpp"
 #include "../../types.hpp"
 #include "runtime.cuh"
+#include "../../memory/kernels_decl.hpp"
 
 namespace titans {
 

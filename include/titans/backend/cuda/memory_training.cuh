@@ -36,6 +36,7 @@
 #include "memory_kernels.cuh"
 #include "runtime.cuh"
 #include "transfer.cuh"
+#include "../../memory/kernels_decl.hpp"
 
 namespace titans::backend {
 

@@ -1,0 +1,25 @@
+#pragma once
+// titans/layers/kernels_decl.hpp: the kernels of RMSNorm and FeedForward on a backend,
+// declared (primary templates that fail to compile); each backend specialises them in its own
+// folder (backend/cpu/layer_kernels.hpp, ...).
+
+#include "../backend/backend.hpp"
+
+namespace titans {
+namespace backend {
+
+/// The kernels of RMSNorm (concept NormBackend, layers/rms_norm.hpp) and of FeedForward
+/// (concept FeedForwardBackend, layers/feed_forward.hpp) on a backend.
+template <class Backend, class T>
+struct NormKernels {
+    static_assert(dependent_false<Backend>,
+                  "titans: no NormKernels specialization for this backend policy");
+};
+template <class Backend, class T>
+struct FeedForwardKernels {
+    static_assert(dependent_false<Backend>,
+                  "titans: no FeedForwardKernels specialization for this backend policy");
+};
+
+}  // namespace backend
+}  // namespace titans
