@@ -46,7 +46,6 @@ while IFS= read -r -d '' file; do
     while IFS= read -r inc; do
         target="$(realpath -m --relative-to=. "${dir}/${inc}")"
         read -r trank tname <<<"$(layer_of "${target}")"
-        name_family="${name%%:*}"; tname_family="${tname%%:*}"
         if [ "${trank}" = "?" ] || [ "${trank}" -gt "${rank}" ]; then
             echo "${rel} (${name}) includes ${target} (${tname}): a higher layer"; bad=1
         elif [ "${trank}" -eq 3 ] && [ "${rank}" -eq 3 ] && [ "${tname}" != "${name}" ]; then
@@ -55,7 +54,6 @@ while IFS= read -r -d '' file; do
              && [ "${tname%%/*}" != "${name%%/*}" ]; then
             echo "${rel} (${name}) includes ${target} (${tname}): another backend"; bad=1
         fi
-        : "${name_family}" "${tname_family}"
     done < <(sed -n 's/^[[:space:]]*#[[:space:]]*include[[:space:]]*"\([^"]*\)".*/\1/p' "${file}")
 done < <(find . -type f \( -name '*.hpp' -o -name '*.cuh' \) -print0 | sort -z)
 
