@@ -544,3 +544,36 @@ TEST_CASE("attn bwd: state gradient refusals", "[train][attention]") {
     // the window also keeps 2 rows, so the shapes agree and it is accepted.
     attn.backward(t2, take_tokens(c.dy, B, N + 4, 4, N + 4), dx, g, nullptr, nullptr, &d);
 }
+
+TEST_CASE("attn bwd: zero state gradient", "[train][attention]") {
+    for (int i = 0; i < 6; ++i) {
+        Rng rng(seed_for("attn bwd: zero state gradient", static_cast<std::uint64_t>(i)));
+        LayerCase c = draw_layer_case(i, rng);
+        const int B = c.batch, N = uniform_int(rng, 2, 12), cut = uniform_int(rng, 1, N - 1);
+        c.x = random_matrix(B * N, c.cfg.d_model, rng);
+        c.dy = random_matrix(B * N, c.cfg.d_model, rng);
+        titans::Attention<double> attn(c.cfg, c.p);
+        auto st = attn.make_state(B);
+        titans::Attention<double>::Trace t1, t2;
+        Matrixd y, dx_none, dx_zero, dx2;
+        attn.forward(st, take_tokens(c.x, B, N, 0, cut), y, t1);
+        attn.forward(st, take_tokens(c.x, B, N, cut, N), y, t2);
+        auto g = titans::AttentionParams<double>::zeros(c.cfg);
+        titans::AttentionStateGradient<double> d_mid;
+        attn.backward(t2, take_tokens(c.dy, B, N, cut, N), dx2, g, nullptr, &d_mid);
+        const auto z = titans::AttentionStateGradient<double>::zeros(c.cfg, B, cut);
+        INFO("case " << i << " window " << c.cfg.window << " cut " << cut);
+        REQUIRE(z.keys.size() == d_mid.keys.size());
+        CHECK(z.keys[0].rows() == d_mid.keys[0].rows());
+        CHECK(z.values[0].cols() == d_mid.values[0].cols());
+        CHECK(z.keys[0].isZero(0.0));
+        auto g_none = titans::AttentionParams<double>::zeros(c.cfg), g_zero = g_none;
+        attn.backward(t1, take_tokens(c.dy, B, N, 0, cut), dx_none, g_none);
+        attn.backward(t1, take_tokens(c.dy, B, N, 0, cut), dx_zero, g_zero, nullptr, nullptr, &z);
+        CHECK(identical(dx_none, dx_zero));
+        CHECK(identical(g_none.w_k, g_zero.w_k));
+    }
+    titans::AttentionConfig cfg;
+    REQUIRE_THROWS_NAMING(titans::AttentionStateGradient<double>::zeros(cfg, 1, -1),
+                          titans::ConfigError, "position");
+}

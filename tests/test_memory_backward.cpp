@@ -309,3 +309,53 @@ TEST_CASE("mem bwd: state gradient refusals", "[train][memory]") {
     REQUIRE_THROWS_NAMING(mem.forward(s3, take_tokens(c.x, B, N, 1, 3), y, t1), titans::ConfigError,
                           "pending");
 }
+
+TEST_CASE("mem bwd: zero state gradient", "[train][memory]") {
+    Rng rng(seed_for("mem bwd: zero state gradient"));
+    const std::vector<Modes> modes = all_primary_modes();
+    for (std::size_t i = 0; i < modes.size(); ++i) {
+        BackwardCase c = draw_mem_case(modes[i], static_cast<int>(i), rng);
+        c.cfg.use_conv = i % 2 == 0;
+        c.p = MemoryParams<double>::random(c.cfg, rng());
+        titans::NeuralMemory<double> mem(c.cfg, c.p);
+        const int B = c.batch, b = c.cfg.effective_chunk();
+        const Eigen::Index N = c.x.rows() / B, cut = std::min<Eigen::Index>(b, N);
+        auto st = mem.make_state(B);
+        titans::NeuralMemory<double>::Trace t1, t2;
+        Matrixd y, dx_none, dx_zero, dx2;
+        mem.forward(st, take_tokens(c.x, B, N, 0, cut), y, t1);
+        mem.forward(st, take_tokens(c.x, B, N, cut, N), y, t2);
+        // zeros() has the shapes backward returns for the state t1 ends in (t2's start).
+        auto g2 = MemoryParams<double>::zeros(c.cfg);
+        titans::MemoryStateGradient<double> d_mid;
+        mem.backward(t2, take_tokens(c.dy, B, N, cut, N), dx2, g2, &d_mid);
+        const auto z = titans::MemoryStateGradient<double>::zeros(c.cfg, B);
+        INFO("case " << i << " conv " << c.cfg.use_conv << " batch " << B);
+        REQUIRE(z.weights.size() == d_mid.weights.size());
+        REQUIRE(z.conv_tail.size() == d_mid.conv_tail.size());
+        for (std::size_t k = 0; k < z.weights.size(); ++k) {
+            for (std::size_t l = 0; l < z.weights[k].size(); ++l) {
+                CHECK(z.weights[k][l].rows() == d_mid.weights[k][l].rows());
+                CHECK(z.weights[k][l].cols() == d_mid.weights[k][l].cols());
+                CHECK(z.momentum[k][l].size() == d_mid.momentum[k][l].size());
+                CHECK(z.weights[k][l].isZero(0.0));
+            }
+        }
+        CHECK(z.conv_tail[0].rows() == d_mid.conv_tail[0].rows());
+        CHECK(z.conv_tail[0].cols() == d_mid.conv_tail[0].cols());
+        CHECK(z.index(c.cfg, B - 1, c.cfg.n_heads - 1) == z.weights.size() - 1);
+        // Given as t1's end adjoint it is accepted and changes nothing: bit-identical results.
+        auto g_none = MemoryParams<double>::zeros(c.cfg), g_zero = g_none;
+        mem.backward(t1, take_tokens(c.dy, B, N, 0, cut), dx_none, g_none);
+        mem.backward(t1, take_tokens(c.dy, B, N, 0, cut), dx_zero, g_zero, nullptr, &z);
+        CHECK(identical(dx_none, dx_zero));
+        CHECK(identical(g_none.w_q, g_zero.w_q));
+        CHECK(identical(g_none.w_v, g_zero.w_v));
+    }
+    MemoryConfig cfg;
+    REQUIRE_THROWS_NAMING(titans::MemoryStateGradient<double>::zeros(cfg, 0), titans::ConfigError,
+                          "batch");
+    cfg.depth = 0;
+    REQUIRE_THROWS_NAMING(titans::MemoryStateGradient<double>::zeros(cfg, 1), titans::ConfigError,
+                          "depth");
+}
