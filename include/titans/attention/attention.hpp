@@ -287,9 +287,9 @@ public:
     /// pieces last first, each with the next one's d_state_in as its d_state_out, gives the dx
     /// and grads of one call over their concatenation.
     ///
-    /// Throws ShapeError (empty trace, shapes, shared storage; d_state_out's shapes),
-    /// ConfigError (another configuration's trace), NonFiniteError (dy, d_state_out); nothing
-    /// changes then.
+    /// Throws ShapeError (empty or moved-from trace, one whose sizes are not its forward's,
+    /// shapes, shared storage; d_state_out's shapes), ConfigError (another configuration's
+    /// trace), NonFiniteError (dy, d_state_out); nothing changes then.
     void backward(const Trace& trace, const MatrixRef<T>& dy, Matrix<T>& dx,
                   AttentionParams<T>& grads, Matrix<T>* dprefix = nullptr,
                   AttentionStateGradient<T>* d_state_in = nullptr,
@@ -323,6 +323,20 @@ public:
         if (d_state_in != nullptr) {
             *d_state_in = std::move(d_in);
         }
+    }
+
+    /// Throws unless `trace` was filled by the training forward of an attention of this
+    /// configuration and holds the sizes that forward left (batch, input, prefix, kept window):
+    /// ShapeError (empty, moved-from, another width, sizes changed), ConfigError (another
+    /// configuration, the first differing setting named). `where` names the call.
+    void validate_trace(const Trace& trace, const char* where = "Attention::validate_trace") const
+        requires(backend::AttentionTraining<Backend, T>::available)
+    {
+        detail::check_trace(!trace.empty(), trace.empty() ? cfg_.d_model : trace.x.cols(),
+                            cfg_.d_model, where);
+        detail::check_trace_config(trace.cfg, cfg_, where, "an attention");
+        detail::check_trace_stream(trace.batch, trace.rows(), trace.start, where);
+        backend::AttentionTraining<Backend, T>::check_trace(cfg_, trace, where);
     }
 
     /// Thread settings of this object's calls, as NeuralMemory::set_threads (titans/threads.hpp).
@@ -383,12 +397,7 @@ private:
     void check_backward(const Tr& trace, const MatrixRef<T>& dy, const Matrix<T>& dx,
                         const AttentionParams<T>& grads, const Matrix<T>* dprefix,
                         const char* where) const {
-        detail::check_trace(!trace.empty(), trace.empty() ? cfg_.d_model : trace.x.cols(),
-                            cfg_.d_model, where);
-        if (!(trace.cfg == cfg_)) {
-            throw ConfigError(detail::concat(where, ": trace was made by an attention with "
-                                                    "another configuration, expected this one's"));
-        }
+        validate_trace(trace, where);
         detail::check_gradient_rows(dy, trace.rows(), cfg_.d_model, where, "dy");
         detail::check_same_tensors(*params_, grads, cfg_, where, "grads");
         if (detail::overlaps(dy, dx) || (dprefix != nullptr && (detail::overlaps(dy, *dprefix) ||

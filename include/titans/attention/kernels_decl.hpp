@@ -9,8 +9,8 @@ namespace titans {
 namespace backend {
 
 /// The attention layer's training pass (math §9), as MemoryTraining: a Trace,
-/// forward(cfg, prepared, state, x, y, prefix, sharing, trace) and
-/// backward(cfg, prepared, trace, dy, dx, grads, dprefix).
+/// forward(cfg, prepared, state, x, y, prefix, sharing, trace), check_trace(cfg, trace, where)
+/// and backward(cfg, prepared, trace, dy, dx, grads, dprefix).
 template <class Backend, class T>
 struct AttentionTraining {
     static constexpr bool available = false;

@@ -30,6 +30,21 @@ enum class PrefixSharing {
                   ///< sequence b (e.g. MAC's P ‖ h_t, where h_t differs per sequence)
 };
 
+namespace detail {
+/// A training trace's prefix (rows x cols, read with `sharing`) as the attention's training
+/// forward keeps it for B sequences: d_model wide, a valid sharing and, PerSequence, a
+/// multiple of B rows. ShapeError naming the part of the trace otherwise.
+inline void check_trace_prefix(int d_model, Eigen::Index rows, Eigen::Index cols,
+                               PrefixSharing sharing, int B, const char* where) {
+    check_trace_part(cols == d_model, where, "prefix.cols()", cols, concat("d_model = ", d_model));
+    const bool shared = sharing == PrefixSharing::Shared;
+    check_trace_part(shared || sharing == PrefixSharing::PerSequence, where, "sharing",
+                     static_cast<int>(sharing), "Shared (0) or PerSequence (1)");
+    check_trace_part(shared || rows % B == 0, where, "prefix.rows()", rows,
+                     concat("a multiple of trace.batch = ", B, " (PrefixSharing::PerSequence)"));
+}
+}  // namespace detail
+
 namespace backend {
 template <class Backend, class T>
 struct AttentionKernels;

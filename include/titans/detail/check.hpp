@@ -9,6 +9,7 @@
 #include <Eigen/Core>
 
 #include "../error.hpp"
+#include "trace.hpp"
 
 namespace titans::detail {
 
@@ -70,13 +71,10 @@ template <class X, class Y>
 }
 
 /// The checks of a layer's backward call, ShapeError otherwise: the trace was filled by a
-/// training forward of a layer of width d, and dy (named `name`) is rows x d and finite
-/// (NonFiniteError otherwise).
+/// training forward (check_trace_filled) of a layer of width d, and dy (named `name`) is
+/// rows x d and finite (NonFiniteError otherwise).
 inline void check_trace(bool filled, Eigen::Index trace_cols, Eigen::Index d, const char* where) {
-    if (!filled) {
-        throw ShapeError(concat(where, ": trace is empty, expected one filled by the training "
-                                       "forward(x, y, trace)"));
-    }
+    check_trace_filled(filled, where);
     if (trace_cols != d) {
         throw ShapeError(concat(where, ": trace holds ", trace_cols,
                                 "-column rows, expected d = ", d));

@@ -66,12 +66,25 @@ void check_slot_shape(const P& p, const G& g, const char* where, const char* wha
 
 /// The gradients a backward adds to: ShapeError unless every tensor of grads has the shape of
 /// params' tensor of the same name, NonFiniteError if an entry is NaN or infinite. Reads grads
-/// only (a const visit).
+/// only (a const visit). A struct of another configuration's counts (blocks, memory heads or
+/// layers), which the const visit refuses, is refused naming `what` (e.g. "grads") and the
+/// counts expected.
 template <class Params, class Config>
 void check_same_tensors(const Params& params, const Params& grads, const Config& cfg,
                         const char* where, const char* what) {
     const auto ps = tensor_slots(params, cfg);
-    const auto gs = tensor_slots(grads, cfg);
+    const auto gs = [&] {
+        try {
+            return tensor_slots(grads, cfg);
+        } catch (const ShapeError& e) {  // "<Params>::tensors: <the counts and the expected>"
+            const std::string msg = e.what();
+            const auto colon = msg.find(": ");
+            throw ShapeError(concat(where, ": ", what, " does not have this configuration's "
+                                    "tensors: ", colon == std::string::npos ? msg
+                                                                            : msg.substr(colon + 2),
+                                    " (expected the shapes of params(), e.g. zeros(config()))"));
+        }
+    }();
     for (std::size_t i = 0; i < ps.size(); ++i) {
         check_slot_shape(ps[i], gs[i], where, what);
         if (!gs[i].array().allFinite()) {

@@ -229,7 +229,8 @@ public:
     using Scalar = T;
 
     /// What the training forward keeps for backward, in the backend's memory: the input rows
-    /// and the pre-activations x W1 and (SwiGLU) x W3. Empty until forward(x, y, trace).
+    /// and the pre-activations x W1 and (SwiGLU) x W3, and the configuration of the layer that
+    /// made it. Empty until forward(x, y, trace), and again once moved from.
     class Trace {
     public:
         [[nodiscard]] bool empty() const { return !filled_; }
@@ -239,7 +240,8 @@ public:
         friend class FeedForward;
         Buffer x_{}, a_{}, g_{};
         Eigen::Index rows_ = 0, cols_ = 0;
-        bool filled_ = false;
+        FeedForwardConfig cfg_{};
+        detail::TraceFilled filled_;
     };
 
     /// Validates both (ConfigError, ShapeError, NonFiniteError) and keeps them.
@@ -291,6 +293,7 @@ public:
         t.g_ = Transfer::allocate(swiglu ? x.rows() : 0, swiglu ? h : 0);
         t.rows_ = x.rows();
         t.cols_ = x.cols();
+        t.cfg_ = cfg_;
         t.filled_ = true;
         Matrix<T> y_new;
         backend::Download<Backend, T> out(y_new, x.rows(), cfg_.d_model);
@@ -303,12 +306,13 @@ public:
 
     /// The backward pass (math §9): dy = dL/dy (the trace's rows x d) gives dx = dL/dx
     /// (resized; not sharing dy's storage), and dL/dW1, dL/dW3 (SwiGLU), dL/dW2 are added to
-    /// grads (shaped as params()). Throws ShapeError (empty trace, shapes), NonFiniteError (in
-    /// dy or grads); nothing changes then.
+    /// grads (shaped as params()). Throws ShapeError (empty or moved-from trace, one of another
+    /// width, shapes), ConfigError (a trace of another configuration: kind, hidden),
+    /// NonFiniteError (in dy or grads); nothing changes then.
     void backward(const Trace& trace, const MatrixRef<T>& dy, Matrix<T>& dx,
                   FeedForwardParams<T>& grads) const {
         constexpr const char* where = "FeedForward::backward";
-        detail::check_trace(trace.filled_, trace.cols_, cfg_.d_model, where);
+        validate_trace(trace, where);
         detail::check_gradient_rows(dy, trace.rows_, cfg_.d_model, where, "dy");
         const bool swiglu = cfg_.kind == FeedForwardKind::SwiGLU;
         const Eigen::Index d = cfg_.d_model, h = cfg_.hidden_dim();
@@ -332,6 +336,15 @@ public:
         g1.finish();
         g2.finish();
         if (g3) g3->finish();
+    }
+
+    /// Throws unless `trace` was filled by the training forward of a feed-forward of this
+    /// width (ShapeError: empty, moved-from or another width) and configuration (ConfigError
+    /// naming the first differing setting). `where` names the call in the message.
+    void validate_trace(const Trace& trace,
+                        const char* where = "FeedForward::validate_trace") const {
+        detail::check_trace(trace.filled_, trace.cols_, cfg_.d_model, where);
+        detail::check_trace_config(trace.cfg_, cfg_, where, "a feed-forward");
     }
 
 private:

@@ -73,7 +73,8 @@ public:
     using Scalar = T;
 
     /// What the training forward keeps for backward, in the backend's memory: the input rows
-    /// and each row's 1 / rms. Empty until forward(x, y, trace) fills it.
+    /// and each row's 1 / rms, and what identifies the norm that made it (width, eps). Empty
+    /// until forward(x, y, trace) fills it, and again once moved from.
     class Trace {
     public:
         [[nodiscard]] bool empty() const { return !filled_; }
@@ -83,7 +84,8 @@ public:
         friend class RMSNorm;
         Buffer x_{}, inv_rms_{};
         Eigen::Index rows_ = 0, cols_ = 0;
-        bool filled_ = false;
+        double eps_ = 0;
+        detail::TraceFilled filled_;
     };
 
     /// Width d in [1, limits::max_d_model], weight initialised to ones, eps > 0 and
@@ -149,6 +151,7 @@ public:
         t.inv_rms_ = backend::Transfer<Backend, T>::allocate(x.rows(), 1);
         t.rows_ = x.rows();
         t.cols_ = x.cols();
+        t.eps_ = eps_;
         t.filled_ = true;
         Matrix<T> out_host;
         backend::Download<Backend, T> out(out_host, x.rows(), x.cols());
@@ -161,12 +164,13 @@ public:
 
     /// The backward pass (math §9): dy = dL/dy (the trace's rows x d) gives dx = dL/dx
     /// (resized; not sharing dy's storage), and dL/dweight is added to grad_weight (1 x d).
-    /// Throws ShapeError (empty trace or one of another width, shapes), NonFiniteError (in
-    /// dy); nothing changes then.
+    /// Throws ShapeError (empty or moved-from trace, one of another width, shapes),
+    /// ConfigError (a trace of a norm with another eps), NonFiniteError (in dy); nothing
+    /// changes then.
     void backward(const Trace& trace, const MatrixRef<T>& dy, Matrix<T>& dx,
                   RowVector<T>& grad_weight) const {
         constexpr const char* where = "RMSNorm::backward";
-        detail::check_trace(trace.filled_, trace.cols_, weight_->cols(), where);
+        validate_trace(trace, where);
         detail::check_gradient_rows(dy, trace.rows_, weight_->cols(), where, "dy");
         detail::TensorCheck{where}(grad_weight, "grad_weight", 1, weight_->cols());
         if (detail::overlaps(dy, dx)) {
@@ -180,6 +184,18 @@ public:
                           out.view(), grad.view());
         out.finish();
         grad.finish();
+    }
+
+    /// Throws unless `trace` was filled by the training forward of a norm of this width
+    /// (ShapeError: empty, moved-from or another width) and eps (ConfigError). `where` names
+    /// the call in the message.
+    void validate_trace(const Trace& trace, const char* where = "RMSNorm::validate_trace") const {
+        detail::check_trace(trace.filled_, trace.cols_, weight_->cols(), where);
+        if (trace.eps_ != eps_) {
+            throw ConfigError(detail::concat(
+                where, ": trace was made by an RMSNorm of another configuration (eps = ",
+                detail::setting_text(trace.eps_), ", expected ", detail::setting_text(eps_), ")"));
+        }
     }
 
 private:

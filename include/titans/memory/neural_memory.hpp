@@ -156,8 +156,9 @@ public:
     /// parameter (projections, conv, gates, W^0 = memory_init, W_O) is added to grads (shaped as
     /// params(), e.g. MemoryParams<T>::zeros(config())), through every memory update of the
     /// call: chunk ends, their second-order terms, the gate coefficients, clipping and both
-    /// reads. Throws ShapeError (empty trace, shapes), ConfigError (a trace of another
-    /// configuration), NonFiniteError (dy, or gradients that overflow); nothing changes then.
+    /// reads. Throws ShapeError (empty or moved-from trace, one whose sizes are not its
+    /// forward's, shapes), ConfigError (a trace of another configuration), NonFiniteError (dy,
+    /// or gradients that overflow); nothing changes then.
     ///
     /// Chained pieces (math §9): d_state_out, if given and not empty(), is dL/d(the state the
     /// trace's call left), and the trace must end at a chunk boundary (ConfigError otherwise);
@@ -172,12 +173,7 @@ public:
         requires(backend::MemoryTraining<Backend, T>::available)
     {
         constexpr const char* where = "NeuralMemory::backward";
-        detail::check_trace(!trace.empty(), trace.empty() ? cfg_.d_model : trace.x.cols(),
-                            cfg_.d_model, where);
-        if (!cfg_.same_stream(trace.cfg)) {
-            throw ConfigError(detail::concat(where, ": trace was made by a memory with another "
-                                                    "configuration, expected this memory's"));
-        }
+        validate_trace(trace, where);
         detail::check_gradient_rows(dy, trace.rows(), cfg_.d_model, where, "dy");
         detail::check_same_tensors(*params_, grads, cfg_, where, "grads");
         if (detail::overlaps(dy, dx)) {
@@ -307,6 +303,26 @@ public:
     /// Throws ConfigError unless `state` can be continued by this memory: made by make_state()
     /// of a memory with the same configuration (every setting but flush_denormals).
     void validate_state(const State& state) const { check_state(state, "NeuralMemory"); }
+
+    /// Throws unless `trace` was filled by the training forward of a memory of this
+    /// configuration (every setting but flush_denormals) and holds the sizes that forward left
+    /// (batch, input, a start at a chunk boundary, conv tails, products, chunk-start memory):
+    /// ShapeError (empty, moved-from, another width, sizes changed), ConfigError (another
+    /// configuration, the first differing setting named). `where` names the call.
+    void validate_trace(const Trace& trace,
+                        const char* where = "NeuralMemory::validate_trace") const
+        requires(backend::MemoryTraining<Backend, T>::available)
+    {
+        detail::check_trace(!trace.empty(), trace.empty() ? cfg_.d_model : trace.x.cols(),
+                            cfg_.d_model, where);
+        detail::check_trace_config(trace.cfg, cfg_, where, "a memory");
+        detail::check_trace_stream(trace.batch, trace.rows(), trace.start, where);
+        const int b = cfg_.effective_chunk();
+        detail::check_trace_part(trace.start % b == 0, where, "start", trace.start,
+                                 detail::concat("a multiple of the chunk ", b,
+                                                " (a training forward starts at a chunk boundary)"));
+        backend::MemoryTraining<Backend, T>::check_trace(cfg_, trace, where);
+    }
 
 private:
     void check_forward(const State& state, const MatrixRef<T>& x, const Matrix<T>& y) const {

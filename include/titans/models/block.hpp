@@ -579,8 +579,9 @@ public:
     /// each with the next one's d_state_in as its d_state_out, gives the dx and grads of one
     /// call over their concatenation.
     ///
-    /// Throws ShapeError (empty trace, shapes), ConfigError (another configuration's trace),
-    /// NonFiniteError (dy, d_state_out, or gradients that overflow); nothing changes then.
+    /// Throws ShapeError (empty or moved-from trace, one whose sizes are not its forward's,
+    /// shapes), ConfigError (another configuration's trace), NonFiniteError (dy, d_state_out,
+    /// or gradients that overflow); nothing changes then.
     void backward(const Trace& trace, const MatrixRef<T>& dy, Matrix<T>& dx,
                   BlockParams<T>& grads, BlockStateGradient<T>* d_state_in = nullptr,
                   const BlockStateGradient<T>* d_state_out = nullptr) const
@@ -588,6 +589,18 @@ public:
     {
         detail::BlockTraining<T, Backend>::backward(*this, trace, dy, dx, grads, d_state_in,
                                                     d_state_out);
+    }
+
+    /// Throws unless `trace` was filled by the training forward of a block of this
+    /// configuration (every setting but the memory's flush_denormals) and holds the sizes that
+    /// forward left: batch, rows and start, and every sub-layer's trace (each validated by the
+    /// sub-layer, with the rows this block gives it). ShapeError (empty, moved-from, sizes
+    /// changed), ConfigError (another configuration, the first differing setting named).
+    /// `where` names the call.
+    void validate_trace(const Trace& trace, const char* where = "Block::validate_trace") const
+        requires(trainable)
+    {
+        detail::BlockTraining<T, Backend>::check_trace(*this, trace, where);
     }
 
     /// Transactions over several calls, as NeuralMemory::begin: after begin(state), forward

@@ -33,7 +33,7 @@ struct BlockTrace {
     int batch = 0;
     std::int64_t start = 0;  // the block's position at the call (0: P went through this call)
     Eigen::Index rows = 0;
-    bool filled = false;
+    detail::TraceFilled filled;  // a moved-from trace is empty
     typename RMSNorm<T, Backend>::Trace norm_mix, norm_ffn, norm_y, norm_m;
     typename NeuralMemory<T, Backend>::Trace memory;     // over [P; u] per sequence (MAC: y)
     typename Attention<T, Backend>::Trace attention;     // MAG: u with prefix P; MAL: [P; M]
@@ -136,11 +136,7 @@ struct BlockTraining {
                          const BlockStateGradient<T>* d_out) {
         constexpr const char* where = "Block::backward";
         const BlockConfig& cfg = blk.cfg_;
-        check_trace(tr.filled, tr.filled ? tr.cfg.d_model : cfg.d_model, cfg.d_model, where);
-        if (tr.cfg.kind != cfg.kind || !Blk::same_stream(tr.cfg, cfg)) {
-            throw ConfigError(concat(where, ": trace was made by a block with another "
-                                            "configuration, expected this block's"));
-        }
+        check_trace(blk, tr, where);
         check_gradient_rows(dy, tr.rows, cfg.d_model, where, "dy");
         check_same_tensors(*blk.params_, grads, cfg, where, "grads");
         if (overlaps(dy, dx)) {
@@ -176,7 +172,60 @@ struct BlockTraining {
         }
     }
 
+    /// Block::validate_trace: filled, this block's configuration, batch, rows and start, and
+    /// each sub-layer's trace valid for the sub-layer with the rows the block gives it (the
+    /// memory, and MAL's attention, over [P; u] per sequence from a fresh start).
+    static void check_trace(const Blk& blk, const Trace& tr, const char* where) {
+        const BlockConfig& cfg = blk.cfg_;
+        check_trace_filled(tr.filled, where);
+        check_trace_config(tr.cfg, cfg, where, "a block");
+        check_trace_stream(tr.batch, tr.rows, tr.start, where);
+        const int B = tr.batch;
+        const Eigen::Index p = tr.start == 0 ? prefix_rows(cfg) : 0, rows = tr.rows,
+                           full = rows + B * p;
+        check_sub_trace(blk.norm_mix_, tr.norm_mix, rows, where, "norm_mix");
+        if (cfg.use_ffn) {
+            check_sub_trace(blk.norm_ffn_, tr.norm_ffn, rows, where, "norm_ffn");
+            check_sub_trace(*blk.ffn_, tr.ffn, rows, where, "ffn");
+        }
+        if (cfg.kind == BlockKind::MAC) {
+            check_trace_shape(tr.u, rows, cfg.d_model, where, "u");
+            check_sub_trace(blk.memory_, tr.memory, rows, where, "memory", B);
+            MacTraining<T, Backend>::check_segments(blk, tr.segments, B, tr.start, rows / B,
+                                                    where);
+            return;
+        }
+        check_sub_trace(blk.memory_, tr.memory, full, where, "memory", B);
+        if (cfg.kind == BlockKind::MAL) {
+            check_sub_trace(*blk.attention_, tr.attention, full, where, "attention", B);
+        } else if (cfg.kind == BlockKind::MAG) {
+            check_sub_trace(*blk.attention_, tr.attention, rows, where, "attention", B);
+            check_trace_part(tr.attention.prefix.rows() == cfg.n_persistent &&
+                                 tr.attention.sharing == PrefixSharing::Shared,
+                             where, "attention.prefix.rows()", tr.attention.prefix.rows(),
+                             concat("n_persistent = ", cfg.n_persistent, ", shared"));
+            check_sub_trace(*blk.norm_y_, tr.norm_y, rows, where, "norm_y");
+            check_sub_trace(*blk.norm_m_, tr.norm_m, rows, where, "norm_m");
+            check_trace_shape(tr.a, rows, cfg.d_model, where, "a");
+            check_trace_shape(tr.g, rows, cfg.d_model, where, "g");
+        }
+    }
+
 private:
+    /// A sub-layer's trace (trace.<part>): valid for `layer` (its messages name the part) and
+    /// of `rows` rows (and, for a trace of sequences, of `batch` of them).
+    template <class Layer, class Sub>
+    static void check_sub_trace(const Layer& layer, const Sub& sub, Eigen::Index rows,
+                                const char* where, const char* part, int batch = 0) {
+        layer.validate_trace(sub, concat(where, " (trace.", part, ")").c_str());
+        check_trace_part(sub.rows() == rows, where, concat(part, ".rows()"), sub.rows(),
+                         concat(rows, " (the rows the block gives it)"));
+        if constexpr (requires { sub.batch; }) {  // the memory's and the attention's
+            check_trace_part(sub.batch == batch, where, concat(part, ".batch"), sub.batch,
+                             concat("trace.batch = ", batch));
+        }
+    }
+
     static Eigen::Index prefix_rows(const BlockConfig& cfg) {
         return cfg.kind == BlockKind::MAG || cfg.kind == BlockKind::MAL ? cfg.n_persistent : 0;
     }

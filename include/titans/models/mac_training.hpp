@@ -171,6 +171,44 @@ struct MacTraining {
         }
     }
 
+    /// The segment parts a training forward leaves for B streams of N tokens from `start`:
+    /// consecutive parts from row 0 to N, each at its position's offset into its segment and
+    /// as long as the segment's rest (or the call's), with (B*m) x d reads h, outputs y and
+    /// memory outputs r, B * n_heads weight sets of the memory's layer shapes and, at an
+    /// offset o > 0, B kept keys and values of 2 o x D_att. ShapeError naming the part.
+    static void check_segments(const Blk& blk, const Segments& segs, int B, std::int64_t start,
+                               Eigen::Index N, const char* where) {
+        const BlockConfig& cfg = blk.cfg_;
+        const int C = cfg.segment;
+        Eigen::Index t = 0;
+        for (std::size_t k = 0; k < segs.size(); ++k) {
+            const MacSegmentTrace<T>& sg = segs[k];
+            const auto offset = static_cast<int>((start + t) % C);
+            const Eigen::Index m = std::min<Eigen::Index>(C - offset, N - t);
+            const std::string part = concat("segments[", k, "]");
+            check_trace_part(sg.t0 == t && sg.offset == offset && m > 0, where,
+                             part + ".t0, offset", concat(sg.t0, ", ", sg.offset),
+                             concat(t, ", ", offset, " (the parts cover rows 0 to ", N, ")"));
+            for (const Matrix<T>* x : {&sg.h, &sg.y, &sg.r}) {
+                check_trace_shape(*x, B * m, cfg.d_model, where, part + ".h, y, r");
+            }
+            blk.memory_.check_weights(sg.weights, B, concat(where, " (trace.", part,
+                                                            ".weights)").c_str());
+            const std::size_t kept = offset > 0 ? static_cast<std::size_t>(B) : 0;
+            for (const std::vector<Matrix<T>>* kv : {&sg.kept_k, &sg.kept_v}) {
+                check_trace_part(kv->size() == kept, where, part + ".kept_k, kept_v size",
+                                 kv->size(), concat(kept));
+                for (const Matrix<T>& x : *kv) {
+                    check_trace_shape(x, 2 * offset, cfg.attention.inner_dim(), where,
+                                      part + ".kept_k, kept_v");
+                }
+            }
+            t += m;
+        }
+        check_trace_part(t == N, where, "segments", concat(segs.size(), " parts over ", t, " rows"),
+                         concat("parts over the ", N, " rows of each stream"));
+    }
+
 private:
     /// A part's segment-start weights and, mid-segment (a call's first part continuing an
     /// earlier call's segment), the state's snapshot and the first 2 offset rows of its buffers.

@@ -20,14 +20,17 @@
 
 namespace titans {
 
-/// What Model's training forward keeps for backward (math §9): every block's trace, the final
-/// norm's, the head's input and, after forward_tokens, the token ids. rows = B*N of the call.
+/// What Model's training forward keeps for backward (math §9): the configuration of the model
+/// that made it, every block's trace, the final norm's, the head's input and, after
+/// forward_tokens, the token ids. rows = B*N of the call. Empty until a training forward fills
+/// it, and again once moved from.
 template <class T, class Backend>
 struct ModelTrace {
+    ModelConfig cfg;
     int batch = 0;
     std::int64_t start = 0;  // the model's position at the call
     Eigen::Index rows = 0;
-    bool filled = false;
+    detail::TraceFilled filled;
     std::vector<BlockTrace<T, Backend>> blocks;
     typename RMSNorm<T, Backend>::Trace norm_final;
     Matrix<T> normed;      // RMSNorm_final(h_n), rows x d_model: the head's input
@@ -52,6 +55,7 @@ struct ModelTraining {
         const ThreadScope team(model.threads_, 3.0 * model.work_estimate(x.rows()));
         State next = state;  // committed only if every block and the head succeed
         Trace t;
+        t.cfg = model.cfg_;
         t.batch = state.batch;
         t.start = state.position;
         t.rows = x.rows();
@@ -84,11 +88,7 @@ struct ModelTraining {
                          const ModelStateGradient<T>* d_out) {
         constexpr const char* where = "Model::backward";
         const ModelConfig& cfg = model.cfg_;
-        check_trace(tr.filled, tr.filled ? tr.normed.cols() : cfg.d_model, cfg.d_model, where);
-        if (tr.blocks.size() != cfg.blocks.size()) {
-            throw ConfigError(concat(where, ": trace holds ", tr.blocks.size(),
-                                     " blocks, expected this model's ", cfg.blocks.size()));
-        }
+        check_trace(model, tr, where);
         check_gradient_rows(dout, tr.rows, cfg.output_dim(), where, "dout");
         check_same_tensors(*model.params_, grads, cfg, where, "grads");
         if (dx != nullptr && overlaps(dout, *dx)) {
@@ -129,6 +129,46 @@ struct ModelTraining {
         if (d_in != nullptr) {  // empty after a fresh start: no earlier piece
             const bool none = tr.start == 0;
             *d_in = none ? ModelStateGradient<T>{} : std::move(d_start);
+        }
+    }
+
+private:
+    /// tr was filled by a training forward of a model of this configuration (block count
+    /// first), with the sizes it left: batch, rows, start, every block's trace valid for its
+    /// block with those, the final norm's and the head's input of rows x d_model, and token
+    /// ids none (Model::forward) or one per row, each in [0, vocab_size).
+    static void check_trace(const Mdl& model, const Trace& tr, const char* where) {
+        const ModelConfig& cfg = model.cfg_;
+        check_trace_filled(tr.filled, where);
+        if (tr.cfg.blocks.size() != cfg.blocks.size()) {
+            throw ConfigError(concat(where, ": trace was made by a model of ", tr.cfg.blocks.size(),
+                                     " blocks, expected this model's ", cfg.blocks.size()));
+        }
+        check_trace_config(tr.cfg, cfg, where, "a model");
+        check_trace_stream(tr.batch, tr.rows, tr.start, where);
+        check_trace_part(tr.blocks.size() == cfg.blocks.size(), where, "blocks.size()",
+                         tr.blocks.size(), concat(cfg.blocks.size(), " (the model's blocks)"));
+        for (std::size_t i = 0; i < tr.blocks.size(); ++i) {
+            const BlockTrace<T, Backend>& b = tr.blocks[i];
+            model.blocks_[i].validate_trace(b, concat(where, " (trace.blocks[", i, "])").c_str());
+            check_trace_part(b.rows == tr.rows && b.batch == tr.batch && b.start == tr.start,
+                             where, concat("blocks[", i, "] rows, batch, start"),
+                             concat(b.rows, ", ", b.batch, ", ", b.start),
+                             concat(tr.rows, ", ", tr.batch, ", ", tr.start, " (the model's)"));
+        }
+        model.norm_final_.validate_trace(tr.norm_final,
+                                         concat(where, " (trace.norm_final)").c_str());
+        check_trace_part(tr.norm_final.rows() == tr.rows, where, "norm_final.rows()",
+                         tr.norm_final.rows(), "trace.rows");
+        check_trace_shape(tr.normed, tr.rows, cfg.d_model, where, "normed");
+        const bool ids = tr.ids.empty() || (cfg.vocab_size > 0 &&
+                                            static_cast<Eigen::Index>(tr.ids.size()) == tr.rows);
+        check_trace_part(ids, where, "ids.size()", tr.ids.size(),
+                         cfg.vocab_size > 0 ? "0 or trace.rows" : "0 (a model without a vocabulary)");
+        for (std::size_t r = 0; r < tr.ids.size(); ++r) {
+            check_trace_part(tr.ids[r] >= 0 && tr.ids[r] < cfg.vocab_size, where,
+                             concat("ids[", r, "]"), tr.ids[r],
+                             concat("a token id in [0, vocab_size = ", cfg.vocab_size, ")"));
         }
     }
 };

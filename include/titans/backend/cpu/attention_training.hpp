@@ -36,10 +36,29 @@ struct AttentionTraining<Cpu, T> {
         int batch = 0;
         std::int64_t start = 0;
         std::vector<Mat> kept_k, kept_v;
-        bool filled = false;
+        detail::TraceFilled filled;  // a moved-from trace is empty
         [[nodiscard]] bool empty() const { return !filled; }
         [[nodiscard]] Index rows() const { return x.rows(); }
     };
+
+    /// The sizes forward leaves in a trace for cfg, past the checks of batch, rows and start
+    /// (Attention::validate_trace): the prefix d_model wide (PerSequence: a multiple of batch
+    /// rows), and per sequence min(window - 1, start) x D kept keys and values. ShapeError
+    /// naming the part otherwise.
+    static void check_trace(const AttentionConfig& cfg, const Trace& tr, const char* where) {
+        detail::check_trace_prefix(cfg.d_model, tr.prefix.rows(), tr.prefix.cols(), tr.sharing,
+                                   tr.batch, where);
+        const Index h = std::min<std::int64_t>(cfg.window - 1, tr.start), D = cfg.inner_dim();
+        for (const std::vector<Mat>* kept : {&tr.kept_k, &tr.kept_v}) {
+            const char* part = kept == &tr.kept_k ? "kept_k" : "kept_v";
+            detail::check_trace_part(kept->size() == static_cast<std::size_t>(tr.batch), where,
+                                     detail::concat(part, ".size()"), kept->size(),
+                                     "trace.batch");
+            for (const Mat& m : *kept) {
+                detail::check_trace_shape(m, h, D, where, part);
+            }
+        }
+    }
 
     /// Kernels::forward from any state, recording the trace. prefix: checked rows or null.
     static void forward(const AttentionConfig& cfg, const typename Kernels::Prepared& p,

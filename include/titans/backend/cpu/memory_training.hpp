@@ -46,10 +46,46 @@ struct MemoryTraining<Cpu, T> {
         std::int64_t start = 0;       // the state's position at the trace's first row
         std::vector<Mat> tail_in;     // its conv tails (B of (K-1) x 3D)
         typename Kernels::Recording kept;
-        bool filled = false;
+        detail::TraceFilled filled;  // a moved-from trace is empty
         [[nodiscard]] bool empty() const { return !filled; }
         [[nodiscard]] Eigen::Index rows() const { return x.rows(); }
     };
+
+    /// The sizes forward leaves in a trace of B sequences of N rows for cfg, past the checks
+    /// of batch, rows and start (NeuralMemory::validate_trace): B conv tails of (K-1) x 3D
+    /// (K-1 = 0 without a conv), the products (B*N) x 3D, the gate logits (B*N) x 3H (not kept
+    /// for constant gates) and per (sequence, head) the L weights then the L momenta at each
+    /// of the ceil(N / b) chunk starts. ShapeError naming the part otherwise.
+    static void check_trace(const MemoryConfig& cfg, const Trace& tr, const char* where) {
+        using detail::check_trace_part;
+        using detail::check_trace_shape;
+        const std::size_t B = static_cast<std::size_t>(tr.batch);
+        const Eigen::Index rows = tr.x.rows(), D = cfg.inner_dim(), N = rows / tr.batch;
+        check_trace_part(tr.tail_in.size() == B, where, "tail_in.size()", tr.tail_in.size(),
+                         "trace.batch");
+        for (const Mat& tail : tr.tail_in) {
+            check_trace_shape(tail, cfg.use_conv ? cfg.conv_kernel - 1 : 0, 3 * D, where,
+                              "tail_in");
+        }
+        check_trace_shape(tr.kept.u, rows, 3 * D, where, "kept.u");
+        if (cfg.gates != GateMode::Constant) {
+            check_trace_shape(tr.kept.logits, rows, 3 * cfg.n_heads, where, "kept.logits");
+        }
+        const auto& memory = tr.kept.memory;
+        check_trace_part(memory.size() == B * static_cast<std::size_t>(cfg.n_heads), where,
+                         "kept.memory.size()", memory.size(), "trace.batch * n_heads");
+        const int b = cfg.effective_chunk(), L = cfg.depth;
+        const auto per_pair = static_cast<std::size_t>((N + b - 1) / b * 2 * L);
+        for (const std::vector<Mat>& pair : memory) {
+            check_trace_part(pair.size() == per_pair, where, "kept.memory[i].size()", pair.size(),
+                             detail::concat(per_pair, " (2 depth per chunk start)"));
+            for (std::size_t i = 0; i < per_pair; ++i) {
+                const int l = static_cast<int>(i % static_cast<std::size_t>(L)) + 1;
+                check_trace_shape(pair[i], cfg.layer_in(l), cfg.layer_out(l), where,
+                                  "kept.memory[i][j]");
+            }
+        }
+    }
 
     /// The forward of Kernels::forward from a state at a chunk boundary, recording the trace.
     static void forward(const MemoryConfig& cfg, const typename Kernels::Prepared& p,

@@ -55,10 +55,30 @@ struct AttentionTraining<Cuda, T> {
         std::int64_t start = 0;
         long long kept = 0;
         Buf kept_k, kept_v;
-        bool filled = false;
+        detail::TraceFilled filled;  // a moved-from trace is empty
         [[nodiscard]] bool empty() const { return !filled; }
         [[nodiscard]] Index rows() const { return x.rows(); }
     };
+
+    /// The sizes forward leaves in a trace for cfg, past the checks of batch, rows and start
+    /// (Attention::validate_trace), as the CPU's check_trace: the input's and prefix's elements,
+    /// the prefix as detail::check_trace_prefix has it, kept = min(window - 1, start) rows
+    /// and batch * kept x D kept keys and values. ShapeError naming the part otherwise.
+    static void check_trace(const AttentionConfig& cfg, const Trace& tr, const char* where) {
+        using detail::check_trace_part;
+        const long long h = std::min<long long>(cfg.window - 1, tr.start), D = cfg.inner_dim();
+        const auto size = [&](const Buf& buf, long long expected, const char* part) {
+            check_trace_part(static_cast<long long>(buf.size()) == expected, where, part,
+                             buf.size(), detail::concat(expected, " elements"));
+        };
+        size(tr.x.mem, tr.x.rows() * tr.x.cols(), "x.mem.size()");
+        detail::check_trace_prefix(cfg.d_model, tr.prefix.rows(), tr.prefix.cols(), tr.sharing,
+                                   tr.batch, where);
+        size(tr.prefix.mem, tr.prefix.rows() * tr.prefix.cols(), "prefix.mem.size()");
+        check_trace_part(tr.kept == h, where, "kept", tr.kept, "min(window - 1, trace.start)");
+        size(tr.kept_k, tr.batch * h * D, "kept_k.size()");
+        size(tr.kept_v, tr.batch * h * D, "kept_v.size()");
+    }
 
     /// Kernels::forward from any state, recording the trace. x: device rows; prefix: checked
     /// host rows or null.

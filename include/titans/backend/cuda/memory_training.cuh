@@ -66,10 +66,37 @@ struct MemoryTraining<Cuda, T> {
         Buf tail_in, u, logits;
         std::vector<Buf> memory;
         long long chunks = 0;
-        bool filled = false;
+        detail::TraceFilled filled;  // a moved-from trace is empty
         [[nodiscard]] bool empty() const { return !filled; }
         [[nodiscard]] Index rows() const { return x.rows(); }
     };
+
+    /// The sizes forward leaves in a trace of B sequences of N rows for cfg, past the checks
+    /// of batch, rows and start (NeuralMemory::validate_trace), as the CPU's check_trace: the
+    /// input's elements, the tails, products and logits, and ceil(N / b) chunk starts of 2L
+    /// buffers of P = B*H layer_in x layer_out matrices. ShapeError naming the part otherwise.
+    static void check_trace(const MemoryConfig& cfg, const Trace& tr, const char* where) {
+        using detail::check_trace_part;
+        const long long B = tr.batch, rows = tr.x.rows(), N = rows / B, D = cfg.inner_dim();
+        const long long K1 = cfg.use_conv ? cfg.conv_kernel - 1 : 0, b = cfg.effective_chunk();
+        const long long H = cfg.n_heads, L = cfg.depth, gated = cfg.gates != GateMode::Constant;
+        const auto size = [&](const Buf& buf, long long expected, const char* part) {
+            check_trace_part(static_cast<long long>(buf.size()) == expected, where, part,
+                             buf.size(), detail::concat(expected, " elements"));
+        };
+        size(tr.x.mem, rows * tr.x.cols(), "x.mem.size()");
+        size(tr.tail_in, B * K1 * 3 * D, "tail_in.size()");
+        size(tr.u, rows * 3 * D, "u.size()");
+        size(tr.logits, gated * rows * 3 * H, "logits.size()");
+        check_trace_part(tr.chunks == (N + b - 1) / b, where, "chunks", tr.chunks,
+                         detail::concat("ceil(N / chunk) = ", (N + b - 1) / b));
+        check_trace_part(static_cast<long long>(tr.memory.size()) == tr.chunks * 2 * L, where,
+                         "memory.size()", tr.memory.size(), "2 depth per chunk start");
+        for (std::size_t i = 0; i < tr.memory.size(); ++i) {
+            const int l = static_cast<int>(i % static_cast<std::size_t>(L)) + 1;
+            size(tr.memory[i], B * H * cfg.layer_in(l) * cfg.layer_out(l), "memory[i].size()");
+        }
+    }
 
     /// Kernels::forward from a state at a chunk boundary, recording the trace (x, y device
     /// views, (B*N) x d, sequence-major). On an error the state is as before.
