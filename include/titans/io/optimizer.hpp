@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -71,7 +72,8 @@ void save_optimizer(const std::filesystem::path& path, const AdamW<T>& opt) {
 
 /// An AdamW resumed from a parsed file written by save_optimizer. FormatError for another
 /// format, a missing "step" / "config", a moment without its pair or a tensor of another
-/// name; the constructor's errors for invalid values.
+/// name; the constructor's errors for invalid values (AdamW<T>::validate_state: settings valid
+/// for T, steps >= 0, finite moments, v >= 0), prefixed "titans::io: <source>: ".
 template <class T>
 [[nodiscard]] AdamW<T> load_optimizer(const SafetensorsFile& f) {
     detail::check_format(f, "titans.adamw", /*required=*/true);
@@ -100,7 +102,10 @@ template <class T>
             fail("tensor '" + t.name + "' has no 'm." + t.name.substr(2) + "'");
         }
     }
-    return AdamW<T>(cfg, step[0], std::move(moments));
+    std::optional<AdamW<T>> opt;
+    detail::with_context("titans::io: " + f.source() + ": ",
+                         [&] { opt.emplace(cfg, step[0], std::move(moments)); });
+    return std::move(*opt);
 }
 
 /// As above, reading the file at `path`.
