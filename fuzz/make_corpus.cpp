@@ -10,10 +10,16 @@
 //
 // writes the checkpoint corpus instead: valid checkpoints of the fuzz target's fixed model, of
 // its MAL block and of that block's memory at positions 0, 3 and 7 (checkpoint_objects.hpp).
+//
+//     ./build/release/fuzz/titans_make_corpus fuzz/corpus/optimizer optimizer
+//
+// writes the optimiser corpus: AdamW files of the fuzz target's feed-forward, valid ones and
+// ones load_optimizer refuses (optimizer_objects.hpp).
 
 #include <titans/io/safetensors.hpp>
 
 #include "checkpoint_objects.hpp"
+#include "optimizer_objects.hpp"
 
 #include <cmath>
 #include <cstdint>
@@ -76,13 +82,22 @@ titans::Matrixf ramp(int r, int c, float scale) {
 }  // namespace
 
 int main(int argc, char** argv) {
-    if (argc != 2 && !(argc == 3 && std::string(argv[2]) == "checkpoint")) {
-        std::fprintf(stderr, "usage: %s <output directory> [checkpoint]\n", argv[0]);
+    const std::string mode = argc == 3 ? argv[2] : "";
+    if (argc != 2 && !(argc == 3 && (mode == "checkpoint" || mode == "optimizer"))) {
+        std::fprintf(stderr, "usage: %s <output directory> [checkpoint | optimizer]\n", argv[0]);
         return 2;
     }
     out_dir = argv[1];
     fs::create_directories(out_dir);
-    if (argc == 3) {
+    if (mode == "optimizer") {
+        for (const auto& [name, bytes] : titans_fuzz::optimizer_seeds()) {
+            save(name + ".safetensors", bytes);
+        }
+        std::printf("make_corpus: wrote %d optimiser files to %s\n", written,
+                    out_dir.string().c_str());
+        return 0;
+    }
+    if (mode == "checkpoint") {
         max_bytes = 65536;
         for (int tokens : {0, 3, 7}) {
             for (const auto& [name, bytes] : titans_fuzz::checkpoint_seeds(tokens)) {

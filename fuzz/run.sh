@@ -21,7 +21,7 @@ cmake --preset fuzz
 cmake --build --preset fuzz
 
 build_dir="${repo_root}/build/fuzz"
-targets=(safetensors checkpoint)
+targets=(safetensors checkpoint optimizer)
 status=0
 summary=()
 for t in "${targets[@]}"; do

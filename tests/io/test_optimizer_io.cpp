@@ -6,6 +6,8 @@
 
 #include <titans/io/optimizer.hpp>
 
+#include <cmath>
+#include <limits>
 #include <string>
 
 using namespace titans_test;
@@ -63,4 +65,41 @@ TEMPLATE_TEST_CASE("io: optimizer resumes", "[io][training]", float, double) {
     w.add("m.extra", Matrix<T>::Zero(2, 2).eval());
     w.write(dir / "bad.safetensors");
     CHECK_THROWS_AS(titans::io::load_optimizer<T>(dir / "bad.safetensors"), titans::FormatError);
+}
+
+// What save_optimizer writes, load_optimizer reads back: a step whose second moment would
+// overflow T (g² beyond the largest value) is refused, so the optimiser saved after it holds
+// only finite moments and loads back bit for bit; the save leaves exactly one file.
+TEMPLATE_TEST_CASE("io: optimizer saves only what loads", "[io][training]", float, double) {
+    using T = TestType;
+    const TempDir dir("optimizer_saves");
+    const FeedForwardConfig cfg{.d_model = 4, .kind = FeedForwardKind::SwiGLU, .hidden = 3};
+    auto p = FeedForwardParams<T>::random(cfg, 5);
+    AdamW<T> opt({.weight_decay = 0.1});
+    for (int s = 1; s <= 2; ++s) train_step(p, opt, cfg, s);
+    auto g = FeedForwardParams<T>::zeros(cfg);
+    g.w2.setConstant(static_cast<T>(0.5));
+    g.w2(1, 2) = static_cast<T>(4 * std::sqrt(static_cast<double>(std::numeric_limits<T>::max())));
+    const auto p0 = p;
+    CHECK_THROWS_AS(opt.step(p, g, cfg, 0.01), titans::NonFiniteError);
+    CHECK(identical(p.w2, p0.w2));
+    titans::io::save_optimizer(dir / "o.safetensors", opt);
+    CHECK(dir.entries() == 1);
+    const AdamW<T> back = titans::io::load_optimizer<T>(dir / "o.safetensors");
+    CHECK(back.steps() == 2);
+    REQUIRE(back.moments().size() == opt.moments().size());
+    for (const auto& [name, mo] : opt.moments()) {
+        CHECK(identical(back.moments().at(name).m, mo.m));
+        CHECK(identical(back.moments().at(name).v, mo.v));
+    }
+}
+
+// A file whose settings are valid in double but not in float: load_optimizer<float> refuses it
+// (ConfigError naming the setting), load_optimizer<double> takes it.
+TEST_CASE("io: optimizer settings representable in the loading type", "[io][training]") {
+    const TempDir dir("optimizer_float_settings");
+    titans::io::save_optimizer(dir / "o.safetensors", AdamW<double>({.eps = 1e-50}));
+    CHECK(titans::io::load_optimizer<double>(dir / "o.safetensors").config().eps == 1e-50);
+    REQUIRE_THROWS_NAMING(titans::io::load_optimizer<float>(dir / "o.safetensors"),
+                          titans::ConfigError, "eps = 1e-50");
 }

@@ -1,6 +1,6 @@
 #pragma once
 // titans/detail/check.hpp: the shape-and-finiteness checks of the parameter structs'
-// validate() and of the layers' backward calls.
+// validate() and of the layers' backward calls, and with_context, which prefixes their messages.
 
 #include <cstddef>
 #include <string>
@@ -12,6 +12,23 @@
 #include "trace.hpp"
 
 namespace titans::detail {
+
+/// Runs `f`; a titans error it throws (ConfigError, ShapeError, NonFiniteError, FormatError) is
+/// thrown again, same type, with `prefix` in front of its message.
+template <class F>
+void with_context(const std::string& prefix, F&& f) {
+    try {
+        f();
+    } catch (const ConfigError& e) {
+        throw ConfigError(prefix + e.what());
+    } catch (const ShapeError& e) {
+        throw ShapeError(prefix + e.what());
+    } catch (const NonFiniteError& e) {
+        throw NonFiniteError(prefix + e.what());
+    } catch (const FormatError& e) {
+        throw FormatError(prefix + e.what());
+    }
+}
 
 /// check(m, name, rows, cols): ShapeError "<owner>: <name> is r x c, expected rows x cols"
 /// unless m is rows x cols, NonFiniteError "<owner>: <name> has a NaN or infinite entry".

@@ -10,6 +10,7 @@
 #include <Eigen/Core>
 
 #include "../error.hpp"
+#include "check.hpp"
 
 namespace titans {
 
@@ -62,6 +63,43 @@ void check_slot_shape(const P& p, const G& g, const char* where, const char* wha
                                 ", expected ", p.rows, " x ", p.cols,
                                 " (the shape of the parameter)"));
     }
+}
+
+/// ShapeError "<where>: <what> do not fit cfg: <reason>" unless `p` holds every tensor
+/// Params::tensors(., cfg, .) names at the shape `cfg` gives it; ConfigError "<where>: cfg:
+/// ..." if cfg has a validate() that refuses it. Reads p only (const visits). Our parameter
+/// structs are checked by their validate(cfg); where it stops at a NaN, the shapes are compared
+/// with those of Params::zeros(cfg) instead (allocated only then). A user's own struct without
+/// validate(cfg) is checked by its const tensors() visit only (the pairing with another struct
+/// is the caller's check).
+template <class Params, class Config>
+void check_fits(const Params& p, const Config& cfg, const char* where, const char* what) {
+    if constexpr (requires { cfg.validate(); }) {
+        with_context(concat(where, ": cfg: "), [&] { cfg.validate(); });
+    }
+    with_context(concat(where, ": ", what, " do not fit cfg: "), [&] {
+        if constexpr (requires { p.validate(cfg); }) {
+            try {
+                p.validate(cfg);
+                return;
+            } catch (const NonFiniteError&) {  // the shapes after the NaN are unchecked
+            }
+        }
+        if constexpr (requires { Params::zeros(cfg); }) {
+            const Params zeros = Params::zeros(cfg);
+            const auto expected = tensor_slots(zeros, cfg);
+            const auto got = tensor_slots(p, cfg);
+            for (std::size_t i = 0; i < got.size(); ++i) {
+                const auto &e = expected[i], &g = got[i];
+                if (g.rows != e.rows || g.cols != e.cols) {
+                    throw ShapeError(concat("'", g.name, "' is ", g.rows, " x ", g.cols,
+                                            ", expected ", e.rows, " x ", e.cols));
+                }
+            }
+        } else {
+            (void)tensor_slots(p, cfg);  // the struct's own structure checks
+        }
+    });
 }
 
 /// The gradients a backward adds to: ShapeError unless every tensor of grads has the shape of

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -16,16 +17,26 @@
 
 namespace titans::io {
 
-/// A writer of an AdamW's state: metadata format "titans.adamw", format_version, dtype;
-/// tensors "step" (I64 [1]), "config" (F64 [5]: beta1, beta2, eps, weight_decay,
-/// decay_vectors as 0 / 1) and, per parameter tensor X, its moments "m.X" and "v.X" in T.
+namespace detail {
+
+/// Refuses, before anything is written, an optimiser state load_optimizer would refuse
+/// (AdamW<T>::validate_state: the config, the step count, each m and v of one shape, finite,
+/// v >= 0), with its error type; `src` names the destination in the messages.
 template <class T>
-[[nodiscard]] SafetensorsWriter optimizer_writer(const AdamW<T>& opt) {
+void check_optimizer(const AdamW<T>& opt, const std::string& src) {
+    with_context("titans::io: " + src + ": ", [&] {
+        AdamW<T>::validate_state(opt.config(), opt.steps(), opt.moments(), "AdamW");
+    });
+}
+
+/// The writer of optimizer_writer, without the checks.
+template <class T>
+[[nodiscard]] SafetensorsWriter unchecked_optimizer_writer(const AdamW<T>& opt) {
     SafetensorsWriter w;
     w.metadata("format", "titans.adamw");
     w.metadata("format_version", std::to_string(format_version));
     w.metadata("dtype", to_string(dtype_of<T>()));
-    w.metadata("titans_version", detail::version_string());
+    w.metadata("titans_version", version_string());
     const std::array<std::int64_t, 1> step{opt.steps()};
     w.add_integers("step", step);
     const AdamWConfig& c = opt.config();
@@ -39,15 +50,30 @@ template <class T>
     return w;
 }
 
-/// Writes optimizer_writer(opt) to `path` (atomically).
+}  // namespace detail
+
+/// A writer of an AdamW's state: metadata format "titans.adamw", format_version, dtype;
+/// tensors "step" (I64 [1]), "config" (F64 [5]: beta1, beta2, eps, weight_decay,
+/// decay_vectors as 0 / 1) and, per parameter tensor X, its moments "m.X" and "v.X" in T.
+/// Refuses what load_optimizer would refuse, with the same error type (detail::check_optimizer).
+template <class T>
+[[nodiscard]] SafetensorsWriter optimizer_writer(const AdamW<T>& opt) {
+    detail::check_optimizer(opt, "optimizer_writer");
+    return detail::unchecked_optimizer_writer(opt);
+}
+
+/// Writes optimizer_writer(opt) to `path` (atomically). Checks first, as optimizer_writer
+/// does: nothing is created (not even a temporary) when it refuses.
 template <class T>
 void save_optimizer(const std::filesystem::path& path, const AdamW<T>& opt) {
-    optimizer_writer(opt).write(path);
+    detail::check_optimizer(opt, detail::write_source(path));
+    detail::unchecked_optimizer_writer(opt).write(path);
 }
 
 /// An AdamW resumed from a parsed file written by save_optimizer. FormatError for another
 /// format, a missing "step" / "config", a moment without its pair or a tensor of another
-/// name; the constructor's errors for invalid values.
+/// name; the constructor's errors for invalid values (AdamW<T>::validate_state: settings valid
+/// for T, steps >= 0, finite moments, v >= 0), prefixed "titans::io: <source>: ".
 template <class T>
 [[nodiscard]] AdamW<T> load_optimizer(const SafetensorsFile& f) {
     detail::check_format(f, "titans.adamw", /*required=*/true);
@@ -76,7 +102,10 @@ template <class T>
             fail("tensor '" + t.name + "' has no 'm." + t.name.substr(2) + "'");
         }
     }
-    return AdamW<T>(cfg, step[0], std::move(moments));
+    std::optional<AdamW<T>> opt;
+    detail::with_context("titans::io: " + f.source() + ": ",
+                         [&] { opt.emplace(cfg, step[0], std::move(moments)); });
+    return std::move(*opt);
 }
 
 /// As above, reading the file at `path`.

@@ -139,39 +139,7 @@ inline void check_format(const SafetensorsFile& f, const char* expected, bool re
     }
 }
 
-/// Runs `f`; a titans error it throws is thrown again, same type, with `prefix` in front.
-template <class F>
-void with_context(const std::string& prefix, F&& f) {
-    try {
-        f();
-    } catch (const ConfigError& e) {
-        throw ConfigError(prefix + e.what());
-    } catch (const ShapeError& e) {
-        throw ShapeError(prefix + e.what());
-    } catch (const NonFiniteError& e) {
-        throw NonFiniteError(prefix + e.what());
-    } catch (const FormatError& e) {
-        throw FormatError(prefix + e.what());
-    }
-}
-
-/// What the Model constructor checks of ModelParams (the blocks' parameters included).
-template <class T>
-void validate_model_params(const ModelConfig& cfg, const ModelParams<T>& p) {
-    if (p.blocks.size() != cfg.blocks.size()) {
-        throw ShapeError("ModelParams: blocks has " + std::to_string(p.blocks.size()) +
-                         " entries, expected " + std::to_string(cfg.blocks.size()));
-    }
-    const titans::detail::TensorCheck check{"ModelParams"};
-    const Eigen::Index vocab = cfg.vocab_size > 0 ? cfg.vocab_size : 0;
-    check(p.embedding, "embedding", vocab, vocab > 0 ? cfg.d_model : 0);
-    for (std::size_t i = 0; i < p.blocks.size(); ++i) {
-        with_context("blocks." + std::to_string(i) + ": ",
-                     [&] { p.blocks[i].validate(cfg.blocks[i]); });
-    }
-    check(p.norm_final, "norm_final", 1, cfg.d_model);
-    check(p.head, "head", cfg.d_model, cfg.output_dim());
-}
+using titans::detail::with_context;
 
 /// ShapeError naming, as the loader does, the first tensor whose shape differs from what `cfg`
 /// expects (returns if none does or the structure itself differs: the caller then reports the
@@ -224,11 +192,7 @@ void check_parameters(const Config& cfg, const Params& p, const std::string& src
     const std::string prefix = "titans::io: " + src + ": ";
     with_context(prefix, [&] { cfg.validate(); });
     try {
-        if constexpr (std::is_same_v<Params, ModelParams<typename ParamsTraits<Params>::Scalar>>) {
-            validate_model_params(cfg, p);
-        } else {
-            p.validate(cfg);
-        }
+        p.validate(cfg);
     } catch (const ShapeError& e) {
         name_misshapen(cfg, p, src);
         throw ShapeError(prefix + e.what());

@@ -196,6 +196,25 @@ struct ModelParams {
         v(S("norm_final"), self.norm_final);
         v(S("head"), self.head);
     }
+
+    /// Throws ShapeError / NonFiniteError naming the first bad tensor: blocks.size() equal to
+    /// cfg.blocks.size(), each block's as BlockParams::validate (the message prefixed with
+    /// "blocks.<i>: "), embedding, norm_final and head at the shapes of `cfg`.
+    void validate(const ModelConfig& cfg) const {
+        if (blocks.size() != cfg.blocks.size()) {
+            throw ShapeError(detail::concat("ModelParams: blocks has ", blocks.size(),
+                                            " entries, expected ", cfg.blocks.size()));
+        }
+        const detail::TensorCheck check{"ModelParams"};
+        const Eigen::Index vocab = cfg.vocab_size > 0 ? cfg.vocab_size : 0;
+        check(embedding, "embedding", vocab, vocab > 0 ? cfg.d_model : 0);
+        for (std::size_t i = 0; i < blocks.size(); ++i) {
+            detail::with_context(detail::concat("blocks.", i, ": "),
+                                 [&] { blocks[i].validate(cfg.blocks[i]); });
+        }
+        check(norm_final, "norm_final", 1, cfg.d_model);
+        check(head, "head", cfg.d_model, cfg.output_dim());
+    }
 };
 
 template <class T, class Backend>

@@ -6,15 +6,49 @@
 #include <cmath>
 #include <cstdint>
 #include <span>
+#include <utility>
 
 #include "../detail/check.hpp"
 #include "../error.hpp"
+#include "../limits.hpp"
 #include "../types.hpp"
 
 namespace titans {
 
+namespace detail {
+
+/// mse_loss where y - target, its sum of squares or 2 (y - target) / n overflows T: every
+/// value from h = y / 2 - target / 2 in double (never overflows), the loss as
+/// (2s)² mean((h / s)²) with s = max|h|, dy = h (4 / n) in double, then T. Returns the loss and
+/// fills dy; NonFiniteError if the loss exceeds the largest double or an entry of dy the
+/// largest T (the true values are not representable).
+template <class T>
+double mse_loss_scaled(const MatrixRef<T>& y, const MatrixRef<T>& target, Matrix<T>& dy) {
+    const Eigen::ArrayXXd h =
+        y.template cast<double>().array() * 0.5 - target.template cast<double>().array() * 0.5;
+    const double n = static_cast<double>(y.size());
+    const double s = h.abs().maxCoeff();
+    const double loss = 2 * s * (2 * s * ((h / s).square().sum() / n));
+    if (!std::isfinite(loss)) {
+        throw NonFiniteError(concat("mse_loss: the loss mean((y - target)²) exceeds the "
+                                    "largest double, expected y and target closer"));
+    }
+    Matrix<T> out = (h * (4 / n)).template cast<T>().matrix();
+    if (!out.allFinite()) {
+        throw NonFiniteError(concat("mse_loss: dy = 2 (y - target) / n exceeds the largest ",
+                                    scalar_name<T>(), ", expected y and target closer"));
+    }
+    dy = std::move(out);
+    return loss;
+}
+
+}  // namespace detail
+
 /// Mean squared error over every entry, L = mean((y - target)²), and dL/dy = 2 (y - target) / n
-/// into dy (resized; n = y.size()). ShapeError (shapes differ, or empty), NonFiniteError.
+/// into dy (resized; n = y.size()). Values near the largest T, where y - target or its square
+/// overflows, are computed by scaling (detail::mse_loss_scaled). Throws, dy unchanged then:
+/// ShapeError (shapes differ, or empty), NonFiniteError (a NaN or infinite input; or a loss
+/// beyond the largest double, or dy beyond the largest T).
 ///
 ///     titans::Matrixd dy;
 ///     const double loss = titans::mse_loss<double>(y, target, dy);
@@ -32,7 +66,11 @@ double mse_loss(const MatrixRef<T>& y, const MatrixRef<T>& target, Matrix<T>& dy
     const double inv_n = 1.0 / static_cast<double>(y.size());
     Matrix<T> diff = y - target;
     const double loss = diff.template cast<double>().squaredNorm() * inv_n;
-    dy = diff * static_cast<T>(2 * inv_n);
+    diff *= static_cast<T>(2 * inv_n);  // now dy
+    if (!std::isfinite(loss) || !diff.allFinite()) {
+        return detail::mse_loss_scaled<T>(y, target, dy);
+    }
+    dy = std::move(diff);
     return loss;
 }
 

@@ -40,8 +40,11 @@ struct WarmupCosine {
                                      "a value in [0, 1]");
     }
 
-    /// The rate at step t >= 1 (ConfigError for t < 1).
+    /// The rate at step t >= 1. ConfigError for t < 1 or an invalid field (validate(): a
+    /// schedule built with bad fields never yields a rate). With the fields valid, t - warmup
+    /// and total - warmup are only formed when positive, so no int64 value overflows.
     [[nodiscard]] double operator()(std::int64_t t) const {
+        validate();
         detail::require<ConfigError>(t >= 1, "WarmupCosine", "step", t, ">= 1");
         if (t <= warmup) return peak * static_cast<double>(t) / static_cast<double>(warmup);
         if (total <= warmup) return peak;
