@@ -168,3 +168,28 @@ TEMPLATE_LIST_TEST_CASE("numerics: norm scaling", "[numerics]", Both) {
     CHECK(rel_error(y.row(0), w) <= tol<T>());
     CHECK(rel_error(y.row(1), w) <= tol<T>());
 }
+
+// A huge gradient dy on large rows: dy ⊙ x and <dy ⊙ w, x> overflow T though dx and dweight
+// are finite (dy x / rms); the backward takes those rows through x / rms.
+TEMPLATE_LIST_TEST_CASE("numerics: norm huge dy", "[numerics][backward]", Both) {
+    using T = typename TestType::Scalar;
+    using B = typename TestType::Backend;
+    const bool f = std::is_same_v<T, float>;
+    Rng rng(seed_for("numerics rms huge dy"));
+    const int d = uniform_int(rng, 2, 40);
+    const Matrix<T> x = (random_matrix(3, d, rng) * (f ? 1e10 : 1e100)).template cast<T>();
+    const Matrix<T> dy = (random_matrix(3, d, rng) * (f ? 1e30 : 1e250)).template cast<T>();
+    const RowVector<T> w = random_matrix(1, d, rng, 0.5, 1.5).template cast<T>();
+    const RMSNorm<T, B> norm(w);
+    const NumericsNormReference ref = numerics_norm_reference(x, w, dy, norm.eps());
+    typename RMSNorm<T, B>::Trace trace;
+    Matrix<T> y, dx;
+    norm.forward(x, y, trace);
+    RowVector<T> dw = RowVector<T>::Zero(d);
+    norm.backward(trace, dy, dx, dw);
+    INFO("d=" << d << " " << type_name<T>());
+    for (Eigen::Index r = 0; r < x.rows(); ++r) {
+        CHECK(double(numerics_row_error(dx, ref.dx, r, ref.dx_terms[std::size_t(r)])) <= tol<T>());
+    }
+    CHECK(double(numerics_row_error(dw, ref.dw, 0, 0.0L)) <= tol<T>());
+}
