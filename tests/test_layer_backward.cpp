@@ -22,10 +22,19 @@ namespace {
 
 double dot(const Matrixd& a, const Matrixd& b) { return a.cwiseProduct(b).sum(); }
 
-/// The inputs real streams have: random, one constant row repeated, tiny, huge.
-enum class Input { Random, Constant, Tiny, Huge };
+/// The inputs real streams have: random, one constant row repeated, tiny, huge; and rows at
+/// double's extremes: 1e-300 (mean square underflows), 1e300 (1 / rms^3 underflows), 1e308
+/// (the sum of squares overflows, 1 / rms is subnormal).
+enum class Input { Random, Constant, Tiny, Huge, Smallest, Extreme, Largest };
 constexpr double input_scale(Input k) {
-    return k == Input::Tiny ? 1e-3 : k == Input::Huge ? 1e3 : 1.0;
+    switch (k) {
+        case Input::Tiny: return 1e-3;
+        case Input::Huge: return 1e3;
+        case Input::Smallest: return 1e-300;
+        case Input::Extreme: return 1e300;
+        case Input::Largest: return 1e308;
+        default: return 1.0;
+    }
 }
 Matrixd make_input(Input k, Eigen::Index rows, Eigen::Index d, Rng& rng) {
     if (k == Input::Constant) {
@@ -72,10 +81,12 @@ LayerGrads ffn_grads(const FeedForward<T, B>& ff, const Matrix<T>& x, const Matr
 }  // namespace
 
 // dL/dx and dL/dweight of RMSNorm against central differences (d 1..8, eps 1e-6 and 0.5, one
-// row and several, random / constant / tiny / huge rows): relative error <= 1e-6.
+// row and several, random / constant / tiny / huge rows, rows at double's extremes): relative
+// error <= 1e-6.
 TEMPLATE_LIST_TEST_CASE("norm: backward vs FD", "[backward]", BothD) {
     using B = typename TestType::Backend;
-    const Input kind = GENERATE(Input::Random, Input::Constant, Input::Tiny, Input::Huge);
+    const Input kind = GENERATE(Input::Random, Input::Constant, Input::Tiny, Input::Huge,
+                                Input::Smallest, Input::Extreme, Input::Largest);
     const double eps = GENERATE(1e-6, 0.5);
     const int rep = GENERATE(range(0, 3));
     const std::uint64_t seed = seed_for("norm-fd", static_cast<std::uint64_t>(
@@ -98,7 +109,8 @@ TEMPLATE_LIST_TEST_CASE("norm: backward vs FD", "[backward]", BothD) {
     // remainder only to rounding / step, not to 1e-6 of itself.
     double terms = 0.0;
     for (Eigen::Index r = 0; r < rows; ++r) {
-        const double inv_rms = 1.0 / std::sqrt(x.row(r).squaredNorm() / d + eps);
+        const double inv_rms = static_cast<double>(
+            1.0L / std::sqrt(x.row(r).cast<long double>().squaredNorm() / d + eps));
         terms = std::max(terms, inv_rms * dy.row(r).cwiseProduct(w).cwiseAbs().maxCoeff());
     }
     CHECK(note_error<double>("backward:norm dx", rel_error(g.dx, central_diff(x, 1e-5 * s, loss), terms)) <=

@@ -37,6 +37,55 @@ void norm_case(int d, int rows, Rng& rng) {
     CHECK(rel_error(gg, gc) <= tol<T>());
 }
 
+/// A row of x at T's extremes: kind 0 huge (1e38 / 1e308: the sum of squares overflows), 1
+/// near the largest value (1 / rms subnormal), 2 huge and tiny entries mixed, 3 tiny (1e-30 /
+/// 1e-300), 4 zeros, 5 ordinary.
+template <class T>
+void extreme_row(int kind, Eigen::Ref<Matrix<T>> row, Rng& rng) {
+    const bool f = std::is_same_v<T, float>;
+    const double big = f ? 1e38 : 1e308, tiny = f ? 1e-30 : 1e-300;
+    const double top = static_cast<double>(std::numeric_limits<T>::max());
+    for (Eigen::Index j = 0; j < row.cols(); ++j) {
+        const double u = uniform(rng);
+        const double v[] = {u * big, (u < 0 ? -top : top) * uniform(rng, 0.5, 1.0),
+                            u * (j % 2 == 0 ? big : tiny), u * tiny, 0.0, u};
+        row(0, j) = static_cast<T>(v[kind]);
+    }
+}
+
+/// RMSNorm on rows of every extreme kind: the CUDA forward, training forward and backward
+/// against the CPU's (right on such rows: tests/robustness/test_training_numerics.cpp), row by
+/// row; dx relative to its terms 1 / rms max |dy ⊙ w|.
+template <class T>
+void norm_extreme_case(int d, Rng& rng) {
+    const titans::RowVector<T> w = random_matrix(1, d, rng, 0.5, 1.5).template cast<T>();
+    const titans::RMSNorm<T> cpu(w);
+    const titans::RMSNorm<T, Cuda> gpu(w);
+    Matrix<T> x(12, d);
+    for (Eigen::Index r = 0; r < x.rows(); ++r) extreme_row<T>(static_cast<int>(r % 6), x.row(r), rng);
+    const Matrix<T> dy = random_t<T>(x.rows(), d, rng);
+    typename titans::RMSNorm<T>::Trace tc;
+    typename titans::RMSNorm<T, Cuda>::Trace tg;
+    Matrix<T> yc, yg, dxc, dxg;
+    cpu.forward(x, yc, tc);
+    gpu.forward(x, yg, tg);
+    const Matrix<T> yf = gpu.forward(x);
+    titans::RowVector<T> gc = titans::RowVector<T>::Zero(d), gg = gc;
+    cpu.backward(tc, dy, dxc, gc);
+    gpu.backward(tg, dy, dxg, gg);
+    const double floor = 2.0 * static_cast<double>(std::numeric_limits<T>::denorm_min()) / tol<T>();
+    for (Eigen::Index r = 0; r < x.rows(); ++r) {
+        INFO("d " << d << " row " << r << " kind " << r % 6 << " " << type_name<T>());
+        const double rms = std::hypot(x.row(r).template cast<double>().stableNorm() / std::sqrt(d),
+                                      std::sqrt(1e-6));  // no overflow
+        const double terms = dy.row(r).cwiseProduct(w).cwiseAbs().maxCoeff() / rms;
+        CHECK(rel_error(yg.row(r), yc.row(r), floor) <= tol<T>());
+        CHECK(rel_error(yf.row(r), yc.row(r), floor) <= tol<T>());
+        CHECK(rel_error(dxg.row(r), dxc.row(r), std::max(terms, floor)) <= tol<T>());
+    }
+    CHECK(rel_error(gg, gc) <= tol<T>());
+}
+
 template <class T>
 void ffn_case(titans::FeedForwardKind kind, int d, int h, int rows, Rng& rng) {
     const titans::FeedForwardConfig cfg{.d_model = d, .kind = kind, .hidden = h};
@@ -72,6 +121,13 @@ TEMPLATE_TEST_CASE("cuda layers: RMSNorm", "[cuda]", float, double) {
         for (int rows : {0, 1, 5, 37}) {
             norm_case<TestType>(d, rows, rng);
         }
+    }
+}
+
+TEMPLATE_TEST_CASE("cuda layers: norm extremes", "[cuda]", float, double) {
+    Rng rng(seed_for("cuda layers: norm extremes"));
+    for (int d : {2, 7, 256, 300}) {
+        norm_extreme_case<TestType>(d, rng);
     }
 }
 

@@ -14,6 +14,7 @@
 #include "../detail/check.hpp"
 #include "../detail/float_env.hpp"
 #include "../error.hpp"
+#include "../limits.hpp"
 #include "../types.hpp"
 
 namespace titans {
@@ -67,8 +68,15 @@ void check_attention_operands(const AttentionOperands<T>& a) {
                         concat("k_prefix.rows() = ", p));
     require<ShapeError>(a.v_seq.rows() == m, w, "v_seq.rows()", a.v_seq.rows(),
                         concat("k_seq.rows() = ", m));
-    // The last query's position (first_query + query_stride * (n - 1)) must be a key row.
-    const Index last_pos = a.first_query + a.query_stride * (std::max<Index>(n, 1) - 1);
+    // The last query's position (first_query + query_stride * (n - 1)) must be a key row; one
+    // beyond 64 bits is refused before it is computed.
+    const Index steps = std::max<Index>(n, 1) - 1;
+    if (steps > 0 && a.query_stride > (std::numeric_limits<Index>::max() - a.first_query) / steps) {
+        throw ShapeError(concat(w, ": the last query's position first_query + query_stride * "
+                                "(q.rows() - 1) = ", a.first_query, " + ", a.query_stride, " * ",
+                                steps, " is beyond 2^63 - 1, expected < k_seq.rows() = ", m));
+    }
+    const Index last_pos = a.first_query + a.query_stride * steps;
     require<ShapeError>(m > last_pos || n == 0, w, "k_seq.rows()", m,
                         concat("> first_query + query_stride * (q.rows() - 1) = ", last_pos));
     if (a.out.rows() != n || a.out.cols() != D) {
@@ -85,6 +93,28 @@ void check_attention_operands(const AttentionOperands<T>& a) {
                                        "distinct matrix"));
         }
     }
+}
+
+/// An n x D stand-in for an output that is not sized yet, for check_attention_operands (which
+/// measures out, never reads or writes it): a view of one local scalar, allocating nothing
+/// whatever n x D is.
+template <class T>
+struct AttentionOutputProbe {
+    T stand_in{};
+    Eigen::Map<Matrix<T>> map;
+    Eigen::Ref<Matrix<T>> ref;
+    AttentionOutputProbe(Eigen::Index n, int n_heads, int d_head)
+        : map(&stand_in, n, static_cast<Eigen::Index>(std::max(n_heads, 0)) * std::max(d_head, 0)),
+          ref(map) {}
+    AttentionOutputProbe(const AttentionOutputProbe&) = delete;
+    AttentionOutputProbe& operator=(const AttentionOutputProbe&) = delete;
+};
+
+/// The widest key span a query tile of `tile` queries reads, at most m: query_stride * (tile -
+/// 1) + window, saturating (a stride near 2^63 with one query is valid).
+inline Eigen::Index attention_span_cap(Eigen::Index query_stride, Eigen::Index tile, int window,
+                                       Eigen::Index m) {
+    return std::min<Eigen::Index>(sat_add(sat_mul(query_stride, tile - 1), window), m);
 }
 
 /// Per-thread workspaces of one (query tile, head) unit: exp-scores against the prefix (sp)
@@ -182,7 +212,7 @@ void prefix_window_attention_impl(const Eigen::Ref<const Matrix<T>>& q,
     // d_h) work per unit, linear in n overall.
     const Index tile = attention_query_tile(window);
     const Index units = (n + tile - 1) / tile * n_heads;
-    const Index span_cap = std::min<Index>(query_stride * (tile - 1) + window, m);
+    const Index span_cap = attention_span_cap(query_stride, tile, window, m);
     const T scale = T(1) / std::sqrt(static_cast<T>(d_head));
 #if defined(_OPENMP)
     // Threads only pay off for tens of microseconds of work (not for one streamed token).
@@ -256,7 +286,11 @@ void prefix_window_attention(const Matrix<T>& q, const Matrix<T>& k_prefix,
         throw ShapeError("prefix_window_attention: out is also an input, expected a distinct "
                          "matrix");
     }
-    out.resize(q.rows(), static_cast<Eigen::Index>(std::max(n_heads, 0)) * std::max(d_head, 0));
+    // Every argument checked before out is resized (a huge n_heads * d_head allocates nothing).
+    detail::AttentionOutputProbe<T> probe(q.rows(), n_heads, d_head);
+    detail::check_attention_operands(detail::AttentionOperands<T>{
+        q, k_prefix, v_prefix, k_seq, v_seq, probe.ref, n_heads, d_head, window, first_query, 1});
+    out.resize(q.rows(), probe.map.cols());
     detail::prefix_window_attention_impl<T>(q, k_prefix, v_prefix, k_seq, v_seq, n_heads, d_head,
                                             window, first_query, out);
 }

@@ -168,14 +168,12 @@ void prefix_window_attention_backward(
     Eigen::Index query_stride = 1) {
     using Index = Eigen::Index;
     const Index n = q.rows(), p = k_prefix.rows(), m = k_seq.rows();
-    // The forward's checker measures `out` (rows, cols, address) and never reads or writes it:
-    // an n x D view of a local stands in for dq, so a refused call leaves dq as it was.
-    const Index D = static_cast<Index>(std::max(n_heads, 0)) * std::max(d_head, 0);
-    T stand_in{};
-    Eigen::Map<Matrix<T>> probe(&stand_in, n, D);
-    Eigen::Ref<Matrix<T>> probe_ref(probe);
-    const detail::AttentionOperands<T> a{q,       k_prefix, v_prefix, k_seq,       v_seq,
-                                         probe_ref, n_heads, d_head,  window, first_query,
+    // The forward's checker measures `out`: a stand-in for dq, so a refused call leaves dq as
+    // it was.
+    detail::AttentionOutputProbe<T> probe(n, n_heads, d_head);
+    const Index D = probe.map.cols();
+    const detail::AttentionOperands<T> a{q,         k_prefix, v_prefix, k_seq,  v_seq,
+                                         probe.ref, n_heads,  d_head,   window, first_query,
                                          query_stride};
     detail::check_attention_operands(a);
     const detail::AttentionGradients<T> g{dout, dq, dk_prefix, dv_prefix, dk_seq, dv_seq};
@@ -183,7 +181,7 @@ void prefix_window_attention_backward(
     dq.resize(n, D);
     if (n == 0) return;
     const Index tile = detail::attention_query_tile(window);
-    const Index span_cap = std::min<Index>(query_stride * (tile - 1) + window, m);
+    const Index span_cap = detail::attention_span_cap(query_stride, tile, window, m);
     const T scale = T(1) / std::sqrt(static_cast<T>(d_head));
 #if defined(_OPENMP)
     const double work = static_cast<double>(n) * static_cast<double>(p + span_cap) *

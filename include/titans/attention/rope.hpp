@@ -19,6 +19,7 @@
 
 #include "../config.hpp"
 #include "../error.hpp"
+#include "../limits.hpp"
 #include "../types.hpp"
 
 namespace titans {
@@ -83,7 +84,8 @@ private:
     }
 };
 
-inline void check_rope_args(Eigen::Index cols, int n_heads, int d_head,
+/// ConfigError / ShapeError naming the first bad argument of apply_rope on a rows x cols x.
+inline void check_rope_args(Eigen::Index rows, Eigen::Index cols, int n_heads, int d_head,
                             std::int64_t first_position, double base) {
     constexpr const char* w = "apply_rope";
     require<ConfigError>(n_heads >= 1, w, "n_heads", n_heads, ">= 1");
@@ -92,6 +94,13 @@ inline void check_rope_args(Eigen::Index cols, int n_heads, int d_head,
     require<ConfigError>(std::isfinite(base) && base > 0, w, "base", base,
                          "a finite value > 0");
     require<ConfigError>(first_position >= 0, w, "first_position", first_position, ">= 0");
+    // Row r sits at first_position + r: the positions stay within the library's limit (and
+    // so never overflow), as every state's do.
+    require<ConfigError>(rows <= limits::max_position &&
+                             first_position <= limits::max_position - rows,
+                         w, "first_position", first_position,
+                         concat("<= limits::max_position - x.rows() = 2^62 - ", rows,
+                                " (the last row's position must stay within 2^62)"));
     const Eigen::Index D = static_cast<Eigen::Index>(n_heads) * d_head;
     if (cols != D) {
         throw ShapeError(concat(w, ": x has ", cols, " columns, expected n_heads * d_head = ", D));
@@ -103,7 +112,8 @@ inline void check_rope_args(Eigen::Index cols, int n_heads, int d_head,
 /// Rotary position embedding in place (see the top of this file): row r of x is the token at
 /// absolute position first_position + r; head h is columns [h*d_h, (h+1)*d_h).
 /// x: rows x (n_heads * d_head). Throws ConfigError for an odd d_head (or n_heads < 1, base
-/// <= 0, first_position < 0), ShapeError if x has the wrong width.
+/// <= 0, first_position < 0, first_position + rows > limits::max_position = 2^62), ShapeError
+/// if x has the wrong width.
 ///
 ///     titans::Matrixf q = ...;                               // N x (H * d_h)
 ///     titans::apply_rope(q, H, d_h, /*first_position=*/0, 10000.0);
@@ -113,7 +123,7 @@ inline void check_rope_args(Eigen::Index cols, int n_heads, int d_head,
 template <class T>
 void apply_rope(Eigen::Ref<Matrix<T>> x, int n_heads, int d_head, std::int64_t first_position,
                 double base = 10000.0) {
-    detail::check_rope_args(x.cols(), n_heads, d_head, first_position, base);
+    detail::check_rope_args(x.rows(), x.cols(), n_heads, d_head, first_position, base);
     if (x.rows() == 0) return;
     detail::RopeTable<T> table(x.rows(), d_head, first_position, base);
     table.apply(x, n_heads, d_head);

@@ -7,6 +7,7 @@
 
 #include "../../detail/activation.hpp"
 #include "../../detail/eigen_math.hpp"
+#include "../../detail/norm_scale.hpp"
 #include "../../detail/product.hpp"
 #include "../../layers/feed_forward.hpp"
 #include "../../layers/rms_norm.hpp"
@@ -20,7 +21,9 @@ namespace titans::backend {
 struct Cpu;
 
 /// RMSNorm on the CPU: y_r = x_r / sqrt(mean_j(x_rj^2) + eps) ⊙ weight, row by row (y may be
-/// x itself).
+/// x itself). Right for every finite row: a row whose sum of squares overflows T is normalised
+/// from its entries scaled by a power of two first (detail/norm_scale.hpp); every other row
+/// takes the plain sum, as before. A row of zeros gives y = 0 and 1 / rms = 1 / sqrt(eps).
 template <class T>
 struct NormKernels<Cpu, T> {
     /// The weight as the kernel uses it: the caller's own (shared, not copied).
@@ -40,7 +43,9 @@ struct NormKernels<Cpu, T> {
 
     /// Math §9 (RMSNorm): with u = dy ⊙ weight and r = 1 / rms of the row,
     ///     dx = r u - x r^3 <u, x> / d,     dweight += Σ_rows dy ⊙ x r.
-    /// x and inv_rms as forward_train kept them; dx rows x d (sized), dweight 1 x d.
+    /// x and inv_rms as forward_train kept them; dx rows x d (sized), dweight 1 x d. A row where
+    /// r^3 or a product of that formula leaves T's normal range (rms beyond ~2^±(max exponent
+    /// / 3), huge dy) takes the same gradient through the normalised row instead (robust_row).
     static void backward(const Prepared& weight, View<const T> xv, View<const T> inv_rms,
                          View<const T> dyv, View<T> dxv, View<T> dweight) {
         const auto x = cpu::as_eigen(xv);
@@ -48,12 +53,22 @@ struct NormKernels<Cpu, T> {
         auto dx = cpu::as_eigen(dxv);
         auto dw = cpu::as_eigen(dweight);
         const T inv_d = T(1) / static_cast<T>(x.cols());
+        RowVector<T> u(x.cols()), g(x.cols());
         for (Eigen::Index r = 0; r < x.rows(); ++r) {
             const T rr = inv_rms.data[r * inv_rms.stride];
-            const auto u = (dy.row(r).array() * weight->array()).matrix();
-            const T dot = u.dot(x.row(r));
-            dw.row(0).array() += dy.row(r).array() * x.row(r).array() * rr;
-            dx.row(r) = (u.array() * rr - x.row(r).array() * (rr * rr * rr * dot * inv_d)).matrix();
+            u = (dy.row(r).array() * weight->array()).matrix();
+            const T r3 = rr * rr * rr;
+            bool done = false;
+            if (r3 >= detail::smallest_normal<T>() && r3 <= detail::largest_finite<T>()) {
+                const T k = r3 * u.dot(x.row(r)) * inv_d;
+                g = (dy.row(r).array() * x.row(r).array() * rr).matrix();
+                dx.row(r) = (u.array() * rr - x.row(r).array() * k).matrix();
+                done = std::isfinite(k) && g.allFinite() && dx.row(r).allFinite();
+                // g's expression again, in place (as before: a compiler that fuses the add
+                // into the product does so as it did).
+                if (done) dw.row(0).array() += dy.row(r).array() * x.row(r).array() * rr;
+            }
+            if (!done) robust_row(x.row(r), rr, u, dy.row(r), dx.row(r), dw.row(0), inv_d);
         }
     }
 
@@ -64,10 +79,47 @@ private:
         auto y = cpu::as_eigen(yv);
         const T inv_d = T(1) / static_cast<T>(x.cols());
         for (Eigen::Index r = 0; r < x.rows(); ++r) {
-            const T inv = T(1) / std::sqrt(x.row(r).squaredNorm() * inv_d + eps);
-            if (inv_rms != nullptr) inv_rms->data[r * inv_rms->stride] = inv;
-            y.row(r) = (x.row(r).array() * inv * weight.array()).matrix();
+            const T ss = x.row(r).squaredNorm();
+            if (ss <= detail::largest_finite<T>()) {  // the plain sum: every ordinary row
+                const T inv = T(1) / std::sqrt(ss * inv_d + eps);
+                if (inv_rms != nullptr) inv_rms->data[r * inv_rms->stride] = inv;
+                y.row(r) = (x.row(r).array() * inv * weight.array()).matrix();
+            } else {  // x_j / rms = (x_j 2^-e) inv, 1 / rms = inv 2^-e
+                const auto [scaled_ss, e] = detail::scaled_squared_norm(x.row(r));
+                const T inv = detail::scaled_inv_rms(scaled_ss, inv_d, eps, e);
+                if (inv_rms != nullptr) {
+                    inv_rms->data[r * inv_rms->stride] = detail::scale_down(inv, e);
+                }
+                y.row(r) = (scaled_row(x.row(r), e).array() * inv * weight.array()).matrix();
+            }
         }
+    }
+
+    /// x 2^-e, entry by entry.
+    template <class Row>
+    static auto scaled_row(const Row& x, int e) {
+        return x.unaryExpr([e](T v) { return detail::scale_down(v, e); });
+    }
+
+    /// The backward of one row through xh = x / rms (|xh_j| <= sqrt(d)), which neither
+    /// overflows nor underflows: with 1 / rms = inv 2^-e and c = <u, xh> / d,
+    ///     dx = ((u - xh c) inv) 2^-e,     dweight += dy ⊙ xh.
+    /// 1 / rms is rr unless rr is subnormal (rms beyond 2^(max exponent - 2), where eps is below
+    /// the rounding of mean(x^2)): then it is taken again from the row, scaled as forward did.
+    template <class XRow, class DyRow, class DxRow, class DwRow>
+    static void robust_row(const XRow& x, T rr, const RowVector<T>& u, const DyRow& dy,
+                           DxRow&& dx, DwRow&& dw, T inv_d) {
+        T inv = rr;
+        int e = 0;
+        if (!(rr >= detail::smallest_normal<T>())) {
+            const auto [scaled_ss, ex] = detail::scaled_squared_norm(x);
+            e = ex;
+            inv = detail::scaled_inv_rms(scaled_ss, inv_d, T(0), e);
+        }
+        const RowVector<T> xh = (scaled_row(x, e).array() * inv).matrix();
+        const T c = u.dot(xh) * inv_d;
+        dx = scaled_row(((u - xh * c) * inv).eval(), e);
+        dw += (dy.array() * xh.array()).matrix();
     }
 };
 

@@ -8,6 +8,7 @@
 #include <memory>
 
 #include "../../detail/activation.hpp"
+#include "../../detail/norm_scale.hpp"
 #include "../../layers/feed_forward.hpp"
 #include "../../layers/rms_norm.hpp"
 #include "../../types.hpp"
@@ -31,8 +32,47 @@ inline const StreamContext& thread_context() {
 }
 
 #if TITANS_CUDA_DEVICE_CODE
+/// The sum (Max false) or the maximum (Max true) of v over the block's threads (blockDim.x a
+/// power of two, <= 256), returned to every thread; part: 256 shared entries, free again on
+/// return.
+template <bool Max, class T>
+__device__ T block_reduce(T* part, T v) {
+    part[threadIdx.x] = v;
+    __syncthreads();
+    for (int o = blockDim.x / 2; o > 0; o /= 2) {
+        const int t = static_cast<int>(threadIdx.x);
+        if (t < o) {
+            const T a = part[t], b = part[t + o];
+            part[t] = Max ? (a < b ? b : a) : a + b;
+        }
+        __syncthreads();
+    }
+    const T r = part[0];
+    __syncthreads();
+    return r;
+}
+
+/// e and Σ (x_j 2^-e)^2 of row x (length d, nonzero), e the scale exponent of its largest
+/// magnitude (detail/norm_scale.hpp); every thread gets both.
+template <class T>
+__device__ T scaled_row_sum(T* part, const T* x, int d, int& e) {
+    T m = T(0);
+    for (int j = threadIdx.x; j < d; j += blockDim.x) {
+        const T a = x[j] < T(0) ? -x[j] : x[j];
+        m = a > m ? a : m;
+    }
+    e = detail::scale_exponent(block_reduce<true>(part, m));
+    T ss = T(0);
+    for (int j = threadIdx.x; j < d; j += blockDim.x) {
+        const T z = detail::scale_down(x[j], e);
+        ss += z * z;
+    }
+    return block_reduce<false>(part, ss);
+}
+
 /// RMSNorm of row blockIdx.x: y = x / sqrt(mean(x^2) + eps) ⊙ w (y may be x); inv (when
-/// given) keeps 1 / rms. A block per row, a shared-memory sum.
+/// given) keeps 1 / rms. A block per row, a shared-memory sum; a row whose sum of squares
+/// overflows is taken scaled by 2^-e, as on the CPU: y = (x 2^-e) rr ⊙ w, 1 / rms = rr 2^-e.
 template <class T>
 __global__ void rms_rows_kernel(const T* x, long long xs, T* y, long long ys, const T* w,
                                 int d, T eps, T* inv, long long is) {
@@ -42,52 +82,62 @@ __global__ void rms_rows_kernel(const T* x, long long xs, T* y, long long ys, co
     for (int j = threadIdx.x; j < d; j += blockDim.x) {
         ss += x[r * xs + j] * x[r * xs + j];
     }
-    part[threadIdx.x] = ss;
-    __syncthreads();
-    for (int o = blockDim.x / 2; o > 0; o /= 2) {
-        if (static_cast<int>(threadIdx.x) < o) {
-            part[threadIdx.x] += part[threadIdx.x + o];
-        }
-        __syncthreads();
+    ss = block_reduce<false>(part, ss);
+    int e = 0;
+    T rr;
+    if (ss <= detail::largest_finite<T>()) {
+        rr = T(1) / sqrt(ss / static_cast<T>(d) + eps);
+    } else {
+        const T scaled = scaled_row_sum(part, x + r * xs, d, e);
+        rr = detail::scaled_inv_rms(scaled, T(1) / static_cast<T>(d), eps, e);
     }
-    const T rr = T(1) / sqrt(part[0] / static_cast<T>(d) + eps);
     if (inv != nullptr && threadIdx.x == 0) {
-        inv[r * is] = rr;
+        inv[r * is] = detail::scale_down(rr, e);
     }
     for (int j = threadIdx.x; j < d; j += blockDim.x) {
-        y[r * ys + j] = x[r * xs + j] * rr * w[j];
+        y[r * ys + j] = detail::scale_down(x[r * xs + j], e) * rr * w[j];
     }
 }
 
-/// RMSNorm backward of row blockIdx.x: u = dy ⊙ w, dx = r u - x r^3 <u, x> / d.
+/// RMSNorm backward of row blockIdx.x through xh = x / rms (|xh_j| <= sqrt(d), no overflow):
+/// with u = dy ⊙ w, 1 / rms = rr 2^-e and c = <u, xh> / d, dx = ((u - xh c) rr) 2^-e. rr is
+/// the kept 1 / rms (e = 0) unless that is subnormal (rms beyond 2^(max exponent - 2), where
+/// eps is below the rounding of mean(x^2)): then it is taken again from the row, scaled.
+/// scale[2 r], scale[2 r + 1] get rr and e, for the weight gradient.
 template <class T>
 __global__ void rms_backward_rows_kernel(const T* x, long long xs, const T* inv, long long is,
                                          const T* dy, long long dys, T* dx, long long dxs,
-                                         const T* w, int d) {
+                                         const T* w, int d, T* scale) {
     __shared__ T part[256];
     const long long r = blockIdx.x;
+    const T* xr = x + r * xs;
+    T rr = inv[r * is];
+    int e = 0;
+    if (!(rr >= detail::smallest_normal<T>())) {
+        const T scaled = scaled_row_sum(part, xr, d, e);
+        rr = detail::scaled_inv_rms(scaled, T(1) / static_cast<T>(d), T(0), e);
+    }
     T dot = T(0);
     for (int j = threadIdx.x; j < d; j += blockDim.x) {
-        dot += dy[r * dys + j] * w[j] * x[r * xs + j];
+        dot += dy[r * dys + j] * w[j] * (detail::scale_down(xr[j], e) * rr);
     }
-    part[threadIdx.x] = dot;
-    __syncthreads();
-    for (int o = blockDim.x / 2; o > 0; o /= 2) {
-        if (static_cast<int>(threadIdx.x) < o) {
-            part[threadIdx.x] += part[threadIdx.x + o];
-        }
-        __syncthreads();
-    }
-    const T rr = inv[r * is], k = rr * rr * rr * part[0] / static_cast<T>(d);
+    const T c = block_reduce<false>(part, dot) / static_cast<T>(d);
     for (int j = threadIdx.x; j < d; j += blockDim.x) {
-        dx[r * dxs + j] = dy[r * dys + j] * w[j] * rr - x[r * xs + j] * k;
+        const T xh = detail::scale_down(xr[j], e) * rr;
+        dx[r * dxs + j] = detail::scale_down((dy[r * dys + j] * w[j] - xh * c) * rr, e);
+    }
+    if (threadIdx.x == 0) {
+        scale[2 * r] = rr;
+        scale[2 * r + 1] = static_cast<T>(e);
     }
 }
 #endif
 
 }  // namespace cuda
 
-/// RMSNorm on CUDA: the weight uploaded once; a block per row.
+/// RMSNorm on CUDA: the weight uploaded once; a block per row. Right for every finite row, as
+/// on the CPU (a row whose sum of squares overflows is normalised scaled by a power of two);
+/// the backward always goes through the normalised row (no plain branch to keep bits of).
 template <class T>
 struct NormKernels<Cuda, T> {
     using Prepared = std::shared_ptr<const cuda::DeviceBuffer<T>>;
@@ -103,7 +153,8 @@ struct NormKernels<Cuda, T> {
                               View<T> inv_rms) {
         run(w, eps, x, y, inv_rms.data, inv_rms.stride);
     }
-    /// dx from dy; dweight (1 x d) += Σ_rows dy ⊙ x r (a thread per column, rows in order).
+    /// dx from dy; dweight (1 x d) += Σ_rows dy ⊙ xh, xh = x / rms as the row kernel scaled it
+    /// (a thread per column, rows in order).
     static void backward(const Prepared& w, View<const T> x, View<const T> inv, View<const T> dy,
                          View<T> dx, View<T> dweight) {
         if (x.rows == 0) {
@@ -111,19 +162,21 @@ struct NormKernels<Cuda, T> {
         }
         const cuda::StreamContext& cx = cuda::thread_context();
         const int d = static_cast<int>(x.cols);
+        cuda::DeviceBuffer<T> scale(2 * static_cast<std::size_t>(x.rows));
         cuda::launch(cuda::rms_backward_rows_kernel<T>, static_cast<unsigned>(x.rows), 256,
                      cx.stream(), x.data, x.stride, inv.data, inv.stride, dy.data, dy.stride,
-                     dx.data, dx.stride, w->data(), d);
+                     dx.data, dx.stride, w->data(), d, scale.data());
         cuda::check_launch("the RMSNorm backward kernel");
         const T* xp = x.data;
-        const T* ip = inv.data;
+        const T* sp = scale.data();
         const T* dyp = dy.data;
         T* dw = dweight.data;
-        const long long rows = x.rows, xs = x.stride, is = inv.stride, dys = dy.stride;
+        const long long rows = x.rows, xs = x.stride, dys = dy.stride;
         cuda::each(cx.stream(), d, [=] __device__(unsigned j) {
             T s = T(0);
             for (long long r = 0; r < rows; ++r) {
-                s += dyp[r * dys + j] * xp[r * xs + j] * ip[r * is];
+                const int e = static_cast<int>(sp[2 * r + 1]);
+                s += dyp[r * dys + j] * (detail::scale_down(xp[r * xs + j], e) * sp[2 * r]);
             }
             dw[j] += s;
         });
