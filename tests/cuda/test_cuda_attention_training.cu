@@ -223,6 +223,19 @@ TEMPLATE_TEST_CASE("cuda attention train: refusals", "[cuda]", float, double) {
     REQUIRE_THROWS_AS(gpu.backward(tg, bad_dy, dx, g, &dp), titans::ShapeError);
     REQUIRE_THROWS_AS(cpu.backward(empty_c, dy, dx, g, &dp), titans::ShapeError);
     REQUIRE_THROWS_AS(gpu.backward(empty_g, dy, dx, g, &dp), titans::ShapeError);
+    {  // a moved-from trace reads as empty; a trace whose sizes were changed is refused
+        typename Attention<T, Cuda>::Trace moved = tg, kept = std::move(moved);
+        CHECK(moved.empty());
+        REQUIRE_THROWS_NAMING(gpu.backward(moved, dy, dx, g, &dp), titans::ShapeError,
+                              "trace is empty");
+        kept.kept += 1;
+        REQUIRE_THROWS_NAMING(gpu.backward(kept, dy, dx, g, &dp), titans::ShapeError,
+                              "trace.kept");
+        kept = tg;
+        kept.prefix.r += 1;
+        REQUIRE_THROWS_NAMING(gpu.backward(kept, dy, dx, g, &dp), titans::ShapeError,
+                              "trace.prefix.mem.size()");
+    }
     AttentionStateGradient<T> bad;  // one sequence too many
     bad.keys.assign(static_cast<std::size_t>(c.B + 1), Matrix<T>::Zero(3, c.cfg.inner_dim()));
     bad.values = bad.keys;

@@ -424,6 +424,25 @@ TEST_CASE("cuda memory training: refusals", "[cuda]") {
                                  dx, g, &d_in),
                     titans::ShapeError);
     CHECK(unchanged());
+    {  // a moved-from trace reads as empty; a trace whose sizes were changed is refused
+        CudaMemory<double>::Trace moved = trace, kept = std::move(moved);
+        CHECK(moved.empty());
+        const Matrixd dy8 = random_matrix(2 * 4, cfg.d_model, rng);
+        REQUIRE_THROWS_NAMING(mem.backward(moved, dy8, dx, g, &d_in), titans::ShapeError,
+                              "trace is empty");
+        kept.chunks += 1;
+        REQUIRE_THROWS_NAMING(mem.backward(kept, dy8, dx, g, &d_in), titans::ShapeError,
+                              "trace.chunks");
+        kept = trace;
+        kept.memory.pop_back();
+        REQUIRE_THROWS_NAMING(mem.backward(kept, dy8, dx, g, &d_in), titans::ShapeError,
+                              "trace.memory.size()");
+        kept = trace;
+        kept.u = titans::backend::cuda::DeviceBuffer<double>(3);
+        REQUIRE_THROWS_NAMING(mem.backward(kept, dy8, dx, g, &d_in), titans::ShapeError,
+                              "trace.u.size()");
+        CHECK(unchanged());
+    }
     // d_state_out for a trace that ends inside a chunk (4 tokens, chunk 3).
     titans::MemoryStateGradient<double> d_out;
     d_out.weights.assign(2 * static_cast<std::size_t>(cfg.n_heads), mem.current_weights(st, 0, 0));

@@ -91,6 +91,44 @@ struct Variation {
     std::function<void(Config&)> change;
 };
 
+/// A change of a trace's insides, and the text the refusal must give.
+template <class Trace>
+using Tampering = std::pair<std::string, std::function<void(Trace&)>>;
+
+/// For each variation of cfg, a trace made by a layer so configured (make_trace(other)) is
+/// refused by backward(trace)() with a ConfigError naming `where`, the trace and the setting.
+template <class Config, class MakeTrace, class Backward, class Snap>
+void require_foreign_refused(const Config& cfg, const std::vector<Variation<Config>>& variations,
+                             const MakeTrace& make_trace, const Backward& backward,
+                             const Snap& snap, const char* where) {
+    for (const auto& v : variations) {
+        Config other = cfg;
+        v.change(other);
+        INFO("setting " << v.name);
+        require_refused<ConfigError>(backward(make_trace(other)), snap, {where, "trace", v.name});
+    }
+}
+
+/// Each tampering of a copy of `trace` is refused by backward(trace)() with an E naming
+/// `where` and its text; so are a default-constructed and a moved-from trace. Returns the
+/// trace the move filled.
+template <class E, class Trace, class Backward, class Snap>
+Trace require_tampered_refused(const Trace& trace, const std::vector<Tampering<Trace>>& tampered,
+                               const Backward& backward, const Snap& snap,
+                               const std::string& where) {
+    for (const auto& [text, change] : tampered) {
+        Trace t = trace;
+        change(t);
+        INFO("tampered: " << text);
+        require_refused<E>(backward(t), snap, {where, text});
+    }
+    require_refused<ShapeError>(backward(Trace{}), snap, {where + ": trace is empty"});
+    Trace moved = trace, to = std::move(moved);
+    CHECK(moved.empty());
+    require_refused<ShapeError>(backward(moved), snap, {where + ": trace is empty"});
+    return to;
+}
+
 }  // namespace traces_test
 
 using namespace traces_test;
@@ -157,21 +195,15 @@ TEMPLATE_TEST_CASE("traces: FeedForward backward refuses a trace it did not make
         {"hidden", [](FeedForwardConfig& c) { c.hidden = 12; }},
         {"hidden", [](FeedForwardConfig& c) { c.hidden = 0; }},  // 16: another width
     };
-    for (const auto& v : variations) {
-        FeedForwardConfig other = cfg;
-        v.change(other);
+    const auto make_trace = [&](const FeedForwardConfig& other) {
         const titans::FeedForward<T> made(other, FeedForwardParams<T>::random(other, 4));
         typename titans::FeedForward<T>::Trace foreign;
         made.forward(x, y, foreign);
-        INFO("setting " << v.name);
-        require_refused<ConfigError>(backward(foreign), snap,
-                                     {"FeedForward::backward", "trace", v.name});
-    }
-    typename titans::FeedForward<T>::Trace none;
-    require_refused<ShapeError>(backward(none), snap, {"trace is empty"});
-    auto moved = std::move(trace);
-    CHECK(trace.empty());
-    require_refused<ShapeError>(backward(trace), snap, {"trace is empty"});
+        return foreign;
+    };
+    require_foreign_refused(cfg, variations, make_trace, backward, snap, "FeedForward::backward");
+    const auto moved =
+        require_tampered_refused<ShapeError>(trace, {}, backward, snap, "FeedForward::backward");
     const FeedForwardConfig wider{.d_model = 6, .kind = FeedForwardKind::SwiGLU, .hidden = 12};
     auto other_grads = FeedForwardParams<T>::zeros(wider);
     const auto other_snap = [&] { return trace_test_bits(other_grads, wider, dx); };
@@ -224,16 +256,12 @@ TEMPLATE_TEST_CASE("traces: Attention backward refuses a trace it did not make",
         {"rope", [](AttentionConfig& c) { c.rope = false; }},
         {"rope_base", [](AttentionConfig& c) { c.rope_base = 100.0; }},
     };
-    for (const auto& v : variations) {
-        AttentionConfig other = cfg;
-        v.change(other);
+    const auto make_trace = [&](const AttentionConfig& other) {
         const titans::Attention<T> made(other, AttentionParams<T>::random(other, 7));
-        INFO("setting " << v.name);
-        require_refused<ConfigError>(
-            backward(attention_trace(made, x, prefix, PrefixSharing::PerSequence, rng)), snap,
-            {"Attention::backward", "trace", v.name});
-    }
-    const std::vector<std::pair<const char*, std::function<void(Trace&)>>> tampered{
+        return attention_trace(made, x, prefix, PrefixSharing::PerSequence, rng);
+    };
+    require_foreign_refused(cfg, variations, make_trace, backward, snap, "Attention::backward");
+    const std::vector<Tampering<Trace>> tampered{
         {"trace.rows", [](Trace& t) { t.x.conservativeResize(5, 8); }},
         {"trace.kept_k.size()", [](Trace& t) { t.batch = 1; }},
         {"trace.batch", [](Trace& t) { t.batch = 0; }},
@@ -246,16 +274,8 @@ TEMPLATE_TEST_CASE("traces: Attention backward refuses a trace it did not make",
         {"trace.sharing", [](Trace& t) { t.sharing = static_cast<PrefixSharing>(5); }},
         {"trace holds 7-column rows", [](Trace& t) { t.x.conservativeResize(6, 7); }},
     };
-    for (const auto& [text, change] : tampered) {
-        Trace t = trace;
-        change(t);
-        INFO("tampered: " << text);
-        require_refused<ShapeError>(backward(t), snap, {"Attention::backward", text});
-    }
-    require_refused<ShapeError>(backward(Trace{}), snap, {"trace is empty"});
-    Trace moved = trace, to = std::move(moved);
-    CHECK(moved.empty());
-    require_refused<ShapeError>(backward(moved), snap, {"trace is empty"});
+    const Trace to =
+        require_tampered_refused<ShapeError>(trace, tampered, backward, snap, "Attention::backward");
     const AttentionConfig other{.d_model = 8, .n_heads = 2, .d_head = 2, .window = 3, .rope = true};
     auto other_grads = AttentionParams<T>::zeros(other);
     const auto other_snap = [&] { return trace_test_bits(other_grads, other, dx); };
@@ -329,14 +349,11 @@ TEMPLATE_TEST_CASE("traces: NeuralMemory backward refuses a trace it did not mak
         {"theta_max", [](MemoryConfig& c) { c.theta_max = 0.02; }},
         {"max_grad_norm", [](MemoryConfig& c) { c.max_grad_norm = 3.0; }},
     };
-    for (const auto& v : variations) {
-        MemoryConfig other = cfg;
-        v.change(other);
-        const NeuralMemory<T> made(other, MemoryParams<T>::random(other, 7));
-        INFO("setting " << v.name);
-        require_refused<ConfigError>(backward(memory_trace(made, x, false, rng)), snap,
-                                     {"NeuralMemory::backward", "trace", v.name});
-    }
+    const auto make_trace = [&](const MemoryConfig& other) {
+        return memory_trace(NeuralMemory<T>(other, MemoryParams<T>::random(other, 7)), x, false,
+                            rng);
+    };
+    require_foreign_refused(cfg, variations, make_trace, backward, snap, "NeuralMemory::backward");
     {  // flush_denormals changes no stored value: a trace of such a memory is this memory's
         MemoryConfig flushing = cfg;
         flushing.flush_denormals = !cfg.flush_denormals;
@@ -347,7 +364,7 @@ TEMPLATE_TEST_CASE("traces: NeuralMemory backward refuses a trace it did not mak
         mem.backward(memory_trace(made, x, false, rng), dy, dx_other, g_other);
         CHECK(identical(dx_own, dx_other));
     }
-    const std::vector<std::pair<const char*, std::function<void(Trace&)>>> tampered{
+    const std::vector<Tampering<Trace>> tampered{
         {"trace.rows", [](Trace& t) { t.x.conservativeResize(9, 8); }},
         {"trace.tail_in.size()", [](Trace& t) { t.batch = 5; }},
         {"trace.batch", [](Trace& t) { t.batch = -1; }},
@@ -361,16 +378,8 @@ TEMPLATE_TEST_CASE("traces: NeuralMemory backward refuses a trace it did not mak
         {"trace.kept.memory[i].size()", [](Trace& t) { t.kept.memory[1].pop_back(); }},
         {"trace.kept.memory[i][j] shape", [](Trace& t) { t.kept.memory[3][1].resize(1, 1); }},
     };
-    for (const auto& [text, change] : tampered) {
-        Trace t = trace;
-        change(t);
-        INFO("tampered: " << text);
-        require_refused<ShapeError>(backward(t), snap, {"NeuralMemory::backward", text});
-    }
-    require_refused<ShapeError>(backward(Trace{}), snap, {"trace is empty"});
-    Trace moved = trace, to = std::move(moved);
-    CHECK(moved.empty());
-    require_refused<ShapeError>(backward(moved), snap, {"trace is empty"});
+    const Trace to = require_tampered_refused<ShapeError>(trace, tampered, backward, snap,
+                                                          "NeuralMemory::backward");
     for (const MemoryConfig& other : {MemoryConfig{.d_model = 8, .n_heads = 2, .depth = 1},
                                       MemoryConfig{.d_model = 8, .n_heads = 1, .depth = 2}}) {
         auto other_grads = MemoryParams<T>::zeros(other);
@@ -414,11 +423,11 @@ typename titans::Block<T>::Trace block_trace(const titans::Block<T>& block, bool
 /// The changes a block trace's internal sizes can suffer, each with the text its refusal
 /// names, for a block of `kind` whose trace started two tokens in.
 template <class T>
-std::vector<std::pair<std::string, std::function<void(typename titans::Block<T>::Trace&)>>>
-block_tamperings(BlockKind kind, const titans::Block<T>& block, Rng& rng) {
+std::vector<Tampering<typename titans::Block<T>::Trace>> block_tamperings(
+    BlockKind kind, const titans::Block<T>& block, Rng& rng) {
     using Trace = typename titans::Block<T>::Trace;
     const BlockConfig& cfg = block.config();
-    std::vector<std::pair<std::string, std::function<void(Trace&)>>> out{
+    std::vector<Tampering<Trace>> out{
         {"trace.norm_mix.rows()", [](Trace& t) { t.rows += 2; }},
         {"trace.rows", [](Trace& t) { t.batch = 4; }},
         {"trace.start", [](Trace& t) { t.start = -1; }},
@@ -505,29 +514,20 @@ TEMPLATE_TEST_CASE("traces: Block backward refuses a trace it did not make", "[t
             {"segment", [](BlockConfig& c) { c.segment = 3; }},
             {"norm_eps", [](BlockConfig& c) { c.norm_eps = 1e-5; }},
         };
-        for (const auto& v : variations) {
-            BlockConfig other = cfg;
-            v.change(other);
-            const titans::Block<T> made(other, BlockParams<T>::random(other, 7));
-            INFO("kind " << titans::to_string(kind) << ", setting " << v.name);
-            require_refused<ConfigError>(backward(block_trace(made, false, rng)), snap,
-                                         {"Block::backward", "trace", v.name});
-        }
-        for (const auto& [text, change] : block_tamperings<T>(kind, block, rng)) {
-            Trace t = later;
-            change(t);
-            INFO("kind " << titans::to_string(kind) << ", tampered: " << text);
-            require_refused<titans::Error>(backward(t), snap, {"Block::backward", text});
-        }
+        INFO("kind " << titans::to_string(kind));
+        const auto make_trace = [&](const BlockConfig& other) {
+            return block_trace(titans::Block<T>(other, BlockParams<T>::random(other, 7)), false,
+                               rng);
+        };
+        require_foreign_refused(cfg, variations, make_trace, backward, snap, "Block::backward");
+        require_tampered_refused<titans::Error>(later, block_tamperings<T>(kind, block, rng),
+                                                backward, snap, "Block::backward");
         if (kind == BlockKind::MAG || kind == BlockKind::MAL) {  // P's rows: not in the memory's
             Trace t = fresh;
             t.start = 2;
             require_refused<ShapeError>(backward(t), snap, {"trace.memory.rows()"});
         }
-        require_refused<ShapeError>(backward(Trace{}), snap, {"Block::backward: trace is empty"});
-        Trace moved = fresh, to = std::move(moved);
-        CHECK(moved.empty());
-        require_refused<ShapeError>(backward(moved), snap, {"Block::backward: trace is empty"});
+        const Trace to = fresh;
         BlockConfig deeper = cfg;
         deeper.memory.depth = 2;
         auto other_grads = BlockParams<T>::zeros(deeper);
@@ -604,15 +604,11 @@ TEMPLATE_TEST_CASE("traces: Model backward refuses a trace it did not make", "[t
         {"norm_eps", [](ModelConfig& c) { c.norm_eps = 1e-5; }},
         {"3 blocks", [](ModelConfig& c) { c.blocks.push_back(c.blocks[0]); }},
     };
-    for (const auto& v : variations) {
-        ModelConfig other = cfg;
-        v.change(other);
-        const titans::Model<T> made(other, ModelParams<T>::random(other, 7));
-        INFO("setting " << v.name);
-        require_refused<ConfigError>(backward(model_trace(made, rng)), snap,
-                                     {"Model::backward", "trace", v.name});
-    }
-    const std::vector<std::pair<const char*, std::function<void(Trace&)>>> tampered{
+    const auto make_trace = [&](const ModelConfig& other) {
+        return model_trace(titans::Model<T>(other, ModelParams<T>::random(other, 7)), rng);
+    };
+    require_foreign_refused(cfg, variations, make_trace, backward, snap, "Model::backward");
+    const std::vector<Tampering<Trace>> tampered{
         {"trace.ids[0] = 11", [](Trace& t) { t.ids[0] = 11; }},
         {"trace.ids[5] = -1", [](Trace& t) { t.ids[5] = -1; }},
         {"trace.ids.size()", [](Trace& t) { t.ids.pop_back(); }},
@@ -623,12 +619,8 @@ TEMPLATE_TEST_CASE("traces: Model backward refuses a trace it did not make", "[t
         {"(trace.norm_final): trace is empty", [](Trace& t) { t.norm_final = {}; }},
         {"trace.batch", [](Trace& t) { t.batch = 0; }},
     };
-    for (const auto& [text, change] : tampered) {
-        Trace t = trace;
-        change(t);
-        INFO("tampered: " << text);
-        require_refused<ShapeError>(backward(t), snap, {"Model::backward", text});
-    }
+    const Trace to =
+        require_tampered_refused<ShapeError>(trace, tampered, backward, snap, "Model::backward");
     {  // token ids in the trace of a model without a vocabulary
         ModelConfig vectors = cfg;
         vectors.vocab_size = 0;
@@ -641,10 +633,6 @@ TEMPLATE_TEST_CASE("traces: Model backward refuses a trace it did not make", "[t
         require_refused<ShapeError>([&] { plain.backward(t, dout, g, &dx); }, plain_snap,
                                     {"trace.ids.size()", "a model without a vocabulary"});
     }
-    require_refused<ShapeError>(backward(Trace{}), snap, {"Model::backward: trace is empty"});
-    Trace moved = trace, to = std::move(moved);
-    CHECK(moved.empty());
-    require_refused<ShapeError>(backward(moved), snap, {"Model::backward: trace is empty"});
     ModelConfig more = cfg;
     more.blocks.push_back(cfg.blocks[1]);
     ModelConfig deeper = cfg;

@@ -13,6 +13,7 @@
 // after t0 tokens, before going below t0.
 
 #include <cstddef>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -20,6 +21,7 @@
 #include "../attention/rope.hpp"
 #include "../detail/activation.hpp"
 #include "../detail/float_env.hpp"
+#include "../detail/trace.hpp"
 #include "block.hpp"
 #include "mac_trace.hpp"
 

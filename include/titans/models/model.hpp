@@ -391,8 +391,9 @@ public:
     /// dx of one call over their concatenation (truncated backpropagation through time: stop
     /// passing them).
     ///
-    /// Throws ShapeError (empty trace, shapes, d_state_out's block count), ConfigError
-    /// (another model's trace, a state-gradient part a block's kind lacks), NonFiniteError (dout,
+    /// Throws ShapeError (empty or moved-from trace, one whose sizes or token ids are not its
+    /// forward's, shapes, d_state_out's block count), ConfigError (a trace of a model of another
+    /// configuration, a state-gradient part a block's kind lacks), NonFiniteError (dout,
     /// d_state_out or grads, or gradients that overflow); nothing changes then.
     void backward(const Trace& trace, const MatrixRef<T>& dout, ModelParams<T>& grads,
                   Matrix<T>* dx = nullptr, ModelStateGradient<T>* d_state_in = nullptr,

@@ -15,6 +15,7 @@
 
 #include "../../attention/kernel_backward.hpp"
 #include "../../attention/state_gradient.hpp"
+#include "../../detail/trace.hpp"
 #include "attention_kernels.hpp"
 #include "../../attention/kernels_decl.hpp"
 

@@ -19,6 +19,7 @@
 
 #include "../../detail/activation.hpp"
 #include "../../detail/float_env.hpp"
+#include "../../detail/trace.hpp"
 #include "../../memory/chunk_coefficients.hpp"
 #include "../../memory/chunk_coefficients_backward.hpp"
 #include "../../memory/key_tape.hpp"

@@ -27,6 +27,7 @@
 #include "../../attention/attention_row.hpp"
 #include "../../attention/attention_row_backward.hpp"
 #include "../../attention/state_gradient.hpp"
+#include "../../detail/trace.hpp"
 #include "attention_kernels.cuh"
 #include "../../attention/kernels_decl.hpp"
 

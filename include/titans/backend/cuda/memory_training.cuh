@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "../../detail/activation.hpp"
+#include "../../detail/trace.hpp"
 #include "../../memory/chunk_coefficients.hpp"
 #include "../../memory/chunk_coefficients_backward.hpp"
 #include "../../memory/state_gradient.hpp"
