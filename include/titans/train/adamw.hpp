@@ -159,14 +159,18 @@ public:
         check(ps, gs);
         check_result(ps, gs, f);
         // Every check passed: the non-const visit resizes nothing now (the structure fits cfg).
+        // What may throw (allocations) comes before the first write.
         const auto out = detail::tensor_slots(params, cfg);
+        std::map<std::string, Moments> added;  // a fresh optimiser's zero moments
+        for (const auto& s : out) {
+            if (!moments_.contains(s.name)) {
+                added[s.name] = {Matrix<T>::Zero(s.rows, s.cols), Matrix<T>::Zero(s.rows, s.cols)};
+            }
+        }
+        moments_.merge(added);
         for (std::size_t i = 0; i < out.size(); ++i) {
             const auto& s = out[i];
-            Moments& mo = moments_[s.name];
-            if (mo.m.size() == 0) {
-                mo.m = Matrix<T>::Zero(s.rows, s.cols);
-                mo.v = Matrix<T>::Zero(s.rows, s.cols);
-            }
+            Moments& mo = moments_.find(s.name)->second;
             const Eigen::Index n = s.size();
             update(f, shrinks(s), In(s.data, n), In(gs[i].data, n), In(mo.m.data(), n),
                    In(mo.v.data(), n), Out(s.data, n), Out(mo.m.data(), n), Out(mo.v.data(), n));
@@ -286,7 +290,7 @@ private:
         const A zero = A::Zero(chunk);
         for (std::size_t i = 0; i < ps.size(); ++i) {
             const auto it = moments_.find(ps[i].name);
-            const bool has = it != moments_.end() && it->second.m.size() != 0;
+            const bool has = it != moments_.end();
             for (Eigen::Index at = 0; at < ps[i].size(); at += chunk) {
                 const Eigen::Index n = std::min(chunk, ps[i].size() - at);
                 update(f, shrinks(ps[i]), In(ps[i].data + at, n), In(gs[i].data + at, n),
