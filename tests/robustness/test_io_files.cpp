@@ -8,6 +8,7 @@
 
 #include <titans/io/checkpoint.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <ctime>
 #include <cstdint>
@@ -17,6 +18,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #if defined(__unix__) || defined(__APPLE__)
@@ -230,46 +232,82 @@ TEST_CASE("io files: load dir or /dev/null", "[io]") {
 }
 
 #if defined(TITANS_TEST_POSIX)
+namespace {
+
+/// What load() throws (its FileError's message, "other exception: ..." or "no exception"),
+/// run on another thread so that a regression that blocks on the FIFO (in open() without a
+/// writer, in read() with a live one) fails here instead of hanging the test binary: after 5 s
+/// the reader is unblocked (a write end opened and closed completes a blocked open; closing
+/// `writer`, the live write end if any, ends a blocked read) and the test fails. A load that
+/// returns must return at once.
+template <class Load>
+std::string load_fifo_within(const fs::path& fifo, int& writer, Load load) {
+    const auto t0 = std::chrono::steady_clock::now();
+    auto done = std::async(std::launch::async, [&]() -> std::string {
+        try {
+            load();
+        } catch (const titans::FileError& e) {
+            return e.what();
+        } catch (const std::exception& e) {
+            return std::string("other exception: ") + e.what();
+        }
+        return "no exception";
+    });
+    if (done.wait_for(std::chrono::seconds(5)) != std::future_status::ready) {
+        const int w = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK);
+        if (w >= 0) ::close(w);
+        if (writer >= 0) ::close(std::exchange(writer, -1));
+        (void)done.wait_for(std::chrono::seconds(5));
+        FAIL("reading a FIFO blocked");
+    }
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    CHECK(seconds < 4.0);  // at once: a blocked open or read would wait for the writer forever
+    return done.get();
+}
+
+/// Each loader of titans::io on `fifo` refuses it as a FIFO.
+void check_fifo_refused(const fs::path& fifo, int& writer) {
+    const NeuralMemory<float> mem(io_small_memory, MemoryParams<float>::random(io_small_memory, 1));
+    const std::string what = "it is a FIFO, expected a regular file";
+    std::string msg = load_fifo_within(fifo, writer, [&] { (void)io::SafetensorsFile::read(fifo); });
+    CHECK_THAT(msg, TITANS_CONTAINS(what) && TITANS_CONTAINS(fifo.string()));
+    msg = load_fifo_within(fifo, writer, [&] { (void)io::load_checkpoint(fifo, mem); });
+    CHECK_THAT(msg, TITANS_CONTAINS(what));
+    msg = load_fifo_within(
+        fifo, writer, [&] { (void)io::load_parameters<MemoryParams<float>>(fifo, io_small_memory); });
+    CHECK_THAT(msg, TITANS_CONTAINS(what));
+}
+
+}  // namespace
+
 // io files: loading a FIFO fails at once
 TEST_CASE("io files: load FIFO fails at once", "[io]") {
     TempDir dir("fifo");
     const fs::path fifo = dir / "pipe.safetensors";
     REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
-    const NeuralMemory<float> mem(io_small_memory, MemoryParams<float>::random(io_small_memory, 1));
-    // Each load runs on another thread: a regression that blocks in open() (a FIFO without a
-    // writer) fails here instead of hanging the test binary.
-    auto load_within = [&](auto load) {
-        const auto t0 = std::chrono::steady_clock::now();
-        auto done = std::async(std::launch::async, [&]() -> std::string {
-            try {
-                load();
-            } catch (const titans::FileError& e) {
-                return e.what();
-            } catch (const std::exception& e) {
-                return std::string("other exception: ") + e.what();
-            }
-            return "no exception";
-        });
-        if (done.wait_for(std::chrono::seconds(5)) != std::future_status::ready) {
-            // Unblock the reader (opening the write end completes its open), then fail.
-            const int w = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK);
-            if (w >= 0) ::close(w);
-            (void)done.wait_for(std::chrono::seconds(5));
-            FAIL("reading a FIFO blocked");
-        }
-        const double seconds =
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        CHECK(seconds < 4.0);  // at once: a blocked open would wait for a writer forever
-        return done.get();
-    };
-    const std::string what = "it is a FIFO, expected a regular file";
-    std::string msg = load_within([&] { (void)io::SafetensorsFile::read(fifo); });
-    CHECK_THAT(msg, TITANS_CONTAINS(what) && TITANS_CONTAINS(fifo.string()));
-    msg = load_within([&] { (void)io::load_checkpoint(fifo, mem); });
-    CHECK_THAT(msg, TITANS_CONTAINS(what));
-    msg = load_within(
-        [&] { (void)io::load_parameters<MemoryParams<float>>(fifo, io_small_memory); });
-    CHECK_THAT(msg, TITANS_CONTAINS(what));
+    int no_writer = -1;
+    check_fifo_refused(fifo, no_writer);
+}
+
+// io files: a FIFO with a live writer (a checkpoint streamed into a pipe by another thread or
+// process) is refused at once too: opening it would not block, but reading would wait for the
+// writer to finish, forever if it never does.
+TEST_CASE("io files: FIFO with a live writer", "[io]") {
+    TempDir dir("fifo_writer");
+    const fs::path fifo = dir / "stream.safetensors";
+    REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+    // The write end, held open by this process (O_RDWR opens a FIFO without waiting for a
+    // reader), with the start of a checkpoint written: its 8-byte header length and more.
+    int writer = ::open(fifo.c_str(), O_RDWR | O_NONBLOCK);
+    REQUIRE(writer >= 0);
+    const fs::path file = dir / "real.safetensors";
+    io::save_parameters(file, io_small_memory, MemoryParams<float>::random(io_small_memory, 2));
+    const auto bytes = io::detail::read_regular_file(file);
+    const std::size_t part = std::min<std::size_t>(bytes.size() / 2, 4096);
+    REQUIRE(::write(writer, bytes.data(), part) == static_cast<::ssize_t>(part));
+    check_fifo_refused(fifo, writer);
+    if (writer >= 0) ::close(writer);
 }
 #endif
 

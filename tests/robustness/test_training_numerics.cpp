@@ -193,3 +193,47 @@ TEMPLATE_LIST_TEST_CASE("numerics: norm huge dy", "[numerics][backward]", Both) 
     }
     CHECK(double(numerics_row_error(dw, ref.dw, 0, 0.0L)) <= tol<T>());
 }
+
+// The memory's q / k L2 normalisation on inputs whose heads' sums of squares overflow T: with
+// no learning (theta = 0) and the identity for phi, the output depends on x only through the
+// normalised queries, so x and x 2^k (k up to 110 in float, 1000 in double) give the same
+// output, and (training, where the backend has it) dx scaled by 2^-k and the same W_Q
+// gradient. Before, such heads were divided by an infinite norm: zero queries, zero gradients.
+TEMPLATE_LIST_TEST_CASE("numerics: memory qk norm", "[numerics][memory]", Both) {
+    using T = typename TestType::Scalar;
+    using B = typename TestType::Backend;
+    const bool f = std::is_same_v<T, float>;
+    const bool conv = GENERATE(false, true);
+    Rng rng(seed_for("numerics memory qk norm", conv));
+    MemoryConfig cfg{.d_model = 8, .n_heads = 2, .depth = 2, .chunk = 4};
+    cfg.gates = GateMode::Constant;
+    cfg.constant_theta = 0.0;
+    cfg.qkv_activation = Activation::Identity;
+    cfg.use_conv = conv;
+    cfg.max_grad_norm = 0;  // the clipping norm's own overflow is another matter
+    const NeuralMemory<T, B> mem(cfg, MemoryParams<T>::random(cfg, rng()));
+    const Matrix<T> x = random_matrix(8, cfg.d_model, rng).template cast<T>();
+    const Matrix<T> dy = random_matrix(8, cfg.d_model, rng).template cast<T>();
+    auto state = mem.make_state(1);
+    const Matrix<T> y = mem.forward(state, x);
+    for (int k : f ? std::vector<int>{70, 110} : std::vector<int>{600, 1000}) {
+        INFO("x 2^" << k << " conv " << conv << " " << type_name<T>());
+        const Matrix<T> xs = x.unaryExpr([k](T v) { return std::ldexp(v, k); });
+        auto st = mem.make_state(1);
+        CHECK(rel_error(mem.forward(st, xs), y) <= tol<T>());
+        if constexpr (titans::backend::MemoryTraining<B, T>::available) {
+            typename NeuralMemory<T, B>::Trace t1, t2;
+            Matrix<T> y1, y2, dx1, dx2;
+            auto s1 = mem.make_state(1), s2 = mem.make_state(1);
+            mem.forward(s1, x, y1, t1);
+            mem.forward(s2, xs, y2, t2);
+            auto g1 = MemoryParams<T>::zeros(cfg), g2 = g1;
+            mem.backward(t1, dy, dx1, g1);
+            mem.backward(t2, dy, dx2, g2);
+            const Matrix<T> dx2_back = dx2.unaryExpr([k](T v) { return std::ldexp(v, k); });
+            CHECK(rel_error(dx2_back, dx1) <= tol<T>());
+            CHECK(rel_error(g2.w_q, g1.w_q) <= tol<T>());
+            CHECK(g1.w_q.cwiseAbs().maxCoeff() > T(0));
+        }
+    }
+}

@@ -7,6 +7,7 @@
 #include "../activation.hpp"
 #include "../types.hpp"
 #include "activation.hpp"
+#include "norm_scale.hpp"
 
 namespace titans::detail {
 
@@ -76,7 +77,8 @@ void activate_and_grad(Activation act, Z&& z, Out&& out, Tmp&& tmp) {
 }
 
 /// n(z) = z / max(||z||, 1e-12) for every head slice [h*d_h, (h+1)*d_h) of every row of m
-/// (rows x heads*d_h).
+/// (rows x heads*d_h). Right for every finite z: one whose sum of squares overflows is divided
+/// scaled by 2^-e (norm_parts).
 template <class M>
 void l2_normalize_heads(M&& m, int heads, int d_head) {
     using T = typename std::decay_t<M>::Scalar;
@@ -86,7 +88,12 @@ void l2_normalize_heads(M&& m, int heads, int d_head) {
     for (Eigen::Index r = 0; r < m.rows(); ++r) {
         for (int h = 0; h < heads; ++h) {
             auto seg = m.row(r).segment(static_cast<Eigen::Index>(h) * d_head, d_head);
-            seg /= std::max(seg.norm(), T(1e-12));
+            const auto [n, e] = norm_parts(seg);
+            if (e == 0) {
+                seg /= std::max(n, T(1e-12));
+            } else {
+                seg = seg.unaryExpr([e = e](T v) { return scale_down(v, e); }) / n;
+            }
         }
     }
 }

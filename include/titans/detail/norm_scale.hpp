@@ -1,6 +1,6 @@
 #pragma once
-// titans/detail/norm_scale.hpp: sums of squares that cannot overflow, for the norms of math §7
-// (RMSNorm, the memory's q / k L2 normalisation) on every backend.
+// titans/detail/norm_scale.hpp: sums of squares that cannot overflow, for the norms of math §1
+// and §7 (RMSNorm, the memory's q / k L2 normalisation) on every backend.
 //
 // A row whose plain sum of squares overflows T (finite entries above ~sqrt(max / d)) is taken
 // again scaled by 2^-e, e the exponent of its largest magnitude: the scaling is exact (a power
@@ -63,6 +63,38 @@ std::pair<typename Row::Scalar, int> scaled_squared_norm(const Row& x) {
         ss += z * z;
     }
     return {ss, e};
+}
+
+/// norm_parts (below) of the d contiguous entries at x, summed in order, for device code (the
+/// CUDA training pass's q / k norms): returns n and sets e.
+template <class T>
+TITANS_HOST_DEVICE T row_norm_parts(const T* x, long long d, int& e) {
+    T ss = T(0);
+    for (long long j = 0; j < d; ++j) ss += x[j] * x[j];
+    e = 0;
+    if (ss <= largest_finite<T>()) return std::sqrt(ss);
+    T amax = T(0);
+    for (long long j = 0; j < d; ++j) amax = std::fabs(x[j]) > amax ? std::fabs(x[j]) : amax;
+    e = scale_exponent(amax);
+    ss = T(0);
+    for (long long j = 0; j < d; ++j) {
+        const T z = scale_down(x[j], e);
+        ss += z * z;
+    }
+    return std::sqrt(ss);
+}
+
+/// ||x|| of a row x with finite entries, as n 2^e: the plain sqrt(Σ x_j^2) with e = 0 where
+/// that sum is finite (so such rows keep their bits), else sqrt(Σ (x_j 2^-e)^2) with e > 0 the
+/// scale exponent (the sum overflowed, so max |x_j| >= 2^56 and e >= 56): x / ||x|| is then
+/// (x 2^-e) / n, and n is never below 1.
+template <class Row>
+std::pair<typename Row::Scalar, int> norm_parts(const Row& x) {
+    using T = typename Row::Scalar;
+    const T ss = x.squaredNorm();
+    if (ss <= largest_finite<T>()) return {std::sqrt(ss), 0};
+    const auto [scaled_ss, e] = scaled_squared_norm(x);
+    return {std::sqrt(scaled_ss), e};
 }
 
 }  // namespace titans::detail

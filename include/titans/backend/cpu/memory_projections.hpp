@@ -235,7 +235,9 @@ struct MemoryProjections {
 
 private:
     /// y = s / max(||s||, 1e-12) per q and k head (the q heads only when d holds D columns):
-    /// ds = (dy - y (y . dy)) / ||s||, or dy / 1e-12 below the floor. d's row r is row r0 + r.
+    /// ds = (dy - y (y . dy)) / ||s||, or dy / 1e-12 below the floor; with ||s|| = n 2^e
+    /// (detail::norm_parts, e > 0 where s's sum of squares overflows) the division is scaled
+    /// the same way. d's row r is row r0 + r.
     template <class Rows>
     void normalize_backward(const MemoryConfig& cfg, Rows&& d, Eigen::Index r0) const {
         const int dh = cfg.head_dim();
@@ -245,8 +247,12 @@ private:
                 const Eigen::Index c0 = static_cast<Eigen::Index>(h) * dh;
                 auto dy = d.row(r).segment(c0, dh);
                 const auto y = qkv.row(r0 + r).segment(c0, dh);
-                const T norm = pre.row(r0 + r).segment(c0, dh).norm();
-                if (norm > T(1e-12)) {
+                const auto [norm, e] = detail::norm_parts(pre.row(r0 + r).segment(c0, dh));
+                if (e > 0) {
+                    const T dot = y.dot(dy);
+                    dy = (dy - dot * y).unaryExpr([e = e](T v) { return detail::scale_down(v, e); }) /
+                         norm;
+                } else if (norm > T(1e-12)) {
                     const T dot = y.dot(dy);
                     dy = (dy - dot * y) / norm;
                 } else {

@@ -7,6 +7,7 @@
 
 #include "../../config.hpp"
 #include "../../detail/activation.hpp"
+#include "../../detail/norm_scale.hpp"
 #include "../../limits.hpp"
 #include "../../memory/config.hpp"
 #include "launch.cuh"
@@ -53,8 +54,28 @@ __global__ void conv_rows_kernel(const T* u, const T* taps, const T* tail, T* q,
     }
 }
 
+/// Warp sum (every lane gets it).
+template <class T>
+__device__ T warp_sum(T x) {
+    for (int o = 16; o > 0; o >>= 1) {
+        x += __shfl_xor_sync(0xffffffffu, x, o);
+    }
+    return x;
+}
+
+/// Warp maximum (every lane gets it).
+template <class T>
+__device__ T warp_max(T x) {
+    for (int o = 16; o > 0; o >>= 1) {
+        const T y = __shfl_xor_sync(0xffffffffu, x, o);
+        x = y > x ? y : x;
+    }
+    return x;
+}
+
 /// Rows of d_h entries (`rows` of a, then `rows` of b when b is given) divided by their L2
-/// norm, at least 1e-12. One warp per row.
+/// norm, at least 1e-12. One warp per row. A row whose sum of squares overflows is divided
+/// scaled by 2^-e (detail/norm_scale.hpp), as on the CPU.
 template <class T>
 __global__ void l2_rows_kernel(T* a, T* b, long long rows, int dh) {
     const long long w = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
@@ -67,22 +88,28 @@ __global__ void l2_rows_kernel(T* a, T* b, long long rows, int dh) {
     for (int j = lane; j < dh; j += 32) {
         ss += row[j] * row[j];
     }
-    for (int o = 16; o > 0; o >>= 1) {
-        ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    ss = warp_sum(ss);
+    if (ss <= detail::largest_finite<T>()) {
+        const T nrm = sqrt(ss) > T(1e-12) ? sqrt(ss) : T(1e-12);
+        for (int j = lane; j < dh; j += 32) {
+            row[j] /= nrm;
+        }
+        return;
     }
-    const T nrm = sqrt(ss) > T(1e-12) ? sqrt(ss) : T(1e-12);
+    T amax = T(0);
     for (int j = lane; j < dh; j += 32) {
-        row[j] /= nrm;
+        amax = fabs(row[j]) > amax ? fabs(row[j]) : amax;
     }
-}
-
-/// Warp sum (every lane gets it).
-template <class T>
-__device__ T warp_sum(T x) {
-    for (int o = 16; o > 0; o >>= 1) {
-        x += __shfl_xor_sync(0xffffffffu, x, o);
+    const int e = detail::scale_exponent(warp_max(amax));
+    T scaled = T(0);
+    for (int j = lane; j < dh; j += 32) {
+        const T z = detail::scale_down(row[j], e);
+        scaled += z * z;
     }
-    return x;
+    const T nrm = sqrt(warp_sum(scaled));
+    for (int j = lane; j < dh; j += 32) {
+        row[j] = detail::scale_down(row[j], e) / nrm;
+    }
 }
 
 /// theta, eta, alpha of pending rows [0, n) of every pair into coef (rows 0..2, CS apart per

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "../../detail/activation.hpp"
+#include "../../detail/norm_scale.hpp"
 #include "../../detail/trace.hpp"
 #include "../../memory/chunk_coefficients.hpp"
 #include "../../memory/chunk_coefficients_backward.hpp"
@@ -293,7 +294,7 @@ struct MemoryTraining<Cuda, T> {
         const T* taps = prm.taps.data();
         // 1. The projections' stages: c (conv), pre = phi(c), qkv (norm), norms of pre's heads.
         Buf cb(static_cast<std::size_t>(M * C3)), preb(static_cast<std::size_t>(M * C3)),
-            qkvb(static_cast<std::size_t>(M * C3)), nb(static_cast<std::size_t>(M * 2 * H));
+            qkvb(static_cast<std::size_t>(M * C3)), nb(static_cast<std::size_t>(M * 4 * H));
         T* cc = cb.data();
         T* pre = preb.data();
         T* qkv = qkvb.data();
@@ -313,21 +314,22 @@ struct MemoryTraining<Cuda, T> {
             cc[i] = v;
             pre[i] = silu ? detail::silu(v) : v;
         });
+        // Each head's norm as n 2^e (detail::row_norm_parts; e > 0 where the sum of squares
+        // overflows): nrm[2 k] = n, nrm[2 k + 1] = e.
         cuda::each(sm, M * 2 * H, [=] __device__(unsigned i) {
             const long long r = i / cuda::u32(2 * H), h = i % cuda::u32(2 * H);
-            T ss = T(0);
-            for (long long j = 0; j < dh; ++j) {
-                const T v = pre[r * C3 + h * dh + j];
-                ss += v * v;
-            }
-            nrm[i] = sqrt(ss);
+            int e = 0;
+            nrm[2 * i] = detail::row_norm_parts(pre + r * C3 + h * dh, dh, e);
+            nrm[2 * i + 1] = static_cast<T>(e);
         });
         cuda::each(sm, M * C3, [=] __device__(unsigned i) {
             const long long r = i / cuda::u32(C3), j = i % cuda::u32(C3);
             T v = pre[i];
             if (norm && j < 2 * D) {
-                const T n0 = nrm[r * 2 * H + j / dh];
-                v /= n0 > T(1e-12) ? n0 : T(1e-12);
+                const long long k = r * 2 * H + j / dh;
+                const T n0 = nrm[2 * k];
+                const int e = static_cast<int>(nrm[2 * k + 1]);
+                v = e > 0 ? detail::scale_down(v, e) / n0 : v / (n0 > T(1e-12) ? n0 : T(1e-12));
             }
             qkv[i] = v;
         });
@@ -899,11 +901,14 @@ struct MemoryTraining<Cuda, T> {
                 T* dd = dq + r * C3 + h * dh;
                 if (norm) {
                     const T* y = qkv + r * C3 + h * dh;
-                    const T n0 = nrm[i];
-                    if (n0 > T(1e-12)) {
+                    const T n0 = nrm[2 * i];
+                    const int e = static_cast<int>(nrm[2 * i + 1]);
+                    if (e > 0 || n0 > T(1e-12)) {
                         T dot = T(0);
                         for (long long j = 0; j < dh; ++j) dot += y[j] * dd[j];
-                        for (long long j = 0; j < dh; ++j) dd[j] = (dd[j] - dot * y[j]) / n0;
+                        for (long long j = 0; j < dh; ++j) {
+                            dd[j] = detail::scale_down(dd[j] - dot * y[j], e) / n0;
+                        }
                     } else {
                         for (long long j = 0; j < dh; ++j) dd[j] /= T(1e-12);
                     }
