@@ -86,6 +86,17 @@ struct TrainerProgress {
                                          "a finite value >= 0");
         }
     }
+
+    /// Serialization hook: v(name, field) for data_position, loss, gradient_norm,
+    /// learning_rate.
+    template <class Self, class V>
+    static void fields(Self& self, V&& v) {
+        static_assert(std::is_same_v<std::remove_const_t<Self>, TrainerProgress>);
+        v(std::string("data_position"), self.data_position);
+        v(std::string("loss"), self.loss);
+        v(std::string("gradient_norm"), self.gradient_norm);
+        v(std::string("learning_rate"), self.learning_rate);
+    }
 };
 
 /// Trains a Model on token ids (math §9). Each step():
