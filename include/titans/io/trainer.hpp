@@ -14,6 +14,7 @@
 
 #include "../train/trainer.hpp"
 #include "config_text.hpp"
+#include "metadata.hpp"
 #include "optimizer.hpp"
 #include "parameters.hpp"
 #include "safetensors.hpp"
@@ -113,46 +114,25 @@ template <class T, class B>
     return w;
 }
 
-/// The metadata value `key` of f (FormatError if absent).
-inline std::string trainer_meta(const SafetensorsFile& f, const char* key) {
-    const auto it = f.metadata().find(key);
-    if (it == f.metadata().end()) {
-        throw FormatError("titans::io: " + f.source() + ": __metadata__ has no \"" + key + "\"");
-    }
-    return it->second;
-}
-
 /// load_trainer's checks of the trainer file against the caller's model configuration and
 /// scalar type: format, dtype (ConfigError), configuration (ConfigError naming the first
 /// difference), config_hash.
 template <class T>
 void check_trainer_file(const SafetensorsFile& f, const ModelConfig& mc) {
     check_format(f, "titans.trainer", /*required=*/true);
-    const std::string& src = f.source();
-    if (const std::string d = trainer_meta(f, "dtype"); d != to_string(dtype_of<T>())) {
-        throw ConfigError("titans::io: " + src + ": trainer dtype " + d + ", expected " +
+    if (const std::string d = metadata_value(f, "dtype"); d != to_string(dtype_of<T>())) {
+        throw ConfigError("titans::io: " + f.source() + ": trainer dtype " + d + ", expected " +
                           to_string(dtype_of<T>()) + " (a trainer resumes only at the precision "
                           "it was saved in)");
     }
-    const std::string recorded = trainer_meta(f, "config");
-    if (recorded != config_text(mc)) {
-        throw ConfigError("titans::io: " + src + ": model configuration differs: " +
-                          config_difference(recorded, config_text(mc), "the trainer file",
-                                            "model_config"));
-    }
-    Fnv1a h;
-    h.update(recorded);
-    if (trainer_meta(f, "config_hash") != h.hex()) {
-        throw FormatError("titans::io: " + src + ": config_hash does not match the recorded "
-                          "configuration (corrupt metadata)");
-    }
+    check_recorded_config(f, config_text(mc), "model", "the trainer file", "model_config");
 }
 
 /// FormatError unless `actual` equals the trainer file's metadata `key`: `file` is not the
 /// one the trainer file was saved with.
 inline void require_same_save(const SafetensorsFile& f, const char* key, const std::string& actual,
                               const std::filesystem::path& file) {
-    if (trainer_meta(f, key) != actual) {
+    if (metadata_value(f, key) != actual) {
         throw FormatError("titans::io: " + file.string() + " is not the file " + f.source() +
                           " was saved with (" + key + " differs: files of different saves, or a "
                           "save that did not finish)");
