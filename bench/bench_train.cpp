@@ -11,6 +11,16 @@
 //                       state.
 //   BM_ModelTrainStep   its training forward + backward (dout given). GFLOPS from
 //                       Model::work_estimate (2 flops per multiply-add; the step 3x).
+//   BM_RebuildStep      a whole optimiser step of that model with a vocabulary of 512 (token
+//                       ids in, logits out) written by hand as examples/06 did before the
+//                       Trainer: the Model rebuilt from the parameters, a fresh state, the
+//                       training forward, cross-entropy, backward, clipping, AdamW.
+//   BM_TrainerStep      the same step by titans::Trainer (the model takes the parameters in
+//                       place: Model::set_parameters). Same arithmetic, bit for bit: the ratio
+//                       of the two times is the cost or gain of the Trainer's bookkeeping.
+//   BM_ModelRebuild     the rebuild alone (Model from a copy of the parameters) and
+//   BM_SetParameters    Model::set_parameters alone (the values swapped in, MAC's and MAG's
+//                       derived data made again), for that model.
 //
 // Headline: float, d = 512, H = 8, d_h = 64, L = 2, e = 4, b = 64, B = 1, N = 2048, lagged
 // retrieval, data-dependent gates, conv on (the headline of bench_memory); and in-chunk
@@ -27,10 +37,12 @@
 #include <benchmark/benchmark.h>
 
 #include <titans/titans.hpp>
+#include <titans/train/trainer.hpp>
 
 #include "bench_common.hpp"
 #include "memory_flops.hpp"
 
+#include <cmath>
 #include <utility>
 #include <vector>
 
@@ -144,6 +156,78 @@ void run_model(benchmark::State& state, bool train) {
     set_counters(state, N, (train ? 3.0 : 1.0) * 2.0 * model.work_estimate(N));
 }
 
+/// The headline model with a vocabulary (token ids in), its parameters (the forget-gate bias
+/// as above) and one step's data: N random ids, each labelled with the next.
+struct StepCase {
+    titans::ModelConfig cfg = model_config();
+    titans::ModelParams<float> params;
+    std::vector<int> ids, labels;
+    explicit StepCase(long N) {
+        cfg.vocab_size = 512;
+        params = titans::ModelParams<float>::random(cfg, 1);
+        for (auto& b : params.blocks) b.memory.b_alpha.setConstant(-8.0f);
+        for (long i = 0; i <= N; ++i) ids.push_back(static_cast<int>((i * 7919) % 512));
+        labels.assign(ids.begin() + 1, ids.end());
+        ids.pop_back();
+    }
+};
+
+const titans::TrainerConfig step_settings{.schedule = {.peak = 1e-4}, .clip_norm = 1.0};
+
+void BM_RebuildStep(benchmark::State& state) {
+    StepCase c(state.range(0));
+    titans::AdamW<float> opt(step_settings.adamw);
+    double loss = 0;
+    for (auto _ : state) {
+        const titans::Model<float> m(c.cfg, c.params);
+        auto st = m.make_state(1);
+        titans::Model<float>::Trace trace;
+        Matrixf logits, dlogits;
+        m.forward_tokens(st, c.ids, logits, trace);
+        loss = titans::cross_entropy_loss<float>(logits, c.labels, dlogits);
+        auto g = titans::ModelParams<float>::zeros(c.cfg);
+        m.backward(trace, dlogits, g);
+        titans::clip_gradient_norm(g, c.cfg, step_settings.clip_norm);
+        opt.step(c.params, g, c.cfg, step_settings.schedule(opt.steps() + 1));
+    }
+    if (!std::isfinite(loss)) state.SkipWithError("non-finite loss");
+    set_counters(state, state.range(0), 3.0 * 2.0 * titans::Model<float>(c.cfg, c.params)
+                                                     .work_estimate(state.range(0)));
+}
+
+void BM_TrainerStep(benchmark::State& state) {
+    StepCase c(state.range(0));
+    titans::Trainer<float> trainer(c.cfg, c.params, step_settings);
+    double loss = 0;
+    for (auto _ : state) {
+        loss = trainer.step(c.ids, c.labels, 1);
+    }
+    if (!std::isfinite(loss)) state.SkipWithError("non-finite loss");
+    set_counters(state, state.range(0), 3.0 * 2.0 * trainer.model().work_estimate(state.range(0)));
+}
+
+void BM_ModelRebuild(benchmark::State& state) {
+    const StepCase c(1);
+    for (auto _ : state) {
+        const titans::Model<float> m(c.cfg, c.params);
+        benchmark::DoNotOptimize(&m);
+    }
+}
+
+void BM_SetParameters(benchmark::State& state) {
+    const StepCase c(1);
+    titans::Model<float> model(c.cfg, c.params);
+    for (auto _ : state) {
+        state.PauseTiming();
+        titans::ModelParams<float> next = c.params;
+        state.ResumeTiming();
+        model.set_parameters(std::move(next));
+        state.PauseTiming();
+        next = titans::ModelParams<float>{};  // the old values freed outside the timing
+        state.ResumeTiming();
+    }
+}
+
 void BM_MemoryForward(benchmark::State& state) { run(state, false); }
 void BM_ModelForward(benchmark::State& state) { run_model(state, false); }
 void BM_ModelTrainStep(benchmark::State& state) { run_model(state, true); }
@@ -163,5 +247,9 @@ BENCHMARK(BM_MemoryForward)->Apply(args)->Unit(benchmark::kMillisecond)->UseReal
 BENCHMARK(BM_MemoryTrainStep)->Apply(args)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_ModelForward)->ArgName("N")->Arg(1024)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_ModelTrainStep)->ArgName("N")->Arg(1024)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_RebuildStep)->ArgName("N")->Arg(1024)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_TrainerStep)->ArgName("N")->Arg(1024)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_ModelRebuild)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_SetParameters)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 int main(int argc, char** argv) { return titans_bench::run(argc, argv); }

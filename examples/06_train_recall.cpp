@@ -8,17 +8,19 @@
 //
 // Models, trained with the same steps, data, optimiser (AdamW, warm-up + cosine, global
 // clipping) and about the same parameter count: SWA (sliding-window attention blocks with a
-// feed-forward, no memory; composed here from the library's layers), and Titans models of two
-// LMM, MAC, MAG or MAL blocks (titans::Model; MAC's segment is the window).
+// feed-forward, no memory; composed here from the library's layers, with its own training
+// step), and Titans models of two LMM, MAC, MAG or MAL blocks (titans::Model, trained by
+// titans::Trainer; MAC's segment is the window).
 //
 // Output: progress lines (step, loss, tokens/s, ETA); DIR/train_recall.svg, the loss curves;
 // a table of query accuracy by distance (inside the window, 2x, 8x, 32x the window); a table
 // by evaluation length (a long distractor stream, then pairs asked inside the window: does a
-// model stay sound over streams up to 16x the training length?); the Titans models saved
-// (titans::io), reloaded and evaluated again, identically.
+// model stay sound over streams up to 16x the training length?); the Titans trainers saved
+// (titans::io::save_trainer: parameters, optimiser, progress), reloaded and evaluated again,
+// identically.
 // --quick: a tiny run for CI (seconds; the numbers mean nothing then).
 
-#include <titans/io/parameters.hpp>
+#include <titans/io/trainer.hpp>
 #include <titans/titans.hpp>
 
 #include <algorithm>
@@ -271,55 +273,32 @@ private:
 struct Learner {
     std::string name;
     std::int64_t n_params = 0;
-    std::function<double(const Batch&, int, double)> step;          // batch, B, lr -> loss
+    std::function<double(const Batch&, int)> step;                  // batch, B -> loss
     std::function<Matrixf(const std::vector<int>&, int)> infer;      // ids, B -> logits
     std::vector<double> losses;
 };
 
-template <class Params, class Config>
-double adamw_step(titans::AdamW<float>& opt, Params& p, Params& g, const Config& cfg, double lr) {
-    titans::clip_gradient_norm(g, cfg, 1.0);
-    opt.step(p, g, cfg, lr);
-    return lr;
+/// Logits of a Titans model over B fresh sequences.
+Matrixf titans_infer(const titans::Model<float>& m, const std::vector<int>& ids, int B) {
+    auto st = m.make_state(B);
+    return m.forward_tokens(st, ids);
 }
-
-struct TitansModel {
-    titans::ModelConfig cfg;
-    titans::ModelParams<float> params;
-    titans::AdamW<float> opt;
-
-    double step(const Batch& b, int B, double lr) {
-        titans::Model<float> m(cfg, params);
-        auto st = m.make_state(B);
-        titans::Model<float>::Trace trace;
-        Matrixf logits, dlogits;
-        m.forward_tokens(st, b.ids, logits, trace);
-        const double loss = titans::cross_entropy_loss<float>(logits, b.labels, dlogits);
-        auto g = titans::ModelParams<float>::zeros(cfg);
-        m.backward(trace, dlogits, g);
-        adamw_step(opt, params, g, cfg, lr);
-        return loss;
-    }
-    Matrixf infer(const std::vector<int>& ids, int B) const {
-        titans::Model<float> m(cfg, params);
-        auto st = m.make_state(B);
-        return m.forward_tokens(st, ids);
-    }
-};
 
 struct SwaModel {
     SwaConfig cfg;
     SwaParams params;
     titans::AdamW<float> opt;
+    titans::WarmupCosine schedule;
 
-    double step(const Batch& b, int B, double lr) {
+    double step(const Batch& b, int B) {
         SwaNet net(cfg, params);
         const Matrixf logits = net.forward(b.ids, B);
         Matrixf dlogits;
         const double loss = titans::cross_entropy_loss<float>(logits, b.labels, dlogits);
         SwaParams g = SwaParams::make(cfg, 0, false);
         net.backward(b.ids, dlogits, g);
-        adamw_step(opt, params, g, cfg, lr);
+        titans::clip_gradient_norm(g, cfg, 1.0);
+        opt.step(params, g, cfg, schedule(opt.steps() + 1));
         return loss;
     }
     Matrixf infer(const std::vector<int>& ids, int B) const {
@@ -364,14 +343,18 @@ std::int64_t count_swa(const SwaModel& m) {
 // ---------------------------------------------------------------------------------------------
 // Training and evaluation.
 
+/// Warm-up over the first tenth of the steps, then a cosine down to a tenth of the peak.
+titans::WarmupCosine schedule(const Settings& s) {
+    return {s.lr, std::max<std::int64_t>(1, s.steps / 10), s.steps, 0.1};
+}
+
 void train(const Settings& s, Learner& l) {
     Rng rng(12345);  // every model sees the same batches
-    titans::WarmupCosine sched{s.lr, std::max<std::int64_t>(1, s.steps / 10), s.steps, 0.1};
     const auto t0 = std::chrono::steady_clock::now();
     double ema = 0;
     for (int step = 1; step <= s.steps; ++step) {
         const Batch b = training_batch(s, rng);
-        const double loss = l.step(b, s.batch, sched(step));
+        const double loss = l.step(b, s.batch);
         l.losses.push_back(loss);
         ema = step == 1 ? loss : 0.95 * ema + 0.05 * loss;
         const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -463,24 +446,27 @@ int main(int argc, char** argv) try {
     const Settings s = parse(argc, argv);
     std::filesystem::create_directories(s.out_dir);
     const titans::AdamWConfig adam{0.9, 0.98, 1e-8, 0.01, false};
-    std::vector<TitansModel> titans_models;
+    const titans::TrainerConfig tc{.adamw = adam, .schedule = schedule(s), .clip_norm = 1.0};
+    std::vector<titans::Trainer<float>> trainers;
     for (auto kind : {titans::BlockKind::LMM, titans::BlockKind::MAC, titans::BlockKind::MAG,
                       titans::BlockKind::MAL}) {
         const auto cfg = titans_config(s, kind);
-        titans_models.push_back({cfg, titans::ModelParams<float>::random(cfg, 1), titans::AdamW<float>(adam)});
+        trainers.emplace_back(cfg, titans::ModelParams<float>::random(cfg, 1), tc);
     }
     std::int64_t budget = 0;
-    for (const auto& m : titans_models) budget = std::max(budget, m.cfg.parameter_count());
+    for (const auto& t : trainers) budget = std::max(budget, t.model().config().parameter_count());
     const SwaConfig scfg = swa_config(s, budget);
-    SwaModel swa{scfg, SwaParams::make(scfg, 1, true), titans::AdamW<float>(adam)};
+    SwaModel swa{scfg, SwaParams::make(scfg, 1, true), titans::AdamW<float>(adam), schedule(s)};
 
     std::vector<Learner> ls;
-    ls.push_back({"SWA", count_swa(swa), [&](const Batch& b, int B, double lr) { return swa.step(b, B, lr); },
+    ls.push_back({"SWA", count_swa(swa), [&](const Batch& b, int B) { return swa.step(b, B); },
                   [&](const std::vector<int>& ids, int B) { return swa.infer(ids, B); }, {}});
-    for (auto& m : titans_models) {
-        ls.push_back({titans::to_string(m.cfg.blocks[0].kind), m.cfg.parameter_count(),
-                      [&m](const Batch& b, int B, double lr) { return m.step(b, B, lr); },
-                      [&m](const std::vector<int>& ids, int B) { return m.infer(ids, B); }, {}});
+    for (auto& t : trainers) {
+        const titans::ModelConfig& cfg = t.model().config();
+        ls.push_back({titans::to_string(cfg.blocks[0].kind), cfg.parameter_count(),
+                      [&t](const Batch& b, int B) { return t.step(b.ids, b.labels, B); },
+                      [&t](const std::vector<int>& ids, int B) { return titans_infer(t.model(), ids, B); },
+                      {}});
     }
     std::printf("multi-query associative recall: %d pairs, window %d, training length %d, batch %d, %d steps\n",
                 s.pairs, s.window, s.train_len, s.batch, s.steps);
@@ -506,16 +492,18 @@ int main(int argc, char** argv) try {
                     std::to_string(s.train_len) + ")",
                 lcols, ls, len);
 
-    // Save, reload, evaluate again: the same answers.
+    // Save, reload, evaluate again: the same answers (and the same trainer: parameters,
+    // optimiser, progress).
     bool same = true;
-    for (std::size_t i = 0; i < titans_models.size(); ++i) {
-        auto& m = titans_models[i];
-        const auto path = std::filesystem::path(s.out_dir) / ("train_recall_" + ls[i + 1].name + ".safetensors");
-        titans::io::save_parameters(path, m.cfg, m.params);
-        TitansModel back{m.cfg, titans::io::load_parameters<titans::ModelParams<float>>(path, m.cfg), titans::AdamW<float>(adam)};
+    for (std::size_t i = 0; i < trainers.size(); ++i) {
+        const auto& t = trainers[i];
+        const auto dir = std::filesystem::path(s.out_dir) / ("train_recall_" + ls[i + 1].name);
+        titans::io::save_trainer(dir, t);
+        const auto back = titans::io::load_trainer<float>(dir, t.model().config());
         Learner lb = ls[i + 1];
-        lb.infer = [&back](const std::vector<int>& ids, int B) { return back.infer(ids, B); };
-        same = same && by_distance(s, lb) == dist[i + 1];
+        lb.infer = [&back](const std::vector<int>& ids, int B) { return titans_infer(back.model(), ids, B); };
+        same = same && by_distance(s, lb) == dist[i + 1] && back.steps() == t.steps() &&
+               back.data_position() == t.data_position();
     }
     std::printf("\nsaved, reloaded and evaluated again: %s\n", same ? "identical" : "DIFFERENT");
     return same ? 0 : 1;

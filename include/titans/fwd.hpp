@@ -54,4 +54,17 @@ using FeedForwardParamsd = FeedForwardParams<double>;
 using PersistentMemoryf = PersistentMemory<float>;
 using PersistentMemoryd = PersistentMemory<double>;
 
+// Training (titans/train/).
+struct AdamWConfig;
+template <class T>
+class AdamW;
+struct WarmupCosine;
+struct TrainerConfig;
+struct TrainerProgress;
+template <class T, class Backend = backend::Cpu>
+class Trainer;
+
+using Trainerf = Trainer<float>;
+using Trainerd = Trainer<double>;
+
 }  // namespace titans

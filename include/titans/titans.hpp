@@ -40,3 +40,4 @@
 #include "train/gradients.hpp"
 #include "train/loss.hpp"
 #include "train/schedule.hpp"
+#include "train/trainer.hpp"

@@ -17,6 +17,7 @@
 #include "../backend/cpu/cpu.hpp"  // io works on any backend; the CPU one comes with it
 #include "../models/model.hpp"
 #include "config_text.hpp"
+#include "metadata.hpp"
 #include "parameters.hpp"
 #include "safetensors.hpp"
 
@@ -244,13 +245,7 @@ int check_checkpoint_metadata(const SafetensorsFile& f, const Object& object) {
     using T = typename Traits::Scalar;
     const std::string& src = f.source();
     check_format(f, "titans.checkpoint", /*required=*/true);
-    auto meta = [&](const char* key) {
-        const auto it = f.metadata().find(key);
-        if (it == f.metadata().end()) {
-            throw FormatError("titans::io: " + src + ": __metadata__ has no \"" + key + "\"");
-        }
-        return it->second;
-    };
+    const auto meta = [&f](const char* key) { return metadata_value(f, key); };
     if (const std::string o = meta("object"); o != Traits::object) {
         throw ConfigError("titans::io: " + src + ": checkpoint of a " + o + ", expected a " +
                           Traits::object);
@@ -260,18 +255,8 @@ int check_checkpoint_metadata(const SafetensorsFile& f, const Object& object) {
                           to_string(dtype_of<T>()) + " (a state restores only at the precision "
                           "it was written in)");
     }
-    const std::string mine = config_text(object.config());
-    const std::string recorded = meta("config");
-    if (const std::string theirs = with_legacy_settings(recorded); theirs != mine) {
-        throw ConfigError("titans::io: " + src + ": checkpoint configuration differs: " +
-                          config_difference(theirs, mine, "the checkpoint", "this object"));
-    }
-    Fnv1a recorded_hash;
-    recorded_hash.update(recorded);
-    if (meta("config_hash") != recorded_hash.hex()) {
-        throw FormatError("titans::io: " + src + ": config_hash does not match the recorded "
-                          "configuration (corrupt metadata)");
-    }
+    check_recorded_config(f, config_text(object.config()), "checkpoint", "the checkpoint",
+                          "this object");
     if (meta("params_hash") != params_hash(object.params(), object.config())) {
         throw ConfigError("titans::io: " + src + ": checkpoint was written with other outer "
                           "parameters (params_hash differs): load the parameters it was "

@@ -311,6 +311,8 @@ struct BlockParams {
 template <class T, class Backend = backend::Cpu>
 class Block;
 template <class T, class Backend>
+class Model;
+template <class T, class Backend>
 struct BlockTrace;
 namespace detail {
 template <class T, class Backend>
@@ -443,13 +445,7 @@ public:
         if (cfg_.use_ffn) {
             ffn_.emplace(cfg_.ffn, detail::share_part(params_, p.ffn));
         }
-        if (cfg_.kind == BlockKind::MAG) {  // P W_K and P W_V, once, on the backend
-            prefix_.emplace(attention_->project_prefix(p.persistent));
-        }
-        if (cfg_.kind == BlockKind::MAC) {
-            k_prefix_ = p.persistent * p.attention.w_k;
-            v_prefix_ = p.persistent * p.attention.w_v;
-        }
+        install(derive());
     }
 
     [[nodiscard]] const BlockConfig& config() const { return cfg_; }
@@ -675,6 +671,32 @@ public:
 private:
     friend struct detail::BlockTraining<T, Backend>;
     friend struct detail::MacTraining<T, Backend>;
+    friend class Model<T, Backend>;  // set_parameters: derive() again after new values
+
+    /// What the block computes once from its parameters: MAG's persistent prefix projected on
+    /// the backend (P W_K, P W_V), MAC's P W_K and P W_V (N_p x D, host).
+    struct Derived {
+        std::optional<typename Attention<T, Backend>::Prefix> prefix;
+        Matrix<T> k_prefix, v_prefix;
+    };
+    /// Derived from the parameters as held now (nothing changes if it throws).
+    Derived derive() const {
+        const BlockParams<T>& p = *params_;
+        Derived d;
+        if (cfg_.kind == BlockKind::MAG) {  // P W_K and P W_V, once, on the backend
+            d.prefix.emplace(attention_->project_prefix(p.persistent));
+        }
+        if (cfg_.kind == BlockKind::MAC) {
+            d.k_prefix = p.persistent * p.attention.w_k;
+            d.v_prefix = p.persistent * p.attention.w_v;
+        }
+        return d;
+    }
+    void install(Derived&& d) noexcept {
+        prefix_ = std::move(d.prefix);
+        k_prefix_.swap(d.k_prefix);
+        v_prefix_.swap(d.v_prefix);
+    }
 
     /// Opens a transaction for one call (unless one is open); rolls it back on unwinding.
     class Guard {

@@ -257,7 +257,9 @@ public:
     using State = ModelState<T, Backend>;
 
     Model(ModelConfig config, ModelParams<T> params)
-        : Model(std::move(config), std::make_shared<const ModelParams<T>>(std::move(params))) {}
+        : Model(std::move(config), std::make_shared<ModelParams<T>>(std::move(params))) {
+        own_refs_ = params_.use_count();  // made here: set_parameters may write it in place
+    }
 
     /// Shares `params` (not copied; ConfigError if null). The blocks and their sub-layers
     /// refer to parts of them: every weight is held once.
@@ -274,6 +276,50 @@ public:
     [[nodiscard]] const ModelConfig& config() const { return cfg_; }
     [[nodiscard]] const ModelParams<T>& params() const { return *params_; }
     [[nodiscard]] const std::vector<Block<T, Backend>>& blocks() const { return blocks_; }
+
+    /// Takes new values for every parameter the configuration uses (what a training loop does
+    /// after each optimiser step: titans::Trainer) without rebuilding the model. `values` must
+    /// pass the constructor's checks (ShapeError, NonFiniteError naming the tensor); nothing
+    /// changes if it throws (strong guarantee).
+    ///
+    /// In place when this model alone holds its parameters (it made them from values, and no
+    /// copy of it, no copy of one of its layers and no pointer from a shared_params() is alive)
+    /// and its backend's kernels read the host parameters themselves (the CPU): the tensors of
+    /// `values` are swapped into the ones the layers already point to (no entry copied, nothing
+    /// allocated), then MAG's projected persistent prefix and MAC's P W_K, P W_V are made
+    /// again. Otherwise the model takes `values` as a new parameter object and prepares its
+    /// layers again, as the constructor does (a device uploads them). Either way, copies made
+    /// before the call keep their parameters, and every call after it uses the new values,
+    /// bit for bit as a model built from them. States made before stay states of this model;
+    /// a training trace made before belongs to the old values (do not pass it to backward).
+    ///
+    ///     model.set_parameters(std::move(stepped));  // stepped: ModelParams<T>
+    void set_parameters(ModelParams<T> values) {
+        if (!writable_in_place()) {
+            Model fresh(cfg_, std::move(values));
+            fresh.threads_ = threads_;
+            *this = std::move(fresh);
+            return;
+        }
+        validated(cfg_, values);
+        for (std::size_t i = 0; i < blocks_.size(); ++i) {
+            values.blocks[i].validate(cfg_.blocks[i]);
+        }
+        // Made non-const by the by-value constructor (own_refs_ > 0), held by nothing else.
+        auto& held = const_cast<ModelParams<T>&>(*params_);
+        swap_tensors(held, values, cfg_);
+        std::vector<typename Block<T, Backend>::Derived> derived;
+        try {
+            derived.reserve(blocks_.size());
+            for (const auto& b : blocks_) derived.push_back(b.derive());
+        } catch (...) {
+            swap_tensors(held, values, cfg_);  // the previous values, bit for bit
+            throw;
+        }
+        for (std::size_t i = 0; i < blocks_.size(); ++i) {
+            blocks_[i].install(std::move(derived[i]));
+        }
+    }
 
     [[nodiscard]] State make_state(int batch = 1) const {
         detail::require_state_batch(
@@ -461,6 +507,45 @@ private:
         }
     }
 
+    /// Whether set_parameters may write the parameters in place: this model made them (by
+    /// value), nothing outside it holds them, and every kernel family's prepared form is the
+    /// host parameters themselves (so nothing but Block::derive() depends on their values).
+    [[nodiscard]] bool writable_in_place() const {
+        using backend::AttentionKernels, backend::FeedForwardKernels, backend::MemoryKernels,
+            backend::NormKernels, std::is_same_v, std::shared_ptr;
+        constexpr bool host_prepared =
+            is_same_v<typename MemoryKernels<Backend, T>::Prepared,
+                      shared_ptr<const MemoryParams<T>>> &&
+            is_same_v<typename AttentionKernels<Backend, T>::Prepared,
+                      shared_ptr<const AttentionParams<T>>> &&
+            is_same_v<typename NormKernels<Backend, T>::Prepared, shared_ptr<const RowVector<T>>> &&
+            is_same_v<typename FeedForwardKernels<Backend, T>::Prepared,
+                      shared_ptr<const FeedForwardParams<T>>>;
+        return host_prepared && own_refs_ > 0 && params_.use_count() == own_refs_;
+    }
+
+    /// Exchanges the storage of every tensor `cfg` uses between a and b (same shapes): the
+    /// matrices stay where they are, so the layers' pointers to them stay valid.
+    static void swap_tensors(ModelParams<T>& a, ModelParams<T>& b, const ModelConfig& cfg) {
+        std::vector<Matrix<T>*> mats;
+        std::vector<RowVector<T>*> rows;
+        ModelParams<T>::tensors(b, cfg, [&](const std::string&, auto& m) {
+            if constexpr (std::is_same_v<std::decay_t<decltype(m)>, Matrix<T>>) {
+                mats.push_back(&m);
+            } else {
+                rows.push_back(&m);
+            }
+        });
+        std::size_t i = 0, j = 0;
+        ModelParams<T>::tensors(a, cfg, [&](const std::string&, auto& m) {
+            if constexpr (std::is_same_v<std::decay_t<decltype(m)>, Matrix<T>>) {
+                m.swap(*mats[i++]);
+            } else {
+                m.swap(*rows[j++]);
+            }
+        });
+    }
+
     /// Validates the configuration and the model-level tensors (the blocks validate theirs).
     static const ModelParams<T>& validated(const ModelConfig& cfg, const ModelParams<T>& p) {
         cfg.validate_for<T>();
@@ -481,6 +566,9 @@ private:
     std::vector<Block<T, Backend>> blocks_;
     RMSNorm<T, Backend> norm_final_;
     Threads threads_{};
+    // params_.use_count() right after the by-value constructor (every pointer this model's
+    // layers hold), 0 for shared parameters: set_parameters writes in place only at that count.
+    long own_refs_ = 0;
 };
 
 }  // namespace titans

@@ -1,0 +1,296 @@
+#pragma once
+// titans/train/trainer.hpp: Trainer, a training step over a Model on token ids (math §9):
+// forward from a fresh state, cross-entropy, backward, global clipping, AdamW at the
+// schedule's rate. The model takes each step's parameters in place (Model::set_parameters); the
+// trainer's whole state saves and resumes bit for bit (titans/io/trainer.hpp).
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "../backend/cpu/cpu.hpp"  // the default backend
+#include "../detail/check.hpp"
+#include "../error.hpp"
+#include "../fwd.hpp"
+#include "../limits.hpp"
+#include "../models/model.hpp"
+#include "adamw.hpp"
+#include "gradients.hpp"
+#include "loss.hpp"
+#include "schedule.hpp"
+
+namespace titans {
+
+/// Settings of a Trainer. Aggregate.
+struct TrainerConfig {
+    AdamWConfig adamw{};       ///< the optimiser
+    WarmupCosine schedule{};   ///< the learning rate of step t = 1, 2, ...
+    double clip_norm = 1.0;    ///< global gradient-norm clipping, finite, >= 0; 0: no clipping
+
+    /// ConfigError naming the first invalid field ("TrainerConfig: adamw.beta1 = 1, ...").
+    void validate() const {
+        constexpr const char* w = "TrainerConfig";
+        renamed("AdamWConfig: ", "TrainerConfig: adamw.", [&] { adamw.validate(); });
+        renamed("WarmupCosine: ", "TrainerConfig: schedule.", [&] { schedule.validate(); });
+        detail::require<ConfigError>(std::isfinite(clip_norm) && clip_norm >= 0, w, "clip_norm",
+                                     clip_norm, "a finite value >= 0 (0: no clipping)");
+    }
+
+    /// Serialization hook: v(name, field) for adamw.* (AdamWConfig::fields), schedule.*
+    /// (WarmupCosine::fields), clip_norm.
+    template <class Self, class V>
+    static void fields(Self& self, V&& v) {
+        static_assert(std::is_same_v<std::remove_const_t<Self>, TrainerConfig>);
+        AdamWConfig::fields(self.adamw, detail::prefixed("adamw", v));
+        WarmupCosine::fields(self.schedule, detail::prefixed("schedule", v));
+        v(std::string("clip_norm"), self.clip_norm);
+    }
+
+private:
+    /// Runs f; a ConfigError whose message starts with `from` is thrown again starting with `to`.
+    template <class F>
+    static void renamed(const char* from, const char* to, F&& f) {
+        try {
+            f();
+        } catch (const ConfigError& e) {
+            const std::string m = e.what();
+            if (m.rfind(from, 0) != 0) throw;
+            throw ConfigError(to + m.substr(std::strlen(from)));
+        }
+    }
+};
+
+/// What a Trainer has done besides its optimiser's steps; saved with it.
+struct TrainerProgress {
+    /// Sequences consumed: every step adds its batch; the user may set it (set_data_position),
+    /// e.g. to where a data loader resumes. In [0, limits::max_position].
+    std::int64_t data_position = 0;
+    double loss = 0.0;            ///< of the last step (0 before the first)
+    double gradient_norm = 0.0;   ///< of the last step, before clipping
+    double learning_rate = 0.0;   ///< of the last step
+
+    /// ConfigError naming the first invalid field (data_position in range, the rest finite
+    /// and >= 0).
+    void validate() const {
+        constexpr const char* w = "TrainerProgress";
+        detail::require_in_range(data_position, std::int64_t{0}, limits::max_position, w,
+                                 "data_position");
+        for (const auto& [name, x] : {std::pair{"loss", loss}, {"gradient_norm", gradient_norm},
+                                      {"learning_rate", learning_rate}}) {
+            detail::require<ConfigError>(std::isfinite(x) && x >= 0, w, name, x,
+                                         "a finite value >= 0");
+        }
+    }
+
+    /// Serialization hook: v(name, field) for data_position, loss, gradient_norm,
+    /// learning_rate.
+    template <class Self, class V>
+    static void fields(Self& self, V&& v) {
+        static_assert(std::is_same_v<std::remove_const_t<Self>, TrainerProgress>);
+        v(std::string("data_position"), self.data_position);
+        v(std::string("loss"), self.loss);
+        v(std::string("gradient_norm"), self.gradient_norm);
+        v(std::string("learning_rate"), self.learning_rate);
+    }
+};
+
+/// Trains a Model on token ids (math §9). Each step():
+///
+///     state = model.make_state(batch)                         a fresh state: sequences are
+///     logits = model.forward_tokens(state, ids, ., trace)     independent, nothing carries over
+///     loss = cross_entropy_loss(logits, labels, dlogits)      labels < 0 ignored
+///     grads = model.backward(trace, dlogits)
+///     norm = clip_gradient_norm(grads, clip_norm)             (skipped for clip_norm = 0)
+///     params = AdamW step at schedule(optimizer().steps() + 1)
+///
+/// bit for bit as that sequence written by hand with a model rebuilt from the parameters every
+/// step, but the model takes the new values in place (Model::set_parameters). Strong guarantee:
+/// a step that throws (bad arguments, non-finite logits, gradients or updated parameters)
+/// leaves the model, the optimiser and the progress as they were.
+///
+///     titans::Trainer<float> trainer(cfg, titans::ModelParams<float>::random(cfg, 1),
+///                                    {.schedule = {.peak = 3e-3, .warmup = 100, .total = 2000}});
+///     const double loss = trainer.step(ids, labels, batch);  // ids, labels: batch * N each
+///
+/// Backends: those whose blocks train (Model<T, Backend>::trainable: the CPU); elsewhere the
+/// class does not compile (static_assert).
+template <class T, class Backend>
+class Trainer {
+    static_assert(Model<T, Backend>::trainable,
+                  "titans::Trainer: Model<T, Backend> cannot train on this backend (the memory's "
+                  "staged reverse or the attention's training pass is missing: on CUDA, blocks "
+                  "do not train yet; docs/cuda.md)");
+
+public:
+    using Scalar = T;
+    using ModelType = Model<T, Backend>;
+
+    /// A trainer from its first step: the model (vocab_size > 0: token ids in) with these
+    /// parameters, a fresh AdamW. Throws what Model's constructor throws, ConfigError for a
+    /// model without a vocabulary or an invalid config.
+    Trainer(ModelConfig model_config, ModelParams<T> params, TrainerConfig config = {})
+        : Trainer(std::move(model_config), std::move(params), config, fresh_optimizer(config),
+                  TrainerProgress{}) {}
+
+    /// A trainer resumed (what titans::io::load_trainer does): `optimizer` has taken the
+    /// steps so far, with config.adamw's settings and the moments of exactly these parameters'
+    /// tensors (ConfigError, ShapeError otherwise; progress validated too).
+    Trainer(ModelConfig model_config, ModelParams<T> params, TrainerConfig config,
+            AdamW<T> optimizer, TrainerProgress progress)
+        : cfg_(checked(config, model_config)),
+          model_(std::move(model_config), std::move(params)),
+          opt_(std::move(optimizer)),
+          progress_(progress) {
+        progress_.validate();
+        check_optimizer();
+    }
+
+    /// One training step on `batch` sequences of N tokens: ids (batch * N, sequence-major as
+    /// Model::forward_tokens takes them) and labels (one per id, the id to predict there, or
+    /// negative: not scored). Returns the loss (0 if no label is scored; AdamW still steps).
+    /// Throws, changing nothing: ConfigError (batch not in [1, max_batch], the data position
+    /// would pass max_position), ShapeError (ids.size() not a positive multiple of batch,
+    /// labels.size() != ids.size(), an id or label outside [0, vocab_size)), NonFiniteError
+    /// (logits, gradients or updated parameters NaN or infinite).
+    double step(const std::vector<int>& ids, std::span<const int> labels, int batch) {
+        check_step(ids, labels, batch);
+        const ModelConfig& mc = model_.config();
+        ModelParams<T> grads = ModelParams<T>::zeros(mc);
+        const double loss = gradients(ids, labels, batch, grads);
+        const double norm = cfg_.clip_norm > 0 ? clip_gradient_norm(grads, mc, cfg_.clip_norm)
+                                               : gradient_norm(std::as_const(grads), mc);
+        if (!std::isfinite(norm)) {
+            throw NonFiniteError("Trainer::step: the gradients have a NaN or infinite entry; "
+                                 "nothing changed");
+        }
+        const double lr = cfg_.schedule(opt_.steps() + 1);
+        ModelParams<T> next = model_.params();
+        AdamW<T> opt = opt_;  // stepped on copies: committed below only if all went well
+        opt.step(next, grads, mc, lr);
+        if (!detail::tensors_finite(next, mc)) {
+            throw NonFiniteError(detail::concat(
+                "Trainer::step: the updated parameters have a NaN or infinite entry (learning "
+                "rate ", lr, " at step ", opt.steps(), "), expected finite values; nothing "
+                "changed"));
+        }
+        model_.set_parameters(std::move(next));
+        opt_ = std::move(opt);
+        progress_ = {progress_.data_position + batch, loss, norm, lr};
+        return loss;
+    }
+
+    [[nodiscard]] const ModelType& model() const { return model_; }
+    [[nodiscard]] const ModelParams<T>& params() const { return model_.params(); }
+    [[nodiscard]] const AdamW<T>& optimizer() const { return opt_; }
+    [[nodiscard]] const TrainerConfig& config() const { return cfg_; }
+    [[nodiscard]] const TrainerProgress& progress() const { return progress_; }
+    /// Steps taken (the optimiser's).
+    [[nodiscard]] std::int64_t steps() const { return opt_.steps(); }
+    [[nodiscard]] std::int64_t data_position() const { return progress_.data_position; }
+    [[nodiscard]] double last_loss() const { return progress_.loss; }
+    /// The global gradient norm of the last step, before clipping.
+    [[nodiscard]] double last_gradient_norm() const { return progress_.gradient_norm; }
+    [[nodiscard]] double last_learning_rate() const { return progress_.learning_rate; }
+
+    /// Sets the data position (ConfigError unless in [0, limits::max_position]).
+    void set_data_position(std::int64_t position) {
+        detail::require_in_range(position, std::int64_t{0}, limits::max_position,
+                                 "Trainer::set_data_position", "position");
+        progress_.data_position = position;
+    }
+    /// The model's thread settings (Model::set_threads).
+    void set_threads(Threads t) { model_.set_threads(t); }
+
+private:
+    static AdamW<T> fresh_optimizer(const TrainerConfig& c) {
+        c.validate();  // first, so that its errors name TrainerConfig's fields
+        return AdamW<T>(c.adamw);
+    }
+
+    static const TrainerConfig& checked(const TrainerConfig& c, const ModelConfig& mc) {
+        c.validate();
+        detail::require<ConfigError>(mc.vocab_size > 0, "Trainer", "model vocab_size",
+                                     mc.vocab_size, "> 0 (the trainer takes token ids)");
+        return c;
+    }
+
+    /// The optimiser belongs to these parameters: its settings are config().adamw, and its
+    /// moments (once it has stepped) are those of every tensor, shaped as it.
+    void check_optimizer() const {
+        constexpr const char* where = "Trainer";
+        std::vector<std::pair<std::string, double>> mine, theirs;
+        const auto list = [](auto& out) {
+            return [&out](const std::string& n, const auto& x) { out.emplace_back(n, double(x)); };
+        };
+        AdamWConfig::fields(opt_.config(), list(theirs));
+        AdamWConfig::fields(cfg_.adamw, list(mine));
+        for (std::size_t i = 0; i < mine.size(); ++i) {
+            detail::require<ConfigError>(
+                theirs[i].second == mine[i].second, where,
+                detail::concat("optimizer.config().", theirs[i].first).c_str(), theirs[i].second,
+                detail::concat("config.adamw.", mine[i].first, " = ", mine[i].second));
+        }
+        const auto slots = detail::tensor_slots(model_.params(), model_.config());
+        const auto& moments = opt_.moments();
+        for (const auto& s : slots) {
+            const auto it = moments.find(s.name);
+            if (it == moments.end() && opt_.steps() == 0) continue;
+            if (it == moments.end() || it->second.m.rows() != s.rows ||
+                it->second.m.cols() != s.cols) {
+                throw ShapeError(detail::concat(where, ": the optimizer has no moments of '",
+                                                s.name, "' shaped ", s.rows, " x ", s.cols,
+                                                ", expected the moments of these parameters"));
+            }
+        }
+        const bool complete = opt_.steps() == 0 || moments.size() == slots.size();
+        detail::require<ShapeError>(complete && moments.size() <= slots.size(), where,
+                                    "optimizer.moments().size()", moments.size(),
+                                    detail::concat(slots.size(), " (one per parameter tensor)"));
+    }
+
+    void check_step(const std::vector<int>& ids, std::span<const int> labels, int batch) const {
+        constexpr const char* where = "Trainer::step";
+        detail::require_in_range(batch, 1, limits::max_batch, where, "batch");
+        detail::require<ShapeError>(!ids.empty() && ids.size() % static_cast<std::size_t>(batch) == 0,
+                                    where, "ids.size()", ids.size(),
+                                    detail::concat("a positive multiple of batch = ", batch));
+        detail::require<ShapeError>(labels.size() == ids.size(), where, "labels.size()",
+                                    labels.size(), detail::concat("ids.size() = ", ids.size()));
+        const int vocab = model_.config().vocab_size;
+        for (std::size_t i = 0; i < ids.size(); ++i) {
+            detail::require<ShapeError>(ids[i] >= 0 && ids[i] < vocab, where, "a token id",
+                                        ids[i], detail::concat("in [0, ", vocab, ")"));
+            detail::require<ShapeError>(labels[i] < vocab, where, "a label", labels[i],
+                                        detail::concat("< vocab_size = ", vocab,
+                                                       " (or negative: not scored)"));
+        }
+        detail::require<ConfigError>(progress_.data_position <= limits::max_position - batch,
+                                     where, "data_position + batch",
+                                     progress_.data_position + batch,
+                                     "at most max_position = 2^62");
+    }
+
+    /// The training forward from a fresh state, the loss and the backward into grads.
+    double gradients(const std::vector<int>& ids, std::span<const int> labels, int batch,
+                     ModelParams<T>& grads) const {
+        auto state = model_.make_state(batch);
+        typename ModelType::Trace trace;
+        Matrix<T> logits, dlogits;
+        model_.forward_tokens(state, ids, logits, trace);
+        const double loss = cross_entropy_loss<T>(logits, labels, dlogits);
+        model_.backward(trace, dlogits, grads);
+        return loss;
+    }
+
+    TrainerConfig cfg_;
+    ModelType model_;
+    AdamW<T> opt_;
+    TrainerProgress progress_;
+};
+
+}  // namespace titans
