@@ -457,3 +457,40 @@ TEST_CASE("cuda memory training: refusals", "[cuda]") {
     mem.backward(trace, dy, dx2, g2);
     CHECK(identical(dx1, dx2));
 }
+
+// The q / k L2 normalisation on heads whose sums of squares overflow T (x scaled by 2^k; no
+// learning, phi the identity, clipping off: tests/robustness/test_training_numerics.cpp shows
+// the CPU right there): the CUDA forward, training forward and backward agree with the CPU's.
+TEMPLATE_TEST_CASE("cuda memory training: qk norm", "[cuda]", float, double) {
+    using T = TestType;
+    Rng rng(seed_for("cuda memory training: qk norm"));
+    MemoryConfig cfg{.d_model = 8, .n_heads = 2, .depth = 2, .chunk = 4};
+    cfg.gates = GateMode::Constant;
+    cfg.constant_theta = 0.0;
+    cfg.qkv_activation = Activation::Identity;
+    cfg.max_grad_norm = 0;
+    const auto p = MemoryParams<T>::random(cfg, rng());
+    const NeuralMemory<T> cpu(cfg, p);
+    const CudaMemory<T> gpu(cfg, p);
+    const int k = std::is_same_v<T, float> ? 100 : 900;
+    const Matrix<T> x = random_matrix(8, cfg.d_model, rng).template cast<T>().unaryExpr(
+        [k](T v) { return std::ldexp(v, k); });
+    const Matrix<T> dy = random_matrix(8, cfg.d_model, rng).template cast<T>();
+    auto sc = cpu.make_state(1);
+    auto sg = gpu.make_state(1);
+    CHECK(rel_error(gpu.forward(sg, x), cpu.forward(sc, x)) <= tol<T>());
+    typename NeuralMemory<T>::Trace tc;
+    typename CudaMemory<T>::Trace tg;
+    Matrix<T> yc, yg, dxc, dxg;
+    auto s1 = cpu.make_state(1);
+    auto s2 = gpu.make_state(1);
+    cpu.forward(s1, x, yc, tc);
+    gpu.forward(s2, x, yg, tg);
+    CHECK(rel_error(yg, yc) <= tol<T>());
+    auto gc = MemoryParams<T>::zeros(cfg), gg = gc;
+    cpu.backward(tc, dy, dxc, gc);
+    gpu.backward(tg, dy, dxg, gg);
+    CHECK(rel_error(dxg, dxc, 0.0) <= tol<T>());
+    CHECK(rel_error(gg.w_q, gc.w_q) <= tol<T>());
+    CHECK(gc.w_q.cwiseAbs().maxCoeff() > T(0));
+}

@@ -129,10 +129,6 @@ Trace require_tampered_refused(const Trace& trace, const std::vector<Tampering<T
     return to;
 }
 
-}  // namespace traces_test
-
-using namespace traces_test;
-
 // RMSNorm: a trace of a norm with another eps or width, a default and a moved-from trace.
 TEMPLATE_TEST_CASE("traces: RMSNorm backward refuses a trace it did not make", "[train][traces]",
                    float, double) {
@@ -213,8 +209,6 @@ TEMPLATE_TEST_CASE("traces: FeedForward backward refuses a trace it did not make
     CHECK(dx.rows() == 5);
 }
 
-namespace traces_test {
-
 /// An attention trace from a state two tokens in (kept rows), with a prefix of 3 rows.
 template <class T>
 typename titans::Attention<T>::Trace attention_trace(const titans::Attention<T>& attn,
@@ -227,8 +221,6 @@ typename titans::Attention<T>::Trace attention_trace(const titans::Attention<T>&
     attn.forward(st, x, y, trace, &prefix, sharing);
     return trace;
 }
-
-}  // namespace traces_test
 
 // Attention: a trace of an attention of the same width with other heads, head width, window or
 // RoPE; traces whose batch, rows, start, prefix or kept window were changed; default and
@@ -285,8 +277,6 @@ TEMPLATE_TEST_CASE("traces: Attention backward refuses a trace it did not make",
     CHECK(dx.rows() == 6);
 }
 
-namespace traces_test {
-
 /// The base memory of the memory test: chunks of 2, a conv, gates per token, depth 2.
 inline MemoryConfig trace_test_memory_config() {
     MemoryConfig c{.d_model = 8, .n_heads = 2, .depth = 2, .expansion = 2};
@@ -311,8 +301,6 @@ typename NeuralMemory<T>::Trace memory_trace(const NeuralMemory<T>& mem, const M
     mem.forward(st, x, y, trace);
     return trace;
 }
-
-}  // namespace traces_test
 
 // NeuralMemory: a trace of a memory of the same width with any other setting (depth, heads,
 // head width, expansion, chunk, conv, gates, update, retrieval, activation, ...); traces whose
@@ -394,8 +382,6 @@ TEMPLATE_TEST_CASE("traces: NeuralMemory backward refuses a trace it did not mak
     CHECK(dx.rows() == 10);
 }
 
-namespace traces_test {
-
 /// The base block of a kind for the block tests: d = 8, 2 heads, memory depth 1 with chunks of
 /// 2, window / segment 4, 2 persistent tokens, a SwiGLU feed-forward of hidden width 12.
 inline BlockConfig trace_test_block_config(BlockKind kind) {
@@ -475,8 +461,6 @@ std::vector<Tampering<typename titans::Block<T>::Trace>> block_tamperings(
     return out;
 }
 
-}  // namespace traces_test
-
 // Blocks of every kind: a trace of a block of the same width with any other setting (kind,
 // feed-forward hidden size and kind, use_ffn, memory depth, heads, chunk, window, persistent
 // tokens, segment, norm eps); traces whose sizes or sub-layer traces were changed; default and
@@ -540,8 +524,6 @@ TEMPLATE_TEST_CASE("traces: Block backward refuses a trace it did not make", "[t
     }
 }
 
-namespace traces_test {
-
 /// The base model of the model tests: vocabulary 11, d = 8, a MAG block then a MAC block.
 inline ModelConfig trace_test_model_config() {
     ModelConfig c;
@@ -569,8 +551,6 @@ typename titans::Model<T>::Trace model_trace(const titans::Model<T>& model, Rng&
     model.forward_tokens(st, ids, out, trace);
     return trace;
 }
-
-}  // namespace traces_test
 
 // The model: a trace of a model of the same width with another vocabulary (its token ids past
 // this embedding: an out-of-bounds write of the embedding's gradient before), other block
@@ -648,3 +628,5 @@ TEMPLATE_TEST_CASE("traces: Model backward refuses a trace it did not make", "[t
     model.backward(to, dout, grads, &dx);
     CHECK(dx.rows() == 6);
 }
+
+}  // namespace traces_test

@@ -47,7 +47,9 @@ concept NormBackend = requires(const std::shared_ptr<const RowVector<T>>& w,
 ///     y = x / sqrt(mean_j(x_j^2) + eps) ⊙ weight,     x, y, weight: 1 x d
 ///
 /// No mean subtraction and no bias (Zhang & Sennrich, 2019). Shapes: forward takes any
-/// rows x d matrix (e.g. (B*N) x d) and returns rows x d.
+/// rows x d matrix (e.g. (B*N) x d) and returns rows x d. Right for every finite row, even one
+/// whose sum of squares overflows T (it is normalised scaled by a power of two); a row of
+/// zeros gives zeros (and dL/dx = dL/dy ⊙ weight / sqrt(eps)).
 ///
 ///     titans::RMSNorm<float> norm(64);             // weight = 1, eps = 1e-6
 ///     titans::Matrixf y = norm.forward(x);         // x: N x 64
