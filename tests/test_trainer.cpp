@@ -153,13 +153,13 @@ TEMPLATE_TEST_CASE("trainer: refused steps change nothing", "[training][errors]"
     const Trainer<T> overflow_before = overflow;
     trainer_require_refused<NonFiniteError>(overflow, overflow_before, d.ids, d.labels, B, "not finite");
 
-    // A rate that sends the parameters to infinity: the optimiser must not have stepped.
+    // A rate whose step lr / (1 - beta1^t) overflows T: AdamW refuses it before computing
+    // anything (naming lr), and the optimiser has not stepped.
     TrainerConfig wild = tc;
     wild.schedule = {.peak = 1e308, .warmup = 0, .total = 0};
     Trainer<T> diverge(mc.cfg, cast_model<T>(mc.params), wild);
     const Trainer<T> diverge_before = diverge;
-    trainer_require_refused<NonFiniteError>(diverge, diverge_before, d.ids, d.labels, B,
-                                    "updated parameters");
+    trainer_require_refused<ConfigError>(diverge, diverge_before, d.ids, d.labels, B, "lr");
     CHECK(diverge.optimizer().moments().empty());
 }
 
