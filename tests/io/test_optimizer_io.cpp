@@ -70,7 +70,7 @@ TEMPLATE_TEST_CASE("io: optimizer resumes", "[io][training]", float, double) {
 // What save_optimizer writes, load_optimizer reads back: a step whose second moment would
 // overflow T (g² beyond the largest value) is refused, so the optimiser saved after it holds
 // only finite moments and loads back bit for bit; the save leaves exactly one file.
-TEMPLATE_TEST_CASE("io: optimizer saves only what loads", "[io][training]", float, double) {
+TEMPLATE_TEST_CASE("io: optimizer save checks", "[io][training]", float, double) {
     using T = TestType;
     const TempDir dir("optimizer_saves");
     const FeedForwardConfig cfg{.d_model = 4, .kind = FeedForwardKind::SwiGLU, .hidden = 3};
@@ -96,7 +96,7 @@ TEMPLATE_TEST_CASE("io: optimizer saves only what loads", "[io][training]", floa
 
 // A file whose settings are valid in double but not in float: load_optimizer<float> refuses it
 // (ConfigError naming the setting), load_optimizer<double> takes it.
-TEST_CASE("io: optimizer settings representable in the loading type", "[io][training]") {
+TEST_CASE("io: optimizer settings in T", "[io][training]") {
     const TempDir dir("optimizer_float_settings");
     titans::io::save_optimizer(dir / "o.safetensors", AdamW<double>({.eps = 1e-50}));
     CHECK(titans::io::load_optimizer<double>(dir / "o.safetensors").config().eps == 1e-50);

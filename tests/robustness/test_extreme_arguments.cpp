@@ -21,7 +21,7 @@ constexpr std::int64_t extreme_top = std::numeric_limits<std::int64_t>::max();
 // apply_rope: row r sits at first_position + r, which must stay within limits::max_position
 // (2^62): near INT64_MAX the sum overflowed before. The last valid start is accepted and equals
 // the rotation at that position; a refused call leaves x bit for bit.
-TEMPLATE_TEST_CASE("extreme: apply_rope positions", "[limits][attention]", float, double) {
+TEMPLATE_TEST_CASE("extreme: rope positions", "[limits][attention]", float, double) {
     using T = TestType;
     Rng rng(seed_for("extreme rope"));
     const Matrix<T> x0 = random_matrix(3, 8, rng).template cast<T>();
@@ -93,7 +93,7 @@ TEMPLATE_TEST_CASE("extreme: attention strides", "[limits][attention]", float, d
 // head count whose n_heads * d_head is far beyond memory (2^60 columns: Eigen's resize throws
 // std::bad_alloc; 2^40: an 8 TiB allocation) is the ShapeError of q's width, and out is as it
 // was.
-TEMPLATE_TEST_CASE("extreme: attention head counts", "[limits][attention]", float, double) {
+TEMPLATE_TEST_CASE("extreme: attn head counts", "[limits][attention]", float, double) {
     using T = TestType;
     Rng rng(seed_for("extreme attention heads"));
     const Matrix<T> q = random_matrix(2, 4, rng).template cast<T>();

@@ -146,7 +146,7 @@ void check_foreign_configuration(const Config& cfg, const Config& other, const s
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("adamw: foreign parameters of every struct are refused unchanged",
+TEMPLATE_TEST_CASE("adamw: foreign params",
                    "[robustness][training]", float, double) {
     using T = TestType;
     const std::uint64_t seed = seed_for("adamw foreign", sizeof(T));
@@ -240,7 +240,7 @@ bool all_finite_params(const FeedForwardParams<T>& p) {
 
 // Finite inputs, values near the largest T: a step either stays finite or is refused with
 // everything as it was (float and double, each at its own limit).
-TEMPLATE_TEST_CASE("adamw: steps near the limits of T", "[robustness][training]", float, double) {
+TEMPLATE_TEST_CASE("adamw: steps at T limits", "[robustness][training]", float, double) {
     using T = TestType;
     const double max = static_cast<double>(std::numeric_limits<T>::max());
     const double root_max = std::sqrt(max);
@@ -291,7 +291,7 @@ TEMPLATE_TEST_CASE("adamw: steps near the limits of T", "[robustness][training]"
 
 // Settings valid in double but not in the optimiser's T are refused at construction, naming
 // the setting, as the layer configurations do (eps rounding to 0 made 0 / 0).
-TEST_CASE("adamw: settings not representable in T", "[robustness][training]") {
+TEST_CASE("adamw: settings not in T", "[robustness][training]") {
     CHECK_NOTHROW(AdamW<double>(AdamWConfig{.eps = 1e-50}));
     REQUIRE_THROWS_NAMING(AdamW<float>(AdamWConfig{.eps = 1e-50}), ConfigError,
                           "AdamWConfig: eps = 1e-50, expected a finite value representable in float");
@@ -309,7 +309,7 @@ TEST_CASE("adamw: settings not representable in T", "[robustness][training]") {
 
 // The step counter: INT64_MAX - 1 steps to INT64_MAX; at INT64_MAX a step is refused (t = steps
 // + 1 would overflow).
-TEMPLATE_TEST_CASE("adamw: step counter at its limit", "[robustness][training]", float, double) {
+TEMPLATE_TEST_CASE("adamw: counter at limit", "[robustness][training]", float, double) {
     using T = TestType;
     constexpr std::int64_t top = std::numeric_limits<std::int64_t>::max();
     const std::uint64_t seed = seed_for("adamw counter", sizeof(T));
@@ -325,7 +325,7 @@ TEMPLATE_TEST_CASE("adamw: step counter at its limit", "[robustness][training]",
 
 // Moments given with steps = 0 are checked as any moments are (the check was skipped at 0):
 // other shapes, another tensor, are refused unchanged; zero moments step as a fresh optimiser.
-TEMPLATE_TEST_CASE("adamw: resumed moments with steps 0", "[robustness][training]", float, double) {
+TEMPLATE_TEST_CASE("adamw: moments at step 0", "[robustness][training]", float, double) {
     using T = TestType;
     const std::uint64_t seed = seed_for("adamw steps 0", sizeof(T));
     auto p = FeedForwardParams<T>::random(training_ffn, seed);
@@ -378,7 +378,7 @@ TEST_CASE("adamw: two tensors of one name", "[robustness][training]") {
 
 // mse_loss where y - target, its square or 2 (y - target) / n overflows T: the loss (double) and
 // dy (T) computed by scaling where representable, else NonFiniteError with dy unchanged.
-TEMPLATE_TEST_CASE("mse_loss: magnitudes near the limits of T", "[robustness][training]", float,
+TEMPLATE_TEST_CASE("mse_loss: limits of T", "[robustness][training]", float,
                    double) {
     using T = TestType;
     const double max = static_cast<double>(std::numeric_limits<T>::max());
@@ -434,7 +434,7 @@ TEMPLATE_TEST_CASE("mse_loss: magnitudes near the limits of T", "[robustness][tr
 
 // clip_gradient_norm: max_norm representable in T; double gradients whose norm exceeds the
 // largest double are refused naming that, grads unchanged (gradient_norm returns +inf).
-TEMPLATE_TEST_CASE("clip_gradient_norm: limits of T", "[robustness][training]", float, double) {
+TEMPLATE_TEST_CASE("clip: limits of T", "[robustness][training]", float, double) {
     using T = TestType;
     const double max = static_cast<double>(std::numeric_limits<T>::max());
     const double min = static_cast<double>(std::numeric_limits<T>::min());
@@ -462,7 +462,7 @@ TEMPLATE_TEST_CASE("clip_gradient_norm: limits of T", "[robustness][training]", 
 
 // A schedule built with out-of-range fields never yields a rate; valid fields at the ends of
 // int64 give rates in [floor * peak, peak] without overflowing t - warmup or total - warmup.
-TEST_CASE("schedule: fields are validated at every call", "[robustness][training]") {
+TEST_CASE("schedule: validated per call", "[robustness][training]") {
     constexpr std::int64_t top = std::numeric_limits<std::int64_t>::max();
     constexpr std::int64_t bottom = std::numeric_limits<std::int64_t>::min();
     REQUIRE_THROWS_NAMING((WarmupCosine{.warmup = -5})(1), ConfigError, "WarmupCosine: warmup = -5");

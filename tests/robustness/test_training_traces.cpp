@@ -130,7 +130,7 @@ Trace require_tampered_refused(const Trace& trace, const std::vector<Tampering<T
 }
 
 // RMSNorm: a trace of a norm with another eps or width, a default and a moved-from trace.
-TEMPLATE_TEST_CASE("traces: RMSNorm backward refuses a trace it did not make", "[train][traces]",
+TEMPLATE_TEST_CASE("traces: RMSNorm foreign", "[train][traces]",
                    float, double) {
     using T = TestType;
     Rng rng(seed_for("traces: RMSNorm"));
@@ -172,7 +172,7 @@ TEMPLATE_TEST_CASE("traces: RMSNorm backward refuses a trace it did not make", "
 // FeedForward: a trace of a feed-forward of the same width with another kind or hidden size (its
 // pre-activations of another width: a heap overflow before), default and moved-from traces,
 // and gradients of another hidden size.
-TEMPLATE_TEST_CASE("traces: FeedForward backward refuses a trace it did not make",
+TEMPLATE_TEST_CASE("traces: FFN foreign",
                    "[train][traces]", float, double) {
     using T = TestType;
     Rng rng(seed_for("traces: FeedForward"));
@@ -225,7 +225,7 @@ typename titans::Attention<T>::Trace attention_trace(const titans::Attention<T>&
 // Attention: a trace of an attention of the same width with other heads, head width, window or
 // RoPE; traces whose batch, rows, start, prefix or kept window were changed; default and
 // moved-from traces; gradients of another head width.
-TEMPLATE_TEST_CASE("traces: Attention backward refuses a trace it did not make",
+TEMPLATE_TEST_CASE("traces: attention foreign",
                    "[train][traces]", float, double) {
     using T = TestType;
     Rng rng(seed_for("traces: Attention"));
@@ -307,7 +307,7 @@ typename NeuralMemory<T>::Trace memory_trace(const NeuralMemory<T>& mem, const M
 // batch, rows, start, conv tails, products, logits or chunk-start memory were changed; default
 // and moved-from traces; gradients of another depth or head count named `grads` (before, a
 // message about MemoryParams::tensors).
-TEMPLATE_TEST_CASE("traces: NeuralMemory backward refuses a trace it did not make",
+TEMPLATE_TEST_CASE("traces: memory foreign",
                    "[train][traces]", float, double) {
     using T = TestType;
     Rng rng(seed_for("traces: NeuralMemory"));
@@ -465,7 +465,7 @@ std::vector<Tampering<typename titans::Block<T>::Trace>> block_tamperings(
 // feed-forward hidden size and kind, use_ffn, memory depth, heads, chunk, window, persistent
 // tokens, segment, norm eps); traces whose sizes or sub-layer traces were changed; default and
 // moved-from traces; gradients of another memory depth named `grads`.
-TEMPLATE_TEST_CASE("traces: Block backward refuses a trace it did not make", "[train][traces]",
+TEMPLATE_TEST_CASE("traces: block foreign", "[train][traces]",
                    float, double) {
     using T = TestType;
     for (const BlockKind kind : {BlockKind::LMM, BlockKind::MAC, BlockKind::MAG, BlockKind::MAL}) {
@@ -557,7 +557,7 @@ typename titans::Model<T>::Trace model_trace(const titans::Model<T>& model, Rng&
 // kinds, feed-forward width or kind, heads, depth, eps or block count, or without a vocabulary;
 // traces whose token ids, blocks or sizes were changed; default and moved-from traces;
 // gradients of another block count or memory depth named `grads`.
-TEMPLATE_TEST_CASE("traces: Model backward refuses a trace it did not make", "[train][traces]",
+TEMPLATE_TEST_CASE("traces: model foreign", "[train][traces]",
                    float, double) {
     using T = TestType;
     Rng rng(seed_for("traces: Model"));
