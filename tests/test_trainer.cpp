@@ -25,7 +25,7 @@ static_assert(titans::Model<float>::trainable && titans::Model<double>::trainabl
 // gradient norm and rate each step, and the same parameters and optimiser, bit for bit, for
 // every block kind (MAC's P W_K, P W_V and MAG's projected prefix must follow the parameters
 // the model takes in place), with clipping that bites and without clipping.
-TEMPLATE_TEST_CASE("trainer: == hand-written step", "[training]", float, double) {
+TEMPLATE_TEST_CASE("trainer: == hand step", "[training]", float, double) {
     using T = TestType;
     const double clip = GENERATE(0.0, 0.05);
     const std::pair<BlockKind, BlockKind> stacks[] = {{BlockKind::MAC, BlockKind::MAG},
@@ -105,7 +105,7 @@ void trainer_require_refused(Trainer<T>& trainer, const Trainer<T>& before, cons
 
 // Every refused or failing step leaves the parameters, the optimiser and the progress as they
 // were (and the next good step is the one a trainer that never saw them takes).
-TEMPLATE_TEST_CASE("trainer: refused steps change nothing", "[training][errors]", float, double) {
+TEMPLATE_TEST_CASE("trainer: refused steps", "[training][errors]", float, double) {
     using T = TestType;
     const std::string name = std::string("trainer/refused/") + type_name<T>();
     Rng rng(seed_for(name));

@@ -40,7 +40,7 @@ double trainer_io_step(Trainer<T>& t, const std::string& name, int step) {
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("io: trainer resumes bit for bit", "[io][training]", float, double) {
+TEMPLATE_TEST_CASE("io: trainer resumes", "[io][training]", float, double) {
     using T = TestType;
     const int k = GENERATE(0, 2);
     const std::string name = std::string("io/trainer/resume/") + type_name<T>();
