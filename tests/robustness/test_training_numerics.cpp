@@ -9,6 +9,8 @@
 
 #include "../backends.hpp"
 
+#include <titans/detail/norm_scale.hpp>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -167,6 +169,25 @@ TEMPLATE_LIST_TEST_CASE("numerics: norm scaling", "[numerics]", Both) {
     const Matrix<T> y = norm.forward(constant);
     CHECK(rel_error(y.row(0), w) <= tol<T>());
     CHECK(rel_error(y.row(1), w) <= tol<T>());
+}
+
+// The scale exponent of a row whose largest magnitude is zero, infinite or NaN is 0 (ilogb gives
+// INT_MIN or INT_MAX there, and scale_down negated it: signed overflow, caught by UBSan in the
+// CUDA q / k norm of a NaN row), and scale_down is then the identity; finite magnitudes keep
+// ilogb's exponent, subnormal ones included.
+TEMPLATE_TEST_CASE("numerics: scale exponent edges", "[numerics]", float, double) {
+    using T = TestType;
+    using L = std::numeric_limits<T>;
+    for (T v : {T(0), -T(0), L::infinity(), L::quiet_NaN(), -L::infinity()}) {
+        INFO(v);
+        CHECK(titans::detail::scale_exponent(std::fabs(v)) == 0);
+    }
+    CHECK(titans::detail::scale_down(T(3), titans::detail::scale_exponent(T(0))) == T(3));
+    CHECK(std::isnan(titans::detail::scale_down(L::quiet_NaN(), 0)));
+    CHECK(titans::detail::scale_exponent(L::max()) == L::max_exponent - 1);
+    CHECK(titans::detail::scale_exponent(L::denorm_min()) == L::min_exponent - L::digits);
+    CHECK(titans::detail::scale_exponent(T(1.5)) == 0);
+    CHECK(titans::detail::scale_exponent(T(0.75)) == -1);
 }
 
 // A huge gradient dy on large rows: dy ⊙ x and <dy ⊙ w, x> overflow T though dx and dweight

@@ -30,8 +30,12 @@ TITANS_HOST_DEVICE T smallest_normal() {
 }
 
 /// The scale exponent of a row with largest magnitude amax > 0 (finite): amax in [2^e, 2^(e+1)).
+/// 0 for a zero, infinite or NaN amax (ilogb's FP_ILOGB0 / FP_ILOGBNAN may be INT_MIN, whose
+/// negation in scale_down would overflow): such a row's scaled sum is then its plain one, and a
+/// non-finite row stays non-finite for the caller's check.
 template <class T>
 TITANS_HOST_DEVICE int scale_exponent(T amax) {
+    if (!(amax > T(0)) || !(amax <= largest_finite<T>())) return 0;
     return std::ilogb(amax);
 }
 
