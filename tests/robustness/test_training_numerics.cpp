@@ -175,7 +175,7 @@ TEMPLATE_LIST_TEST_CASE("numerics: norm scaling", "[numerics]", Both) {
 // INT_MIN or INT_MAX there, and scale_down negated it: signed overflow, caught by UBSan in the
 // CUDA q / k norm of a NaN row), and scale_down is then the identity; finite magnitudes keep
 // ilogb's exponent, subnormal ones included.
-TEMPLATE_TEST_CASE("numerics: scale exponent edges", "[numerics]", float, double) {
+TEMPLATE_TEST_CASE("numerics: scale exp edges", "[numerics]", float, double) {
     using T = TestType;
     using L = std::numeric_limits<T>;
     for (T v : {T(0), -T(0), L::infinity(), L::quiet_NaN(), -L::infinity()}) {
