@@ -40,3 +40,10 @@
 #include "train/gradients.hpp"
 #include "train/loss.hpp"
 #include "train/schedule.hpp"
+
+#include "text/batches.hpp"
+#include "text/byte_tokenizer.hpp"
+#include "text/corpus.hpp"
+#include "text/editions.hpp"
+#include "text/generation.hpp"
+#include "text/sampling.hpp"
