@@ -38,17 +38,18 @@ struct TokenBatch {
 ///     titans::Matrixf logits = model.forward_tokens(state, b.ids);  // state of batch 8
 class BatchSampler {
 public:
-    /// ShapeError: no documents. ConfigError naming the argument: batch not in [1, limits::max_batch], length < 1, the
-    /// ids and labels of one batch over limits::max_allocation_bytes, or no document of at
-    /// least length + 1 bytes.
+    /// ShapeError: no documents. ConfigError naming the argument: batch not in
+    /// [1, limits::max_batch], length < 1, the ids and labels of one batch over
+    /// limits::max_allocation_bytes, or no document of at least length + 1 bytes.
     BatchSampler(std::vector<Document> documents, int batch, int length, std::uint64_t seed)
         : docs_(std::move(documents)), batch_(batch), length_(length), seed_(seed) {
         constexpr const char* where = "BatchSampler";
         detail::require<ShapeError>(!docs_.empty(), where, "documents.size()", 0, "at least 1");
         detail::require_in_range(batch, 1, limits::max_batch, where, "batch");
         detail::require<ConfigError>(length >= 1, where, "length", length, "an integer >= 1");
-        detail::require_budget(detail::sat_mul(detail::sat_mul(batch, length), std::int64_t{2 * sizeof(int)}),
-                               where, "batch * length tokens", "int ids and labels");
+        const std::int64_t tokens = detail::sat_mul(batch, length);
+        detail::require_budget(detail::sat_mul(tokens, std::int64_t{2 * sizeof(int)}), where,
+                               "batch * length tokens", "int ids and labels");
         std::int64_t starts = 0;
         std::size_t longest = 0;
         for (const Document& d : docs_) {

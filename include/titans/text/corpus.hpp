@@ -67,7 +67,8 @@ inline std::vector<std::pair<std::string, std::filesystem::path>> corpus_files(
                 continue;
             }
             if (it->is_regular_file()) {
-                files.emplace_back(fs::relative(it->path(), dir).generic_string(), it->path());
+                const fs::path& file = it->path();
+                files.emplace_back(file.lexically_relative(dir).generic_string(), file);
             }
         }
     } catch (const fs::filesystem_error& e) {
