@@ -28,6 +28,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -49,8 +50,9 @@ double parse_number(const char* flag, const char* text, double lo, double hi) {
     char* end = nullptr;
     const double v = std::strtod(text, &end);
     if (end == text || *end != '\0' || !(v >= lo && v <= hi)) {
-        throw std::invalid_argument(std::string(flag) + " '" + text + "' (expected a number in [" +
-                                    std::to_string(lo) + ", " + std::to_string(hi) + "])");
+        std::ostringstream why;
+        why << flag << " '" << text << "' (expected a number in [" << lo << ", " << hi << "])";
+        throw std::invalid_argument(why.str());
     }
     return v;
 }
