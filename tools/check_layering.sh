@@ -11,6 +11,7 @@
 #   4 kernels    backend/<name>/: each backend's specialisations of the families' kernels
 #   5 models     models/: blocks and the model
 #   6 train      train/: optimiser, schedule, losses, trainer
+#   6 text       text/: bytes as tokens, corpora, batches, sampling, generation
 #   7 io         io/: files
 #   8 umbrella   titans.hpp
 #
@@ -29,6 +30,7 @@ layer_of() {  # layer_of <path relative to include/titans> -> "<rank> <name>"
         memory/* | attention/* | layers/*) echo "3 ${1%%/*}" ;;
         models/*) echo "5 models" ;;
         train/*) echo "6 train" ;;
+        text/*) echo "6 text" ;;
         io/*) echo "7 io" ;;
         */*) echo "? ?" ;;
         *) echo "0 base" ;;

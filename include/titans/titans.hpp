@@ -41,3 +41,10 @@
 #include "train/loss.hpp"
 #include "train/schedule.hpp"
 #include "train/trainer.hpp"
+
+#include "text/batches.hpp"
+#include "text/byte_tokenizer.hpp"
+#include "text/corpus.hpp"
+#include "text/editions.hpp"
+#include "text/generation.hpp"
+#include "text/sampling.hpp"

@@ -16,6 +16,9 @@ class SplitMix64 {
 public:
     explicit SplitMix64(std::uint64_t seed) : state_(seed) {}
 
+    /// The whole state: SplitMix64(state()) continues with the same numbers as this one.
+    [[nodiscard]] std::uint64_t state() const { return state_; }
+
     std::uint64_t next() {
         std::uint64_t z = (state_ += 0x9e3779b97f4a7c15ULL);
         z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;

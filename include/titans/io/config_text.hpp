@@ -1,10 +1,11 @@
 #pragma once
 // titans/io/config_text.hpp: a configuration as canonical text ("name=value" lines) and its
 // hash, to record in a file which configuration wrote it and to name the first setting that
-// differs when a checkpoint does not match.
+// differs when a checkpoint does not match; and the text read back (config_from_text).
 
 #include <charconv>
 #include <cstdint>
+#include <map>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -31,6 +32,62 @@ template <class X>
         const auto r = std::to_chars(buf, buf + sizeof buf, x);  // shortest exact round trip
         return std::string(buf, r.ptr);
     }
+}
+
+/// Sets x from the text format_setting writes; false (x unchanged) if `text` is not one.
+template <class X>
+[[nodiscard]] bool parse_setting(std::string_view text, X& x) {
+    if constexpr (std::is_same_v<X, bool>) {
+        if (text != "true" && text != "false") return false;
+        x = text == "true";
+        return true;
+    } else if constexpr (std::is_enum_v<X>) {
+        return from_string(text, x);  // titans::from_string overloads, found by ADL
+    } else {
+        X v{};
+        const auto r = std::from_chars(text.data(), text.data() + text.size(), v);
+        if (r.ec != std::errc{} || r.ptr != text.data() + text.size()) return false;
+        x = v;
+        return true;
+    }
+}
+
+/// What parse_setting<X> accepts, in words.
+template <class X>
+[[nodiscard]] const char* setting_kind() {
+    if constexpr (std::is_same_v<X, bool>) {
+        return "true or false";
+    } else if constexpr (std::is_enum_v<X>) {
+        return "one of the names config_text writes for it";
+    } else if constexpr (std::is_integral_v<X>) {
+        return "an integer";
+    } else {
+        return "a number";
+    }
+}
+
+/// The "name=value" lines of a config_text() as a map (FormatError naming `src` and the line
+/// for a line without '=' or a name given twice).
+[[nodiscard]] inline std::map<std::string, std::string, std::less<>> setting_lines(
+    std::string_view text, const std::string& src) {
+    std::map<std::string, std::string, std::less<>> out;
+    while (!text.empty()) {
+        const auto nl = text.find('\n');
+        const std::string_view line = text.substr(0, nl);
+        text = nl == std::string_view::npos ? std::string_view{} : text.substr(nl + 1);
+        const auto eq = line.find('=');
+        if (eq == std::string_view::npos || eq == 0) {
+            throw FormatError("titans::io: " + src + ": configuration line '" +
+                              std::string(line) + "', expected name=value");
+        }
+        const bool added = out.emplace(std::string(line.substr(0, eq)),
+                                       std::string(line.substr(eq + 1))).second;
+        if (!added) {
+            throw FormatError("titans::io: " + src + ": configuration setting " +
+                              std::string(line.substr(0, eq)) + " is given twice");
+        }
+    }
+    return out;
 }
 
 /// FNV-1a, 64 bits: a fingerprint (not a cryptographic hash).
@@ -149,6 +206,60 @@ template <class Config>
         }
     }
     return "";
+}
+
+/// The configuration `text` (a config_text() of a Config) describes: every setting parsed
+/// back, so config_text(config_from_text<C>(config_text(c))) == config_text(c). Text written
+/// before a setting existed is completed as with_legacy_settings does. FormatError naming
+/// `src` (the file it came from) and the setting: a line that is not name=value, a setting
+/// given twice, missing, not of its type (integer, number, true/false, an enum's name) or not
+/// one of Config's, n_blocks (ModelConfig) not in [1, limits::max_blocks]. The result is not
+/// validated (the Model or layer built from it does that).
+///
+///     auto cfg = titans::io::config_from_text<titans::ModelConfig>(f.metadata().at("config"),
+///                                                                   f.source());
+template <class Config>
+[[nodiscard]] Config config_from_text(std::string_view text, const std::string& src) {
+    auto lines = detail::setting_lines(with_legacy_settings(text), src);
+    const auto missing = [&src](const std::string& name) {
+        return FormatError("titans::io: " + src + ": configuration setting " + name +
+                           " is missing");
+    };
+    Config cfg;
+    std::size_t used = 0;
+    if constexpr (std::is_same_v<Config, ModelConfig>) {
+        const auto it = lines.find("n_blocks");
+        if (it == lines.end()) throw missing("n_blocks");
+        int n = 0;
+        if (!detail::parse_setting(it->second, n) || n < 1 || n > limits::max_blocks) {
+            throw FormatError("titans::io: " + src + ": configuration setting n_blocks = " +
+                              it->second + ", expected an integer in [1, " +
+                              std::to_string(limits::max_blocks) + "]");
+        }
+        cfg.blocks.resize(static_cast<std::size_t>(n));
+        ++used;
+    }
+    Config::fields(cfg, [&](const std::string& name, auto& value) {
+        const auto it = lines.find(name);
+        if (it == lines.end()) throw missing(name);
+        if (!detail::parse_setting(it->second, value)) {
+            throw FormatError("titans::io: " + src + ": configuration setting " + name + " = " +
+                              it->second + ", expected " +
+                              detail::setting_kind<std::decay_t<decltype(value)>>());
+        }
+        ++used;
+    });
+    if (used != lines.size()) {
+        for (const auto& [name, value] : lines) {
+            bool known = name == "n_blocks" && std::is_same_v<Config, ModelConfig>;
+            Config::fields(cfg, [&](const std::string& n, const auto&) { known |= n == name; });
+            if (!known) {
+                throw FormatError("titans::io: " + src + ": configuration setting " + name +
+                                  " is not a setting of this configuration");
+            }
+        }
+    }
+    return cfg;
 }
 
 }  // namespace titans::io
