@@ -494,3 +494,46 @@ TEMPLATE_TEST_CASE("cuda memory training: qk norm", "[cuda]", float, double) {
     CHECK(rel_error(gg.w_q, gc.w_q) <= tol<T>());
     CHECK(gc.w_q.cwiseAbs().maxCoeff() > T(0));
 }
+
+// math §10's clipping where the squared gradient norm overflows T (x at 2^80 in float, 2^540
+// in double, v and delta with it): the CUDA inference pass (its gradient-norm diagnostics
+// too), training forward and backward match the CPU, whose scaled norm
+// tests/robustness/test_training_numerics.cpp checks against the same inputs at a scale
+// without overflow.
+TEMPLATE_TEST_CASE("cuda memory: clip overflow", "[cuda]", float, double) {
+    using T = TestType;
+    Rng rng(seed_for("cuda memory: clip overflow"));
+    MemoryConfig cfg{.d_model = 8, .n_heads = 2, .depth = 2, .chunk = 4};
+    cfg.gates = GateMode::Constant;
+    cfg.constant_theta = 0.5;
+    cfg.qkv_activation = Activation::Identity;
+    cfg.max_grad_norm = 1.0;
+    const auto p = MemoryParams<T>::random(cfg, rng());
+    const NeuralMemory<T> cpu(cfg, p);
+    const CudaMemory<T> gpu(cfg, p);
+    const int k = std::is_same_v<T, float> ? 80 : 540;
+    const Matrix<T> x = random_matrix(12, cfg.d_model, rng, 0.5, 1.0).template cast<T>().unaryExpr(
+        [k](T v) { return std::ldexp(v, k); });
+    const Matrix<T> dy = random_matrix(12, cfg.d_model, rng).template cast<T>();
+    titans::Diagnostics<T> dc, dg;
+    auto sc = cpu.make_state(1);
+    auto sg = gpu.make_state(1);
+    CHECK(rel_error(gpu.forward(sg, x, &dg), cpu.forward(sc, x, &dc)) <= tol<T>());
+    CHECK(rel_error(dg.grad_norm, dc.grad_norm) <= tol<T>());
+    CHECK(std::isfinite(double(dc.grad_norm.maxCoeff())));
+    typename NeuralMemory<T>::Trace tc;
+    typename CudaMemory<T>::Trace tg;
+    Matrix<T> yc, yg, dxc, dxg;
+    auto s1 = cpu.make_state(1);
+    auto s2 = gpu.make_state(1);
+    cpu.forward(s1, x, yc, tc);
+    gpu.forward(s2, x, yg, tg);
+    CHECK(rel_error(yg, yc) <= tol<T>());
+    auto gc = MemoryParams<T>::zeros(cfg), gg = gc;
+    cpu.backward(tc, dy, dxc, gc);
+    gpu.backward(tg, dy, dxg, gg);
+    CHECK(rel_error(dxg, dxc, 0.0) <= tol<T>());
+    CHECK(rel_error(gg.w_v, gc.w_v) <= tol<T>());
+    CHECK(rel_error(gg.w_k, gc.w_k) <= tol<T>());
+    CHECK(gc.w_k.cwiseAbs().maxCoeff() > T(0));
+}

@@ -258,3 +258,55 @@ TEMPLATE_LIST_TEST_CASE("numerics: memory qk norm", "[numerics][memory]", Both) 
         }
     }
 }
+
+// math §10's clipping where the gradient norm's square overflows T: with q / k normalised,
+// identity activations and constant gates, scaling x by 2^k scales v and every delta by about
+// 2^k (M(k) is O(1) beside v), so the clipped update theta c (a delta^T) / ||grad|| and the
+// outputs are the same at a scale whose squared norm is finite (2^s1) and at one where it
+// overflows (2^s2); the diagnostics' gradient norm grows by 2^(s2 - s1), the training
+// gradients of the projections are the same and dx shrinks by 2^-(s2 - s1). Before the scaled
+// norm, g2 = inf gave a clip factor of 0 (the memory silently stopped learning), an infinite
+// gradient norm and zero adjoints through the clipping.
+TEMPLATE_LIST_TEST_CASE("numerics: clip overflow", "[numerics][memory]", Both) {
+    using T = typename TestType::Scalar;
+    using B = typename TestType::Backend;
+    const bool f = std::is_same_v<T, float>;
+    const bool conv = GENERATE(false, true);
+    Rng rng(seed_for("numerics memory clip overflow", conv));
+    MemoryConfig cfg{.d_model = 8, .n_heads = 2, .depth = 2, .chunk = 4};
+    cfg.gates = GateMode::Constant;
+    cfg.constant_theta = 0.5;
+    cfg.qkv_activation = Activation::Identity;
+    cfg.use_conv = conv;
+    cfg.max_grad_norm = 1.0;
+    const NeuralMemory<T, B> mem(cfg, MemoryParams<T>::random(cfg, rng()));
+    const Matrix<T> x = random_matrix(12, cfg.d_model, rng, 0.5, 1.0).template cast<T>();
+    const Matrix<T> dy = random_matrix(12, cfg.d_model, rng).template cast<T>();
+    const int s1 = f ? 40 : 400, s2 = f ? 80 : 540;
+    const auto scaled = [&](int k) { return Matrix<T>(x.unaryExpr([k](T v) { return std::ldexp(v, k); })); };
+    titans::Diagnostics<T> d1, d2;
+    auto st1 = mem.make_state(1), st2 = mem.make_state(1);
+    const Matrix<T> y1 = mem.forward(st1, scaled(s1), &d1);
+    const Matrix<T> y2 = mem.forward(st2, scaled(s2), &d2);
+    INFO(type_name<T>() << " conv " << conv);
+    CHECK(rel_error(y2, y1) <= tol<T>());
+    const Matrix<T> g2_back = d2.grad_norm.unaryExpr([&](T v) { return std::ldexp(v, s1 - s2); });
+    CHECK(rel_error(g2_back, d1.grad_norm) <= tol<T>());
+    CHECK(d1.grad_norm.minCoeff() > T(1));  // every token clipped
+    if constexpr (titans::backend::MemoryTraining<B, T>::available) {
+        typename NeuralMemory<T, B>::Trace t1, t2;
+        Matrix<T> z1, z2, dx1, dx2;
+        auto a1 = mem.make_state(1), a2 = mem.make_state(1);
+        mem.forward(a1, scaled(s1), z1, t1);
+        mem.forward(a2, scaled(s2), z2, t2);
+        CHECK(rel_error(z2, z1) <= tol<T>());
+        auto g1 = MemoryParams<T>::zeros(cfg), g2 = g1;
+        mem.backward(t1, dy, dx1, g1);
+        mem.backward(t2, dy, dx2, g2);
+        const Matrix<T> dx2_back = dx2.unaryExpr([&](T v) { return std::ldexp(v, s2 - s1); });
+        CHECK(rel_error(dx2_back, dx1) <= tol<T>());
+        CHECK(rel_error(g2.w_v, g1.w_v) <= tol<T>());
+        CHECK(rel_error(g2.w_k, g1.w_k) <= tol<T>());
+        CHECK(g1.w_k.cwiseAbs().maxCoeff() > T(0));
+    }
+}

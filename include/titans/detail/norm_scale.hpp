@@ -12,6 +12,7 @@
 #include <cmath>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "../config.hpp"
 #include "../types.hpp"
@@ -86,6 +87,89 @@ TITANS_HOST_DEVICE T row_norm_parts(const T* x, long long d, int& e) {
         ss += z * z;
     }
     return std::sqrt(ss);
+}
+
+/// math §10's gradient norm of one token, g = sqrt(sum_l ||a_l||^2 ||delta_l||^2), as s 2^k
+/// (s in [1, 4 sqrt(depth)) when g > 0): for rows whose plain sum of products overflows T
+/// (e.g. float inputs above ~1e10, where ||a|| ||delta|| passes ~1e19), which made the clip
+/// factor c / sqrt(inf) = 0 and silently froze the memory.
+template <class T>
+struct GradNorm {
+    T s = T(0);
+    int k = 0;
+    /// c / g: the clip factor (may round to 0 or be subnormal where g is beyond T's range).
+    [[nodiscard]] TITANS_HOST_DEVICE T clip_factor(T c) const { return std::ldexp(c / s, -k); }
+    /// g itself, infinite where it exceeds T's range.
+    [[nodiscard]] TITANS_HOST_DEVICE T value() const { return std::ldexp(s, k); }
+    /// ||x|| / g for a row x of n contiguous entries (nonzero g).
+    [[nodiscard]] TITANS_HOST_DEVICE T ratio(const T* x, long long n) const;
+};
+
+/// One layer's rows for scaled_grad_norm: a (na entries) and delta (nd entries), contiguous.
+template <class T>
+struct GradRows {
+    const T* a;
+    long long na;
+    const T* d;
+    long long nd;
+};
+
+/// ||x|| = m 2^e with m in [1, 2) (m = 0, e = 0 for a zero row), from row_norm_parts.
+template <class T>
+TITANS_HOST_DEVICE T row_norm_mantissa(const T* x, long long n, int& e) {
+    int es = 0;
+    const T nx = row_norm_parts(x, n, es);
+    const int f = scale_exponent(nx);
+    e = es + f;
+    return std::ldexp(nx, -f);
+}
+
+template <class T>
+TITANS_HOST_DEVICE T GradNorm<T>::ratio(const T* x, long long n) const {
+    int e = 0;
+    const T m = row_norm_mantissa(x, n, e);
+    return std::ldexp(m / s, e - k);
+}
+
+/// g of rows(l) (a GradRows<T> per layer l in [0, depth)) as GradNorm: each ||a_l|| ||delta_l||
+/// as q_l 2^k_l (q_l in [1, 4)), k the largest k_l, s = sqrt(sum_l (q_l 2^(k_l - k))^2). Two
+/// passes over the rows (the largest exponent first); for the rows where the plain sum
+/// overflowed, so its cost does not matter.
+template <class T, class Rows>
+TITANS_HOST_DEVICE GradNorm<T> scaled_grad_norm(int depth, const Rows& rows) {
+    GradNorm<T> g;
+    bool any = false;
+    for (int pass = 0; pass < 2; ++pass) {
+        T sum = T(0);
+        for (int l = 0; l < depth; ++l) {
+            const GradRows<T> r = rows(l);
+            int ea = 0, ed = 0;
+            const T ma = row_norm_mantissa(r.a, r.na, ea);
+            const T md = row_norm_mantissa(r.d, r.nd, ed);
+            if (!(ma > T(0)) || !(md > T(0))) continue;
+            if (pass == 0) {
+                g.k = any && g.k > ea + ed ? g.k : ea + ed;
+                any = true;
+            } else {
+                const T q = std::ldexp(ma * md, ea + ed - g.k);
+                sum += q * q;
+            }
+        }
+        if (pass == 1) g.s = std::sqrt(sum);
+    }
+    return g;
+}
+
+/// scaled_grad_norm of row i of the layers' tapes a and delta (row-major matrices, one per
+/// layer: a_l's and delta_l's rows of token i).
+template <class T>
+GradNorm<T> scaled_grad_norm_row(const std::vector<Matrix<T>>& a,
+                                 const std::vector<Matrix<T>>& delta, Eigen::Index i) {
+    return scaled_grad_norm<T>(static_cast<int>(a.size()), [&](int l) {
+        const auto li = static_cast<std::size_t>(l);
+        return GradRows<T>{a[li].row(i).data(), a[li].cols(), delta[li].row(i).data(),
+                           delta[li].cols()};
+    });
 }
 
 /// ||x|| of a row x with finite entries, as n 2^e: the plain sqrt(Σ x_j^2) with e = 0 where

@@ -15,6 +15,7 @@
 #include "../../detail/activation.hpp"
 #include "../../detail/eigen_math.hpp"
 #include "../../detail/float_env.hpp"
+#include "../../detail/norm_scale.hpp"
 #include "../../detail/product.hpp"
 #include "../../error.hpp"
 #include "../../memory/chunk_coefficients.hpp"
@@ -427,11 +428,14 @@ private:
             for (std::size_t l = 0; l < hd.a.size(); ++l) {
                 g2 += hd.a[l].row(i).squaredNorm() * hd.delta[l].row(i).squaredNorm();
             }
-            if (g2 > c * c) {
-                coef(0, i) *= c / std::sqrt(g2);
+            if (g2 > c * c) {  // the plain sum where finite, else the scaled norm
+                coef(0, i) *= g2 <= detail::largest_finite<T>()
+                                  ? c / std::sqrt(g2)
+                                  : detail::scaled_grad_norm_row(hd.a, hd.delta, i).clip_factor(c);
             }
         }
     }
+
 
     static void store_logits(const MemoryConfig& cfg, Head& hd, const Inputs& in, Eigen::Index t,
                              int row, int m) {
@@ -493,7 +497,9 @@ private:
                 g2 += hd.a[static_cast<std::size_t>(l)].row(o + i).squaredNorm() *
                       hd.delta[static_cast<std::size_t>(l)].row(o + i).squaredNorm();
             }
-            diag->grad_norm(r, in.h) = std::sqrt(g2);
+            diag->grad_norm(r, in.h) = g2 <= detail::largest_finite<T>()
+                                           ? std::sqrt(g2)
+                                           : detail::scaled_grad_norm_row(hd.a, hd.delta, o + i).value();
         }
     }
 

@@ -19,6 +19,7 @@
 
 #include "../../detail/activation.hpp"
 #include "../../detail/float_env.hpp"
+#include "../../detail/norm_scale.hpp"
 #include "../../detail/trace.hpp"
 #include "../../memory/chunk_coefficients.hpp"
 #include "../../memory/chunk_coefficients_backward.hpp"
@@ -332,8 +333,12 @@ private:
             }
             w.g2[u] = g2;
             const T c = static_cast<T>(cfg.max_grad_norm);
-            w.theta[u] = cfg.max_grad_norm > 0 && g2 > c * c ? w.theta0[u] * (c / std::sqrt(g2))
-                                                             : w.theta0[u];
+            const bool clipped = cfg.max_grad_norm > 0 && g2 > c * c;
+            const T f = !clipped ? T(1)
+                        : g2 <= detail::largest_finite<T>()
+                            ? c / std::sqrt(g2)
+                            : detail::scaled_grad_norm_row(w.tape.a, w.tape.delta, i).clip_factor(c);
+            w.theta[u] = clipped ? w.theta0[u] * f : w.theta0[u];
         }
     }
 
@@ -377,6 +382,10 @@ private:
             if (!(cfg.max_grad_norm > 0 && w.g2[u] > c * c)) {
                 continue;
             }
+            if (!(w.g2[u] <= detail::largest_finite<T>())) {
+                clip_backward_scaled(cfg, i, w);
+                continue;
+            }
             const T f = c / std::sqrt(w.g2[u]);
             const T dg2 = T(-0.5) * w.dtheta[u] * w.theta0[u] * f / w.g2[u];
             w.dtheta[u] *= f;
@@ -386,6 +395,24 @@ private:
                 w.tape.abar[l].row(i) += (T(2) * dg2 * nd) * w.tape.a[l].row(i);
                 w.tape.dbar[l].row(i) += (T(2) * dg2 * na) * w.tape.delta[l].row(i);
             }
+        }
+    }
+
+    /// clip_backward of a row whose g2 overflowed T, with g = s 2^k (detail::GradNorm): the
+    /// same adjoints, 2 dg2 ||delta_l||^2 = -dtheta theta0 f (||delta_l|| / g)^2, each ratio
+    /// taken scaled.
+    static void clip_backward_scaled(const MemoryConfig& cfg, int i, Pair& w) {
+        const auto u = static_cast<std::size_t>(i);
+        const detail::GradNorm<T> g = detail::scaled_grad_norm_row(w.tape.a, w.tape.delta, i);
+        const T f = g.clip_factor(static_cast<T>(cfg.max_grad_norm));
+        const T scale = -w.dtheta[u] * w.theta0[u] * f;
+        w.dtheta[u] *= f;
+        for (std::size_t l = 0; l < w.tape.a.size(); ++l) {
+            const auto a = w.tape.a[l].row(i);
+            const auto d = w.tape.delta[l].row(i);
+            const T ra = g.ratio(a.data(), a.size()), rd = g.ratio(d.data(), d.size());
+            w.tape.abar[l].row(i) += (scale * rd) * (rd * a);
+            w.tape.dbar[l].row(i) += (scale * ra) * (ra * d);
         }
     }
 

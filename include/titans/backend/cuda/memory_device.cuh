@@ -156,8 +156,14 @@ __global__ void gate_values_kernel(GateMode mode, T tmax, T ct, T ce, T ca, T cl
             }
             g2 += warp_sum(sa) * warp_sum(sd);
         }
-        if (g2 > clip * clip) {
-            th *= clip / sqrt(g2);
+        if (g2 > clip * clip) {  // the plain sum where finite, else the scaled norm
+            th *= g2 <= detail::largest_finite<T>()
+                      ? clip / sqrt(g2)
+                      : detail::scaled_grad_norm<T>(ly.depth, [&](int l) {
+                            return detail::GradRows<T>{ly.a[l] + (p * b + r) * ly.in[l], ly.in[l],
+                                                       ly.d[l] + (p * b + r) * ly.out[l],
+                                                       ly.out[l]};
+                        }).clip_factor(clip);
         }
     }
     if (lane == 0) {

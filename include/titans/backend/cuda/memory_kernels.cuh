@@ -626,7 +626,14 @@ struct MemoryKernels<Cuda, T> {
                 loss = sd;
             }
             out[p * N + t + i % cuda::u32(m)] = T(0.5) * loss;
-            out[P * N + p * N + t + i % cuda::u32(m)] = sqrt(g2);
+            out[P * N + p * N + t + i % cuda::u32(m)] =
+                g2 <= detail::largest_finite<T>()
+                    ? sqrt(g2)
+                    : detail::scaled_grad_norm<T>(ly.depth, [&](int l) {
+                          return detail::GradRows<T>{ly.a[l] + (p * b + r) * ly.in[l], ly.in[l],
+                                                     ly.d[l] + (p * b + r) * ly.out[l],
+                                                     ly.out[l]};
+                      }).value();
         });
     }
 

@@ -523,7 +523,15 @@ struct MemoryTraining<Cuda, T> {
                     v[vo.eta() + r] = et;
                     v[vo.alpha() + r] = al;
                     v[vo.g2() + r] = g2;
-                    v[vo.theta() + r] = clipping && g2 > clip * clip ? th * (clip / sqrt(g2)) : th;
+                    const T f = !(clipping && g2 > clip * clip) ? T(1)
+                                : g2 <= detail::largest_finite<T>()
+                                    ? clip / sqrt(g2)
+                                    : detail::scaled_grad_norm<T>(ly.depth, [&](int l) {
+                                          return detail::GradRows<T>{
+                                              ly.a[l] + p * BW + r * ly.in[l], ly.in[l],
+                                              ly.d[l] + p * BW + r * ly.out[l], ly.out[l]};
+                                      }).clip_factor(clip);
+                    v[vo.theta() + r] = clipping && g2 > clip * clip ? th * f : th;
                 });
             }
             // The read, recomputed and reversed.
@@ -766,6 +774,29 @@ struct MemoryTraining<Cuda, T> {
                     T* v = vec + p * VS;
                     const T g2 = v[vo.g2() + r];
                     if (!(g2 > clip * clip)) return;
+                    if (!(g2 <= detail::largest_finite<T>())) {  // g2 overflowed: scaled
+                        const detail::GradNorm<T> g =
+                            detail::scaled_grad_norm<T>(ly.depth, [&](int l) {
+                                return detail::GradRows<T>{
+                                    ly.a[l] + p * BW + r * ly.in[l], ly.in[l],
+                                    ly.d[l] + p * BW + r * ly.out[l], ly.out[l]};
+                            });
+                        const T fs = g.clip_factor(clip);
+                        const T scale = -v[vo.dtheta() + r] * v[vo.theta0() + r] * fs;
+                        v[vo.dtheta() + r] *= fs;
+                        for (int l = 0; l < ly.depth; ++l) {
+                            const T* a = ly.a[l] + p * BW + r * ly.in[l];
+                            const T* e = ly.d[l] + p * BW + r * ly.out[l];
+                            const T ra = g.ratio(a, ly.in[l]), rd = g.ratio(e, ly.out[l]);
+                            for (int c = 0; c < ly.in[l]; ++c) {
+                                lb.a[l][p * BW + r * ly.in[l] + c] += (scale * rd) * (rd * a[c]);
+                            }
+                            for (int c = 0; c < ly.out[l]; ++c) {
+                                lb.d[l][p * BW + r * ly.out[l] + c] += (scale * ra) * (ra * e[c]);
+                            }
+                        }
+                        return;
+                    }
                     const T f = clip / sqrt(g2);
                     const T dg2 = T(-0.5) * v[vo.dtheta() + r] * v[vo.theta0() + r] * f / g2;
                     v[vo.dtheta() + r] *= f;
