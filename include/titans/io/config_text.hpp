@@ -250,7 +250,9 @@ template <class Config>
         ++used;
     });
     if (used != lines.size()) {
-        for (const auto& [name, value] : lines) {
+        // A plain reference, not a structured binding: clang 14 cannot capture one in a lambda.
+        for (const auto& entry : lines) {
+            const std::string& name = entry.first;
             bool known = name == "n_blocks" && std::is_same_v<Config, ModelConfig>;
             Config::fields(cfg, [&](const std::string& n, const auto&) { known |= n == name; });
             if (!known) {
