@@ -18,6 +18,11 @@
 #                                 the tests under compute-sanitizer memcheck (leaks too) and
 #                                 initcheck, with a short parity sweep (2 cases per mode):
 #                                 memcheck.txt, initcheck.txt
+#   tools/gpu_check.sh lease [DIR]
+#                                 one lent machine's call, each step under a time limit: the
+#                                 tests, the fused kernel's tests under memcheck and racecheck
+#                                 (fused_memcheck.txt, fused_racecheck.txt), then the memory and
+#                                 decode benchmarks (BENCH_FILTER overrides which); a table last
 #
 # The figures in docs/performance.md ("CUDA backend") come from `run`.
 set -euo pipefail
@@ -52,6 +57,7 @@ do_run() {
   fi
   "${build}/examples/07_cuda_memory" | tee "${out}/example.txt" || rc=$?
   "${build}/bench/bench_cuda" --benchmark_counters_tabular=true \
+    --benchmark_filter="${BENCH_FILTER:-.}" \
     --benchmark_out="${out}/cuda_bench.json" --benchmark_out_format=json \
     | tee "${out}/cuda_bench.txt"
   return "${rc}"
@@ -70,10 +76,47 @@ do_sanitize() {
   return "${rc}"
 }
 
+do_lease() {
+  local out="${1:-${build}/results}" rc=0
+  mkdir -p "${out}"
+  export LD_LIBRARY_PATH="${build}/bench${LD_LIBRARY_PATH:+:${LD_LIBRARY_PATH}}"
+  { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv || true
+    uptime; } > "${out}/device.txt" 2>&1
+  cat "${out}/device.txt"
+  timeout 300 "${build}/tests/titans_cuda_tests" --warn NoTests --durations yes \
+    > "${out}/cuda_tests.txt" 2>&1 || rc=$?
+  echo "tests: exit ${rc}"; tail -n 3 "${out}/cuda_tests.txt"
+  grep "worst relative error" "${out}/cuda_tests.txt" || true
+  grep -B3 -A12 "FAILED" "${out}/cuda_tests.txt" | head -n 60 || true
+  local tool
+  for tool in memcheck racecheck; do
+    TITANS_CUDA_PARITY_CASES=1 timeout 120 compute-sanitizer --tool "${tool}" --error-exitcode 9 \
+      "${build}/tests/titans_cuda_tests" "cuda memory: fused*" > "${out}/fused_${tool}.txt" 2>&1 \
+      || echo "fused ${tool}: exit $?"
+    echo "fused ${tool}: $(grep 'ERROR SUMMARY\|RACECHECK SUMMARY' "${out}/fused_${tool}.txt" || echo 'no summary')"
+  done
+  timeout 300 "${build}/bench/bench_cuda" --benchmark_counters_tabular=true \
+    --benchmark_filter="${BENCH_FILTER:-BM_CublasSgemm|BM_CudaMemory|BM_CudaDecode}" \
+    --benchmark_out="${out}/cuda_bench.json" --benchmark_out_format=json \
+    > "${out}/cuda_bench.txt" 2>&1 || echo "bench: exit $?"
+  grep -v "^\*\*\*\|^-\|^Run on\|^CPU Caches\|^  L[123]\|^Load Average" "${out}/cuda_bench.txt"
+  # Where one forward's time goes: each kernel's device time (Nsight Compute, clocks as found).
+  if command -v ncu > /dev/null; then
+    timeout 150 ncu --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
+      "${build}/bench/bench_cuda" --benchmark_min_time=0.01 \
+      --benchmark_filter="${NCU_FILTER:-BM_CudaMemory/B:256/N:512/tf32:1/fused:1}" \
+      > "${out}/ncu.txt" 2>&1 || echo "ncu: exit $?"
+    awk '/\)x\(/ { name = substr($0, 1, 110) } /gpu__time_duration.sum/ { print $NF, $(NF-3), name }' \
+      "${out}/ncu.txt" | sort -rn | head -n 25
+  fi
+  return "${rc}"
+}
+
 case "${1:-all}" in
   build) do_build ;;
   run) do_run "${2:-}" ;;
   sanitize) do_sanitize "${2:-}" ;;
+  lease) do_lease "${2:-}" ;;
   all) do_build && do_run ;;
-  *) echo "usage: tools/gpu_check.sh [build | run [DIR] | sanitize [DIR]]" >&2; exit 2 ;;
+  *) echo "usage: tools/gpu_check.sh [build | run [DIR] | sanitize [DIR] | lease [DIR]]" >&2; exit 2 ;;
 esac

@@ -3,10 +3,13 @@
 //
 //   BM_CublasSgemm/n/tf32     n x n x n SGEMM, TF32 tensor cores off (0) or on (1): the GPU's
 //                             dense-product rate in this run
-//   BM_CudaMemory/B/N/tf32    the headline memory (d 512, H 8, d_h 64, L 2, e 4, b 64, lagged,
+//   BM_CudaMemory/B/N/tf32/fused
+//                             the headline memory (d 512, H 8, d_h 64, L 2, e 4, b 64, lagged,
 //                             data-dependent gates, conv) over B sequences of N tokens, device
 //                             input and output (the kernel seam, no host copies), each call
-//                             timed alone (manual time: the state reset is outside it);
+//                             timed alone (manual time: the state reset is outside it); TF32
+//                             allowed (1) or not (0); full chunks in the fused kernel
+//                             (memory_fused.cuh, 1) or as batched cuBLAS products (0);
 //                             counters tokens_per_second, GFLOPS (bench/memory_flops.hpp),
 //                             frac_sgemm and frac_tf32 (GFLOPS over BM_CublasSgemm/4096's)
 //   BM_CudaDecode/B           the same memory fed one token per sequence per call (serving)
@@ -46,9 +49,8 @@ double sgemm_rate(int n, bool tf32) {
     const tc::StreamContext cx;
     tc::set_allow_tf32(false);
     const auto nn = static_cast<std::size_t>(n) * static_cast<std::size_t>(n);
-    tc::DeviceBuffer<float> a(nn), b(nn), c(nn);
-    tc::check(cudaMemset(a.data(), 0, nn * sizeof(float)), "memset");
-    tc::check(cudaMemset(b.data(), 0, nn * sizeof(float)), "memset");
+    const titans::Matrixf host = titans::Matrixf::Random(n, n);  // never time on zeros
+    tc::DeviceBuffer<float> a = tc::upload_array(host.data(), nn), b = a, c(nn);
     auto product = [&] {
         tc::gemm<float>(cx.blas(), false, false, n, n, n, 1.0f, {a.data(), n}, {b.data(), n},
                         0.0f, c.data(), n, 0, 1);
@@ -130,13 +132,19 @@ void BM_CudaMemory(benchmark::State& state) {
     const int B = static_cast<int>(state.range(0));
     const long N = state.range(1);
     const bool tf32 = state.range(2) != 0;
+    const bool fused = state.range(3) != 0;
     const double sgemm = sgemm_rate(4096, false), tf32_rate = sgemm_rate(4096, true);
     Setup s(B, N);
     tc::set_allow_tf32(tf32);
     const Kernels::State fresh = Kernels::make_state(s.cfg, s.prepared, B);
     tc::set_allow_tf32(false);
+    tc::set_fused_memory(fused ? tc::FusedMemory::On : tc::FusedMemory::Off);
     Kernels::State st = fresh;
+    const long long launches = tc::fused_launches();
     s.forward(st);  // warm-up: workspaces, cuBLAS heuristics
+    if ((tc::fused_launches() > launches) != fused) {
+        state.SkipWithError("the fused kernel did not run as asked");
+    }
     double seconds = 0;
     for (auto _ : state) {
         state.PauseTiming();
@@ -154,6 +162,7 @@ void BM_CudaMemory(benchmark::State& state) {
                           titans_bench::memory_forward_flops(s.cfg, B, N) / 1e9 / seconds;
     state.counters["frac_sgemm"] = gflops / sgemm;
     state.counters["frac_tf32"] = gflops / tf32_rate;
+    tc::set_fused_memory(tc::FusedMemory::Auto);
 }
 
 void BM_CudaDecode(benchmark::State& state) {
@@ -233,9 +242,11 @@ void BM_CudaModel(benchmark::State& state) {
 
 BENCHMARK(BM_CublasSgemm)->Args({4096, 0})->Args({4096, 1})->Iterations(1)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_CudaMemory)
-    ->ArgNames({"B", "N", "tf32"})
-    ->Args({1, 2048, 0})->Args({16, 2048, 0})->Args({64, 1024, 0})->Args({256, 512, 0})
-    ->Args({64, 1024, 1})->Args({256, 512, 1})
+    ->ArgNames({"B", "N", "tf32", "fused"})
+    ->Args({1, 2048, 0, 0})->Args({16, 2048, 0, 0})->Args({64, 1024, 0, 0})->Args({256, 512, 0, 0})
+    ->Args({64, 1024, 1, 0})->Args({256, 512, 1, 0})
+    ->Args({1, 2048, 1, 1})->Args({16, 2048, 1, 1})->Args({64, 1024, 1, 1})->Args({256, 512, 1, 1})
+    ->Args({256, 512, 0, 1})
     ->Unit(benchmark::kMillisecond)->UseManualTime();
 BENCHMARK(BM_CudaDecode)->ArgNames({"B"})->Arg(1)->Arg(64)->Arg(1024)->Unit(benchmark::kMicrosecond)->UseRealTime();
 BENCHMARK(BM_CudaBlock)

@@ -74,7 +74,7 @@ Matrix<T> kernel_forward(const CudaMemory<T>& mem, typename CudaMemory<T>::State
 /// every piece's position: outputs, the memory after the last token, a read.
 template <class T>
 double compare_case(const MemoryConfig& cfg, const titans::MemoryParamsd& p, const Matrixd& x,
-                    int B, int N, Rng& rng, double bound) {
+                    int B, int N, Rng& rng, double bound, std::vector<int> pieces = {}) {
     NeuralMemory<double> cpu(cfg, p);
     CudaMemory<T> gpu(cfg, cast_params<T>(p));
     auto cs = cpu.make_state(B);
@@ -85,7 +85,9 @@ double compare_case(const MemoryConfig& cfg, const titans::MemoryParamsd& p, con
     Matrixd y_gpu(y_cpu.rows(), y_cpu.cols());
     int t = 0;
     std::string first_bad;
-    const auto pieces = random_pieces(N, rng);
+    if (pieces.empty()) {
+        pieces = random_pieces(N, rng);
+    }
     for (std::size_t i = 0; i < pieces.size(); ++i) {
         const Matrix<T> xp = piece_rows(xr, B, N, t, pieces[i]).template cast<T>();
         const Matrix<T> yp = i % 2 == 0 ? kernel_forward(gpu, gs, xp) : gpu.forward(gs, xp);
@@ -150,6 +152,120 @@ TEST_CASE("cuda memory: parity, double", "[cuda]") {
 
 TEST_CASE("cuda memory: parity, float", "[cuda]") {
     parity_sweep<float>("cuda parity float", 12, 1e-5);
+}
+
+namespace {
+
+namespace tcu = titans::backend::cuda;
+
+/// A configuration the fused chunk kernel takes in T (depth 2, lagged, chunk 32 or 64, d_h 32
+/// or 64, expansion 1, 2 or 4, its shared memory within an H100's 227 KB), the other options
+/// from m and drawn as in the parity sweep (conv kernels up to 11).
+template <class T>
+MemoryConfig fused_config(Modes m, Rng& rng) {
+    m.retrieval = Retrieval::Lagged;
+    m.update = titans::UpdateMode::Chunked;
+    Limits lim;
+    lim.min_head_dim = 3;
+    MemoryConfig c = random_config(m, rng, lim);
+    c.depth = 2;
+    c.n_heads = uniform_int(rng, 1, 2);
+    c.d_model = uniform_int(rng, 8, 48);
+    c.conv_kernel = pick(rng, std::vector<int>{1, 2, 4, 4, 11});  // 11: the conv's long path
+    do {
+        c.d_head = pick(rng, std::vector<int>{32, 32, 64});
+        c.expansion = pick(rng, std::vector<int>{1, 2, 4});
+        c.chunk = pick(rng, std::vector<int>{32, 32, 64});
+    } while (static_cast<std::size_t>(
+                 tcu::FusedLayout{c.chunk, c.d_head, c.expansion * c.d_head}.entries()) *
+                 sizeof(T) > 232448);
+    c.validate();
+    return c;
+}
+
+/// Pieces that add up to N: runs of whole chunks from a chunk start (the fused kernel's; the
+/// first piece holds one), and short or ragged ones that leave a chunk pending (the unfused
+/// path's).
+std::vector<int> chunky_pieces(int N, int b, Rng& rng) {
+    std::vector<int> out{std::min(N, pick(rng, std::vector<int>{b, 2 * b + uniform_int(rng, 0, 5)}))};
+    int left = N - out[0];
+    while (left > 0) {
+        const int n = std::min(left, pick(rng, std::vector<int>{uniform_int(rng, 0, 9), b,
+                                                                2 * b + uniform_int(rng, 0, 5),
+                                                                3 * b - uniform_int(rng, 1, 5)}));
+        out.push_back(n);
+        left -= n;
+    }
+    return out;
+}
+
+/// Cases of fused_config through compare_case with the fused kernel on (TF32 when `tf32`):
+/// the worst error; every case must have launched the fused kernel.
+template <class T>
+double fused_sweep(const char* name, int cases_per_mode, double bound, bool tf32) {
+    cases_per_mode = parity_cases(cases_per_mode);
+    tcu::set_fused_memory(tcu::FusedMemory::On);
+    tcu::set_allow_tf32(tf32);
+    double worst = 0;
+    int index = 0;
+    for (GateMode g : {GateMode::DataDependent, GateMode::PerChunk, GateMode::Constant}) {
+        for (int k = 0; k < cases_per_mode; ++k, ++index) {
+            Rng rng(seed_for(name, static_cast<std::uint64_t>(index)));
+            Modes m = with_flags(Modes{}, (k * 7 + index) % 32);
+            m.gates = g;
+            const MemoryConfig cfg = fused_config<T>(m, rng);
+            const int B = uniform_int(rng, 1, 2);
+            const int N = uniform_int(rng, 3 * cfg.chunk, 5 * cfg.chunk);
+            const auto p = random_params(cfg, rng);
+            const Matrixd x = random_matrix(static_cast<Eigen::Index>(B) * N, cfg.d_model, rng);
+            INFO("case " << index << ": " << to_string(g) << " flags " << (k * 7 + index) % 32
+                         << " d_h " << cfg.head_dim() << " e " << cfg.expansion << " chunk "
+                         << cfg.chunk << " clip " << cfg.max_grad_norm << " B " << B << " N " << N);
+            const long long launches = tcu::fused_launches();
+            worst = std::max(worst, compare_case<T>(cfg, p, x, B, N, rng, bound,
+                                                    chunky_pieces(N, cfg.chunk, rng)));
+            CHECK(tcu::fused_launches() > launches);
+        }
+    }
+    tcu::set_fused_memory(tcu::FusedMemory::Auto);
+    tcu::set_allow_tf32(false);
+    std::printf("%s: %d cases, worst relative error %.3g (bound %.0e)\n", name, index, worst,
+                bound);
+    return worst;
+}
+
+}  // namespace
+
+// The fused chunk kernel (memory_fused.cuh) against the CPU, as the parity sweep: double to
+// rounding, float within 1e-5, TF32 within 1e-2 (operands rounded to 10-bit mantissas, unit
+// roundoff 2^-11 = 4.9e-4, through a stream of chunk updates; docs/cuda.md has the figures).
+TEST_CASE("cuda memory: fused chunks", "[cuda]") {
+    fused_sweep<double>("cuda fused double", 4, 1e-12, false);
+    fused_sweep<float>("cuda fused float", 3, 1e-5, false);
+    fused_sweep<float>("cuda fused tf32", 3, 1e-2, true);
+}
+
+// A forward whose fused chunks diverge (values of 1e200, clipping off: the keys overflow after
+// the first chunk end): NonFiniteError, and every tensor of the state as it was, bit for bit.
+TEST_CASE("cuda memory: fused errors keep state", "[cuda]") {
+    Rng rng(seed_for("cuda fused errors"));
+    tcu::set_fused_memory(tcu::FusedMemory::On);
+    MemoryConfig cfg = fused_config<double>(Modes{}, rng);
+    cfg.max_grad_norm = 0;
+    auto p = random_params(cfg, rng);
+    p.w_v *= 1e200;
+    CudaMemory<double> gpu(cfg, p);
+    auto gs = gpu.make_state(2);
+    (void)gpu.forward(gs, random_matrix(2 * 5, cfg.d_model, rng));
+    const auto before = state_tensors(gs);
+    const int n = 3 * cfg.chunk;
+    const Matrixd x = random_matrix(2 * n, cfg.d_model, rng);
+    const long long launches = tcu::fused_launches();
+    REQUIRE_THROWS_NAMING(gpu.forward(gs, x), titans::NonFiniteError, "expected finite");
+    CHECK(tcu::fused_launches() > launches);
+    CHECK(gs.position() == 5);
+    CHECK(same_tensors(state_tensors(gs), before));
+    tcu::set_fused_memory(tcu::FusedMemory::Auto);
 }
 
 namespace {

@@ -41,6 +41,7 @@
 #define __global__
 #define __forceinline__ inline
 #define __noinline__
+#define __launch_bounds__(...)
 #define __shared__ static thread_local
 
 // Device math: CUDA declares float overloads of the C math functions in the global namespace
@@ -91,6 +92,13 @@ enum cudaDeviceAttr {
     cudaDevAttrMaxGridDimX = 5,
     cudaDevAttrWarpSize = 10,
     cudaDevAttrMaxPitch = 11,
+    cudaDevAttrMultiProcessorCount = 16,
+    cudaDevAttrMaxSharedMemoryPerBlockOptin = 97,
+};
+
+/// The kernel attribute the backend sets (cudaFuncSetAttribute).
+enum cudaFuncAttribute {
+    cudaFuncAttributeMaxDynamicSharedMemorySize = 8,
 };
 
 struct uint3 {
@@ -120,6 +128,8 @@ namespace cuda_emulation {
 inline constexpr std::size_t max_pitch = 2147483647;  // cudaDevAttrMaxPitch
 inline constexpr unsigned max_threads_per_block = 1024;
 inline constexpr std::size_t max_allocation = std::size_t(80) << 30;  // 80 GiB of "device" memory
+inline constexpr int max_shared_optin = 232448;  // cudaDevAttrMaxSharedMemoryPerBlockOptin
+inline constexpr int multiprocessors = 132;
 
 /// The byte fresh device memory is filled with (uninitialised reads show as 0xCDCD...).
 inline constexpr int garbage_byte = 0xCD;
@@ -399,6 +409,8 @@ inline cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr attr, int devic
     case cudaDevAttrMaxGridDimX: *v = 2147483647; return cudaSuccess;
     case cudaDevAttrWarpSize: *v = 32; return cudaSuccess;
     case cudaDevAttrMaxPitch: *v = static_cast<int>(cuda_emulation::max_pitch); return cudaSuccess;
+    case cudaDevAttrMultiProcessorCount: *v = cuda_emulation::multiprocessors; return cudaSuccess;
+    case cudaDevAttrMaxSharedMemoryPerBlockOptin: *v = cuda_emulation::max_shared_optin; return cudaSuccess;
     }
     return cuda_emulation::fail(cudaErrorInvalidValue);
 }
@@ -507,3 +519,17 @@ inline cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_
 }
 
 #include "emulated_launch.h"
+
+/// Raises a kernel's dynamic shared memory limit (the one attribute the backend sets): up to
+/// the opt-in maximum, else cudaErrorInvalidValue.
+template <class... P>
+cudaError_t cudaFuncSetAttribute(void (*kernel)(P...), cudaFuncAttribute attr, int value) {
+    using namespace cuda_emulation;
+    if (kernel == nullptr || attr != cudaFuncAttributeMaxDynamicSharedMemorySize || value < 0 ||
+        value > max_shared_optin) {
+        return fail(cudaErrorInvalidValue);
+    }
+    std::lock_guard<std::mutex> lock(shared_limits_mutex);
+    shared_limits[reinterpret_cast<const void*>(kernel)] = static_cast<std::size_t>(value);
+    return cudaSuccess;
+}

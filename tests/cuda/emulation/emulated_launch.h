@@ -13,7 +13,11 @@
 //
 // Shared memory (__shared__ = static thread_local) is per host thread, so the blocks of one
 // launch, which run one at a time, share it as a block's threads do; it is not cleared
-// between blocks. Threads that have exited count as arrived at __syncthreads (as on sm_70 and
+// between blocks. Dynamic shared memory (a launch's `shmem` bytes, dynamic_shared()) is a
+// buffer of the host thread, filled with 0xFF bytes (NaN in float and double) before each
+// block, so a read of what the block did not write shows; above 48 KB a launch needs the
+// kernel's cudaFuncAttributeMaxDynamicSharedMemorySize raised first (cudaFuncSetAttribute), as
+// on a GPU. Threads that have exited count as arrived at __syncthreads (as on sm_70 and
 // later). Undefined behaviour the emulator sees (a block deadlocked at its barriers, a shuffle
 // whose mask names a lane that is not there or that does not take part, lanes disagreeing on
 // the mask) aborts the process with a message naming the block and thread.
@@ -29,7 +33,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -402,15 +408,38 @@ inline unsigned lane_id() {
 // ---------------------------------------------------------------------------------------------
 // Launch
 // ---------------------------------------------------------------------------------------------
+/// The dynamic shared memory of the running block (dynamic_shared()), and each kernel's
+/// raised limit (cudaFuncSetAttribute; 48 KB where never raised).
+struct DynamicShared {
+    std::vector<unsigned char> bytes;
+    std::size_t size = 0;
+};
+inline thread_local DynamicShared dynamic_shared_memory;
+inline std::mutex shared_limits_mutex;
+inline std::map<const void*, std::size_t> shared_limits;
+
+inline std::size_t shared_limit(const void* kernel) {
+    std::lock_guard<std::mutex> lock(shared_limits_mutex);
+    const auto it = shared_limits.find(kernel);
+    return it == shared_limits.end() ? std::size_t(48) << 10 : it->second;
+}
+
+/// The running block's dynamic shared memory (16-byte aligned), as `extern __shared__`.
+inline void* dynamic_shared() {
+    (void)this_block();
+    return dynamic_shared_memory.bytes.data();
+}
+
 /// Whether a launch of grid x block threads with `shmem` bytes of dynamic shared memory is
 /// one the device accepts (else cudaErrorInvalidConfiguration, as on an H100).
-inline bool valid_configuration(dim3 grid, dim3 block, std::size_t shmem) {
+inline bool valid_configuration(dim3 grid, dim3 block, std::size_t shmem,
+                                std::size_t limit = std::size_t(48) << 10) {
     const unsigned long long threads =
         static_cast<unsigned long long>(block.x) * block.y * block.z;
     return block.x >= 1 && block.y >= 1 && block.z >= 1 && block.x <= 1024 && block.y <= 1024 &&
            block.z <= 64 && threads <= max_threads_per_block && grid.x >= 1 &&
            grid.x <= 2147483647u && grid.y >= 1 && grid.y <= 65535 && grid.z >= 1 &&
-           grid.z <= 65535 && shmem <= 48 * 1024;
+           grid.z <= 65535 && shmem <= limit;
 }
 
 /// Runs every block of the grid: run(call) is one thread's kernel body.
@@ -433,6 +462,7 @@ inline void run_grid(dim3 grid, dim3 block, void (*run)(const void*), const void
             for (unsigned x = 0; x < grid.x; ++x) {
                 blockIdx = uint3{x, y, z};
                 b.next = b.finished = b.arrived = 0;
+                std::memset(dynamic_shared_memory.bytes.data(), 0xFF, dynamic_shared_memory.size);
                 run_block(s, b);
             }
         }
@@ -446,7 +476,8 @@ inline void run_grid(dim3 grid, dim3 block, void (*run)(const void*), const void
 template <class... P, class... A>
 void launch(void (*kernel)(P...), dim3 grid, dim3 block, std::size_t shmem, cudaStream_t stream,
             A&&... args) {
-    if (!valid_configuration(grid, block, shmem)) {
+    if (!valid_configuration(grid, block, shmem,
+                             shared_limit(reinterpret_cast<const void*>(kernel)))) {
         fail(cudaErrorInvalidConfiguration);
         return;
     }
@@ -459,6 +490,11 @@ void launch(void (*kernel)(P...), dim3 grid, dim3 block, std::size_t shmem, cuda
         std::tuple<std::decay_t<P>...> args;
     };
     const Call call{kernel, std::tuple<std::decay_t<P>...>(std::forward<A>(args)...)};
+    DynamicShared& dyn = dynamic_shared_memory;
+    dyn.size = shmem;
+    if (dyn.bytes.size() < shmem) {
+        dyn.bytes.resize(shmem);
+    }
     run_grid(grid, block,
              [](const void* c) {
                  const Call& k = *static_cast<const Call*>(c);

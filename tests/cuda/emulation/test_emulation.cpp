@@ -38,6 +38,29 @@ __global__ void shuffle_kernel(int* out) {
 
 __global__ void min_kernel(int* flag) { atomicMin(flag, 100 - static_cast<int>(threadIdx.x)); }
 
+/// Counts the dynamic shared floats that hold the poison (NaN) before the block writes them,
+/// then the entries that do not read back what the block wrote (block 0's thread 0).
+__global__ void dynamic_kernel(int n, int* fresh, int* wrong) {
+    float* sh = tc::dynamic_shared<float>();
+    int nans = 0;
+    for (int i = static_cast<int>(threadIdx.x); i < n; i += static_cast<int>(blockDim.x)) {
+        nans += sh[i] != sh[i] ? 1 : 0;
+    }
+    atomicAdd(fresh, nans);
+    __syncthreads();
+    for (int i = static_cast<int>(threadIdx.x); i < n; i += static_cast<int>(blockDim.x)) {
+        sh[i] = static_cast<float>(i);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0 && blockIdx.x == 0) {
+        int bad = 0;
+        for (int i = 0; i < n; ++i) {
+            bad += sh[i] != static_cast<float>(i) ? 1 : 0;
+        }
+        *wrong = bad;
+    }
+}
+
 template <class T>
 T* device_alloc(std::size_t n) {
     void* p = nullptr;
@@ -118,4 +141,31 @@ TEST_CASE("emulation: copy checks", "[cuda]") {
     CHECK(cublasDestroy(h0) == CUBLAS_STATUS_SUCCESS);
     CHECK(cudaFree(c) == cudaSuccess);
     CHECK(cudaFree(d) == cudaSuccess);
+}
+
+// Dynamic shared memory: above 48 KB only after the kernel's limit is raised (as on a GPU),
+// poisoned before every block (each block sees none of the previous block's values).
+TEST_CASE("emulation: dynamic shared memory", "[cuda]") {
+    const int n = 20000;  // 80,000 bytes
+    const std::size_t bytes = n * sizeof(float);
+    int* fresh = device_alloc<int>(1);
+    int* wrong = device_alloc<int>(1);
+    REQUIRE(cudaMemset(fresh, 0, sizeof(int)) == cudaSuccess);
+    (void)cudaGetLastError();
+    tc::launch_shared(dynamic_kernel, 2, 128, bytes, nullptr, n, fresh, wrong);
+    CHECK(cudaGetLastError() == cudaErrorInvalidConfiguration);
+    tc::raise_shared_limit(dynamic_kernel, bytes);
+    CHECK(tc::shared_memory_limit() >= bytes);
+    tc::launch_shared(dynamic_kernel, 2, 128, bytes, nullptr, n, fresh, wrong);
+    REQUIRE(cudaGetLastError() == cudaSuccess);
+    int nans = 0, bad = -1;
+    REQUIRE(cudaMemcpy(&nans, fresh, sizeof(int), cudaMemcpyDeviceToHost) == cudaSuccess);
+    REQUIRE(cudaMemcpy(&bad, wrong, sizeof(int), cudaMemcpyDeviceToHost) == cudaSuccess);
+    CHECK(nans == 2 * n);
+    CHECK(bad == 0);
+    CHECK(cudaFuncSetAttribute(dynamic_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               1 << 20) == cudaErrorInvalidValue);
+    (void)cudaGetLastError();
+    cudaFree(fresh);
+    cudaFree(wrong);
 }

@@ -8,6 +8,7 @@
 // (nvcc --extended-lambda, which the titans::cuda target adds) or functor.
 
 #include <algorithm>
+#include <cstddef>
 #include <limits>
 #include <utility>
 
@@ -26,6 +27,46 @@ void launch(void (*kernel)(P...), dim3 grid, dim3 block, cudaStream_t stream, A&
 #else
     ::cuda_emulation::launch(kernel, grid, block, 0, stream, std::forward<A>(args)...);
 #endif
+}
+
+/// kernel<<<grid, block, shmem, stream>>>(args...): `shmem` bytes of dynamic shared memory
+/// (dynamic_shared<T>() in the kernel); above 48 KB after raise_shared_limit(kernel, shmem).
+template <class... P, class... A>
+void launch_shared(void (*kernel)(P...), dim3 grid, dim3 block, std::size_t shmem,
+                   cudaStream_t stream, A&&... args) {
+#if defined(__CUDACC__)
+    kernel<<<grid, block, shmem, stream>>>(std::forward<A>(args)...);
+#else
+    ::cuda_emulation::launch(kernel, grid, block, shmem, stream, std::forward<A>(args)...);
+#endif
+}
+
+/// The block's dynamic shared memory (16-byte aligned) as an array of T.
+template <class T>
+__device__ T* dynamic_shared() {
+#if defined(__CUDACC__)
+    extern __shared__ __align__(16) unsigned char titans_dynamic_shared[];
+    return reinterpret_cast<T*>(titans_dynamic_shared);
+#else
+    return static_cast<T*>(::cuda_emulation::dynamic_shared());
+#endif
+}
+
+/// Lets `kernel` take `bytes` of dynamic shared memory (cudaFuncSetAttribute).
+template <class... P>
+void raise_shared_limit(void (*kernel)(P...), std::size_t bytes) {
+    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(bytes)),
+          "cudaFuncSetAttribute (dynamic shared memory)");
+}
+
+/// The most dynamic shared memory a block of the current device may take (the opt-in limit).
+inline std::size_t shared_memory_limit() {
+    int device = 0, bytes = 0;
+    check(cudaGetDevice(&device), "cudaGetDevice");
+    check(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+          "cudaDeviceGetAttribute (shared memory per block)");
+    return static_cast<std::size_t>(bytes);
 }
 
 template <class F>

@@ -11,6 +11,7 @@
 #include "../../limits.hpp"
 #include "../../memory/config.hpp"
 #include "launch.cuh"
+#include "tile_product.cuh"
 
 namespace titans::backend::cuda {
 
@@ -26,31 +27,85 @@ struct PendingLayers {
 
 #if TITANS_CUDA_DEVICE_CODE
 
-/// math §1 for one token row r of u (M x C, C = D for queries only, else 3D): the causal conv
-/// over the sequence (rows before the piece from `tail`, (K-1) x 3D per sequence), phi, and
-/// the pair-major layout [s*H + h][t][d_h] of q (and k, v). One block per row.
-template <class T>
-__global__ void conv_rows_kernel(const T* u, const T* taps, const T* tail, T* q, T* k, T* v,
-                                 long long N, int C, int C3, int K, int D, int dh, int H,
-                                 bool conv, bool silu) {
-    const long long r = blockIdx.x, s = r / N, t = r % N;
-    for (int c = threadIdx.x; c < C; c += blockDim.x) {
-        T val = u[r * C + c];
-        if (conv) {
-            val *= taps[static_cast<long long>(K - 1) * C3 + c];
-            for (int j = 0; j < K - 1; ++j) {
-                const long long tt = t - K + 1 + j;
-                const T in = tt >= 0 ? u[(s * N + tt) * C + c]
-                                     : tail[(s * (K - 1) + tt + K - 1) * C3 + c];
-                val += taps[static_cast<long long>(j) * C3 + c] * in;
+/// One row t of conv_column: x (its input) through the conv (win, the last K - 1 inputs when
+/// in_registers, advanced by one row; else input(tt) reads them), phi, into *out.
+template <class T, int held, class In>
+__device__ inline void conv_step(const T* taps, T x, T (&win)[held], int C3, int K, int c,
+                                 bool conv, bool silu, bool in_registers, const In& input,
+                                 long long t, T* out) {
+    T val = x;
+    if (conv) {
+        val *= taps[static_cast<long long>(K - 1) * C3 + c];
+        if (in_registers) {
+            TITANS_UNROLL
+            for (int i = 0; i < held; ++i) {
+                if (i < K - 1) {
+                    val += taps[static_cast<long long>(i) * C3 + c] * win[i];
+                }
+            }
+            TITANS_UNROLL
+            for (int i = 0; i < held; ++i) {  // slide: the newest input last
+                win[i] = i + 1 < K - 1 ? win[i + 1] : (i + 1 == K - 1 ? x : win[i]);
+            }
+        } else {
+            for (int i = 0; i < K - 1; ++i) {
+                val += taps[static_cast<long long>(i) * C3 + c] * input(t - K + 1 + i);
             }
         }
-        if (silu) {
-            val = detail::silu(val);
+    }
+    *out = silu ? detail::silu(val) : val;
+}
+
+/// math §1 for column c of u (M x C, C = D for queries only, else 3D) over token rows
+/// [t0, t1) of sequence s: the causal conv over the sequence (rows before the piece from
+/// `tail`, (K-1) x 3D per sequence), phi, and the pair-major layout [s*H + h][t][d_h] of q
+/// (and k, v). The thread walks the column down the rows with the last K - 1 inputs in
+/// registers (K <= 8; longer kernels read them again), so each entry of u is read once, in
+/// batches of 8 rows whose loads are in flight together.
+template <class T>
+__device__ void conv_column(const T* u, const T* taps, const T* tail, T* q, T* k, T* v,
+                            long long N, int C, int C3, int K, int D, int dh, int H, bool conv,
+                            bool silu, long long s, long long t0, long long t1, int c) {
+    constexpr int held = 7;  // inputs kept in registers: K - 1 <= held
+    const int which = c / D, h = (c - which * D) / dh, j = c - which * D - h * dh;
+    T* out = (which == 0 ? q : (which == 1 ? k : v)) + (s * H + h) * N * dh + j;
+    const auto input = [&](long long tt) {  // pre-conv row tt of the sequence (tt < 0: tail)
+        return tt >= 0 ? u[(s * N + tt) * C + c] : tail[(s * (K - 1) + tt + K - 1) * C3 + c];
+    };
+    const bool in_registers = K - 1 <= held;
+    T win[held];  // win[i] = input(t - (K - 1) + i)
+    TITANS_UNROLL
+    for (int i = 0; i < held; ++i) {
+        win[i] = conv && in_registers && i < K - 1 ? input(t0 - (K - 1) + i) : T(0);
+    }
+    constexpr int batch = 8;  // rows whose inputs are loaded before any output is stored
+    for (long long tb = t0; tb < t1; tb += batch) {
+        T xs[batch];
+        TITANS_UNROLL
+        for (int r = 0; r < batch; ++r) {
+            xs[r] = tb + r < t1 ? u[(s * N + tb + r) * C + c] : T(0);
         }
-        const int which = c / D, h = (c - which * D) / dh, j = c - which * D - h * dh;
-        T* out = which == 0 ? q : (which == 1 ? k : v);
-        out[((s * H + h) * N + t) * dh + j] = val;
+        TITANS_UNROLL
+        for (int r = 0; r < batch; ++r) {
+            if (tb + r < t1) {
+                conv_step(taps, xs[r], win, C3, K, c, conv, silu, in_registers, input, tb + r,
+                          out + (tb + r) * dh);
+            }
+        }
+    }
+}
+
+/// conv_column over tiles of `rows` token rows: blockIdx.x = s * tiles + tile, the columns
+/// strided over blockIdx.y (a warp's 32 columns make its reads and writes coalesce).
+template <class T>
+__global__ void conv_tile_kernel(const T* u, const T* taps, const T* tail, T* q, T* k, T* v,
+                                 long long N, int C, int C3, int K, int D, int dh, int H,
+                                 bool conv, bool silu, int rows, long long tiles) {
+    const long long s = blockIdx.x / tiles, t0 = blockIdx.x % tiles * rows;
+    const long long t1 = t0 + rows < N ? t0 + rows : N;
+    for (int c = static_cast<int>(blockIdx.y * blockDim.x + threadIdx.x); c < C;
+         c += static_cast<int>(gridDim.y * blockDim.x)) {
+        conv_column(u, taps, tail, q, k, v, N, C, C3, K, D, dh, H, conv, silu, s, t0, t1, c);
     }
 }
 
@@ -71,6 +126,30 @@ __device__ T warp_max(T x) {
         x = y > x ? y : x;
     }
     return x;
+}
+
+/// flags[slot] = the smallest key of the rows holding a NaN or an infinity, if any
+/// (atomicMin; the slot starts above every key): rows r < `rows` of P matrices (`cols` wide,
+/// row stride ld, pair stride ps), row r of matrix p keyed (p / div) a + r b. One warp per row.
+template <class T>
+__global__ void flag_rows_kernel(const T* x, long long P, long long rows, int cols, long long ld,
+                                 long long ps, int* flags, int slot, long long div, long long a,
+                                 long long b, int cap) {
+    const long long w = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+    const int lane = static_cast<int>(threadIdx.x % 32);
+    if (w >= P * rows) {
+        return;  // the whole warp
+    }
+    const long long p = w / rows, r = w % rows;
+    const T* row = x + p * ps + r * ld;
+    int bad = 0;
+    for (int col = lane; col < cols; col += 32) {
+        bad |= not_finite(row[col]) ? 1 : 0;
+    }
+    if (warp_max(bad) != 0 && lane == 0) {
+        const long long key = (p / div) * a + r * b;
+        atomicMin(flags + slot, static_cast<int>(key < cap ? key : cap - 1));
+    }
 }
 
 /// Rows of d_h entries (`rows` of a, then `rows` of b when b is given) divided by their L2
@@ -112,65 +191,92 @@ __global__ void l2_rows_kernel(T* a, T* b, long long rows, int dh) {
     }
 }
 
+/// The gate settings of a MemoryConfig (math §1 gates, §10 clipping), as kernels take them.
+template <class T>
+struct GateParams {
+    GateMode mode;
+    T tmax, ct, ce, ca, clip;
+    static GateParams of(const MemoryConfig& cfg) {
+        return {cfg.gates,
+                static_cast<T>(cfg.theta_max),
+                static_cast<T>(cfg.constant_theta),
+                static_cast<T>(cfg.constant_eta),
+                static_cast<T>(cfg.constant_alpha),
+                static_cast<T>(cfg.max_grad_norm)};
+    }
+};
+
+template <class T>
+struct GateValues {
+    T theta, eta, alpha;
+};
+
+/// theta, eta, alpha of one pending row r of a chunk, theta clipped by math §10, computed by
+/// one warp (every lane returns them). `gates`: the chunk's gate logits (rows of 3, the row r
+/// at gates + 3 r; PerChunk averages the first n); rows(l): the row's GradRows<T> of layer l
+/// (a_{l-1} and delta_l), for the clipping norm.
+template <class T, class Rows>
+__device__ GateValues<T> gate_row(const GateParams<T>& gp, int depth, const T* gates, int r,
+                                  int n, Rows rows, int lane) {
+    GateValues<T> v{gp.ct, gp.ce, gp.ca};
+    if (gp.mode == GateMode::DataDependent) {
+        const T* g = gates + 3LL * r;
+        v = {gp.tmax * detail::sigmoid(g[0]), detail::sigmoid(g[1]), detail::sigmoid(g[2])};
+    } else if (gp.mode == GateMode::PerChunk) {
+        T s0 = T(0), s1 = T(0), s2 = T(0);
+        for (int j = lane; j < n; j += 32) {
+            s0 += gates[3LL * j];
+            s1 += gates[3LL * j + 1];
+            s2 += gates[3LL * j + 2];
+        }
+        v = {gp.tmax * detail::sigmoid(warp_sum(s0) / T(n)), detail::sigmoid(warp_sum(s1) / T(n)),
+             detail::sigmoid(warp_sum(s2) / T(n))};
+    }
+    if (gp.clip > T(0)) {
+        T g2 = T(0);
+        for (int l = 0; l < depth; ++l) {
+            const detail::GradRows<T> row = rows(l);
+            T sa = T(0), sd = T(0);
+            for (long long c = lane; c < row.na; c += 32) {
+                sa += row.a[c] * row.a[c];
+            }
+            for (long long c = lane; c < row.nd; c += 32) {
+                sd += row.d[c] * row.d[c];
+            }
+            g2 += warp_sum(sa) * warp_sum(sd);
+        }
+        if (g2 > gp.clip * gp.clip) {  // the plain sum where finite, else the scaled norm
+            v.theta *= g2 <= detail::largest_finite<T>()
+                           ? gp.clip / sqrt(g2)
+                           : detail::scaled_grad_norm<T>(depth, rows).clip_factor(gp.clip);
+        }
+    }
+    return v;
+}
+
 /// theta, eta, alpha of pending rows [0, n) of every pair into coef (rows 0..2, CS apart per
 /// pair), theta clipped by math §10. One warp per (pair, row).
 template <class T>
-__global__ void gate_values_kernel(GateMode mode, T tmax, T ct, T ce, T ca, T clip,
-                                   PendingLayers<T> ly, const T* gates, T* coef, long long P,
-                                   int b, int n, long long CS) {
+__global__ void gate_values_kernel(GateParams<T> gp, PendingLayers<T> ly, const T* gates,
+                                   T* coef, long long P, int b, int n, long long CS) {
     const long long w = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
     const int lane = static_cast<int>(threadIdx.x % 32);
     if (w >= P * n) {
         return;
     }
     const long long p = w / n, r = w % n;
-    T th = ct, et = ce, al = ca;
-    if (mode == GateMode::DataDependent) {
-        const T* g = gates + (p * b + r) * 3;
-        th = tmax * detail::sigmoid(g[0]);
-        et = detail::sigmoid(g[1]);
-        al = detail::sigmoid(g[2]);
-    } else if (mode == GateMode::PerChunk) {
-        T s0 = T(0), s1 = T(0), s2 = T(0);
-        for (int j = lane; j < n; j += 32) {
-            const T* g = gates + (p * b + j) * 3;
-            s0 += g[0];
-            s1 += g[1];
-            s2 += g[2];
-        }
-        th = tmax * detail::sigmoid(warp_sum(s0) / T(n));
-        et = detail::sigmoid(warp_sum(s1) / T(n));
-        al = detail::sigmoid(warp_sum(s2) / T(n));
-    }
-    if (clip > T(0)) {
-        T g2 = T(0);
-        for (int l = 0; l < ly.depth; ++l) {
-            const T* a = ly.a[l] + (p * b + r) * ly.in[l];
-            const T* d = ly.d[l] + (p * b + r) * ly.out[l];
-            T sa = T(0), sd = T(0);
-            for (int c = lane; c < ly.in[l]; c += 32) {
-                sa += a[c] * a[c];
-            }
-            for (int c = lane; c < ly.out[l]; c += 32) {
-                sd += d[c] * d[c];
-            }
-            g2 += warp_sum(sa) * warp_sum(sd);
-        }
-        if (g2 > clip * clip) {  // the plain sum where finite, else the scaled norm
-            th *= g2 <= detail::largest_finite<T>()
-                      ? clip / sqrt(g2)
-                      : detail::scaled_grad_norm<T>(ly.depth, [&](int l) {
-                            return detail::GradRows<T>{ly.a[l] + (p * b + r) * ly.in[l], ly.in[l],
-                                                       ly.d[l] + (p * b + r) * ly.out[l],
-                                                       ly.out[l]};
-                        }).clip_factor(clip);
-        }
-    }
+    const GateValues<T> v = gate_row<T>(
+        gp, ly.depth, gates + p * b * 3, static_cast<int>(r), n,
+        [&](int l) {
+            return detail::GradRows<T>{ly.a[l] + (p * b + r) * ly.in[l], ly.in[l],
+                                       ly.d[l] + (p * b + r) * ly.out[l], ly.out[l]};
+        },
+        lane);
     if (lane == 0) {
         T* cf = coef + p * CS;
-        cf[r] = th;
-        cf[b + r] = et;
-        cf[2 * b + r] = al;
+        cf[r] = v.theta;
+        cf[b + r] = v.eta;
+        cf[2 * b + r] = v.alpha;
     }
 }
 

@@ -12,8 +12,10 @@
 // one thread per pair. UpdateMode::PerToken runs as the chunked form with b = 1 (the same
 // recurrence, math §4). Every call ends with its stream idle.
 
+#include <algorithm>
 #include <cmath>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "../../detail/activation.hpp"
@@ -29,6 +31,7 @@
 #include "blas.cuh"
 #include "launch.cuh"
 #include "memory_device.cuh"
+#include "memory_fused.cuh"
 #include "memory_state.cuh"
 #include "transfer.cuh"
 #include "../../memory/kernels_decl.hpp"
@@ -286,18 +289,18 @@ struct MemoryKernels<Cuda, T> {
     /// No entry flagged (cudaMemset with byte 0x7f: larger than every key).
     static constexpr int unflagged = 0x7f7f7f7f;
 
-    /// flags[slot] = the smallest key of the non-finite entries of P matrices (rows x cols,
-    /// row stride ld, pair stride ps), if any (atomicMin; the slot starts at `unflagged`).
+    /// flags[slot] = the smallest key of the rows of P matrices (rows x cols, row stride ld,
+    /// pair stride ps) holding a non-finite entry, if any (cuda::flag_rows_kernel; the slot
+    /// starts at `unflagged`).
     static void flag_nonfinite(cudaStream_t sm, const T* x, long long P, long long rows,
                                long long cols, long long ld, long long ps, int* flags, int slot,
                                FlagKey key) {
-        cuda::each(sm, P * rows * cols, [=] __device__(unsigned i) {
-            const long long p = i / cuda::u32(rows * cols), r = (i / cuda::u32(cols)) % cuda::u32(rows), c = i % cuda::u32(cols);
-            if (cuda::not_finite(x[p * ps + r * ld + c])) {
-                const long long k = (p / key.div) * key.a + r * key.b;
-                atomicMin(flags + slot, static_cast<int>(k < unflagged ? k : unflagged - 1));
-            }
-        });
+        if (P * rows * cols == 0) {
+            return;
+        }
+        cuda::launch(cuda::flag_rows_kernel<T>, cuda::warp_blocks(P * rows), 256, sm, x, P, rows,
+                     static_cast<int>(cols), ld, ps, flags, slot, key.div, key.a, key.b, unflagged);
+        cuda::check_launch("the non-finite check");
     }
 
     static Layers layers(const MemoryConfig& cfg, const std::vector<Buf>& a,
@@ -336,10 +339,14 @@ struct MemoryKernels<Cuda, T> {
         T* k = w.k.data();
         T* v = w.v.data();
         if (M > 0) {
-            cuda::launch(cuda::conv_rows_kernel<T>, static_cast<unsigned>(M), 256, sm, u, taps,
-                         tail, q, k, v, N, static_cast<int>(C), static_cast<int>(C3), K,
-                         static_cast<int>(D), static_cast<int>(dh), static_cast<int>(H), conv,
-                         silu);
+            constexpr int rows = 32, threads = 128;
+            const long long tiles = (N + rows - 1) / rows;
+            const dim3 grid(static_cast<unsigned>(B * tiles),
+                            static_cast<unsigned>(std::min<long long>((C + threads - 1) / threads,
+                                                                      65535)));
+            cuda::launch(cuda::conv_tile_kernel<T>, grid, threads, sm, u, taps, tail, q, k, v, N,
+                         static_cast<int>(C), static_cast<int>(C3), K, static_cast<int>(D),
+                         static_cast<int>(dh), static_cast<int>(H), conv, silu, rows, tiles);
             cuda::check_launch("the conv kernel");
         }
         if (conv && advance && K > 1) {
@@ -442,15 +449,11 @@ struct MemoryKernels<Cuda, T> {
     /// theta, eta, alpha of pending rows [0, n) (clipped, math §10) into coef.
     static void gate_values(const MemoryConfig& cfg, cudaStream_t sm, const Layers& ly,
                             const T* gates, T* coef, long long P, int b, int n) {
-        const GateMode mode = cfg.gates;
-        const T tmax = static_cast<T>(cfg.theta_max), ct = static_cast<T>(cfg.constant_theta),
-                ce = static_cast<T>(cfg.constant_eta), ca = static_cast<T>(cfg.constant_alpha),
-                clip = static_cast<T>(cfg.max_grad_norm);
         if (P * n == 0) {
             return;
         }
-        cuda::launch(cuda::gate_values_kernel<T>, cuda::warp_blocks(P * n), 256, sm, mode, tmax,
-                     ct, ce, ca, clip, ly, gates, coef, P, b, n, coef_stride(b));
+        cuda::launch(cuda::gate_values_kernel<T>, cuda::warp_blocks(P * n), 256, sm,
+                     cuda::GateParams<T>::of(cfg), ly, gates, coef, P, b, n, coef_stride(b));
         cuda::check_launch("the gate kernel");
     }
 
@@ -713,10 +716,24 @@ struct MemoryKernels<Cuda, T> {
         const std::vector<T*> W = pointers(st.w_), S = pointers(st.s_);
         const std::vector<const T*> Wc = as_const(W);
         const Layers pending = layers(cfg, st.a_, st.delta_);
+        const FusedPlan fused = fused_plan(cfg, st, want_diag);
         bool ended = false;
         long long t = 0;
         while (t < N) {
             const int o = static_cast<int>((st.position_ + t) % b);
+            if (fused.use && o == 0 && N - t >= b) {
+                const int chunks = static_cast<int>(std::min<long long>((N - t) / b, 1 << 20));
+                save_rows(st, 0, b);
+                save_full(st);
+                fused_chunks(cfg, st, N, t, chunks, fused.tf32);
+                if (cfg.gates != GateMode::Constant) {
+                    copy_rows(sm, st.gates_.data(), w.lp.data(), P, b, N,
+                              t + static_cast<long long>(chunks - 1) * b, 0, b, 3);
+                }
+                ended = true;
+                t += static_cast<long long>(chunks) * b;
+                continue;
+            }
             const long long m = std::min<long long>(b - o, N - t);
             save_rows(st, o, m);
             key_pass(cfg, st, N, t, o, m);
@@ -740,6 +757,69 @@ struct MemoryKernels<Cuda, T> {
             t += m;
         }
         return ended;
+    }
+
+    /// Whether this call's full chunks run in the fused kernel (memory_fused.cuh), and on the
+    /// tensor cores: a depth-2 memory with lagged retrieval, no diagnostics, chunk, d_h and
+    /// hidden width multiples of 32 (FusedLayout::tiles), the kernel's shared memory within the
+    /// device's limit;
+    /// cuda::fused_memory() decides the rest.
+    struct FusedPlan {
+        bool use = false;
+        bool tf32 = false;
+    };
+    static FusedPlan fused_plan(const MemoryConfig& cfg, const State& st, bool want_diag) {
+        const cuda::FusedMemory mode = cuda::fused_memory();
+        const bool tf32 = std::is_same_v<T, float> && st.ctx_->tf32();
+        if (mode == cuda::FusedMemory::Off || (mode == cuda::FusedMemory::Auto && !tf32) ||
+            cfg.depth != 2 || cfg.retrieval != Retrieval::Lagged || want_diag) {
+            return {};
+        }
+        const cuda::FusedLayout lay{st.chunk_, cfg.head_dim(), cfg.layer_out(1)};
+        if (!lay.tiles() ||
+            static_cast<std::size_t>(lay.entries()) * sizeof(T) > cuda::shared_memory_limit()) {
+            return {};
+        }
+        return {true, tf32};
+    }
+
+    /// math §2-5 over `chunks` full chunks of every pair from piece row t (a chunk start), in
+    /// one launch of the fused kernel; the last chunk's rows of A, Delta into the state.
+    static void fused_chunks(const MemoryConfig& cfg, State& st, long long N, long long t,
+                             int chunks, bool tf32) {
+        auto& w = *st.work_;
+        const long long dh = cfg.head_dim(), P = static_cast<long long>(st.batch_) * cfg.n_heads;
+        cuda::FusedArgs<T> f{};
+        f.q = w.q.data() + t * dh;
+        f.k = w.k.data() + t * dh;
+        f.v = w.v.data() + t * dh;
+        f.gates = cfg.gates == GateMode::Constant ? nullptr : w.lp.data() + t * 3;
+        f.y = w.yp.data() + t * dh;
+        for (std::size_t l = 0; l < 2; ++l) {
+            f.w[l] = st.w_[l].data();
+            f.s[l] = st.s_[l].data();
+            f.a[l] = st.a_[l].data();
+            f.d[l] = st.delta_[l].data();
+        }
+        f.N = N;
+        f.chunks = chunks;
+        f.lay = {st.chunk_, cfg.head_dim(), cfg.layer_out(1)};
+        f.gp = cuda::GateParams<T>::of(cfg);
+        f.act = cfg.activation;
+        f.residual = cfg.residual;
+        f.write_pending = true;
+        void (*kernel)(cuda::FusedArgs<T>) = cuda::fused_chunks_kernel<T, false>;
+        if constexpr (std::is_same_v<T, float>) {
+            if (tf32) {
+                kernel = cuda::fused_chunks_kernel<T, true>;
+            }
+        }
+        const auto bytes = static_cast<std::size_t>(f.lay.entries()) * sizeof(T);
+        cuda::raise_shared_limit(kernel, bytes);
+        cuda::launch_shared(kernel, static_cast<unsigned>(P), cuda::fused_threads, bytes,
+                            st.ctx_->stream(), f);
+        cuda::check_launch("the fused chunk kernel");
+        ++cuda::fused_launches();
     }
 
     static std::vector<T*> pointers(std::vector<Buf>& v) {

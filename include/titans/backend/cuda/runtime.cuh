@@ -200,6 +200,8 @@ public:
     }
     [[nodiscard]] cudaStream_t stream() const { return stream_; }
     [[nodiscard]] cublasHandle_t blas() const { return blas_; }
+    /// Whether float products on this stream may use TF32 tensor cores.
+    [[nodiscard]] bool tf32() const { return tf32_; }
     void synchronize() const { check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize"); }
 
 private:

@@ -1,0 +1,291 @@
+#pragma once
+// titans/backend/cuda/memory_fused.cuh: the memory's full chunks in one kernel (math §2-5 and
+// §10, the forward of a depth-2 memory with lagged retrieval).
+//
+// A block per (sequence, head) pair runs the pair's full chunks of a piece one after another
+// (W and S stay in device memory, the chunk's intermediates in shared memory):
+//   read    X = act(Q W1),  y = X W2 (+ Q)                           lagged: y_i = M_{W^s}(q_i)
+//   keys    Z1 = K W1, A1 = act(Z1), X = act'(Z1),  D2 = A1 W2 (+ K) - V,  X = (D2 W2^T) . X
+//   gates   theta (clipped by ||grad||, math §10), eta, alpha per row; g, s, beta, c, P
+//   end     W1 = beta W1 + c S1 - K^T diag(g) X,   S1 = P S1 - K^T diag(s) X
+//           W2 = beta W2 + c S2 - A1^T diag(g) D2,  S2 = P S2 - A1^T diag(s) D2
+// Nine products of a chunk (b x d_h x h each) go through block_product (tile_product.cuh): on
+// the tensor cores in TF32 where the caller allows it, else plain FMAs in T. The same
+// algorithm as MemoryKernels<Cuda, T>::scan's segments; the last chunk's rows of A, Delta
+// are written to the state's pending arrays as the unfused path leaves them.
+
+#include <atomic>
+#include <cstddef>
+
+#include "../../config.hpp"
+#include "../../detail/activation.hpp"
+#include "../../memory/chunk_coefficients.hpp"
+#include "../../memory/config.hpp"
+#include "launch.cuh"
+#include "memory_device.cuh"
+#include "tile_product.cuh"
+
+namespace titans::backend::cuda {
+
+/// Which forward calls run their full chunks in the fused kernel (when the configuration
+/// allows it: fused_applies): Auto where it runs on the tensor cores (float, with TF32 allowed
+/// on the state's stream), On always (plain FMAs in double, and in float without TF32), Off
+/// never. Process-wide, read at every forward call.
+enum class FusedMemory { Auto, On, Off };
+
+inline std::atomic<FusedMemory>& fused_memory_flag() {
+    static std::atomic<FusedMemory> flag{FusedMemory::Auto};
+    return flag;
+}
+inline void set_fused_memory(FusedMemory m) { fused_memory_flag().store(m); }
+[[nodiscard]] inline FusedMemory fused_memory() { return fused_memory_flag().load(); }
+
+/// Launches of the fused kernel in this process (tests and benchmarks read it).
+inline std::atomic<long long>& fused_launches() {
+    static std::atomic<long long> count{0};
+    return count;
+}
+
+/// Threads of a fused kernel's block (16 warps: each product of a chunk has 16 warp tiles at
+/// the headline shape; at most 128 registers a thread).
+inline constexpr int fused_threads = 512;
+
+/// The fused kernel's shared memory for chunk b, head dim dh, hidden width h, in entries of T:
+/// K and Q (then D2), b x (dh + 4); A1 and X, b x (h + 4); theta, eta, alpha, g, s (b each) and
+/// beta, c, P. Rows are padded by 4 entries against bank conflicts.
+struct FusedLayout {
+    int b, dh, h;
+    TITANS_HOST_DEVICE int ldk() const { return dh + 4; }
+    TITANS_HOST_DEVICE int ldh() const { return h + 4; }
+    TITANS_HOST_DEVICE long long k() const { return 0; }
+    TITANS_HOST_DEVICE long long q() const { return static_cast<long long>(b) * ldk(); }
+    TITANS_HOST_DEVICE long long a1() const { return 2LL * b * ldk(); }
+    TITANS_HOST_DEVICE long long x() const { return a1() + static_cast<long long>(b) * ldh(); }
+    TITANS_HOST_DEVICE long long coef() const { return x() + static_cast<long long>(b) * ldh(); }
+    TITANS_HOST_DEVICE long long entries() const { return coef() + 5LL * b + 3; }
+    /// Whether the kernel's warp tiles cover this shape: b, d_h and h multiples of 32.
+    [[nodiscard]] bool tiles() const { return b % 32 == 0 && dh % 32 == 0 && h % 32 == 0; }
+};
+
+/// What the fused kernel reads and writes. Piece arrays are pair-major with N rows a pair and
+/// point at the first fused chunk's row; W, S, A, Delta are the state's (pair strides in*out,
+/// b*width).
+template <class T>
+struct FusedArgs {
+    const T* q;
+    const T* k;
+    const T* v;
+    const T* gates;  // [p][N][3] logits (unused with constant gates)
+    T* y;
+    T* w[2];
+    T* s[2];
+    T* a[2];
+    T* d[2];
+    long long N;
+    int chunks;
+    FusedLayout lay;
+    GateParams<T> gp;
+    Activation act;
+    bool residual;
+    bool write_pending;  // the last chunk's rows into a, d
+};
+
+#if TITANS_CUDA_DEVICE_CODE
+
+/// The shared arrays of one block (FusedLayout).
+template <class T>
+struct FusedShared {
+    T* k;
+    T* q;  // the chunk's queries, then D2
+    T* a1;
+    T* x;  // act(Q W1), then act'(Z1), then Delta_1
+    T* theta;
+    T* eta;
+    T* alpha;
+    T* g;
+    T* s;
+    T* ends;  // beta, c, P at the chunk end
+    __device__ FusedShared(T* base, const FusedLayout& l)
+        : k(base + l.k()), q(base + l.q()), a1(base + l.a1()), x(base + l.x()),
+          theta(base + l.coef()), eta(theta + l.b), alpha(eta + l.b), g(alpha + l.b), s(g + l.b),
+          ends(s + l.b) {}
+};
+
+/// rows x width entries from src (ld width) into dst (ld ldd), by the block.
+template <class T>
+__device__ void copy_tile(T* dst, int ldd, const T* src, long long lds, int rows, int width) {
+    for (int i = static_cast<int>(threadIdx.x); i < rows * width; i += static_cast<int>(blockDim.x)) {
+        dst[(i / width) * ldd + i % width] = src[(i / width) * lds + i % width];
+    }
+}
+
+/// The lagged read of the chunk's queries (in sh.q): y = act(Q W1) W2 (+ Q).
+template <class T, bool TF32>
+__device__ void fused_read(const FusedArgs<T>& f, const FusedShared<T>& sh, const T* w1,
+                           const T* w2, T* y) {
+    const FusedLayout& l = f.lay;
+    const int ldk = l.ldk(), ldh = l.ldh(), dh = l.dh, h = l.h;
+    const Activation act = f.act;
+    block_product<T, TF32, 2, 4>(
+        l.b, h, dh, [&](int i, int k) { return sh.q[i * ldk + k]; },
+        [&](int k, int j) { return w1[k * h + j]; },
+        each_entry([&](int i, int j, T z) { sh.x[i * ldh + j] = detail::activate(act, z); }));
+    __syncthreads();
+    const bool res = f.residual;
+    block_product<T, TF32, 1, 2>(
+        l.b, dh, h, [&](int i, int k) { return sh.x[i * ldh + k]; },
+        [&](int k, int j) { return w2[k * dh + j]; },
+        each_entry([&](int i, int j, T z) { y[i * dh + j] = res ? z + sh.q[i * ldk + j] : z; }));
+    __syncthreads();
+}
+
+/// The chunk's keys (in sh.k) forward through W^s and back through the loss (math §2):
+/// A1 = act(K W1), D2 = A1 W2 (+ K) - V (into sh.q), X = (D2 W2^T) . act'(K W1).
+template <class T, bool TF32>
+__device__ void fused_keys(const FusedArgs<T>& f, const FusedShared<T>& sh, const T* w1,
+                           const T* w2, const T* v) {
+    const FusedLayout& l = f.lay;
+    const int ldk = l.ldk(), ldh = l.ldh(), dh = l.dh, h = l.h;
+    const Activation act = f.act;
+    block_product<T, TF32, 2, 4>(
+        l.b, h, dh, [&](int i, int k) { return sh.k[i * ldk + k]; },
+        [&](int k, int j) { return w1[k * h + j]; },
+        each_entry([&](int i, int j, T z) {
+            sh.a1[i * ldh + j] = detail::activate(act, z);
+            sh.x[i * ldh + j] = detail::activate_grad(act, z);
+        }));
+    __syncthreads();
+    const bool res = f.residual;
+    block_product<T, TF32, 1, 2>(
+        l.b, dh, h, [&](int i, int k) { return sh.a1[i * ldh + k]; },
+        [&](int k, int j) { return w2[k * dh + j]; },
+        [&](const T(&acc)[1][2][4], int i, int j0) {
+            T d[1][2][4], kt[1][2][4];  // V's entries first: their loads in flight together
+            tile_gather(d, i, j0, [&](int r, int c) { return v[r * dh + c]; });
+            tile_gather(kt, i, j0, [&](int r, int c) { return res ? sh.k[r * ldk + c] : T(0); });
+            TITANS_UNROLL
+            for (int n = 0; n < 2; ++n) {
+                TITANS_UNROLL
+                for (int e = 0; e < 4; ++e) {
+                    d[0][n][e] = (acc[0][n][e] + kt[0][n][e]) - d[0][n][e];
+                }
+            }
+            tile_store(d, i, j0, [&](int r, int c, T z) { sh.q[r * ldk + c] = z; });
+        });
+    __syncthreads();
+    block_product<T, TF32, 2, 4>(
+        l.b, h, dh, [&](int i, int k) { return sh.q[i * ldk + k]; },
+        [&](int k, int j) { return w2[j * dh + k]; },
+        each_entry([&](int i, int j, T z) { sh.x[i * ldh + j] *= z; }));
+    __syncthreads();
+}
+
+/// theta, eta, alpha of the chunk's rows (a warp per row), then its chunk-end coefficients.
+template <class T>
+__device__ void fused_gates(const FusedArgs<T>& f, const FusedShared<T>& sh, const T* gates) {
+    const FusedLayout& l = f.lay;
+    const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
+    const int ldk = l.ldk(), ldh = l.ldh();
+    for (int r = warp; r < l.b; r += static_cast<int>(blockDim.x / 32)) {
+        const GateValues<T> gv = gate_row<T>(
+            f.gp, 2, gates, r, l.b,
+            [&](int layer) {
+                return layer == 0
+                           ? detail::GradRows<T>{sh.k + r * ldk, l.dh, sh.x + r * ldh, l.h}
+                           : detail::GradRows<T>{sh.a1 + r * ldh, l.h, sh.q + r * ldk, l.dh};
+            },
+            lane);
+        if (lane == 0) {
+            sh.theta[r] = gv.theta;
+            sh.eta[r] = gv.eta;
+            sh.alpha[r] = gv.alpha;
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        chunk_end_coefficients<T>(l.b, sh.theta, sh.eta, sh.alpha, sh.g, sh.s, sh.ends,
+                                  sh.ends + 1, sh.ends + 2);
+    }
+    __syncthreads();
+}
+
+/// One layer's chunk end (math §4): W = beta W + c S - A^T diag(g) E, S = P S - A^T diag(s) E,
+/// A (b x in, ld lda) and E (b x out, ld lde) in shared memory, W and S in device memory. A
+/// warp tile holds both products' accumulators; its W and S entries are loaded together
+/// before any is stored.
+template <class T, bool TF32>
+__device__ void fused_end_layer(const FusedShared<T>& sh, int b, int in, int out, const T* A,
+                                int lda, const T* E, int lde, T* W, T* S) {
+    constexpr int MT = 2, NT = 2;
+    const T beta = sh.ends[0], c = sh.ends[1], pe = sh.ends[2];
+    const T* g = sh.g;
+    const T* s = sh.s;
+    const int warp = static_cast<int>(threadIdx.x / 32), warps = static_cast<int>(blockDim.x / 32);
+    const int lane = static_cast<int>(threadIdx.x % 32), gl = lane / 4, q = lane % 4;
+    const int tiles_n = out / (8 * NT), tiles = (in / (16 * MT)) * tiles_n;
+    const auto a = [&](int i, int k) { return A[k * lda + i]; };
+    const auto bg = [&](int k, int j) { return E[k * lde + j] * g[k]; };
+    const auto bs = [&](int k, int j) { return E[k * lde + j] * s[k]; };
+    for (int tile = warp; tile < tiles; tile += warps) {
+        const int i = tile / tiles_n * 16 * MT + gl, j = tile % tiles_n * 8 * NT + gl;
+        T accg[MT][NT][4], accs[MT][NT][4], w[MT][NT][4], sv[MT][NT][4];
+        tile_zero(accg);
+        tile_zero(accs);
+        for (int k0 = 0; k0 < b; k0 += 8) {
+            tile_step<T, TF32, MT, NT>(accg, a, bg, i, j, k0, gl, q);
+            tile_step<T, TF32, MT, NT>(accs, a, bs, i, j, k0, gl, q);
+        }
+        const int j0 = j - gl + 2 * q;
+        tile_gather(w, i, j0, [&](int r, int col) { return W[r * out + col]; });
+        tile_gather(sv, i, j0, [&](int r, int col) { return S[r * out + col]; });
+        TITANS_UNROLL
+        for (int mi = 0; mi < MT; ++mi) {
+            TITANS_UNROLL
+            for (int ni = 0; ni < NT; ++ni) {
+                TITANS_UNROLL
+                for (int e = 0; e < 4; ++e) {
+                    w[mi][ni][e] = beta * w[mi][ni][e] + c * sv[mi][ni][e] - accg[mi][ni][e];
+                    sv[mi][ni][e] = pe * sv[mi][ni][e] - accs[mi][ni][e];
+                }
+            }
+        }
+        tile_store(w, i, j0, [&](int r, int col, T z) { W[r * out + col] = z; });
+        tile_store(sv, i, j0, [&](int r, int col, T z) { S[r * out + col] = z; });
+    }
+}
+
+/// The full chunks of one pair (blockIdx.x): read, keys, gates, chunk end, chunk by chunk.
+template <class T, bool TF32>
+__global__ void __launch_bounds__(fused_threads) fused_chunks_kernel(FusedArgs<T> f) {
+    const long long p = blockIdx.x;
+    const FusedLayout& l = f.lay;
+    const FusedShared<T> sh(dynamic_shared<T>(), l);
+    const long long io = static_cast<long long>(l.dh) * l.h;
+    T* w1 = f.w[0] + p * io;
+    T* w2 = f.w[1] + p * io;
+    T* s1 = f.s[0] + p * io;
+    T* s2 = f.s[1] + p * io;
+    for (int c = 0; c < f.chunks; ++c) {
+        const long long row = p * f.N + static_cast<long long>(c) * l.b;  // first row, pair-major
+        copy_tile(sh.q, l.ldk(), f.q + row * l.dh, l.dh, l.b, l.dh);
+        copy_tile(sh.k, l.ldk(), f.k + row * l.dh, l.dh, l.b, l.dh);
+        __syncthreads();
+        fused_read<T, TF32>(f, sh, w1, w2, f.y + row * l.dh);
+        fused_keys<T, TF32>(f, sh, w1, w2, f.v + row * l.dh);
+        fused_gates<T>(f, sh, f.gates != nullptr ? f.gates + row * 3 : nullptr);
+        fused_end_layer<T, TF32>(sh, l.b, l.dh, l.h, sh.k, l.ldk(), sh.x, l.ldh(), w1, s1);
+        fused_end_layer<T, TF32>(sh, l.b, l.h, l.dh, sh.a1, l.ldh(), sh.q, l.ldk(), w2, s2);
+        if (f.write_pending && c + 1 == f.chunks) {
+            const long long pb = p * l.b;
+            copy_tile(f.a[0] + pb * l.dh, l.dh, sh.k, l.ldk(), l.b, l.dh);
+            copy_tile(f.a[1] + pb * l.h, l.h, sh.a1, l.ldh(), l.b, l.h);
+            copy_tile(f.d[0] + pb * l.h, l.h, sh.x, l.ldh(), l.b, l.h);
+            copy_tile(f.d[1] + pb * l.dh, l.dh, sh.q, l.ldk(), l.b, l.dh);
+        }
+        __syncthreads();
+    }
+}
+
+#endif
+
+}  // namespace titans::backend::cuda

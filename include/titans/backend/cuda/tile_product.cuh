@@ -1,0 +1,206 @@
+#pragma once
+// titans/backend/cuda/tile_product.cuh: a thread block's matrix product C = A B in warp tiles,
+// for the fused kernels (memory_fused.cuh).
+//
+// Each warp takes tiles of (16 MT) x (8 NT) entries of C in turn; a tile is MT x NT pieces of
+// 16 x 8, the shape of the tensor cores' TF32 instruction (mma.sync m16n8k8), and a lane owns
+// the same four entries of each piece on every path: rows g and g + 8, columns 2q and 2q + 1
+// (g = lane / 4, q = lane % 4). The operands are read through functors a(i, k) and b(k, j)
+// (shared or device memory, transposed or scaled on the way), and a finished tile's
+// accumulators go to a tile epilogue, which may gather what its stores need first (so that
+// those loads are in flight together) or hand each entry on (each_entry). Paths:
+//   TF32 = true, float, nvcc:  mma.sync on the tensor cores, operands rounded to TF32
+//                              (cvt.rna: 10-bit mantissa, to nearest, ties away), FP32 sums;
+//   TF32 = true, emulation:    the same rounding, FP32 sums in k order (what the tensor cores
+//                              compute up to the order of their sums);
+//   TF32 = false:              plain FMAs in T (float or double), in k order.
+// M must be a multiple of 16 MT, N of 8 NT and K of 8 (the callers check their shapes).
+
+#include <cstdint>
+#include <cstring>
+
+#include "../../config.hpp"
+#include "launch.cuh"
+
+// Full unrolling of the loops over a tile's pieces (their bounds are template constants), so
+// that the accumulators stay in registers; nothing under the CPU emulation.
+#if defined(__CUDACC__)
+#define TITANS_UNROLL _Pragma("unroll")
+#define TITANS_UNROLL_2 _Pragma("unroll 2")
+#else
+#define TITANS_UNROLL
+#define TITANS_UNROLL_2
+#endif
+
+namespace titans::backend::cuda {
+
+#if TITANS_CUDA_DEVICE_CODE
+
+/// x rounded to TF32 as cvt.rna.tf32.f32 does (the low 13 mantissa bits cleared, to nearest,
+/// ties away from zero; infinities and NaN unchanged).
+__device__ inline float round_tf32(float x) {
+#if defined(__CUDA_ARCH__)
+    std::uint32_t r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return __uint_as_float(r);
+#else
+    std::uint32_t u;
+    std::memcpy(&u, &x, sizeof u);
+    if ((u & 0x7f800000u) != 0x7f800000u) {
+        u = (u + 0x1000u) & ~0x1fffu;
+    }
+    std::memcpy(&x, &u, sizeof x);
+    return x;
+#endif
+}
+
+template <class T, bool TF32>
+__device__ inline T operand(T x) {
+    if constexpr (TF32) {
+        return round_tf32(x);
+    } else {
+        return x;
+    }
+}
+
+/// One k-step of 8 for a warp's tile: acc[mi][ni][2h + c] += sum_k a(r, k) b(k, col), the lane's
+/// rows r = i + 16 mi + 8 h and columns col = j + 8 ni + 2q + c (i = tile row + g, j = tile
+/// column), k in [k0, k0 + 8).
+template <class T, bool TF32, int MT, int NT, class FA, class FB>
+__device__ inline void tile_step(T (&acc)[MT][NT][4], const FA& a, const FB& b, int i, int j,
+                                 int k0, int g, int q) {
+#if defined(__CUDA_ARCH__)
+    if constexpr (TF32 && sizeof(T) == 4) {
+        std::uint32_t af[MT][4], bf[NT][2];
+        TITANS_UNROLL
+        for (int mi = 0; mi < MT; ++mi) {
+            const int r = i + 16 * mi;
+            af[mi][0] = __float_as_uint(round_tf32(a(r, k0 + q)));
+            af[mi][1] = __float_as_uint(round_tf32(a(r + 8, k0 + q)));
+            af[mi][2] = __float_as_uint(round_tf32(a(r, k0 + q + 4)));
+            af[mi][3] = __float_as_uint(round_tf32(a(r + 8, k0 + q + 4)));
+        }
+        TITANS_UNROLL
+        for (int ni = 0; ni < NT; ++ni) {
+            const int c = j + 8 * ni;  // column g of piece ni (the B fragment's layout)
+            bf[ni][0] = __float_as_uint(round_tf32(b(k0 + q, c)));
+            bf[ni][1] = __float_as_uint(round_tf32(b(k0 + q + 4, c)));
+        }
+        TITANS_UNROLL
+        for (int mi = 0; mi < MT; ++mi) {
+            TITANS_UNROLL
+            for (int ni = 0; ni < NT; ++ni) {
+                T(&c)[4] = acc[mi][ni];
+                asm volatile(
+                    "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, "
+                    "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                    : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                    : "r"(af[mi][0]), "r"(af[mi][1]), "r"(af[mi][2]), "r"(af[mi][3]),
+                      "r"(bf[ni][0]), "r"(bf[ni][1]));
+            }
+        }
+        return;
+    }
+#endif
+    const int j0 = j - g + 2 * q;  // the lane's first column of piece 0
+    TITANS_UNROLL
+    for (int kk = 0; kk < 8; ++kk) {
+        const int k = k0 + kk;
+        T bv[NT][2];
+        TITANS_UNROLL
+        for (int ni = 0; ni < NT; ++ni) {
+            bv[ni][0] = operand<T, TF32>(b(k, j0 + 8 * ni));
+            bv[ni][1] = operand<T, TF32>(b(k, j0 + 8 * ni + 1));
+        }
+        TITANS_UNROLL
+        for (int mi = 0; mi < MT; ++mi) {
+            const T a0 = operand<T, TF32>(a(i + 16 * mi, k));
+            const T a1 = operand<T, TF32>(a(i + 16 * mi + 8, k));
+            TITANS_UNROLL
+            for (int ni = 0; ni < NT; ++ni) {
+                acc[mi][ni][0] += a0 * bv[ni][0];
+                acc[mi][ni][1] += a0 * bv[ni][1];
+                acc[mi][ni][2] += a1 * bv[ni][0];
+                acc[mi][ni][3] += a1 * bv[ni][1];
+            }
+        }
+    }
+}
+
+/// A warp tile's accumulators set to zero.
+template <class T, int MT, int NT>
+__device__ inline void tile_zero(T (&acc)[MT][NT][4]) {
+    TITANS_UNROLL
+    for (int mi = 0; mi < MT; ++mi) {
+        TITANS_UNROLL
+        for (int ni = 0; ni < NT; ++ni) {
+            acc[mi][ni][0] = acc[mi][ni][1] = acc[mi][ni][2] = acc[mi][ni][3] = T(0);
+        }
+    }
+}
+
+/// A warp tile's entries to the epilogue: the lane's rows i + 16 mi (+ 8), columns
+/// j0 + 8 ni (+ 1).
+template <class T, int MT, int NT, class FE>
+__device__ inline void tile_store(const T (&acc)[MT][NT][4], int i, int j0, const FE& e) {
+    TITANS_UNROLL
+    for (int mi = 0; mi < MT; ++mi) {
+        TITANS_UNROLL
+        for (int ni = 0; ni < NT; ++ni) {
+            const int r = i + 16 * mi, c = j0 + 8 * ni;
+            e(r, c, acc[mi][ni][0]);
+            e(r, c + 1, acc[mi][ni][1]);
+            e(r + 8, c, acc[mi][ni][2]);
+            e(r + 8, c + 1, acc[mi][ni][3]);
+        }
+    }
+}
+
+/// The lane's entries of a warp tile, f(r, c) for each (as tile_store visits them): values
+/// gathered before the stores that need them, so that their loads are in flight together.
+template <class T, int MT, int NT, class F>
+__device__ inline void tile_gather(T (&out)[MT][NT][4], int i, int j0, const F& f) {
+    TITANS_UNROLL
+    for (int mi = 0; mi < MT; ++mi) {
+        TITANS_UNROLL
+        for (int ni = 0; ni < NT; ++ni) {
+            const int r = i + 16 * mi, c = j0 + 8 * ni;
+            out[mi][ni][0] = f(r, c);
+            out[mi][ni][1] = f(r, c + 1);
+            out[mi][ni][2] = f(r + 8, c);
+            out[mi][ni][3] = f(r + 8, c + 1);
+        }
+    }
+}
+
+/// An entry-wise epilogue e(i, j, value) as a tile epilogue (block_product's).
+template <class FE>
+__device__ inline auto each_entry(const FE& e) {
+    return [&e](const auto& acc, int i, int j0) { tile_store(acc, i, j0, e); };
+}
+
+/// C (M x N) = A (M x K) B (K x N) by the block's warps, a warp tile at a time: its
+/// accumulators go to the tile epilogue ft(acc, i, j0) (the lane's rows i + 16 mi (+ 8),
+/// columns j0 + 8 ni (+ 1); each_entry(e) for an entry-wise one). The block's threads must all
+/// call it (blockDim.x a multiple of 32); it has no barrier.
+template <class T, bool TF32, int MT, int NT, class FA, class FB, class FT>
+__device__ void block_product(int M, int N, int K, const FA& a, const FB& b, const FT& ft) {
+    static_assert(!TF32 || sizeof(T) == 4, "TF32 products are for float");
+    const int warp = static_cast<int>(threadIdx.x / 32), warps = static_cast<int>(blockDim.x / 32);
+    const int lane = static_cast<int>(threadIdx.x % 32), g = lane / 4, q = lane % 4;
+    const int tiles_n = N / (8 * NT), tiles = (M / (16 * MT)) * tiles_n;
+    for (int tile = warp; tile < tiles; tile += warps) {
+        const int i = tile / tiles_n * 16 * MT + g, j = tile % tiles_n * 8 * NT + g;
+        T acc[MT][NT][4];
+        tile_zero(acc);
+        TITANS_UNROLL_2  // two k-steps' operand loads in flight (K is a multiple of 16)
+        for (int k0 = 0; k0 < K; k0 += 8) {
+            tile_step<T, TF32, MT, NT>(acc, a, b, i, j, k0, g, q);
+        }
+        ft(acc, i, j - g + 2 * q);
+    }
+}
+
+#endif
+
+}  // namespace titans::backend::cuda
