@@ -23,6 +23,10 @@
 #                                 tests, the fused kernel's tests under memcheck and racecheck
 #                                 (fused_memcheck.txt, fused_racecheck.txt), then the memory and
 #                                 decode benchmarks (BENCH_FILTER overrides which); a table last
+#   tools/gpu_check.sh peers [DIR]
+#                                 titans-pytorch's NeuralMemory against bench_cuda on the same GPU
+#                                 (tools/compare_pytorch_gpu.py): needs the wheels that
+#                                 tools/peer_wheels.py puts in .whl here, carried with the build
 #
 # The figures in docs/performance.md ("CUDA backend") come from `run`.
 set -euo pipefail
@@ -112,11 +116,23 @@ do_lease() {
   return "${rc}"
 }
 
+do_peers() {
+  local out="${1:-${build}/results}"
+  mkdir -p "${out}"
+  export LD_LIBRARY_PATH="${build}/bench${LD_LIBRARY_PATH:+:${LD_LIBRARY_PATH}}"
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/titans-peers \
+    "${repo_root}"/.whl/*.whl
+  PYTHONPATH=/tmp/titans-peers timeout 300 python3 "${repo_root}/tools/compare_pytorch_gpu.py" \
+    --bench "${build}/bench/bench_cuda" | tee "${out}/peers.txt"
+}
+
 case "${1:-all}" in
   build) do_build ;;
   run) do_run "${2:-}" ;;
   sanitize) do_sanitize "${2:-}" ;;
   lease) do_lease "${2:-}" ;;
+  peers) do_peers "${2:-}" ;;
   all) do_build && do_run ;;
-  *) echo "usage: tools/gpu_check.sh [build | run [DIR] | sanitize [DIR] | lease [DIR]]" >&2; exit 2 ;;
+  *) echo "usage: tools/gpu_check.sh [build | run [DIR] | sanitize [DIR] | lease [DIR] | peers [DIR]]" >&2
+     exit 2 ;;
 esac

@@ -1,0 +1,100 @@
+#!/usr/bin/env python3
+"""The memory's forward on a GPU against titans-pytorch's NeuralMemory, same GPU, same run.
+
+Times titans-pytorch's NeuralMemory (d 512, 8 heads of 64, memory MLP depth 2 expansion 4,
+chunk 64, float, TF32 allowed) forward and forward + backward (autograd through its inner-loop
+updates) on CUDA with events (medians after warm-ups), then runs this library's bench_cuda on
+the same shapes (BM_CudaMemory, TF32 and the fused kernel on) and prints both and the ratios.
+
+    python3 tools/peer_wheels.py titans-pytorch --dest .whl    # here (the GPU machine has no PyPI)
+    # on the GPU machine, .whl and build/gpu-check carried:
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+    PYTHONPATH=/tmp/site python3 tools/compare_pytorch_gpu.py --bench build/gpu-check/bench/bench_cuda
+
+titans-pytorch and torch are not dependencies of the library or of its tests. Its memory
+differs in details (its pre-norm of the inputs, its gates' parametrisation); the comparison is
+of the cost of a memory of the same size, not of equal functions.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+
+def time_pytorch(B, N, reps):
+    """Median milliseconds of titans-pytorch's forward and forward + backward at B x N."""
+    import torch
+    from titans_pytorch import NeuralMemory
+
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    torch.manual_seed(0)
+    mem = NeuralMemory(dim=512, heads=8, dim_head=64, chunk_size=64,
+                       mem_model_norm_add_residual=False,
+                       default_model_kwargs=dict(depth=2, expansion_factor=4.0)).cuda()
+    x = torch.randn(B, N, 512, device="cuda")
+    dy = torch.randn(B, N, 512, device="cuda") / N
+
+    def forward():
+        with torch.no_grad():
+            mem(x)
+
+    def step():
+        mem.zero_grad(set_to_none=True)
+        xs = x.clone().requires_grad_(True)
+        out, _ = mem(xs)
+        (out * dy).sum().backward()
+
+    result = {}
+    for name, fn in (("forward", forward), ("step", step)):
+        for _ in range(2):
+            fn()  # warm-up: kernels compiled, allocator settled
+        times = []
+        for _ in range(reps):
+            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0.record()
+            fn()
+            t1.record()
+            torch.cuda.synchronize()
+            times.append(t0.elapsed_time(t1))
+        result[name] = statistics.median(times)
+    return result, torch.__version__, torch.cuda.get_device_name()
+
+
+def time_titans(bench, shapes):
+    """Milliseconds per forward of BM_CudaMemory (TF32, fused) at each (B, N)."""
+    rows = "|".join(f"B:{B}/N:{N}/tf32:1/fused:1" for B, N in shapes)
+    out = subprocess.run([bench, f"--benchmark_filter=BM_CudaMemory/({rows})",
+                          "--benchmark_format=json"], check=True, capture_output=True, text=True)
+    found = {}
+    for b in json.loads(out.stdout)["benchmarks"]:
+        parts = dict(p.split(":") for p in b["name"].split("/")[1:] if ":" in p)
+        scale = {"ms": 1.0, "us": 1e-3, "ns": 1e-6, "s": 1e3}[b["time_unit"]]
+        found[(int(parts["B"]), int(parts["N"]))] = b["real_time"] * scale
+    return found
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--bench", required=True, help="bench_cuda (tools/gpu_check.sh build)")
+    ap.add_argument("--shapes", default="1x2048,64x1024,256x512", help="BxN,...")
+    ap.add_argument("--reps", type=int, default=10)
+    args = ap.parse_args()
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    ours = time_titans(os.path.abspath(args.bench), shapes)
+    print(f"{'B x N':>10} {'titans-pytorch fwd':>19} {'fwd+bwd':>9} {'titans fwd':>11} "
+          f"{'ratio fwd':>10}")
+    for B, N in shapes:
+        theirs, version, device = time_pytorch(B, N, args.reps)
+        mine = ours.get((B, N), float("nan"))
+        print(f"{B:>4} x {N:<4} {theirs['forward']:>16.2f} ms {theirs['step']:>6.1f} ms "
+              f"{mine:>8.2f} ms {theirs['forward'] / mine:>9.1f}x")
+    print(f"torch {version} on {device}; titans: bench_cuda BM_CudaMemory (TF32, fused)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
