@@ -462,7 +462,10 @@ inline void run_grid(dim3 grid, dim3 block, void (*run)(const void*), const void
             for (unsigned x = 0; x < grid.x; ++x) {
                 blockIdx = uint3{x, y, z};
                 b.next = b.finished = b.arrived = 0;
-                std::memset(dynamic_shared_memory.bytes.data(), 0xFF, dynamic_shared_memory.size);
+                if (dynamic_shared_memory.size > 0) {  // memset of a null pointer is undefined
+                    std::memset(dynamic_shared_memory.bytes.data(), 0xFF,
+                                dynamic_shared_memory.size);
+                }
                 run_block(s, b);
             }
         }
