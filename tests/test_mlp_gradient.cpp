@@ -3,6 +3,8 @@
 // associative_loss / associative_gradient against the plain-loop reference.
 #include "test_common.hpp"
 
+#include <cstring>
+
 using namespace titans_test;
 namespace ref = titans::reference;
 
@@ -197,4 +199,27 @@ TEST_CASE("mlp: gradient backward vs FD", "[mlp][gradient][backward]") {
     bad.pop_back();
     CHECK_THROWS_AS(titans::associative_gradient_backward<double>(c.W, c.k, c.v, act, residual, bad),
                     titans::ShapeError);
+}
+
+// detail::activate_with_grad (the fused CUDA kernel's key pass) gives activate and activate_grad
+// bit for bit, on random, huge, tiny and signed-zero inputs, in double and float
+TEST_CASE("mlp: activation with its derivative == the two calls", "[mlp][activation]") {
+    Rng rng(seed_for("activate-with-grad"));
+    std::vector<double> zs = {0.0, -0.0, 1e-300, -1e-300, 1e-30, -1e-30, 40.0, -40.0, 700.0, -700.0,
+                              1e30, -1e30, std::numeric_limits<double>::infinity(),
+                              -std::numeric_limits<double>::infinity()};
+    for (int i = 0; i < 200; ++i) zs.push_back(std::ldexp(uniform(rng, -1.0, 1.0), uniform_int(rng, -40, 12)));
+    const auto same = [](auto x, auto y) { return std::memcmp(&x, &y, sizeof x) == 0 || (x != x && y != y); };
+    for (const Activation act : {Activation::SiLU, Activation::GELU, Activation::Identity}) {
+        for (const double z : zs) {
+            INFO("act=" << act_name(act) << " z=" << z);
+            const auto vd = titans::detail::activate_with_grad(act, z);
+            CHECK(same(vd.value, titans::detail::activate(act, z)));
+            CHECK(same(vd.grad, titans::detail::activate_grad(act, z)));
+            const float zf = static_cast<float>(z);
+            const auto vf = titans::detail::activate_with_grad(act, zf);
+            CHECK(same(vf.value, titans::detail::activate(act, zf)));
+            CHECK(same(vf.grad, titans::detail::activate_grad(act, zf)));
+        }
+    }
 }

@@ -87,8 +87,13 @@ def main():
     ours = time_titans(os.path.abspath(args.bench), shapes)
     print(f"{'B x N':>10} {'titans-pytorch fwd':>19} {'fwd+bwd':>9} {'titans fwd':>11} "
           f"{'ratio fwd':>10}")
+    version = device = "?"
     for B, N in shapes:
-        theirs, version, device = time_pytorch(B, N, args.reps)
+        try:
+            theirs, version, device = time_pytorch(B, N, args.reps)
+        except Exception as e:  # one shape's failure (memory, a version's API) is reported
+            print(f"{B:>4} x {N:<4} titans-pytorch failed: {type(e).__name__}: {e}"[:300])
+            continue
         mine = ours.get((B, N), float("nan"))
         print(f"{B:>4} x {N:<4} {theirs['forward']:>16.2f} ms {theirs['step']:>6.1f} ms "
               f"{mine:>8.2f} ms {theirs['forward'] / mine:>9.1f}x")

@@ -83,6 +83,33 @@ TITANS_HOST_DEVICE T activate_grad(Activation a, T z) {
 }
 
 /// act''(z): what the backward of a gradient (math §9, the second-order terms) needs.
+/// An activation's value and derivative at one z.
+template <class T>
+struct ValueGrad {
+    T value;
+    T grad;
+};
+
+/// activate(a, z) and activate_grad(a, z) from one evaluation of the shared sigmoid or erf
+/// (the same expressions as the two calls: the same values where the compiler contracts alike).
+template <class T>
+TITANS_HOST_DEVICE ValueGrad<T> activate_with_grad(Activation a, T z) {
+    switch (a) {
+        case Activation::SiLU: {
+            const T s = sigmoid(z);
+            return {z * s, s * (T(1) + z * (T(1) - s))};
+        }
+        case Activation::GELU: {
+            const T e = std::erf(z * T(0.70710678118654752440));
+            const T cdf = T(0.5) * (T(1) + e);
+            const T pdf = T(0.39894228040143267794) * std::exp(T(-0.5) * z * z);
+            return {T(0.5) * z * (T(1) + e), cdf + z * pdf};
+        }
+        case Activation::Identity: break;
+    }
+    return {z, T(1)};
+}
+
 template <class T>
 TITANS_HOST_DEVICE T activate_grad2(Activation a, T z) {
     switch (a) {

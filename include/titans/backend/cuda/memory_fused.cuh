@@ -51,12 +51,14 @@ inline std::atomic<long long>& fused_launches() {
 inline constexpr int fused_threads = 512;
 
 /// The fused kernel's shared memory for chunk b, head dim dh, hidden width h, in entries of T:
-/// K and Q (then D2), b x (dh + 4); A1 and X, b x (h + 4); theta, eta, alpha, g, s (b each) and
-/// beta, c, P. Rows are padded by 4 entries against bank conflicts.
+/// K and Q (then D2), b x (dh + 8); A1 and X, b x (h + 8); theta, eta, alpha, g, s (b each) and
+/// beta, c, P. Rows are padded by 8 entries (d_h and h are multiples of 32): the lanes of a
+/// warp tile's accesses hit distinct banks, row-major pairs in the Pair order and k-major
+/// entries in the Split order (tile_product.cuh).
 struct FusedLayout {
     int b, dh, h;
-    TITANS_HOST_DEVICE int ldk() const { return dh + 4; }
-    TITANS_HOST_DEVICE int ldh() const { return h + 4; }
+    TITANS_HOST_DEVICE int ldk() const { return dh + 8; }
+    TITANS_HOST_DEVICE int ldh() const { return h + 8; }
     TITANS_HOST_DEVICE long long k() const { return 0; }
     TITANS_HOST_DEVICE long long q() const { return static_cast<long long>(b) * ldk(); }
     TITANS_HOST_DEVICE long long a1() const { return 2LL * b * ldk(); }
@@ -87,7 +89,6 @@ struct FusedArgs {
     GateParams<T> gp;
     Activation act;
     bool residual;
-    bool write_pending;  // the last chunk's rows into a, d
 };
 
 #if TITANS_CUDA_DEVICE_CODE
@@ -111,11 +112,28 @@ struct FusedShared {
           ends(s + l.b) {}
 };
 
-/// rows x width entries from src (ld width) into dst (ld ldd), by the block.
+/// rows x width entries from src (ld lds) into dst (ld ldd), by the block: a warp per row.
 template <class T>
 __device__ void copy_tile(T* dst, int ldd, const T* src, long long lds, int rows, int width) {
-    for (int i = static_cast<int>(threadIdx.x); i < rows * width; i += static_cast<int>(blockDim.x)) {
-        dst[(i / width) * ldd + i % width] = src[(i / width) * lds + i % width];
+    const int warps = static_cast<int>(blockDim.x / 32), lane = static_cast<int>(threadIdx.x % 32);
+    for (int r = static_cast<int>(threadIdx.x / 32); r < rows; r += warps) {
+        for (int c = lane; c < width; c += 32) {
+            dst[r * ldd + c] = src[r * lds + c];
+        }
+    }
+}
+
+/// f(e) for the entries e = r ld + c (r < rows, c < width) of a shared array, by the block: a
+/// warp per row, the loop kept rolled (the activations' code once, not once per tile entry:
+/// the kernel's instructions then fit the instruction caches).
+template <class F>
+__device__ void each_shared(int rows, int width, int ld, const F& f) {
+    const int warps = static_cast<int>(blockDim.x / 32), lane = static_cast<int>(threadIdx.x % 32);
+    for (int r = static_cast<int>(threadIdx.x / 32); r < rows; r += warps) {
+        TITANS_NO_UNROLL
+        for (int c = lane; c < width; c += 32) {
+            f(r * ld + c);
+        }
     }
 }
 
@@ -126,15 +144,15 @@ __device__ void fused_read(const FusedArgs<T>& f, const FusedShared<T>& sh, cons
     const FusedLayout& l = f.lay;
     const int ldk = l.ldk(), ldh = l.ldh(), dh = l.dh, h = l.h;
     const Activation act = f.act;
-    block_product<T, TF32, 2, 4>(
-        l.b, h, dh, [&](int i, int k) { return sh.q[i * ldk + k]; },
-        [&](int k, int j) { return w1[k * h + j]; },
-        each_entry([&](int i, int j, T z) { sh.x[i * ldh + j] = detail::activate(act, z); }));
+    block_product<T, TF32, 2, 4, KOrder::Pair>(
+        l.b, h, dh, RowMajor<T>{sh.q, ldk}, [&](int k, int j) { return w1[k * h + j]; },
+        each_pair([&](int i, int j, T z0, T z1) { store_pair(sh.x + i * ldh + j, z0, z1); }));
+    __syncthreads();
+    each_shared(l.b, h, ldh, [&](int e) { sh.x[e] = detail::activate(act, sh.x[e]); });
     __syncthreads();
     const bool res = f.residual;
-    block_product<T, TF32, 1, 2>(
-        l.b, dh, h, [&](int i, int k) { return sh.x[i * ldh + k]; },
-        [&](int k, int j) { return w2[k * dh + j]; },
+    block_product<T, TF32, 1, 2, KOrder::Pair>(
+        l.b, dh, h, RowMajor<T>{sh.x, ldh}, [&](int k, int j) { return w2[k * dh + j]; },
         each_entry([&](int i, int j, T z) { y[i * dh + j] = res ? z + sh.q[i * ldk + j] : z; }));
     __syncthreads();
 }
@@ -147,18 +165,19 @@ __device__ void fused_keys(const FusedArgs<T>& f, const FusedShared<T>& sh, cons
     const FusedLayout& l = f.lay;
     const int ldk = l.ldk(), ldh = l.ldh(), dh = l.dh, h = l.h;
     const Activation act = f.act;
-    block_product<T, TF32, 2, 4>(
-        l.b, h, dh, [&](int i, int k) { return sh.k[i * ldk + k]; },
-        [&](int k, int j) { return w1[k * h + j]; },
-        each_entry([&](int i, int j, T z) {
-            sh.a1[i * ldh + j] = detail::activate(act, z);
-            sh.x[i * ldh + j] = detail::activate_grad(act, z);
-        }));
+    block_product<T, TF32, 2, 4, KOrder::Pair>(
+        l.b, h, dh, RowMajor<T>{sh.k, ldk}, [&](int k, int j) { return w1[k * h + j]; },
+        each_pair([&](int i, int j, T z0, T z1) { store_pair(sh.a1 + i * ldh + j, z0, z1); }));
+    __syncthreads();
+    each_shared(l.b, h, ldh, [&](int e) {
+        const detail::ValueGrad<T> vg = detail::activate_with_grad(act, sh.a1[e]);
+        sh.a1[e] = vg.value;
+        sh.x[e] = vg.grad;
+    });
     __syncthreads();
     const bool res = f.residual;
-    block_product<T, TF32, 1, 2>(
-        l.b, dh, h, [&](int i, int k) { return sh.a1[i * ldh + k]; },
-        [&](int k, int j) { return w2[k * dh + j]; },
+    block_product<T, TF32, 1, 2, KOrder::Pair>(
+        l.b, dh, h, RowMajor<T>{sh.a1, ldh}, [&](int k, int j) { return w2[k * dh + j]; },
         [&](const T(&acc)[1][2][4], int i, int j0) {
             T d[1][2][4], kt[1][2][4];  // V's entries first: their loads in flight together
             tile_gather(d, i, j0, [&](int r, int c) { return v[r * dh + c]; });
@@ -170,13 +189,17 @@ __device__ void fused_keys(const FusedArgs<T>& f, const FusedShared<T>& sh, cons
                     d[0][n][e] = (acc[0][n][e] + kt[0][n][e]) - d[0][n][e];
                 }
             }
-            tile_store(d, i, j0, [&](int r, int c, T z) { sh.q[r * ldk + c] = z; });
+            each_pair([&](int r, int c, T z0, T z1) { store_pair(sh.q + r * ldk + c, z0, z1); })(
+                d, i, j0);
         });
     __syncthreads();
-    block_product<T, TF32, 2, 4>(
-        l.b, h, dh, [&](int i, int k) { return sh.q[i * ldk + k]; },
-        [&](int k, int j) { return w2[j * dh + k]; },
-        each_entry([&](int i, int j, T z) { sh.x[i * ldh + j] *= z; }));
+    block_product<T, TF32, 2, 4, KOrder::Pair>(
+        l.b, h, dh, RowMajor<T>{sh.q, ldk}, Transposed<T>{w2, dh},
+        each_pair([&](int i, int j, T z0, T z1) {
+            T* x = sh.x + i * ldh + j;
+            const EntryPair<T> g = load_pair(x);
+            store_pair(x, g.x * z0, g.y * z1);
+        }));
     __syncthreads();
 }
 
@@ -209,6 +232,41 @@ __device__ void fused_gates(const FusedArgs<T>& f, const FusedShared<T>& sh, con
     __syncthreads();
 }
 
+/// One k-step of a layer's chunk end for a warp tile: accg += A^T diag(g) E and
+/// accs += A^T diag(s) E over k in [k0, k0 + 8) (A, E k-major in shared memory, rows padded by
+/// 8: the Split order's lanes hit distinct banks). On the tensor cores both products share the
+/// A fragments and E's loads; elsewhere two tile steps.
+template <class T, bool TF32, int MT, int NT>
+__device__ inline void end_step(T (&accg)[MT][NT][4], T (&accs)[MT][NT][4], const T* A, int lda,
+                                const T* E, int lde, const T* g, const T* s, int i, int j, int k0,
+                                int gl, int q) {
+    const auto a = [&](int r, int k) { return A[k * lda + r]; };
+#if defined(__CUDA_ARCH__)
+    if constexpr (TF32 && sizeof(T) == 4) {
+        constexpr KOrder O = KOrder::Split;
+        std::uint32_t af[MT][4], bg[NT][2], bs[NT][2];
+        fragment_a<O>(af, a, i, k0, q);
+        const int k = slot_k<O>(k0, q, 0), kh = slot_k<O>(k0, q, 1);
+        const T g0 = g[k], g1 = g[kh], s0 = s[k], s1 = s[kh];
+        TITANS_UNROLL
+        for (int ni = 0; ni < NT; ++ni) {
+            const T e0 = E[k * lde + j + 8 * ni], e1 = E[kh * lde + j + 8 * ni];
+            bg[ni][0] = __float_as_uint(round_tf32(e0 * g0));
+            bg[ni][1] = __float_as_uint(round_tf32(e1 * g1));
+            bs[ni][0] = __float_as_uint(round_tf32(e0 * s0));
+            bs[ni][1] = __float_as_uint(round_tf32(e1 * s1));
+        }
+        fragment_mma(accg, af, bg);
+        fragment_mma(accs, af, bs);
+        return;
+    }
+#endif
+    tile_step<T, TF32, MT, NT>(accg, a, [&](int k, int c) { return E[k * lde + c] * g[k]; }, i, j,
+                               k0, gl, q);
+    tile_step<T, TF32, MT, NT>(accs, a, [&](int k, int c) { return E[k * lde + c] * s[k]; }, i, j,
+                               k0, gl, q);
+}
+
 /// One layer's chunk end (math §4): W = beta W + c S - A^T diag(g) E, S = P S - A^T diag(s) E,
 /// A (b x in, ld lda) and E (b x out, ld lde) in shared memory, W and S in device memory. A
 /// warp tile holds both products' accumulators; its W and S entries are loaded together
@@ -218,22 +276,16 @@ __device__ void fused_end_layer(const FusedShared<T>& sh, int b, int in, int out
                                 int lda, const T* E, int lde, T* W, T* S) {
     constexpr int MT = 2, NT = 2;
     const T beta = sh.ends[0], c = sh.ends[1], pe = sh.ends[2];
-    const T* g = sh.g;
-    const T* s = sh.s;
     const int warp = static_cast<int>(threadIdx.x / 32), warps = static_cast<int>(blockDim.x / 32);
     const int lane = static_cast<int>(threadIdx.x % 32), gl = lane / 4, q = lane % 4;
     const int tiles_n = out / (8 * NT), tiles = (in / (16 * MT)) * tiles_n;
-    const auto a = [&](int i, int k) { return A[k * lda + i]; };
-    const auto bg = [&](int k, int j) { return E[k * lde + j] * g[k]; };
-    const auto bs = [&](int k, int j) { return E[k * lde + j] * s[k]; };
     for (int tile = warp; tile < tiles; tile += warps) {
         const int i = tile / tiles_n * 16 * MT + gl, j = tile % tiles_n * 8 * NT + gl;
         T accg[MT][NT][4], accs[MT][NT][4], w[MT][NT][4], sv[MT][NT][4];
         tile_zero(accg);
         tile_zero(accs);
         for (int k0 = 0; k0 < b; k0 += 8) {
-            tile_step<T, TF32, MT, NT>(accg, a, bg, i, j, k0, gl, q);
-            tile_step<T, TF32, MT, NT>(accs, a, bs, i, j, k0, gl, q);
+            end_step<T, TF32, MT, NT>(accg, accs, A, lda, E, lde, sh.g, sh.s, i, j, k0, gl, q);
         }
         const int j0 = j - gl + 2 * q;
         tile_gather(w, i, j0, [&](int r, int col) { return W[r * out + col]; });
@@ -275,7 +327,7 @@ __global__ void __launch_bounds__(fused_threads) fused_chunks_kernel(FusedArgs<T
         fused_gates<T>(f, sh, f.gates != nullptr ? f.gates + row * 3 : nullptr);
         fused_end_layer<T, TF32>(sh, l.b, l.dh, l.h, sh.k, l.ldk(), sh.x, l.ldh(), w1, s1);
         fused_end_layer<T, TF32>(sh, l.b, l.h, l.dh, sh.a1, l.ldh(), sh.q, l.ldk(), w2, s2);
-        if (f.write_pending && c + 1 == f.chunks) {
+        if (c + 1 == f.chunks) {  // the last chunk's rows: the state's pending A, Delta
             const long long pb = p * l.b;
             copy_tile(f.a[0] + pb * l.dh, l.dh, sh.k, l.ldk(), l.b, l.dh);
             copy_tile(f.a[1] + pb * l.h, l.h, sh.a1, l.ldh(), l.b, l.h);

@@ -807,7 +807,6 @@ struct MemoryKernels<Cuda, T> {
         f.gp = cuda::GateParams<T>::of(cfg);
         f.act = cfg.activation;
         f.residual = cfg.residual;
-        f.write_pending = true;
         void (*kernel)(cuda::FusedArgs<T>) = cuda::fused_chunks_kernel<T, false>;
         if constexpr (std::is_same_v<T, float>) {
             if (tf32) {

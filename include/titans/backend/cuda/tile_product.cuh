@@ -18,6 +18,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "../../config.hpp"
 #include "launch.cuh"
@@ -26,10 +27,20 @@
 // that the accumulators stay in registers; nothing under the CPU emulation.
 #if defined(__CUDACC__)
 #define TITANS_UNROLL _Pragma("unroll")
-#define TITANS_UNROLL_2 _Pragma("unroll 2")
+#define TITANS_NO_UNROLL _Pragma("unroll 1")
+#define TITANS_PRAGMA_TEXT(x) _Pragma(#x)
+#define TITANS_PRAGMA(x) TITANS_PRAGMA_TEXT(x)
 #else
+#define TITANS_NO_UNROLL
+#define TITANS_PRAGMA(x)
 #define TITANS_UNROLL
-#define TITANS_UNROLL_2
+#endif
+
+// How many k-steps of a block product's loop are unrolled (their operand loads in flight
+// together): a build-time tuning knob. 2 by default: 4 fits too (128 registers a thread at 512
+// threads a block, no spills on sm_90) but measured 1% slower on an H200 (docs/performance.md).
+#ifndef TITANS_TILE_K_UNROLL
+#define TITANS_TILE_K_UNROLL 2
 #endif
 
 namespace titans::backend::cuda {
@@ -63,42 +74,156 @@ __device__ inline T operand(T x) {
     }
 }
 
+/// Which k a lane's fragment slots hold in a k-step of 8 (slots q and q + 4, q = lane % 4):
+/// Split, k0 + q and k0 + q + 4 (the instruction's own order); Pair, k0 + 2q and k0 + 2q + 1,
+/// adjacent, so that an operand with a pair() accessor (RowMajor, Transposed) loads both in
+/// one access. With shared rows padded to 8 mod 32 entries, row-major pairs (Pair) and k-major
+/// entries (Split) are read without bank conflicts. The tensor cores sum the 8 products of a
+/// k-step at once, so the order is free as long as both operands follow it.
+enum class KOrder { Split, Pair };
+
+template <KOrder O>
+TITANS_HOST_DEVICE constexpr int slot_k(int k0, int q, int half) {
+    return O == KOrder::Split ? k0 + q + 4 * half : k0 + 2 * q + half;
+}
+
+/// Two adjacent entries of an operand (p[0], p[1]).
+template <class T>
+struct EntryPair {
+    T x, y;
+};
+
+/// p[0], p[1] in one 8-byte (float) or 16-byte (double) access on the GPU (p aligned to it).
+template <class T>
+__device__ inline EntryPair<T> load_pair(const T* p) {
+#if defined(__CUDA_ARCH__)
+    if constexpr (sizeof(T) == 4) {
+        const float2 v = *reinterpret_cast<const float2*>(p);
+        return {v.x, v.y};
+    } else {
+        const double2 v = *reinterpret_cast<const double2*>(p);
+        return {v.x, v.y};
+    }
+#else
+    return {p[0], p[1]};
+#endif
+}
+
+/// p[0] = x, p[1] = y in one access on the GPU (p aligned as for load_pair).
+template <class T>
+__device__ inline void store_pair(T* p, T x, T y) {
+#if defined(__CUDA_ARCH__)
+    if constexpr (sizeof(T) == 4) {
+        *reinterpret_cast<float2*>(p) = make_float2(x, y);
+    } else {
+        *reinterpret_cast<double2*>(p) = make_double2(x, y);
+    }
+#else
+    p[0] = x;
+    p[1] = y;
+#endif
+}
+
+/// An operand m(r, k) = p[r ld + k] (row-major), whose pairs (r, k), (r, k + 1) are one access
+/// in the KOrder::Pair fragments (ld and k even).
+template <class T>
+struct RowMajor {
+    const T* p;
+    int ld;
+    __device__ T operator()(int r, int k) const { return p[r * ld + k]; }
+    __device__ EntryPair<T> pair(int r, int k) const { return load_pair(p + r * ld + k); }
+};
+
+/// An operand m(k, c) = p[c ld + k] (a row-major matrix transposed), whose pairs (k, c),
+/// (k + 1, c) are one access in the KOrder::Pair fragments (ld and k even).
+template <class T>
+struct Transposed {
+    const T* p;
+    int ld;
+    __device__ T operator()(int k, int c) const { return p[c * ld + k]; }
+    __device__ EntryPair<T> pair(int k, int c) const { return load_pair(p + c * ld + k); }
+};
+
+#if defined(__CUDA_ARCH__)
+
+/// The A fragments of a warp tile's MT pieces for the k-step at k0 (rows i + 16 mi (+ 8)).
+template <KOrder O, int MT, class FA>
+__device__ inline void fragment_a(std::uint32_t (&af)[MT][4], const FA& a, int i, int k0, int q) {
+    const int k = slot_k<O>(k0, q, 0), kh = slot_k<O>(k0, q, 1);
+    if constexpr (O == KOrder::Pair && requires(const FA& x) { x.pair(0, 0); }) {
+        TITANS_UNROLL
+        for (int mi = 0; mi < MT; ++mi) {
+            const EntryPair<float> lo = a.pair(i + 16 * mi, k), hi = a.pair(i + 16 * mi + 8, k);
+            af[mi][0] = __float_as_uint(round_tf32(lo.x));
+            af[mi][1] = __float_as_uint(round_tf32(hi.x));
+            af[mi][2] = __float_as_uint(round_tf32(lo.y));
+            af[mi][3] = __float_as_uint(round_tf32(hi.y));
+        }
+    } else {
+        TITANS_UNROLL
+        for (int mi = 0; mi < MT; ++mi) {
+            const int r = i + 16 * mi;
+            af[mi][0] = __float_as_uint(round_tf32(a(r, k)));
+            af[mi][1] = __float_as_uint(round_tf32(a(r + 8, k)));
+            af[mi][2] = __float_as_uint(round_tf32(a(r, kh)));
+            af[mi][3] = __float_as_uint(round_tf32(a(r + 8, kh)));
+        }
+    }
+}
+
+/// The B fragments of a warp tile's NT pieces for the k-step at k0 (column j + 8 ni).
+template <KOrder O, int NT, class FB>
+__device__ inline void fragment_b(std::uint32_t (&bf)[NT][2], const FB& b, int j, int k0, int q) {
+    const int k = slot_k<O>(k0, q, 0), kh = slot_k<O>(k0, q, 1);
+    if constexpr (O == KOrder::Pair && requires(const FB& x) { x.pair(0, 0); }) {
+        TITANS_UNROLL
+        for (int ni = 0; ni < NT; ++ni) {
+            const EntryPair<float> v = b.pair(k, j + 8 * ni);
+            bf[ni][0] = __float_as_uint(round_tf32(v.x));
+            bf[ni][1] = __float_as_uint(round_tf32(v.y));
+        }
+    } else {
+        TITANS_UNROLL
+        for (int ni = 0; ni < NT; ++ni) {
+            bf[ni][0] = __float_as_uint(round_tf32(b(k, j + 8 * ni)));
+            bf[ni][1] = __float_as_uint(round_tf32(b(kh, j + 8 * ni)));
+        }
+    }
+}
+
+/// acc += A B for the fragments of one k-step (mma.sync m16n8k8, TF32 in, FP32 sums). Not
+/// volatile: the compiler may move the next k-step's loads above these.
+template <int MT, int NT>
+__device__ inline void fragment_mma(float (&acc)[MT][NT][4], const std::uint32_t (&af)[MT][4],
+                                    const std::uint32_t (&bf)[NT][2]) {
+    TITANS_UNROLL
+    for (int mi = 0; mi < MT; ++mi) {
+        TITANS_UNROLL
+        for (int ni = 0; ni < NT; ++ni) {
+            float(&c)[4] = acc[mi][ni];
+            asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, "
+                "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                : "r"(af[mi][0]), "r"(af[mi][1]), "r"(af[mi][2]), "r"(af[mi][3]), "r"(bf[ni][0]),
+                  "r"(bf[ni][1]));
+        }
+    }
+}
+
+#endif
+
 /// One k-step of 8 for a warp's tile: acc[mi][ni][2h + c] += sum_k a(r, k) b(k, col), the lane's
 /// rows r = i + 16 mi + 8 h and columns col = j + 8 ni + 2q + c (i = tile row + g, j = tile
-/// column), k in [k0, k0 + 8).
-template <class T, bool TF32, int MT, int NT, class FA, class FB>
+/// column), k in [k0, k0 + 8) (on the tensor cores, in the order O).
+template <class T, bool TF32, int MT, int NT, KOrder O = KOrder::Split, class FA, class FB>
 __device__ inline void tile_step(T (&acc)[MT][NT][4], const FA& a, const FB& b, int i, int j,
                                  int k0, int g, int q) {
 #if defined(__CUDA_ARCH__)
     if constexpr (TF32 && sizeof(T) == 4) {
         std::uint32_t af[MT][4], bf[NT][2];
-        TITANS_UNROLL
-        for (int mi = 0; mi < MT; ++mi) {
-            const int r = i + 16 * mi;
-            af[mi][0] = __float_as_uint(round_tf32(a(r, k0 + q)));
-            af[mi][1] = __float_as_uint(round_tf32(a(r + 8, k0 + q)));
-            af[mi][2] = __float_as_uint(round_tf32(a(r, k0 + q + 4)));
-            af[mi][3] = __float_as_uint(round_tf32(a(r + 8, k0 + q + 4)));
-        }
-        TITANS_UNROLL
-        for (int ni = 0; ni < NT; ++ni) {
-            const int c = j + 8 * ni;  // column g of piece ni (the B fragment's layout)
-            bf[ni][0] = __float_as_uint(round_tf32(b(k0 + q, c)));
-            bf[ni][1] = __float_as_uint(round_tf32(b(k0 + q + 4, c)));
-        }
-        TITANS_UNROLL
-        for (int mi = 0; mi < MT; ++mi) {
-            TITANS_UNROLL
-            for (int ni = 0; ni < NT; ++ni) {
-                T(&c)[4] = acc[mi][ni];
-                asm volatile(
-                    "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, "
-                    "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-                    : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                    : "r"(af[mi][0]), "r"(af[mi][1]), "r"(af[mi][2]), "r"(af[mi][3]),
-                      "r"(bf[ni][0]), "r"(bf[ni][1]));
-            }
-        }
+        fragment_a<O>(af, a, i, k0, q);
+        fragment_b<O>(bf, b, j, k0, q);
+        fragment_mma(acc, af, bf);
         return;
     }
 #endif
@@ -173,6 +298,23 @@ __device__ inline void tile_gather(T (&out)[MT][NT][4], int i, int j0, const F& 
     }
 }
 
+/// A pair-wise epilogue e(i, j, value at j, value at j + 1) (j even) as a tile epilogue.
+template <class FE>
+__device__ inline auto each_pair(const FE& e) {
+    return [&e](const auto& acc, int i, int j0) {
+        constexpr int MT = static_cast<int>(std::extent_v<std::remove_reference_t<decltype(acc)>, 0>);
+        constexpr int NT = static_cast<int>(std::extent_v<std::remove_reference_t<decltype(acc)>, 1>);
+        TITANS_UNROLL
+        for (int mi = 0; mi < MT; ++mi) {
+            TITANS_UNROLL
+            for (int ni = 0; ni < NT; ++ni) {
+                e(i + 16 * mi, j0 + 8 * ni, acc[mi][ni][0], acc[mi][ni][1]);
+                e(i + 16 * mi + 8, j0 + 8 * ni, acc[mi][ni][2], acc[mi][ni][3]);
+            }
+        }
+    };
+}
+
 /// An entry-wise epilogue e(i, j, value) as a tile epilogue (block_product's).
 template <class FE>
 __device__ inline auto each_entry(const FE& e) {
@@ -183,7 +325,8 @@ __device__ inline auto each_entry(const FE& e) {
 /// accumulators go to the tile epilogue ft(acc, i, j0) (the lane's rows i + 16 mi (+ 8),
 /// columns j0 + 8 ni (+ 1); each_entry(e) for an entry-wise one). The block's threads must all
 /// call it (blockDim.x a multiple of 32); it has no barrier.
-template <class T, bool TF32, int MT, int NT, class FA, class FB, class FT>
+template <class T, bool TF32, int MT, int NT, KOrder O = KOrder::Split, class FA, class FB,
+          class FT>
 __device__ void block_product(int M, int N, int K, const FA& a, const FB& b, const FT& ft) {
     static_assert(!TF32 || sizeof(T) == 4, "TF32 products are for float");
     const int warp = static_cast<int>(threadIdx.x / 32), warps = static_cast<int>(blockDim.x / 32);
@@ -193,9 +336,9 @@ __device__ void block_product(int M, int N, int K, const FA& a, const FB& b, con
         const int i = tile / tiles_n * 16 * MT + g, j = tile % tiles_n * 8 * NT + g;
         T acc[MT][NT][4];
         tile_zero(acc);
-        TITANS_UNROLL_2  // two k-steps' operand loads in flight (K is a multiple of 16)
+        TITANS_PRAGMA(unroll TITANS_TILE_K_UNROLL)
         for (int k0 = 0; k0 < K; k0 += 8) {
-            tile_step<T, TF32, MT, NT>(acc, a, b, i, j, k0, g, q);
+            tile_step<T, TF32, MT, NT, O>(acc, a, b, i, j, k0, g, q);
         }
         ft(acc, i, j - g + 2 * q);
     }
