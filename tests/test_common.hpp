@@ -287,6 +287,28 @@ double ridders_derivative(F&& f, double h) {
     return best;
 }
 
+/// ridders_derivative for every entry of m (perturbed in place and restored) from step h: for
+/// gradients where one step's truncation is not small (a Gaussian tail, GELU's at |z| ~ 20,
+/// where the derivative's relative change over a step is z h).
+template <class M, class F>
+Matrixd ridders_diff(M& m, double h, F&& f) {
+    Matrixd g(m.rows(), m.cols());
+    for (Eigen::Index i = 0; i < m.rows(); ++i) {
+        for (Eigen::Index j = 0; j < m.cols(); ++j) {
+            const double v = m(i, j);
+            g(i, j) = ridders_derivative(
+                [&](double d) {
+                    m(i, j) = v + d;
+                    const double r = f();
+                    m(i, j) = v;
+                    return r;
+                },
+                h);
+        }
+    }
+    return g;
+}
+
 /// Estimates of df/dδ at 0 that fail differently: central at 1e-5 and 1e-6 (roundoff where the
 /// derivative is tiny next to |L|), 4th order at 1e-3 and 6th order at 1e-2 (truncation where
 /// the curvature is strong, e.g. normalising a short q or k, or a step crossing the clipping

@@ -42,7 +42,7 @@ struct NormKernels<Cpu, T> {
     }
 
     /// Math §9 (RMSNorm): with u = dy ⊙ weight and r = 1 / rms of the row,
-    ///     dx = r u - x r^3 <u, x> / d,     dweight += Σ_rows dy ⊙ x r.
+    ///     dx = r u - x r^3 <u, x> / d,     dweight += Σ_rows dy ⊙ x r  (the sum added once).
     /// x and inv_rms as forward_train kept them; dx rows x d (sized), dweight 1 x d. A row where
     /// r^3 or a product of that formula leaves T's normal range (rms beyond ~2^±(max exponent
     /// / 3), huge dy) takes the same gradient through the normalised row instead (robust_row).
@@ -53,7 +53,9 @@ struct NormKernels<Cpu, T> {
         auto dx = cpu::as_eigen(dxv);
         auto dw = cpu::as_eigen(dweight);
         const T inv_d = T(1) / static_cast<T>(x.cols());
-        RowVector<T> u(x.cols()), g(x.cols());
+        // The call's Σ_rows is summed apart and added to dweight once (as on CUDA): two calls
+        // then add exactly twice one call's gradient into a zero dweight.
+        RowVector<T> u(x.cols()), g(x.cols()), sum = RowVector<T>::Zero(x.cols());
         for (Eigen::Index r = 0; r < x.rows(); ++r) {
             const T rr = inv_rms.data[r * inv_rms.stride];
             u = (dy.row(r).array() * weight->array()).matrix();
@@ -66,10 +68,11 @@ struct NormKernels<Cpu, T> {
                 done = std::isfinite(k) && g.allFinite() && dx.row(r).allFinite();
                 // g's expression again, in place (as before: a compiler that fuses the add
                 // into the product does so as it did).
-                if (done) dw.row(0).array() += dy.row(r).array() * x.row(r).array() * rr;
+                if (done) sum.array() += dy.row(r).array() * x.row(r).array() * rr;
             }
-            if (!done) robust_row(x.row(r), rr, u, dy.row(r), dx.row(r), dw.row(0), inv_d);
+            if (!done) robust_row(x.row(r), rr, u, dy.row(r), dx.row(r), sum, inv_d);
         }
+        dw.row(0) += sum;
     }
 
 private:
