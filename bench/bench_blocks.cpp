@@ -3,7 +3,7 @@
 //
 //   BM_Gemm                      float 512 x 512 x 512 row-major GEMM, C.noalias() = A * B:
 //                                the reference rate of this machine on dense products.
-//   BM_Block/<kind>              one Block<float> of kind LMM, MAC, MAG or MAL (pre-norm,
+//   BM_Block/<kind>              one Block<float> of kind LMM, MAC, MAG, MAL or SWA (pre-norm,
 //                                residual, SwiGLU FFN), streamed over N tokens.
 //   BM_FullAttention             the same Attention layer as the blocks use, with window = N:
 //                                exact causal softmax attention over the whole stream
@@ -188,6 +188,7 @@ void BM_Block(benchmark::State& state, BlockKind kind) {
                      "non-finite block output (state diverged)")) {
         return;
     }
+    if (!titans::has_memory(kind)) return;  // SWA: no memory weights to report
     double sq = 0.0, count = 0.0;
     for (int h = 0; h < kHeads; ++h) {
         for (const Matrixf& w : block.memory().current_weights(st.memory(), 0, h)) {
@@ -307,7 +308,7 @@ int main(int argc, char** argv) {
         ->Arg(512)
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime();
-    for (BlockKind kind : {BlockKind::LMM, BlockKind::MAC, BlockKind::MAG, BlockKind::MAL}) {
+    for (BlockKind kind : titans::all_block_kinds) {
         register_stream(std::string("BM_Block/") + titans::to_string(kind),
                         [kind](benchmark::State& s) { BM_Block(s, kind); },
                         lengths(1024, 4, max_tokens));

@@ -7,10 +7,10 @@
 // tokens when gap >= w: sliding-window attention cannot see it, only the memory can carry it.
 //
 // Models, trained with the same steps, data, optimiser (AdamW, warm-up + cosine, global
-// clipping) and about the same parameter count: SWA (sliding-window attention blocks with a
-// feed-forward, no memory; composed here from the library's layers, with its own training
-// step), and Titans models of two LMM, MAC, MAG or MAL blocks (titans::Model, trained by
-// titans::Trainer; MAC's segment is the window).
+// clipping) and about the same parameter count: two blocks of one kind each, SWA (sliding-
+// window attention with a feed-forward, no memory: BlockKind::SWA, its feed-forward widened to
+// the largest Titans model's count) and the Titans kinds LMM, MAC, MAG, MAL (MAC's segment is
+// the window), every one a titans::Model trained by titans::Trainer.
 //
 // Output: progress lines (step, loss, tokens/s, ETA); DIR/train_recall.svg, the loss curves;
 // a table of query accuracy by distance (inside the window, 2x, 8x, 32x the window); a table
@@ -22,6 +22,8 @@
 
 #include <titans/io/trainer.hpp>
 #include <titans/titans.hpp>
+
+#include "common/parameter_budget.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -148,125 +150,6 @@ Batch training_batch(const Settings& s, Rng& rng) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The SWA baseline: blocks h = x + Attn(RMSNorm(x)), out = h + FFN(RMSNorm(h)), from the
-// library's layers, with their training passes.
-
-struct SwaConfig {
-    titans::AttentionConfig attention;
-    titans::FeedForwardConfig ffn;
-    int layers = 2, vocab = 0;
-};
-
-struct SwaLayer {
-    titans::RowVector<float> norm1, norm2;
-    titans::AttentionParams<float> attention;
-    titans::FeedForwardParams<float> ffn;
-};
-
-struct SwaParams {
-    using Scalar = float;  // what the optimiser and clipping read
-    Matrixf embedding;
-    std::vector<SwaLayer> layers;
-    titans::RowVector<float> norm_final;
-    Matrixf head;
-
-    template <class Self, class V>
-    static void tensors(Self& self, const SwaConfig& cfg, V&& v) {
-        v(std::string("embedding"), self.embedding);
-        for (std::size_t i = 0; i < self.layers.size(); ++i) {
-            auto& l = self.layers[i];
-            const std::string p = "layers." + std::to_string(i) + ".";
-            v(p + "norm1", l.norm1);
-            v(p + "norm2", l.norm2);
-            titans::AttentionParams<float>::tensors(l.attention, cfg.attention, [&](const std::string& n, auto& m) { v(p + "attention." + n, m); });
-            titans::FeedForwardParams<float>::tensors(l.ffn, cfg.ffn, [&](const std::string& n, auto& m) { v(p + "ffn." + n, m); });
-        }
-        v(std::string("norm_final"), self.norm_final);
-        v(std::string("head"), self.head);
-    }
-
-    static SwaParams make(const SwaConfig& cfg, std::uint64_t seed, bool draw) {
-        SwaParams p;
-        const int d = cfg.attention.d_model;
-        // Draw like titans::ModelParams (embedding N(0,1), head N(0, 1/d)).
-        const auto tm = titans::ModelParams<float>::generate(
-            titans::ModelConfig::uniform(titans::BlockKind::LMM, 1, d, 1, 1, 1, cfg.vocab), seed, draw);
-        p.embedding = tm.embedding;
-        p.norm_final = tm.norm_final;
-        p.head = tm.head;
-        for (int i = 0; i < cfg.layers; ++i) {
-            SwaLayer l;
-            l.norm1 = l.norm2 = titans::RowVector<float>::Constant(d, draw ? 1.0f : 0.0f);
-            l.attention = titans::AttentionParams<float>::generate(cfg.attention, seed * 7 + static_cast<std::uint64_t>(i), draw);
-            l.ffn = titans::FeedForwardParams<float>::generate(cfg.ffn, seed * 11 + static_cast<std::uint64_t>(i), draw);
-            p.layers.push_back(std::move(l));
-        }
-        return p;
-    }
-};
-
-
-/// The SWA network's layers over its parameters, and its forward (keeping every trace) and
-/// backward.
-class SwaNet {
-public:
-    SwaNet(const SwaConfig& cfg, const SwaParams& p) : cfg_(cfg), p_(p), final_(p.norm_final) {
-        for (const SwaLayer& l : p.layers) {
-            n1_.emplace_back(l.norm1);
-            n2_.emplace_back(l.norm2);
-            att_.emplace_back(cfg.attention, l.attention);
-            ffn_.emplace_back(cfg.ffn, l.ffn);
-        }
-    }
-
-    Matrixf forward(const std::vector<int>& ids, int B) {
-        const std::size_t L = att_.size();
-        t1_.resize(L); t2_.resize(L); ta_.resize(L); tf_.resize(L);
-        Matrixf h(static_cast<Eigen::Index>(ids.size()), cfg_.attention.d_model), u, a;
-        for (std::size_t r = 0; r < ids.size(); ++r) h.row(static_cast<Eigen::Index>(r)) = p_.embedding.row(ids[r]);
-        for (std::size_t l = 0; l < L; ++l) {
-            auto st = att_[l].make_state(B);
-            n1_[l].forward(h, u, t1_[l]);
-            att_[l].forward(st, u, a, ta_[l]);
-            h += a;
-            n2_[l].forward(h, u, t2_[l]);
-            ffn_[l].forward(u, a, tf_[l]);
-            h += a;
-        }
-        final_.forward(h, z_, tfinal_);
-        return z_ * p_.head;
-    }
-
-    void backward(const std::vector<int>& ids, const Matrixf& dlogits, SwaParams& g) {
-        g.head = z_.transpose() * dlogits;
-        Matrixf dh, du, dt;
-        final_.backward(tfinal_, dlogits * p_.head.transpose(), dh, g.norm_final);
-        for (std::size_t l = att_.size(); l-- > 0;) {
-            ffn_[l].backward(tf_[l], dh, du, g.layers[l].ffn);
-            n2_[l].backward(t2_[l], du, dt, g.layers[l].norm2);
-            dh += dt;
-            att_[l].backward(ta_[l], dh, du, g.layers[l].attention);
-            n1_[l].backward(t1_[l], du, dt, g.layers[l].norm1);
-            dh += dt;
-        }
-        for (std::size_t r = 0; r < ids.size(); ++r) g.embedding.row(ids[r]) += dh.row(static_cast<Eigen::Index>(r));
-    }
-
-private:
-    const SwaConfig& cfg_;
-    const SwaParams& p_;
-    std::vector<titans::RMSNorm<float>> n1_, n2_;
-    std::vector<titans::Attention<float>> att_;
-    std::vector<titans::FeedForward<float>> ffn_;
-    titans::RMSNorm<float> final_;
-    std::vector<titans::RMSNorm<float>::Trace> t1_, t2_;
-    std::vector<titans::Attention<float>::Trace> ta_;
-    std::vector<titans::FeedForward<float>::Trace> tf_;
-    titans::RMSNorm<float>::Trace tfinal_;
-    Matrixf z_;
-};
-
-// ---------------------------------------------------------------------------------------------
 // A model being trained: its step (forward, cross-entropy on the asked keys, backward,
 // clipping, AdamW) and its inference.
 
@@ -284,60 +167,10 @@ Matrixf titans_infer(const titans::Model<float>& m, const std::vector<int>& ids,
     return m.forward_tokens(st, ids);
 }
 
-struct SwaModel {
-    SwaConfig cfg;
-    SwaParams params;
-    titans::AdamW<float> opt;
-    titans::WarmupCosine schedule;
-
-    double step(const Batch& b, int B) {
-        SwaNet net(cfg, params);
-        const Matrixf logits = net.forward(b.ids, B);
-        Matrixf dlogits;
-        const double loss = titans::cross_entropy_loss<float>(logits, b.labels, dlogits);
-        SwaParams g = SwaParams::make(cfg, 0, false);
-        net.backward(b.ids, dlogits, g);
-        titans::clip_gradient_norm(g, cfg, 1.0);
-        opt.step(params, g, cfg, schedule(opt.steps() + 1));
-        return loss;
-    }
-    Matrixf infer(const std::vector<int>& ids, int B) const {
-        SwaNet net(cfg, params);
-        return net.forward(ids, B);
-    }
-};
-
 titans::ModelConfig titans_config(const Settings& s, titans::BlockKind kind) {
     auto cfg = titans::ModelConfig::uniform(kind, 2, s.d, s.heads, 2, s.window, s.vocab(), s.chunk);
     for (auto& b : cfg.blocks) b.attention.rope = true;
     return cfg;
-}
-
-/// The SWA baseline with its feed-forward widened to about `budget` parameters.
-SwaConfig swa_config(const Settings& s, std::int64_t budget) {
-    SwaConfig c;
-    c.vocab = s.vocab();
-    c.attention.d_model = c.ffn.d_model = s.d;
-    c.attention.n_heads = s.heads;
-    c.attention.window = s.window;
-    c.attention.rope = true;
-    const auto count = [&](int hidden) {
-        c.ffn.hidden = hidden;
-        std::int64_t n = 0;
-        const SwaParams p = SwaParams::make(c, 0, false);
-        SwaParams::tensors(p, c, [&](const std::string&, const auto& m) { n += m.size(); });
-        return n;
-    };
-    int h = 8;
-    while (count(h + 8) <= budget) h += 8;
-    c.ffn.hidden = h;
-    return c;
-}
-
-std::int64_t count_swa(const SwaModel& m) {
-    std::int64_t n = 0;
-    SwaParams::tensors(m.params, m.cfg, [&](const std::string&, const auto& t) { n += t.size(); });
-    return n;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -447,20 +280,20 @@ int main(int argc, char** argv) try {
     std::filesystem::create_directories(s.out_dir);
     const titans::AdamWConfig adam{0.9, 0.98, 1e-8, 0.01, false};
     const titans::TrainerConfig tc{.adamw = adam, .schedule = schedule(s), .clip_norm = 1.0};
-    std::vector<titans::Trainer<float>> trainers;
+    // The Titans models, then the attention-only baseline widened to the largest of them.
+    std::vector<titans::ModelConfig> cfgs;
+    std::int64_t budget = 0;
     for (auto kind : {titans::BlockKind::LMM, titans::BlockKind::MAC, titans::BlockKind::MAG,
                       titans::BlockKind::MAL}) {
-        const auto cfg = titans_config(s, kind);
-        trainers.emplace_back(cfg, titans::ModelParams<float>::random(cfg, 1), tc);
+        cfgs.push_back(titans_config(s, kind));
+        budget = std::max(budget, cfgs.back().parameter_count());
     }
-    std::int64_t budget = 0;
-    for (const auto& t : trainers) budget = std::max(budget, t.model().config().parameter_count());
-    const SwaConfig scfg = swa_config(s, budget);
-    SwaModel swa{scfg, SwaParams::make(scfg, 1, true), titans::AdamW<float>(adam), schedule(s)};
+    cfgs.insert(cfgs.begin(), titans_config(s, titans::BlockKind::SWA));
+    examples::fit_feed_forward(cfgs.front(), budget);
+    std::vector<titans::Trainer<float>> trainers;
+    for (const auto& cfg : cfgs) trainers.emplace_back(cfg, titans::ModelParams<float>::random(cfg, 1), tc);
 
     std::vector<Learner> ls;
-    ls.push_back({"SWA", count_swa(swa), [&](const Batch& b, int B) { return swa.step(b, B); },
-                  [&](const std::vector<int>& ids, int B) { return swa.infer(ids, B); }, {}});
     for (auto& t : trainers) {
         const titans::ModelConfig& cfg = t.model().config();
         ls.push_back({titans::to_string(cfg.blocks[0].kind), cfg.parameter_count(),
@@ -497,12 +330,12 @@ int main(int argc, char** argv) try {
     bool same = true;
     for (std::size_t i = 0; i < trainers.size(); ++i) {
         const auto& t = trainers[i];
-        const auto dir = std::filesystem::path(s.out_dir) / ("train_recall_" + ls[i + 1].name);
+        const auto dir = std::filesystem::path(s.out_dir) / ("train_recall_" + ls[i].name);
         titans::io::save_trainer(dir, t);
         const auto back = titans::io::load_trainer<float>(dir, t.model().config());
-        Learner lb = ls[i + 1];
+        Learner lb = ls[i];
         lb.infer = [&back](const std::vector<int>& ids, int B) { return titans_infer(back.model(), ids, B); };
-        same = same && by_distance(s, lb) == dist[i + 1] && back.steps() == t.steps() &&
+        same = same && by_distance(s, lb) == dist[i] && back.steps() == t.steps() &&
                back.data_position() == t.data_position();
     }
     std::printf("\nsaved, reloaded and evaluated again: %s\n", same ? "identical" : "DIFFERENT");

@@ -2,6 +2,7 @@
 //
 //     build/release/examples/09_train_text --text build/shakespeare/texts   # tools/get_shakespeare.sh
 //     build/release/examples/09_train_text --text my_notes.txt --kind mac --steps 3000
+//     build/release/examples/09_train_text --kind swa --params 120000   # the attention-only baseline
 //
 // Reads a text file or a folder of them (titans::text::read_documents; --dedupe drops
 // near-identical editions of one work, titans::text::drop_near_duplicates), splits training and
@@ -12,7 +13,14 @@
 // the model to OUT/train_text.safetensors (titans::io::save_parameters: 08_generate --model
 // continues text with it); prints validation bits per byte at 1x, 4x and 16x the training
 // length (the memory carries context past the attention window: longer is not worse if it
-// works), and a sample continuation of a validation prompt.
+// works), a needle in a haystack at the same lengths (examples/common/needle.hpp: a pass key,
+// a number and a word stated once in validation text, asked for at its end: exact answers and
+// the answer's bits per byte with and without the needle), and a sample continuation of a
+// validation prompt. --result FILE writes those figures as one JSON object (what
+// tools/text_study.py collects); --params N widens or narrows the feed-forward so the model
+// has about N parameters (equal sizes for the attention-only baseline and the memory kinds);
+// --depth 1 makes the memory linear, --no-momentum and --no-forget turn off its momentum and
+// forget gate (the paper's ablations; with constant gates, see model_config).
 // Without --text a small text is made up here (runs anywhere; the numbers then mean little).
 // --quick: a tiny run for CI (seconds).
 
@@ -20,13 +28,17 @@
 #include <titans/titans.hpp>
 
 #include "common/line_chart.hpp"
+#include "common/needle.hpp"
+#include "common/parameter_budget.hpp"
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -39,10 +51,12 @@ namespace tt = titans::text;
 struct Settings {
     std::string text;            // file or folder; empty: a made-up text
     std::string out_dir = "build";
-    std::string kind = "mag";    // lmm, mac, mag, mal
-    bool dedupe = false;
-    int d = 64, heads = 4, blocks = 2, window = 64, chunk = 16;
-    int length = 128, batch = 16, steps = 1200, eval_every = 100, eval_batches = 4;
+    std::string kind = "mag";    // lmm, mac, mag, mal, swa
+    std::string result;          // JSON file of the final figures; empty: none
+    bool dedupe = false, constant_gates = false, momentum = true, forget = true, dry_run = false;
+    int d = 64, heads = 4, blocks = 2, window = 64, chunk = 16, depth = 2;
+    int length = 128, batch = 16, steps = 1200, eval_every = 100, eval_batches = 4, niah = 2;
+    long long params = 0;        // > 0: the feed-forward sized for about this many parameters
     double lr = 3e-3, valid = 0.1;
     std::uint64_t seed = 1;
 };
@@ -61,6 +75,14 @@ Settings parse(int argc, char** argv) {
         const bool has = i + 1 < argc;
         if (a == "--quick") quick = true;
         else if (a == "--dedupe") s.dedupe = true;
+        else if (a == "--constant-gates") s.constant_gates = true;
+        else if (a == "--dry-run") s.dry_run = true;
+        else if (a == "--no-momentum") s.momentum = false;
+        else if (a == "--no-forget") s.forget = false;
+        else if (a == "--result" && has) s.result = argv[++i];
+        else if (a == "--depth" && has) s.depth = int_arg(a, argv[++i], 1);
+        else if (a == "--niah" && has) s.niah = int_arg(a, argv[++i], 0);
+        else if (a == "--params" && has) s.params = int_arg(a, argv[++i], 1);
         else if (a == "--text" && has) s.text = argv[++i];
         else if (a == "--out" && has) s.out_dir = argv[++i];
         else if (a == "--kind" && has) s.kind = argv[++i];
@@ -76,9 +98,12 @@ Settings parse(int argc, char** argv) {
         else if (a == "--lr" && has) s.lr = std::stod(argv[++i]);
         else if (a == "--seed" && has) s.seed = std::stoull(argv[++i]);
         else if (a == "--help" || a == "-h") {
-            std::printf("usage: 09_train_text [--text FILE|DIR] [--dedupe] [--out DIR] [--kind lmm|mac|mag|mal]\n"
-                        "  [--d D] [--heads H] [--blocks L] [--window W] [--chunk C] [--length N]\n"
-                        "  [--batch B] [--steps S] [--eval-every K] [--lr LR] [--seed S] [--quick]\n");
+            std::printf("usage: 09_train_text [--text FILE|DIR] [--dedupe] [--out DIR]\n"
+                        "  [--kind lmm|mac|mag|mal|swa] [--d D] [--heads H] [--blocks L] [--window W]\n"
+                        "  [--chunk C] [--depth L] [--constant-gates] [--no-momentum] [--no-forget]\n"
+                        "  [--params N]\n"
+                        "  [--length N] [--batch B] [--steps S] [--eval-every K] [--lr LR] [--seed S]\n"
+                        "  [--niah TRIALS] [--result FILE.json] [--dry-run] [--quick]\n");
             std::exit(0);
         } else {
             throw std::invalid_argument("unknown argument '" + a + "' (see --help)");
@@ -86,17 +111,19 @@ Settings parse(int argc, char** argv) {
     }
     if (quick) {
         s.d = 8; s.heads = 2; s.blocks = 1; s.window = 8; s.chunk = 4;
-        s.length = 16; s.batch = 2; s.steps = 4; s.eval_every = 2; s.eval_batches = 1;
+        s.length = 16; s.batch = 2; s.steps = 4; s.eval_every = 2; s.eval_batches = 1; s.niah = 1;
     }
     return s;
 }
 
 titans::BlockKind block_kind(const std::string& k) {
-    if (k == "lmm") return titans::BlockKind::LMM;
-    if (k == "mac") return titans::BlockKind::MAC;
-    if (k == "mag") return titans::BlockKind::MAG;
-    if (k == "mal") return titans::BlockKind::MAL;
-    throw std::invalid_argument("--kind " + k + ", expected lmm, mac, mag or mal");
+    std::string upper = k;
+    for (char& c : upper) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+    titans::BlockKind kind{};
+    if (!titans::from_string(upper, kind)) {
+        throw std::invalid_argument("--kind " + k + ", expected lmm, mac, mag, mal or swa");
+    }
+    return kind;
 }
 
 /// A made-up corpus: 12 "documents" of sentences drawn from a small grammar (so there is
@@ -122,10 +149,24 @@ std::vector<tt::Document> made_up_corpus(std::uint64_t seed) {
     return docs;
 }
 
+/// The model of the settings. The ablations: --constant-gates makes the memory's gates
+/// constant (GateMode::Constant: theta = theta_max / 2, where the data-dependent gate starts
+/// with a zero logit; eta 0.9; alpha 0.01); --no-momentum (eta = 0) and --no-forget (alpha = 0)
+/// imply it (the library's data-dependent gates cannot switch one off alone); --depth 1 a
+/// linear memory. --params N: the feed-forward's hidden width that brings the count nearest N.
 titans::ModelConfig model_config(const Settings& s) {
-    auto cfg = titans::ModelConfig::uniform(block_kind(s.kind), s.blocks, s.d, s.heads, 2,
+    auto cfg = titans::ModelConfig::uniform(block_kind(s.kind), s.blocks, s.d, s.heads, s.depth,
                                             s.window, tt::ByteTokenizer::vocab_size, s.chunk);
-    for (auto& b : cfg.blocks) b.attention.rope = true;
+    for (auto& b : cfg.blocks) {
+        b.attention.rope = true;
+        if (s.constant_gates || !s.momentum || !s.forget) {
+            b.memory.gates = titans::GateMode::Constant;
+            b.memory.constant_theta = b.memory.theta_max / 2;
+            b.memory.constant_eta = s.momentum ? 0.9 : 0.0;
+            b.memory.constant_alpha = s.forget ? 0.01 : 0.0;
+        }
+    }
+    if (s.params > 0) examples::fit_feed_forward(cfg, s.params);
     return cfg;
 }
 
@@ -188,6 +229,7 @@ int main(int argc, char** argv) try {
     std::printf("model: %s, blocks %d, d %d, %d heads, window %d, %lld parameters; batch %d x %d bytes, %d steps\n",
                 s.kind.c_str(), s.blocks, s.d, s.heads, s.window, static_cast<long long>(n_params),
                 s.batch, s.length, s.steps);
+    if (s.dry_run) return 0;  // the model line alone (tools/text_study.py sizes the variants)
 
     tt::BatchSampler batches(split.train, s.batch, s.length, s.seed);
     examples::Curve train_curve{"training", "#1f77b4", {}}, valid_curve{"validation", "#d62728", {}};
@@ -215,7 +257,12 @@ int main(int argc, char** argv) try {
     titans::io::save_parameters(saved, trainer.model());
     std::printf("wrote %s and %s\n", plot.c_str(), saved.c_str());
 
-    std::printf("validation bits per byte by length (fresh state per window):\n");
+    const double train_secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::string json = "{\"kind\": \"" + s.kind + "\", \"seed\": " + std::to_string(s.seed) +
+                       ", \"parameters\": " + std::to_string(n_params) + ", \"steps\": " +
+                       std::to_string(s.steps) + ", \"train_seconds\": " + std::to_string(train_secs);
+    std::printf("validation by length (fresh state per window): bits per byte; needle in a haystack: "
+                "exact answers, answer bits per byte with / without the needle\n");
     for (int mult : {1, 4, 16}) {
         const int len = mult * s.length;
         if (!fits(split.validation, len)) {
@@ -223,8 +270,24 @@ int main(int argc, char** argv) try {
             continue;
         }
         const int b = std::max(1, s.batch / mult);
-        std::printf("  %2dx (%6d bytes): %.3f\n", mult, len,
-                    bits_per_byte(trainer.model(), split.validation, b, len, s.eval_batches));
+        const double bpb = bits_per_byte(trainer.model(), split.validation, b, len, s.eval_batches);
+        const examples::NeedleScore n =
+            examples::needle_in_haystack(trainer.model(), split.validation, len, s.niah, s.seed + 77);
+        const std::string m = std::to_string(mult) + "x";
+        json += ", \"bpb_" + m + "\": " + std::to_string(bpb);
+        if (n.trials == 0) {
+            std::printf("  %2dx (%6d bytes): %.3f bits/byte; needle: none (too short)\n", mult, len, bpb);
+            continue;
+        }
+        std::printf("  %2dx (%6d bytes): %.3f bits/byte; needle %d/%d, %.2f / %.2f bits\n", mult, len,
+                    bpb, n.correct, n.trials, n.bits_with, n.bits_without);
+        json += ", \"niah_acc_" + m + "\": " + std::to_string(n.accuracy()) + ", \"niah_bits_with_" +
+                m + "\": " + std::to_string(n.bits_with) + ", \"niah_bits_without_" + m + "\": " +
+                std::to_string(n.bits_without);
+    }
+    if (!s.result.empty()) {
+        std::ofstream(s.result) << json << "}\n";
+        std::printf("wrote %s\n", s.result.c_str());
     }
     std::printf("sample (prompt|continuation):\n%s\n",
                 sample_text(trainer.model(), split.validation.front(), s.steps > 10 ? 400 : 16).c_str());

@@ -33,6 +33,7 @@ void perturb(BlockParams<double>& p, const BlockConfig& cfg, Rng& rng) {
     for (titans::RowVector<double>* w : {&p.norm_mix, &p.norm_ffn, &p.norm_y, &p.norm_m}) {
         if (w->size() > 0) *w = (1.0 + 0.3 * random_matrix(1, w->size(), rng).array()).matrix();
     }
+    if (!titans::has_memory(cfg.kind)) return;
     const int H = cfg.memory.n_heads;
     p.memory.b_theta = random_matrix(1, H, rng);
     p.memory.b_eta = random_matrix(1, H, rng, -1.0, 1.5);
@@ -79,15 +80,19 @@ BlockParams<double> block_gradients(const BackwardBlockCase& c, Matrixd& dx) {
 }
 
 const std::vector<BlockKind> trainable_kinds{BlockKind::LMM, BlockKind::MAG, BlockKind::MAL,
-                                             BlockKind::MAC};
+                                             BlockKind::MAC, BlockKind::SWA};
+/// The kind of case i: every kind in turn.
+BlockKind kind_of_case(int i) {
+    return trainable_kinds[static_cast<std::size_t>(i) % trainable_kinds.size()];
+}
 
 }  // namespace
 
 TEST_CASE("block bwd: FD, every kind", "[train][blocks]") {
-    const int i = GENERATE(range(0, 24));
+    const int i = GENERATE(range(0, 25));
     const std::uint64_t seed = seed_for("block bwd: FD", static_cast<std::uint64_t>(i));
     Rng rng(seed);
-    BackwardBlockCase c = draw_block_case(trainable_kinds[static_cast<std::size_t>(i % 4)], i, rng);
+    BackwardBlockCase c = draw_block_case(kind_of_case(i), i, rng);
     INFO("seed=" << seed << " case=" << i << " kind=" << titans::to_string(c.cfg.kind)
                  << " rows=" << c.x.rows() << " persistent=" << c.cfg.n_persistent);
     Matrixd dx;
@@ -102,10 +107,9 @@ TEST_CASE("block bwd: FD, every kind", "[train][blocks]") {
 
 TEMPLATE_TEST_CASE("block bwd: as inference", "[train][blocks]", float, double) {
     using T = TestType;
-    for (int i = 0; i < 8; ++i) {
+    for (int i = 0; i < 10; ++i) {
         Rng rng(seed_for("block bwd: as inference", static_cast<std::uint64_t>(i)));
-        const BackwardBlockCase c = draw_block_case(trainable_kinds[static_cast<std::size_t>(i % 4)],
-                                            i + 16 * (i / 4), rng);
+        const BackwardBlockCase c = draw_block_case(kind_of_case(i), i + 16 * (i / 5), rng);
         INFO("case " << i << " kind " << titans::to_string(c.cfg.kind));
         const auto pt = cast_block<T>(c.p);
         titans::Block<T> block(c.cfg, pt);
@@ -190,6 +194,7 @@ std::vector<Eigen::Index> chunk_cuts(const std::vector<BlockConfig>& blocks, Eig
     for (Eigen::Index t = 1; t < N; ++t) {
         bool aligned = true;
         for (const BlockConfig& cfg : blocks) {
+            if (!titans::has_memory(cfg.kind)) continue;  // SWA: cut anywhere
             const bool fed_p = cfg.kind == BlockKind::MAG || cfg.kind == BlockKind::MAL;
             const Eigen::Index pm = fed_p ? cfg.n_persistent : 0;
             aligned = aligned && (pm + t) % cfg.memory.effective_chunk() == 0;
@@ -215,9 +220,9 @@ std::vector<Eigen::Index> chunk_cuts(const std::vector<BlockConfig>& blocks, Eig
 // leaves some near 1e-18; MAG's attention gradients can cancel to 1e-6 of the others), and
 // the rounding of those terms is what chained pieces and one call differ by.
 TEST_CASE("block bwd: chained pieces", "[train][blocks]") {
-    for (int i = 0; i < 24; ++i) {
+    for (int i = 0; i < 25; ++i) {
         Rng rng(seed_for("block bwd: chained pieces", static_cast<std::uint64_t>(i)));
-        BackwardBlockCase c = draw_block_case(trainable_kinds[static_cast<std::size_t>(i % 4)], i, rng);
+        BackwardBlockCase c = draw_block_case(kind_of_case(i), i, rng);
         const int B = c.batch;
         const Eigen::Index N = uniform_int(rng, 8, 16);
         c.x = random_matrix(B * N, c.cfg.d_model, rng);
@@ -287,16 +292,25 @@ TEST_CASE("block bwd: state gradient checks", "[train][blocks]") {
     CHECK(g.memory.w_o.isZero(0));
     block.backward(t1, dy, dx, g, nullptr, &d);  // the right one: fine
     CHECK(!g.memory.w_o.isZero(0));
-    BackwardBlockCase m = draw_block_case(BlockKind::MAG, 1, rng);
-    titans::Block<double> mag(m.cfg, m.p);
-    auto sm = mag.make_state(m.batch);
-    titans::Block<double>::Trace tm;
-    mag.forward(sm, m.x, y, tm);
-    titans::BlockStateGradient<double> stray;
-    stray.mac = d.mac;
-    auto gm = BlockParams<double>::zeros(m.cfg);
-    REQUIRE_THROWS_NAMING(mag.backward(tm, m.dy, dx, gm, nullptr, &stray), titans::ConfigError, "mac");
-    CHECK(gm.memory.w_q.isZero(0));
+    // A part another kind lacks: MAC's segment state given to MAG, a memory part to SWA (no
+    // memory); refused naming it, grads unchanged.
+    REQUIRE(!d.memory.empty());
+    const auto refuses_stray = [&](BlockKind kind, const titans::BlockStateGradient<double>& stray,
+                                   const char* part) {
+        BackwardBlockCase m = draw_block_case(kind, 1, rng);
+        titans::Block<double> other(m.cfg, m.p);
+        auto sm = other.make_state(m.batch);
+        titans::Block<double>::Trace tm;
+        other.forward(sm, m.x, y, tm);
+        auto gm = BlockParams<double>::zeros(m.cfg);
+        REQUIRE_THROWS_NAMING(other.backward(tm, m.dy, dx, gm, nullptr, &stray), titans::ConfigError, part);
+        CHECK(gm.attention.w_q.isZero(0));
+    };
+    titans::BlockStateGradient<double> stray_mac, stray_memory;
+    stray_mac.mac = d.mac;
+    stray_memory.memory = d.memory;
+    refuses_stray(BlockKind::MAG, stray_mac, "d_state_out.mac");
+    refuses_stray(BlockKind::SWA, stray_memory, "d_state_out.memory");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -315,8 +329,11 @@ struct TrainModelCase {
 TrainModelCase draw_model_case(int i, Rng& rng) {
     TrainModelCase c;
     Rng r2(rng());
-    const BackwardBlockCase a = draw_block_case(trainable_kinds[static_cast<std::size_t>(i % 4)], i, rng);
-    BackwardBlockCase b = draw_block_case(trainable_kinds[static_cast<std::size_t>((i + 1) % 4)], i + 1, r2);
+    // Cases 0-7: LMM+MAG, MAG+MAL, MAL+MAC, MAC+LMM, ...; 8: SWA+MAG; 9: MAC+SWA.
+    const BlockKind ka = i < 8 ? kind_of_case(i % 4) : i == 8 ? BlockKind::SWA : BlockKind::MAC;
+    const BlockKind kb = i < 8 ? kind_of_case((i + 1) % 4) : i == 8 ? BlockKind::MAG : BlockKind::SWA;
+    const BackwardBlockCase a = draw_block_case(ka, i, rng);
+    BackwardBlockCase b = draw_block_case(kb, i + 1, r2);
     c.cfg.d_model = a.cfg.d_model;
     b.cfg = BlockConfig::make(b.cfg.kind, a.cfg.d_model, a.cfg.memory.n_heads, 1, 3, 2);
     b.cfg.n_persistent = 2;
@@ -347,7 +364,7 @@ Matrixd model_out(const TrainModelCase& c) {
 }  // namespace
 
 TEST_CASE("model bwd: FD, mixed blocks", "[train][model]") {
-    const int i = GENERATE(range(0, 8));
+    const int i = GENERATE(range(0, 10));
     const std::uint64_t seed = seed_for("model bwd: FD", static_cast<std::uint64_t>(i));
     Rng rng(seed);
     TrainModelCase c = draw_model_case(i, rng);
@@ -425,9 +442,9 @@ TEST_CASE("model bwd: refusals", "[train][model]") {
 // rows): the same dx and gradients as one call, each piece's d_state_in given to the piece
 // before it.
 TEST_CASE("model bwd: chained pieces", "[train][model]") {
-    for (int i = 0; i < 8; ++i) {
+    for (int i = 0; i < 10; ++i) {
         Rng rng(seed_for("model bwd: chained pieces", static_cast<std::uint64_t>(i)));
-        TrainModelCase c = draw_model_case(i, rng);  // LMM+MAG, MAG+MAL, MAL+MAC, MAC+LMM
+        TrainModelCase c = draw_model_case(i, rng);  // LMM+MAG, ..., MAC+LMM, SWA+MAG, MAC+SWA
         const int B = c.batch;
         const Eigen::Index N = uniform_int(rng, 8, 14);
         c.dout = random_matrix(B * N, c.cfg.output_dim(), rng);
@@ -491,24 +508,24 @@ TEST_CASE("training: empty pieces", "[train][model]") {
         CHECK((dx.rows() == 0 && dx.cols() == c.cfg.d_model));
         CHECK(g.memory.w_q.isZero(0));
         CHECK(g.persistent.isZero(0));
-        // The memory and the attention on their own.
-        titans::NeuralMemory<double> mem(c.cfg.memory, c.p.memory);
-        auto ms = mem.make_state(c.batch);
-        titans::NeuralMemory<double>::Trace mt;
-        mem.forward(ms, none, y, mt);
-        auto mg = titans::MemoryParams<double>::zeros(c.cfg.memory);
-        mem.backward(mt, none, dx, mg);
-        CHECK((y.rows() == 0 && dx.rows() == 0 && mg.w_o.isZero(0)));
-        if (kind == BlockKind::LMM) {
-            continue;  // no attention
+        // The memory and the attention on their own: 0 rows out, 0 rows back, no gradient.
+        const auto empty_pass = [&](const auto& layer, auto grads, const auto& touched) {
+            auto s = layer.make_state(c.batch);
+            typename std::decay_t<decltype(layer)>::Trace t;
+            layer.forward(s, none, y, t);
+            layer.backward(t, none, dx, grads);
+            CHECK((y.rows() == 0 && dx.rows() == 0 && touched(grads).isZero(0)));
+        };
+        if (titans::has_memory(kind)) {
+            empty_pass(titans::NeuralMemory<double>(c.cfg.memory, c.p.memory),
+                       titans::MemoryParams<double>::zeros(c.cfg.memory),
+                       [](const auto& g) { return g.w_o; });
         }
-        titans::Attention<double> att(c.cfg.attention, c.p.attention);
-        auto as = att.make_state(c.batch);
-        titans::Attention<double>::Trace at;
-        att.forward(as, none, y, at);
-        auto ag = titans::AttentionParams<double>::zeros(c.cfg.attention);
-        att.backward(at, none, dx, ag);
-        CHECK((y.rows() == 0 && dx.rows() == 0 && ag.w_q.isZero(0)));
+        if (kind != BlockKind::LMM) {
+            empty_pass(titans::Attention<double>(c.cfg.attention, c.p.attention),
+                       titans::AttentionParams<double>::zeros(c.cfg.attention),
+                       [](const auto& g) { return g.w_q; });
+        }
     }
     TrainModelCase c = draw_model_case(0, rng);
     titans::Model<double> model(c.cfg, c.p);

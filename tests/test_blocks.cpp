@@ -37,7 +37,9 @@ using titans::ShapeError;
 
 namespace {
 
-constexpr BlockKind kAllKinds[] = {BlockKind::LMM, BlockKind::MAC, BlockKind::MAG, BlockKind::MAL};
+constexpr BlockKind kAllKinds[] = {BlockKind::LMM, BlockKind::MAC, BlockKind::MAG, BlockKind::MAL,
+                                   BlockKind::SWA};
+constexpr int kKinds = 5;
 
 
 struct BlockCase {
@@ -146,6 +148,7 @@ using Weights = std::vector<std::vector<std::vector<Matrix<T>>>>;  // [b][h][l-1
 
 template <class T, class Bk>
 Weights<T> block_weights(const Block<T, Bk>& blk, const BlockState<T, Bk>& st) {
+    if (!titans::has_memory(blk.config().kind)) return {};  // SWA: none (the reference's too)
     Weights<T> w(static_cast<std::size_t>(st.batch()));
     for (int b = 0; b < st.batch(); ++b)
         for (int h = 0; h < blk.config().memory.n_heads; ++h)
@@ -189,15 +192,15 @@ std::string kind_name(BlockKind k) { return titans::to_string(k); }
 // =============================================================================================
 // Blocks against the reference.
 
-// every block kind (LMM, MAC, MAG, MAL) equals the plain reference: block output, mixer output,
+// every block kind (LMM, MAC, MAG, MAL, SWA) equals the plain reference: block output, mixer output,
 // memory state and position (B 1-2, with/without FFN, N_p 0/2, lagged/in-chunk retrieval, depth
 // 1-2)
 TEMPLATE_LIST_TEST_CASE("blocks: == reference", "[blocks]", Both) {
     using T = typename TestType::Scalar;
     using Bk = typename TestType::Backend;
-    const int combo = GENERATE(range(0, 40));
-    const BlockKind kind = kAllKinds[combo % 4];
-    const int i = combo / 4;  // 0..9
+    const int combo = GENERATE(range(0, 10 * kKinds));
+    const BlockKind kind = kAllKinds[combo % kKinds];
+    const int i = combo / kKinds;  // 0..9
     BlockOptions o;
     o.kind = kind;
     o.batch = 1 + (i & 1);
@@ -268,11 +271,11 @@ TEMPLATE_TEST_CASE("blocks: make and shapes", "[blocks]", float, double) {
 TEMPLATE_LIST_TEST_CASE("blocks: causal", "[blocks]", Both) {
     using T = typename TestType::Scalar;
     using Bk = typename TestType::Backend;
-    for (int combo = 0; combo < 8; ++combo) {
+    for (int combo = 0; combo < 2 * kKinds; ++combo) {
         BlockOptions o;
-        o.kind = kAllKinds[combo % 4];
+        o.kind = kAllKinds[combo % kKinds];
         o.batch = 2;
-        o.use_ffn = combo < 4;
+        o.use_ffn = combo < kKinds;
         o.n_persistent = 2;
         o.retrieval = combo % 3 == 0 ? Retrieval::InChunk : Retrieval::Lagged;
         o.max_tokens = 20;
@@ -485,12 +488,12 @@ TEMPLATE_LIST_TEST_CASE("MAL: window edges", "[blocks]", Both) {
 TEMPLATE_LIST_TEST_CASE("blocks: streaming", "[blocks]", Both) {
     using T = typename TestType::Scalar;
     using Bk = typename TestType::Backend;
-    const int combo = GENERATE(range(0, 12));
+    const int combo = GENERATE(range(0, 3 * kKinds));
     BlockOptions o;
-    o.kind = kAllKinds[combo % 4];
+    o.kind = kAllKinds[combo % kKinds];
     o.batch = 2;
-    o.use_ffn = (combo / 4) != 1;
-    o.n_persistent = (combo / 4) == 2 ? 0 : 2;
+    o.use_ffn = (combo / kKinds) != 1;
+    o.n_persistent = (combo / kKinds) == 2 ? 0 : 2;
     o.retrieval = combo % 3 == 0 ? Retrieval::Lagged : Retrieval::InChunk;
     const BlockCase c = make_block_case<T>(o, seed_for(std::string("blocks/streaming/") + type_name<T>(),
                                                         static_cast<std::uint64_t>(combo)));
@@ -535,7 +538,7 @@ TEMPLATE_LIST_TEST_CASE("blocks: streaming", "[blocks]", Both) {
 // whole streams (outputs, memory state), and each stream equals itself run alone (B = 1)
 TEMPLATE_TEST_CASE("blocks: decode B=64", "[blocks]", float, double) {
     using T = TestType;
-    const int combo = GENERATE(range(0, 4));
+    const int combo = GENERATE(range(0, kKinds));
     BlockOptions o;
     o.kind = kAllKinds[combo];
     o.batch = 64;
@@ -653,10 +656,14 @@ TEMPLATE_TEST_CASE("Model: parameters held once", "[model]", float, double) {
         const Block<T>& blk = model.blocks()[0];
         const BlockParams<T>& bp = shared->blocks[0];
         CHECK(&blk.params() == &bp);
-        CHECK(&blk.memory().params() == &bp.memory);
         const Model<T> copy = model;
         CHECK(&copy.blocks()[1].params() == &shared->blocks[1]);
-        CHECK(&copy.blocks()[0].memory().params() == &bp.memory);
+        if (titans::has_memory(kind)) {
+            CHECK(&blk.memory().params() == &bp.memory);
+            CHECK(&copy.blocks()[0].memory().params() == &bp.memory);
+        } else {  // an SWA block has no memory to hand out
+            REQUIRE_THROWS_NAMING(blk.memory(), ConfigError, "SWA block has no memory");
+        }
         CHECK(shared.use_count() > 4);  // the model, its blocks, their sub-layers, the copy
 
         const Model<T> by_value(mc.cfg, cast_model<T>(mc.params));

@@ -253,7 +253,7 @@ TEST_CASE("adamw: refusals", "[training][errors]") {
 // norm weights too): what gradients are added to.
 TEST_CASE("training: zeros() are zeros", "[training]") {
     using titans::BlockKind;
-    for (const BlockKind kind : {BlockKind::LMM, BlockKind::MAC, BlockKind::MAG, BlockKind::MAL}) {
+    for (const BlockKind kind : titans::all_block_kinds) {
         titans::ModelConfig cfg = titans::ModelConfig::uniform(kind, 2, 8, 2, 2, 4, 11, 4);
         for (auto& b : cfg.blocks) b.memory.use_conv = true;
         const auto z = titans::ModelParams<double>::zeros(cfg);

@@ -518,7 +518,7 @@ TEST_CASE("state visitors: NeuralMemory", "[visitors]") {
 // state visitors: every block kind resumes bit-identically from the visited tensors mid-chunk and
 // mid-segment, and not without any one of them
 TEST_CASE("state visitors: every block kind", "[visitors]") {
-    for (BlockKind kind : {BlockKind::LMM, BlockKind::MAC, BlockKind::MAG, BlockKind::MAL}) {
+    for (BlockKind kind : titans::all_block_kinds) {
         INFO("kind " << titans::to_string(kind));
         auto cfg = BlockConfig::make(kind, 16, 2, 2, 5, 4);
         cfg.ffn.hidden = 24;
@@ -535,13 +535,14 @@ TEST_CASE("state visitors: every block kind", "[visitors]") {
         };
         const Seen names = seen_state(block.make_state(B));
         CHECK(names.contains("position"));
-        CHECK(names.contains("memory.position"));
-        CHECK(names.contains("memory.heads.1.1.s.1"));
-        const bool has_attention = kind == BlockKind::MAG || kind == BlockKind::MAL;
+        CHECK(names.contains("memory.position") == titans::has_memory(kind));
+        CHECK(names.contains("memory.heads.1.1.s.1") == titans::has_memory(kind));
+        const bool has_attention = titans::has_window(kind);
         CHECK(names.contains("attention.k.1") == has_attention);
         CHECK(names.contains("seg_v.1") == (kind == BlockKind::MAC));
         CHECK(names.contains("snapshot.1.1.1") == (kind == BlockKind::MAC));
-        std::vector<std::string> skips = memory_skips(cfg.memory);
+        std::vector<std::string> skips;
+        if (titans::has_memory(kind)) skips = memory_skips(cfg.memory);
         // The attention history as a whole (k alone would leave k and v of different lengths).
         if (has_attention) skips.push_back("attention.");
         if (kind == BlockKind::MAC) skips.insert(skips.end(), {"seg_k", "seg_v", "snapshot"});
@@ -745,7 +746,7 @@ TEST_CASE("from_string inverts to_string", "[visitors]") {
     check_enum_round_trip({UpdateMode::Chunked, UpdateMode::PerToken});
     check_enum_round_trip({Retrieval::Lagged, Retrieval::InChunk});
     check_enum_round_trip({FeedForwardKind::SwiGLU, FeedForwardKind::GELU});
-    check_enum_round_trip({BlockKind::LMM, BlockKind::MAC, BlockKind::MAG, BlockKind::MAL});
+    check_enum_round_trip({BlockKind::LMM, BlockKind::MAC, BlockKind::MAG, BlockKind::MAL, BlockKind::SWA});
     GateMode g = GateMode::Constant;
     CHECK_FALSE(titans::from_string("constant", g));  // case-sensitive
     CHECK(g == GateMode::Constant);

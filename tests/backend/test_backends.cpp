@@ -351,7 +351,7 @@ TEMPLATE_TEST_CASE("backend: persistent tokens", "[backend]", float, double) {
 TEMPLATE_TEST_CASE("backend: device blocks", "[backend]", float, double) {
     using T = TestType;
     const std::size_t live0 = sim::Arena::instance().live();
-    for (BlockKind kind : {BlockKind::LMM, BlockKind::MAC, BlockKind::MAG, BlockKind::MAL}) {
+    for (BlockKind kind : titans::all_block_kinds) {
         for (int i = 0; i < 3; ++i) {
             Rng rng(seed_for(std::string("backends/blocks/") + type_name<T>() + titans::to_string(kind),
                              static_cast<std::uint64_t>(i)));

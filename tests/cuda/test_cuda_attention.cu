@@ -247,7 +247,7 @@ TEMPLATE_TEST_CASE("cuda blocks: parity", "[cuda]", float, double) {
     double worst = 0;
     int compared = 0;
     const int per_kind = parity_cases(8);
-    for (BlockKind kind : {BlockKind::LMM, BlockKind::MAC, BlockKind::MAG, BlockKind::MAL}) {
+    for (BlockKind kind : titans::all_block_kinds) {
         for (int i = 0; i < per_kind; ++i) {
             Rng rng(seed_for(std::string("cuda blocks ") + type_name<T>() + titans::to_string(kind),
                              static_cast<std::uint64_t>(i)));
@@ -292,8 +292,8 @@ TEMPLATE_TEST_CASE("cuda blocks: parity", "[cuda]", float, double) {
         }
     }
     std::printf("cuda blocks (%s): %d of %d cases compared, worst relative error %.3g (bound %.0e)\n",
-                type_name<T>(), compared, 4 * per_kind, worst, bound<T>());
-    CHECK(compared >= 3 * per_kind);
+                type_name<T>(), compared, 5 * per_kind, worst, bound<T>());
+    CHECK(4 * compared >= 3 * 5 * per_kind);  // three in four compared
 }
 
 TEMPLATE_TEST_CASE("cuda model: parity", "[cuda]", float, double) {

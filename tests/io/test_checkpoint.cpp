@@ -92,7 +92,7 @@ io::SafetensorsFile parsed(const io::SafetensorsWriter& w, const std::string& na
 template <class T>
 std::vector<ModelConfig> model_configs(Rng& rng) {
     std::vector<ModelConfig> out;
-    for (BlockKind k : {BlockKind::LMM, BlockKind::MAC, BlockKind::MAG, BlockKind::MAL}) {
+    for (BlockKind k : titans::all_block_kinds) {
         ModelConfig c = ModelConfig::uniform(k, 1, 16, 2, uniform_int(rng, 1, 3),
                                              uniform_int(rng, 3, 7), 0, uniform_int(rng, 2, 5));
         c.blocks[0].n_persistent = uniform_int(rng, 0, 3);

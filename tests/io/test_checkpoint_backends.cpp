@@ -30,7 +30,7 @@ typename To::State carry(const From& from, const typename From::State& state, co
 TEMPLATE_TEST_CASE("io: checkpoint on devices", "[io][backend]", float, double) {
     using T = TestType;
     const std::size_t live0 = sim::Arena::instance().live();
-    for (BlockKind kind : {BlockKind::LMM, BlockKind::MAC, BlockKind::MAG, BlockKind::MAL}) {
+    for (BlockKind kind : titans::all_block_kinds) {
         Rng rng(seed_for(std::string("io/backends/") + type_name<T>() + titans::to_string(kind), 0));
         BlockOptions o;
         o.kind = kind;

@@ -23,6 +23,7 @@
 //   MAG  m = M(P ‖ u) without its first N_p rows; y = Attn(u) where query t sees every P row
 //        (projected by W_K / W_V, never rotated) and u rows t-w < j <= t;
 //        o = RMSNorm_y(y) ⊙ σ(RMSNorm_m(m))
+//   SWA  o = y of MAG (no memory, no norms, no gate): the attention-only baseline
 //   MAL  ỹ = M(P ‖ u) ((N_p + N) rows); o = the rows t >= N_p of SWA(ỹ), plain causal window w
 //        over all N_p + N positions (P rows are ordinary first positions)
 //   MAC  per segment S of C rows (absolute positions s0 .. s1-1):
@@ -55,7 +56,7 @@ struct BlockResult {
     Matrixd mix;  // (B*N) x d   mixer output o
     Matrixd out;  // (B*N) x d   block output (block_forward only; else empty)
     Matrixd y;    // (B*N) x d   MAC: the attention outputs y (what the memory is written with)
-    // The memory's input stream of each sequence: LMM u_b, MAG/MAL P ‖ u_b, MAC y_b.
+    // The memory's input stream of each sequence: LMM u_b, MAG/MAL P ‖ u_b, MAC y_b (none for SWA).
     std::vector<Matrixd> memory_input;
     // The memory weights after the whole stream: weights[b][h][l-1].
     std::vector<std::vector<std::vector<Matrixd>>> weights;
@@ -125,6 +126,23 @@ inline Matrixd mac_memory_row(const MemoryConfig& cfg, const MemoryParams<double
 
 inline double sigmoid_of(double z) { return 1.0 / (1.0 + std::exp(-z)); }
 
+/// y = SWA*(P ‖ u) W_O of one sequence ub (N x d): every P row visible (projected by W_K / W_V,
+/// never rotated), u rows causal in the window w, RoPE from position 0.
+inline Matrixd prefix_window(const BlockConfig& cfg, const BlockParams<double>& p,
+                             const Matrixd& ub) {
+    const AttentionConfig& ac = cfg.attention;
+    const int Ha = ac.n_heads, dha = ac.head_dim();
+    Matrixd q = matmul(ub, p.attention.w_q), k = matmul(ub, p.attention.w_k);
+    const Matrixd v = matmul(ub, p.attention.w_v);
+    if (ac.rope) {
+        q = rope(q, Ha, dha, 0, ac.rope_base);
+        k = rope(k, Ha, dha, 0, ac.rope_base);
+    }
+    const Matrixd kp = matmul(p.persistent, p.attention.w_k);
+    const Matrixd vp = matmul(p.persistent, p.attention.w_v);
+    return matmul(attention(q, kp, vp, k, v, Ha, dha, ac.window, 0), p.attention.w_o);
+}
+
 }  // namespace detail_blocks
 
 /// The mixer of math §7 on already-normalised input u ((B*N) x d), whole sequences.
@@ -160,17 +178,7 @@ inline BlockResult block_mix(const BlockConfig& cfg, const BlockParams<double>& 
                 const Matrixd mem_in = stack(p.persistent, ub);
                 const Result mr = run_memory(mc, p.memory, mem_in);
                 const Matrixd m = rows_of(mr.y, Np, N);
-                // y = SWA*(P ‖ u): P always visible, never rotated; u rows causal in window w.
-                Matrixd q = matmul(ub, p.attention.w_q), k = matmul(ub, p.attention.w_k);
-                const Matrixd v = matmul(ub, p.attention.w_v);
-                if (ac.rope) {
-                    q = rope(q, Ha, dha, 0, ac.rope_base);
-                    k = rope(k, Ha, dha, 0, ac.rope_base);
-                }
-                const Matrixd kp = matmul(p.persistent, p.attention.w_k);
-                const Matrixd vp = matmul(p.persistent, p.attention.w_v);
-                const Matrixd y =
-                    matmul(attention(q, kp, vp, k, v, Ha, dha, ac.window, 0), p.attention.w_o);
+                const Matrixd y = prefix_window(cfg, p, ub);  // SWA*(P ‖ u)
                 const Matrixd ny = rms_norm(y, row_vector(p.norm_y), cfg.norm_eps);
                 const Matrixd nm = rms_norm(m, row_vector(p.norm_m), cfg.norm_eps);
                 for (Eigen::Index t = 0; t < N; ++t)
@@ -179,6 +187,7 @@ inline BlockResult block_mix(const BlockConfig& cfg, const BlockParams<double>& 
                 r.weights.push_back(mr.weights[0]);
                 break;
             }
+            case BlockKind::SWA: ob = prefix_window(cfg, p, ub); break;
             case BlockKind::MAL: {
                 // ỹ = M(P ‖ u); plain causal window over all N_p + N positions.
                 const Matrixd mem_in = stack(p.persistent, ub);

@@ -38,7 +38,8 @@ std::vector<std::pair<const char*, SettingEdit>> state_settings() {
 
 /// True if the setting `name` holds state for blocks of kind k (what a continuing block needs).
 bool matters(const std::string& name, BlockKind k) {
-    if (name == "kind" || name.rfind("memory.", 0) == 0) return true;
+    if (name == "kind") return true;
+    if (name.rfind("memory.", 0) == 0) return titans::has_memory(k);  // SWA has none
     if (k == BlockKind::LMM) return false;
     if (name == "segment") return k == BlockKind::MAC;
     return true;
@@ -48,7 +49,7 @@ bool matters(const std::string& name, BlockKind k) {
 
 TEST_CASE("foreign states: blocks", "[robustness][states]") {
     Rng rng(seed_for("foreign block states", 0));
-    for (BlockKind kind : {BlockKind::LMM, BlockKind::MAC, BlockKind::MAG, BlockKind::MAL}) {
+    for (BlockKind kind : titans::all_block_kinds) {
         BlockConfig base = BlockConfig::make(kind, 16, 2, 2, 8, 4);
         base.attention.rope = true;
         titans::Block<double> block(base, titans::BlockParams<double>::random(base, 1));

@@ -190,7 +190,7 @@ TEST_CASE("undo: blocks and model late failure", "[robustness][guarantee]") {
     // ran (memory written, attention history and MAC segment rows replaced), on a state the
     // healthy block made (same settings, so each continues the other's state).
     Rng rng(seed_for("undo blocks late", 0));
-    for (BlockKind kind : {BlockKind::LMM, BlockKind::MAC, BlockKind::MAG, BlockKind::MAL}) {
+    for (BlockKind kind : titans::all_block_kinds) {
         for (int warm : {0, 3, 8, 13, 21}) {  // segment 8, chunk 4: every phase of both
             INFO("kind " << titans::to_string(kind) << " warm-up " << warm);
             const auto bc = titans::BlockConfig::make(kind, 16, 2, 2, 8, 4);

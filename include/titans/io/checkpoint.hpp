@@ -53,11 +53,11 @@ void check_block(const Block<T, B>& block, const BlockState<T, B>& st, const std
     const std::int64_t np = cfg.n_persistent;
     const bool prefix_streamed = cfg.kind == BlockKind::MAG || cfg.kind == BlockKind::MAL;
     const std::int64_t mem_pos = pos + (prefix_streamed ? np : 0);
-    if (st.memory().position() != mem_pos) {
+    if (has_memory(cfg.kind) && st.memory().position() != mem_pos) {
         inconsistent(src, prefix + "memory.position", st.memory().position(),
                      std::to_string(mem_pos));
     }
-    if (prefix_streamed) {
+    if (has_window(cfg.kind)) {
         const auto& a = st.attention();
         const std::int64_t att_pos = pos + (cfg.kind == BlockKind::MAL ? np : 0);
         if (a.position() != att_pos) {

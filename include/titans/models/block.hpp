@@ -1,6 +1,7 @@
 #pragma once
 // titans/models/block.hpp: the Titans blocks (math §7): memory alone (LMM), memory as a
-// context (MAC), as a gate (MAG), as a layer (MAL), each a pre-norm residual block
+// context (MAC), as a gate (MAG), as a layer (MAL), and the attention-only baseline (SWA),
+// each a pre-norm residual block
 //     h = x + Mixer(RMSNorm(x)),   out = h + FFN(RMSNorm(h))
 
 #include <cmath>
@@ -43,7 +44,20 @@ enum class BlockKind {
     MAC,  ///< memory as a context: segments attend over P ‖ M*_{t-1}(S) ‖ S, then write/gate
     MAG,  ///< memory as a gate: RMSNorm(SWA*(P ‖ u)) ⊙ σ(RMSNorm(M(P ‖ u)))
     MAL,  ///< memory as a layer: SWA(M(P ‖ u))
+    SWA,  ///< attention alone, no memory (the baseline): SWA*(P ‖ u)
 };
+
+/// Every block kind, in enumerator order.
+inline constexpr BlockKind all_block_kinds[] = {BlockKind::LMM, BlockKind::MAC, BlockKind::MAG,
+                                                BlockKind::MAL, BlockKind::SWA};
+
+/// Whether blocks of kind k hold a neural memory (all but SWA).
+[[nodiscard]] constexpr bool has_memory(BlockKind k) { return k != BlockKind::SWA; }
+/// Whether blocks of kind k keep a sliding attention window in their state (MAG, MAL, SWA;
+/// MAC attends within its segment buffers, LMM has no attention).
+[[nodiscard]] constexpr bool has_window(BlockKind k) {
+    return k == BlockKind::MAG || k == BlockKind::MAL || k == BlockKind::SWA;
+}
 
 [[nodiscard]] inline const char* to_string(BlockKind k) {
     switch (k) {
@@ -51,19 +65,21 @@ enum class BlockKind {
         case BlockKind::MAC: return "MAC";
         case BlockKind::MAG: return "MAG";
         case BlockKind::MAL: return "MAL";
+        case BlockKind::SWA: return "SWA";
     }
     return "?";
 }
 
 /// Inverse of to_string: sets `out` and returns true if `s` names an enumerator, else false.
 [[nodiscard]] inline bool from_string(std::string_view s, BlockKind& out) {
-    return detail::enum_from_string(s, out,
-                                    {BlockKind::LMM, BlockKind::MAC, BlockKind::MAG, BlockKind::MAL});
+    return detail::enum_from_string(s, out, {BlockKind::LMM, BlockKind::MAC, BlockKind::MAG,
+                                             BlockKind::MAL, BlockKind::SWA});
 }
 
 /// Settings of one block. `memory.d_model`, `attention.d_model` and `ffn.d_model` must all
 /// equal `d_model` (make() sets them). For MAC, `segment` is C and the attention window is
-/// not used (every token sees its whole segment prefix); for MAG and MAL the window is w.
+/// not used (every token sees its whole segment prefix); for MAG, MAL and SWA the window is w.
+/// SWA blocks have no memory: `memory` is neither used nor validated.
 struct BlockConfig {
     BlockKind kind = BlockKind::MAG;
     int d_model = 64;
@@ -78,6 +94,8 @@ struct BlockConfig {
     /// A block of kind `kind`, width d, H heads for memory and attention, memory depth L,
     /// window / segment `span`, with the memory chunk `chunk`. MAC's memory reads with
     /// Retrieval::InChunk so "the updated memory" of math §7 includes the token's own write.
+    /// SWA gets no persistent tokens (n_persistent = 0: the paper's sliding-window baseline;
+    /// set it to give the attention a learnt prefix, as MAG's branch has).
     [[nodiscard]] static BlockConfig make(BlockKind kind, int d, int heads, int depth, int span,
                                           int chunk = 64) {
         BlockConfig c;
@@ -92,6 +110,7 @@ struct BlockConfig {
         c.attention.n_heads = heads;
         c.attention.window = span;
         c.segment = span;
+        if (kind == BlockKind::SWA) c.n_persistent = 0;
         c.ffn.d_model = d;
         return c;
     }
@@ -120,7 +139,8 @@ struct BlockConfig {
         using detail::sat_add;
         using detail::sat_mul;
         const std::int64_t d = d_model;
-        std::int64_t n = sat_add(sat_mul(2, d), memory.parameter_count());  // norms, memory
+        std::int64_t n = sat_mul(2, d);  // norms
+        if (has_memory(kind)) n = sat_add(n, memory.parameter_count());
         if (kind != BlockKind::LMM) {
             n = sat_add(n, attention.parameter_count(), sat_mul(n_persistent, d));
         }
@@ -130,7 +150,7 @@ struct BlockConfig {
     }
 
     /// Bytes of the state make_state(batch) builds, `scalar_bytes` per element, in 64 bits
-    /// (saturating): the memory's state, the attention's full KV window (MAG, MAL), MAC's
+    /// (saturating): the memory's state, the attention's full KV window (MAG, MAL, SWA), MAC's
     /// segment buffers (2 x batch x 2C x D_att), snapshots (batch x H x memory weights) and
     /// P W_K, P W_V, and for MAG / MAL the persistent-token pass make_state runs (batch x N_p
     /// rows through the memory, and the attention for MAL). Meaningful for a validated
@@ -139,6 +159,7 @@ struct BlockConfig {
         using detail::sat_add;
         using detail::sat_mul;
         constexpr std::int64_t overhead = limits::matrix_overhead_bytes;
+        if (kind == BlockKind::SWA) return attention.state_bytes(batch, scalar_bytes);
         std::int64_t bytes = memory.state_bytes(batch, scalar_bytes);
         const std::int64_t np = n_persistent, d = d_model, Da = attention.inner_dim64();
         const std::int64_t Hm = memory.n_heads, Dm = sat_mul(Hm, memory.head_dim64());
@@ -158,21 +179,25 @@ struct BlockConfig {
     }
 
     /// Throws ConfigError naming the first invalid field: kind a valid enumerator, d_model in
-    /// [1, max_d_model], memory and attention (every kind: its width is part of the state)
-    /// valid, their d_model (and ffn's) equal to d_model, n_persistent in [0, max_persistent]
+    /// [1, max_d_model], memory (all kinds but SWA) and attention (every kind: its width is
+    /// part of the state) valid, their d_model (and ffn's) equal to d_model, n_persistent in
+    /// [0, max_persistent]
     /// (not LMM), segment in [1, max_segment] (MAC), ffn valid (use_ffn), norm_eps finite and
     /// > 0, and the parameters and batch-1 state within limits::max_allocation_bytes at 4
     /// bytes (float) per element. validate_for<T>() checks the T-specific rules too.
     void validate() const {
         constexpr const char* w = "BlockConfig";
         detail::require<ConfigError>(kind == BlockKind::LMM || kind == BlockKind::MAC ||
-                                         kind == BlockKind::MAG || kind == BlockKind::MAL,
+                                         kind == BlockKind::MAG || kind == BlockKind::MAL ||
+                                         kind == BlockKind::SWA,
                                      w, "kind", static_cast<int>(kind),
-                                     "LMM (0), MAC (1), MAG (2) or MAL (3)");
+                                     "LMM (0), MAC (1), MAG (2), MAL (3) or SWA (4)");
         detail::require_in_range(d_model, 1, limits::max_d_model, w, "d_model");
-        memory.validate();
-        detail::require<ConfigError>(memory.d_model == d_model, w, "memory.d_model",
-                                     memory.d_model, detail::concat("d_model = ", d_model));
+        if (has_memory(kind)) {
+            memory.validate();
+            detail::require<ConfigError>(memory.d_model == d_model, w, "memory.d_model",
+                                         memory.d_model, detail::concat("d_model = ", d_model));
+        }
         attention.validate();
         if (kind != BlockKind::LMM) {
             detail::require<ConfigError>(attention.d_model == d_model, w, "attention.d_model",
@@ -199,7 +224,7 @@ struct BlockConfig {
     template <class T>
     void validate_for() const {
         validate();
-        memory.validate_for<T>();
+        if (has_memory(kind)) memory.validate_for<T>();
         attention.validate_for<T>();
         if (use_ffn) ffn.validate_for<T>();
         detail::require_representable<T>(norm_eps, "BlockConfig", "norm_eps");
@@ -217,7 +242,7 @@ private:
 
 /// Outer parameters of a block. Shapes (d = d_model, N_p = n_persistent):
 ///   norm_mix, norm_ffn   1 x d    pre-norm weights of the two sub-blocks
-///   memory               see MemoryParams
+///   memory               see MemoryParams (empty for SWA)
 ///   attention            see AttentionParams (empty for LMM)
 ///   persistent           N_p x d  persistent tokens P (math §6; empty for LMM)
 ///   norm_y, norm_m       1 x d    MAG's output norms (empty otherwise)
@@ -248,7 +273,9 @@ struct BlockParams {
         const T one = draw ? T(1) : T(0);  // zeros() is all zeros, norm weights too
         p.norm_mix = RowVector<T>::Constant(d, one);
         p.norm_ffn = RowVector<T>::Constant(d, one);
-        p.memory = MemoryParams<T>::generate(cfg.memory, seed * 4 + 1, draw);
+        if (has_memory(cfg.kind)) {
+            p.memory = MemoryParams<T>::generate(cfg.memory, seed * 4 + 1, draw);
+        }
         if (cfg.kind != BlockKind::LMM) {
             p.attention = AttentionParams<T>::generate(cfg.attention, seed * 4 + 2, draw);
             p.persistent = detail::TensorDraw<T>(seed * 4 + 3, draw)(cfg.n_persistent, d, 1.0);
@@ -264,7 +291,7 @@ struct BlockParams {
     }
 
     /// Serialization hook: calls v(name, tensor) for every tensor `cfg` uses, in this order:
-    /// norm_mix, norm_ffn, memory.*, attention.* and persistent (not LMM), norm_y and norm_m
+    /// norm_mix, norm_ffn, memory.* (not SWA), attention.* and persistent (not LMM), norm_y and norm_m
     /// (MAG), ffn.* (use_ffn); tensor is the member itself (const if Self is).
     template <class Self, class V>
     static void tensors(Self& self, const BlockConfig& cfg, V&& v) {
@@ -272,7 +299,9 @@ struct BlockParams {
         using S = std::string;
         v(S("norm_mix"), self.norm_mix);
         v(S("norm_ffn"), self.norm_ffn);
-        MemoryParams<T>::tensors(self.memory, cfg.memory, detail::prefixed("memory", v));
+        if (has_memory(cfg.kind)) {
+            MemoryParams<T>::tensors(self.memory, cfg.memory, detail::prefixed("memory", v));
+        }
         if (cfg.kind != BlockKind::LMM) {
             AttentionParams<T>::tensors(self.attention, cfg.attention,
                                         detail::prefixed("attention", v));
@@ -293,7 +322,7 @@ struct BlockParams {
         const detail::TensorCheck check{"BlockParams"};
         check(norm_mix, "norm_mix", 1, d);
         check(norm_ffn, "norm_ffn", 1, d);
-        memory.validate(cfg.memory);
+        if (has_memory(cfg.kind)) memory.validate(cfg.memory);
         if (cfg.kind != BlockKind::LMM) {
             attention.validate(cfg.attention);
             check(persistent, "persistent", cfg.n_persistent, d);
@@ -321,8 +350,8 @@ template <class T, class Backend>
 struct MacTraining;
 }  // namespace detail
 
-/// The state of B streams through one block: the memory's state, the attention's KV ring
-/// buffer (MAG, MAL), and for MAC the keys/values of the segment in progress and the memory
+/// The state of B streams through one block: the memory's state (not SWA), the attention's
+/// KV ring buffer (MAG, MAL, SWA), and for MAC the keys/values of the segment in progress and the memory
 /// weights at the segment's start. Made by Block::make_state(B); copyable. The memory and
 /// attention states are their backend's (MemoryKernels / AttentionKernels<Backend, T>::State).
 template <class T, class Backend = backend::Cpu>
@@ -342,8 +371,8 @@ public:
     /// to continue bit-identically, x a Matrix<T>& or std::int64_t& (const if Self is):
     ///     position               std::int64_t (block tokens; the memory's own position
     ///                            also counts the persistent tokens for MAG and MAL)
-    ///     memory.*               MemoryState::tensors
-    ///     attention.*            AttentionState::tensors (MAG, MAL; its k/v rows vary)
+    ///     memory.*               MemoryState::tensors (not SWA)
+    ///     attention.*            AttentionState::tensors (MAG, MAL, SWA; its k/v rows vary)
     ///     seg_k.{b}, seg_v.{b}   MAC: keys/values of the segment in progress, 2C x D_att
     ///     snapshot.{b}.{h}.{l}   MAC: memory weights at the segment start, layer_in x layer_out
     /// Load into a state from make_state() of the same block (MAC's P W_K and P W_V belong to
@@ -352,8 +381,10 @@ public:
     static void tensors(Self& self, V&& v) {
         static_assert(std::is_same_v<std::remove_const_t<Self>, BlockState>);
         v(std::string("position"), self.position_);
-        MemoryState::tensors(self.memory_, detail::prefixed("memory", v));
-        if (self.kind_ == BlockKind::MAG || self.kind_ == BlockKind::MAL) {
+        if (has_memory(self.kind_)) {
+            MemoryState::tensors(self.memory_, detail::prefixed("memory", v));
+        }
+        if (has_window(self.kind_)) {
             AttentionState::tensors(self.attention_, detail::prefixed("attention", v));
         }
         if (self.kind_ == BlockKind::MAC) {
@@ -380,7 +411,7 @@ private:
     BlockConfig cfg_{};  // the block's settings at make_state (what a continuing block must match)
     int batch_ = 0;
     std::int64_t position_ = 0;
-    MemoryState memory_;
+    MemoryState memory_;  // SWA: default-constructed (batch 0), never used
     AttentionState attention_;
     // MAC: per sequence the interleaved keys/values [h_0, s_0, h_1, s_1, ...] of the segment
     // in progress (2C x D_att), and per (sequence, head) the memory weights M_{t-1} at its start.
@@ -404,6 +435,7 @@ private:
 ///   LMM  M(u)
 ///   MAG  o = RMSNorm_y(SWA*(P ‖ u)) ⊙ σ(RMSNorm_m(M(P ‖ u)))   (P always visible, window w)
 ///   MAL  o = SWA(M(P ‖ u))                                      (plain window over P ‖ u)
+///   SWA  o = SWA*(P ‖ u)          (no memory: the attention-only baseline, MAG's branch alone)
 ///   MAC  per segment S of C tokens: h = M*_{t-1}(S) (read, memory as at the segment start),
 ///        y = Attn(P ‖ h ‖ S) (rows of S), write M with y, o = y ⊙ σ(M*_t(y))
 /// P enters the memory (MAG, MAL) and the attention's window (MAL) once, at the start of each
@@ -431,10 +463,13 @@ public:
     Block(BlockConfig config, std::shared_ptr<const BlockParams<T>> params)
         : cfg_(std::move(config)),
           params_(detail::require_shared(std::move(params), "Block")),
-          memory_(validated(cfg_, *params_).memory, detail::share_part(params_, params_->memory)),
-          norm_mix_(detail::share_part(params_, params_->norm_mix), cfg_.norm_eps),
+          norm_mix_(((void)validated(cfg_, *params_), detail::share_part(params_, params_->norm_mix)),
+                    cfg_.norm_eps),
           norm_ffn_(detail::share_part(params_, params_->norm_ffn), cfg_.norm_eps) {
         const BlockParams<T>& p = *params_;
+        if (has_memory(cfg_.kind)) {
+            memory_.emplace(cfg_.memory, detail::share_part(params_, p.memory));
+        }
         if (cfg_.kind != BlockKind::LMM) {
             attention_.emplace(cfg_.attention, detail::share_part(params_, p.attention));
         }
@@ -454,10 +489,18 @@ public:
     [[nodiscard]] const std::shared_ptr<const BlockParams<T>>& shared_params() const {
         return params_;
     }
-    [[nodiscard]] const NeuralMemory<T, Backend>& memory() const { return memory_; }
+    /// The block's memory; ConfigError for an SWA block (it has none: see has_memory()).
+    [[nodiscard]] const NeuralMemory<T, Backend>& memory() const {
+        if (!memory_) {
+            throw ConfigError("Block::memory: an SWA block has no memory, expected a block of "
+                              "kind LMM, MAC, MAG or MAL");
+        }
+        return *memory_;
+    }
 
     /// A fresh state for `batch` streams; for MAG and MAL the memory (and for MAL the
-    /// attention window) has already consumed the persistent tokens.
+    /// attention window) has already consumed the persistent tokens (SWA and MAG see them as
+    /// the attention's prefix).
     [[nodiscard]] State make_state(int batch = 1) const {
         detail::require_state_batch(
             "Block::make_state", batch, detail::scalar_name<T>(),
@@ -466,7 +509,7 @@ public:
         st.kind_ = cfg_.kind;
         st.cfg_ = cfg_;
         st.batch_ = batch;
-        st.memory_ = memory_.make_state(batch);
+        if (memory_) st.memory_ = memory_->make_state(batch);
         if (cfg_.kind != BlockKind::LMM) {
             st.attention_ = attention_->make_state(batch);
         }
@@ -476,7 +519,7 @@ public:
             for (int b = 0; b < batch; ++b) {
                 p.middleRows(b * np, np) = params_->persistent;
             }
-            Matrix<T> yp = memory_.forward(st.memory_, p);
+            Matrix<T> yp = memory_->forward(st.memory_, p);
             if (cfg_.kind == BlockKind::MAL) {
                 (void)attention_->forward(st.attention_, yp);
             }
@@ -491,7 +534,7 @@ public:
             for (int b = 0; b < batch; ++b) {
                 for (int h = 0; h < Hm; ++h) {
                     st.snapshot_[static_cast<std::size_t>(b * Hm + h)] =
-                        memory_.current_weights(st.memory_, b, h);
+                        memory_->current_weights(st.memory_, b, h);
                 }
             }
         }
@@ -503,7 +546,7 @@ public:
     /// state is as it was.
     [[nodiscard]] Matrix<T> forward(State& state, const MatrixRef<T>& x) const {
         // The memory's position is the largest of the block's (it also counts P for MAG, MAL).
-        detail::check_position_advance("Block::forward", state.memory_.position(), x.rows(),
+        detail::check_position_advance("Block::forward", stream_position(state), x.rows(),
                                        state.batch_);
         check(state, x, "Block::forward");
         const ThreadScope team(threads_, work_estimate(x.rows()));
@@ -522,7 +565,7 @@ public:
     /// The mixer alone (math §7) on already-normalised input u: (B*N) x d -> (B*N) x d.
     /// Advances the state (memory, attention, position) like forward(); strong guarantee.
     [[nodiscard]] Matrix<T> mix(State& state, const MatrixRef<T>& u) const {
-        detail::check_position_advance("Block::mix", state.memory_.position(), u.rows(),
+        detail::check_position_advance("Block::mix", stream_position(state), u.rows(),
                                        state.batch_);
         check(state, u, "Block::mix");
         const ThreadScope team(threads_, work_estimate(u.rows()));
@@ -609,8 +652,8 @@ public:
         if (u.open) {
             return false;
         }
-        memory_.begin(state.memory_);
-        if (cfg_.kind == BlockKind::MAG || cfg_.kind == BlockKind::MAL) {
+        if (memory_) memory_->begin(state.memory_);
+        if (uses_attention_state()) {
             attention_->begin(state.attention_);
         }
         u.open = true;
@@ -622,8 +665,8 @@ public:
         return true;
     }
     void commit(State& state) const {
-        memory_.commit(state.memory_);
-        if (cfg_.kind == BlockKind::MAG || cfg_.kind == BlockKind::MAL) {
+        if (memory_) memory_->commit(state.memory_);
+        if (uses_attention_state()) {
             attention_->commit(state.attention_);
         }
         state.undo_.open = false;
@@ -633,8 +676,8 @@ public:
         if (!u.open) {
             return;
         }
-        memory_.rollback(state.memory_);
-        if (cfg_.kind == BlockKind::MAG || cfg_.kind == BlockKind::MAL) {
+        if (memory_) memory_->rollback(state.memory_);
+        if (uses_attention_state()) {
             attention_->rollback(state.attention_);
         }
         if (cfg_.kind == BlockKind::MAC) {
@@ -654,7 +697,7 @@ public:
 
     /// Approximate multiply-adds of a forward over `rows` tokens (memory, attention, FFN).
     [[nodiscard]] double work_estimate(Eigen::Index rows) const {
-        double w = memory_.work_estimate(rows);
+        double w = memory_ ? memory_->work_estimate(rows) : 0.0;
         if (attention_) {
             w += attention_->work_estimate(rows, cfg_.n_persistent);
         }
@@ -673,8 +716,8 @@ private:
     friend struct detail::MacTraining<T, Backend>;
     friend class Model<T, Backend>;  // set_parameters: derive() again after new values
 
-    /// What the block computes once from its parameters: MAG's persistent prefix projected on
-    /// the backend (P W_K, P W_V), MAC's P W_K and P W_V (N_p x D, host).
+    /// What the block computes once from its parameters: MAG's and SWA's persistent prefix
+    /// projected on the backend (P W_K, P W_V), MAC's P W_K and P W_V (N_p x D, host).
     struct Derived {
         std::optional<typename Attention<T, Backend>::Prefix> prefix;
         Matrix<T> k_prefix, v_prefix;
@@ -683,7 +726,7 @@ private:
     Derived derive() const {
         const BlockParams<T>& p = *params_;
         Derived d;
-        if (cfg_.kind == BlockKind::MAG) {  // P W_K and P W_V, once, on the backend
+        if (cfg_.kind == BlockKind::MAG || cfg_.kind == BlockKind::SWA) {  // once, on the backend
             d.prefix.emplace(attention_->project_prefix(p.persistent));
         }
         if (cfg_.kind == BlockKind::MAC) {
@@ -739,12 +782,13 @@ private:
     Matrix<T> mix_kind(State& state, const MatrixRef<T>& u) const {
         Matrix<T> o;
         switch (cfg_.kind) {
-            case BlockKind::LMM: o = memory_.forward(state.memory_, u); break;
+            case BlockKind::LMM: o = memory_->forward(state.memory_, u); break;
             case BlockKind::MAG: o = mix_mag(state, u); break;
             case BlockKind::MAL:
-                o = attention_->forward(state.attention_, memory_.forward(state.memory_, u));
+                o = attention_->forward(state.attention_, memory_->forward(state.memory_, u));
                 break;
             case BlockKind::MAC: o = mix_mac(state, u); break;
+            case BlockKind::SWA: attention_->forward(state.attention_, u, o, *prefix_); break;
         }
         state.position_ += u.rows() / state.batch_;
         return o;
@@ -815,8 +859,12 @@ private:
         }
     }
 
-    bool uses_attention_state() const {
-        return cfg_.kind == BlockKind::MAG || cfg_.kind == BlockKind::MAL;
+    bool uses_attention_state() const { return has_window(cfg_.kind); }
+
+    /// The position forward's overflow check advances: the memory's (it also counts P for
+    /// MAG and MAL), the block's for SWA.
+    static std::int64_t stream_position(const State& state) {
+        return has_memory(state.kind_) ? state.memory_.position() : state.position_;
     }
 
     /// True if a state made by a block with settings `a` can be continued by one with `b`:
@@ -824,7 +872,8 @@ private:
     /// for the kinds with attention, every attention setting (heads, width, window, RoPE).
     /// The feed-forward and the norms hold no state.
     static bool same_stream(const BlockConfig& a, const BlockConfig& b) {
-        if (a.kind != b.kind || a.d_model != b.d_model || !a.memory.same_stream(b.memory)) {
+        if (a.kind != b.kind || a.d_model != b.d_model ||
+            (has_memory(a.kind) && !a.memory.same_stream(b.memory))) {
             return false;
         }
         if (a.kind == BlockKind::LMM) {
@@ -840,7 +889,7 @@ private:
 
     void check_state(const State& state, const char* where) const {
         if (state.batch_ < 1 || !same_stream(state.cfg_, cfg_) ||
-            state.memory_.batch() != state.batch_ ||
+            (memory_ && state.memory_.batch() != state.batch_) ||
             (uses_attention_state() && state.attention_.batch() != state.batch_) ||
             (cfg_.kind == BlockKind::MAC &&
              (state.seg_k_.size() != static_cast<std::size_t>(state.batch_) ||
@@ -877,7 +926,7 @@ private:
     Matrix<T> mix_mag(State& st, const MatrixRef<T>& u) const {
         Matrix<T> y;  // P W_K and P W_V were projected once, at construction
         attention_->forward(st.attention_, u, y, *prefix_);
-        const Matrix<T> m = memory_.forward(st.memory_, u);
+        const Matrix<T> m = memory_->forward(st.memory_, u);
         Matrix<T> gate = norm_m_->forward(m);
         gate = gate.unaryExpr([](T v) { return sigmoid(v); });
         return (norm_y_->forward(y).array() * gate.array()).matrix();
@@ -898,16 +947,16 @@ private:
                 for (int b = 0; b < B; ++b) {
                     for (int h = 0; h < Hm; ++h) {
                         st.snapshot_[static_cast<std::size_t>(b * Hm + h)] =
-                            memory_.current_weights(st.memory_, b, h);
+                            memory_->current_weights(st.memory_, b, h);
                     }
                 }
             }
             save_segment_rows(st, 2 * o, 2 * m);
             const Matrix<T> U = detail::segment_rows(u, B, t, m);  // stream-major rows
             // h = M*_{t-1}(S): the memory's query path read through each stream's snapshot.
-            const Matrix<T> y = mac_attend(st, U, memory_.read_weights(st.snapshot_, U, B), o, m, pos);
+            const Matrix<T> y = mac_attend(st, U, memory_->read_weights(st.snapshot_, U, B), o, m, pos);
             // Write the memory with y, read the updated memory: o = y ⊙ σ(M*_t(y)).
-            const Matrix<T> r = memory_.forward(st.memory_, y);
+            const Matrix<T> r = memory_->forward(st.memory_, y);
             for (int b = 0; b < B; ++b) {
                 out.middleRows(b * N + t, m) =
                     (y.middleRows(static_cast<Eigen::Index>(b) * m, m).array() *
@@ -967,13 +1016,13 @@ private:
 
     BlockConfig cfg_;
     std::shared_ptr<const BlockParams<T>> params_;
-    NeuralMemory<T, Backend> memory_;
     RMSNorm<T, Backend> norm_mix_, norm_ffn_;
+    std::optional<NeuralMemory<T, Backend>> memory_;    // all kinds but SWA
     Threads threads_{};
     std::optional<Attention<T, Backend>> attention_;    // all kinds but LMM
     std::optional<RMSNorm<T, Backend>> norm_y_, norm_m_;  // MAG
     std::optional<FeedForward<T, Backend>> ffn_;        // if use_ffn
-    std::optional<typename Attention<T, Backend>::Prefix> prefix_;  // MAG: P W_K, P W_V
+    std::optional<typename Attention<T, Backend>::Prefix> prefix_;  // MAG, SWA: P W_K, P W_V
     Matrix<T> k_prefix_, v_prefix_;  // MAC: P W_K, P W_V (N_p x D), for the segment attention
 };
 

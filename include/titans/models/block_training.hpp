@@ -9,7 +9,7 @@
 // pieces) the sub-layers continue from the state's, and the state's adjoint passes through
 // theirs (MAC: through its memory and segment state, mac_training.hpp). The backward reverses
 //     u = RMSNorm(x),  h = x + Mixer(u),  out = h + FFN(RMSNorm(h))
-// with the mixer by kind (LMM, MAG, MAL here; MAC in mac_training.hpp).
+// with the mixer by kind (LMM, MAG, MAL, SWA here; MAC in mac_training.hpp).
 
 #include <cstdint>
 #include <utility>
@@ -36,7 +36,7 @@ struct BlockTrace {
     detail::TraceFilled filled;  // a moved-from trace is empty
     typename RMSNorm<T, Backend>::Trace norm_mix, norm_ffn, norm_y, norm_m;
     typename NeuralMemory<T, Backend>::Trace memory;     // over [P; u] per sequence (MAC: y)
-    typename Attention<T, Backend>::Trace attention;     // MAG: u with prefix P; MAL: [P; M]
+    typename Attention<T, Backend>::Trace attention;  // MAG, SWA: u with prefix P; MAL: [P; M]
     typename FeedForward<T, Backend>::Trace ffn;
     Matrix<T> a, g;  // MAG: RMSNorm_y(attention output), sigma(RMSNorm_m(memory output))
     Matrix<T> u;     // MAC: RMSNorm_mix(x)
@@ -190,20 +190,24 @@ struct BlockTraining {
         }
         if (cfg.kind == BlockKind::MAC) {
             check_trace_shape(tr.u, rows, cfg.d_model, where, "u");
-            check_sub_trace(blk.memory_, tr.memory, rows, where, "memory", B);
+            check_sub_trace(*blk.memory_, tr.memory, rows, where, "memory", B);
             MacTraining<T, Backend>::check_segments(blk, tr.segments, B, tr.start, rows / B,
                                                     where);
             return;
         }
-        check_sub_trace(blk.memory_, tr.memory, full, where, "memory", B);
+        if (has_memory(cfg.kind)) {
+            check_sub_trace(*blk.memory_, tr.memory, full, where, "memory", B);
+        }
         if (cfg.kind == BlockKind::MAL) {
             check_sub_trace(*blk.attention_, tr.attention, full, where, "attention", B);
-        } else if (cfg.kind == BlockKind::MAG) {
+        } else if (cfg.kind == BlockKind::MAG || cfg.kind == BlockKind::SWA) {
             check_sub_trace(*blk.attention_, tr.attention, rows, where, "attention", B);
             check_trace_part(tr.attention.prefix.rows() == cfg.n_persistent &&
                                  tr.attention.sharing == PrefixSharing::Shared,
                              where, "attention.prefix.rows()", tr.attention.prefix.rows(),
                              concat("n_persistent = ", cfg.n_persistent, ", shared"));
+        }
+        if (cfg.kind == BlockKind::MAG) {
             check_sub_trace(*blk.norm_y_, tr.norm_y, rows, where, "norm_y");
             check_sub_trace(*blk.norm_m_, tr.norm_m, rows, where, "norm_m");
             check_trace_shape(tr.a, rows, cfg.d_model, where, "a");
@@ -232,7 +236,7 @@ private:
 
     /// A training forward starts from a fresh state or one whose memory is at a chunk boundary.
     static void check_start(const Blk& blk, const State& state, const char* where) {
-        if (state.position_ == 0) {
+        if (state.position_ == 0 || !has_memory(blk.cfg_.kind)) {
             return;
         }
         if (state.memory_.pending() != 0) {
@@ -255,11 +259,15 @@ private:
             return;
         }
         const bool stray_attention = kind == BlockKind::LMM && !d.attention.empty();
-        if (stray_attention || !d.mac.empty()) {
-            throw ConfigError(concat("Block::backward: d_state_out.",
-                                     stray_attention ? "attention" : "mac", " given to a ",
+        const bool stray_memory = !has_memory(kind) && !d.memory.empty();
+        if (stray_attention || stray_memory || !d.mac.empty()) {
+            const char* part = stray_attention ? "attention" : stray_memory ? "memory" : "mac";
+            throw ConfigError(concat("Block::backward: d_state_out.", part, " given to a ",
                                      to_string(kind), " block, expected none (it has no ",
-                                     stray_attention ? "attention" : "MAC segment", " state)"));
+                                     stray_attention ? "attention"
+                                     : stray_memory  ? "memory"
+                                                     : "MAC segment",
+                                     " state)"));
         }
     }
 
@@ -275,15 +283,21 @@ private:
             t.u = u;
             return MacTraining<T, Backend>::forward(blk, next, u, t.memory, t.segments);
         }
+        if (cfg.kind == BlockKind::SWA) {  // o = SWA*(P ‖ u): MAG's attention branch alone
+            Matrix<T> y;
+            blk.attention_->forward(next.attention_, u, y, t.attention,
+                                    cfg.n_persistent > 0 ? &P : nullptr);
+            return y;
+        }
         if (fresh) {
-            next.memory_ = blk.memory_.make_state(B);
+            next.memory_ = blk.memory_->make_state(B);
         }
         Matrix<T> m;
         if (cfg.kind == BlockKind::LMM) {
-            blk.memory_.forward(next.memory_, u, m, t.memory);
+            blk.memory_->forward(next.memory_, u, m, t.memory);
             return m;
         }
-        blk.memory_.forward(next.memory_, p > 0 ? with_prefix(P, u, B) : u, m, t.memory);
+        blk.memory_->forward(next.memory_, p > 0 ? with_prefix(P, u, B) : u, m, t.memory);
         Matrix<T> y;
         if (cfg.kind == BlockKind::MAL) {
             if (fresh) {
@@ -320,14 +334,22 @@ private:
                                                      tr.start, dout, g, d_out, d_in);
         }
         if (cfg.kind == BlockKind::LMM) {
-            blk.memory_.backward(tr.memory, dout, du, g.memory, dm_in, dm_out);
+            blk.memory_->backward(tr.memory, dout, du, g.memory, dm_in, dm_out);
+            return du;
+        }
+        if (cfg.kind == BlockKind::SWA) {
+            Matrix<T> dP;
+            const bool has_p = cfg.n_persistent > 0;
+            blk.attention_->backward(tr.attention, dout, du, g.attention, has_p ? &dP : nullptr,
+                                     da_in, da_out);
+            if (has_p) g.persistent += dP;
             return du;
         }
         if (cfg.kind == BlockKind::MAL) {
             Matrix<T> dm;
             blk.attention_->backward(tr.attention, zero_prefix(dout, B, p), dm, g.attention,
                                      nullptr, da_in, da_out);
-            blk.memory_.backward(tr.memory, dm, dfull, g.memory, dm_in, dm_out);
+            blk.memory_->backward(tr.memory, dm, dfull, g.memory, dm_in, dm_out);
             add_prefix_rows(dfull, B, p, g.persistent);
             return without_prefix(dfull, B, p);
         }
@@ -343,7 +365,7 @@ private:
         if (has_p) {
             g.persistent += dP;
         }
-        blk.memory_.backward(tr.memory, zero_prefix(dm, B, p), dfull, g.memory, dm_in, dm_out);
+        blk.memory_->backward(tr.memory, zero_prefix(dm, B, p), dfull, g.memory, dm_in, dm_out);
         add_prefix_rows(dfull, B, p, g.persistent);
         du += without_prefix(dfull, B, p);
         return du;

@@ -49,7 +49,7 @@ struct MacTraining {
         const Eigen::Index N = u.rows() / B;
         const DenormalFlushScope flush(cfg.memory.flush_denormals);
         if (next.position_ == 0) {
-            next.memory_ = blk.memory_.make_state(B);
+            next.memory_ = blk.memory_->make_state(B);
         }
         MemoryPass::start(cfg.memory, next.memory_, N, cfg.d_model, mem);
         Matrix<T> out(u.rows(), cfg.d_model);
@@ -61,10 +61,10 @@ struct MacTraining {
             const int m = static_cast<int>(std::min<Eigen::Index>(C - sg.offset, N - t));
             begin_part(blk, next, sg);
             const Matrix<T> U = segment_rows(u, B, t, m);
-            sg.h = blk.memory_.read_weights(sg.weights, U, B);
+            sg.h = blk.memory_->read_weights(sg.weights, U, B);
             sg.y = blk.mac_attend(next, U, sg.h, sg.offset, m, pos);
             sg.r.resize(sg.y.rows(), cfg.d_model);
-            MemoryPass::forward_part(cfg.memory, blk.memory_.prepared_, next.memory_,
+            MemoryPass::forward_part(cfg.memory, blk.memory_->prepared_, next.memory_,
                                      view_of(std::as_const(sg.y)), view_of(sg.r), mem);
             const Matrix<T> o = (sg.y.array() * sg.r.unaryExpr([](T v) { return sigmoid(v); })
                                                      .array())
@@ -103,7 +103,7 @@ struct MacTraining {
         gate_backward(segs, B, N, dout, dr, dy_gate);
         const auto* dm_out = given && !d_out->memory.empty() ? &d_out->memory : nullptr;
         const auto* dseg_out = given && !d_out->mac.empty() ? &d_out->mac : nullptr;
-        typename MemoryPass::Reverse rev(cfg.memory, blk.memory_.prepared_, mem,
+        typename MemoryPass::Reverse rev(cfg.memory, blk.memory_->prepared_, mem,
                                          view_of(std::as_const(dr)), dm_out);
         // The incoming segment state's adjoint, built only when asked for (d_in).
         MacStateGradient<T> dseg = d_in != nullptr ? zero_segment_state(blk, B, start % cfg.segment)
@@ -120,7 +120,7 @@ struct MacTraining {
             Matrix<T> dU, dh, dU_read;
             attend_backward(blk, sg, U, B, start + sg.t0, dy, dlast, dU, dh, dseg, g);
             std::vector<Layers> dW;
-            MemoryPass::read_weights_backward(cfg.memory, blk.memory_.prepared_, sg.weights, U, B,
+            MemoryPass::read_weights_backward(cfg.memory, blk.memory_->prepared_, sg.weights, U, B,
                                               dh, dU_read, dW, g.memory);
             if (dlast != nullptr) {  // the state after the call keeps this segment's snapshot
                 add_layers(dlast->snapshot, dW);
@@ -158,7 +158,7 @@ struct MacTraining {
                                             "expected none (MAC's keys are in d_state_out.mac)"));
         }
         if (!d.memory.empty()) {
-            blk.memory_.check_state_gradient(d.memory, mem);
+            blk.memory_->check_state_gradient(d.memory, mem);
         }
         if (d.mac.empty()) {
             return;
@@ -167,7 +167,7 @@ struct MacTraining {
                                 2 * (end % blk.cfg_.segment), blk.cfg_.attention.inner_dim(),
                                 where, "d_state_out.mac",
                                 "2 (position % segment) x n_heads * d_head");
-        blk.memory_.check_weights(d.mac.snapshot, B, "Block::backward (d_state_out.mac.snapshot)");
+        blk.memory_->check_weights(d.mac.snapshot, B, "Block::backward (d_state_out.mac.snapshot)");
         if (!all_finite_each(d.mac.snapshot)) {  // keys and values: checked above
             throw NonFiniteError(concat(where, ": d_state_out.mac has a NaN or infinite entry"));
         }
@@ -194,7 +194,7 @@ struct MacTraining {
             for (const Matrix<T>* x : {&sg.h, &sg.y, &sg.r}) {
                 check_trace_shape(*x, B * m, cfg.d_model, where, part + ".h, y, r");
             }
-            blk.memory_.check_weights(sg.weights, B, concat(where, " (trace.", part,
+            blk.memory_->check_weights(sg.weights, B, concat(where, " (trace.", part,
                                                             ".weights)").c_str());
             const std::size_t kept = offset > 0 ? static_cast<std::size_t>(B) : 0;
             for (const std::vector<Matrix<T>>* kv : {&sg.kept_k, &sg.kept_v}) {
@@ -226,7 +226,7 @@ private:
         }
         for (int b = 0; b < B; ++b) {
             for (int h = 0; h < H; ++h) {
-                sg.weights.push_back(blk.memory_.current_weights(st.memory_, b, h));
+                sg.weights.push_back(blk.memory_->current_weights(st.memory_, b, h));
             }
         }
     }
@@ -259,7 +259,7 @@ private:
         for (int b = 0; b < B; ++b) {
             for (int h = 0; h < blk.cfg_.memory.n_heads; ++h) {
                 Layers zero;
-                for (const Matrix<T>& w : blk.memory_.params().memory_init[static_cast<std::size_t>(h)]) {
+                for (const Matrix<T>& w : blk.memory_->params().memory_init[static_cast<std::size_t>(h)]) {
                     zero.push_back(Matrix<T>::Zero(w.rows(), w.cols()));
                 }
                 d.snapshot.push_back(std::move(zero));
