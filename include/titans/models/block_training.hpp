@@ -258,17 +258,38 @@ private:
                                                           tr.start + tr.rows / tr.batch, d);
             return;
         }
-        const bool stray_attention = kind == BlockKind::LMM && !d.attention.empty();
-        const bool stray_memory = !has_memory(kind) && !d.memory.empty();
-        if (stray_attention || stray_memory || !d.mac.empty()) {
-            const char* part = stray_attention ? "attention" : stray_memory ? "memory" : "mac";
+        const char* part = kind == BlockKind::LMM && !d.attention.empty() ? "attention"
+                           : !has_memory(kind) && !d.memory.empty()      ? "memory"
+                           : !d.mac.empty()                              ? "mac"
+                                                                         : nullptr;
+        if (part != nullptr) {
             throw ConfigError(concat("Block::backward: d_state_out.", part, " given to a ",
                                      to_string(kind), " block, expected none (it has no ",
-                                     stray_attention ? "attention"
-                                     : stray_memory  ? "memory"
-                                                     : "MAC segment",
-                                     " state)"));
+                                     part, " state)"));
         }
+    }
+
+    /// SWA*(P ‖ u), MAG's attention and SWA's mixer: every position sees all of P (none when
+    /// N_p = 0) and its window of u; the trace keeps P for the prefix gradient.
+    static Matrix<T> prefix_attention(const Blk& blk, State& next, const Matrix<T>& u, Trace& t) {
+        const Matrix<T>& P = blk.params_->persistent;
+        Matrix<T> y;
+        blk.attention_->forward(next.attention_, u, y, t.attention,
+                                blk.cfg_.n_persistent > 0 ? &P : nullptr);
+        return y;
+    }
+
+    /// prefix_attention's backward: dy -> du (resized), the attention's gradients and P's
+    /// added to g, the window's state adjoint through da_out / da_in.
+    static void prefix_attention_backward(const Blk& blk, const Trace& tr, const Matrix<T>& dy,
+                                          Matrix<T>& du, BlockParams<T>& g,
+                                          AttentionStateGradient<T>* da_in,
+                                          const AttentionStateGradient<T>* da_out) {
+        const bool has_p = blk.cfg_.n_persistent > 0;
+        Matrix<T> dP;
+        blk.attention_->backward(tr.attention, dy, du, g.attention, has_p ? &dP : nullptr, da_in,
+                                 da_out);
+        if (has_p) g.persistent += dP;
     }
 
     /// The mixer's training forward on u. From a fresh state, next's memory (and MAL's
@@ -284,10 +305,7 @@ private:
             return MacTraining<T, Backend>::forward(blk, next, u, t.memory, t.segments);
         }
         if (cfg.kind == BlockKind::SWA) {  // o = SWA*(P ‖ u): MAG's attention branch alone
-            Matrix<T> y;
-            blk.attention_->forward(next.attention_, u, y, t.attention,
-                                    cfg.n_persistent > 0 ? &P : nullptr);
-            return y;
+            return prefix_attention(blk, next, u, t);
         }
         if (fresh) {
             next.memory_ = blk.memory_->make_state(B);
@@ -307,8 +325,7 @@ private:
             return p > 0 ? without_prefix(y, B, p) : y;
         }
         // MAG: o = RMSNorm_y(SWA*(P ‖ u)) ⊙ σ(RMSNorm_m(M(P ‖ u))).
-        const bool has_p = cfg.n_persistent > 0;
-        blk.attention_->forward(next.attention_, u, y, t.attention, has_p ? &P : nullptr);
+        y = prefix_attention(blk, next, u, t);
         Matrix<T> gl;
         blk.norm_y_->forward(y, t.a, t.norm_y);
         blk.norm_m_->forward(p > 0 ? without_prefix(m, B, p) : m, gl, t.norm_m);
@@ -338,11 +355,7 @@ private:
             return du;
         }
         if (cfg.kind == BlockKind::SWA) {
-            Matrix<T> dP;
-            const bool has_p = cfg.n_persistent > 0;
-            blk.attention_->backward(tr.attention, dout, du, g.attention, has_p ? &dP : nullptr,
-                                     da_in, da_out);
-            if (has_p) g.persistent += dP;
+            prefix_attention_backward(blk, tr, dout, du, g, da_in, da_out);
             return du;
         }
         if (cfg.kind == BlockKind::MAL) {
@@ -356,15 +369,10 @@ private:
         const Matrix<T> da = dout.cwiseProduct(tr.g);
         const Matrix<T> dgl = (dout.array() * tr.a.array() * tr.g.array() *
                                (T(1) - tr.g.array())).matrix();
-        Matrix<T> dya, dm, dP;
+        Matrix<T> dya, dm;
         blk.norm_y_->backward(tr.norm_y, da, dya, g.norm_y);
         blk.norm_m_->backward(tr.norm_m, dgl, dm, g.norm_m);
-        const bool has_p = cfg.n_persistent > 0;
-        blk.attention_->backward(tr.attention, dya, du, g.attention, has_p ? &dP : nullptr, da_in,
-                                 da_out);
-        if (has_p) {
-            g.persistent += dP;
-        }
+        prefix_attention_backward(blk, tr, dya, du, g, da_in, da_out);
         blk.memory_->backward(tr.memory, zero_prefix(dm, B, p), dfull, g.memory, dm_in, dm_out);
         add_prefix_rows(dfull, B, p, g.persistent);
         du += without_prefix(dfull, B, p);
