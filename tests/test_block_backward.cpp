@@ -489,6 +489,139 @@ TEST_CASE("model bwd: chained pieces", "[train][model]") {
     }
 }
 
+namespace {
+
+/// The largest t in [1, N) where every memory block of `blocks` is at a chunk boundary (a
+/// chained piece may end there), or 0 if none.
+Eigen::Index last_cut(const std::vector<BlockConfig>& blocks, Eigen::Index N) {
+    for (Eigen::Index t = N - 1; t >= 1; --t) {
+        bool aligned = true;
+        for (const BlockConfig& cfg : blocks) {
+            if (!titans::has_memory(cfg.kind)) continue;
+            const bool fed_p = cfg.kind == BlockKind::MAG || cfg.kind == BlockKind::MAL;
+            aligned = aligned && ((fed_p ? cfg.n_persistent : 0) + t) %
+                                         cfg.memory.effective_chunk() == 0;
+        }
+        if (aligned) return t;
+    }
+    return 0;
+}
+
+/// z's matrices shaped as d's, count for count, and all 0.
+void same_zero_layout(const std::vector<Matrixd>& z, const std::vector<Matrixd>& d) {
+    REQUIRE(z.size() == d.size());
+    for (std::size_t k = 0; k < z.size(); ++k) {
+        CHECK(z[k].rows() == d[k].rows());
+        CHECK(z[k].cols() == d[k].cols());
+        CHECK(z[k].isZero(0));
+    }
+}
+void same_zero_layout(const std::vector<std::vector<Matrixd>>& z,
+                      const std::vector<std::vector<Matrixd>>& d) {
+    REQUIRE(z.size() == d.size());
+    for (std::size_t k = 0; k < z.size(); ++k) same_zero_layout(z[k], d[k]);
+}
+void same_zero_layout(const titans::BlockStateGradient<double>& z,
+                      const titans::BlockStateGradient<double>& d) {
+    same_zero_layout(z.memory.weights, d.memory.weights);
+    same_zero_layout(z.memory.momentum, d.memory.momentum);
+    same_zero_layout(z.memory.conv_tail, d.memory.conv_tail);
+    same_zero_layout(z.attention.keys, d.attention.keys);
+    same_zero_layout(z.attention.values, d.attention.values);
+    same_zero_layout(z.mac.keys, d.mac.keys);
+    same_zero_layout(z.mac.values, d.mac.values);
+    same_zero_layout(z.mac.snapshot, d.mac.snapshot);
+}
+
+template <class Params, class Config>
+void check_same_bits(const Params& a, const Params& b, const Config& cfg) {
+    std::vector<Matrixd> ta, tb;
+    Params::tensors(a, cfg, [&](const std::string&, const auto& m) { ta.push_back(m); });
+    Params::tensors(b, cfg, [&](const std::string&, const auto& m) { tb.push_back(m); });
+    REQUIRE(ta.size() == tb.size());
+    for (std::size_t k = 0; k < ta.size(); ++k) CHECK(ta[k] == tb[k]);
+}
+
+}  // namespace
+
+// Block::zero_state_gradient: every part shaped as the d_state_in that the next piece's
+// backward returns (the layout backward reads, found without the helper) and all 0; given to
+// the earlier piece's backward as d_state_out it changes nothing (dx and grads bit for bit as
+// with none); a state of another block is refused. Every kind, MAC cut inside its segments.
+TEST_CASE("block bwd: zero state gradient", "[train][blocks]") {
+    int tested = 0;
+    for (int i = 0; i < 20; ++i) {
+        Rng rng(seed_for("block bwd: zero state gradient", static_cast<std::uint64_t>(i)));
+        const BackwardBlockCase c = draw_block_case(kind_of_case(i), i, rng);
+        const int B = c.batch;
+        const Eigen::Index N = c.x.rows() / B, cut = last_cut({c.cfg}, N);
+        INFO("case " << i << " kind " << titans::to_string(c.cfg.kind) << " cut " << cut);
+        if (cut == 0) continue;
+        ++tested;
+        titans::Block<double> block(c.cfg, c.p);
+        auto st = block.make_state(B);
+        titans::Block<double>::Trace t1, t2;
+        Matrixd y, dx, dx_none, dx_zero;
+        block.forward(st, take_tokens(c.x, B, N, 0, cut), y, t1);
+        const titans::BlockStateGradient<double> zero = block.zero_state_gradient(st);
+        block.forward(st, take_tokens(c.x, B, N, cut, N), y, t2);
+        titans::BlockStateGradient<double> d;
+        auto g = BlockParams<double>::zeros(c.cfg);
+        block.backward(t2, take_tokens(c.dy, B, N, cut, N), dx, g, &d);
+        same_zero_layout(zero, d);
+        const Matrixd dy1 = take_tokens(c.dy, B, N, 0, cut);
+        auto g_none = BlockParams<double>::zeros(c.cfg), g_zero = g_none;
+        block.backward(t1, dy1, dx_none, g_none);
+        block.backward(t1, dy1, dx_zero, g_zero, nullptr, &zero);
+        CHECK(dx_zero == dx_none);
+        check_same_bits(g_zero, g_none, c.cfg);
+        const BlockKind other_kind = c.cfg.kind == BlockKind::MAG ? BlockKind::MAL : BlockKind::MAG;
+        const BackwardBlockCase o = draw_block_case(other_kind, i, rng);
+        titans::Block<double> other(o.cfg, o.p);
+        REQUIRE_THROWS_NAMING((void)other.zero_state_gradient(st), titans::ConfigError,
+                              "Block::zero_state_gradient: state was made for a different block");
+    }
+    CHECK(tested >= 10);
+}
+
+// Model::zero_state_gradient: one block's zeros per block, shaped as the next piece's
+// d_state_in, changing nothing as d_state_out; mixed models of every kind.
+TEST_CASE("model bwd: zero state gradient", "[train][model]") {
+    int tested = 0;
+    for (int i = 0; i < 10; ++i) {
+        Rng rng(seed_for("model bwd: zero state gradient", static_cast<std::uint64_t>(i)));
+        TrainModelCase c = draw_model_case(i, rng);  // mixed kinds, SWA+MAG and MAC+SWA too
+        const int B = c.batch;
+        const Eigen::Index N = uniform_int(rng, 8, 14), cut = last_cut(c.cfg.blocks, N);
+        c.ids.clear();
+        c.x = random_matrix(B * N, c.cfg.d_model, rng);
+        c.dout = random_matrix(B * N, c.cfg.output_dim(), rng);
+        INFO("case " << i << " cut " << cut);
+        if (cut == 0) continue;
+        ++tested;
+        titans::Model<double> model(c.cfg, c.p);
+        auto st = model.make_state(B);
+        titans::Model<double>::Trace t1, t2;
+        Matrixd out;
+        model.forward(st, take_tokens(c.x, B, N, 0, cut), out, t1);
+        const titans::ModelStateGradient<double> zero = model.zero_state_gradient(st);
+        model.forward(st, take_tokens(c.x, B, N, cut, N), out, t2);
+        titans::ModelStateGradient<double> d;
+        auto g = titans::ModelParams<double>::zeros(c.cfg);
+        Matrixd dx_none, dx_zero;
+        model.backward(t2, take_tokens(c.dout, B, N, cut, N), g, nullptr, &d);
+        REQUIRE(zero.blocks.size() == d.blocks.size());
+        for (std::size_t k = 0; k < d.blocks.size(); ++k) same_zero_layout(zero.blocks[k], d.blocks[k]);
+        const Matrixd dout1 = take_tokens(c.dout, B, N, 0, cut);
+        auto g_none = titans::ModelParams<double>::zeros(c.cfg), g_zero = g_none;
+        model.backward(t1, dout1, g_none, &dx_none);
+        model.backward(t1, dout1, g_zero, &dx_zero, nullptr, &zero);
+        CHECK(dx_zero == dx_none);
+        check_same_bits(g_zero, g_none, c.cfg);
+    }
+    CHECK(tested >= 5);
+}
+
 // An empty piece (0 rows) through every layer's training pass: a 0-row output, a 0-row dx and
 // no gradient (the sums over no rows are 0), never an out-of-bounds access.
 TEST_CASE("training: empty pieces", "[train][model]") {

@@ -13,6 +13,9 @@ parameter count is within 5% of the MAG model's, checked here):
   lmm-no-momentum   constant gates, eta = 0
   lmm-no-forget     constant gates, alpha = 0
   lmm-linear        LMM with a linear (depth 1) memory
+and, only when named in --variants, the MAC diagnostics: mac-seg16 and mac-seg32 (segments of
+16 and 32 instead of the window 64), mac-lr-low and mac-lr-high (peak learning rate 1e-3 and
+6e-3 instead of 3e-3), lmm-lr-high (the same for LMM, their control).
 Each run writes OUT/<variant>-s<seed>/ (log, curves SVG, model, result JSON). The script writes
 OUT/study.md (mean and spread over seeds of validation bits per byte at 1x, 4x and 16x the
 training length, and the needle-in-a-haystack scores) and OUT/study.svg (bits per byte by length).
@@ -37,7 +40,15 @@ VARIANTS = {
     "lmm-no-momentum": ["--kind", "lmm", "--no-momentum"],
     "lmm-no-forget": ["--kind", "lmm", "--no-forget"],
     "lmm-linear": ["--kind", "lmm", "--depth", "1"],
+    # Why MAC trails (not in the default set): its segment length and the learning rate.
+    "mac-seg16": ["--kind", "mac", "--window", "16"],
+    "mac-seg32": ["--kind", "mac", "--window", "32"],
+    "mac-lr-low": ["--kind", "mac", "--lr", "1e-3"],
+    "mac-lr-high": ["--kind", "mac", "--lr", "6e-3"],
+    "lmm-lr-high": ["--kind", "lmm", "--lr", "6e-3"],
 }
+DEFAULT = ["swa", "lmm", "mac", "mag", "mal", "lmm-const", "lmm-no-momentum", "lmm-no-forget",
+           "lmm-linear"]
 LENGTHS = ["1x", "4x", "16x"]
 
 
@@ -144,7 +155,8 @@ def main():
     ap.add_argument("--out", default="build/study")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--jobs", type=int, default=2)
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default=",".join(DEFAULT),
+                    help=f"comma-separated, of {', '.join(VARIANTS)}")
     ap.add_argument("--quick", action="store_true", help="a tiny run of every variant (plumbing)")
     ap.add_argument("settings", nargs=argparse.REMAINDER,
                     help="after --: 09_train_text size flags, e.g. -- --d 32 --steps 400")

@@ -13,8 +13,9 @@
 //                             counters tokens_per_second, GFLOPS (bench/memory_flops.hpp),
 //                             frac_sgemm and frac_tf32 (GFLOPS over BM_CublasSgemm/4096's)
 //   BM_CudaDecode/B           the same memory fed one token per sequence per call (serving)
-//   BM_CudaBlock/kind/B/N     one Block<float, Cuda> of each kind (d 512, H 8, L 2, window =
-//                             segment 512, b 64, SwiGLU FFN, 4 persistent tokens) over B
+//   BM_CudaBlock/kind/B/N     one Block<float, Cuda> of each kind, SWA (4) too (d 512, H 8,
+//                             L 2, window = segment 512, b 64, SwiGLU FFN, 4 persistent
+//                             tokens; SWA none) over B
 //                             sequences of N tokens in one call, host input and output (the
 //                             public API); MAC's segment attention runs on the host (docs/cuda.md)
 //   BM_CudaModel/B/N          a 4-block model (MAC, MAG, MAL, LMM) of those blocks, the same way
@@ -251,7 +252,7 @@ BENCHMARK(BM_CudaMemory)
 BENCHMARK(BM_CudaDecode)->ArgNames({"B"})->Arg(1)->Arg(64)->Arg(1024)->Unit(benchmark::kMicrosecond)->UseRealTime();
 BENCHMARK(BM_CudaBlock)
     ->ArgNames({"kind", "B", "N"})
-    ->ArgsProduct({{0, 1, 2, 3}, {1, 16}, {2048}})
+    ->ArgsProduct({{0, 1, 2, 3, 4}, {1, 16}, {2048}})
     ->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_CudaModel)->ArgNames({"B", "N"})->Args({1, 2048})->Args({16, 2048})
     ->Unit(benchmark::kMillisecond)->UseRealTime();

@@ -4,6 +4,7 @@
 // each a pre-norm residual block
 //     h = x + Mixer(RMSNorm(x)),   out = h + FFN(RMSNorm(h))
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -187,9 +188,8 @@ struct BlockConfig {
     /// bytes (float) per element. validate_for<T>() checks the T-specific rules too.
     void validate() const {
         constexpr const char* w = "BlockConfig";
-        detail::require<ConfigError>(kind == BlockKind::LMM || kind == BlockKind::MAC ||
-                                         kind == BlockKind::MAG || kind == BlockKind::MAL ||
-                                         kind == BlockKind::SWA,
+        detail::require<ConfigError>(std::ranges::find(all_block_kinds, kind) !=
+                                         std::end(all_block_kinds),
                                      w, "kind", static_cast<int>(kind),
                                      "LMM (0), MAC (1), MAG (2), MAL (3) or SWA (4)");
         detail::require_in_range(d_model, 1, limits::max_d_model, w, "d_model");
@@ -710,6 +710,39 @@ public:
     /// Throws ConfigError unless `state` can be continued by this block: made by make_state()
     /// of a block with the same settings, its memory and attention states included.
     void validate_state(const State& state) const { check_state(state, "Block"); }
+
+    /// Every entry 0, shaped as the adjoint of `state` (a BlockStateGradient as backward's
+    /// d_state_out takes it for a trace that ended in `state`): the memory part
+    /// (MemoryStateGradient::zeros; not SWA), the attention window's (MAG, MAL, SWA:
+    /// AttentionStateGradient::zeros at the attention state's position, which for MAL counts
+    /// the persistent tokens), and MAC's segment part (per stream keys and values of
+    /// 2 (position % segment) x D_att rows, per (stream b, head h), index b * H + h, the
+    /// memory's weight shapes). The parts to add one's own gradient into, or to give backward
+    /// when only another part (or another block) has one. ConfigError: a state of another block.
+    ///
+    ///     auto d = block.zero_state_gradient(state);      // after block.forward(state, x, y, trace)
+    ///     d.attention.values[0](0, 0) = 1.0;              // dL/d(a value the window keeps)
+    ///     block.backward(trace, dy, dx, grads, nullptr, &d);
+    [[nodiscard]] BlockStateGradient<T> zero_state_gradient(const State& state) const {
+        check_state(state, "Block::zero_state_gradient");
+        const int B = state.batch_;
+        BlockStateGradient<T> d;
+        if (memory_) {
+            d.memory = MemoryStateGradient<T>::zeros(cfg_.memory, B);
+        }
+        if (uses_attention_state()) {
+            d.attention = AttentionStateGradient<T>::zeros(cfg_.attention, B,
+                                                           state.attention_.position());
+        }
+        if (cfg_.kind == BlockKind::MAC) {
+            const auto rows = static_cast<Eigen::Index>(2 * (state.position_ % cfg_.segment));
+            d.mac.keys.assign(static_cast<std::size_t>(B),
+                              Matrix<T>::Zero(rows, cfg_.attention.inner_dim()));
+            d.mac.values = d.mac.keys;
+            d.mac.snapshot = d.memory.weights;  // zeros of the memory's weight shapes
+        }
+        return d;
+    }
 
 private:
     friend struct detail::BlockTraining<T, Backend>;

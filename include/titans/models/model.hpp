@@ -355,6 +355,23 @@ public:
     /// the model's batch and position equal to every block's.
     void validate_state(const State& state) const { check_state(state, "Model"); }
 
+    /// Every entry 0, shaped as the adjoint of `state` (a ModelStateGradient as backward's
+    /// d_state_out takes it for a trace that ended in `state`): one
+    /// Block::zero_state_gradient per block. ConfigError: a state of another model.
+    ///
+    ///     auto d = model.zero_state_gradient(state);      // after model.forward(state, x, out, trace)
+    ///     d.blocks[1].memory.weights[0][0](0, 0) = 1.0;   // dL/d(W_1[0, 0]) of block 1, (b, h) = (0, 0)
+    ///     model.backward(trace, dout, grads, &dx, nullptr, &d);
+    [[nodiscard]] ModelStateGradient<T> zero_state_gradient(const State& state) const {
+        check_state(state, "Model::zero_state_gradient");
+        ModelStateGradient<T> d;
+        d.blocks.reserve(blocks_.size());
+        for (std::size_t i = 0; i < blocks_.size(); ++i) {
+            d.blocks.push_back(blocks_[i].zero_state_gradient(state.blocks[i]));
+        }
+        return d;
+    }
+
     /// Vectors in: x (B*N) x d_model -> (B*N) x output_dim().
     [[nodiscard]] Matrix<T> forward(State& state, const MatrixRef<T>& x) const {
         check_input(state, x, "Model::forward");
