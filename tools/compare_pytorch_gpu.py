@@ -4,7 +4,8 @@
 Times titans-pytorch's NeuralMemory (d 512, 8 heads of 64, memory MLP depth 2 expansion 4,
 chunk 64, float, TF32 allowed) forward and forward + backward (autograd through its inner-loop
 updates) on CUDA with events (medians after warm-ups), then runs this library's bench_cuda on
-the same shapes (BM_CudaMemory, TF32 and the fused kernel on) and prints both and the ratios.
+the same shapes (BM_CudaMemory, TF32 and the fused kernel on; BM_CudaMemoryTrain, the training
+forward and backward with TF32) and prints both and the ratios.
 
     python3 tools/peer_wheels.py titans-pytorch --dest .whl    # here (the GPU machine has no PyPI)
     # on the GPU machine, .whl and build/gpu-check carried:
@@ -65,15 +66,18 @@ def time_pytorch(B, N, reps):
 
 
 def time_titans(bench, shapes):
-    """Milliseconds per forward of BM_CudaMemory (TF32, fused) at each (B, N)."""
-    rows = "|".join(f"B:{B}/N:{N}/tf32:1/fused:1" for B, N in shapes)
-    out = subprocess.run([bench, f"--benchmark_filter=BM_CudaMemory/({rows})",
-                          "--benchmark_format=json"], check=True, capture_output=True, text=True)
-    found = {}
+    """Milliseconds per forward of BM_CudaMemory (TF32, fused) and per training step of
+    BM_CudaMemoryTrain (TF32) at each (B, N): {"forward": {(B, N): ms}, "step": {...}}."""
+    fwd = "|".join(f"BM_CudaMemory/B:{B}/N:{N}/tf32:1/fused:1" for B, N in shapes)
+    step = "|".join(f"BM_CudaMemoryTrain/B:{B}/N:{N}/" for B, N in shapes)
+    out = subprocess.run([bench, f"--benchmark_filter=({fwd}|{step})", "--benchmark_format=json"],
+                         check=True, capture_output=True, text=True)
+    found = {"forward": {}, "step": {}}
     for b in json.loads(out.stdout)["benchmarks"]:
         parts = dict(p.split(":") for p in b["name"].split("/")[1:] if ":" in p)
         scale = {"ms": 1.0, "us": 1e-3, "ns": 1e-6, "s": 1e3}[b["time_unit"]]
-        found[(int(parts["B"]), int(parts["N"]))] = b["real_time"] * scale
+        kind = "step" if b["name"].startswith("BM_CudaMemoryTrain") else "forward"
+        found[kind][(int(parts["B"]), int(parts["N"]))] = b["real_time"] * scale
     return found
 
 
@@ -86,7 +90,7 @@ def main():
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     ours = time_titans(os.path.abspath(args.bench), shapes)
     print(f"{'B x N':>10} {'titans-pytorch fwd':>19} {'fwd+bwd':>9} {'titans fwd':>11} "
-          f"{'ratio fwd':>10}")
+          f"{'fwd+bwd':>9} {'ratio fwd':>10} {'ratio fwd+bwd':>14}")
     version = device = "?"
     for B, N in shapes:
         try:
@@ -94,10 +98,13 @@ def main():
         except Exception as e:  # one shape's failure (memory, a version's API) is reported
             print(f"{B:>4} x {N:<4} titans-pytorch failed: {type(e).__name__}: {e}"[:300])
             continue
-        mine = ours.get((B, N), float("nan"))
+        mine = ours["forward"].get((B, N), float("nan"))
+        mine_step = ours["step"].get((B, N), float("nan"))
         print(f"{B:>4} x {N:<4} {theirs['forward']:>16.2f} ms {theirs['step']:>6.1f} ms "
-              f"{mine:>8.2f} ms {theirs['forward'] / mine:>9.1f}x")
-    print(f"torch {version} on {device}; titans: bench_cuda BM_CudaMemory (TF32, fused)")
+              f"{mine:>8.2f} ms {mine_step:>6.1f} ms {theirs['forward'] / mine:>9.1f}x "
+              f"{theirs['step'] / mine_step:>13.1f}x")
+    print(f"torch {version} on {device}; titans: bench_cuda BM_CudaMemory (TF32, fused) and "
+          f"BM_CudaMemoryTrain (TF32)")
     return 0
 
 

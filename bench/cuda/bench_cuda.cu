@@ -12,6 +12,8 @@
 //                             (memory_fused.cuh, 1) or as batched cuBLAS products (0);
 //                             counters tokens_per_second, GFLOPS (bench/memory_flops.hpp),
 //                             frac_sgemm and frac_tf32 (GFLOPS over BM_CublasSgemm/4096's)
+//   BM_CudaMemoryTrain/B/N    the same memory's training step: training forward with its trace
+//                             and backward, device x, dy and dx, gradients to the host, TF32
 //   BM_CudaDecode/B           the same memory fed one token per sequence per call (serving)
 //   BM_CudaBlock/kind/B/N     one Block<float, Cuda> of each kind, SWA (4) too (d 512, H 8,
 //                             L 2, window = segment 512, b 64, SwiGLU FFN, 4 persistent
@@ -166,6 +168,46 @@ void BM_CudaMemory(benchmark::State& state) {
     tc::set_fused_memory(tc::FusedMemory::Auto);
 }
 
+/// The memory's training step at B x N: the training forward (trace in device memory) and the
+/// backward (dx in device memory, the parameter gradients downloaded into host matrices, as
+/// the public API returns them), from a fresh state each iteration (reset outside the timer);
+/// TF32 allowed in both passes. GFLOPS counts the forward's FLOP model only (no backward model yet).
+void BM_CudaMemoryTrain(benchmark::State& state) {
+    using Training = titans::backend::MemoryTraining<Cuda, float>;
+    const int B = static_cast<int>(state.range(0));
+    const long N = state.range(1);
+    Setup s(B, N);
+    tc::set_allow_tf32(true);  // the state's context, and the thread's (the backward's) when
+                               // the warm-up below makes it (nothing earlier in bench_cuda does)
+    const Kernels::State fresh = Kernels::make_state(s.cfg, s.prepared, B);
+    const titans::Matrixf dy_host = titans::Matrixf::Random(B * N, s.cfg.d_model) / N;
+    const Transfer::Buffer dy = Transfer::upload(titans::view_of(dy_host));
+    Transfer::Buffer dx = Transfer::allocate(B * N, s.cfg.d_model);
+    auto grads = titans::MemoryParams<float>::zeros(s.cfg);
+    const auto step = [&](Kernels::State& st) {
+        Training::Trace trace;
+        Training::forward(s.cfg, s.prepared, st, Transfer::view(std::as_const(s.x)),
+                          Transfer::view(s.y), trace);
+        Training::backward(s.cfg, s.prepared, trace, Transfer::view(dy), Transfer::view(dx),
+                           grads);
+        cudaDeviceSynchronize();
+    };
+    Kernels::State st = fresh;
+    step(st);  // warm-up: workspaces, cuBLAS heuristics
+    tc::set_allow_tf32(false);
+    for (auto _ : state) {
+        state.PauseTiming();
+        st = fresh;
+        cudaDeviceSynchronize();
+        state.ResumeTiming();
+        const auto t0 = std::chrono::steady_clock::now();
+        step(st);
+        state.SetIterationTime(
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    counters(state, s.cfg, B, N);
+}
+
 void BM_CudaDecode(benchmark::State& state) {
     const int B = static_cast<int>(state.range(0));
     Setup s(B, 1);
@@ -248,6 +290,10 @@ BENCHMARK(BM_CudaMemory)
     ->Args({64, 1024, 1, 0})->Args({256, 512, 1, 0})
     ->Args({1, 2048, 1, 1})->Args({16, 2048, 1, 1})->Args({64, 1024, 1, 1})->Args({256, 512, 1, 1})
     ->Args({256, 512, 0, 1})
+    ->Unit(benchmark::kMillisecond)->UseManualTime();
+BENCHMARK(BM_CudaMemoryTrain)
+    ->ArgNames({"B", "N"})
+    ->Args({1, 2048})->Args({64, 1024})->Args({256, 512})
     ->Unit(benchmark::kMillisecond)->UseManualTime();
 BENCHMARK(BM_CudaDecode)->ArgNames({"B"})->Arg(1)->Arg(64)->Arg(1024)->Unit(benchmark::kMicrosecond)->UseRealTime();
 BENCHMARK(BM_CudaBlock)
