@@ -152,6 +152,69 @@ __global__ void flag_rows_kernel(const T* x, long long P, long long rows, int co
     }
 }
 
+/// The chunk end's reversed sums of the memory's training backward (memory_training.cuh), a
+/// warp per pair p of `pairs`: over the pair's io entries, out[p * stride] += <dW', W>,
+/// out[p * stride + 1] += <dW', S> and out[p * stride + 2] += <dS', S> (dW', dS' the adjoints
+/// of the next chunk's start; W, S the chunk-end memory, all P x io, pair-major).
+template <class T>
+__global__ void pair_dots_kernel(const T* dwn, const T* dsn, const T* W, const T* S,
+                                 long long io, long long pairs, T* out, long long stride) {
+    const long long p = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+    const int lane = static_cast<int>(threadIdx.x % 32);
+    if (p >= pairs) {
+        return;  // the whole warp
+    }
+    const long long o = p * io;
+    T a0 = T(0), a1 = T(0), a2 = T(0);
+    for (long long e = lane; e < io; e += 32) {
+        a0 += dwn[o + e] * W[o + e];
+        a1 += dwn[o + e] * S[o + e];
+        a2 += dsn[o + e] * S[o + e];
+    }
+    a0 = warp_sum(a0);
+    a1 = warp_sum(a1);
+    a2 = warp_sum(a2);
+    if (lane == 0) {
+        T* v = out + p * stride;
+        v[0] += a0;
+        v[1] += a1;
+        v[2] += a2;
+    }
+}
+
+/// The chunk end's reversed row terms of the memory's training backward, a warp per row r of
+/// pair p (P x n rows of `out` entries at pair stride bw): dbar -= g_r AW, then dbar -= s_r AS,
+/// entry by entry, and v[dg + r] -= <AW_r, D_r>, v[ds + r] -= <AS_r, D_r>, with v = vec + p vs
+/// holding the gates g, s and their adjoints dg, ds at those offsets.
+template <class T>
+__global__ void end_rows_kernel(const T* AW, const T* AS, const T* D, T* dbar, T* vec,
+                                long long vs, long long g, long long s, long long dg,
+                                long long ds, long long P, long long n, long long out,
+                                long long bw) {
+    const long long w = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+    const int lane = static_cast<int>(threadIdx.x % 32);
+    if (w >= P * n) {
+        return;  // the whole warp
+    }
+    const long long p = w / n, r = w % n, o = p * bw + r * out;
+    T* v = vec + p * vs;
+    const T gk = v[g + r], sk = v[s + r];
+    T sw = T(0), ss = T(0);
+    for (long long c = lane; c < out; c += 32) {
+        const long long e = o + c;
+        sw += AW[e] * D[e];
+        ss += AS[e] * D[e];
+        dbar[e] -= gk * AW[e];
+        dbar[e] -= sk * AS[e];
+    }
+    sw = warp_sum(sw);
+    ss = warp_sum(ss);
+    if (lane == 0) {
+        v[dg + r] -= sw;
+        v[ds + r] -= ss;
+    }
+}
+
 /// Rows of d_h entries (`rows` of a, then `rows` of b when b is given) divided by their L2
 /// norm, at least 1e-12. One warp per row. A row whose sum of squares overflows is divided
 /// scaled by 2^-e (detail/norm_scale.hpp), as on the CPU.

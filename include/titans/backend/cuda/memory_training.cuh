@@ -698,18 +698,9 @@ struct MemoryTraining<Cuda, T> {
                         dw[i] += v[0] * dwn[i];
                         ds[i] += v[1] * dwn[i] + v[2] * dsn[i];
                     });
-                    cuda::each(sm, P, [=] __device__(unsigned p) {
-                        T a0 = T(0), a1 = T(0), a2 = T(0);
-                        for (long long e = 0; e < io; ++e) {
-                            a0 += dwn[p * io + e] * Wp[p * io + e];
-                            a1 += dwn[p * io + e] * Sp[p * io + e];
-                            a2 += dsn[p * io + e] * Sp[p * io + e];
-                        }
-                        T* v = vec + p * VS + vo.ends();
-                        v[3] += a0;
-                        v[4] += a1;
-                        v[5] += a2;
-                    });
+                    cuda::launch(cuda::pair_dots_kernel<T>, cuda::warp_blocks(P), 256, sm, dwn,
+                                 dsn, Wp, Sp, io, P, vec + vo.ends() + 3, VS);
+                    cuda::check_launch("the chunk end's sums");
                     T* AW = AWb.data();
                     T* AS = ASb.data();
                     mm(cx, false, false, n, out, in, T(1), ta[l].data(), in, BW, dwn, out, io, T(0),
@@ -718,21 +709,10 @@ struct MemoryTraining<Cuda, T> {
                        AS, out, BW, P);
                     const T* Dl = tdelta[l].data();
                     T* dbar = tdbar[l].data();
-                    cuda::each(sm, P * n, [=] __device__(unsigned i) {
-                        const long long p = i / cuda::u32(n), r = i % cuda::u32(n);
-                        T* v = vec + p * VS;
-                        T sw = T(0), ss = T(0);
-                        const T gk = v[vo.g() + r], sk = v[vo.s() + r];
-                        for (long long c = 0; c < out; ++c) {
-                            const long long e = p * BW + r * out + c;
-                            sw += AW[e] * Dl[e];
-                            ss += AS[e] * Dl[e];
-                            dbar[e] -= gk * AW[e];
-                            dbar[e] -= sk * AS[e];
-                        }
-                        v[vo.dg() + r] -= sw;
-                        v[vo.ds() + r] -= ss;
-                    });
+                    cuda::launch(cuda::end_rows_kernel<T>, cuda::warp_blocks(P * n), 256, sm, AW,
+                                 AS, Dl, dbar, vec, VS, vo.g(), vo.s(), vo.dg(), vo.ds(), P, n,
+                                 out, BW);
+                    cuda::check_launch("the chunk end's row terms");
                     mm(cx, false, true, n, in, out, T(1), Dl, out, BW, dwn, out, io, T(0), AW, in, BW, P);
                     mm(cx, false, true, n, in, out, T(1), Dl, out, BW, dsn, out, io, T(0), AS, in, BW, P);
                     T* abar = tabar[l].data();
