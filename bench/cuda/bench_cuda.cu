@@ -131,6 +131,26 @@ void counters(benchmark::State& state, const titans::MemoryConfig& cfg, int B, l
     state.counters["GFLOPS"] = benchmark::Counter(iters * flops / 1e9, benchmark::Counter::kIsRate);
 }
 
+/// The benchmark's loop over f(), which works on st and returns with the device idle: st reset
+/// to `fresh` before each iteration outside the timer, each iteration's wall time set as its
+/// manual time (the counters' rates use it). Returns the seconds timed in all.
+template <class State, class F>
+double timed_from_fresh(benchmark::State& state, const State& fresh, State& st, F&& f) {
+    double seconds = 0;
+    for (auto _ : state) {
+        state.PauseTiming();
+        st = fresh;
+        cudaDeviceSynchronize();
+        state.ResumeTiming();
+        const auto t0 = std::chrono::steady_clock::now();
+        f();
+        const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        state.SetIterationTime(dt);
+        seconds += dt;
+    }
+    return seconds;
+}
+
 void BM_CudaMemory(benchmark::State& state) {
     const int B = static_cast<int>(state.range(0));
     const long N = state.range(1);
@@ -148,18 +168,7 @@ void BM_CudaMemory(benchmark::State& state) {
     if ((tc::fused_launches() > launches) != fused) {
         state.SkipWithError("the fused kernel did not run as asked");
     }
-    double seconds = 0;
-    for (auto _ : state) {
-        state.PauseTiming();
-        st = fresh;
-        cudaDeviceSynchronize();
-        state.ResumeTiming();
-        const auto t0 = std::chrono::steady_clock::now();
-        s.forward(st);  // returns with the stream idle
-        const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        state.SetIterationTime(dt);  // the counters' rates and the fractions use the same time
-        seconds += dt;
-    }
+    const double seconds = timed_from_fresh(state, fresh, st, [&] { s.forward(st); });
     counters(state, s.cfg, B, N);
     const double gflops = static_cast<double>(state.iterations()) *
                           titans_bench::memory_forward_flops(s.cfg, B, N) / 1e9 / seconds;
@@ -195,16 +204,7 @@ void BM_CudaMemoryTrain(benchmark::State& state) {
     Kernels::State st = fresh;
     step(st);  // warm-up: workspaces, cuBLAS heuristics
     tc::set_allow_tf32(false);
-    for (auto _ : state) {
-        state.PauseTiming();
-        st = fresh;
-        cudaDeviceSynchronize();
-        state.ResumeTiming();
-        const auto t0 = std::chrono::steady_clock::now();
-        step(st);
-        state.SetIterationTime(
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    }
+    (void)timed_from_fresh(state, fresh, st, [&] { step(st); });
     counters(state, s.cfg, B, N);
 }
 
