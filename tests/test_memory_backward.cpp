@@ -227,6 +227,49 @@ TEST_CASE("mem bwd: forward, sums, refusals", "[train][memory]") {
 }
 
 
+// The training forward fills Diagnostics as forward does, bit for bit, in every mode, from a
+// fresh state and from one a whole number of chunks in; a refused call leaves diag as it was.
+TEST_CASE("mem bwd: training diagnostics", "[train][memory]") {
+    const std::vector<Modes> modes = all_primary_modes();
+    for (int i = 0; i < 2 * static_cast<int>(modes.size()); ++i) {
+        Rng rng(seed_for("mem bwd: training diagnostics", static_cast<std::uint64_t>(i)));
+        const BackwardCase c = draw_mem_case(modes[static_cast<std::size_t>(i) % modes.size()],
+                                             (i * 53) % 128, rng);
+        INFO("case " << i << " chunk " << c.cfg.chunk << " rows " << c.x.rows());
+        titans::NeuralMemory<double> mem(c.cfg, c.p);
+        auto s1 = mem.make_state(c.batch), s2 = mem.make_state(c.batch);
+        if (i % 2 == 1) {  // start a whole number of chunks in
+            const Matrixd head = random_matrix(c.batch * c.cfg.effective_chunk(), c.cfg.d_model, rng);
+            (void)mem.forward(s1, head);
+            (void)mem.forward(s2, head);
+        }
+        titans::Diagnostics<double> d1, d2;
+        Matrixd y1, y2;
+        titans::NeuralMemory<double>::Trace trace;
+        mem.forward(s1, c.x, y1, &d1);
+        mem.forward(s2, c.x, y2, trace, &d2);
+        CHECK(identical(y1, y2));
+        REQUIRE(d2.loss.rows() == c.x.rows());
+        REQUIRE(d2.loss.cols() == c.cfg.n_heads);
+        CHECK(identical(d1.loss, d2.loss));
+        CHECK(identical(d1.grad_norm, d2.grad_norm));
+        CHECK(d2.loss.maxCoeff() > 0.0);
+        // Refused (mid-chunk, or a NaN input): diag, y and the trace as they were.
+        const titans::Diagnostics<double> before = d2;
+        Matrixd bad = c.x;
+        bad(bad.rows() - 1, 0) = std::numeric_limits<double>::quiet_NaN();
+        auto s3 = mem.make_state(c.batch);
+        CHECK_THROWS_AS(mem.forward(s3, bad, y2, trace, &d2), titans::NonFiniteError);
+        if (s2.pending() != 0) {
+            CHECK_THROWS_AS(mem.forward(s2, c.x, y2, trace, &d2), titans::ConfigError);
+        }
+        CHECK(identical(d2.loss, before.loss));
+        CHECK(identical(d2.grad_norm, before.grad_norm));
+        CHECK(identical(y2, y1));
+        CHECK(trace.rows() == c.x.rows());
+    }
+}
+
 // Pieces cut at chunk boundaries (the last one may end mid-chunk), forward in order and
 // backward last first, each given the next one's d_state_in as its d_state_out: the same dx
 // and gradients as one call, to rounding. Short pieces (under the conv's K-1 rows) pass the

@@ -90,8 +90,10 @@ double trace_case(const MemoryConfig& cfg, const titans::MemoryParamsd& p, int B
     (void)gpu.forward(gs, head.cast<T>());
     NeuralMemory<double>::Trace ct;
     Matrixd y_cpu;
-    cpu.forward(cs, x, y_cpu, ct);
+    Diagnostics<double> d_cpu;
+    cpu.forward(cs, x, y_cpu, ct, &d_cpu);
     typename CudaTraining<T>::Trace gt;
+    Diagnostics<T> d_gpu;
     const Matrix<T> xt = x.cast<T>();
     auto xb = Transfer<Cuda, T>::upload(titans::view_of(xt));
     auto yb = Transfer<Cuda, T>::allocate(xt.rows(), xt.cols());
@@ -100,7 +102,7 @@ double trace_case(const MemoryConfig& cfg, const titans::MemoryParamsd& p, int B
     }
     const auto prepared = K::prepare(gpu.config(), gpu.shared_params());
     CudaTraining<T>::forward(gpu.config(), prepared, gs, Transfer<Cuda, T>::view(std::as_const(xb)),
-                             Transfer<Cuda, T>::view(yb), gt);
+                             Transfer<Cuda, T>::view(yb), gt, &d_gpu);
     Matrix<T> y(xt.rows(), xt.cols());
     Transfer<Cuda, T>::download(Transfer<Cuda, T>::view(std::as_const(yb)), titans::view_of(y));
     REQUIRE(gs.position() == cs.position());
@@ -109,9 +111,13 @@ double trace_case(const MemoryConfig& cfg, const titans::MemoryParamsd& p, int B
     const double ew = rel_error(cast_layers<double>(gpu.current_weights(gs, s, h)),
                                 cpu.current_weights(cs, s, h));
     const double et = compare_trace<T>(cfg, gt, ct);
-    INFO("errors: outputs " << ey << ", weights " << ew << ", trace " << et);
-    CHECK(std::max({ey, ew, et}) <= bound);
-    return std::max({ey, ew, et});
+    // The training forward's diagnostics (per-token surprise), as forward's.
+    REQUIRE(d_gpu.loss.rows() == x.rows());
+    const double ed = std::max(rel_error(d_gpu.loss.template cast<double>(), d_cpu.loss),
+                               rel_error(d_gpu.grad_norm.template cast<double>(), d_cpu.grad_norm));
+    INFO("errors: outputs " << ey << ", weights " << ew << ", trace " << et << ", diagnostics " << ed);
+    CHECK(std::max({ey, ew, et, ed}) <= bound);
+    return std::max({ey, ew, et, ed});
 }
 
 template <class T>

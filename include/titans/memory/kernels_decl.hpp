@@ -30,7 +30,8 @@ struct MemoryKernels {
 
 /// The memory's training pass (math §9) on a backend: a Trace (what the backward needs: the
 /// input and the memory at every chunk start; members cfg, x, batch, start, filled, as
-/// NeuralMemory::validate_trace reads them), forward(cfg, prepared, state, x, y, trace),
+/// NeuralMemory::validate_trace reads them), forward(cfg, prepared, state, x, y, trace, diag)
+/// (diag optional, filled as MemoryKernels::forward fills it),
 /// check_trace(cfg, trace, where) (ShapeError unless the trace's buffers have the sizes forward
 /// leaves) and backward(cfg, prepared, trace, dy, dx, grads). Backends that have one specialise it with
 /// `available = true` (the CPU and CUDA do; NeuralMemory's training calls require it).

@@ -118,15 +118,19 @@ public:
 
     /// The training forward (math §9): forward(state, x, y) from a state at a chunk boundary
     /// (state.pending() == 0: a fresh state, or one a whole number of chunks in; ConfigError
-    /// otherwise), keeping in `trace` what backward needs. Same outputs and state as forward;
-    /// on an error nothing changes (state, y, trace). Backends with a training pass only (the
-    /// CPU, CUDA). Pieces chain: see backward's d_state_in and d_state_out.
+    /// otherwise), keeping in `trace` what backward needs. Same outputs and state as forward,
+    /// and if `diag` is given the same per-token surprise (Diagnostics: (B*N) x H each) as
+    /// forward gives; on an error nothing changes (state, y, trace, diag). Backends with a
+    /// training pass only (the CPU, CUDA). Pieces chain: see backward's d_state_in and
+    /// d_state_out.
     ///
     ///     NeuralMemory<double>::Trace trace;
-    ///     mem.forward(state, x, y, trace);
+    ///     Diagnostics<double> surprise;                // optional
+    ///     mem.forward(state, x, y, trace, &surprise);
     ///     auto grads = MemoryParams<double>::zeros(cfg);
     ///     mem.backward(trace, dy, dx, grads);  // dy = dL/dy -> dx = dL/dx, grads += dL/dparams
-    void forward(State& state, const MatrixRef<T>& x, Matrix<T>& y, Trace& trace) const
+    void forward(State& state, const MatrixRef<T>& x, Matrix<T>& y, Trace& trace,
+                 Diagnostics<T>* diag = nullptr) const
         requires(backend::MemoryTraining<Backend, T>::available)
     {
         check_forward(state, x, y);
@@ -140,15 +144,20 @@ public:
         const detail::DenormalFlushScope flush(cfg_.flush_denormals);
         Matrix<T> y_new;
         Trace t;
+        Diagnostics<T> surprise;
         {
             const backend::Upload<Backend, T> in(x);
             backend::Download<Backend, T> out(y_new, x.rows(), cfg_.d_model);
             backend::MemoryTraining<Backend, T>::forward(cfg_, prepared_, state, in.view(),
-                                                         out.view(), t);
+                                                         out.view(), t,
+                                                         diag != nullptr ? &surprise : nullptr);
             out.finish();
         }
         y = std::move(y_new);
         trace = std::move(t);
+        if (diag != nullptr) {
+            *diag = std::move(surprise);
+        }
     }
 
     /// The backward pass (math §9) of a training forward: dy = dL/dy (the trace's rows x

@@ -89,12 +89,14 @@ struct MemoryTraining<Cpu, T> {
         }
     }
 
-    /// The forward of Kernels::forward from a state at a chunk boundary, recording the trace.
+    /// The forward of Kernels::forward from a state at a chunk boundary, recording the trace;
+    /// diag (optional) as Kernels::forward fills it.
     static void forward(const MemoryConfig& cfg, const typename Kernels::Prepared& p,
-                        typename Kernels::State& st, View<const T> x, View<T> y, Trace& trace) {
+                        typename Kernels::State& st, View<const T> x, View<T> y, Trace& trace,
+                        Diagnostics<T>* diag = nullptr) {
         Trace t;
         start(cfg, st, x.rows / st.batch(), x.cols, t);
-        forward_part(cfg, p, st, x, y, t);
+        forward_part(cfg, p, st, x, y, t, diag);
         trace = std::move(t);
     }
 
@@ -119,14 +121,15 @@ struct MemoryTraining<Cpu, T> {
 
     /// The next piece of a trace from start(): x, y (B*m) x d, sequence-major, run from st
     /// (the state start() saw, fed the trace's earlier pieces), recorded at the rows after
-    /// them. The trace is filled once its N rows are in.
+    /// them. The trace is filled once its N rows are in. diag (optional): this part's rows.
     static void forward_part(const MemoryConfig& cfg, const typename Kernels::Prepared& p,
-                             typename Kernels::State& st, View<const T> x, View<T> y, Trace& t) {
+                             typename Kernels::State& st, View<const T> x, View<T> y, Trace& t,
+                             Diagnostics<T>* diag = nullptr) {
         const int B = t.batch;
         const Eigen::Index N = t.x.rows() / B, m = x.rows / B, t0 = st.position() - t.start;
         typename Kernels::Recording rec;
         rec.memory = std::move(t.kept.memory);
-        Kernels::run(cfg, p, st, x, y, nullptr, &rec);
+        Kernels::run(cfg, p, st, x, y, diag, &rec);
         t.kept.memory = std::move(rec.memory);
         const auto xs = cpu::as_eigen(x);
         for (int s = 0; s < B && m > 0; ++s) {

@@ -101,79 +101,36 @@ struct MemoryTraining<Cuda, T> {
     }
 
     /// Kernels::forward from a state at a chunk boundary, recording the trace (x, y device
-    /// views, (B*N) x d, sequence-major). On an error the state is as before.
+    /// views, (B*N) x d, sequence-major); diag (optional, on the host) as Kernels::forward
+    /// fills it. On an error the state is as before.
     static void forward(const MemoryConfig& cfg, const typename Kernels::Prepared& pp,
-                        typename Kernels::State& st, View<const T> x, View<T> y, Trace& trace) {
+                        typename Kernels::State& st, View<const T> x, View<T> y, Trace& trace,
+                        Diagnostics<T>* diag = nullptr) {
         const int B = st.batch();
-        const long long N = x.rows / B, d = cfg.d_model, D = cfg.inner_dim(), H = cfg.n_heads,
-                        b = cfg.effective_chunk(), L = cfg.depth, P = B * H;
-        const long long K1 = cfg.use_conv ? cfg.conv_kernel - 1 : 0;
-        Trace t;
-        t.cfg = cfg;
-        t.batch = B;
-        t.start = st.position();
-        t.x = DeviceMatrix::copy_of(x, "cudaMemcpy2D (memory trace input)");
-        const cudaStream_t sm = st.ctx_->stream();
-        t.tail_in = Buf(static_cast<std::size_t>(B * K1 * 3 * D));
-        if (K1 > 0) {
-            Kernels::copy_into(t.tail_in, st.tail_, sm);
+        const long long N = x.rows / B, d = cfg.d_model, b = cfg.effective_chunk();
+        Trace t = start(cfg, st, x);
+        if (diag != nullptr) {
+            diag->loss.setZero(x.rows, cfg.n_heads);
+            diag->grad_norm.setZero(x.rows, cfg.n_heads);
         }
-        t.u = Buf(static_cast<std::size_t>(B * N * 3 * D));
-        const bool gated = cfg.gates != GateMode::Constant;
-        t.logits = Buf(static_cast<std::size_t>(gated ? B * N * 3 * H : 0));
-        t.chunks = (N + b - 1) / b;
-        t.memory.resize(static_cast<std::size_t>(t.chunks * 2 * L));
         Buf xs(static_cast<std::size_t>(B * b * d)), ys(static_cast<std::size_t>(B * b * d));
+        Diagnostics<T> part;
+        const cudaStream_t sm = st.ctx_->stream();
         const bool own = Kernels::begin(st);
         try {
             for (long long ch = 0; ch < t.chunks; ++ch) {
                 const long long t0 = ch * b, m = std::min(b, N - t0);
-                for (long long l = 0; l < L; ++l) {
-                    const auto li = static_cast<std::size_t>(l);
-                    const auto at = static_cast<std::size_t>(ch * 2 * L + l);
-                    t.memory[at] = Buf(st.w_[li].size());
-                    t.memory[at + static_cast<std::size_t>(L)] = Buf(st.s_[li].size());
-                    Kernels::copy_into(t.memory[at], st.w_[li], sm);
-                    Kernels::copy_into(t.memory[at + static_cast<std::size_t>(L)], st.s_[li], sm);
-                }
-                // The chunk's rows of every sequence, contiguous (B*m x d).
-                const T* xd = x.data;
-                const long long xst = x.stride;
-                T* xp = xs.data();
-                cuda::each(sm, B * m * d, [=] __device__(unsigned i) {
-                    const long long r = i / cuda::u32(d), c = i % cuda::u32(d),
-                                    s = cuda::u32(r) / cuda::u32(m), tt = cuda::u32(r) % cuda::u32(m);
-                    xp[i] = xd[(s * N + t0 + tt) * xst + c];
-                });
+                keep_chunk_start(cfg, st, t, ch);
+                // The chunk's rows of every sequence, contiguous (B*m x d), and back.
+                const ChunkRows rows{B, N, t0, m};
+                rows.gather(sm, x.data, x.stride, xs.data(), d);
                 Kernels::forward_piece(cfg, *pp, st, View<const T>{xs.data(), B * m, d, d},
-                                       View<T>{ys.data(), B * m, d, d}, nullptr);
-                const T* yp = ys.data();
-                T* yd = y.data;
-                const long long yst = y.stride;
-                cuda::each(sm, B * m * d, [=] __device__(unsigned i) {
-                    const long long r = i / cuda::u32(d), c = i % cuda::u32(d),
-                                    s = cuda::u32(r) / cuda::u32(m), tt = cuda::u32(r) % cuda::u32(m);
-                    yd[(s * N + t0 + tt) * yst + c] = yp[i];
-                });
-                auto& w = *st.work_;
-                const T* up = w.u.data();
-                T* ut = t.u.data();
-                const long long C3 = 3 * D;
-                cuda::each(sm, B * m * C3, [=] __device__(unsigned i) {
-                    const long long r = i / cuda::u32(C3), c = i % cuda::u32(C3),
-                                    s = cuda::u32(r) / cuda::u32(m), tt = cuda::u32(r) % cuda::u32(m);
-                    ut[(s * N + t0 + tt) * C3 + c] = up[i];
-                });
-                if (gated) {
-                    const T* lg = w.logits.data();
-                    const T* bias = pp->b_gates.data();
-                    T* lt = t.logits.data();
-                    const long long C = 3 * H;
-                    cuda::each(sm, B * m * C, [=] __device__(unsigned i) {
-                        const long long r = i / cuda::u32(C), c = i % cuda::u32(C),
-                                        s = cuda::u32(r) / cuda::u32(m), tt = cuda::u32(r) % cuda::u32(m);
-                        lt[(s * N + t0 + tt) * C + c] = lg[i] + bias[c];
-                    });
+                                       View<T>{ys.data(), B * m, d, d},
+                                       diag != nullptr ? &part : nullptr);
+                rows.scatter(sm, ys.data(), y.data, y.stride, d, nullptr);
+                keep_products(cfg, pp, st, t, rows);
+                if (diag != nullptr) {
+                    rows.place(part, *diag);
                 }
             }
             st.ctx_->synchronize();
@@ -184,9 +141,95 @@ struct MemoryTraining<Cuda, T> {
         if (own) {
             Kernels::commit(st);
         }
-        (void)P;
         t.filled = true;
         trace = std::move(t);
+    }
+
+    // The forward's parts (public: nvcc's extended lambdas may not sit in private members).
+
+    /// Rows [t0, t0 + m) of each of B sequences of N rows: pieces of a sequence-major matrix
+    /// moved to and from a contiguous (B*m) x cols one.
+    struct ChunkRows {
+        long long B, N, t0, m;
+        /// to (B*m x cols, contiguous) <- the chunk's rows of from (row stride ld).
+        void gather(cudaStream_t sm, const T* from, long long ld, T* to, long long cols) const {
+            const long long n = N, first = t0, rows = m;
+            cuda::each(sm, B * m * cols, [=] __device__(unsigned i) {
+                const long long r = i / cuda::u32(cols), c = i % cuda::u32(cols),
+                                s = cuda::u32(r) / cuda::u32(rows), tt = cuda::u32(r) % cuda::u32(rows);
+                to[i] = from[(s * n + first + tt) * ld + c];
+            });
+        }
+        /// The chunk's rows of to (row stride ld) <- from (B*m x cols, contiguous), plus
+        /// bias[c] per column when bias is given.
+        void scatter(cudaStream_t sm, const T* from, T* to, long long ld, long long cols,
+                     const T* bias) const {
+            const long long n = N, first = t0, rows = m;
+            cuda::each(sm, B * m * cols, [=] __device__(unsigned i) {
+                const long long r = i / cuda::u32(cols), c = i % cuda::u32(cols),
+                                s = cuda::u32(r) / cuda::u32(rows), tt = cuda::u32(r) % cuda::u32(rows);
+                to[(s * n + first + tt) * ld + c] = bias != nullptr ? from[i] + bias[c] : from[i];
+            });
+        }
+        /// The chunk's diagnostics (B*m rows, on the host) into the call's (B*N rows).
+        void place(const Diagnostics<T>& part, Diagnostics<T>& all) const {
+            for (long long s = 0; s < B; ++s) {
+                all.loss.middleRows(s * N + t0, m) = part.loss.middleRows(s * m, m);
+                all.grad_norm.middleRows(s * N + t0, m) = part.grad_norm.middleRows(s * m, m);
+            }
+        }
+    };
+
+    /// A trace for x's rows from st: the input and the incoming tails copied, the products,
+    /// logits and chunk-start memories allocated.
+    static Trace start(const MemoryConfig& cfg, const typename Kernels::State& st,
+                       View<const T> x) {
+        const int B = st.batch();
+        const long long N = x.rows / B, D = cfg.inner_dim(), H = cfg.n_heads,
+                        b = cfg.effective_chunk(), K1 = cfg.use_conv ? cfg.conv_kernel - 1 : 0;
+        Trace t;
+        t.cfg = cfg;
+        t.batch = B;
+        t.start = st.position();
+        t.x = DeviceMatrix::copy_of(x, "cudaMemcpy2D (memory trace input)");
+        t.tail_in = Buf(static_cast<std::size_t>(B * K1 * 3 * D));
+        if (K1 > 0) {
+            Kernels::copy_into(t.tail_in, st.tail_, st.ctx_->stream());
+        }
+        t.u = Buf(static_cast<std::size_t>(B * N * 3 * D));
+        const bool gated = cfg.gates != GateMode::Constant;
+        t.logits = Buf(static_cast<std::size_t>(gated ? B * N * 3 * H : 0));
+        t.chunks = (N + b - 1) / b;
+        t.memory.resize(static_cast<std::size_t>(t.chunks * 2 * cfg.depth));
+        return t;
+    }
+
+    /// The memory (W, S of every layer) at chunk ch's start, from the state, into the trace.
+    static void keep_chunk_start(const MemoryConfig& cfg, const typename Kernels::State& st,
+                                 Trace& t, long long ch) {
+        const long long L = cfg.depth;
+        const cudaStream_t sm = st.ctx_->stream();
+        for (long long l = 0; l < L; ++l) {
+            const auto li = static_cast<std::size_t>(l);
+            const auto at = static_cast<std::size_t>(ch * 2 * L + l);
+            t.memory[at] = Buf(st.w_[li].size());
+            t.memory[at + static_cast<std::size_t>(L)] = Buf(st.s_[li].size());
+            Kernels::copy_into(t.memory[at], st.w_[li], sm);
+            Kernels::copy_into(t.memory[at + static_cast<std::size_t>(L)], st.s_[li], sm);
+        }
+    }
+
+    /// The chunk's products u and gate logits (bias added), from the state's workspace.
+    static void keep_products(const MemoryConfig& cfg, const typename Kernels::Prepared& pp,
+                              const typename Kernels::State& st, Trace& t, const ChunkRows& rows) {
+        const cudaStream_t sm = st.ctx_->stream();
+        const auto& w = *st.work_;
+        rows.scatter(sm, w.u.data(), t.u.data(), 3 * cfg.inner_dim(), 3 * cfg.inner_dim(),
+                     nullptr);
+        if (cfg.gates != GateMode::Constant) {
+            rows.scatter(sm, w.logits.data(), t.logits.data(), 3 * cfg.n_heads,
+                         3 * cfg.n_heads, pp->b_gates.data());
+        }
     }
 
     // ---------------------------------------------------------------------------------------
