@@ -193,6 +193,59 @@ ModelCase make_model_case(BlockKind k0, BlockKind k1, int d, int vocab, int d_ou
     return m;
 }
 
+/// Cuts of N tokens into pieces, every inner cut where each block's memory (which counts the
+/// persistent tokens first for MAG and MAL) is at a chunk boundary, about half of those taken
+/// (MAC's cuts fall inside and at the ends of segments); the last piece may end mid-chunk.
+inline std::vector<Eigen::Index> chunk_cuts(const std::vector<BlockConfig>& blocks, Eigen::Index N,
+                                     Rng& rng) {
+    std::vector<Eigen::Index> cuts{0};
+    for (Eigen::Index t = 1; t < N; ++t) {
+        bool aligned = true;
+        for (const BlockConfig& cfg : blocks) {
+            if (!titans::has_memory(cfg.kind)) continue;  // SWA: cut anywhere
+            const bool fed_p = cfg.kind == BlockKind::MAG || cfg.kind == BlockKind::MAL;
+            const Eigen::Index pm = fed_p ? cfg.n_persistent : 0;
+            aligned = aligned && (pm + t) % cfg.memory.effective_chunk() == 0;
+        }
+        if (aligned && uniform_int(rng, 0, 1) == 1) cuts.push_back(t);
+        if (aligned && uniform_int(rng, 0, 5) == 0) cuts.push_back(t);  // an empty piece
+    }
+    cuts.push_back(N);
+    if (uniform_int(rng, 0, 5) == 0) cuts.insert(cuts.begin(), 0);  // an empty first piece
+    return cuts;
+}
+
+/// A block training case: a block of `kind` (random_block_config<T>; FFN on unless i % 3 == 1,
+/// 0-3 persistent tokens, Lagged retrieval for even i, InChunk for odd), its parameters
+/// (random_block_params<T>), B = 1-2 streams of N = 5..max_tokens rows x and dy (rounded
+/// through T) and the cuts of a chained training (chunk_cuts).
+struct BlockTrainCase {
+    BlockConfig cfg;
+    BlockParams<double> params;
+    int B = 1;
+    Eigen::Index N = 0;
+    Matrixd x, dy;
+    std::vector<Eigen::Index> cuts;
+};
+
+template <class T>
+BlockTrainCase block_train_case(BlockKind kind, int i, int max_tokens, Rng& rng) {
+    BlockTrainCase c;
+    BlockOptions o;
+    o.kind = kind;
+    o.use_ffn = i % 3 != 1;
+    o.n_persistent = uniform_int(rng, 0, 3);
+    o.retrieval = i % 2 == 0 ? Retrieval::Lagged : Retrieval::InChunk;
+    c.cfg = random_block_config<T>(o, rng);
+    c.params = random_block_params<T>(c.cfg, rng);
+    c.B = uniform_int(rng, 1, 2);
+    c.N = uniform_int(rng, 5, max_tokens);
+    c.x = round_through<T>(random_matrix(c.B * c.N, c.cfg.d_model, rng, -2.0, 2.0));
+    c.dy = round_through<T>(random_matrix(c.B * c.N, c.cfg.d_model, rng));
+    c.cuts = chunk_cuts({c.cfg}, c.N, rng);
+    return c;
+}
+
 inline std::vector<int> random_ids(Rng& rng, int count, int vocab) {
     std::vector<int> ids(static_cast<std::size_t>(count));
     for (int& id : ids) id = uniform_int(rng, 0, vocab - 1);

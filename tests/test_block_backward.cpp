@@ -183,31 +183,6 @@ TEST_CASE("block bwd: sums and refusals", "[train][blocks]") {
     CHECK_THROWS_AS(block.backward(tl, c.dy, dx1, g), titans::ConfigError);
 }
 
-namespace {
-
-/// Cuts of N tokens into pieces, every inner cut where each block's memory (which counts the
-/// persistent tokens first for MAG and MAL) is at a chunk boundary, about half of those taken
-/// (MAC's cuts fall inside and at the ends of segments); the last piece may end mid-chunk.
-std::vector<Eigen::Index> chunk_cuts(const std::vector<BlockConfig>& blocks, Eigen::Index N,
-                                     Rng& rng) {
-    std::vector<Eigen::Index> cuts{0};
-    for (Eigen::Index t = 1; t < N; ++t) {
-        bool aligned = true;
-        for (const BlockConfig& cfg : blocks) {
-            if (!titans::has_memory(cfg.kind)) continue;  // SWA: cut anywhere
-            const bool fed_p = cfg.kind == BlockKind::MAG || cfg.kind == BlockKind::MAL;
-            const Eigen::Index pm = fed_p ? cfg.n_persistent : 0;
-            aligned = aligned && (pm + t) % cfg.memory.effective_chunk() == 0;
-        }
-        if (aligned && uniform_int(rng, 0, 1) == 1) cuts.push_back(t);
-        if (aligned && uniform_int(rng, 0, 5) == 0) cuts.push_back(t);  // an empty piece
-    }
-    cuts.push_back(N);
-    if (uniform_int(rng, 0, 5) == 0) cuts.insert(cuts.begin(), 0);  // an empty first piece
-    return cuts;
-}
-
-}  // namespace
 
 // Chained pieces (math §9): blocks of every kind over pieces cut where the memory is at a
 // chunk boundary (pieces longer and shorter than the window, MAC's cut inside segments and at

@@ -15,11 +15,46 @@ using titans::ConfigError;
 using titans::NonFiniteError;
 using titans::ShapeError;
 
-// The blocks of the simulated device have no training pass (no MemoryTraining /
-// AttentionTraining for it), so Trainer<T, SimulatedDevice> does not compile (its
-// static_assert); this fails once the device learns to train, and its Trainer tests are due.
-static_assert(!titans::Model<float, SimulatedDevice>::trainable);
+// The simulated device trains every kind but MAC (it has the memory's and the attention's
+// training passes, not the memory's staged reverse, as CUDA); the CPU every kind.
+static_assert(titans::Model<float, SimulatedDevice>::trainable);
+static_assert(!titans::Block<float, SimulatedDevice>::trains(BlockKind::MAC));
+static_assert(titans::Block<double, SimulatedDevice>::trains(BlockKind::SWA));
 static_assert(titans::Model<float>::trainable && titans::Model<double>::trainable);
+static_assert(titans::Block<float>::trains(BlockKind::MAC));
+
+// The Trainer on the simulated device takes the CPU trainer's steps bit for bit (losses,
+// gradient norms, rates, parameters, optimiser) for models of every kind it trains, with and
+// without clipping; a model with a MAC block is refused there at construction, ConfigError.
+TEMPLATE_TEST_CASE("trainer: device == CPU", "[training][backend]", float, double) {
+    using T = TestType;
+    const std::pair<BlockKind, BlockKind> stacks[] = {{BlockKind::LMM, BlockKind::MAG},
+                                                      {BlockKind::MAL, BlockKind::SWA}};
+    for (std::size_t s = 0; s < 2; ++s) {
+        const std::string name = std::string("trainer/device/") + type_name<T>();
+        Rng rng(seed_for(name, s));
+        const int vocab = 7, B = uniform_int(rng, 1, 2), N = uniform_int(rng, 5, 9);
+        const ModelCase mc = trainer_model_case<T>(stacks[s].first, stacks[s].second, vocab, rng);
+        const TrainerConfig tc = trainer_test_config(s == 0 ? 0.05 : 0.0);
+        Trainer<T> cpu(mc.cfg, cast_model<T>(mc.params), tc);
+        Trainer<T, SimulatedDevice> dev(mc.cfg, cast_model<T>(mc.params), tc);
+        for (int t = 1; t <= 3; ++t) {
+            INFO("stack " << s << ", step " << t);
+            const StepData d = step_data(name + "/data", static_cast<std::uint64_t>(s * 10 + t), B,
+                                         N, vocab);
+            CHECK(dev.step(d.ids, d.labels, B) == cpu.step(d.ids, d.labels, B));
+            CHECK(dev.last_gradient_norm() == cpu.last_gradient_norm());
+            CHECK(dev.last_learning_rate() == cpu.last_learning_rate());
+            REQUIRE(same_param_bits(dev.params(), cpu.params(), mc.cfg));
+            REQUIRE(same_optimizer(dev.optimizer(), cpu.optimizer()));
+        }
+    }
+    Rng rng(seed_for("trainer/device/mac"));
+    const ModelCase mac = trainer_model_case<T>(BlockKind::MAG, BlockKind::MAC, 5, rng);
+    REQUIRE_THROWS_NAMING((Trainer<T, SimulatedDevice>(mac.cfg, cast_model<T>(mac.params),
+                                                       trainer_test_config(1.0))),
+                          ConfigError, "model block 1 is MAC");
+}
 
 // Three steps of the Trainer and of the hand-written step over the same data: the same loss,
 // gradient norm and rate each step, and the same parameters and optimiser, bit for bit, for

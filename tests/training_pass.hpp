@@ -11,8 +11,11 @@
 //   gradient_scale(g, cfg, dx)                        the largest entry of dx or of g
 //   chained_floor(g, cfg, dx)                         1e-2 of it: the floor of a chained
 //                                                     test's relative errors
+//   block_pieces(block, B, x, dy, cuts)               chained_pieces for a block of any scalar
+//                                                     and backend: y, dx and grads in double
 
 #include "catch.hpp"
+#include "block_cases.hpp"
 #include "test_common.hpp"
 
 #include <titans/titans.hpp>
@@ -113,6 +116,44 @@ void check_gradients_match(const Params& g, const Params& g_all, const Config& c
                                                          floor)) <= 1e-12);
         });
     });
+}
+
+/// What a block's training over pieces gives, in double: the outputs, dx, the gradients.
+struct BlockPieces {
+    titans::Matrixd y, dx;
+    titans::BlockParams<double> g;
+};
+
+/// block's training forward over the pieces [cuts[k], cuts[k + 1]) of each of the B streams of
+/// x (rounded to T), then its backward last piece first, each given the next one's
+/// d_state_in: chained_pieces for a block of any scalar and backend, compared in double.
+template <class T, class Backend>
+BlockPieces block_pieces(const titans::Block<T, Backend>& block, int B, const titans::Matrixd& x,
+                          const titans::Matrixd& dy, const std::vector<Eigen::Index>& cuts) {
+    const Eigen::Index N = x.rows() / B;
+    auto st = block.make_state(B);
+    std::vector<typename titans::Block<T, Backend>::Trace> traces(cuts.size() - 1);
+    BlockPieces r;
+    r.y.resize(x.rows(), x.cols());
+    r.dx.resize(x.rows(), x.cols());
+    for (std::size_t k = 0; k + 1 < cuts.size(); ++k) {
+        titans::Matrix<T> yk;
+        const titans::Matrix<T> xk = take_tokens(x, B, N, cuts[k], cuts[k + 1]).template cast<T>();
+        block.forward(st, xk, yk, traces[k]);
+        put_tokens(r.y, titans::Matrixd(yk.template cast<double>()), B, N, cuts[k], cuts[k + 1]);
+    }
+    auto g = titans::BlockParams<T>::zeros(block.config());
+    titans::BlockStateGradient<T> d_next;
+    for (std::size_t k = traces.size(); k-- > 0;) {
+        titans::Matrix<T> dxk;
+        titans::BlockStateGradient<T> d_in;
+        const titans::Matrix<T> dyk = take_tokens(dy, B, N, cuts[k], cuts[k + 1]).template cast<T>();
+        block.backward(traces[k], dyk, dxk, g, &d_in, &d_next);
+        put_tokens(r.dx, titans::Matrixd(dxk.template cast<double>()), B, N, cuts[k], cuts[k + 1]);
+        d_next = std::move(d_in);
+    }
+    r.g = cast_block<double>(g);
+    return r;
 }
 
 }  // namespace titans_test

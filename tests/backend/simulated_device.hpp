@@ -14,7 +14,9 @@
 // object is freed its tensors are overwritten with NaN first, and an id that was freed (or never
 // existed) throws on use: a layer that kept a pointer into backend memory, or reached it other
 // than through the kernels, fails here. Every family runs on it: the memory, attention, RMSNorm
-// and FeedForward kernels, and so Block<T, SimulatedDevice> and Model<T, SimulatedDevice>;
+// and FeedForward kernels and their training passes (not the memory's staged reverse, so MAC
+// blocks do not train here, as on CUDA), and so Block<T, SimulatedDevice> and
+// Model<T, SimulatedDevice>, trained too;
 // states reach the host (checkpoints) only through their tensors() hook, the transfer.
 #include <titans/titans.hpp>
 
@@ -232,6 +234,10 @@ public:
     [[nodiscard]] int batch() const { return batch_; }
     [[nodiscard]] std::int64_t position() const { return position_; }
     [[nodiscard]] const titans::MemoryConfig& config() const { return cfg_; }
+    /// Tokens of the chunk in progress (as the CPU state's).
+    [[nodiscard]] int pending() const {
+        return static_cast<int>(position_ % static_cast<std::int64_t>(cfg_.effective_chunk()));
+    }
 
     /// The checkpoint hook: the transfer between the device and the host (each tensor copied
     /// out to the visitor, and back in when Self is not const).
@@ -244,6 +250,8 @@ public:
 private:
     template <class, class>
     friend struct titans::backend::MemoryKernels;
+    template <class, class>
+    friend struct titans::backend::MemoryTraining;
     template <class Host, class Self, class V>
     friend void transfer(Self& self, V& v);
     Handle<titans::MemoryState<T>> device_;
@@ -273,6 +281,8 @@ public:
 private:
     template <class, class>
     friend struct titans::backend::AttentionKernels;
+    template <class, class>
+    friend struct titans::backend::AttentionTraining;
     template <class Host, class Self, class V>
     friend void transfer(Self& self, V& v);
     /// Everything a caller may read without the kernels, copied from the device.
@@ -473,6 +483,78 @@ struct AttentionKernels<titans_test::SimulatedDevice, T> {
         st.mirror();
     }
 
+};
+
+/// The memory's training pass on the simulated device: the CPU's on the arena's data (its
+/// trace the CPU's). No staged reverse (MAC's training hands it host rows), as on CUDA: MAC
+/// blocks do not train here.
+template <class T>
+struct MemoryTraining<titans_test::SimulatedDevice, T> {
+    static constexpr bool available = true;
+    static constexpr bool staged = false;
+    using Host = MemoryTraining<Cpu, T>;
+    using Kernels = MemoryKernels<titans_test::SimulatedDevice, T>;
+    using Trace = typename Host::Trace;
+
+    static void check_trace(const MemoryConfig& cfg, const Trace& tr, const char* where) {
+        Host::check_trace(cfg, tr, where);
+    }
+    static void forward(const MemoryConfig& cfg, const typename Kernels::Prepared& p,
+                        typename Kernels::State& st, View<const T> x, View<T> y, Trace& trace,
+                        Diagnostics<T>* diag = nullptr) {
+        titans_test::sim::require_device(x, "x");
+        titans_test::sim::require_device(y, "y");
+        try {
+            Host::forward(cfg, p->get(), st.device_.get(), x, y, trace, diag);
+        } catch (...) {
+            Kernels::mirror(st);
+            throw;
+        }
+        Kernels::mirror(st);
+    }
+    static void backward(const MemoryConfig& cfg, const typename Kernels::Prepared& p,
+                         const Trace& tr, View<const T> dy, View<T> dx, MemoryParams<T>& g,
+                         const MemoryStateGradient<T>* d_out = nullptr,
+                         MemoryStateGradient<T>* d_in = nullptr) {
+        titans_test::sim::require_device(dy, "dy");
+        titans_test::sim::require_device(dx, "dx");
+        Host::backward(cfg, p->get(), tr, dy, dx, g, d_out, d_in);
+    }
+};
+
+/// The attention's training pass on the simulated device: the CPU's on the arena's data.
+template <class T>
+struct AttentionTraining<titans_test::SimulatedDevice, T> {
+    static constexpr bool available = true;
+    using Host = AttentionTraining<Cpu, T>;
+    using Kernels = AttentionKernels<titans_test::SimulatedDevice, T>;
+    using Trace = typename Host::Trace;
+    using Mat = Matrix<T>;
+
+    static void check_trace(const AttentionConfig& cfg, const Trace& tr, const char* where) {
+        Host::check_trace(cfg, tr, where);
+    }
+    static void forward(const AttentionConfig& cfg, const typename Kernels::Prepared& p,
+                        typename Kernels::State& st, View<const T> x, View<T> y,
+                        const Mat* prefix, PrefixSharing sharing, Trace& trace) {
+        titans_test::sim::require_device(x, "x");
+        titans_test::sim::require_device(y, "y");
+        try {
+            Host::forward(cfg, p->get(), st.device_.get(), x, y, prefix, sharing, trace);
+        } catch (...) {
+            st.mirror();
+            throw;
+        }
+        st.mirror();
+    }
+    static void backward(const AttentionConfig& cfg, const typename Kernels::Prepared& p,
+                         const Trace& tr, View<const T> dy, View<T> dx, AttentionParams<T>& g,
+                         Mat* dprefix, const AttentionStateGradient<T>* d_out = nullptr,
+                         AttentionStateGradient<T>* d_in = nullptr) {
+        titans_test::sim::require_device(dy, "dy");
+        titans_test::sim::require_device(dx, "dx");
+        Host::backward(cfg, p->get(), tr, dy, dx, g, dprefix, d_out, d_in);
+    }
 };
 
 /// RMSNorm on the simulated device.

@@ -3,6 +3,7 @@
 //
 //   nonfinite_message(f)   the what() of the NonFiniteError f() throws ("" if none)
 //   parity_cases(n)        n, capped by TITANS_CUDA_PARITY_CASES (short compute-sanitizer runs)
+//   bound<T>()             the parity bound against CPU double: 1e-12 (double), 1e-5 (float)
 //   state_tensors(st)      every tensor State::tensors visits, as (name, host copy in double);
 //                          the position as a 1 x 1 entry: what a checkpoint would write
 //   same_tensors(a, b)     two of those equal: the same names, shapes and bits
@@ -34,6 +35,13 @@ inline int parity_cases(int cases) {
         return std::min(cases, std::max(1, std::atoi(cap)));
     }
     return cases;
+}
+
+/// The parity bound of T's results against CPU double (relative): 1e-12 for double, 1e-5 for
+/// float (the same problem rounded to float, run in double).
+template <class T>
+double bound() {
+    return std::is_same_v<T, double> ? 1e-12 : 1e-5;
 }
 
 template <class State>

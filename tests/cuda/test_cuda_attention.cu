@@ -17,11 +17,6 @@ using titans::Attention;
 using titans::PrefixSharing;
 using titans::backend::Cuda;
 
-template <class T>
-double bound() {
-    return std::is_same_v<T, double> ? 1e-12 : 1e-5;
-}
-
 /// A random attention configuration: width 4-24, heads 1-3, d_head derived or explicit (even
 /// with RoPE), windows from 1 to beyond the stream.
 AttentionConfig random_config(Rng& rng) {

@@ -20,11 +20,6 @@ using titans::AttentionStateGradient;
 using titans::PrefixSharing;
 using titans::backend::Cuda;
 
-template <class T>
-double bound() {
-    return std::is_same_v<T, double> ? 1e-12 : 1e-5;
-}
-
 /// A training case: the configuration, parameters, the pieces of a stream (sequence-major,
 /// B x len rows each), their upstream gradients, the prefix, the gradients the call adds to.
 struct TrainCase {

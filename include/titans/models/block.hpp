@@ -191,11 +191,16 @@ public:
 
     /// What the training forward keeps for backward (math §9; models/block_training.hpp).
     using Trace = BlockTrace<T, Backend>;
-    /// Whether this backend has the training pass of every sub-layer, the memory's staged
-    /// reverse included (MAC's; the block kind is a run-time choice): the CPU's does.
+    /// Whether this backend has the training pass of every sub-layer (the CPU's and CUDA's
+    /// do): the training calls exist. Which kinds train is trains(kind).
     static constexpr bool trainable = backend::MemoryTraining<Backend, T>::available &&
-                                      backend::MemoryTraining<Backend, T>::staged &&
                                       backend::AttentionTraining<Backend, T>::available;
+    /// Whether blocks of kind k train on this backend: every kind on the CPU; on a backend
+    /// without the memory's staged reverse (CUDA today) every kind but MAC, whose training
+    /// calls throw ConfigError there.
+    [[nodiscard]] static constexpr bool trains(BlockKind k) {
+        return trainable && (k != BlockKind::MAC || backend::MemoryTraining<Backend, T>::staged);
+    }
 
     /// The training forward (math §9): forward(state, x), keeping in `trace` what backward
     /// needs; y = the output. From a fresh state (position 0) the persistent tokens go through

@@ -95,10 +95,13 @@ struct BlockTraining {
     using Blk = Block<T, Backend>;
     using State = BlockState<T, Backend>;
     using Trace = BlockTrace<T, Backend>;
+    /// Whether MAC trains here: its training drives the memory's staged reverse.
+    static constexpr bool mac_trains = backend::MemoryTraining<Backend, T>::staged;
 
     static void forward(const Blk& blk, State& state, const MatrixRef<T>& x, Matrix<T>& y,
                         Trace& trace) {
         constexpr const char* where = "Block::forward (training)";
+        require_kind_trains(blk.cfg_.kind, where);
         blk.check(state, x, where);
         check_start(blk, state, where);
         const ThreadScope team(blk.threads_, 3.0 * blk.work_estimate(x.rows()));
@@ -177,6 +180,7 @@ struct BlockTraining {
     /// memory, and MAL's attention, over [P; u] per sequence from a fresh start).
     static void check_trace(const Blk& blk, const Trace& tr, const char* where) {
         const BlockConfig& cfg = blk.cfg_;
+        require_kind_trains(cfg.kind, where);
         check_trace_filled(tr.filled, where);
         check_trace_config(tr.cfg, cfg, where, "a block");
         check_trace_stream(tr.batch, tr.rows, tr.start, where);
@@ -191,8 +195,10 @@ struct BlockTraining {
         if (cfg.kind == BlockKind::MAC) {
             check_trace_shape(tr.u, rows, cfg.d_model, where, "u");
             check_sub_trace(*blk.memory_, tr.memory, rows, where, "memory", B);
-            MacTraining<T, Backend>::check_segments(blk, tr.segments, B, tr.start, rows / B,
-                                                    where);
+            if constexpr (mac_trains) {
+                MacTraining<T, Backend>::check_segments(blk, tr.segments, B, tr.start, rows / B,
+                                                        where);
+            }
             return;
         }
         if (has_memory(cfg.kind)) {
@@ -234,6 +240,16 @@ private:
         return cfg.kind == BlockKind::MAG || cfg.kind == BlockKind::MAL ? cfg.n_persistent : 0;
     }
 
+    /// ConfigError unless blocks of this kind train on this backend (Blk::trains).
+    static void require_kind_trains(BlockKind kind, const char* where) {
+        if (!Blk::trains(kind)) {
+            throw ConfigError(concat(
+                where, ": a ", to_string(kind), " block does not train on this backend (MAC's "
+                "training drives the memory's staged reverse, which this backend lacks), "
+                "expected an LMM, MAG, MAL or SWA block here, or the CPU backend for MAC"));
+        }
+    }
+
     /// A training forward starts from a fresh state or one whose memory is at a chunk boundary.
     static void check_start(const Blk& blk, const State& state, const char* where) {
         if (state.position_ == 0 || !has_memory(blk.cfg_.kind)) {
@@ -254,8 +270,10 @@ private:
                                      const BlockStateGradient<T>& d) {
         const BlockKind kind = blk.cfg_.kind;
         if (kind == BlockKind::MAC) {
-            MacTraining<T, Backend>::check_state_gradient(blk, tr.memory, tr.batch,
-                                                          tr.start + tr.rows / tr.batch, d);
+            if constexpr (mac_trains) {
+                MacTraining<T, Backend>::check_state_gradient(blk, tr.memory, tr.batch,
+                                                              tr.start + tr.rows / tr.batch, d);
+            }
             return;
         }
         const char* part = kind == BlockKind::LMM && !d.attention.empty() ? "attention"
@@ -300,9 +318,11 @@ private:
         const Matrix<T>& P = blk.params_->persistent;
         const bool fresh = next.position_ == 0;
         const Eigen::Index p = fresh ? prefix_rows(cfg) : 0;
-        if (cfg.kind == BlockKind::MAC) {
-            t.u = u;
-            return MacTraining<T, Backend>::forward(blk, next, u, t.memory, t.segments);
+        if constexpr (mac_trains) {
+            if (cfg.kind == BlockKind::MAC) {
+                t.u = u;
+                return MacTraining<T, Backend>::forward(blk, next, u, t.memory, t.segments);
+            }
         }
         if (cfg.kind == BlockKind::SWA) {  // o = SWA*(P ‖ u): MAG's attention branch alone
             return prefix_attention(blk, next, u, t);
@@ -346,9 +366,11 @@ private:
         auto* dm_in = d_in != nullptr ? &d_in->memory : nullptr;
         auto* da_in = d_in != nullptr ? &d_in->attention : nullptr;
         Matrix<T> du, dfull;
-        if (cfg.kind == BlockKind::MAC) {
-            return MacTraining<T, Backend>::backward(blk, tr.memory, tr.segments, tr.u, B,
-                                                     tr.start, dout, g, d_out, d_in);
+        if constexpr (mac_trains) {
+            if (cfg.kind == BlockKind::MAC) {
+                return MacTraining<T, Backend>::backward(blk, tr.memory, tr.segments, tr.u, B,
+                                                         tr.start, dout, g, d_out, d_in);
+            }
         }
         if (cfg.kind == BlockKind::LMM) {
             blk.memory_->backward(tr.memory, dout, du, g.memory, dm_in, dm_out);

@@ -117,14 +117,15 @@ struct TrainerProgress {
 ///                                    {.schedule = {.peak = 3e-3, .warmup = 100, .total = 2000}});
 ///     const double loss = trainer.step(ids, labels, batch);  // ids, labels: batch * N each
 ///
-/// Backends: those whose blocks train (Model<T, Backend>::trainable: the CPU); elsewhere the
-/// class does not compile (static_assert).
+/// Backends: those whose blocks train (Model<T, Backend>::trainable: the CPU and CUDA);
+/// elsewhere the class does not compile (static_assert). On CUDA a model with a MAC block is
+/// refused (ConfigError; Block::trains), and each step re-uploads the stepped parameters
+/// (Model::set_parameters builds the model afresh where the kernels keep their own copy).
 template <class T, class Backend>
 class Trainer {
     static_assert(Model<T, Backend>::trainable,
                   "titans::Trainer: Model<T, Backend> cannot train on this backend (the memory's "
-                  "staged reverse or the attention's training pass is missing: on CUDA, blocks "
-                  "do not train yet; docs/cuda.md)");
+                  "or the attention's training pass is missing)");
 
 public:
     using Scalar = T;
@@ -216,6 +217,15 @@ private:
         c.validate();
         detail::require<ConfigError>(mc.vocab_size > 0, "Trainer", "model vocab_size",
                                      mc.vocab_size, "> 0 (the trainer takes token ids)");
+        for (std::size_t i = 0; i < mc.blocks.size(); ++i) {
+            const BlockKind k = mc.blocks[i].kind;
+            if (!Block<T, Backend>::trains(k)) {
+                throw ConfigError(detail::concat(
+                    "Trainer: model block ", i, " is ", to_string(k), ", which does not train on "
+                    "this backend (MAC needs the memory's staged reverse), expected LMM, MAG, MAL "
+                    "or SWA here, or the CPU backend"));
+            }
+        }
         return c;
     }
 

@@ -124,6 +124,10 @@ struct MemoryTraining<Cuda, T> {
                 // The chunk's rows of every sequence, contiguous (B*m x d), and back.
                 const ChunkRows rows{B, N, t0, m};
                 rows.gather(sm, x.data, x.stride, xs.data(), d);
+                if (diag != nullptr) {  // forward_piece writes into a sized one
+                    part.loss.setZero(B * m, cfg.n_heads);
+                    part.grad_norm.setZero(B * m, cfg.n_heads);
+                }
                 Kernels::forward_piece(cfg, *pp, st, View<const T>{xs.data(), B * m, d, d},
                                        View<T>{ys.data(), B * m, d, d},
                                        diag != nullptr ? &part : nullptr);

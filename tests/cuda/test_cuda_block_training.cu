@@ -1,0 +1,137 @@
+// Blocks and models training on the CUDA backend (math §9) against the CPU: every kind but MAC
+// (LMM, MAG, MAL, SWA; MAC's training drives the memory's staged reverse, which CUDA lacks, and
+// is refused), random configurations, batches 1-2, pieces cut where the memory is at a chunk
+// boundary (empty ones too) chained through d_state_in / d_state_out. CPU double is the
+// reference: CUDA double within 1e-12; CUDA float within 1e-5 of the same problem rounded to
+// float, run in double, or within 4x the error of the CPU's own float run where that is larger
+// (float loses more than 1e-5 in some cancelling gradient sums on either backend). The
+// Trainer on CUDA takes the CPU's steps.
+
+#include <titans/backend/cuda/cuda.cuh>
+
+#include "block_cases.hpp"
+#include "cuda_common.hpp"
+#include "trainer_common.hpp"
+#include "training_pass.hpp"
+
+namespace {
+
+using namespace titans_test;
+using titans::Block;
+using titans::BlockStateGradient;
+using titans::backend::Cuda;
+
+/// The largest relative error of got against ref: y, dx and every gradient tensor, each
+/// relative to its own largest entry or 1e-3 of the case's gradient scale.
+double pieces_error(const BlockPieces& got, const BlockPieces& ref, const BlockConfig& cfg) {
+    const double floor = std::max(1e-3 * gradient_scale(ref.g, cfg, ref.dx), 1e-300);
+    double e = std::max(rel_error(got.y, ref.y), rel_error(got.dx, ref.dx, floor));
+    BlockParams<double>::tensors(got.g, cfg, [&](const std::string& name, const auto& t) {
+        BlockParams<double>::tensors(ref.g, cfg, [&](const std::string& n2, const auto& t2) {
+            if (n2 != name) return;
+            const double en = rel_error(Matrixd(t), Matrixd(t2), floor);
+            if (!(en <= 1e-12)) UNSCOPED_INFO("tensor " << name << " error " << en);
+            e = std::max(e, en);
+        });
+    });
+    return e;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("cuda blocks: training parity", "[cuda]", float, double) {
+    using T = TestType;
+    const int per_kind = parity_cases(4);
+    double worst = 0;
+    int index = 0;
+    for (BlockKind kind : {BlockKind::LMM, BlockKind::MAG, BlockKind::MAL, BlockKind::SWA}) {
+        for (int i = 0; i < per_kind; ++i, ++index) {
+            Rng rng(seed_for(std::string("cuda block training ") + type_name<T>(),
+                             static_cast<std::uint64_t>(index)));
+            const BlockTrainCase tc = block_train_case<T>(kind, i, 12, rng);
+            const BlockConfig& cfg = tc.cfg;
+            const Block<double> cpu(cfg, tc.params);
+            const Block<T, Cuda> gpu(cfg, cast_block<T>(tc.params));
+            INFO(titans::to_string(kind) << " case " << i << " B " << tc.B << " N " << tc.N
+                                         << " chunk " << cfg.memory.chunk << " persistent "
+                                         << cfg.n_persistent << " pieces " << tc.cuts.size() - 1);
+            const BlockPieces ref = block_pieces(cpu, tc.B, tc.x, tc.dy, tc.cuts);
+            const BlockPieces got = block_pieces(gpu, tc.B, tc.x, tc.dy, tc.cuts);
+            const double e = pieces_error(got, ref, cfg);
+            // Float: within 1e-5 of CPU double, or as close as the CPU's own run in float
+            // (4x its error: a gradient that is a cancelling sum over tokens, such as a gate
+            // bias's through MAG's norms, loses more than 1e-5 in float on either backend).
+            double own = 0;
+            if constexpr (std::is_same_v<T, float>) {
+                const Block<float> cpu_f(cfg, cast_block<float>(tc.params));
+                own = pieces_error(block_pieces(cpu_f, tc.B, tc.x, tc.dy, tc.cuts), ref, cfg);
+            }
+            INFO("error " << e << ", the CPU's own in this type " << own);
+            CHECK(e <= std::max(bound<T>(), 4 * own));
+            worst = std::max(worst, e);
+        }
+    }
+    std::printf("cuda block training (%s): %d cases, worst relative error %.3g (bound %.0e)\n",
+                type_name<T>(), index, worst, bound<T>());
+}
+
+TEST_CASE("cuda blocks: MAC training refused", "[cuda]") {
+    STATIC_REQUIRE(Block<double, Cuda>::trainable);
+    STATIC_REQUIRE(!Block<double, Cuda>::trains(BlockKind::MAC));
+    STATIC_REQUIRE(Block<float, Cuda>::trains(BlockKind::SWA));
+    STATIC_REQUIRE(Block<double>::trains(BlockKind::MAC));
+    Rng rng(seed_for("cuda mac training refused"));
+    BlockOptions o;
+    o.kind = BlockKind::MAC;
+    o.retrieval = titans::Retrieval::InChunk;
+    const BlockConfig cfg = random_block_config<double>(o, rng);
+    const Block<double, Cuda> gpu(cfg, random_block_params<double>(cfg, rng));
+    auto st = gpu.make_state(1);
+    const Matrixd x = random_matrix(4, cfg.d_model, rng);
+    Matrixd y = Matrixd::Constant(1, 1, 7.0);
+    Block<double, Cuda>::Trace trace;
+    CHECK_THROWS_AS(gpu.forward(st, x, y, trace), titans::ConfigError);
+    CHECK(st.position() == 0);
+    CHECK(y.size() == 1);
+    CHECK(trace.empty());
+    // The model and the trainer: a MAC block refused at construction of the trainer.
+    const ModelCase m = trainer_model_case<double>(BlockKind::LMM, BlockKind::MAC, 11, rng);
+    CHECK_THROWS_AS((Trainer<double, Cuda>(m.cfg, m.params, trainer_test_config(1.0))),
+                    titans::ConfigError);
+}
+
+// A 2-layer model of LMM, MAG, MAL or SWA blocks trained by the Trainer on CUDA in double
+// takes the CPU trainer's steps: the same losses and gradient norms to 1e-12 and parameters
+// after four steps to 1e-10 (AdamW divides by the second moment's root, which can enlarge a
+// gradient's rounding in a tiny entry).
+TEST_CASE("cuda trainer: the CPU's steps", "[cuda]") {
+    const std::vector<std::pair<BlockKind, BlockKind>> pairs{
+        {BlockKind::LMM, BlockKind::MAG}, {BlockKind::MAL, BlockKind::SWA}};
+    for (std::size_t c = 0; c < pairs.size(); ++c) {
+        Rng rng(seed_for("cuda trainer steps", c));
+        const int vocab = 11, B = 2, N = 6;
+        const ModelCase m = trainer_model_case<double>(pairs[c].first, pairs[c].second, vocab, rng);
+        const TrainerConfig tc = trainer_test_config(c == 0 ? 1.0 : 0.0);
+        Trainer<double> cpu(m.cfg, m.params, tc);
+        Trainer<double, Cuda> gpu(m.cfg, m.params, tc);
+        for (int s = 0; s < 4; ++s) {
+            const StepData d = step_data("cuda trainer steps", static_cast<std::uint64_t>(s), B, N, vocab);
+            const double lc = cpu.step(d.ids, d.labels, B);
+            const double lg = gpu.step(d.ids, d.labels, B);
+            INFO("pair " << c << " step " << s << " loss " << lc << " vs " << lg);
+            CHECK(std::abs(lg - lc) <= 1e-12 * std::abs(lc));
+            CHECK(std::abs(gpu.last_gradient_norm() - cpu.last_gradient_norm()) <=
+                  1e-12 * cpu.last_gradient_norm());
+        }
+        double e = 0;
+        titans::ModelParams<double>::tensors(gpu.params(), m.cfg, [&](const std::string& name,
+                                                                      const auto& t) {
+            titans::ModelParams<double>::tensors(cpu.params(), m.cfg, [&](const std::string& n2,
+                                                                          const auto& t2) {
+                if (n2 == name) e = std::max(e, rel_error(Matrixd(t), Matrixd(t2)));
+            });
+        });
+        CHECK(e <= 1e-10);
+        CHECK(gpu.steps() == 4);
+    }
+}
