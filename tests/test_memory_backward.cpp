@@ -402,3 +402,218 @@ TEST_CASE("mem bwd: zero state gradient", "[train][memory]") {
     REQUIRE_THROWS_NAMING(titans::MemoryStateGradient<double>::zeros(cfg, 1), titans::ConfigError,
                           "depth");
 }
+
+// ---------------------------------------------------------------------------------------------
+// The staged API (NeuralMemory::begin_trace, forward_part, Reverse, read_weights_backward): a
+// read of the memory mid-stream trained through a tap, against finite differences of the
+// library's forward; the staged forward and an untapped Reverse equal the one-call passes bit
+// for bit; the refusals.
+
+namespace {
+
+/// A mid-stream read: the stream's rows [0, p), then h = read_weights(W_p, xr) of the memory
+/// after p tokens, then rows [p, N), all one trace. L = sum(dy . y) + sum(dh . h).
+struct TappedRead {
+    BackwardCase c;
+    Matrixd xr, dh;
+    Eigen::Index p = 0;
+
+    using Mem = titans::NeuralMemory<double>;
+    using Weights = std::vector<std::vector<Matrixd>>;
+
+    [[nodiscard]] Eigen::Index rows() const { return c.x.rows() / c.batch; }
+
+    /// The forward: y of the stream, the weights read and h; trace filled.
+    Matrixd run(const Mem& mem, Mem::Trace& trace, Weights& W, Matrixd& h) const {
+        const int B = c.batch;
+        const Eigen::Index N = rows();
+        auto st = mem.make_state(B);
+        mem.begin_trace(st, N, trace);
+        Matrixd y(c.x.rows(), c.cfg.d_model), yk;
+        mem.forward_part(st, take_tokens(c.x, B, N, 0, p), yk, trace);
+        put_tokens(y, yk, B, N, 0, p);
+        W.clear();
+        for (int b = 0; b < B; ++b) {
+            for (int hh = 0; hh < c.cfg.n_heads; ++hh) W.push_back(mem.current_weights(st, b, hh));
+        }
+        h = mem.read_weights(W, xr, B);
+        mem.forward_part(st, take_tokens(c.x, B, N, p, N), yk, trace);
+        put_tokens(y, yk, B, N, p, N);
+        return y;
+    }
+
+    [[nodiscard]] double loss() const {
+        const Mem mem(c.cfg, c.p);
+        Mem::Trace trace;
+        Weights W;
+        Matrixd h;
+        const Matrixd y = run(mem, trace, W, h);
+        return c.dy.cwiseProduct(y).sum() + dh.cwiseProduct(h).sum();
+    }
+
+    /// The staged backward: the rows above p, the read's backward tapped at p, the rest.
+    MemoryParams<double> gradients(Matrixd& dx, Matrixd& dxr) const {
+        const int B = c.batch;
+        const Eigen::Index N = rows();
+        const Mem mem(c.cfg, c.p);
+        Mem::Trace trace;
+        Weights W, dW;
+        Matrixd h, dx_hi, dx_lo;
+        run(mem, trace, W, h);
+        auto g = MemoryParams<double>::zeros(c.cfg);
+        Mem::Reverse rev(mem, trace, c.dy);
+        rev.down_to(p, dx_hi);
+        mem.read_weights_backward(W, xr, B, dh, dxr, dW, g);
+        rev.tap(dW);
+        rev.down_to(0, dx_lo);
+        rev.finish(g);
+        dx.resize(c.x.rows(), c.cfg.d_model);
+        put_tokens(dx, dx_hi, B, N, p, N);
+        put_tokens(dx, dx_lo, B, N, 0, p);
+        return g;
+    }
+};
+
+}  // namespace
+
+TEST_CASE("mem bwd: staged read vs FD", "[train][memory]") {
+    const std::vector<Modes> modes = all_primary_modes();
+    for (int i = 0; i < 14; ++i) {
+        Rng rng(seed_for("mem bwd: staged read vs FD", static_cast<std::uint64_t>(i)));
+        TappedRead t;
+        t.c = draw_mem_case(modes[static_cast<std::size_t>(i) % modes.size()], (i * 53) % 128, rng);
+        const Eigen::Index N = t.rows();
+        // The read at the start, at the end, or anywhere between (mid-chunk included).
+        t.p = i % 5 == 0 ? 0 : i % 5 == 1 ? N : uniform_int(rng, 1, static_cast<int>(N) - 1);
+        const int r = uniform_int(rng, 1, 3);
+        t.xr = random_matrix(t.c.batch * r, t.c.cfg.d_model, rng);
+        t.dh = random_matrix(t.c.batch * r, t.c.cfg.d_model, rng);
+        INFO("case " << i << " chunk " << t.c.cfg.effective_chunk() << " rows " << N << " read at "
+                     << t.p);
+        Matrixd dx, dxr;
+        const MemoryParams<double> g = t.gradients(dx, dxr);
+        const auto loss = [&] { return t.loss(); };
+        const double atol = fd_floor(loss());
+        double worst = params_fd_error(t.c.p, g, t.c.cfg, atol, loss);
+        worst = std::max(worst, tensor_error(t.c.x.data(), dx.data(), t.c.x.size(), atol, loss));
+        worst = std::max(worst, tensor_error(t.xr.data(), dxr.data(), t.xr.size(), atol, loss));
+        CHECK(note_error<double>("memory staged read", worst) <= 1e-6);
+    }
+}
+
+TEST_CASE("mem bwd: staged == one call", "[train][memory]") {
+    const std::vector<Modes> modes = all_primary_modes();
+    for (int i = 0; i < 12; ++i) {
+        Rng rng(seed_for("mem bwd: staged == one call", static_cast<std::uint64_t>(i)));
+        BackwardCase c = draw_mem_case(modes[static_cast<std::size_t>(i) % modes.size()],
+                                       (i * 41) % 128, rng);
+        const titans::NeuralMemory<double> mem(c.cfg, c.p);
+        const int B = c.batch;
+        const Eigen::Index N = c.x.rows() / B;
+        titans::NeuralMemory<double>::Trace one, staged;
+        Matrixd y_one, y(c.x.rows(), c.cfg.d_model), yk, dx_one, dx(c.x.rows(), c.cfg.d_model), dk;
+        auto s1 = mem.make_state(B), s2 = mem.make_state(B);
+        mem.forward(s1, c.x, y_one, one);
+        mem.begin_trace(s2, N, staged);
+        std::vector<Eigen::Index> cuts{0};  // pieces of any length, empty ones too
+        while (cuts.back() < N) cuts.push_back(std::min<Eigen::Index>(N, cuts.back() + uniform_int(rng, 0, 3)));
+        for (std::size_t k = 0; k + 1 < cuts.size(); ++k) {
+            mem.forward_part(s2, take_tokens(c.x, B, N, cuts[k], cuts[k + 1]), yk, staged);
+            put_tokens(y, yk, B, N, cuts[k], cuts[k + 1]);
+        }
+        INFO("case " << i << " rows " << N << " pieces " << cuts.size() - 1);
+        // Pieces agree with one call to rounding (as streaming does, math §8).
+        CHECK(note_error<double>("memory staged forward", rel_error(y, y_one)) <= 1e-12);
+        CHECK(rel_error(mem.current_weights(s1, B - 1, 0), mem.current_weights(s2, B - 1, 0)) <= 1e-12);
+        auto g_one = MemoryParams<double>::zeros(c.cfg), g = g_one, g_same = g_one;
+        titans::MemoryStateGradient<double> d_one, d_same;
+        mem.backward(one, c.dy, dx_one, g_one, &d_one);
+        {  // One stage: backward's own sweep, bit for bit.
+            titans::NeuralMemory<double>::Reverse rev(mem, one, c.dy);
+            rev.down_to(0, dk);
+            rev.finish(g_same, &d_same);
+            CHECK(identical(dk, dx_one));
+            CHECK(identical(g_same.w_q, g_one.w_q));
+            CHECK(identical(g_same.memory_init[0][0], g_one.memory_init[0][0]));
+            CHECK(identical(d_same.weights[0][0], d_one.weights[0][0]));
+        }
+        titans::NeuralMemory<double>::Reverse rev(mem, staged, c.dy);
+        for (std::size_t k = cuts.size() - 1; k-- > 0;) {  // stages at the same cuts
+            rev.down_to(cuts[k], dk);
+            put_tokens(dx, dk, B, N, cuts[k], cuts[k + 1]);
+        }
+        rev.finish(g);
+        CHECK(note_error<double>("memory staged reverse", rel_error(dx, dx_one, 1e-6)) <= 1e-12);
+        check_gradients_match(g, g_one, c.cfg, 1e-6, "memory staged reverse");
+    }
+}
+
+TEST_CASE("mem bwd: staged API refusals", "[train][memory]") {
+    Rng rng(seed_for("mem bwd: staged API refusals"));
+    BackwardCase c = draw_mem_case(Modes{}, 0, rng);
+    c.cfg.chunk = 3;
+    c.p = MemoryParams<double>::random(c.cfg, rng());
+    const int B = c.batch;
+    const Eigen::Index N = 7;
+    c.x = random_matrix(B * N, c.cfg.d_model, rng);
+    c.dy = random_matrix(B * N, c.cfg.d_model, rng);
+    using Mem = titans::NeuralMemory<double>;
+    const Mem mem(c.cfg, c.p);
+    auto st = mem.make_state(B);
+    Mem::Trace tr;
+    Matrixd y = Matrixd::Constant(1, 1, 5.0), dx;
+    REQUIRE_THROWS_NAMING(mem.begin_trace(st, -1, tr), titans::ShapeError, "rows");
+    mem.begin_trace(st, N, tr);
+    // Past the trace's rows: refused, nothing changes.
+    REQUIRE_THROWS_NAMING(mem.forward_part(st, random_matrix(B * (N + 1), c.cfg.d_model, rng), y, tr),
+                          titans::ShapeError, "rows left");
+    CHECK(st.position() == 0);
+    CHECK(y(0, 0) == 5.0);
+    mem.forward_part(st, take_tokens(c.x, B, N, 0, 4), y, tr);
+    // A state fed outside the trace, a trace begun mid-chunk.
+    auto other = mem.make_state(B);
+    REQUIRE_THROWS_NAMING(mem.forward_part(other, take_tokens(c.x, B, N, 4, 5), y, tr),
+                          titans::ConfigError, "position");
+    Mem::Trace t2;
+    REQUIRE_THROWS_NAMING(mem.begin_trace(st, 3, t2), titans::ConfigError, "pending");
+    // An unfilled trace has no Reverse.
+    REQUIRE_THROWS_AS(Mem::Reverse(mem, tr, take_tokens(c.dy, B, N, 0, 4)), titans::ShapeError);
+    mem.forward_part(st, take_tokens(c.x, B, N, 4, N), y, tr);
+    Mem::Reverse rev(mem, tr, c.dy);
+    REQUIRE_THROWS_NAMING(rev.down_to(N + 1, dx), titans::ShapeError, "p");
+    REQUIRE_THROWS_NAMING(rev.down_to(-1, dx), titans::ShapeError, "p");
+    rev.down_to(5, dx);
+    CHECK(rev.position() == 5);
+    std::vector<std::vector<Matrixd>> dW;
+    for (int k = 0; k < B * c.cfg.n_heads; ++k) dW.push_back(mem.current_weights(st, 0, 0));
+    auto bad = dW;
+    bad.pop_back();
+    REQUIRE_THROWS_NAMING(rev.tap(bad), titans::ShapeError, "size");
+    bad = dW;
+    bad[0][0](0, 0) = std::numeric_limits<double>::quiet_NaN();
+    REQUIRE_THROWS_NAMING(rev.tap(bad), titans::NonFiniteError, "dW");
+    auto g = MemoryParams<double>::zeros(c.cfg);
+    REQUIRE_THROWS_NAMING(rev.finish(g), titans::ConfigError, "position");
+    rev.tap(dW);
+    rev.down_to(0, dx);
+    rev.finish(g);
+    REQUIRE_THROWS_NAMING(rev.finish(g), titans::ConfigError, "spent");
+    // read_weights_backward: dy of the wrong shape, NaN; grads unchanged.
+    const Matrixd xr = random_matrix(B * 2, c.cfg.d_model, rng);
+    const auto before = g;
+    std::vector<std::vector<Matrixd>> dWr;
+    REQUIRE_THROWS_NAMING(mem.read_weights_backward(dW, xr, B, random_matrix(B * 3, c.cfg.d_model, rng),
+                                                    dx, dWr, g),
+                          titans::ShapeError, "dy");
+    Matrixd dy_nan = random_matrix(B * 2, c.cfg.d_model, rng);
+    dy_nan(0, 0) = std::numeric_limits<double>::infinity();
+    REQUIRE_THROWS_NAMING(mem.read_weights_backward(dW, xr, B, dy_nan, dx, dWr, g),
+                          titans::NonFiniteError, "dy");
+    auto short_w = dW;
+    short_w.pop_back();
+    REQUIRE_THROWS_NAMING(mem.read_weights_backward(short_w, xr, B, random_matrix(B * 2, c.cfg.d_model, rng),
+                                                    dx, dWr, g),
+                          titans::ShapeError, "weights");
+    CHECK(identical(g.w_q, before.w_q));
+    CHECK(dWr.empty());
+}

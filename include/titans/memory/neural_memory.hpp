@@ -23,11 +23,6 @@
 
 namespace titans {
 
-namespace detail {
-template <class T, class Backend>
-struct MacTraining;
-}  // namespace detail
-
 /// The neural long-term memory of Titans (math §1-5) as a sequence layer that learns at test
 /// time. Per head, an MLP memory M (depth L) is written with the momentum/forget update
 ///     S_t = eta_t S_{t-1} - theta_t grad l(M_{t-1}; k_t, v_t),   M_t = (1 - alpha_t) M_{t-1} + S_t
@@ -134,12 +129,7 @@ public:
         requires(backend::MemoryTraining<Backend, T>::available)
     {
         check_forward(state, x, y);
-        if (state.pending() != 0) {
-            throw ConfigError(detail::concat(
-                "NeuralMemory::forward (training): state.pending() = ", state.pending(),
-                ", expected 0 (the training forward starts at a chunk boundary: a fresh state, "
-                "or one fed a multiple of chunk = ", cfg_.chunk, " tokens)"));
-        }
+        require_chunk_start(state, "NeuralMemory::forward (training)");
         const ThreadScope team(threads_, 3.0 * work_estimate(x.rows()));
         const detail::DenormalFlushScope flush(cfg_.flush_denormals);
         Matrix<T> y_new;
@@ -208,7 +198,7 @@ public:
             out.finish();
         }
         if (!detail::all_finite(dx_new) || !detail::tensors_finite(local, cfg_) ||
-            !state_gradient_finite(d_in)) {
+            !d_in.finite()) {
             throw NonFiniteError(detail::concat(where, ": the gradients overflow, expected "
                                                        "finite values; grads are unchanged"));
         }
@@ -333,7 +323,159 @@ public:
         backend::MemoryTraining<Backend, T>::check_trace(cfg_, trace, where);
     }
 
+    /// Throws unless `weights` hold, per (sequence b, head h) at b * H + h for `batch`
+    /// sequences, depth matrices of the layer shapes (layer_in(l) x layer_out(l), l = 1..L),
+    /// as current_weights() returns them: ShapeError naming the entry. `where` names the call.
+    void validate_weights(const std::vector<std::vector<Matrix<T>>>& weights, int batch,
+                          const char* where = "NeuralMemory::validate_weights") const {
+        detail::require<ConfigError>(batch >= 1, where, "batch", batch, ">= 1");
+        check_weights(weights, batch, where);
+    }
+
+    /// Throws unless d can be the adjoint of the state a trace's call left (d_state_out of
+    /// backward and Reverse): the trace ends at a chunk boundary (ConfigError), the weights,
+    /// momentum and conv tails are shaped for its batch (ShapeError), every entry is finite
+    /// (NonFiniteError).
+    void validate_state_gradient(const MemoryStateGradient<T>& d, const Trace& trace) const
+        requires(backend::MemoryTraining<Backend, T>::available)
+    {
+        check_state_gradient(d, trace);
+    }
+
+    // --- Staged training (math §9, "staged reverse"): for callers whose later inputs depend on
+    // the memory mid-stream, such as a read of it (MAC reads it at every segment start).
+
+    /// Whether this backend has the staged training API (begin_trace, forward_part, Reverse,
+    /// read_weights_backward): the CPU's.
+    static constexpr bool staged = backend::MemoryTraining<Backend, T>::staged;
+
+    /// Starts a training trace of `rows` tokens per stream from `state` (at a chunk boundary:
+    /// ConfigError otherwise, as the training forward), for forward_part to fill in pieces of
+    /// any length. Replaces `trace` (on success only); the state is not changed.
+    ///
+    ///     NeuralMemory<double>::Trace trace;
+    ///     mem.begin_trace(state, 10, trace);
+    ///     mem.forward_part(state, x1, y1, trace);     // rows 0..3 of every stream
+    ///     auto W = mem.current_weights(state, 0, 0);  // the memory after 4 tokens
+    ///     mem.forward_part(state, x2, y2, trace);     // rows 4..9: the trace is filled
+    void begin_trace(const State& state, Eigen::Index rows, Trace& trace) const
+        requires(staged)
+    {
+        constexpr const char* where = "NeuralMemory::begin_trace";
+        check_state(state, where);
+        detail::require<ShapeError>(rows >= 0, where, "rows", rows, ">= 0");
+        detail::check_position_advance(where, state.position(), rows, 1);
+        const std::int64_t per_row = detail::checked_mul(
+            state.batch(), cfg_.d_model + 3 * cfg_.inner_dim() + 3 * cfg_.n_heads, where, "row");
+        detail::require_budget(detail::checked_mul(detail::checked_mul(per_row, rows, where, "rows"),
+                                                   static_cast<std::int64_t>(sizeof(T)),
+                                                   where, "rows"),
+                               where, "the trace's rows", sizeof(T) == 4 ? "float" : "double");
+        require_chunk_start(state, where);
+        Trace t;
+        backend::MemoryTraining<Backend, T>::start(cfg_, state, rows, cfg_.d_model, t);
+        trace = std::move(t);
+    }
+
+    /// The next piece of a trace from begin_trace: forward(state, x, y) (x: (B*m) x d_model,
+    /// any m up to the trace's rows left), recorded at the trace's rows after its earlier
+    /// pieces; the trace is filled (backward and Reverse take it) once its rows are in.
+    /// `state` is the one begin_trace saw, fed the trace's earlier pieces only (ConfigError if
+    /// its position is not the trace's start plus a part of its rows; ShapeError past the
+    /// rows). diag as forward's. On an error nothing changes (state, y, trace, diag).
+    void forward_part(State& state, const MatrixRef<T>& x, Matrix<T>& y, Trace& trace,
+                      Diagnostics<T>* diag = nullptr) const
+        requires(staged)
+    {
+        constexpr const char* where = "NeuralMemory::forward_part";
+        check_forward(state, x, y);
+        check_part(state, x.rows() / state.batch(), trace, where);
+        const ThreadScope team(threads_, 3.0 * work_estimate(x.rows()));
+        const detail::DenormalFlushScope flush(cfg_.flush_denormals);
+        Matrix<T> y_new;
+        Diagnostics<T> surprise;
+        {
+            const backend::Upload<Backend, T> in(x);
+            backend::Download<Backend, T> out(y_new, x.rows(), cfg_.d_model);
+            backend::MemoryTraining<Backend, T>::forward_part(
+                cfg_, prepared_, state, in.view(), out.view(), trace,
+                diag != nullptr ? &surprise : nullptr);
+            out.finish();
+        }
+        y = std::move(y_new);
+        if (diag != nullptr) {
+            *diag = std::move(surprise);
+        }
+    }
+
+    /// The backward of read_weights (math §7's read through given weights): dy = dL/dy
+    /// ((batch*N) x d_model) gives dx = dL/dx (resized), dweights[b * H + h] = dL/d(weights)
+    /// (resized, the weights' shapes; where the weights are the memory mid-stream, tap them
+    /// into that trace's Reverse) and adds W_Q's and W_O's gradients to grads. Throws as
+    /// read_weights, ShapeError (dy's shape, grads), NonFiniteError (dy, or gradients that
+    /// overflow); nothing changes then.
+    ///
+    ///     Matrixd h = mem.read_weights(W, x, B);
+    ///     mem.read_weights_backward(W, x, B, dh, dx, dW, grads);
+    void read_weights_backward(const std::vector<std::vector<Matrix<T>>>& weights,
+                               const MatrixRef<T>& x, int batch, const MatrixRef<T>& dy,
+                               Matrix<T>& dx, std::vector<std::vector<Matrix<T>>>& dweights,
+                               MemoryParams<T>& grads) const
+        requires(staged)
+    {
+        constexpr const char* where = "NeuralMemory::read_weights_backward";
+        detail::require<ConfigError>(batch >= 1, where, "batch", batch, ">= 1");
+        check_weights(weights, batch, where);
+        check_input(batch, x, where);
+        detail::check_gradient_rows(dy, x.rows(), cfg_.d_model, where, "dy");
+        detail::check_same_tensors(*params_, grads, cfg_, where, "grads");
+        const ThreadScope team(threads_, 2.0 * work_estimate(x.rows()));
+        const detail::DenormalFlushScope flush(cfg_.flush_denormals);
+        MemoryParams<T> local = MemoryParams<T>::zeros(cfg_);
+        Matrix<T> dx_new;
+        std::vector<std::vector<Matrix<T>>> dw_new;
+        backend::MemoryTraining<Backend, T>::read_weights_backward(
+            cfg_, prepared_, weights, Matrix<T>(x), batch, Matrix<T>(dy), dx_new, dw_new, local);
+        if (!detail::all_finite(dx_new) || !detail::tensors_finite(local, cfg_) ||
+            !detail::all_finite_each(dw_new)) {
+            throw NonFiniteError(detail::concat(where, ": the gradients overflow, expected "
+                                                       "finite values; grads are unchanged"));
+        }
+        detail::add_tensors(local, grads, cfg_);
+        dx = std::move(dx_new);
+        dweights = std::move(dw_new);
+    }
+
+    class Reverse;
+
 private:
+    void require_chunk_start(const State& state, const char* where) const {
+        if (state.pending() != 0) {
+            throw ConfigError(detail::concat(
+                where, ": state.pending() = ", state.pending(),
+                ", expected 0 (a training trace starts at a chunk boundary: a fresh state, "
+                "or one fed a multiple of chunk = ", cfg_.chunk, " tokens)"));
+        }
+    }
+    /// forward_part's checks of the trace against the state and the piece's m rows.
+    void check_part(const State& state, Eigen::Index m, const Trace& trace,
+                    const char* where) const {
+        detail::require<ShapeError>(trace.batch >= 1, where, "trace.batch", trace.batch,
+                                    ">= 1 (a trace from begin_trace)");
+        detail::check_trace_config(trace.cfg, cfg_, where, "a memory");
+        detail::require<ShapeError>(trace.batch == state.batch(), where, "trace.batch",
+                                    trace.batch, detail::concat("state.batch() = ", state.batch()));
+        const Eigen::Index N = trace.rows() / trace.batch;
+        const Eigen::Index done = trace.recorded;
+        if (state.position() != trace.start + done) {
+            throw ConfigError(detail::concat(
+                where, ": state.position() = ", state.position(), ", expected the trace's start ",
+                trace.start, " plus its ", done, " rows recorded (the state begin_trace saw, fed "
+                "this trace's earlier pieces only)"));
+        }
+        detail::require<ShapeError>(m <= N - done, where, "rows per stream of x", m,
+                                    detail::concat("at most the trace's ", N - done, " rows left"));
+    }
     void check_forward(const State& state, const MatrixRef<T>& x, const Matrix<T>& y) const {
         detail::check_position_advance("NeuralMemory::forward", state.position(), x.rows(),
                                        state.batch());
@@ -412,13 +554,9 @@ private:
                                                 3 * cfg_.inner_dim(), " (K-1 x 3D)"));
             }
         }
-        if (!state_gradient_finite(d)) {
+        if (!d.finite()) {
             throw NonFiniteError(detail::concat(where, ": d_state_out has a NaN or infinite entry"));
         }
-    }
-    static bool state_gradient_finite(const MemoryStateGradient<T>& d) {
-        return detail::all_finite_each(d.weights) && detail::all_finite_each(d.momentum) &&
-               detail::all_finite_each(d.conv_tail);
     }
     void check_index(const State& state, int b, int h, const char* where) const {
         check_state(state, where);
@@ -428,8 +566,6 @@ private:
                                     detail::concat("in [0, ", cfg_.n_heads, ")"));
     }
 
-    friend struct detail::MacTraining<T, Backend>;  // MAC's training: pieces, staged backward
-
     MemoryConfig cfg_;
     std::shared_ptr<const MemoryParams<T>> params_;  // the host copy (io, params())
     typename Kernels::Prepared prepared_{};          // the backend's (the CPU's: params_ itself)
@@ -437,3 +573,5 @@ private:
 };
 
 }  // namespace titans
+
+#include "reverse.hpp"

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "../detail/check.hpp"
+#include "../detail/float_env.hpp"
 #include "../limits.hpp"
 #include "../types.hpp"
 #include "config.hpp"
@@ -28,6 +29,12 @@ struct MemoryStateGradient {
     std::vector<Matrix<T>> conv_tail;
 
     [[nodiscard]] bool empty() const { return weights.empty(); }
+
+    /// Whether every entry (weights, momentum, conv tails) is finite.
+    [[nodiscard]] bool finite() const {
+        return detail::all_finite_each(weights) && detail::all_finite_each(momentum) &&
+               detail::all_finite_each(conv_tail);
+    }
 
     /// The index of (sequence b, head h) in `weights` and `momentum`: b * n_heads + h.
     [[nodiscard]] static std::size_t index(const MemoryConfig& cfg, int b, int h) {

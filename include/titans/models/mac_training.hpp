@@ -29,12 +29,13 @@ namespace titans {
 
 namespace detail {
 
-/// MAC's training forward and backward (a friend of Block, BlockState and NeuralMemory).
+/// MAC's training forward and backward (a friend of Block and BlockState; the memory's part
+/// through NeuralMemory's public staged API: begin_trace, forward_part, Reverse,
+/// read_weights_backward).
 template <class T, class Backend>
 struct MacTraining {
     using Blk = Block<T, Backend>;
     using State = BlockState<T, Backend>;
-    using MemoryPass = backend::MemoryTraining<Backend, T>;
     using MemoryTrace = typename NeuralMemory<T, Backend>::Trace;
     using Layers = std::vector<Matrix<T>>;
     using Segments = std::vector<MacSegmentTrace<T>>;
@@ -51,7 +52,7 @@ struct MacTraining {
         if (next.position_ == 0) {
             next.memory_ = blk.memory_->make_state(B);
         }
-        MemoryPass::start(cfg.memory, next.memory_, N, cfg.d_model, mem);
+        blk.memory_->begin_trace(next.memory_, N, mem);
         Matrix<T> out(u.rows(), cfg.d_model);
         for (Eigen::Index t = 0; t < N;) {
             const std::int64_t pos = next.position_ + t;
@@ -63,9 +64,7 @@ struct MacTraining {
             const Matrix<T> U = segment_rows(u, B, t, m);
             sg.h = blk.memory_->read_weights(sg.weights, U, B);
             sg.y = blk.mac_attend(next, U, sg.h, sg.offset, m, pos);
-            sg.r.resize(sg.y.rows(), cfg.d_model);
-            MemoryPass::forward_part(cfg.memory, blk.memory_->prepared_, next.memory_,
-                                     view_of(std::as_const(sg.y)), view_of(sg.r), mem);
+            blk.memory_->forward_part(next.memory_, sg.y, sg.r, mem);
             const Matrix<T> o = (sg.y.array() * sg.r.unaryExpr([](T v) { return sigmoid(v); })
                                                      .array())
                                     .matrix();
@@ -103,8 +102,7 @@ struct MacTraining {
         gate_backward(segs, B, N, dout, dr, dy_gate);
         const auto* dm_out = given && !d_out->memory.empty() ? &d_out->memory : nullptr;
         const auto* dseg_out = given && !d_out->mac.empty() ? &d_out->mac : nullptr;
-        typename MemoryPass::Reverse rev(cfg.memory, blk.memory_->prepared_, mem,
-                                         view_of(std::as_const(dr)), dm_out);
+        typename NeuralMemory<T, Backend>::Reverse rev(*blk.memory_, mem, dr, dm_out);
         // The incoming segment state's adjoint, built only when asked for (d_in).
         MacStateGradient<T> dseg = d_in != nullptr ? zero_segment_state(blk, B, start % cfg.segment)
                                                    : MacStateGradient<T>{};
@@ -120,8 +118,7 @@ struct MacTraining {
             Matrix<T> dU, dh, dU_read;
             attend_backward(blk, sg, U, B, start + sg.t0, dy, dlast, dU, dh, dseg, g);
             std::vector<Layers> dW;
-            MemoryPass::read_weights_backward(cfg.memory, blk.memory_->prepared_, sg.weights, U, B,
-                                              dh, dU_read, dW, g.memory);
+            blk.memory_->read_weights_backward(sg.weights, U, B, dh, dU_read, dW, g.memory);
             if (dlast != nullptr) {  // the state after the call keeps this segment's snapshot
                 add_layers(dlast->snapshot, dW);
             }
@@ -135,8 +132,7 @@ struct MacTraining {
         }
         rev.finish(g.memory, d_in != nullptr ? &d_in->memory : nullptr);
         if (d_in != nullptr) {
-            if (!NeuralMemory<T, Backend>::state_gradient_finite(d_in->memory) ||
-                !segment_finite(dseg)) {
+            if (!d_in->memory.finite() || !segment_finite(dseg)) {
                 throw NonFiniteError("Block::backward: the state's gradient overflows, expected "
                                      "finite values; grads are unchanged");
             }
@@ -158,7 +154,7 @@ struct MacTraining {
                                             "expected none (MAC's keys are in d_state_out.mac)"));
         }
         if (!d.memory.empty()) {
-            blk.memory_->check_state_gradient(d.memory, mem);
+            blk.memory_->validate_state_gradient(d.memory, mem);
         }
         if (d.mac.empty()) {
             return;
@@ -167,7 +163,7 @@ struct MacTraining {
                                 2 * (end % blk.cfg_.segment), blk.cfg_.attention.inner_dim(),
                                 where, "d_state_out.mac",
                                 "2 (position % segment) x n_heads * d_head");
-        blk.memory_->check_weights(d.mac.snapshot, B, "Block::backward (d_state_out.mac.snapshot)");
+        blk.memory_->validate_weights(d.mac.snapshot, B, "Block::backward (d_state_out.mac.snapshot)");
         if (!all_finite_each(d.mac.snapshot)) {  // keys and values: checked above
             throw NonFiniteError(concat(where, ": d_state_out.mac has a NaN or infinite entry"));
         }
@@ -194,7 +190,7 @@ struct MacTraining {
             for (const Matrix<T>* x : {&sg.h, &sg.y, &sg.r}) {
                 check_trace_shape(*x, B * m, cfg.d_model, where, part + ".h, y, r");
             }
-            blk.memory_->check_weights(sg.weights, B, concat(where, " (trace.", part,
+            blk.memory_->validate_weights(sg.weights, B, concat(where, " (trace.", part,
                                                             ".weights)").c_str());
             const std::size_t kept = offset > 0 ? static_cast<std::size_t>(B) : 0;
             for (const std::vector<Matrix<T>>* kv : {&sg.kept_k, &sg.kept_v}) {

@@ -48,6 +48,7 @@ struct MemoryTraining<Cpu, T> {
         std::int64_t start = 0;       // the state's position at the trace's first row
         std::vector<Mat> tail_in;     // its conv tails (B of (K-1) x 3D)
         typename Kernels::Recording kept;
+        Eigen::Index recorded = 0;   // rows per stream forward_part has recorded
         detail::TraceFilled filled;  // a moved-from trace is empty
         [[nodiscard]] bool empty() const { return !filled; }
         [[nodiscard]] Eigen::Index rows() const { return x.rows(); }
@@ -139,6 +140,7 @@ struct MemoryTraining<Cpu, T> {
                 t.kept.logits.middleRows(s * N + t0, m) = rec.logits.middleRows(s * m, m);
             }
         }
+        t.recorded = t0 + m;
         t.filled = t0 + m == N;
     }
 
@@ -210,11 +212,13 @@ private:
     }
 
     /// The adjoint of the weights after w.cur tokens (the memory a MAC segment starting there
-    /// reads): at a chunk start it is the start memory's (carried in dWn); otherwise it waits
+    /// reads): at a chunk start it is the start memory's (carried in dWn); after the last row
+    /// it is the final memory's (dWn too, the last stage then ends there); otherwise it waits
     /// for the stage that ends there.
     static void sweep_tap(const MemoryConfig& cfg, Eigen::Index N, const Layers& dW, Pair& w) {
         const int b = cfg.effective_chunk();
-        const bool boundary = w.cur < N && w.cur % b == 0;
+        const bool last = w.cur == N;
+        const bool boundary = last || w.cur % b == 0;
         for (std::size_t l = 0; l < dW.size(); ++l) {
             if (boundary) {
                 w.dWn[l] += dW[l];
@@ -223,6 +227,7 @@ private:
             }
         }
         w.has_tap = w.has_tap || !boundary;
+        w.final_end = w.final_end || last;
     }
 
     /// The reverse sweep over one pair's rows [p, w.cur), chunk by chunk, last first; a chunk
