@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <type_traits>
@@ -35,6 +36,26 @@ inline int parity_cases(int cases) {
         return std::min(cases, std::max(1, std::atoi(cap)));
     }
     return cases;
+}
+
+/// A parity sweep: parity_cases(cases_per_mode) cases of every primary mode, each
+/// `run(base, k, index, rng)` (rng seeded from name and index) returning its error, checked
+/// against bound; prints and returns the worst.
+template <class Run>
+double mode_sweep(const char* name, int cases_per_mode, double bound, Run&& run) {
+    cases_per_mode = parity_cases(cases_per_mode);
+    int index = 0;
+    double worst = 0;
+    for (const Modes& base : all_primary_modes()) {
+        for (int k = 0; k < cases_per_mode; ++k, ++index) {
+            Rng rng(seed_for(name, static_cast<std::uint64_t>(index)));
+            const double e = run(base, k, index, rng);
+            CHECK(e <= bound);
+            worst = std::max(worst, e);
+        }
+    }
+    std::printf("%s: %d cases, worst relative error %.3g (bound %.0e)\n", name, index, worst, bound);
+    return worst;
 }
 
 /// The parity bound of T's results against CPU double (relative): 1e-12 for double, 1e-5 for

@@ -1,10 +1,12 @@
-// The neural memory's training pass on the CUDA backend (math §9), IN PROGRESS: the device
-// trace and the training forward (backend/cuda/memory_training.cuh) against the CPU's
+// The neural memory's training pass on the CUDA backend (math §9): the device trace and the
+// training forward (backend/cuda/memory_training.cuh) against the CPU's
 // (cpu/memory_training.hpp), every update, retrieval and gate mode with the other options
 // drawn: outputs, the state after, and every kept tensor (input, conv tails, pre-conv
-// products, gate logits, the memory at each chunk start). CPU double is the reference: CUDA
-// double within 1e-12, CUDA float within 1e-5 of the same problem rounded to float. Outputs are
-// poisoned (NaN) before each call. backward is not on the device yet (available = false).
+// products, gate logits, the memory at each chunk start); the backward (memory_sweep.cuh),
+// whole, chained, and in stages with taps of mid-stream reads at cuts of any length (the
+// staged API MAC's training drives); the reverse of read_weights (memory_read_backward.cuh).
+// CPU double is the reference: CUDA double within 1e-12, CUDA float within 1e-5 of the same
+// problem rounded to float. Outputs are poisoned (NaN) before each call.
 
 #include <titans/backend/cuda/cuda.cuh>
 
@@ -282,29 +284,106 @@ double compare_results(const TrainResult& a, const TrainResult& ref, const Memor
     return e;
 }
 
+/// Adjoints of the weights after some tokens: per tap, per pair, the layer shapes.
+using Taps = std::vector<std::vector<std::vector<Matrixd>>>;
+
+/// The staged pass at the backend level (MemoryTraining's start, forward_part and Reverse):
+/// one trace fed in the pieces at c.cuts (any lengths), then reversed in stages at the same
+/// cuts, taps[k] added at cuts[k] (the last at N first, the first at 0 last); dx per piece,
+/// the incoming state's adjoint (in d_in[0]) and the gradients.
+template <class T, class Backend>
+TrainResult run_staged(const TrainCase& c, const Taps& taps) {
+    using Kernels = titans::backend::MemoryKernels<Backend, T>;
+    using Pass = titans::backend::MemoryTraining<Backend, T>;
+    const auto prepared = Kernels::prepare(
+        c.cfg, std::make_shared<const titans::MemoryParams<T>>(cast_params<T>(c.p)));
+    auto st = Kernels::make_state(c.cfg, prepared, c.B);
+    const Eigen::Index N = c.x.rows() / c.B;
+    const std::size_t K = c.cuts.size() - 1;
+    typename Pass::Trace tr;
+    Pass::start(c.cfg, st, N, c.cfg.d_model, tr);
+    for (std::size_t k = 0; k < K; ++k) {
+        const Matrix<T> xp = take_tokens(c.x, c.B, N, c.cuts[k], c.cuts[k + 1]).template cast<T>();
+        Matrix<T> y;
+        const titans::backend::Upload<Backend, T> in(xp);
+        titans::backend::Download<Backend, T> out(y, xp.rows(), xp.cols());
+        Pass::forward_part(c.cfg, prepared, st, in.view(), out.view(), tr);
+        out.finish();
+    }
+    REQUIRE(!tr.empty());
+    auto g = cast_params<T>(c.g0);
+    const Matrix<T> dy = c.dy.template cast<T>();
+    const titans::backend::Upload<Backend, T> dyu(dy);
+    typename Pass::Reverse rev(c.cfg, prepared, tr, dyu.view(), nullptr);
+    const auto tap = [&](std::size_t k) {
+        std::vector<std::vector<Matrix<T>>> dW;
+        for (const auto& pair : taps[k]) dW.push_back(cast_layers<T>(pair));
+        rev.tap(dW);
+    };
+    TrainResult r;
+    r.dx.resize(K);
+    r.d_in.resize(K);
+    tap(K);
+    for (std::size_t k = K; k-- > 0;) {
+        Matrix<T> dx;
+        rev.down_to(c.cuts[k], dx);
+        r.dx[k] = dx.template cast<double>();
+        tap(k);
+    }
+    titans::MemoryStateGradient<T> d_in;
+    rev.finish(g, &d_in);
+    r.d_in[0] = to_double(d_in);
+    r.g = cast_params<double>(g);
+    return r;
+}
+
+/// Cuts of any length (empty pieces too) and a random tap at each cut.
+void staged_cuts(TrainCase& c, Taps& taps, Rng& rng) {
+    const Eigen::Index N = c.x.rows() / c.B;
+    c.cuts = {0};
+    while (c.cuts.back() < N) {
+        c.cuts.push_back(std::min<Eigen::Index>(N, c.cuts.back() + uniform_int(rng, 0, 4)));
+    }
+    taps.clear();
+    for (std::size_t k = 0; k < c.cuts.size(); ++k) {
+        std::vector<std::vector<Matrixd>> pairs(static_cast<std::size_t>(c.B * c.cfg.n_heads));
+        for (auto& layers : pairs) {
+            for (int l = 1; l <= c.cfg.depth; ++l) {
+                layers.push_back(random_matrix(c.cfg.layer_in(l), c.cfg.layer_out(l), rng));
+            }
+        }
+        taps.push_back(std::move(pairs));
+    }
+}
+
+template <class T>
+void staged_sweep(const char* name, int cases_per_mode, double bound) {
+    mode_sweep(name, cases_per_mode, bound, [&](const Modes& base, int, int index, Rng& rng) {
+        TrainCase c = train_case<T>(base, index, rng, false);
+        Taps taps;
+        staged_cuts(c, taps, rng);
+        INFO("case " << index << ": " << to_string(c.cfg.update) << "/"
+                     << to_string(c.cfg.retrieval) << "/" << to_string(c.cfg.gates) << " chunk "
+                     << c.cfg.chunk << " B " << c.B << " N " << c.x.rows() / c.B << " pieces "
+                     << c.cuts.size() - 1);
+        const TrainResult ref = run_staged<double, titans::backend::Cpu>(c, taps);
+        return compare_results(run_staged<T, Cuda>(c, taps), ref, c.cfg);
+    });
+}
+
 template <class T>
 void train_sweep(const char* name, int cases_per_mode, bool chained, double bound) {
-    cases_per_mode = parity_cases(cases_per_mode);
-    int index = 0;
-    double worst = 0;
-    for (const Modes& base : all_primary_modes()) {
-        for (int k = 0; k < cases_per_mode; ++k, ++index) {
-            Rng rng(seed_for(name, static_cast<std::uint64_t>(index)));
-            const TrainCase c = train_case<T>(base, index, rng, chained);
-            INFO("case " << index << ": " << to_string(c.cfg.update) << "/" << to_string(c.cfg.retrieval)
-                         << "/" << to_string(c.cfg.gates) << " flags " << (index * 11) % 32
-                         << " depth " << c.cfg.depth << " chunk " << c.cfg.chunk << " conv "
-                         << c.cfg.use_conv << "/" << c.cfg.conv_kernel << " clip "
-                         << c.cfg.max_grad_norm << " B " << c.B << " N " << c.x.rows() / c.B
-                         << " pieces " << c.cuts.size() - 1);
-            const TrainResult ref = run_chained<double, titans::backend::Cpu>(c);
-            const TrainResult got = run_chained<T, Cuda>(c);
-            const double e = compare_results(got, ref, c.cfg);
-            CHECK(e <= bound);
-            worst = std::max(worst, e);
-        }
-    }
-    std::printf("%s: %d cases, worst relative error %.3g (bound %.0e)\n", name, index, worst, bound);
+    mode_sweep(name, cases_per_mode, bound, [&](const Modes& base, int, int index, Rng& rng) {
+        const TrainCase c = train_case<T>(base, index, rng, chained);
+        INFO("case " << index << ": " << to_string(c.cfg.update) << "/" << to_string(c.cfg.retrieval)
+                     << "/" << to_string(c.cfg.gates) << " flags " << (index * 11) % 32
+                     << " depth " << c.cfg.depth << " chunk " << c.cfg.chunk << " conv "
+                     << c.cfg.use_conv << "/" << c.cfg.conv_kernel << " clip "
+                     << c.cfg.max_grad_norm << " B " << c.B << " N " << c.x.rows() / c.B
+                     << " pieces " << c.cuts.size() - 1);
+        const TrainResult ref = run_chained<double, titans::backend::Cpu>(c);
+        return compare_results(run_chained<T, Cuda>(c), ref, c.cfg);
+    });
 }
 }  // namespace
 
@@ -375,6 +454,55 @@ TEST_CASE("cuda memory training: double", "[cuda]") {
 
 TEST_CASE("cuda memory training: chained double", "[cuda]") {
     train_sweep<double>("cuda memory training: chained double", 4, true, 1e-12);
+}
+
+TEST_CASE("cuda memory training: staged double", "[cuda]") {
+    staged_sweep<double>("cuda memory training: staged double", 3, 1e-12);
+}
+
+TEST_CASE("cuda memory training: staged float", "[cuda]") {
+    staged_sweep<float>("cuda memory training: staged float", 1, 1e-5);
+}
+
+// NeuralMemory::read_weights_backward on CUDA (MAC's read of its segment-start memory
+// reversed on the device) against the CPU's: dx, the weights' adjoint and W_Q's and W_O's
+// gradients, every option flag, batches 1-2, 0-5 rows.
+TEMPLATE_TEST_CASE("cuda memory: read backward", "[cuda]", float, double) {
+    using T = TestType;
+    const std::string name = std::string("cuda read backward ") + type_name<T>();
+    mode_sweep(name.c_str(), 2, bound<T>(), [&](const Modes& base, int, int index, Rng& rng) {
+        const TrainCase c = train_case<T>(base, index, rng, false);
+        const int m = uniform_int(rng, 0, 5);
+        std::vector<std::vector<Matrixd>> W(static_cast<std::size_t>(c.B * c.cfg.n_heads));
+        std::vector<std::vector<Matrix<T>>> Wt;
+        for (auto& layers : W) {
+            for (int l = 1; l <= c.cfg.depth; ++l) {
+                layers.push_back(round_through<T>(random_matrix(c.cfg.layer_in(l), c.cfg.layer_out(l), rng)));
+            }
+            Wt.push_back(cast_layers<T>(layers));
+        }
+        const Matrixd x = round_through<T>(random_matrix(c.B * m, c.cfg.d_model, rng));
+        const Matrixd dy = round_through<T>(random_matrix(c.B * m, c.cfg.d_model, rng));
+        auto g_ref = c.g0;
+        auto g = cast_params<T>(c.g0);
+        Matrixd dx_ref;
+        Matrix<T> dx;
+        std::vector<std::vector<Matrixd>> dW_ref;
+        std::vector<std::vector<Matrix<T>>> dW;
+        NeuralMemory<double>(c.cfg, c.p).read_weights_backward(W, x, c.B, dy, dx_ref, dW_ref, g_ref);
+        CudaMemory<T>(c.cfg, cast_params<T>(c.p))
+            .read_weights_backward(Wt, Matrix<T>(x.cast<T>()), c.B, Matrix<T>(dy.cast<T>()), dx, dW, g);
+        INFO("case " << index << " B " << c.B << " rows " << m << " residual " << c.cfg.residual
+                     << " norm " << c.cfg.normalize_qk);
+        REQUIRE(dW.size() == dW_ref.size());
+        double e = rel_error(Matrixd(dx.template cast<double>()), dx_ref, 1e-3);
+        for (std::size_t i = 0; i < dW.size(); ++i) {
+            e = std::max(e, rel_error(cast_layers<double>(dW[i]), dW_ref[i], 1e-3));
+        }
+        e = std::max(e, rel_error(Matrixd(g.w_q.template cast<double>()), g_ref.w_q, 1e-3));
+        e = std::max(e, rel_error(Matrixd(g.w_o.template cast<double>()), g_ref.w_o, 1e-3));
+        return std::max(e, rel_error(Matrixd(g.w_k.template cast<double>()), g_ref.w_k, 1e-3));
+    });
 }
 
 TEST_CASE("cuda memory training: float", "[cuda]") {

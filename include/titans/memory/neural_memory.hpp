@@ -346,7 +346,7 @@ public:
     // the memory mid-stream, such as a read of it (MAC reads it at every segment start).
 
     /// Whether this backend has the staged training API (begin_trace, forward_part, Reverse,
-    /// read_weights_backward): the CPU's.
+    /// read_weights_backward): the CPU's and CUDA's.
     static constexpr bool staged = backend::MemoryTraining<Backend, T>::staged;
 
     /// Starts a training trace of `rows` tokens per stream from `state` (at a chunk boundary:

@@ -16,7 +16,7 @@ namespace titans {
 /// caller adds, with tap, the adjoint of the weights after position() tokens (a read of the
 /// memory there: current_weights' values, e.g. read through read_weights, whose backward gives
 /// the adjoint). down_to(0) then finish equals NeuralMemory::backward (bit for bit) when
-/// nothing is tapped. Backends with the staged API (NeuralMemory::staged: the CPU).
+/// nothing is tapped. Backends with the staged API (NeuralMemory::staged: the CPU, CUDA).
 ///
 /// The memory and the trace must outlive the Reverse; dy is copied. A call that throws a
 /// ShapeError or ConfigError changes nothing; one that throws NonFiniteError (the gradients

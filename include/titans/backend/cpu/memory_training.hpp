@@ -129,8 +129,16 @@ struct MemoryTraining<Cpu, T> {
         const int B = t.batch;
         const Eigen::Index N = t.x.rows() / B, m = x.rows / B, t0 = st.position() - t.start;
         typename Kernels::Recording rec;
+        std::vector<std::size_t> kept;  // each pair's chunk starts before this part
+        for (const std::vector<Mat>& pair : t.kept.memory) kept.push_back(pair.size());
         rec.memory = std::move(t.kept.memory);
-        Kernels::run(cfg, p, st, x, y, diag, &rec);
+        try {
+            Kernels::run(cfg, p, st, x, y, diag, &rec);
+        } catch (...) {  // the trace as it was (the state is rolled back by run)
+            for (std::size_t i = 0; i < kept.size(); ++i) rec.memory[i].resize(kept[i]);
+            t.kept.memory = std::move(rec.memory);
+            throw;
+        }
         t.kept.memory = std::move(rec.memory);
         const auto xs = cpu::as_eigen(x);
         for (int s = 0; s < B && m > 0; ++s) {

@@ -131,124 +131,208 @@ struct AttentionTraining<Cuda, T> {
                          const Trace& tr, View<const T> dyv, View<T> dxv, AttentionParams<T>& g,
                          Mat* dprefix, const AttentionStateGradient<T>* d_out = nullptr,
                          AttentionStateGradient<T>* d_in = nullptr) {
+        Pass ps = recompute(cfg, prepared, tr);                    // 1.
+        output_backward(cfg, prepared, ps, dyv);
+        attend_backward(cfg, ps);                                  // 2.
+        window_backward(cfg, tr, ps, d_out);                       // 3.
+        projections_backward(cfg, prepared, tr, ps, dxv);
+        host_outputs(cfg, tr, ps, g, dprefix, d_in);
+    }
+
+    // The backward's stages (public: nvcc's device lambdas cannot sit in private members).
+    /// What the stages share: the sizes, the forward recomputed (qkv after RoPE, the prefix's
+    /// keys and values, each sequence's window of cap = kept + N rows, the heads' outputs o),
+    /// the adjoints and the gradients on the device.
+    struct Pass {
+        int B = 0, H = 0, dh = 0;
+        long long D = 0, d = 0, rows = 0, N = 0, h = 0, cap = 0, prows = 0, np = 0;
+        bool shared = false;
+        T scale = T(0);
+        Buf qkv, kw, vw, o;
+        typename Kernels::Prefix proj;
+        const T* kp = nullptr;  // the prefix's keys and values (qkv when none: never read)
+        const T* vp = nullptr;
+        Buf dout, dqkv, dkw, dvw, dkvp, gqkv, go, dp;
+    };
+
+    /// Stage 1: qkv = x [W_Q | W_K | W_V], RoPE, the prefix projected, the windows assembled
+    /// (kept rows, then the call's), o recomputed.
+    static Pass recompute(const AttentionConfig& cfg, const typename Kernels::Prepared& prepared,
+                          const Trace& tr) {
         const typename Kernels::Params& p = *prepared;
         const cuda::StreamContext& cx = cuda::thread_context();
         const cudaStream_t sm = cx.stream();
-        const int B = tr.batch, H = cfg.n_heads, dh = cfg.head_dim();
-        const long long D = cfg.inner_dim(), d = cfg.d_model, rows = tr.x.rows();
-        const long long N = rows / B, h = tr.kept, cap = h + N;
-        const int iD = static_cast<int>(D), id = static_cast<int>(d);
-        const int irows = static_cast<int>(rows);
-        // 1. the forward recomputed
-        Buf qkv(static_cast<std::size_t>(rows * 3 * D));
-        cuda::gemm<T>(cx.blas(), false, false, irows, 3 * iD, id, T(1), {tr.x.mem.data(), id},
-                      {p.w_qkv.data(), 3 * iD}, T(0), qkv.data(), 3 * iD, 0, 1);
+        Pass ps;
+        ps.B = tr.batch;
+        ps.H = cfg.n_heads;
+        ps.dh = cfg.head_dim();
+        ps.D = cfg.inner_dim();
+        ps.d = cfg.d_model;
+        ps.rows = tr.x.rows();
+        ps.N = ps.rows / ps.B;
+        ps.h = tr.kept;
+        ps.cap = ps.h + ps.N;
+        const long long D = ps.D, rows = ps.rows;
+        ps.qkv = Buf(static_cast<std::size_t>(rows * 3 * D));
+        cuda::gemm<T>(cx.blas(), false, false, static_cast<int>(rows), 3 * static_cast<int>(D),
+                      static_cast<int>(ps.d), T(1), {tr.x.mem.data(), static_cast<int>(ps.d)},
+                      {p.w_qkv.data(), 3 * static_cast<int>(D)}, T(0), ps.qkv.data(),
+                      3 * static_cast<int>(D), 0, 1);
         if (cfg.rope) {
-            cuda::each(sm, rows * 2 * H * (dh / 2),
-                       detail::RopeQK<T>{qkv.data(), N, D, H, dh, tr.start, cfg.rope_base});
+            cuda::each(sm, rows * 2 * ps.H * (ps.dh / 2),
+                       detail::RopeQK<T>{ps.qkv.data(), ps.N, D, ps.H, ps.dh, tr.start,
+                                         cfg.rope_base});
         }
-        const long long prows = tr.prefix.rows();
-        const bool shared = tr.sharing == PrefixSharing::Shared;
-        const long long np = prows == 0 ? 0 : shared ? prows : prows / B;
-        typename Kernels::Prefix proj;
-        if (prows > 0) {
-            proj = Kernels::project_prefix(cfg, prepared, tr.prefix.view(), tr.sharing);
+        ps.prows = tr.prefix.rows();
+        ps.shared = tr.sharing == PrefixSharing::Shared;
+        ps.np = ps.prows == 0 ? 0 : ps.shared ? ps.prows : ps.prows / ps.B;
+        if (ps.prows > 0) {
+            ps.proj = Kernels::project_prefix(cfg, prepared, tr.prefix.view(), tr.sharing);
         }
-        Buf kw(static_cast<std::size_t>(B * cap * D)), vw(static_cast<std::size_t>(B * cap * D));
-        if (h > 0) {
-            Kernels::move_rows(sm, kw.data(), tr.kept_k.data(), B, h * D, cap * D, h * D);
-            Kernels::move_rows(sm, vw.data(), tr.kept_v.data(), B, h * D, cap * D, h * D);
+        ps.kw = Buf(static_cast<std::size_t>(ps.B * ps.cap * D));
+        ps.vw = Buf(ps.kw.size());
+        if (ps.h > 0) {
+            Kernels::move_rows(sm, ps.kw.data(), tr.kept_k.data(), ps.B, ps.h * D, ps.cap * D,
+                               ps.h * D);
+            Kernels::move_rows(sm, ps.vw.data(), tr.kept_v.data(), ps.B, ps.h * D, ps.cap * D,
+                               ps.h * D);
         }
-        cuda::each(sm, rows * D, detail::AppendWindow<T>{qkv.data(), kw.data(), vw.data(), N, D,
-                                                         cap, h});
-        const T scale = T(1) / std::sqrt(static_cast<T>(dh));
-        const T* kp = prows > 0 ? proj.k.data() : qkv.data();  // never read without a prefix
-        const T* vp = prows > 0 ? proj.v.data() : qkv.data();
-        Buf o(static_cast<std::size_t>(rows * D)), dout(static_cast<std::size_t>(rows * D));
-        Buf gqkv(static_cast<std::size_t>(d * 3 * D)), go(static_cast<std::size_t>(D * d));
-        Buf dqkv(static_cast<std::size_t>(rows * 3 * D));
+        cuda::each(sm, rows * D, detail::AppendWindow<T>{ps.qkv.data(), ps.kw.data(),
+                                                         ps.vw.data(), ps.N, D, ps.cap, ps.h});
+        ps.scale = T(1) / std::sqrt(static_cast<T>(ps.dh));
+        ps.kp = ps.prows > 0 ? ps.proj.k.data() : ps.qkv.data();
+        ps.vp = ps.prows > 0 ? ps.proj.v.data() : ps.qkv.data();
+        ps.o = Buf(static_cast<std::size_t>(rows * D));
         if (rows > 0) {
-            cuda::each(sm, rows * H,
-                       detail::AttendRows<T>{qkv.data(), kp, vp, np, D, D, shared, kw.data(),
-                                             vw.data(), cap, h, N, D, H, dh, cfg.window, scale,
-                                             o.data()});
-            cuda::gemm<T>(cx.blas(), true, false, iD, id, irows, T(1), {o.data(), iD},
-                          {dyv.data, static_cast<int>(dyv.stride)}, T(0), go.data(), id, 0, 1);
-            cuda::gemm<T>(cx.blas(), false, true, irows, iD, id, T(1),
-                          {dyv.data, static_cast<int>(dyv.stride)}, {p.w_o.data(), id}, T(0),
-                          dout.data(), iD, 0, 1);
+            cuda::each(sm, rows * ps.H,
+                       detail::AttendRows<T>{ps.qkv.data(), ps.kp, ps.vp, ps.np, D, D, ps.shared,
+                                             ps.kw.data(), ps.vw.data(), ps.cap, ps.h, ps.N, D,
+                                             ps.H, ps.dh, cfg.window, ps.scale, ps.o.data()});
         }
-        // 2. the attention backward
+        return ps;
+    }
+
+    /// The output projection reversed: g_O = o^T dy, dout = dy W_O^T.
+    static void output_backward(const AttentionConfig&, const typename Kernels::Prepared& prepared,
+                                Pass& ps, View<const T> dyv) {
+        const cuda::StreamContext& cx = cuda::thread_context();
+        const int iD = static_cast<int>(ps.D), id = static_cast<int>(ps.d);
+        const int irows = static_cast<int>(ps.rows);
+        ps.dout = Buf(static_cast<std::size_t>(ps.rows * ps.D));
+        ps.go = Buf(static_cast<std::size_t>(ps.D * ps.d));
+        if (ps.rows > 0) {
+            cuda::gemm<T>(cx.blas(), true, false, iD, id, irows, T(1), {ps.o.data(), iD},
+                          {dyv.data, static_cast<int>(dyv.stride)}, T(0), ps.go.data(), id, 0, 1);
+            cuda::gemm<T>(cx.blas(), false, true, irows, iD, id, T(1),
+                          {dyv.data, static_cast<int>(dyv.stride)}, {prepared->w_o.data(), id},
+                          T(0), ps.dout.data(), iD, 0, 1);
+        }
+    }
+
+    /// Stage 2: the attention backward, three deterministic passes: dq (with the softmax
+    /// statistics), the window rows' dk, dv, the prefix rows'.
+    static void attend_backward(const AttentionConfig& cfg, Pass& ps) {
+        const cudaStream_t sm = cuda::thread_context().stream();
+        const long long rows = ps.rows, D = ps.D, H = ps.H;
         Buf stats(static_cast<std::size_t>(3 * rows * H));
+        ps.dqkv = Buf(static_cast<std::size_t>(rows * 3 * D));
         const detail::AttentionBackwardOperands<T> ops{
-            qkv.data(), kp, vp, np, D, D, shared, kw.data(), vw.data(), cap, h, N, D, H, dh,
-            cfg.window, scale, dout.data(), stats.data(), stats.data() + rows * H,
-            stats.data() + 2 * rows * H};
-        cuda::each(sm, rows * H, detail::QueryRowsBackward<T>{ops, dqkv.data(), 3 * D});
-        Buf dkw(static_cast<std::size_t>(B * cap * D)), dvw(static_cast<std::size_t>(B * cap * D));
-        cuda::each(sm, B * cap * H, detail::KeyRowsBackward<T>{ops, dkw.data(), dvw.data()});
-        Buf dkvp(static_cast<std::size_t>(prows * 2 * D));
-        cuda::each(sm, prows * H,
-                   detail::PrefixRowsBackward<T>{ops, B, dkvp.data(), 2 * D});
-        // 3. the window's adjoints, RoPE transposed, the projections reversed
+            ps.qkv.data(), ps.kp, ps.vp, ps.np, D, D, ps.shared, ps.kw.data(), ps.vw.data(),
+            ps.cap, ps.h, ps.N, D, ps.H, ps.dh, cfg.window, ps.scale, ps.dout.data(),
+            stats.data(), stats.data() + rows * H, stats.data() + 2 * rows * H};
+        cuda::each(sm, rows * H, detail::QueryRowsBackward<T>{ops, ps.dqkv.data(), 3 * D});
+        ps.dkw = Buf(static_cast<std::size_t>(ps.B * ps.cap * D));
+        ps.dvw = Buf(ps.dkw.size());
+        cuda::each(sm, ps.B * ps.cap * H, detail::KeyRowsBackward<T>{ops, ps.dkw.data(),
+                                                                      ps.dvw.data()});
+        ps.dkvp = Buf(static_cast<std::size_t>(ps.prows * 2 * D));
+        cuda::each(sm, ps.prows * H,
+                   detail::PrefixRowsBackward<T>{ops, ps.B, ps.dkvp.data(), 2 * D});
+    }
+
+    /// Stage 3a: the adjoint of the window the call left added, the call's rows' window
+    /// adjoints gathered into dqkv, the transposed RoPE.
+    static void window_backward(const AttentionConfig& cfg, const Trace& tr, Pass& ps,
+                                const AttentionStateGradient<T>* d_out) {
+        const cudaStream_t sm = cuda::thread_context().stream();
+        const long long D = ps.D, B = ps.B;
         const long long keep = d_out != nullptr ? d_out->keys[0].rows() : 0;
         Buf dwin;
         if (keep > 0) {
             dwin = Buf(static_cast<std::size_t>(2 * B * keep * D));
-            for (int b = 0; b < B; ++b) {
+            for (int b = 0; b < ps.B; ++b) {
                 const auto i = static_cast<std::size_t>(b);
                 upload(dwin.data() + b * keep * D, d_out->keys[i]);
                 upload(dwin.data() + (B + b) * keep * D, d_out->values[i]);
             }
-            add_window(sm, dkw.data(), dvw.data(), dwin.data(), B, keep, cap, D);
+            add_window(sm, ps.dkw.data(), ps.dvw.data(), dwin.data(), B, keep, ps.cap, D);
         }
-        cuda::each(sm, rows * D, detail::GatherWindowGrad<T>{dkw.data(), dvw.data(), dqkv.data(),
-                                                              N, D, cap, h});
+        cuda::each(sm, ps.rows * D, detail::GatherWindowGrad<T>{ps.dkw.data(), ps.dvw.data(),
+                                                                 ps.dqkv.data(), ps.N, D, ps.cap,
+                                                                 ps.h});
         if (cfg.rope) {
-            cuda::each(sm, rows * 2 * H * (dh / 2),
-                       detail::RopeQKTranspose<T>{dqkv.data(), N, D, H, dh, tr.start,
-                                                  cfg.rope_base});
+            cuda::each(sm, ps.rows * 2 * ps.H * (ps.dh / 2),
+                       detail::RopeQKTranspose<T>{ps.dqkv.data(), ps.N, D, ps.H, ps.dh,
+                                                  tr.start, cfg.rope_base});
         }
-        if (rows > 0) {
+    }
+
+    /// Stage 3b: g_QKV = x^T [dq | dk | dv], dx = [dq | dk | dv] [W_Q|W_K|W_V]^T, and the
+    /// prefix's g_KV += P^T [dk_P | dv_P], dprefix = [dk_P | dv_P] [W_K | W_V]^T.
+    static void projections_backward(const AttentionConfig&,
+                                     const typename Kernels::Prepared& prepared, const Trace& tr,
+                                     Pass& ps, View<T> dxv) {
+        const typename Kernels::Params& p = *prepared;
+        const cuda::StreamContext& cx = cuda::thread_context();
+        const int iD = static_cast<int>(ps.D), id = static_cast<int>(ps.d);
+        const int irows = static_cast<int>(ps.rows);
+        ps.gqkv = Buf(static_cast<std::size_t>(ps.d * 3 * ps.D));
+        if (ps.rows > 0) {
             cuda::gemm<T>(cx.blas(), true, false, id, 3 * iD, irows, T(1), {tr.x.mem.data(), id},
-                          {dqkv.data(), 3 * iD}, T(0), gqkv.data(), 3 * iD, 0, 1);
-            cuda::gemm<T>(cx.blas(), false, true, irows, id, 3 * iD, T(1), {dqkv.data(), 3 * iD},
-                          {p.w_qkv.data(), 3 * iD}, T(0), dxv.data, static_cast<int>(dxv.stride),
-                          0, 1);
+                          {ps.dqkv.data(), 3 * iD}, T(0), ps.gqkv.data(), 3 * iD, 0, 1);
+            cuda::gemm<T>(cx.blas(), false, true, irows, id, 3 * iD, T(1),
+                          {ps.dqkv.data(), 3 * iD}, {p.w_qkv.data(), 3 * iD}, T(0), dxv.data,
+                          static_cast<int>(dxv.stride), 0, 1);
         }
-        Buf dp(static_cast<std::size_t>(prows * d));
-        if (prows > 0) {
-            const int ip = static_cast<int>(prows);
+        ps.dp = Buf(static_cast<std::size_t>(ps.prows * ps.d));
+        if (ps.prows > 0) {
+            const int ip = static_cast<int>(ps.prows);
             // rows == 0: gqkv's k and v columns are set here (beta 0), else added to
-            cuda::gemm<T>(cx.blas(), true, false, id, 2 * iD, ip, T(1), {tr.prefix.mem.data(), id},
-                          {dkvp.data(), 2 * iD}, rows > 0 ? T(1) : T(0), gqkv.data() + D, 3 * iD,
-                          0, 1);
-            cuda::gemm<T>(cx.blas(), false, true, ip, id, 2 * iD, T(1), {dkvp.data(), 2 * iD},
-                          {p.w_qkv.data() + D, 3 * iD}, T(0), dp.data(), id, 0, 1);
+            cuda::gemm<T>(cx.blas(), true, false, id, 2 * iD, ip, T(1),
+                          {tr.prefix.mem.data(), id}, {ps.dkvp.data(), 2 * iD},
+                          ps.rows > 0 ? T(1) : T(0), ps.gqkv.data() + ps.D, 3 * iD, 0, 1);
+            cuda::gemm<T>(cx.blas(), false, true, ip, id, 2 * iD, T(1), {ps.dkvp.data(), 2 * iD},
+                          {p.w_qkv.data() + ps.D, 3 * iD}, T(0), ps.dp.data(), id, 0, 1);
         }
-        // Downloads (host copies), then the host outputs: nothing changes before this point.
+    }
+
+    /// The downloads (host copies), then the host outputs: nothing changes before this point.
+    static void host_outputs(const AttentionConfig&, const Trace&, const Pass& ps,
+                             AttentionParams<T>& g, Mat* dprefix,
+                             AttentionStateGradient<T>* d_in) {
+        const long long D = ps.D;
         Mat hq, ho, hp;
-        const bool any_q = rows > 0, any_kv = rows > 0 || prows > 0;
+        const bool any_q = ps.rows > 0, any_kv = ps.rows > 0 || ps.prows > 0;
         if (any_kv) {
-            hq = download(gqkv.data(), d, 3 * D);
+            hq = download(ps.gqkv.data(), ps.d, 3 * D);
         }
         if (any_q) {
-            ho = download(go.data(), D, d);
+            ho = download(ps.go.data(), D, ps.d);
         }
-        if (prows > 0 && dprefix != nullptr) {
-            hp = download(dp.data(), prows, d);
+        if (ps.prows > 0 && dprefix != nullptr) {
+            hp = download(ps.dp.data(), ps.prows, ps.d);
         }
         AttentionStateGradient<T> din;
         if (d_in != nullptr) {
-            din.keys.assign(static_cast<std::size_t>(B), Mat());
-            din.values.assign(static_cast<std::size_t>(B), Mat());
-            for (int b = 0; b < B; ++b) {
+            din.keys.assign(static_cast<std::size_t>(ps.B), Mat());
+            din.values.assign(static_cast<std::size_t>(ps.B), Mat());
+            for (int b = 0; b < ps.B; ++b) {
                 const auto i = static_cast<std::size_t>(b);
-                din.keys[i] = download(dkw.data() + b * cap * D, h, D);
-                din.values[i] = download(dvw.data() + b * cap * D, h, D);
+                din.keys[i] = download(ps.dkw.data() + b * ps.cap * D, ps.h, D);
+                din.values[i] = download(ps.dvw.data() + b * ps.cap * D, ps.h, D);
             }
         }
-        cx.synchronize();
+        cuda::thread_context().synchronize();
         if (any_q) {
             g.w_q += hq.leftCols(D);
             g.w_o += ho;
@@ -257,7 +341,7 @@ struct AttentionTraining<Cuda, T> {
             g.w_k += hq.middleCols(D, D);
             g.w_v += hq.rightCols(D);
         }
-        if (dprefix != nullptr && prows > 0) {
+        if (dprefix != nullptr && ps.prows > 0) {
             *dprefix = std::move(hp);
         }
         if (d_in != nullptr) {
@@ -265,7 +349,6 @@ struct AttentionTraining<Cuda, T> {
         }
     }
 
-    // Internal (public only because nvcc's device lambdas cannot sit in private members).
     /// A dense host matrix's entries to device memory at `to` (synchronous).
     static void upload(T* to, const Mat& m) {
         if (m.size() > 0) {
