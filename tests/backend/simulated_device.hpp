@@ -14,9 +14,9 @@
 // object is freed its tensors are overwritten with NaN first, and an id that was freed (or never
 // existed) throws on use: a layer that kept a pointer into backend memory, or reached it other
 // than through the kernels, fails here. Every family runs on it: the memory, attention, RMSNorm
-// and FeedForward kernels and their training passes (not the memory's staged reverse, so MAC
-// blocks do not train here, as on CUDA), and so Block<T, SimulatedDevice> and
-// Model<T, SimulatedDevice>, trained too;
+// and FeedForward kernels and their training passes (the memory's staged API too, so every
+// block kind trains here), and so Block<T, SimulatedDevice> and Model<T, SimulatedDevice>,
+// trained too;
 // states reach the host (checkpoints) only through their tensors() hook, the transfer.
 #include <titans/titans.hpp>
 
@@ -486,12 +486,12 @@ struct AttentionKernels<titans_test::SimulatedDevice, T> {
 };
 
 /// The memory's training pass on the simulated device: the CPU's on the arena's data (its
-/// trace the CPU's). No staged reverse (MAC's training hands it host rows), as on CUDA: MAC
-/// blocks do not train here.
+/// trace the CPU's), the staged API (start, forward_part, Reverse, read_weights_backward)
+/// included, so every block kind trains here.
 template <class T>
 struct MemoryTraining<titans_test::SimulatedDevice, T> {
     static constexpr bool available = true;
-    static constexpr bool staged = false;
+    static constexpr bool staged = true;
     using Host = MemoryTraining<Cpu, T>;
     using Kernels = MemoryKernels<titans_test::SimulatedDevice, T>;
     using Trace = typename Host::Trace;
@@ -519,6 +519,52 @@ struct MemoryTraining<titans_test::SimulatedDevice, T> {
         titans_test::sim::require_device(dy, "dy");
         titans_test::sim::require_device(dx, "dx");
         Host::backward(cfg, p->get(), tr, dy, dx, g, d_out, d_in);
+    }
+
+    static void start(const MemoryConfig& cfg, const typename Kernels::State& st,
+                      Eigen::Index N, Eigen::Index d, Trace& t) {
+        Host::start(cfg, st.device_.get(), N, d, t);
+    }
+    static void forward_part(const MemoryConfig& cfg, const typename Kernels::Prepared& p,
+                             typename Kernels::State& st, View<const T> x, View<T> y, Trace& t,
+                             Diagnostics<T>* diag = nullptr) {
+        titans_test::sim::require_device(x, "x");
+        titans_test::sim::require_device(y, "y");
+        try {
+            Host::forward_part(cfg, p->get(), st.device_.get(), x, y, t, diag);
+        } catch (...) {
+            Kernels::mirror(st);
+            throw;
+        }
+        Kernels::mirror(st);
+    }
+    /// The CPU's reverse sweep, dy read from the arena.
+    class Reverse {
+    public:
+        Reverse(const MemoryConfig& cfg, const typename Kernels::Prepared& p, const Trace& tr,
+                View<const T> dy, const MemoryStateGradient<T>* d_out = nullptr)
+            : rev_(cfg, p->get(), tr, checked(dy), d_out) {}
+        [[nodiscard]] Eigen::Index position() const { return rev_.position(); }
+        void down_to(Eigen::Index p, Matrix<T>& dx) { rev_.down_to(p, dx); }
+        void tap(const std::vector<std::vector<Matrix<T>>>& dW) { rev_.tap(dW); }
+        void finish(MemoryParams<T>& g, MemoryStateGradient<T>* d_in = nullptr) {
+            rev_.finish(g, d_in);
+        }
+
+    private:
+        static View<const T> checked(View<const T> dy) {
+            titans_test::sim::require_device(dy, "dy");
+            return dy;
+        }
+        typename Host::Reverse rev_;
+    };
+    static void read_weights_backward(const MemoryConfig& cfg,
+                                      const typename Kernels::Prepared& p,
+                                      const std::vector<std::vector<Matrix<T>>>& weights,
+                                      const Matrix<T>& x, int B, const Matrix<T>& dy,
+                                      Matrix<T>& dx, std::vector<std::vector<Matrix<T>>>& dweights,
+                                      MemoryParams<T>& g) {
+        Host::read_weights_backward(cfg, p->get(), weights, x, B, dy, dx, dweights, g);
     }
 };
 

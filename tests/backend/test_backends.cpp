@@ -4,7 +4,7 @@
 // diagnostics, every mode), Attention (with shared, per-sequence and pre-projected prefixes),
 // RMSNorm and FeedForward, every Block kind and mixed Models, streamed in random pieces, through
 // transactions, copies and errors, with states compared through their transfer (tensors()), and
-// everything it allocated freed; blocks of every kind but MAC train there as on the CPU, bit for
+// everything it allocated freed; blocks of every kind train there as on the CPU, bit for
 // bit. tests/io/test_checkpoint_backends.cpp moves checkpoints across.
 #include "block_cases.hpp"
 #include "trainer_common.hpp"
@@ -421,15 +421,15 @@ TEMPLATE_TEST_CASE("backend: device model", "[backend]", float, double) {
     CHECK(sim::Arena::instance().live() == live0);
 }
 
-// Block training on the simulated device (every kind but MAC, whose training needs the memory's
-// staged reverse): the training forward over pieces cut where the memory is at a chunk
-// boundary and the backward chained through d_state_in / d_state_out give the CPU's outputs,
-// dx and every gradient bit for bit; a MAC block's training forward is refused (ConfigError)
-// and leaves its state as it was; everything allocated is freed.
+// Block training on the simulated device (every kind; MAC's through the memory's staged API):
+// the training forward over pieces cut where the memory is at a chunk boundary and the
+// backward chained through d_state_in / d_state_out give the CPU's outputs, dx and every
+// gradient bit for bit; everything allocated is freed.
 TEMPLATE_TEST_CASE("backend: device training", "[backend][train]", float, double) {
     using T = TestType;
     const std::size_t live0 = sim::Arena::instance().live();
-    for (BlockKind kind : {BlockKind::LMM, BlockKind::MAG, BlockKind::MAL, BlockKind::SWA}) {
+    for (BlockKind kind : {BlockKind::LMM, BlockKind::MAC, BlockKind::MAG, BlockKind::MAL,
+                           BlockKind::SWA}) {
         for (int i = 0; i < 3; ++i) {
             Rng rng(seed_for(std::string("backends/block training/") + type_name<T>() +
                                  titans::to_string(kind),
@@ -446,23 +446,6 @@ TEMPLATE_TEST_CASE("backend: device training", "[backend][train]", float, double
             CHECK(identical(c.dx, d.dx));
             CHECK(same_param_bits(c.g, d.g, tc.cfg));
         }
-    }
-    {
-        Rng rng(seed_for(std::string("backends/block training/mac/") + type_name<T>()));
-        BlockOptions o;
-        o.kind = BlockKind::MAC;
-        o.retrieval = titans::Retrieval::InChunk;
-        const BlockConfig cfg = random_block_config<T>(o, rng);
-        const titans::Block<T, SimulatedDevice> mac(cfg,
-                                                    cast_block<T>(random_block_params<T>(cfg, rng)));
-        auto st = mac.make_state(1);
-        const Matrix<T> x = random_matrix(4, cfg.d_model, rng).cast<T>();
-        Matrix<T> y;
-        typename titans::Block<T, SimulatedDevice>::Trace trace;
-        REQUIRE_THROWS_NAMING(mac.forward(st, x, y, trace), titans::ConfigError, "MAC block");
-        CHECK(st.position() == 0);
-        CHECK(y.size() == 0);
-        CHECK(trace.empty());
     }
     CHECK(sim::Arena::instance().live() == live0);
 }

@@ -195,9 +195,9 @@ public:
     /// do): the training calls exist. Which kinds train is trains(kind).
     static constexpr bool trainable = backend::MemoryTraining<Backend, T>::available &&
                                       backend::AttentionTraining<Backend, T>::available;
-    /// Whether blocks of kind k train on this backend: every kind on the CPU; on a backend
-    /// without the memory's staged reverse (CUDA today) every kind but MAC, whose training
-    /// calls throw ConfigError there.
+    /// Whether blocks of kind k train on this backend: every kind on the CPU and CUDA; on a
+    /// backend without the memory's staged reverse every kind but MAC, whose training calls
+    /// throw ConfigError there.
     [[nodiscard]] static constexpr bool trains(BlockKind k) {
         return trainable && (k != BlockKind::MAC || backend::MemoryTraining<Backend, T>::staged);
     }

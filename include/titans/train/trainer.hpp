@@ -118,9 +118,10 @@ struct TrainerProgress {
 ///     const double loss = trainer.step(ids, labels, batch);  // ids, labels: batch * N each
 ///
 /// Backends: those whose blocks train (Model<T, Backend>::trainable: the CPU and CUDA);
-/// elsewhere the class does not compile (static_assert). On CUDA a model with a MAC block is
-/// refused (ConfigError; Block::trains), and each step re-uploads the stepped parameters
-/// (Model::set_parameters builds the model afresh where the kernels keep their own copy).
+/// elsewhere the class does not compile (static_assert). On a backend without the memory's
+/// staged reverse a model with a MAC block is refused (ConfigError; Block::trains). On CUDA
+/// each step re-uploads the stepped parameters (Model::set_parameters builds the model afresh
+/// where the kernels keep their own copy).
 template <class T, class Backend>
 class Trainer {
     static_assert(Model<T, Backend>::trainable,
