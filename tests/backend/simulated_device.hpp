@@ -20,6 +20,7 @@
 // states reach the host (checkpoints) only through their tensors() hook, the transfer.
 #include <titans/titans.hpp>
 
+#include <atomic>
 #include <cstdint>
 #include <limits>
 #include <memory>
@@ -181,6 +182,17 @@ std::shared_ptr<const Handle<std::shared_ptr<const P>>> upload(
         [copy, poison](std::shared_ptr<const P>&) { poison(*copy); });
 }
 
+/// Copies between the host and the device, counted: every Transfer upload and download, and
+/// the token ids a gather takes to the device (what the transfer-count tests read). A state's
+/// tensors crossing for a checkpoint are not counted.
+struct Traffic {
+    std::atomic<long> uploads{0}, downloads{0};
+    static Traffic& instance() {
+        static Traffic t;
+        return t;
+    }
+};
+
 /// A matrix in the arena.
 template <class T>
 using Buffer = Handle<titans::Matrix<T>>;
@@ -337,12 +349,14 @@ struct Transfer<titans_test::SimulatedDevice, T> {
             Matrix<T>::Constant(rows, cols, std::numeric_limits<T>::quiet_NaN()));
     }
     static Buffer upload(View<const T> host) {
+        ++titans_test::sim::Traffic::instance().uploads;
         return titans_test::sim::make_buffer<T>(Matrix<T>(cpu::as_eigen(host)));
     }
     static View<T> view(Buffer& b) { return view_of(b.get()); }
     static View<const T> view(const Buffer& b) { return view_of(b.get()); }
     static void download(View<const T> from, View<T> host) {
         titans_test::sim::require_device(from, "a downloaded view");
+        ++titans_test::sim::Traffic::instance().downloads;
         cpu::as_eigen(host) = cpu::as_eigen(from);
     }
 };
@@ -659,6 +673,38 @@ struct FeedForwardKernels<titans_test::SimulatedDevice, T> {
         titans_test::sim::require_devices<T>({x, a, g, dy, dx, dw1, dw3, dw2},
                                           {"x", "a", "g", "dy", "dx", "dw1", "dw3", "dw2"});
         Host::backward(cfg, p->get(), x, a, g, dy, dx, dw1, dw3, dw2);
+    }
+};
+
+/// The glue between layers on the simulated device: the CPU's on the arena's data; a gather
+/// takes its token ids to the device (one upload).
+template <class T>
+struct GlueKernels<titans_test::SimulatedDevice, T> {
+    using Host = GlueKernels<Cpu, T>;
+    static void copy(View<const T> from, View<T> to) {
+        titans_test::sim::require_devices<T>({from, to}, {"from", "to"});
+        Host::copy(from, to);
+    }
+    static void add(View<const T> a, View<const T> b, View<T> out) {
+        titans_test::sim::require_devices<T>({a, b, out}, {"a", "b", "out"});
+        Host::add(a, b, out);
+    }
+    static void gate(View<const T> y, View<const T> m, View<T> out) {
+        titans_test::sim::require_devices<T>({y, m, out}, {"y", "m", "out"});
+        Host::gate(y, m, out);
+    }
+    static std::ptrdiff_t nonfinite_row(View<const T> x) {
+        titans_test::sim::require_device(x, "x");
+        return Host::nonfinite_row(x);
+    }
+    static void gather(View<const T> table, std::span<const int> ids, View<T> out) {
+        titans_test::sim::require_devices<T>({table, out}, {"table", "out"});
+        ++titans_test::sim::Traffic::instance().uploads;
+        Host::gather(table, ids, out);
+    }
+    static void product(View<const T> x, View<const T> w, View<T> out) {
+        titans_test::sim::require_devices<T>({x, w, out}, {"x", "w", "out"});
+        Host::product(x, w, out);
     }
 };
 

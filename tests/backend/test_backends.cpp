@@ -15,6 +15,7 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 using namespace titans_test;
@@ -419,6 +420,58 @@ TEMPLATE_TEST_CASE("backend: device model", "[backend]", float, double) {
         CHECK(same_states(sc, sd));
     }
     CHECK(sim::Arena::instance().live() == live0);
+}
+
+// Transfers counted: a model's forward keeps its activations on the device. Every call (a
+// model on token ids or on vectors, a block) makes one upload (the ids or the vectors) and one
+// download (the output), whatever the stack of LMM, MAG, MAL and SWA blocks, streamed in
+// pieces; the outputs equal the CPU's bit for bit. (MAC's segment attention still runs on the
+// host, so a model with MAC blocks is not counted here.)
+TEMPLATE_TEST_CASE("backend: forward transfer counts", "[backend]", float, double) {
+    using T = TestType;
+    auto& traffic = sim::Traffic::instance();
+    const auto counted = [&](auto&& call) {
+        const long up0 = traffic.uploads, down0 = traffic.downloads;
+        auto out = call();
+        return std::tuple{std::move(out), traffic.uploads - up0, traffic.downloads - down0};
+    };
+    const std::pair<BlockKind, BlockKind> stacks[] = {{BlockKind::LMM, BlockKind::MAG},
+                                                      {BlockKind::MAL, BlockKind::SWA},
+                                                      {BlockKind::SWA, BlockKind::LMM},
+                                                      {BlockKind::MAG, BlockKind::MAL}};
+    for (std::size_t s = 0; s < std::size(stacks); ++s) {
+        Rng rng(seed_for(std::string("backends/transfers/") + type_name<T>(), s));
+        const int vocab = 11, B = uniform_int(rng, 1, 3);
+        const ModelCase mc = make_model_case<T>(stacks[s].first, stacks[s].second, 8, vocab, 0, rng);
+        const auto params = cast_model<T>(mc.params);
+        const titans::Model<T> cpu(mc.cfg, params);
+        const titans::Model<T, SimulatedDevice> dev(mc.cfg, params);
+        auto sc = cpu.make_state(B);
+        auto sd = dev.make_state(B);
+        auto bc = cpu.blocks()[1].make_state(B);  // a block alone, its own stream
+        auto bd = dev.blocks()[1].make_state(B);
+        INFO(titans::to_string(stacks[s].first) << " + " << titans::to_string(stacks[s].second)
+                                                << " B=" << B);
+        for (int piece = 0; piece < 3; ++piece) {  // chained pieces of random lengths
+            const int N = uniform_int(rng, 1, 9);
+            const std::vector<int> ids = random_ids(rng, B * N, vocab);
+            auto [logits, up, down] = counted([&] { return dev.forward_tokens(sd, ids); });
+            CHECK(up == 1);
+            CHECK(down == 1);
+            CHECK(identical(cpu.forward_tokens(sc, ids), logits));
+            const Matrix<T> x = random_matrix(B * N, 8, rng).cast<T>();
+            auto [out, up2, down2] = counted([&] { return dev.forward(sd, x); });
+            CHECK(up2 == 1);
+            CHECK(down2 == 1);
+            CHECK(identical(cpu.forward(sc, x), out));
+            auto [h, up3, down3] = counted([&] { return dev.blocks()[1].forward(bd, x); });
+            CHECK(up3 == 1);
+            CHECK(down3 == 1);
+            CHECK(identical(cpu.blocks()[1].forward(bc, x), h));
+        }
+        CHECK(same_states(sc, sd));
+        CHECK(same_states(bc, bd));
+    }
 }
 
 // Block training on the simulated device (every kind; MAC's through the memory's staged API):

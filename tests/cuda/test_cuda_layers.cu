@@ -1,6 +1,8 @@
 // RMSNorm and FeedForward on the CUDA backend against the CPU (math §7, and the backward passes
 // of math §9): forward, training forward and backward (dx and the parameter gradients, added
-// to what the caller holds), widths across block-size boundaries, 0 rows, float and double.
+// to what the caller holds), widths across block-size boundaries, 0 rows, float and double;
+// the glue kernels between layers (copy, add, gate, the first non-finite row, gather, the
+// head's product) on strided device views against the CPU's.
 
 #include <titans/backend/cuda/cuda.cuh>
 
@@ -111,7 +113,84 @@ void ffn_case(titans::FeedForwardKind kind, int d, int h, int rows, Rng& rng) {
     CHECK(rel_error(gg.w3, gc.w3) <= tol<T>());
 }
 
+/// A rows x cols view of a device buffer whose rows are `pad` entries wider (a strided view;
+/// the padding holds NaN, which no glue kernel may read).
+template <class T>
+struct Strided {
+    typename titans::backend::Transfer<Cuda, T>::Buffer buf;
+    titans::View<T> view;
+    Strided(const Matrix<T>& host, Eigen::Index pad) {
+        Matrix<T> wide = Matrix<T>::Constant(host.rows(), host.cols() + pad,
+                                             std::numeric_limits<T>::quiet_NaN());
+        wide.leftCols(host.cols()) = host;
+        buf = titans::backend::Transfer<Cuda, T>::upload(titans::view_of(std::as_const(wide)));
+        view = titans::backend::Transfer<Cuda, T>::view(buf);
+        view.cols = host.cols();
+    }
+    Matrix<T> host() const {
+        Matrix<T> m(view.rows, view.cols);
+        titans::backend::Transfer<Cuda, T>::download(view, titans::view_of(m));
+        return m;
+    }
+};
+
+template <class T>
+void glue_case(Eigen::Index rows, Eigen::Index cols, Rng& rng) {
+    using Gpu = titans::backend::GlueKernels<Cuda, T>;
+    using Cpu = titans::backend::GlueKernels<titans::backend::Cpu, T>;
+    INFO("rows " << rows << " cols " << cols << " " << type_name<T>());
+    const Matrix<T> a = random_t<T>(rows, cols, rng), b = random_t<T>(rows, cols, rng);
+    Matrix<T> want(rows, cols);
+    Strided<T> da(a, 3), db(b, 1), out(Matrix<T>::Zero(rows, cols), 2);
+    Gpu::copy(da.view, out.view);
+    CHECK(identical(out.host(), a));
+    Cpu::add(titans::view_of(a), titans::view_of(b), titans::view_of(want));
+    Gpu::add(da.view, db.view, da.view);  // in place
+    CHECK(rel_error(da.host(), want) <= tol<T>());
+    Cpu::gate(titans::view_of(a), titans::view_of(b), titans::view_of(want));
+    Gpu::copy(titans::View<const T>(out.view), da.view);  // a again
+    Gpu::gate(da.view, db.view, out.view);
+    CHECK(rel_error(out.host(), want) <= tol<T>());
+    // The first non-finite row: none, then a NaN and an infinity planted (the padding's NaN
+    // never counts).
+    CHECK(Gpu::nonfinite_row(da.view) == -1);
+    if (rows > 0) {
+        Matrix<T> bad = a;
+        const auto r1 = static_cast<Eigen::Index>(uniform_int(rng, 0, static_cast<int>(rows) - 1));
+        const auto r0 = static_cast<Eigen::Index>(uniform_int(rng, 0, static_cast<int>(r1)));
+        bad(r1, cols - 1) = std::numeric_limits<T>::quiet_NaN();
+        bad(r0, 0) = -std::numeric_limits<T>::infinity();
+        const Strided<T> dbad(bad, 2);
+        CHECK(Gpu::nonfinite_row(dbad.view) == r0);
+        CHECK(Cpu::nonfinite_row(titans::view_of(bad)) == r0);
+    }
+    // The gather of table rows and the head's product.
+    const Eigen::Index vocab = 1 + rows % 7;
+    const Matrix<T> table = random_t<T>(vocab, cols, rng);
+    std::vector<int> ids(static_cast<std::size_t>(rows));
+    for (int& id : ids) id = uniform_int(rng, 0, static_cast<int>(vocab) - 1);
+    const Strided<T> dt(table, 1);
+    Gpu::gather(dt.view, ids, out.view);
+    Cpu::gather(titans::view_of(table), ids, titans::view_of(want));
+    CHECK(identical(out.host(), want));
+    const Matrix<T> w = random_t<T>(cols, 5, rng);
+    Matrix<T> pc(rows, 5);
+    Strided<T> dw(w, 2), pg(Matrix<T>::Zero(rows, 5), 1);
+    Cpu::product(titans::view_of(a), titans::view_of(w), titans::view_of(pc));
+    Gpu::product(da.view, dw.view, pg.view);
+    CHECK(rel_error(pg.host(), pc) <= tol<T>());
+}
+
 }  // namespace
+
+TEMPLATE_TEST_CASE("cuda layers: glue kernels", "[cuda]", float, double) {
+    Rng rng(seed_for("cuda layers: glue kernels"));
+    for (Eigen::Index rows : {0, 1, 5, 37}) {
+        for (Eigen::Index cols : {1, 7, 130}) {
+            glue_case<TestType>(rows, cols, rng);
+        }
+    }
+}
 
 TEMPLATE_TEST_CASE("cuda layers: RMSNorm", "[cuda]", float, double) {
     Rng rng(seed_for("cuda layers: RMSNorm"));

@@ -393,6 +393,28 @@ private:
         out.finish();
     }
 
+public:
+    /// The backend-level forward: forward(state, x, y, prefix) on views in the backend's
+    /// memory (device memory on a GPU): x (B*N) x d_model, y of x's shape and distinct, the
+    /// prefix (if any) projected once by project_prefix. Shapes, the state and the position
+    /// are checked (ShapeError, ConfigError, OverflowError as forward); finiteness of x is the
+    /// caller's (an output or window that would not be finite throws NonFiniteError as
+    /// forward, the state unchanged). How a block runs its attention without a round trip
+    /// through the host.
+    void forward(State& state, View<const T> x, View<T> y, const Prefix* prefix) const {
+        constexpr const char* where = "Attention::forward";
+        check_rows(state, x.rows, x.cols, where);
+        detail::check_view_call(where, x, y, cfg_.d_model, false);
+        if (prefix != nullptr) {
+            check_sharing(state, prefix->rows(), prefix->sharing, where);
+        }
+        const ThreadScope team(threads_, work_estimate(x.rows, prefix ? prefix->rows() : 0));
+        const PrefixView<T> pv = prefix != nullptr ? prefix->view() : PrefixView<T>{};
+        Kernels::forward(cfg_, prepared_, state, x, y, prefix != nullptr ? &pv : nullptr);
+    }
+
+private:
+
     template <class Tr>
     void check_backward(const Tr& trace, const MatrixRef<T>& dy, const Matrix<T>& dx,
                         const AttentionParams<T>& grads, const Matrix<T>* dprefix,
@@ -434,19 +456,25 @@ private:
     }
     /// The state and x of a forward call (position, configuration, shape, finiteness).
     void check_call(const State& state, const MatrixRef<T>& x, const char* where) const {
-        detail::check_position_advance(where, state.position(), x.rows(), state.batch());
-        check_state(state, where);
-        if (x.cols() != cfg_.d_model) {
-            throw ShapeError(detail::concat(where, ": x has ", x.cols(),
-                                            " columns, expected d_model = ", cfg_.d_model));
-        }
-        if (x.rows() % state.batch() != 0) {
-            throw ShapeError(detail::concat(where, ": x has ", x.rows(),
-                                            " rows, expected a multiple of the state's batch = ",
-                                            state.batch(), " (B*N rows, sequence-major)"));
-        }
+        check_rows(state, x.rows(), x.cols(), where);
         if (!x.allFinite()) {
             throw NonFiniteError(detail::concat(where, ": x has a NaN or infinite entry"));
+        }
+    }
+    /// The position may advance by rows / B, the state is this layer's, x is d_model wide and
+    /// B*N rows.
+    void check_rows(const State& state, Eigen::Index rows, Eigen::Index cols,
+                    const char* where) const {
+        detail::check_position_advance(where, state.position(), rows, state.batch());
+        check_state(state, where);
+        if (cols != cfg_.d_model) {
+            throw ShapeError(detail::concat(where, ": x has ", cols,
+                                            " columns, expected d_model = ", cfg_.d_model));
+        }
+        if (rows % state.batch() != 0) {
+            throw ShapeError(detail::concat(where, ": x has ", rows,
+                                            " rows, expected a multiple of the state's batch = ",
+                                            state.batch(), " (B*N rows, sequence-major)"));
         }
     }
     void check_prefix(const MatrixRef<T>& prefix, const char* where) const {

@@ -9,6 +9,7 @@
 #include <Eigen/Core>
 
 #include "../error.hpp"
+#include "../view.hpp"
 #include "trace.hpp"
 
 namespace titans::detail {
@@ -85,6 +86,41 @@ template <class X, class Y>
     const auto* y0 = y.data();
     const auto* y1 = y.data() + y.size();
     return x0 < y1 && y0 < x1;
+}
+
+/// The checks of a layer's call on views in the backend's memory (its backend-level forward),
+/// ShapeError naming `where` otherwise: x is `d` wide with a stride >= d, and y has x's shape
+/// and a stride >= its width; y is x itself (allowed only when `in_place`) or shares none of
+/// its entries. Finiteness is the caller's (a block checks its input once, by a glue kernel).
+template <class T>
+void check_view_call(const char* where, View<const T> x, View<T> y, std::ptrdiff_t d,
+                     bool in_place) {
+    if (x.cols != d) {
+        throw ShapeError(concat(where, ": x has ", x.cols, " columns, expected d_model = ", d));
+    }
+    if (y.rows != x.rows || y.cols != x.cols) {
+        throw ShapeError(concat(where, ": y is ", y.rows, " x ", y.cols, ", expected x's shape ",
+                                x.rows, " x ", x.cols));
+    }
+    if ((x.rows > 1 && x.stride < x.cols) || (y.rows > 1 && y.stride < y.cols) ||
+        ((x.data == nullptr || y.data == nullptr) && x.rows * x.cols > 0)) {
+        throw ShapeError(concat(where, ": a view with a null pointer or a row stride below its "
+                                       "width, expected views of allocated row-major matrices"));
+    }
+    if (x.rows == 0 || x.cols == 0) {
+        return;
+    }
+    const T* x0 = x.data;
+    const T* x1 = x.data + (x.rows - 1) * x.stride + x.cols;
+    const T* y0 = y.data;
+    const T* y1 = y.data + (y.rows - 1) * y.stride + y.cols;
+    const bool same = x0 == y0 && x.stride == y.stride;
+    if (!(same && in_place) && x0 < y1 && y0 < x1) {
+        throw ShapeError(concat(where, in_place ? ": y shares part of x's storage, expected x "
+                                                  "itself or a distinct matrix"
+                                                : ": y shares storage with x, expected a "
+                                                  "distinct matrix"));
+    }
 }
 
 /// The checks of a layer's backward call, ShapeError otherwise: the trace was filled by a

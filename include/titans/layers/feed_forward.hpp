@@ -277,8 +277,16 @@ public:
         check_input(x, y);
         const backend::Upload<Backend, T> in(x);
         backend::Download<Backend, T> out(y, x.rows(), cfg_.d_model);
-        Kernels::forward(cfg_, prepared_, in.view(), out.view());
+        forward(in.view(), out.view());
         out.finish();
+    }
+
+    /// The backend-level forward: x and y are rows x d views in the backend's memory (device
+    /// memory on a GPU), distinct. Shapes are checked (ShapeError); finiteness is the
+    /// caller's. How a block runs the feed-forward without a round trip through the host.
+    void forward(View<const T> x, View<T> y) const {
+        detail::check_view_call("FeedForward::forward", x, y, cfg_.d_model, false);
+        Kernels::forward(cfg_, prepared_, x, y);
     }
 
     /// The training forward: as forward(x, y), and keeps in `trace` (replacing what it held)

@@ -1,7 +1,8 @@
 #pragma once
-// titans/layers/kernels_decl.hpp: the kernels of RMSNorm and FeedForward on a backend,
-// declared (primary templates that fail to compile); each backend specialises them in its own
-// folder (backend/cpu/layer_kernels.hpp, ...).
+// titans/layers/kernels_decl.hpp: the kernels of RMSNorm and FeedForward on a backend, and
+// the glue between layers (layers/glue.hpp), declared (primary templates that fail to
+// compile); each backend specialises them in its own folder (backend/cpu/layer_kernels.hpp,
+// backend/cpu/glue_kernels.hpp, ...).
 
 #include "../backend/backend.hpp"
 
@@ -19,6 +20,15 @@ template <class Backend, class T>
 struct FeedForwardKernels {
     static_assert(dependent_false<Backend>,
                   "titans: no FeedForwardKernels specialization for this backend policy");
+};
+
+/// The element-wise and row kernels that join the layers of a block and a model (concept
+/// GlueBackend, layers/glue.hpp): residual sums, MAG's gate, finiteness checks, the embedding
+/// gather and the head's product.
+template <class Backend, class T>
+struct GlueKernels {
+    static_assert(dependent_false<Backend>,
+                  "titans: no GlueKernels specialization for this backend policy");
 };
 
 }  // namespace backend

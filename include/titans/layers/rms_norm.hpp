@@ -140,8 +140,17 @@ public:
         check_input(x, y, "RMSNorm::forward");
         const backend::Upload<Backend, T> in(x);
         backend::Download<Backend, T> out(y, x.rows(), x.cols());  // no-op in place
-        Kernels::forward(prepared_, static_cast<T>(eps_), in.view(), out.view());
+        forward(in.view(), out.view());
         out.finish();
+    }
+
+    /// The backend-level forward: x and y are views in the backend's memory (device memory
+    /// on a GPU), y of x's shape (y may be x itself, not part of it). Shapes are checked
+    /// (ShapeError); finiteness is the caller's. How a block runs the norm between its layers
+    /// without a round trip through the host.
+    void forward(View<const T> x, View<T> y) const {
+        detail::check_view_call("RMSNorm::forward", x, y, weight_->cols(), true);
+        Kernels::forward(prepared_, static_cast<T>(eps_), x, y);
     }
 
     /// The training forward: as forward(x, y), and keeps in `trace` (replacing what it held)

@@ -107,6 +107,23 @@ public:
         out.finish();
     }
 
+    /// The backend-level forward: forward(state, x, y, diag) on views in the backend's memory
+    /// (device memory on a GPU): x (B*N) x d_model, y of x's shape and distinct. Shapes, the
+    /// state and the position are checked (ShapeError, ConfigError, OverflowError as forward);
+    /// finiteness of x is the caller's (an output or a state that would not be finite throws
+    /// NonFiniteError as forward, the state unchanged). How a block runs its memory without a
+    /// round trip through the host.
+    void forward(State& state, View<const T> x, View<T> y, Diagnostics<T>* diag = nullptr) const {
+        constexpr const char* where = "NeuralMemory::forward";
+        detail::check_position_advance(where, state.position(), x.rows, state.batch());
+        check_state(state, where);
+        check_shape(state.batch(), x.rows, x.cols, where);
+        detail::check_view_call(where, x, y, cfg_.d_model, false);
+        const ThreadScope team(threads_, work_estimate(x.rows));
+        const detail::DenormalFlushScope flush(cfg_.flush_denormals);
+        Kernels::forward(cfg_, prepared_, state, x, y, diag);
+    }
+
     /// What the training forward keeps for backward (math §9): the input and the memory at
     /// every chunk start (N/b copies per sequence and head), in the backend's memory.
     using Trace = typename backend::MemoryTraining<Backend, T>::Trace;
@@ -494,16 +511,19 @@ private:
                        " expected a state from make_state() of a memory with this configuration"));
         }
     }
-    void check_input(int batch, const MatrixRef<T>& x, const char* where) const {
-        if (x.cols() != cfg_.d_model) {
-            throw ShapeError(detail::concat(where, ": x has ", x.cols(),
+    void check_shape(int batch, Eigen::Index rows, Eigen::Index cols, const char* where) const {
+        if (cols != cfg_.d_model) {
+            throw ShapeError(detail::concat(where, ": x has ", cols,
                                             " columns, expected d_model = ", cfg_.d_model));
         }
-        if (x.rows() % batch != 0) {
-            throw ShapeError(detail::concat(where, ": x has ", x.rows(),
+        if (rows % batch != 0) {
+            throw ShapeError(detail::concat(where, ": x has ", rows,
                                             " rows, expected a multiple of the batch = ", batch,
                                             " (B*N rows, sequence-major)"));
         }
+    }
+    void check_input(int batch, const MatrixRef<T>& x, const char* where) const {
+        check_shape(batch, x.rows(), x.cols(), where);
         if (!detail::all_finite(x)) {
             throw NonFiniteError(detail::concat(where, ": x has a NaN or infinite entry"));
         }

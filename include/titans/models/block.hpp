@@ -18,10 +18,12 @@
 #include "../attention/attention.hpp"
 #include "../attention/rope.hpp"
 #include "../backend/backend.hpp"
+#include "../backend/edge.hpp"
 #include "../detail/check.hpp"
 #include "../detail/product.hpp"
 #include "../detail/activation.hpp"
 #include "../detail/eigen_math.hpp"
+#include "../detail/host_map.hpp"
 #include "../detail/enum_names.hpp"
 #include "../detail/float_env.hpp"
 #include "../detail/visit.hpp"
@@ -30,6 +32,7 @@
 #include "../detail/shared.hpp"
 #include "../error.hpp"
 #include "../layers/feed_forward.hpp"
+#include "../layers/glue.hpp"
 #include "../layers/rms_norm.hpp"
 #include "../limits.hpp"
 #include "../memory/neural_memory.hpp"
@@ -66,6 +69,13 @@ template <class T, class Backend>
 class Block {
 public:
     using State = BlockState<T, Backend>;
+
+private:
+    using Transfer = backend::Transfer<Backend, T>;
+    using Buffer = typename Transfer::Buffer;
+    using Glue = backend::GlueKernels<Backend, T>;
+
+public:
 
     /// Validates both (ConfigError, ShapeError, NonFiniteError) and keeps them.
     Block(BlockConfig config, BlockParams<T> params)
@@ -162,17 +172,29 @@ public:
         detail::check_position_advance("Block::forward", stream_position(state), x.rows(),
                                        state.batch_);
         check(state, x, "Block::forward");
-        const ThreadScope team(threads_, work_estimate(x.rows()));
-        Guard guard(*this, state);
-        const Matrix<T> u = norm_mix_.forward(x);
-        Matrix<T> h = x + mix_unchecked(state, u);
-        if (cfg_.use_ffn) {
-            require_finite(h, state, "the mixer's residual sum");
-            h += ffn_->forward(norm_ffn_.forward(h));
+        Matrix<T> y;
+        const backend::Upload<Backend, T> in(x);
+        backend::Download<Backend, T> out(y, x.rows(), cfg_.d_model);
+        forward_checked(state, in.view(), out.view());
+        out.finish();
+        return y;
+    }
+
+    /// The backend-level forward: forward(state, x) on views in the backend's memory (device
+    /// memory on a GPU), x (B*N) x d, y of x's shape and distinct: every sub-layer and the glue
+    /// between them (residual sums, MAG's gate) run on the backend, nothing crosses to the host
+    /// but the finiteness checks' row indices (MAC's segment attention still runs on the host:
+    /// its mixer downloads u and uploads its output). Checks and guarantees as forward (x's
+    /// finiteness by a glue kernel). What Model::forward chains.
+    void forward(State& state, View<const T> x, View<T> y) const {
+        constexpr const char* where = "Block::forward";
+        detail::check_position_advance(where, stream_position(state), x.rows, state.batch_);
+        check_rows(state, x.rows, x.cols, where);
+        detail::check_view_call(where, x, y, cfg_.d_model, false);
+        if (Glue::nonfinite_row(x) >= 0) {
+            throw NonFiniteError(detail::concat(where, ": x has a NaN or infinite entry"));
         }
-        require_finite(h, state, "the output");
-        guard.commit();
-        return h;
+        forward_checked(state, x, y);
     }
 
     /// The mixer alone (math §7) on already-normalised input u: (B*N) x d -> (B*N) x d.
@@ -183,8 +205,12 @@ public:
         check(state, u, "Block::mix");
         const ThreadScope team(threads_, work_estimate(u.rows()));
         Guard guard(*this, state);
-        Matrix<T> o = mix_unchecked(state, u);
-        require_finite(o, state, "the mixer's output");
+        Matrix<T> o;
+        const backend::Upload<Backend, T> in(u);
+        backend::Download<Backend, T> out(o, u.rows(), cfg_.d_model);
+        mix_unchecked(state, in.view(), out.view());
+        require_finite(View<const T>(out.view()), state, "the mixer's output");
+        out.finish();
         guard.commit();
         return o;
     }
@@ -413,9 +439,31 @@ private:
         bool own_, done_ = false;
     };
 
-    Matrix<T> mix_unchecked(State& state, const MatrixRef<T>& u) const {
+    /// forward on checked views: u = RMSNorm(x), y = x + Mixer(u), y += FFN(RMSNorm(y)), the
+    /// activations in the backend's memory.
+    void forward_checked(State& state, View<const T> x, View<T> y) const {
+        const ThreadScope team(threads_, work_estimate(x.rows));
+        Guard guard(*this, state);
+        Buffer u = Transfer::allocate(x.rows, x.cols);
+        norm_mix_.forward(x, Transfer::view(u));
+        mix_unchecked(state, cview(u), y);
+        Glue::add(x, y, y);
+        if (cfg_.use_ffn) {
+            require_finite(View<const T>(y), state, "the mixer's residual sum");
+            norm_ffn_.forward(y, Transfer::view(u));
+            Buffer f = Transfer::allocate(x.rows, x.cols);
+            ffn_->forward(cview(u), Transfer::view(f));
+            Glue::add(y, cview(f), y);
+        }
+        require_finite(View<const T>(y), state, "the output");
+        guard.commit();
+    }
+
+    static View<const T> cview(const Buffer& b) { return Transfer::view(b); }
+
+    void mix_unchecked(State& state, View<const T> u, View<T> o) const {
         try {
-            return mix_kind(state, u);
+            mix_kind(state, u, o);
         } catch (const NonFiniteError& e) {
             rethrow_named(e);
         }
@@ -430,19 +478,21 @@ private:
                 : ""));
     }
 
-    Matrix<T> mix_kind(State& state, const MatrixRef<T>& u) const {
-        Matrix<T> o;
+    /// o = Mixer(u) by kind, on the backend (MAC: see mix_mac_views); advances the position.
+    void mix_kind(State& state, View<const T> u, View<T> o) const {
         switch (cfg_.kind) {
-            case BlockKind::LMM: o = memory_->forward(state.memory_, u); break;
-            case BlockKind::MAG: o = mix_mag(state, u); break;
-            case BlockKind::MAL:
-                o = attention_->forward(state.attention_, memory_->forward(state.memory_, u));
+            case BlockKind::LMM: memory_->forward(state.memory_, u, o); break;
+            case BlockKind::MAG: mix_mag(state, u, o); break;
+            case BlockKind::MAL: {
+                Buffer m = Transfer::allocate(u.rows, u.cols);
+                memory_->forward(state.memory_, u, Transfer::view(m));
+                attention_->forward(state.attention_, cview(m), o, nullptr);
                 break;
-            case BlockKind::MAC: o = mix_mac(state, u); break;
-            case BlockKind::SWA: attention_->forward(state.attention_, u, o, *prefix_); break;
+            }
+            case BlockKind::MAC: mix_mac_views(state, u, o); break;
+            case BlockKind::SWA: attention_->forward(state.attention_, u, o, &*prefix_); break;
         }
-        state.position_ += u.rows() / state.batch_;
-        return o;
+        state.position_ += u.rows / state.batch_;
     }
 
     /// NonFiniteError naming the block, `what`, the sequence and the position of the first
@@ -451,8 +501,18 @@ private:
         if (detail::all_finite(m)) {
             return;
         }
-        const Eigen::Index N = m.rows() / state.batch_;
-        const Eigen::Index r = detail::first_nonfinite_row(m);
+        throw_nonfinite(detail::first_nonfinite_row(m), m.rows(), state, what);
+    }
+    /// The same of a view in the backend's memory (a glue kernel finds the row).
+    void require_finite(View<const T> m, const State& state, const char* what) const {
+        const std::ptrdiff_t r = Glue::nonfinite_row(m);
+        if (r >= 0) {
+            throw_nonfinite(r, m.rows, state, what);
+        }
+    }
+    [[noreturn]] void throw_nonfinite(Eigen::Index r, Eigen::Index rows, const State& state,
+                                      const char* what) const {
+        const Eigen::Index N = rows / state.batch_;
         throw NonFiniteError(detail::concat(
             "Block (", to_string(cfg_.kind), "): ", what, " is not finite at sequence ", r / N,
             ", position ", state.undo_.position + r % N,
@@ -551,17 +611,21 @@ private:
                                                     "make_state() of this block"));
         }
     }
-    void check(const State& state, const MatrixRef<T>& x, const char* where) const {
+    void check_rows(const State& state, Eigen::Index rows, Eigen::Index cols,
+                    const char* where) const {
         check_state(state, where);
-        if (x.cols() != cfg_.d_model) {
-            throw ShapeError(detail::concat(where, ": x has ", x.cols(),
+        if (cols != cfg_.d_model) {
+            throw ShapeError(detail::concat(where, ": x has ", cols,
                                             " columns, expected d_model = ", cfg_.d_model));
         }
-        if (x.rows() % state.batch_ != 0) {
-            throw ShapeError(detail::concat(where, ": x has ", x.rows(),
+        if (rows % state.batch_ != 0) {
+            throw ShapeError(detail::concat(where, ": x has ", rows,
                                             " rows, expected a multiple of the state's batch = ",
                                             state.batch_));
         }
+    }
+    void check(const State& state, const MatrixRef<T>& x, const char* where) const {
+        check_rows(state, x.rows(), x.cols(), where);
         if (!detail::all_finite(x)) {
             throw NonFiniteError(detail::concat(where, ": x has a NaN or infinite entry"));
         }
@@ -574,20 +638,37 @@ private:
     }
     static T sigmoid(T v) { return detail::sigmoid(v); }
 
-    Matrix<T> mix_mag(State& st, const MatrixRef<T>& u) const {
-        Matrix<T> y;  // P W_K and P W_V were projected once, at construction
-        attention_->forward(st.attention_, u, y, *prefix_);
-        const Matrix<T> m = memory_->forward(st.memory_, u);
-        Matrix<T> gate = norm_m_->forward(m);
-        gate = gate.unaryExpr([](T v) { return sigmoid(v); });
-        return (norm_y_->forward(y).array() * gate.array()).matrix();
+    /// MAG: o = RMSNorm_y(SWA*(P ‖ u)) ⊙ σ(RMSNorm_m(M(P ‖ u))), P W_K and P W_V projected
+    /// once, at construction; the attention's output is normalised and gated in o.
+    void mix_mag(State& st, View<const T> u, View<T> o) const {
+        attention_->forward(st.attention_, u, o, &*prefix_);
+        Buffer m = Transfer::allocate(u.rows, u.cols);
+        memory_->forward(st.memory_, u, Transfer::view(m));
+        norm_m_->forward(cview(m), Transfer::view(m));
+        norm_y_->forward(o, o);
+        Glue::gate(o, cview(m), o);
     }
 
-    /// MAC over a piece, segment part by segment part [t, t + m) of every stream.
-    Matrix<T> mix_mac(State& st, const MatrixRef<T>& u) const {
+    /// MAC's mixer on views. Its segment attention and snapshot reads run on the host (on the
+    /// CPU in place; elsewhere u is downloaded and o uploaded, one round trip per call).
+    void mix_mac_views(State& st, View<const T> u, View<T> o) const {
+        if constexpr (backend::BackendTraits<Backend>::host_accessible) {
+            mix_mac(st, detail::host_map(u), detail::host_map(o));
+        } else {
+            Matrix<T> uh(u.rows, u.cols), oh(u.rows, u.cols);
+            Transfer::download(u, view_of(uh));
+            mix_mac(st, uh, oh);
+            const Buffer ob = Transfer::upload(view_of(std::as_const(oh)));
+            Glue::copy(cview(ob), o);
+        }
+    }
+
+    /// MAC over a piece, segment part by segment part [t, t + m) of every stream, into out
+    /// ((B*N) x d, host).
+    template <class Out>
+    void mix_mac(State& st, const MatrixRef<T>& u, Out&& out) const {
         const int B = st.batch_, C = cfg_.segment, Hm = cfg_.memory.n_heads;
         const Eigen::Index N = u.rows() / B;
-        Matrix<T> out(u.rows(), cfg_.d_model);
         Eigen::Index t = 0;
         while (t < N) {
             const std::int64_t pos = st.position_ + t;
@@ -618,7 +699,6 @@ private:
             }
             t += m;
         }
-        return out;
     }
 
     /// MAC's attention for rows U ((B*m) x d, stream-major) at segment offset o (absolute

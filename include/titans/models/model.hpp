@@ -2,6 +2,7 @@
 // titans/models/model.hpp: a stack of Titans blocks with an embedding (or raw vectors in),
 // a final RMSNorm and an output head.
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -10,12 +11,14 @@
 #include <utility>
 #include <vector>
 
+#include "../backend/edge.hpp"
 #include "../detail/check.hpp"
 #include "../detail/product.hpp"
 #include "../detail/visit.hpp"
 #include "../detail/random.hpp"
 #include "../detail/shared.hpp"
 #include "../error.hpp"
+#include "../layers/glue.hpp"
 #include "../layers/rms_norm.hpp"
 #include "../limits.hpp"
 #include "../threads.hpp"
@@ -271,6 +274,12 @@ public:
         for (std::size_t i = 0; i < cfg_.blocks.size(); ++i) {
             blocks_.emplace_back(cfg_.blocks[i], detail::share_part(params_, params_->blocks[i]));
         }
+        if constexpr (!backend::BackendTraits<Backend>::host_accessible) {
+            // The embedding and the head in the backend's memory, once (shared by copies).
+            edge_ = std::make_shared<const Edge>(
+                Edge{Transfer::upload(view_of(params_->embedding)),
+                     Transfer::upload(view_of(params_->head))});
+        }
     }
 
     [[nodiscard]] const ModelConfig& config() const { return cfg_; }
@@ -372,44 +381,24 @@ public:
         return d;
     }
 
-    /// Vectors in: x (B*N) x d_model -> (B*N) x output_dim().
+    /// Vectors in: x (B*N) x d_model -> (B*N) x output_dim(). On a backend that is not the
+    /// host's, x is uploaded once and the output downloaded once; every block, the final norm
+    /// and the head run on the backend in between.
     [[nodiscard]] Matrix<T> forward(State& state, const MatrixRef<T>& x) const {
-        check_input(state, x, "Model::forward");
-        const ThreadScope team(threads_, work_estimate(x.rows()));
-        // One transaction over every block: if any block (or the head) throws, all of them
-        // roll back and the state is as it was (strong guarantee).
-        std::size_t opened = 0;
-        try {
-            for (; opened < blocks_.size(); ++opened) {
-                blocks_[opened].begin(state.blocks[opened]);
-            }
-            Matrix<T> h = x;
-            for (std::size_t i = 0; i < blocks_.size(); ++i) {
-                try {
-                    h = blocks_[i].forward(state.blocks[i], h);
-                } catch (const NonFiniteError& e) {
-                    throw NonFiniteError(detail::concat("Model::forward: block ", i, ": ", e.what()));
-                }
-            }
-            Matrix<T> out(h.rows(), params_->head.cols());
-            detail::multiply(out, norm_final_.forward(h), params_->head);
-            require_finite_output(out);
-            for (std::size_t i = 0; i < blocks_.size(); ++i) {
-                blocks_[i].commit(state.blocks[i]);
-            }
-            state.position += x.rows() / state.batch;
-            return out;
-        } catch (...) {
-            for (std::size_t i = 0; i < opened; ++i) {
-                blocks_[i].rollback(state.blocks[i]);
-            }
-            throw;
-        }
+        check_input(state, x.rows(), x.cols(), "Model::forward");
+        const backend::Upload<Backend, T> in(x);
+        return run(state, in.view());
     }
 
-    /// Token ids in (B*N of them, sequence-major) -> logits (B*N) x vocab_size.
+    /// Token ids in (B*N of them, sequence-major) -> logits (B*N) x vocab_size. The ids go to
+    /// the backend once (the embedding rows are gathered there).
     [[nodiscard]] Matrix<T> forward_tokens(State& state, const std::vector<int>& ids) const {
-        return forward(state, embed(ids, "Model::forward_tokens"));
+        constexpr const char* where = "Model::forward_tokens";
+        check_ids(ids, where);
+        check_input(state, static_cast<Eigen::Index>(ids.size()), cfg_.d_model, where);
+        Buffer x = Transfer::allocate(static_cast<std::ptrdiff_t>(ids.size()), cfg_.d_model);
+        Glue::gather(edge_view(params_->embedding, &Edge::embedding), ids, Transfer::view(x));
+        return run(state, Transfer::view(x));
     }
 
     /// What the training forward keeps for backward (math §9; models/model_training.hpp).
@@ -470,16 +459,86 @@ public:
 private:
     friend struct detail::ModelTraining<T, Backend>;
 
-    /// The rows of the embedding for ids (ConfigError without a vocabulary, ShapeError for an
-    /// id outside [0, vocab_size)).
-    Matrix<T> embed(const std::vector<int>& ids, const char* where) const {
+    using Transfer = backend::Transfer<Backend, T>;
+    using Buffer = typename Transfer::Buffer;
+    using Glue = backend::GlueKernels<Backend, T>;
+
+    /// The embedding and the head in the backend's memory (a backend that is not the host's).
+    struct Edge {
+        Buffer embedding, head;
+    };
+    /// A host tensor of the parameters as the backend's kernels read it: the tensor itself on
+    /// a host-accessible backend, its copy in edge_ otherwise.
+    View<const T> edge_view(const Matrix<T>& host, Buffer Edge::*part) const {
+        if constexpr (backend::BackendTraits<Backend>::host_accessible) {
+            (void)part;
+            return view_of(host);
+        } else {
+            return Transfer::view((*edge_).*part);
+        }
+    }
+
+    /// forward on checked input x in the backend's memory: the blocks in one transaction (if
+    /// any block or the head throws, all of them roll back and the state is as it was: strong
+    /// guarantee), their activations in two backend buffers taken in turn, the final norm and
+    /// the head on the backend; the output downloaded once.
+    Matrix<T> run(State& state, View<const T> x) const {
+        const ThreadScope team(threads_, work_estimate(x.rows));
+        std::size_t opened = 0;
+        try {
+            for (; opened < blocks_.size(); ++opened) {
+                blocks_[opened].begin(state.blocks[opened]);
+            }
+            std::array<Buffer, 2> buf{Transfer::allocate(x.rows, x.cols),
+                                      Transfer::allocate(x.rows, x.cols)};
+            View<const T> h = x;
+            for (std::size_t i = 0; i < blocks_.size(); ++i) {
+                const View<T> next = Transfer::view(buf[i % 2]);
+                try {
+                    blocks_[i].forward(state.blocks[i], h, next);
+                } catch (const NonFiniteError& e) {
+                    throw NonFiniteError(detail::concat("Model::forward: block ", i, ": ", e.what()));
+                }
+                h = next;
+            }
+            const View<T> z = Transfer::view(buf[blocks_.size() % 2]);  // not h
+            norm_final_.forward(h, z);
+            Matrix<T> out;
+            {
+                backend::Download<Backend, T> logits(out, x.rows, params_->head.cols());
+                Glue::product(z, edge_view(params_->head, &Edge::head), logits.view());
+                logits.finish();
+            }
+            require_finite_output(out);
+            for (std::size_t i = 0; i < blocks_.size(); ++i) {
+                blocks_[i].commit(state.blocks[i]);
+            }
+            state.position += x.rows / state.batch;
+            return out;
+        } catch (...) {
+            for (std::size_t i = 0; i < opened; ++i) {
+                blocks_[i].rollback(state.blocks[i]);
+            }
+            throw;
+        }
+    }
+
+    /// ConfigError without a vocabulary, ShapeError for an id outside [0, vocab_size).
+    void check_ids(const std::vector<int>& ids, const char* where) const {
         detail::require<ConfigError>(cfg_.vocab_size > 0, where, "vocab_size", cfg_.vocab_size,
                                      "> 0 (this model takes vectors: forward)");
+        for (const int id : ids) {
+            detail::require<ShapeError>(id >= 0 && id < cfg_.vocab_size, where, "token id", id,
+                                        detail::concat("in [0, ", cfg_.vocab_size, ")"));
+        }
+    }
+
+    /// The rows of the embedding for ids, on the host (the training forward's input; checked
+    /// as check_ids).
+    Matrix<T> embed(const std::vector<int>& ids, const char* where) const {
+        check_ids(ids, where);
         Matrix<T> x(static_cast<Eigen::Index>(ids.size()), cfg_.d_model);
         for (std::size_t i = 0; i < ids.size(); ++i) {
-            detail::require<ShapeError>(ids[i] >= 0 && ids[i] < cfg_.vocab_size, where,
-                                        "token id", ids[i],
-                                        detail::concat("in [0, ", cfg_.vocab_size, ")"));
             x.row(static_cast<Eigen::Index>(i)) = params_->embedding.row(ids[i]);
         }
         return x;
@@ -487,13 +546,14 @@ private:
 
     /// The checks of a forward call: the position may advance, the state is this model's, x
     /// is d_model wide.
-    void check_input(const State& state, const MatrixRef<T>& x, const char* where) const {
+    void check_input(const State& state, Eigen::Index rows, Eigen::Index cols,
+                     const char* where) const {
         // Reserve: a block's memory also counts its persistent tokens (<= max_persistent).
-        detail::check_position_advance(where, state.position, x.rows(), state.batch,
+        detail::check_position_advance(where, state.position, rows, state.batch,
                                        limits::max_persistent);
         check_state(state, where);
-        if (x.cols() != cfg_.d_model) {
-            throw ShapeError(detail::concat(where, ": x has ", x.cols(),
+        if (cols != cfg_.d_model) {
+            throw ShapeError(detail::concat(where, ": x has ", cols,
                                             " columns, expected d_model = ", cfg_.d_model));
         }
     }
@@ -582,6 +642,7 @@ private:
     std::shared_ptr<const ModelParams<T>> params_;
     std::vector<Block<T, Backend>> blocks_;
     RMSNorm<T, Backend> norm_final_;
+    std::shared_ptr<const Edge> edge_;  // null on a host-accessible backend
     Threads threads_{};
     // params_.use_count() right after the by-value constructor (every pointer this model's
     // layers hold), 0 for shared parameters: set_parameters writes in place only at that count.

@@ -51,7 +51,7 @@ struct ModelTraining {
     static void forward(const Mdl& model, State& state, const MatrixRef<T>& x, Matrix<T>& out,
                         Trace& trace, std::vector<int> ids = {}) {
         constexpr const char* where = "Model::forward (training)";
-        model.check_input(state, x, where);
+        model.check_input(state, x.rows(), x.cols(), where);
         const ThreadScope team(model.threads_, 3.0 * model.work_estimate(x.rows()));
         State next = state;  // committed only if every block and the head succeed
         Trace t;

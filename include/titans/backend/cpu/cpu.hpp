@@ -23,6 +23,7 @@ struct BackendTraits<Cpu> {
 #include "transfer.hpp"
 #include "attention_kernels.hpp"
 #include "attention_training.hpp"
+#include "glue_kernels.hpp"
 #include "layer_kernels.hpp"
 #include "memory_kernels.hpp"
 #include "memory_training.hpp"

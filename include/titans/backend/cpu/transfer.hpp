@@ -3,6 +3,7 @@
 
 #include <type_traits>
 
+#include "../../detail/host_map.hpp"
 #include "../../types.hpp"
 #include "../../view.hpp"
 #include "../backend.hpp"
@@ -13,20 +14,20 @@ struct Cpu;
 
 namespace cpu {
 
-/// A view as an Eigen map of the same entries (no copy).
+/// A view as an Eigen map of the same entries (no copy): detail::host_map.
 template <class T>
-using ConstMap = Eigen::Map<const Matrix<T>, Eigen::Unaligned, Eigen::OuterStride<>>;
+using ConstMap = detail::ConstHostMap<T>;
 template <class T>
-using MutableMap = Eigen::Map<Matrix<T>, Eigen::Unaligned, Eigen::OuterStride<>>;
+using MutableMap = detail::HostMap<T>;
 
 template <class T>
 [[nodiscard]] ConstMap<T> as_eigen(View<const T> v) {
-    return ConstMap<T>(v.data, v.rows, v.cols, Eigen::OuterStride<>(v.stride));
+    return detail::host_map(v);
 }
 template <class T>
     requires(!std::is_const_v<T>)
 [[nodiscard]] MutableMap<T> as_eigen(View<T> v) {
-    return MutableMap<T>(v.data, v.rows, v.cols, Eigen::OuterStride<>(v.stride));
+    return detail::host_map(v);
 }
 
 }  // namespace cpu

@@ -168,7 +168,7 @@ struct AttentionKernels<Cuda, T> {
         cuda::gemm<T>(cx.blas(), false, false, static_cast<int>(rows), p.d, static_cast<int>(D),
                       T(1), {w.o.data(), static_cast<int>(D)}, {p.w_o.data(), p.d}, T(0), y.data,
                       static_cast<int>(y.stride), 0, 1);
-        const long long bad = first_nonfinite_row(cx, y, w.flag.data());
+        const long long bad = cuda::first_nonfinite_row<T>(cx.stream(), y, w.flag.data());
         if (bad >= 0) {
             throw NonFiniteError(detail::concat(
                 "Attention::forward: the output is not finite at sequence ", bad / N,
@@ -264,27 +264,6 @@ struct AttentionKernels<Cuda, T> {
                                       T(1) / std::sqrt(static_cast<T>(cfg.head_dim())),
                                       o};
         cuda::each(sm, st.batch_ * N * cfg.n_heads, f);
-    }
-
-    /// The first row of y holding a NaN or an infinity, or -1 (synchronises the stream). Rows
-    /// as unsigned keys, none = 0xFFFFFFFF: each() bounds rows x cols below 2^32, so a row is
-    /// at most 2^32 - 2.
-    static long long first_nonfinite_row(const cuda::StreamContext& cx, View<T> y,
-                                         unsigned* flag) {
-        cuda::check(cudaMemsetAsync(flag, 0xff, sizeof(unsigned), cx.stream()), "cudaMemsetAsync");
-        const T* yp = y.data;
-        const long long cols = y.cols, ys = y.stride;
-        cuda::each(cx.stream(), y.rows * cols, [=] __device__(unsigned i) {
-            const unsigned r = i / cuda::u32(cols), c = i % cuda::u32(cols);
-            if (cuda::not_finite(yp[r * ys + c])) {
-                atomicMin(flag, r);
-            }
-        });
-        unsigned host = 0;
-        cuda::check(cudaMemcpyAsync(&host, flag, sizeof(host), cudaMemcpyDeviceToHost, cx.stream()),
-                    "cudaMemcpyAsync (non-finite row)");
-        cx.synchronize();
-        return host == 0xFFFFFFFFu ? -1 : static_cast<long long>(host);
     }
 };
 

@@ -12,9 +12,11 @@
 // Covered: the neural memory (every mode of math §1-5, forward; the training forward and
 // backward of math §9, chained pieces included), the attention layer (forward, and the
 // training forward and backward of math §9, chained pieces included), RMSNorm and FeedForward
-// (forward and backward); Block<T, Cuda> and Model<T, Cuda> run their sub-layers on the GPU
-// and their glue on the host. Block and model training are CPU-only: they need the memory's
-// staged reverse (MAC's), which CUDA does not have yet (docs/cuda.md).
+// (forward and backward), the glue between layers (glue_kernels.cuh). Block<T, Cuda> and
+// Model<T, Cuda> keep a forward's activations on the GPU (one upload, one download per model
+// call; MAC's segment attention still runs on the host); their training passes run every
+// sub-layer on the GPU, every block kind (MAC through the memory's staged reverse), with the
+// glue between them on the host for now (docs/cuda.md).
 //
 // Outside nvcc the backend compiles only under TITANS_CUDA_EMULATION, the CPU emulation of
 // the CUDA runtime and cuBLAS that the tests use where there is no GPU (tests/cuda/emulation/).
@@ -50,6 +52,7 @@ struct BackendTraits<Cuda> {
 #include "transfer.cuh"
 #include "memory_kernels.cuh"
 #include "layer_kernels.cuh"
+#include "glue_kernels.cuh"
 #include "attention_kernels.cuh"
 #include "attention_training.cuh"
 #include "memory_training.cuh"

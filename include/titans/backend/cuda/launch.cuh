@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "../../config.hpp"
+#include "../../view.hpp"
 #include "runtime.cuh"
 
 namespace titans::backend::cuda {
@@ -99,6 +100,28 @@ void each(cudaStream_t stream, long long n, F f) {
     launch(each_kernel<F>, static_cast<unsigned>(blocks), threads, stream,
            static_cast<unsigned>(n), f);
     check_launch("a titans CUDA kernel launch");
+}
+
+/// The first row of y holding a NaN or an infinity, or -1 (synchronises the stream): each
+/// non-finite entry lowers *flag (device memory) by atomicMin over row indices as unsigned keys,
+/// none = 0xFFFFFFFF (each() bounds rows x cols below 2^32, so a row is at most 2^32 - 2); the
+/// one scalar is read back.
+template <class T>
+long long first_nonfinite_row(cudaStream_t stream, View<const T> y, unsigned* flag) {
+    check(cudaMemsetAsync(flag, 0xff, sizeof(unsigned), stream), "cudaMemsetAsync");
+    const T* yp = y.data;
+    const long long cols = y.cols, ys = y.stride;
+    each(stream, y.rows * cols, [=] __device__(unsigned i) {
+        const unsigned r = i / static_cast<unsigned>(cols), c = i % static_cast<unsigned>(cols);
+        if (!(yp[r * ys + c] - yp[r * ys + c] == T(0))) {  // not finite (fast math too)
+            atomicMin(flag, r);
+        }
+    });
+    unsigned host = 0;
+    check(cudaMemcpyAsync(&host, flag, sizeof(host), cudaMemcpyDeviceToHost, stream),
+          "cudaMemcpyAsync (non-finite row)");
+    check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+    return host == 0xFFFFFFFFu ? -1 : static_cast<long long>(host);
 }
 #endif
 

@@ -1,0 +1,54 @@
+#pragma once
+// titans/backend/cpu/glue_kernels.hpp: the glue between layers on the CPU (layers/glue.hpp):
+// residual sums, MAG's gate, finiteness, the embedding gather and the head's product, on
+// host views through Eigen maps.
+
+#include <cstddef>
+#include <span>
+
+#include "../../detail/activation.hpp"
+#include "../../detail/float_env.hpp"
+#include "../../detail/product.hpp"
+#include "../../layers/glue.hpp"
+#include "../../types.hpp"
+#include "../backend.hpp"
+#include "transfer.hpp"
+
+namespace titans::backend {
+
+struct Cpu;
+
+/// The glue kernels on the CPU: the expressions the blocks evaluated on host matrices, on
+/// views (the same bits).
+template <class T>
+struct GlueKernels<Cpu, T> {
+    static void copy(View<const T> from, View<T> to) { cpu::as_eigen(to) = cpu::as_eigen(from); }
+    static void add(View<const T> a, View<const T> b, View<T> out) {
+        cpu::as_eigen(out) = cpu::as_eigen(a) + cpu::as_eigen(b);
+    }
+    static void gate(View<const T> y, View<const T> m, View<T> out) {
+        cpu::as_eigen(out) =
+            (cpu::as_eigen(y).array() *
+             cpu::as_eigen(m).unaryExpr([](T v) { return detail::sigmoid(v); }).array())
+                .matrix();
+    }
+    static std::ptrdiff_t nonfinite_row(View<const T> x) {
+        const auto m = cpu::as_eigen(x);
+        if (detail::all_finite(m)) {
+            return -1;
+        }
+        return static_cast<std::ptrdiff_t>(detail::first_nonfinite_row(m));
+    }
+    static void gather(View<const T> table, std::span<const int> ids, View<T> out) {
+        const auto t = cpu::as_eigen(table);
+        auto o = cpu::as_eigen(out);
+        for (std::size_t i = 0; i < ids.size(); ++i) {
+            o.row(static_cast<Eigen::Index>(i)) = t.row(ids[i]);
+        }
+    }
+    static void product(View<const T> x, View<const T> w, View<T> out) {
+        detail::multiply(cpu::as_eigen(out), cpu::as_eigen(x), cpu::as_eigen(w));
+    }
+};
+
+}  // namespace titans::backend

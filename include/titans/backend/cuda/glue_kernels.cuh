@@ -1,0 +1,107 @@
+#pragma once
+// titans/backend/cuda/glue_kernels.cuh: the glue between layers on CUDA (layers/glue.hpp):
+// copies, residual sums, MAG's gate, finiteness, the embedding gather and the head's product,
+// on device views. Stateless: each call runs on the calling host thread's stream and cuBLAS
+// handle (thread_context(), layer_kernels.cuh) and returns with it idle.
+
+#include <cstddef>
+#include <span>
+
+#include "../../detail/activation.hpp"
+#include "../../layers/glue.hpp"
+#include "../../types.hpp"
+#include "../backend.hpp"
+#include "blas.cuh"
+#include "launch.cuh"
+#include "layer_kernels.cuh"
+#include "runtime.cuh"
+#include "../../layers/kernels_decl.hpp"
+
+namespace titans::backend {
+
+struct Cuda;
+
+/// The glue kernels on CUDA: one element-wise launch each (a thread per entry), the head's
+/// product on cuBLAS. The device lambdas copy the views' fields into locals (no host object
+/// reaches the device).
+template <class T>
+struct GlueKernels<Cuda, T> {
+    static void copy(View<const T> from, View<T> to) {
+        const T* a = from.data;
+        T* o = to.data;
+        const long long as = from.stride, os = to.stride;
+        const unsigned c = cuda::u32(to.cols);
+        run(to.rows * to.cols, [=] __device__(unsigned i) {
+            o[(i / c) * os + i % c] = a[(i / c) * as + i % c];
+        });
+    }
+    static void add(View<const T> a, View<const T> b, View<T> out) {
+        binary(a, b, out, Sum{});
+    }
+    static void gate(View<const T> y, View<const T> m, View<T> out) {
+        binary(y, m, out, Gated{});
+    }
+    /// A device minimum of the rows holding a NaN or an infinity; the one scalar comes back.
+    static std::ptrdiff_t nonfinite_row(View<const T> x) {
+        cuda::DeviceBuffer<unsigned> flag(1);
+        return static_cast<std::ptrdiff_t>(
+            cuda::first_nonfinite_row<T>(cuda::thread_context().stream(), x, flag.data()));
+    }
+    /// The ids are copied to the device with the call (checked by the caller).
+    static void gather(View<const T> table, std::span<const int> ids, View<T> out) {
+        if (ids.empty() || out.cols == 0) {
+            return;
+        }
+        const cuda::DeviceBuffer<int> dev = cuda::upload_array(ids.data(), ids.size());
+        const int* id = dev.data();
+        const T* t = table.data;
+        T* o = out.data;
+        const long long ts = table.stride, os = out.stride;
+        const unsigned c = cuda::u32(out.cols);
+        run(out.rows * out.cols, [=] __device__(unsigned i) {
+            const unsigned r = i / c, j = i % c;
+            o[r * os + j] = t[static_cast<long long>(id[r]) * ts + j];
+        });
+    }
+    static void product(View<const T> x, View<const T> w, View<T> out) {
+        if (out.rows == 0 || out.cols == 0) {
+            return;
+        }
+        const cuda::StreamContext& cx = cuda::thread_context();
+        cuda::gemm<T>(cx.blas(), false, false, static_cast<int>(x.rows), static_cast<int>(w.cols),
+                      static_cast<int>(x.cols), T(1), {x.data, static_cast<int>(x.stride)},
+                      {w.data, static_cast<int>(w.stride)}, T(0), out.data,
+                      static_cast<int>(out.stride), 0, 1);
+        cx.synchronize();
+    }
+
+    struct Sum {
+        TITANS_HOST_DEVICE T operator()(T a, T b) const { return a + b; }
+    };
+    struct Gated {
+        TITANS_HOST_DEVICE T operator()(T y, T m) const { return y * detail::sigmoid(m); }
+    };
+    /// out = op(x, y) entry by entry (out may be x or y).
+    template <class Op>
+    static void binary(View<const T> x, View<const T> y, View<T> out, Op op) {
+        const T* a = x.data;
+        const T* b = y.data;
+        T* o = out.data;
+        const long long as = x.stride, bs = y.stride, os = out.stride;
+        const unsigned c = cuda::u32(out.cols);
+        run(out.rows * out.cols, [=] __device__(unsigned i) {
+            const unsigned r = i / c, j = i % c;
+            o[r * os + j] = op(a[r * as + j], b[r * bs + j]);
+        });
+    }
+
+    /// f(i) for i < n on this thread's stream, then waits for it.
+    template <class F>
+    static void run(long long n, F f) {
+        const cuda::StreamContext& cx = cuda::thread_context();
+        cuda::each(cx.stream(), n, f);
+        cx.synchronize();
+    }
+};
+
+}  // namespace titans::backend

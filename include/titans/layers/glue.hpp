@@ -1,0 +1,41 @@
+#pragma once
+// titans/layers/glue.hpp: what the glue kernels of a backend must provide (concept
+// GlueBackend): the operations between layers that let a block and a model keep their
+// activations in the backend's memory, so data crosses to the host at the model's edge only.
+
+#include <concepts>
+#include <cstddef>
+#include <span>
+
+#include "../view.hpp"
+#include "kernels_decl.hpp"
+
+namespace titans::backend {
+
+/// What GlueKernels<B, T> must provide, every view in B's memory and every shape checked by
+/// the caller (a block or a model):
+///   copy(from, to)             to = from (same shape, distinct)
+///   add(a, b, out)             out = a + b, element-wise (out may be a or b)
+///   gate(y, m, out)            out = y ⊙ σ(m), element-wise (out may be y or m): MAG's gate
+///                              and MAC's output (math §7)
+///   nonfinite_row(x)           the first row of x holding a NaN or an infinity, -1 if none
+///                              (one scalar back to the host: how a block names the row of
+///                              an overflow without downloading its activations)
+///   gather(table, ids, out)    out row i = table row ids[i] (ids in host memory, each in
+///                              [0, table.rows), checked by the caller; the call copies them to
+///                              the backend: the embedding of token ids)
+///   product(x, w, out)         out = x w (x rows x k, w k x n, out rows x n, out distinct from
+///                              x and w): the model's head
+/// The CPU's are the plain loops the layers used on host matrices before, so their results are
+/// the same bits; CUDA's are the same operations per entry (the product on cuBLAS).
+template <class B, class T>
+concept GlueBackend = requires(View<const T> a, View<T> out, std::span<const int> ids) {
+    GlueKernels<B, T>::copy(a, out);
+    GlueKernels<B, T>::add(a, a, out);
+    GlueKernels<B, T>::gate(a, a, out);
+    { GlueKernels<B, T>::nonfinite_row(a) } -> std::same_as<std::ptrdiff_t>;
+    GlueKernels<B, T>::gather(a, ids, out);
+    GlueKernels<B, T>::product(a, a, out);
+};
+
+}  // namespace titans::backend
