@@ -119,29 +119,22 @@ double compare_case(const MemoryConfig& cfg, const titans::MemoryParamsd& p, con
 /// runs (compute-sanitizer).
 template <class T>
 void parity_sweep(const char* name, int cases_per_mode, double bound) {
-    cases_per_mode = parity_cases(cases_per_mode);
-    int index = 0;
-    double worst = 0;
-    for (const Modes& base : all_primary_modes()) {
-        for (int k = 0; k < cases_per_mode; ++k, ++index) {
-            Rng rng(seed_for(name, static_cast<std::uint64_t>(index)));
-            const Modes m = with_flags(base, k % 32);
-            Limits lim;
-            lim.min_head_dim = 3;
-            const MemoryConfig cfg = random_config(m, rng, lim);
-            const int B = uniform_int(rng, 1, 3);
-            const int N = random_tokens(cfg, rng, 40);
-            const auto p = random_params(cfg, rng);
-            const Matrixd x = random_matrix(static_cast<Eigen::Index>(B) * N, cfg.d_model, rng);
-            INFO("case " << index << ": " << to_string(cfg.update) << "/" << to_string(cfg.retrieval)
-                         << "/" << to_string(cfg.gates) << " flags " << k % 32 << " depth "
-                         << cfg.depth << " chunk " << cfg.chunk << " conv " << cfg.conv_kernel << " clip "
-                         << cfg.max_grad_norm << " B " << B << " N " << N);
-            const double e = compare_case<T>(cfg, p, x, B, N, rng, bound);
-            worst = std::max(worst, e);
-        }
-    }
-    std::printf("%s: %d cases, worst relative error %.3g (bound %.0e)\n", name, index, worst, bound);
+    const auto run = [&](const Modes& base, int k, int index, Rng& rng) {
+        const Modes m = with_flags(base, k % 32);
+        Limits lim;
+        lim.min_head_dim = 3;
+        const MemoryConfig cfg = random_config(m, rng, lim);
+        const int B = uniform_int(rng, 1, 3);
+        const int N = random_tokens(cfg, rng, 40);
+        const auto p = random_params(cfg, rng);
+        const Matrixd x = random_matrix(static_cast<Eigen::Index>(B) * N, cfg.d_model, rng);
+        INFO("case " << index << ": " << to_string(cfg.update) << "/" << to_string(cfg.retrieval)
+                     << "/" << to_string(cfg.gates) << " flags " << k % 32 << " depth "
+                     << cfg.depth << " chunk " << cfg.chunk << " conv " << cfg.conv_kernel << " clip "
+                     << cfg.max_grad_norm << " B " << B << " N " << N);
+        return compare_case<T>(cfg, p, x, B, N, rng, bound);
+    };
+    (void)mode_sweep(name, cases_per_mode, bound, run);
 }
 
 }  // namespace

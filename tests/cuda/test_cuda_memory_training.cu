@@ -124,28 +124,22 @@ double trace_case(const MemoryConfig& cfg, const titans::MemoryParamsd& p, int B
 
 template <class T>
 void trace_sweep(const char* name, int cases_per_mode, double bound) {
-    cases_per_mode = parity_cases(cases_per_mode);
-    int index = 0;
-    double worst = 0;
-    for (const Modes& base : all_primary_modes()) {
-        for (int k = 0; k < cases_per_mode; ++k, ++index) {
-            Rng rng(seed_for(name, static_cast<std::uint64_t>(index)));
-            const Modes m = with_flags(base, (k * 7 + index) % 32);
-            Limits lim;
-            lim.min_head_dim = 3;
-            const MemoryConfig cfg = random_config(m, rng, lim);
-            const int B = uniform_int(rng, 1, 3);
-            const int h0 = cfg.effective_chunk() * uniform_int(rng, 0, 2);
-            const int N = uniform_int(rng, 0, 5) == 0 ? 0 : random_tokens(cfg, rng, 17);
-            const auto p = random_params(cfg, rng);
-            INFO("case " << index << ": " << to_string(cfg.update) << "/" << to_string(cfg.retrieval)
-                         << "/" << to_string(cfg.gates) << " depth " << cfg.depth << " chunk "
-                         << cfg.chunk << " conv " << cfg.use_conv << "/" << cfg.conv_kernel
-                         << " B " << B << " head " << h0 << " N " << N);
-            worst = std::max(worst, trace_case<T>(cfg, p, B, h0, N, rng, bound));
-        }
-    }
-    std::printf("%s: %d cases, worst relative error %.3g (bound %.0e)\n", name, index, worst, bound);
+    const auto run = [&](const Modes& base, int k, int index, Rng& rng) {
+        const Modes m = with_flags(base, (k * 7 + index) % 32);
+        Limits lim;
+        lim.min_head_dim = 3;
+        const MemoryConfig cfg = random_config(m, rng, lim);
+        const int B = uniform_int(rng, 1, 3);
+        const int h0 = cfg.effective_chunk() * uniform_int(rng, 0, 2);
+        const int N = uniform_int(rng, 0, 5) == 0 ? 0 : random_tokens(cfg, rng, 17);
+        const auto p = random_params(cfg, rng);
+        INFO("case " << index << ": " << to_string(cfg.update) << "/" << to_string(cfg.retrieval)
+                     << "/" << to_string(cfg.gates) << " depth " << cfg.depth << " chunk "
+                     << cfg.chunk << " conv " << cfg.use_conv << "/" << cfg.conv_kernel
+                     << " B " << B << " head " << h0 << " N " << N);
+        return trace_case<T>(cfg, p, B, h0, N, rng, bound);
+    };
+    (void)mode_sweep(name, cases_per_mode, bound, run);
 }
 
 

@@ -16,19 +16,15 @@
 #include <vector>
 
 #include "../attention/attention.hpp"
-#include "../attention/rope.hpp"
 #include "../backend/backend.hpp"
 #include "../backend/edge.hpp"
 #include "../detail/check.hpp"
-#include "../detail/product.hpp"
 #include "../detail/activation.hpp"
 #include "../detail/eigen_math.hpp"
-#include "../detail/host_map.hpp"
 #include "../detail/enum_names.hpp"
 #include "../detail/float_env.hpp"
 #include "../detail/visit.hpp"
 #include "../detail/random.hpp"
-#include "../detail/rows.hpp"
 #include "../detail/shared.hpp"
 #include "../error.hpp"
 #include "../layers/feed_forward.hpp"
@@ -325,7 +321,7 @@ public:
             attention_->rollback(state.attention_);
         }
         if (cfg_.kind == BlockKind::MAC) {
-            restore_segment(state);
+            detail::MacMixer<T, Backend>::restore_segment(state);
         }
         state.position_ = u.position;
         u.open = false;
@@ -391,6 +387,7 @@ public:
 private:
     friend struct detail::BlockTraining<T, Backend>;
     friend struct detail::MacTraining<T, Backend>;
+    friend struct detail::MacMixer<T, Backend>;
     friend class Model<T, Backend>;  // set_parameters: derive() again after new values
 
     /// What the block computes once from its parameters: MAG's and SWA's persistent prefix
@@ -489,7 +486,7 @@ private:
                 attention_->forward(state.attention_, cview(m), o, nullptr);
                 break;
             }
-            case BlockKind::MAC: mix_mac_views(state, u, o); break;
+            case BlockKind::MAC: detail::MacMixer<T, Backend>::mix(*this, state, u, o); break;
             case BlockKind::SWA: attention_->forward(state.attention_, u, o, &*prefix_); break;
         }
         state.position_ += u.rows / state.batch_;
@@ -517,57 +514,6 @@ private:
             "Block (", to_string(cfg_.kind), "): ", what, " is not finite at sequence ", r / N,
             ", position ", state.undo_.position + r % N,
             " (a sub-layer overflows), expected finite values; the state is unchanged"));
-    }
-
-    /// MAC: before segment rows [lo, lo + n) of every sequence are overwritten.
-    static void save_segment_rows(State& st, int lo, int n) {
-        auto& u = st.undo_;
-        if (!u.open || u.wrapped || lo + n <= u.hi) {
-            return;
-        }
-        u.seg_k.resize(st.seg_k_.size());
-        u.seg_v.resize(st.seg_v_.size());
-        for (std::size_t b = 0; b < st.seg_k_.size(); ++b) {
-            if (u.seg_k[b].rows() != st.seg_k_[b].rows() || u.seg_k[b].cols() != st.seg_k_[b].cols()) {
-                u.seg_k[b].resize(st.seg_k_[b].rows(), st.seg_k_[b].cols());
-                u.seg_v[b].resize(st.seg_v_[b].rows(), st.seg_v_[b].cols());
-            }
-            u.seg_k[b].middleRows(u.hi, lo + n - u.hi) = st.seg_k_[b].middleRows(u.hi, lo + n - u.hi);
-            u.seg_v[b].middleRows(u.hi, lo + n - u.hi) = st.seg_v_[b].middleRows(u.hi, lo + n - u.hi);
-        }
-        u.hi = lo + n;
-    }
-
-    /// MAC: at a segment start, before the snapshot is refreshed (and, after the first
-    /// segment of the transaction, before rows [0, row0) are reused).
-    static void save_segment_start(State& st, std::int64_t pos) {
-        auto& u = st.undo_;
-        if (!u.open) {
-            return;
-        }
-        if (!u.snap_saved) {
-            u.snapshot = st.snapshot_;
-            u.snap_saved = true;
-        }
-        if (!u.wrapped && pos > u.position) {
-            const int hi = u.hi;
-            u.hi = 0;
-            save_segment_rows(st, 0, u.row0);
-            u.hi = hi;
-            u.wrapped = true;
-        }
-    }
-
-    static void restore_segment(State& st) {
-        auto& u = st.undo_;
-        if (u.snap_saved) {
-            st.snapshot_.swap(u.snapshot);
-        }
-        const int lo = u.wrapped ? 0 : u.row0;
-        for (std::size_t b = 0; b < u.seg_k.size() && u.hi > lo; ++b) {
-            st.seg_k_[b].middleRows(lo, u.hi - lo) = u.seg_k[b].middleRows(lo, u.hi - lo);
-            st.seg_v_[b].middleRows(lo, u.hi - lo) = u.seg_v[b].middleRows(lo, u.hi - lo);
-        }
     }
 
     bool uses_attention_state() const { return has_window(cfg_.kind); }
@@ -636,7 +582,6 @@ private:
         p.validate(cfg);
         return cfg;
     }
-    static T sigmoid(T v) { return detail::sigmoid(v); }
 
     /// MAG: o = RMSNorm_y(SWA*(P ‖ u)) ⊙ σ(RMSNorm_m(M(P ‖ u))), P W_K and P W_V projected
     /// once, at construction; the attention's output is normalised and gated in o.
@@ -647,102 +592,6 @@ private:
         norm_m_->forward(cview(m), Transfer::view(m));
         norm_y_->forward(o, o);
         Glue::gate(o, cview(m), o);
-    }
-
-    /// MAC's mixer on views. Its segment attention and snapshot reads run on the host (on the
-    /// CPU in place; elsewhere u is downloaded and o uploaded, one round trip per call).
-    void mix_mac_views(State& st, View<const T> u, View<T> o) const {
-        if constexpr (backend::BackendTraits<Backend>::host_accessible) {
-            mix_mac(st, detail::host_map(u), detail::host_map(o));
-        } else {
-            Matrix<T> uh(u.rows, u.cols), oh(u.rows, u.cols);
-            Transfer::download(u, view_of(uh));
-            mix_mac(st, uh, oh);
-            const Buffer ob = Transfer::upload(view_of(std::as_const(oh)));
-            Glue::copy(cview(ob), o);
-        }
-    }
-
-    /// MAC over a piece, segment part by segment part [t, t + m) of every stream, into out
-    /// ((B*N) x d, host).
-    template <class Out>
-    void mix_mac(State& st, const MatrixRef<T>& u, Out&& out) const {
-        const int B = st.batch_, C = cfg_.segment, Hm = cfg_.memory.n_heads;
-        const Eigen::Index N = u.rows() / B;
-        Eigen::Index t = 0;
-        while (t < N) {
-            const std::int64_t pos = st.position_ + t;
-            const int o = static_cast<int>(pos % C);
-            const int m = static_cast<int>(std::min<Eigen::Index>(C - o, N - t));
-            if (o == 0) {  // segment start: remember M_{t-1}
-                save_segment_start(st, pos);
-                for (int b = 0; b < B; ++b) {
-                    for (int h = 0; h < Hm; ++h) {
-                        st.snapshot_[static_cast<std::size_t>(b * Hm + h)] =
-                            memory_->current_weights(st.memory_, b, h);
-                    }
-                }
-            }
-            save_segment_rows(st, 2 * o, 2 * m);
-            const Matrix<T> U = detail::segment_rows(u, B, t, m);  // stream-major rows
-            // h = M*_{t-1}(S): the memory's query path read through each stream's snapshot.
-            const Matrix<T> y = mac_attend(st, U, memory_->read_weights(st.snapshot_, U, B), o, m, pos);
-            // Write the memory with y, read the updated memory: o = y ⊙ σ(M*_t(y)).
-            const Matrix<T> r = memory_->forward(st.memory_, y);
-            for (int b = 0; b < B; ++b) {
-                out.middleRows(b * N + t, m) =
-                    (y.middleRows(static_cast<Eigen::Index>(b) * m, m).array() *
-                     r.middleRows(static_cast<Eigen::Index>(b) * m, m)
-                         .unaryExpr([](T v) { return sigmoid(v); })
-                         .array())
-                        .matrix();
-            }
-            t += m;
-        }
-    }
-
-    /// MAC's attention for rows U ((B*m) x d, stream-major) at segment offset o (absolute
-    /// position pos) with hrows = h, the snapshot's read of U: q/k/v of U and k/v of h
-    /// projected once over all streams, keys and values interleaved into each stream's segment
-    /// buffers (h_i, s_i), then y = Attn(q; P ‖ h ‖ s) W_O. Returns y, (B*m) x d.
-    Matrix<T> mac_attend(State& st, const Matrix<T>& U, const Matrix<T>& hrows, int o, int m,
-                         std::int64_t pos) const {
-        const int B = st.batch_, C = cfg_.segment;
-        const int Ha = cfg_.attention.n_heads, dha = cfg_.attention.head_dim();
-        const Eigen::Index D = cfg_.attention.inner_dim();
-        const AttentionParams<T>& ap = params_->attention;
-        Matrix<T> qs(U.rows(), D), ks(U.rows(), D), vs(U.rows(), D), kh(U.rows(), D),
-            vh(U.rows(), D);
-        detail::multiply(qs, U, ap.w_q);
-        detail::multiply(ks, U, ap.w_k);
-        detail::multiply(vs, U, ap.w_v);
-        detail::multiply(kh, hrows, ap.w_k);
-        detail::multiply(vh, hrows, ap.w_v);
-        Matrix<T> att(U.rows(), D);
-        for (int b = 0; b < B; ++b) {
-            const Eigen::Index r0 = static_cast<Eigen::Index>(b) * m;
-            if (cfg_.attention.rope) {
-                apply_rope<T>(qs.middleRows(r0, m), Ha, dha, pos, cfg_.attention.rope_base);
-                apply_rope<T>(ks.middleRows(r0, m), Ha, dha, pos, cfg_.attention.rope_base);
-            }
-            Matrix<T>& sk = st.seg_k_[static_cast<std::size_t>(b)];
-            Matrix<T>& sv = st.seg_v_[static_cast<std::size_t>(b)];
-            for (int i = 0; i < m; ++i) {
-                sk.row(2 * (o + i)) = kh.row(r0 + i);
-                sv.row(2 * (o + i)) = vh.row(r0 + i);
-                sk.row(2 * (o + i) + 1) = ks.row(r0 + i);
-                sv.row(2 * (o + i) + 1) = vs.row(r0 + i);
-            }
-            // Query of token o+i sits at interleaved position 2(o+i)+1 (query stride 2) and
-            // sees P, then h_0..h_{o+i} and s_0..s_{o+i}: causal over the segment, h included.
-            prefix_window_attention<T>(qs.middleRows(r0, m), k_prefix_, v_prefix_,
-                                       sk.topRows(2 * (o + m)), sv.topRows(2 * (o + m)), Ha, dha,
-                                       2 * C, 2 * o + 1, att.middleRows(r0, m),
-                                       /*query_stride=*/2);
-        }
-        Matrix<T> y(U.rows(), cfg_.d_model);
-        detail::multiply(y, att, ap.w_o);
-        return y;
     }
 
     BlockConfig cfg_;
@@ -758,3 +607,5 @@ private:
 };
 
 }  // namespace titans
+
+#include "mac_mixer.hpp"  // MAC's mixer: detail::MacMixer

@@ -26,6 +26,8 @@ template <class T, class Backend>
 struct BlockTraining;
 template <class T, class Backend>
 struct MacTraining;
+template <class T, class Backend>
+struct MacMixer;
 }  // namespace detail
 
 /// The state of B streams through one block: the memory's state (not SWA), the attention's
@@ -85,6 +87,7 @@ private:
     friend class Block<T, Backend>;
     friend struct detail::BlockTraining<T, Backend>;
     friend struct detail::MacTraining<T, Backend>;
+    friend struct detail::MacMixer<T, Backend>;
     BlockKind kind_ = BlockKind::LMM;
     BlockConfig cfg_{};  // the block's settings at make_state (what a continuing block must match)
     int batch_ = 0;

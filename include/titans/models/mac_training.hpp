@@ -41,7 +41,7 @@ struct MacTraining {
     using Segments = std::vector<MacSegmentTrace<T>>;
 
     /// The mixer on u ((B*N) x d) from next (fresh, or at a memory chunk boundary), as
-    /// Block::mix_mac computes it, segment part by segment part; fills mem (one trace over all
+    /// MacMixer::mix computes it, segment part by segment part; fills mem (one trace over all
     /// y) and segs.
     static Matrix<T> forward(const Blk& blk, State& next, const Matrix<T>& u, MemoryTrace& mem,
                              Segments& segs) {
@@ -63,7 +63,7 @@ struct MacTraining {
             begin_part(blk, next, sg);
             const Matrix<T> U = segment_rows(u, B, t, m);
             sg.h = blk.memory_->read_weights(sg.weights, U, B);
-            sg.y = blk.mac_attend(next, U, sg.h, sg.offset, m, pos);
+            sg.y = MacMixer<T, Backend>::attend(blk, next, U, sg.h, sg.offset, m, pos);
             blk.memory_->forward_part(next.memory_, sg.y, sg.r, mem);
             const Matrix<T> o = (sg.y.array() * sg.r.unaryExpr([](T v) { return sigmoid(v); })
                                                      .array())
@@ -277,7 +277,7 @@ private:
         }
     }
 
-    /// The reverse of Block::mac_attend for one part at absolute position pos: dy -> dU, dh and
+    /// The reverse of MacMixer::attend for one part at absolute position pos: dy -> dU, dh and
     /// the attention's and P's gradients (added to g). dlast (the part that ends the call, or
     /// null) adds the adjoint of the keys and values the state keeps after the call; a part
     /// continuing an earlier call's segment writes its kept rows' adjoint into dseg.

@@ -15,7 +15,6 @@ namespace titans::backend {
 
 template <class T>
 struct MemoryTraining<Cuda, T>::ReadBackward {
-    using MT = MemoryTraining<Cuda, T>;
     using Layers = std::vector<Mat>;
 
     const MemoryConfig& cfg;

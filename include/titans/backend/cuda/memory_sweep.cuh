@@ -23,7 +23,6 @@ namespace titans::backend {
 
 template <class T>
 struct MemoryTraining<Cuda, T>::Sweep {
-    using MT = MemoryTraining<Cuda, T>;
 
     const MemoryConfig& cfg;
     const typename Kernels::Params& prm;
@@ -473,6 +472,15 @@ struct MemoryTraining<Cuda, T>::Sweep {
     }
 
     /// The gates of the chunk's rows (theta0, eta, alpha), each row's squared gradient norm
+    /// Σ_c x[c]^2 over n entries, in order (a row of the key tape: its squared norm).
+    static TITANS_HOST_DEVICE T sum_squares(const T* x, int n) {
+        T s = T(0);
+        for (int c = 0; c < n; ++c) {
+            s += x[c] * x[c];
+        }
+        return s;
+    }
+
     /// g2 and theta after clipping, into the pair's vectors.
     static void gates(Sweep& w, long long c0, long long n) {
         const long long N = w.N, BW = w.BW, VS = w.VS;
@@ -509,16 +517,8 @@ struct MemoryTraining<Cuda, T>::Sweep {
             }
             T g2 = T(0);
             for (int l = 0; l < ly.depth; ++l) {
-                T sa = T(0), sd = T(0);
-                for (int c = 0; c < ly.in[l]; ++c) {
-                    const T a = ly.a[l][p * BW + r * ly.in[l] + c];
-                    sa += a * a;
-                }
-                for (int c = 0; c < ly.out[l]; ++c) {
-                    const T e = ly.d[l][p * BW + r * ly.out[l] + c];
-                    sd += e * e;
-                }
-                g2 += sa * sd;
+                g2 += sum_squares(ly.a[l] + p * BW + r * ly.in[l], ly.in[l]) *
+                      sum_squares(ly.d[l] + p * BW + r * ly.out[l], ly.out[l]);
             }
             v[vo.theta0() + r] = th;
             v[vo.eta() + r] = et;
@@ -829,15 +829,8 @@ struct MemoryTraining<Cuda, T>::Sweep {
             const T dg2 = T(-0.5) * v[vo.dtheta() + r] * v[vo.theta0() + r] * f / g2;
             v[vo.dtheta() + r] *= f;
             for (int l = 0; l < ly.depth; ++l) {
-                T na = T(0), nd = T(0);
-                for (int c = 0; c < ly.in[l]; ++c) {
-                    const T a = ly.a[l][p * BW + r * ly.in[l] + c];
-                    na += a * a;
-                }
-                for (int c = 0; c < ly.out[l]; ++c) {
-                    const T e = ly.d[l][p * BW + r * ly.out[l] + c];
-                    nd += e * e;
-                }
+                const T na = sum_squares(ly.a[l] + p * BW + r * ly.in[l], ly.in[l]);
+                const T nd = sum_squares(ly.d[l] + p * BW + r * ly.out[l], ly.out[l]);
                 for (int c = 0; c < ly.in[l]; ++c) {
                     lb.a[l][p * BW + r * ly.in[l] + c] += (T(2) * dg2 * nd) * ly.a[l][p * BW + r * ly.in[l] + c];
                 }
