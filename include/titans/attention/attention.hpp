@@ -457,7 +457,7 @@ private:
     /// The state and x of a forward call (position, configuration, shape, finiteness).
     void check_call(const State& state, const MatrixRef<T>& x, const char* where) const {
         check_rows(state, x.rows(), x.cols(), where);
-        if (!x.allFinite()) {
+        if (!detail::all_finite(x)) {
             throw NonFiniteError(detail::concat(where, ": x has a NaN or infinite entry"));
         }
     }
@@ -482,7 +482,7 @@ private:
             throw ShapeError(detail::concat(where, ": prefix has ", prefix.cols(),
                                             " columns, expected d_model = ", cfg_.d_model));
         }
-        if (!prefix.allFinite()) {
+        if (!detail::all_finite(prefix)) {
             throw NonFiniteError(detail::concat(where, ": prefix has a NaN or infinite entry"));
         }
     }

@@ -8,6 +8,7 @@
 
 #include <Eigen/Core>
 
+#include "float_env.hpp"
 #include "../error.hpp"
 #include "../view.hpp"
 #include "trace.hpp"
@@ -42,7 +43,7 @@ struct TensorCheck {
             throw ShapeError(concat(owner, ": ", name, " is ", m.rows(), " x ", m.cols(),
                                     ", expected ", rows, " x ", cols));
         }
-        if (!m.allFinite()) {
+        if (!all_finite(m)) {
             throw NonFiniteError(concat(owner, ": ", name, " has a NaN or infinite entry"));
         }
     }
@@ -67,7 +68,7 @@ void check_sequence_adjoints(const std::vector<M>& keys, const std::vector<M>& v
                 throw ShapeError(concat(where, ": ", part, " has a ", m.rows(), " x ", m.cols(),
                                         " matrix, expected ", rows, " x ", D, " (", meaning, ")"));
             }
-            if (!m.allFinite()) {
+            if (!all_finite(m)) {
                 throw NonFiniteError(concat(where, ": ", name, " has a NaN or infinite entry"));
             }
         }
@@ -140,7 +141,7 @@ void check_gradient_rows(const M& dy, Eigen::Index rows, Eigen::Index d, const c
         throw ShapeError(concat(where, ": ", name, " is ", dy.rows(), " x ", dy.cols(),
                                 ", expected ", rows, " x ", d, " (the rows of the trace)"));
     }
-    if (!dy.allFinite()) {
+    if (!all_finite(dy)) {
         throw NonFiniteError(concat(where, ": ", name, " has a NaN or infinite entry"));
     }
 }

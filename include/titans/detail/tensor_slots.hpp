@@ -9,6 +9,7 @@
 
 #include <Eigen/Core>
 
+#include "float_env.hpp"
 #include "../error.hpp"
 #include "check.hpp"
 
@@ -125,7 +126,7 @@ void check_same_tensors(const Params& params, const Params& grads, const Config&
     }();
     for (std::size_t i = 0; i < ps.size(); ++i) {
         check_slot_shape(ps[i], gs[i], where, what);
-        if (!gs[i].array().allFinite()) {
+        if (!all_finite(gs[i].array())) {
             throw NonFiniteError(concat(where, ": ", what, " '", gs[i].name,
                                         "' has a NaN or infinite entry"));
         }
@@ -136,7 +137,7 @@ void check_same_tensors(const Params& params, const Params& grads, const Config&
 template <class Params, class Config>
 [[nodiscard]] bool tensors_finite(const Params& p, const Config& cfg) {
     for (const auto& s : tensor_slots(p, cfg)) {
-        if (!s.array().allFinite()) return false;
+        if (!all_finite(s.array())) return false;
     }
     return true;
 }

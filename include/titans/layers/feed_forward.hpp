@@ -12,6 +12,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "../detail/float_env.hpp"
 #include "../backend/backend.hpp"
 #include "../backend/edge.hpp"
 #include "../detail/check.hpp"
@@ -364,7 +365,7 @@ private:
             throw ShapeError(detail::concat(where, ": x has ", x.cols(),
                                             " columns, expected d_model = ", cfg_.d_model));
         }
-        if (!x.allFinite()) {
+        if (!detail::all_finite(x)) {
             throw NonFiniteError(detail::concat(where, ": x has a NaN or infinite entry"));
         }
         if (detail::overlaps(x, y)) {

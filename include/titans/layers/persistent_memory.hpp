@@ -7,6 +7,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "../detail/float_env.hpp"
 #include "../detail/random.hpp"
 #include "../error.hpp"
 #include "../fwd.hpp"
@@ -43,7 +44,7 @@ public:
     explicit PersistentMemory(Matrix<T> tokens) : tokens_(std::move(tokens)) {
         detail::require<ShapeError>(tokens_.cols() >= 1, "PersistentMemory", "tokens.cols()",
                                     tokens_.cols(), ">= 1 (d_model)");
-        if (!tokens_.allFinite()) {
+        if (!detail::all_finite(tokens_)) {
             throw NonFiniteError("PersistentMemory: tokens has a NaN or infinite entry");
         }
     }

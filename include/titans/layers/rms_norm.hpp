@@ -8,6 +8,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "../detail/float_env.hpp"
 #include "../backend/backend.hpp"
 #include "../backend/edge.hpp"
 #include "../detail/check.hpp"
@@ -223,7 +224,7 @@ private:
             throw ShapeError(detail::concat(where, ": x has ", x.cols(), " columns, expected d = ",
                                             weight_->cols()));
         }
-        if (!x.allFinite()) {
+        if (!detail::all_finite(x)) {
             throw NonFiniteError(detail::concat(where, ": x has a NaN or infinite entry"));
         }
     }
@@ -241,7 +242,7 @@ private:
         detail::require_representable<T>(eps, "RMSNorm", "eps");
     }
     static void check_weight(const RowVector<T>& w) {
-        if (!w.allFinite()) {
+        if (!detail::all_finite(w)) {
             throw NonFiniteError("RMSNorm: weight has a NaN or infinite entry");
         }
     }

@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "../detail/float_env.hpp"
 #include "../error.hpp"
 #include "../limits.hpp"
 #include "../types.hpp"
@@ -125,7 +126,7 @@ public:
                                                 mo.v.rows(), " x ", mo.v.cols(),
                                                 "), expected one shape"));
             }
-            if (!mo.m.allFinite() || !mo.v.allFinite() || (mo.v.array() < 0).any()) {
+            if (!detail::all_finite(mo.m) || !detail::all_finite(mo.v) || (mo.v.array() < 0).any()) {
                 throw NonFiniteError(detail::concat(where, ": moments of '", name,
                                                     "' have a NaN, infinite or negative entry"));
             }
@@ -252,7 +253,7 @@ private:
             const auto& p = ps[i];
             const auto& g = gs[i];
             detail::check_slot_shape(p, g, where_, "grads");
-            if (!g.array().allFinite() || !p.array().allFinite()) {
+            if (!detail::all_finite(g.array()) || !detail::all_finite(p.array())) {
                 throw NonFiniteError(detail::concat(where_, ": ",
                                                     g.array().allFinite() ? "params" : "grads",
                                                     " '", g.name, "' has a NaN or infinite entry"));

@@ -8,6 +8,7 @@
 #include <span>
 #include <utility>
 
+#include "../detail/float_env.hpp"
 #include "../detail/check.hpp"
 #include "../error.hpp"
 #include "../limits.hpp"
@@ -34,7 +35,7 @@ double mse_loss_scaled(const MatrixRef<T>& y, const MatrixRef<T>& target, Matrix
                                     "largest double, expected y and target closer"));
     }
     Matrix<T> out = (h * (4 / n)).template cast<T>().matrix();
-    if (!out.allFinite()) {
+    if (!detail::all_finite(out)) {
         throw NonFiniteError(concat("mse_loss: dy = 2 (y - target) / n exceeds the largest ",
                                     scalar_name<T>(), ", expected y and target closer"));
     }
@@ -60,14 +61,14 @@ double mse_loss(const MatrixRef<T>& y, const MatrixRef<T>& target, Matrix<T>& dy
                                         target.rows(), " x ", target.cols(),
                                         ", expected equal non-empty shapes"));
     }
-    if (!y.allFinite() || !target.allFinite()) {
+    if (!detail::all_finite(y) || !detail::all_finite(target)) {
         throw NonFiniteError(detail::concat(where, ": y or target has a NaN or infinite entry"));
     }
     const double inv_n = 1.0 / static_cast<double>(y.size());
     Matrix<T> diff = y - target;
     const double loss = diff.template cast<double>().squaredNorm() * inv_n;
     diff *= static_cast<T>(2 * inv_n);  // now dy
-    if (!std::isfinite(loss) || !diff.allFinite()) {
+    if (!std::isfinite(loss) || !detail::all_finite(diff)) {
         return detail::mse_loss_scaled<T>(y, target, dy);
     }
     dy = std::move(diff);
@@ -99,7 +100,7 @@ double cross_entropy_loss(const MatrixRef<T>& logits, std::span<const int> label
                                                    " (or negative: ignored)"));
         counted += labels[r] >= 0;
     }
-    if (!logits.allFinite()) {
+    if (!detail::all_finite(logits)) {
         throw NonFiniteError(detail::concat(where, ": logits has a NaN or infinite entry"));
     }
     if (detail::overlaps(logits, dlogits)) {
