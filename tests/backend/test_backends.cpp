@@ -427,7 +427,7 @@ TEMPLATE_TEST_CASE("backend: device model", "[backend]", float, double) {
 // download (the output), whatever the stack of LMM, MAG, MAL and SWA blocks, streamed in
 // pieces; the outputs equal the CPU's bit for bit. (MAC's segment attention still runs on the
 // host, so a model with MAC blocks is not counted here.)
-TEMPLATE_TEST_CASE("backend: forward transfer counts", "[backend]", float, double) {
+TEMPLATE_TEST_CASE("backend: transfer counts", "[backend]", float, double) {
     using T = TestType;
     auto& traffic = sim::Traffic::instance();
     const auto counted = [&](auto&& call) {
