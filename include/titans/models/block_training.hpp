@@ -134,6 +134,7 @@ struct BlockTraining {
         state = std::move(next);
     }
 
+    /// Block::backward: accumulate into zeros, added to grads once every check has passed.
     static void backward(const Blk& blk, const Trace& tr, const MatrixRef<T>& dy, Matrix<T>& dx,
                          BlockParams<T>& grads, BlockStateGradient<T>* d_in,
                          const BlockStateGradient<T>* d_out) {
@@ -142,6 +143,22 @@ struct BlockTraining {
         check_trace(blk, tr, where);
         check_gradient_rows(dy, tr.rows, cfg.d_model, where, "dy");
         check_same_tensors(*blk.params_, grads, cfg, where, "grads");
+        BlockParams<T> g = BlockParams<T>::zeros(cfg);
+        accumulate(blk, tr, dy, dx, g, d_in, d_out);
+        add_tensors(g, grads, cfg);
+    }
+
+    /// backward's work with g, of this block's tensor shapes, finite, taking the gradients
+    /// (added to what it holds): what Model::backward calls with its own zeroed accumulator
+    /// (no second accumulator, no pass over the caller's gradients). Checks as backward but
+    /// g's; if it throws, dx and d_in are unchanged (g is the caller's to discard).
+    static void accumulate(const Blk& blk, const Trace& tr, const MatrixRef<T>& dy,
+                           Matrix<T>& dx, BlockParams<T>& g, BlockStateGradient<T>* d_in,
+                           const BlockStateGradient<T>* d_out) {
+        constexpr const char* where = "Block::backward";
+        const BlockConfig& cfg = blk.cfg_;
+        check_trace(blk, tr, where);
+        check_gradient_rows(dy, tr.rows, cfg.d_model, where, "dy");
         if (overlaps(dy, dx)) {
             throw ShapeError(concat(where, ": dx shares storage with dy, expected a distinct "
                                            "matrix"));
@@ -150,7 +167,6 @@ struct BlockTraining {
             check_state_gradient(blk, tr, *d_out);
         }
         const ThreadScope team(blk.threads_, 3.0 * blk.work_estimate(tr.rows));
-        BlockParams<T> g = BlockParams<T>::zeros(cfg);
         Matrix<T> dh = dy;
         if (cfg.use_ffn) {
             Matrix<T> dz, dres;
@@ -168,7 +184,6 @@ struct BlockTraining {
             throw NonFiniteError(concat(where, ": the gradients overflow, expected finite "
                                                "values; grads are unchanged"));
         }
-        add_tensors(g, grads, cfg);
         dx = std::move(dh);
         if (d_in != nullptr) {
             *d_in = std::move(d_start);

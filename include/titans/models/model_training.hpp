@@ -110,9 +110,11 @@ struct ModelTraining {
         Matrix<T> dh, dprev;
         model.norm_final_.backward(tr.norm_final, dz, dh, g.norm_final);
         for (std::size_t i = model.blocks_.size(); i-- > 0;) {
-            model.blocks_[i].backward(tr.blocks[i], dh, dprev, g.blocks[i],
-                                      d_in != nullptr ? &d_start.blocks[i] : nullptr,
-                                      chained ? &d_out->blocks[i] : nullptr);
+            // Into g's own zeros: no second accumulator per block (BlockTraining::accumulate).
+            BlockTraining<T, Backend>::accumulate(model.blocks_[i], tr.blocks[i], dh, dprev,
+                                                  g.blocks[i],
+                                                  d_in != nullptr ? &d_start.blocks[i] : nullptr,
+                                                  chained ? &d_out->blocks[i] : nullptr);
             dh.swap(dprev);
         }
         for (std::size_t r = 0; r < tr.ids.size(); ++r) {
