@@ -131,6 +131,81 @@ TEMPLATE_TEST_CASE("backend: device layers", "[backend]", float, double) {
     CHECK(sim::Arena::instance().live() == live0);
 }
 
+namespace {
+
+/// A host matrix in the simulated device's arena, and back.
+template <class T>
+using Dev = titans::backend::Transfer<SimulatedDevice, T>;
+template <class T>
+Matrix<T> to_host(const typename Dev<T>::Buffer& b) {
+    const titans::View<const T> v = Dev<T>::view(b);
+    Matrix<T> m(v.rows, v.cols);
+    Dev<T>::download(v, titans::view_of(m));
+    return m;
+}
+
+/// A layer's training calls on device views (forward with a trace, backward adding to the
+/// host gradients gd) against the CPU layer's host calls (adding to gc, equal to gd before):
+/// y and dx bit for bit (the gradients are the caller's to compare); then a dx that is dy and
+/// a dy one row short are refused.
+template <class T, class CpuLayer, class DevLayer, class Grads>
+void train_on_views(const CpuLayer& cpu, const DevLayer& dev, const Matrix<T>& x,
+                    const Matrix<T>& dy, Grads& gc, Grads& gd) {
+    typename CpuLayer::Trace tc;
+    typename DevLayer::Trace td;
+    Matrix<T> yc, dxc;
+    cpu.forward(x, yc, tc);
+    cpu.backward(tc, dy, dxc, gc);
+    const auto xb = Dev<T>::upload(titans::view_of(x));
+    const auto dyb = Dev<T>::upload(titans::view_of(dy));
+    auto yb = Dev<T>::allocate(x.rows(), x.cols());
+    auto dxb = Dev<T>::allocate(x.rows(), x.cols());
+    dev.forward(Dev<T>::view(xb), Dev<T>::view(yb), td);
+    dev.backward(td, Dev<T>::view(dyb), Dev<T>::view(dxb), gd);
+    CHECK(identical(to_host<T>(yb), yc));
+    CHECK(identical(to_host<T>(dxb), dxc));
+    const titans::View<T> dxv = Dev<T>::view(dxb);
+    CHECK_THROWS_AS(dev.backward(td, dxv, dxv, gd), titans::ShapeError);
+    const Matrix<T> short_dy = dy.topRows(dy.rows() - 1);
+    const auto sdy = Dev<T>::upload(titans::view_of(short_dy));
+    auto sdx = Dev<T>::allocate(short_dy.rows(), short_dy.cols());
+    CHECK_THROWS_AS(dev.backward(td, Dev<T>::view(sdy), Dev<T>::view(sdx), gd),
+                    titans::ShapeError);
+}
+
+}  // namespace
+
+// The layers' backend-level training calls (RMSNorm, FeedForward of both kinds) on device
+// views equal the CPU's host calls bit for bit, gradients included (added to non-zero ones;
+// the refused calls change none).
+TEMPLATE_TEST_CASE("backend: training views", "[backend][train]", float, double) {
+    using T = TestType;
+    const std::size_t live0 = sim::Arena::instance().live();
+    for (int i = 0; i < 4; ++i) {
+        Rng rng(seed_for(std::string("backends/layer views/") + type_name<T>(),
+                         static_cast<std::uint64_t>(i)));
+        const int d = uniform_int(rng, 1, 24), rows = uniform_int(rng, 2, 19);
+        const Matrix<T> x = random_matrix(rows, d, rng, -3.0, 3.0).cast<T>();
+        const Matrix<T> dy = random_matrix(rows, d, rng).cast<T>();
+        const titans::RowVector<T> w = random_matrix(1, d, rng, 0.5, 1.5).cast<T>();
+        titans::RowVector<T> nc = random_matrix(1, d, rng).cast<T>(), nd = nc;
+        train_on_views<T>(titans::RMSNorm<T>(w, 1e-5), titans::RMSNorm<T, SimulatedDevice>(w, 1e-5),
+                          x, dy, nc, nd);
+        CHECK(identical(nd, nc));
+        const titans::FeedForwardConfig fc{
+            .d_model = d,
+            .kind = i % 2 == 0 ? titans::FeedForwardKind::SwiGLU : titans::FeedForwardKind::GELU};
+        const auto fp = titans::FeedForwardParams<T>::random(fc, rng());
+        auto gc = titans::FeedForwardParams<T>::random(fc, rng()), gd = gc;
+        train_on_views<T>(titans::FeedForward<T>(fc, fp),
+                          titans::FeedForward<T, SimulatedDevice>(fc, fp), x, dy, gc, gd);
+        CHECK(identical(gd.w1, gc.w1));
+        CHECK(identical(gd.w2, gc.w2));
+        CHECK(identical(gd.w3, gc.w3));
+    }
+    CHECK(sim::Arena::instance().live() == live0);
+}
+
 TEMPLATE_TEST_CASE("backend: views, transfer", "[backend]", float, double) {
     using T = TestType;
     namespace tb = titans::backend;

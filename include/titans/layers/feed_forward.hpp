@@ -20,6 +20,7 @@
 #include "../detail/activation.hpp"
 #include "../detail/random.hpp"
 #include "../detail/shared.hpp"
+#include "../detail/tensor_slots.hpp"
 #include "../detail/visit.hpp"
 #include "../error.hpp"
 #include "../detail/enum_names.hpp"
@@ -294,22 +295,23 @@ public:
     /// what backward needs. On an error neither y nor trace changes.
     void forward(const MatrixRef<T>& x, Matrix<T>& y, Trace& trace) const {
         check_input(x, y);
-        const Eigen::Index h = cfg_.hidden_dim();
-        const bool swiglu = cfg_.kind == FeedForwardKind::SwiGLU;
-        Trace t;
-        t.x_ = backend::keep<Backend, T>(x);
-        t.a_ = Transfer::allocate(x.rows(), h);
-        t.g_ = Transfer::allocate(swiglu ? x.rows() : 0, swiglu ? h : 0);
-        t.rows_ = x.rows();
-        t.cols_ = x.cols();
-        t.cfg_ = cfg_;
-        t.filled_ = true;
+        const backend::Upload<Backend, T> in(x);
         Matrix<T> y_new;
         backend::Download<Backend, T> out(y_new, x.rows(), cfg_.d_model);
-        Kernels::forward_train(cfg_, prepared_, cview(t.x_), out.view(), Transfer::view(t.a_),
-                               Transfer::view(t.g_));
+        Trace t;
+        forward_train(in.view(), out.view(), t);
         out.finish();
         y = std::move(y_new);
+        trace = std::move(t);
+    }
+
+    /// The backend-level training forward: forward(x, y, trace) on views in the backend's
+    /// memory, x and y rows x d, distinct (the trace keeps its own copy of x). Shapes are
+    /// checked (ShapeError); finiteness is the caller's. On an error the trace is unchanged.
+    void forward(View<const T> x, View<T> y, Trace& trace) const {
+        detail::check_view_call("FeedForward::forward", x, y, cfg_.d_model, false);
+        Trace t;
+        forward_train(x, y, t);
         trace = std::move(t);
     }
 
@@ -335,16 +337,22 @@ public:
         }
         const backend::Upload<Backend, T> in(dy);
         backend::Download<Backend, T> out(dx, dy.rows(), d);
-        backend::Update<Backend, T> g1(view_of(grads.w1)), g2(view_of(grads.w2));
-        std::optional<backend::Update<Backend, T>> g3;
-        if (swiglu) g3.emplace(view_of(grads.w3));
-        Kernels::backward(cfg_, prepared_, cview(trace.x_), cview(trace.a_), cview(trace.g_),
-                          in.view(), out.view(), g1.view(), g3 ? g3->view() : View<T>{},
-                          g2.view());
+        backward_checked(trace, in.view(), out.view(), grads);
         out.finish();
-        g1.finish();
-        g2.finish();
-        if (g3) g3->finish();
+    }
+
+    /// The backend-level backward: backward(trace, dy, dx, grads) with dy and dx views in the
+    /// backend's memory (the trace's rows x d, distinct). Shapes are checked (ShapeError,
+    /// ConfigError as backward); the finiteness of dy is the caller's, of grads checked.
+    void backward(const Trace& trace, View<const T> dy, View<T> dx,
+                  FeedForwardParams<T>& grads) const {
+        constexpr const char* where = "FeedForward::backward";
+        validate_trace(trace, where);
+        detail::check_view_call(where, dy, dx, cfg_.d_model, false);
+        detail::require<ShapeError>(dy.rows == trace.rows_, where, "dy.rows", dy.rows,
+                                    detail::concat("the trace's ", trace.rows_, " rows"));
+        detail::check_same_tensors(*params_, grads, cfg_, where, "grads");
+        backward_checked(trace, dy, dx, grads);
     }
 
     /// Throws unless `trace` was filled by the training forward of a feed-forward of this
@@ -358,6 +366,38 @@ public:
 
 private:
     static View<const T> cview(const Buffer& b) { return Transfer::view(b); }
+
+    /// The training forward on checked views: x copied into the trace, a = x W1 and (SwiGLU)
+    /// g = x W3 kept.
+    void forward_train(View<const T> x, View<T> y, Trace& t) const {
+        const Eigen::Index h = cfg_.hidden_dim();
+        const bool swiglu = cfg_.kind == FeedForwardKind::SwiGLU;
+        t.x_ = Transfer::allocate(x.rows, x.cols);
+        backend::GlueKernels<Backend, T>::copy(x, Transfer::view(t.x_));
+        t.a_ = Transfer::allocate(x.rows, h);
+        t.g_ = Transfer::allocate(swiglu ? x.rows : 0, swiglu ? h : 0);
+        t.rows_ = x.rows;
+        t.cols_ = x.cols;
+        t.cfg_ = cfg_;
+        t.filled_ = true;
+        Kernels::forward_train(cfg_, prepared_, cview(t.x_), y, Transfer::view(t.a_),
+                               Transfer::view(t.g_));
+    }
+
+    /// The backward on checked views; the weights' gradients added to grads (through the
+    /// backend: uploaded, added to, downloaded).
+    void backward_checked(const Trace& trace, View<const T> dy, View<T> dx,
+                          FeedForwardParams<T>& grads) const {
+        const bool swiglu = cfg_.kind == FeedForwardKind::SwiGLU;
+        backend::Update<Backend, T> g1(view_of(grads.w1)), g2(view_of(grads.w2));
+        std::optional<backend::Update<Backend, T>> g3;
+        if (swiglu) g3.emplace(view_of(grads.w3));
+        Kernels::backward(cfg_, prepared_, cview(trace.x_), cview(trace.a_), cview(trace.g_),
+                          dy, dx, g1.view(), g3 ? g3->view() : View<T>{}, g2.view());
+        g1.finish();
+        g2.finish();
+        if (g3) g3->finish();
+    }
 
     void check_input(const MatrixRef<T>& x, const Matrix<T>& y) const {
         constexpr const char* where = "FeedForward::forward";

@@ -158,19 +158,23 @@ public:
     /// what backward needs. On an error neither y nor trace changes.
     void forward(const MatrixRef<T>& x, Matrix<T>& y, Trace& trace) const {
         check_input(x, y, "RMSNorm::forward");
-        Trace t;
-        t.x_ = backend::keep<Backend, T>(x);
-        t.inv_rms_ = backend::Transfer<Backend, T>::allocate(x.rows(), 1);
-        t.rows_ = x.rows();
-        t.cols_ = x.cols();
-        t.eps_ = eps_;
-        t.filled_ = true;
+        const backend::Upload<Backend, T> in(x);
         Matrix<T> out_host;
         backend::Download<Backend, T> out(out_host, x.rows(), x.cols());
-        Kernels::forward_train(prepared_, static_cast<T>(eps_), view(t.x_), out.view(),
-                               backend::Transfer<Backend, T>::view(t.inv_rms_));
+        Trace t;
+        forward_train(in.view(), out.view(), t);
         out.finish();
         y = std::move(out_host);
+        trace = std::move(t);
+    }
+
+    /// The backend-level training forward: forward(x, y, trace) on views in the backend's
+    /// memory, y of x's shape and distinct (the trace keeps its own copy of x). Shapes are
+    /// checked (ShapeError); finiteness is the caller's. On an error the trace is unchanged.
+    void forward(View<const T> x, View<T> y, Trace& trace) const {
+        detail::check_view_call("RMSNorm::forward", x, y, weight_->cols(), false);
+        Trace t;
+        forward_train(x, y, t);
         trace = std::move(t);
     }
 
@@ -191,11 +195,22 @@ public:
         }
         const backend::Upload<Backend, T> in(dy);
         backend::Download<Backend, T> out(dx, dy.rows(), dy.cols());
-        backend::Update<Backend, T> grad(view_of(grad_weight));
-        Kernels::backward(prepared_, view(trace.x_), view(trace.inv_rms_), in.view(),
-                          out.view(), grad.view());
+        backward_checked(trace, in.view(), out.view(), grad_weight);
         out.finish();
-        grad.finish();
+    }
+
+    /// The backend-level backward: backward(trace, dy, dx, grad_weight) with dy and dx views
+    /// in the backend's memory (the trace's rows x d, distinct). Shapes are checked
+    /// (ShapeError, ConfigError as backward); dy's finiteness is the caller's.
+    void backward(const Trace& trace, View<const T> dy, View<T> dx,
+                  RowVector<T>& grad_weight) const {
+        constexpr const char* where = "RMSNorm::backward";
+        validate_trace(trace, where);
+        detail::check_view_call(where, dy, dx, weight_->cols(), false);
+        detail::require<ShapeError>(dy.rows == trace.rows_, where, "dy.rows", dy.rows,
+                                    detail::concat("the trace's ", trace.rows_, " rows"));
+        detail::TensorCheck{where}(grad_weight, "grad_weight", 1, weight_->cols());
+        backward_checked(trace, dy, dx, grad_weight);
     }
 
     /// Throws unless `trace` was filled by the training forward of a norm of this width
@@ -212,6 +227,29 @@ public:
 
 private:
     static View<const T> view(const Buffer& b) { return backend::Transfer<Backend, T>::view(b); }
+
+    /// The training forward on checked views: x copied into the trace, 1 / rms kept.
+    void forward_train(View<const T> x, View<T> y, Trace& t) const {
+        using Transfer = backend::Transfer<Backend, T>;
+        t.x_ = Transfer::allocate(x.rows, x.cols);
+        backend::GlueKernels<Backend, T>::copy(x, Transfer::view(t.x_));
+        t.inv_rms_ = Transfer::allocate(x.rows, 1);
+        t.rows_ = x.rows;
+        t.cols_ = x.cols;
+        t.eps_ = eps_;
+        t.filled_ = true;
+        Kernels::forward_train(prepared_, static_cast<T>(eps_), view(t.x_), y,
+                               Transfer::view(t.inv_rms_));
+    }
+
+    /// The backward on checked views; the weight's gradient added to grad_weight (through the
+    /// backend: uploaded, added to, downloaded).
+    void backward_checked(const Trace& trace, View<const T> dy, View<T> dx,
+                          RowVector<T>& grad_weight) const {
+        backend::Update<Backend, T> grad(view_of(grad_weight));
+        Kernels::backward(prepared_, view(trace.x_), view(trace.inv_rms_), dy, dx, grad.view());
+        grad.finish();
+    }
 
     void check_input(const MatrixRef<T>& x, const Matrix<T>& y, const char* where) const {
         const bool in_place = x.data() == y.data() && x.rows() == y.rows() &&
