@@ -1,6 +1,7 @@
 // tools/golden_outputs.cpp: writes the outputs and states of every layer family for fixed
 // seeds (the memory in four modes, attention with a prefix, each block kind over three pieces,
-// a two-block model of each kind; double, then float) to one binary file and, given a second
+// a two-block model of each kind, each block kind's training pass over two chained pieces;
+// double, then float) to one binary file and, given a second
 // file, prints every value that differs from it. It checks that a refactoring is
 // bit-identical: build it against the commit before and the tree after, and compare.
 //
@@ -135,12 +136,41 @@ void blocks_and_models(int B, int N) {
     }
 }
 
+/// Each block kind's training pass over two chained pieces (the first from a fresh state, so
+/// P goes through it; the second at a chunk boundary): outputs, dx of each piece and every
+/// gradient.
+template <class T>
+void block_training(int B) {
+    for (BlockKind k : {BlockKind::LMM, BlockKind::MAC, BlockKind::MAG, BlockKind::MAL,
+                        BlockKind::SWA}) {
+        section = "training";
+        const auto c = BlockConfig::make(k, 32, 2, 2, 8, 4);
+        Block<T> b(c, BlockParams<T>::random(c, 17));
+        auto st = b.make_state(B);
+        typename Block<T>::Trace t1, t2;
+        Matrix<T> y;
+        b.forward(st, gaussian<T>(B * 12, 32, 31), y, t1);  // ends on a chunk boundary
+        write_matrix(y);
+        b.forward(st, gaussian<T>(B * 8, 32, 32), y, t2);
+        write_matrix(y);
+        auto g = BlockParams<T>::zeros(c);
+        BlockStateGradient<T> d;
+        Matrix<T> dx;
+        b.backward(t2, gaussian<T>(B * 8, 32, 33), dx, g, &d);
+        write_matrix(dx);
+        b.backward(t1, gaussian<T>(B * 12, 32, 34), dx, g, nullptr, &d);
+        write_matrix(dx);
+        BlockParams<T>::tensors(std::as_const(g), c, WriteTensor{});
+    }
+}
+
 template <class T>
 void all() {
     const int B = 2, N = 37;
     memories<T>(B, N);
     attention<T>(B, N);
     blocks_and_models<T>(B, N);
+    block_training<T>(B);
 }
 
 }  // namespace

@@ -693,6 +693,23 @@ struct GlueKernels<titans_test::SimulatedDevice, T> {
         titans_test::sim::require_devices<T>({y, m, out}, {"y", "m", "out"});
         Host::gate(y, m, out);
     }
+    static void gate_backward(View<const T> dout, View<const T> a, View<const T> m, View<T> da,
+                              View<T> dm) {
+        titans_test::sim::require_devices<T>({dout, a, m, da, dm}, {"dout", "a", "m", "da", "dm"});
+        Host::gate_backward(dout, a, m, da, dm);
+    }
+    static void fill(View<T> to, T value) {
+        titans_test::sim::require_device(to, "to");
+        Host::fill(to, value);
+    }
+    static void copy_rows(View<const T> from, View<T> to, RowBlocks r) {
+        titans_test::sim::require_devices<T>({from, to}, {"from", "to"});
+        Host::copy_rows(from, to, r);
+    }
+    static void add_rows(View<const T> from, View<T> to, RowBlocks r) {
+        titans_test::sim::require_devices<T>({from, to}, {"from", "to"});
+        Host::add_rows(from, to, r);
+    }
     static std::ptrdiff_t nonfinite_row(View<const T> x) {
         titans_test::sim::require_device(x, "x");
         return Host::nonfinite_row(x);

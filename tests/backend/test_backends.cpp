@@ -144,23 +144,40 @@ Matrix<T> to_host(const typename Dev<T>::Buffer& b) {
     return m;
 }
 
-/// A layer's training calls on device views (forward with a trace, backward adding to the
-/// host gradients gd) against the CPU layer's host calls (adding to gc, equal to gd before):
-/// y and dx bit for bit (the gradients are the caller's to compare); then a dx that is dy and
-/// a dy one row short are refused.
-template <class T, class CpuLayer, class DevLayer, class Grads>
+/// A stateless layer's training forward: forward(x, y, trace).
+struct Stateless {
+    template <class Layer, class X, class Y, class Trace>
+    void operator()(const Layer& l, const X& x, Y&& y, Trace& t) const {
+        l.forward(x, y, t);
+    }
+};
+/// A stateful layer's training forward from a fresh state of `batch` streams.
+struct FromFresh {
+    int batch = 1;
+    template <class Layer, class X, class Y, class Trace>
+    void operator()(const Layer& l, const X& x, Y&& y, Trace& t) const {
+        auto st = l.make_state(batch);
+        l.forward(st, x, y, t);
+    }
+};
+
+/// A layer's training calls on device views (forward with a trace through `fwd`, backward
+/// adding to the host gradients gd) against the CPU layer's host calls (adding to gc, equal to
+/// gd before): y and dx bit for bit (the gradients are the caller's to compare); then a dx
+/// that is dy and a dy one row short are refused.
+template <class T, class CpuLayer, class DevLayer, class Grads, class Fwd = Stateless>
 void train_on_views(const CpuLayer& cpu, const DevLayer& dev, const Matrix<T>& x,
-                    const Matrix<T>& dy, Grads& gc, Grads& gd) {
+                    const Matrix<T>& dy, Grads& gc, Grads& gd, Fwd fwd = {}) {
     typename CpuLayer::Trace tc;
     typename DevLayer::Trace td;
     Matrix<T> yc, dxc;
-    cpu.forward(x, yc, tc);
+    fwd(cpu, x, yc, tc);
     cpu.backward(tc, dy, dxc, gc);
     const auto xb = Dev<T>::upload(titans::view_of(x));
     const auto dyb = Dev<T>::upload(titans::view_of(dy));
     auto yb = Dev<T>::allocate(x.rows(), x.cols());
     auto dxb = Dev<T>::allocate(x.rows(), x.cols());
-    dev.forward(Dev<T>::view(xb), Dev<T>::view(yb), td);
+    fwd(dev, Dev<T>::view(xb), Dev<T>::view(yb), td);
     dev.backward(td, Dev<T>::view(dyb), Dev<T>::view(dxb), gd);
     CHECK(identical(to_host<T>(yb), yc));
     CHECK(identical(to_host<T>(dxb), dxc));
@@ -202,6 +219,41 @@ TEMPLATE_TEST_CASE("backend: training views", "[backend][train]", float, double)
         CHECK(identical(gd.w1, gc.w1));
         CHECK(identical(gd.w2, gc.w2));
         CHECK(identical(gd.w3, gc.w3));
+    }
+    CHECK(sim::Arena::instance().live() == live0);
+}
+
+// The stateful layers' and the blocks' backend-level training calls (the memory, the
+// attention, a block of every kind from a fresh state) on device views equal the CPU's host
+// calls bit for bit, gradients included; refused calls change none.
+TEMPLATE_TEST_CASE("backend: stateful views", "[backend][train]", float, double) {
+    using T = TestType;
+    const std::size_t live0 = sim::Arena::instance().live();
+    int i = 0;
+    for (BlockKind kind : {BlockKind::LMM, BlockKind::MAC, BlockKind::MAG, BlockKind::MAL,
+                           BlockKind::SWA}) {
+        Rng rng(seed_for(std::string("backends/stateful views/") + type_name<T>(),
+                         static_cast<std::uint64_t>(i)));
+        const BlockTrainCase tc = block_train_case<T>(kind, i++, 12, rng);
+        const BlockParams<T> p = cast_block<T>(tc.params);
+        const Matrix<T> x = tc.x.cast<T>(), dy = tc.dy.cast<T>();
+        INFO(titans::to_string(kind) << " B=" << tc.B << " N=" << tc.N);
+        const FromFresh fresh{tc.B};
+        auto gc = BlockParams<T>::random(tc.cfg, rng()), gd = gc;  // non-zero to add to
+        train_on_views<T>(titans::Block<T>(tc.cfg, p), titans::Block<T, SimulatedDevice>(tc.cfg, p),
+                          x, dy, gc, gd, fresh);
+        CHECK(same_param_bits(cast_block<double>(gc), cast_block<double>(gd), tc.cfg));
+        if (kind != BlockKind::SWA) {
+            train_on_views<T>(titans::NeuralMemory<T>(tc.cfg.memory, p.memory),
+                              titans::NeuralMemory<T, SimulatedDevice>(tc.cfg.memory, p.memory),
+                              x, dy, gc.memory, gd.memory, fresh);
+        }
+        if (kind != BlockKind::LMM) {
+            train_on_views<T>(titans::Attention<T>(tc.cfg.attention, p.attention),
+                              titans::Attention<T, SimulatedDevice>(tc.cfg.attention, p.attention),
+                              x, dy, gc.attention, gd.attention, fresh);
+        }
+        CHECK(same_param_bits(cast_block<double>(gc), cast_block<double>(gd), tc.cfg));
     }
     CHECK(sim::Arena::instance().live() == live0);
 }
@@ -576,4 +628,70 @@ TEMPLATE_TEST_CASE("backend: device training", "[backend][train]", float, double
         }
     }
     CHECK(sim::Arena::instance().live() == live0);
+}
+
+// Transfers counted in block training: the training forward and the backward keep their
+// activations and traces on the device (the [P; u] rows assembled and taken apart there). A
+// forward piece makes one upload (x) and one download (y); a backward piece one upload (dy),
+// one download (dx), plus one round trip per gradient tensor still added on the host through
+// the backend (each norm's weight, the FFN's matrices, P's rows summed from the memory's input
+// adjoint), until the gradients live on the backend. Outputs, dx and gradients equal the
+// CPU's bit for bit. (MAC's mixer trains on the host, so it is not counted here.)
+TEMPLATE_TEST_CASE("backend: training transfers", "[backend][train]", float, double) {
+    using T = TestType;
+    auto& traffic = sim::Traffic::instance();
+    const auto round_trips = [](const BlockConfig& cfg, bool fresh) {
+        const bool mag = cfg.kind == BlockKind::MAG;
+        long n = 1 + (mag ? 2 : 0);  // norm_mix, norm_y, norm_m
+        if (cfg.use_ffn) n += 1 + (cfg.ffn.kind == titans::FeedForwardKind::SwiGLU ? 3 : 2);
+        if (fresh && (mag || cfg.kind == BlockKind::MAL) && cfg.n_persistent > 0) ++n;
+        return n;
+    };
+    for (BlockKind kind : {BlockKind::LMM, BlockKind::MAG, BlockKind::MAL, BlockKind::SWA}) {
+        for (int i = 0; i < 3; ++i) {
+            Rng rng(seed_for(std::string("backends/training transfers/") + type_name<T>() +
+                                 titans::to_string(kind),
+                             static_cast<std::uint64_t>(i)));
+            const BlockTrainCase tc = block_train_case<T>(kind, i, 12, rng);
+            const BlockParams<T> params = cast_block<T>(tc.params);
+            const titans::Block<T> cpu(tc.cfg, params);
+            const titans::Block<T, SimulatedDevice> dev(tc.cfg, params);
+            INFO(titans::to_string(kind) << " case " << i << " B=" << tc.B << " N=" << tc.N);
+            auto sc = cpu.make_state(tc.B);
+            auto sd = dev.make_state(tc.B);
+            const std::size_t K = tc.cuts.size() - 1;
+            std::vector<typename titans::Block<T>::Trace> tcpu(K);
+            std::vector<typename titans::Block<T, SimulatedDevice>::Trace> tdev(K);
+            for (std::size_t k = 0; k < K; ++k) {
+                const Matrix<T> xk =
+                    take_tokens(tc.x, tc.B, tc.N, tc.cuts[k], tc.cuts[k + 1]).template cast<T>();
+                Matrix<T> yc, yd;
+                cpu.forward(sc, xk, yc, tcpu[k]);
+                const long up0 = traffic.uploads, down0 = traffic.downloads;
+                dev.forward(sd, xk, yd, tdev[k]);
+                CHECK(traffic.uploads - up0 == 1);
+                CHECK(traffic.downloads - down0 == 1);
+                CHECK(identical(yc, yd));
+            }
+            auto gc = titans::BlockParams<T>::zeros(tc.cfg);
+            auto gd = gc;
+            titans::BlockStateGradient<T> nc, nd;
+            for (std::size_t k = K; k-- > 0;) {
+                const Matrix<T> dyk =
+                    take_tokens(tc.dy, tc.B, tc.N, tc.cuts[k], tc.cuts[k + 1]).template cast<T>();
+                Matrix<T> dxc, dxd;
+                titans::BlockStateGradient<T> ic, id;
+                cpu.backward(tcpu[k], dyk, dxc, gc, &ic, &nc);
+                const long up0 = traffic.uploads, down0 = traffic.downloads;
+                dev.backward(tdev[k], dyk, dxd, gd, &id, &nd);
+                const long n = round_trips(tc.cfg, tc.cuts[k] == 0);
+                CHECK(traffic.uploads - up0 == 1 + n);
+                CHECK(traffic.downloads - down0 == 1 + n);
+                CHECK(identical(dxc, dxd));
+                nc = std::move(ic);
+                nd = std::move(id);
+            }
+            CHECK(same_param_bits(cast_block<double>(gc), cast_block<double>(gd), tc.cfg));
+        }
+    }
 }

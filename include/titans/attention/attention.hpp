@@ -260,18 +260,34 @@ public:
         requires(backend::AttentionTraining<Backend, T>::available)
     {
         check_forward(state, x, y, prefix, sharing);
-        const ThreadScope team(threads_, work_estimate(x.rows(), prefix ? prefix->rows() : 0));
         Matrix<T> y_new;
-        Trace t;
         {
             const backend::Upload<Backend, T> in(x);
             backend::Download<Backend, T> out(y_new, x.rows(), cfg_.d_model);
-            backend::AttentionTraining<Backend, T>::forward(cfg_, prepared_, state, in.view(),
-                                                            out.view(), prefix, sharing, t);
+            train_checked(state, in.view(), out.view(), trace, prefix, sharing);
             out.finish();
         }
         y = std::move(y_new);
-        trace = std::move(t);
+    }
+
+    /// The backend-level training forward: forward(state, x, y, trace, prefix, sharing) with x
+    /// and y views in the backend's memory ((B*N) x d_model, distinct); the prefix rows (a
+    /// parameter) stay on the host. Shapes, the state and the position are checked
+    /// (ShapeError, ConfigError, OverflowError); finiteness of x is the caller's (the prefix's
+    /// is checked). On an error the state and trace are unchanged (y may have been written).
+    void forward(State& state, View<const T> x, View<T> y, Trace& trace,
+                 const Matrix<T>* prefix = nullptr,
+                 PrefixSharing sharing = PrefixSharing::Shared) const
+        requires(backend::AttentionTraining<Backend, T>::available)
+    {
+        constexpr const char* where = "Attention::forward";
+        check_rows(state, x.rows, x.cols, where);
+        detail::check_view_call(where, x, y, cfg_.d_model, false);
+        if (prefix != nullptr) {
+            check_prefix(*prefix, where);
+            check_sharing(state, prefix->rows(), sharing, where);
+        }
+        train_checked(state, x, y, trace, prefix, sharing);
     }
 
     /// The backward pass (math §9) of a training forward: dy = dL/dy (the trace's rows x
@@ -298,31 +314,31 @@ public:
     {
         constexpr const char* where = "Attention::backward";
         check_backward(trace, dy, dx, grads, dprefix, where);
-        const bool chained = d_state_out != nullptr && !d_state_out->empty();
-        if (chained) {
-            check_state_gradient(*d_state_out, trace, where);
-        }
-        const ThreadScope team(threads_, 3.0 * work_estimate(dy.rows(), trace.prefix.rows()));
-        auto local = AttentionParams<T>::zeros(cfg_);
-        Matrix<T> dx_new, dp_new;
-        AttentionStateGradient<T> d_in;
+        Matrix<T> dx_new;
         {
             const backend::Upload<Backend, T> in(dy);
             backend::Download<Backend, T> out(dx_new, dy.rows(), cfg_.d_model);
-            backend::AttentionTraining<Backend, T>::backward(
-                cfg_, prepared_, trace, in.view(), out.view(), local, &dp_new,
-                chained ? d_state_out : nullptr, d_state_in != nullptr ? &d_in : nullptr);
+            backward_checked(trace, in.view(), out.view(), grads, dprefix, d_state_in,
+                             d_state_out);
             out.finish();
         }
-        detail::add_tensors(local, grads, cfg_);
         dx = std::move(dx_new);
-        if (dprefix != nullptr) {
-            *dprefix = trace.prefix.rows() > 0 ? std::move(dp_new)
-                                                : Matrix<T>(0, cfg_.d_model);
-        }
-        if (d_state_in != nullptr) {
-            *d_state_in = std::move(d_in);
-        }
+    }
+
+    /// The backend-level backward: backward(trace, dy, dx, grads, dprefix, d_state_in,
+    /// d_state_out) with dy and dx views in the backend's memory (the trace's rows x d_model,
+    /// distinct); dprefix (host) as backward's. Checks as backward's but dy's finiteness, the
+    /// caller's; on an error grads, dprefix and d_state_in are unchanged.
+    void backward(const Trace& trace, View<const T> dy, View<T> dx, AttentionParams<T>& grads,
+                  Matrix<T>* dprefix = nullptr, AttentionStateGradient<T>* d_state_in = nullptr,
+                  const AttentionStateGradient<T>* d_state_out = nullptr) const
+        requires(backend::AttentionTraining<Backend, T>::available)
+    {
+        constexpr const char* where = "Attention::backward";
+        validate_trace(trace, where);
+        detail::check_view_gradient(where, dy, dx, cfg_.d_model, trace.rows());
+        detail::check_same_tensors(*params_, grads, cfg_, where, "grads");
+        backward_checked(trace, dy, dx, grads, dprefix, d_state_in, d_state_out);
     }
 
     /// Throws unless `trace` was filled by the training forward of an attention of this
@@ -414,6 +430,42 @@ public:
     }
 
 private:
+
+    /// The training forward on checked views: the trace replaced only if the kernels succeed.
+    void train_checked(State& state, View<const T> x, View<T> y, Trace& trace,
+                       const Matrix<T>* prefix, PrefixSharing sharing) const {
+        const ThreadScope team(threads_, work_estimate(x.rows, prefix ? prefix->rows() : 0));
+        Trace t;
+        backend::AttentionTraining<Backend, T>::forward(cfg_, prepared_, state, x, y, prefix,
+                                                        sharing, t);
+        trace = std::move(t);
+    }
+
+    /// The backward on checked views (but d_state_out): the gradients into zeros, added to
+    /// grads (dprefix and d_state_in filled) once the kernels return.
+    void backward_checked(const Trace& trace, View<const T> dy, View<T> dx,
+                          AttentionParams<T>& grads, Matrix<T>* dprefix,
+                          AttentionStateGradient<T>* d_state_in,
+                          const AttentionStateGradient<T>* d_state_out) const {
+        const bool chained = d_state_out != nullptr && !d_state_out->empty();
+        if (chained) {
+            check_state_gradient(*d_state_out, trace, "Attention::backward");
+        }
+        const ThreadScope team(threads_, 3.0 * work_estimate(dy.rows, trace.prefix.rows()));
+        auto local = AttentionParams<T>::zeros(cfg_);
+        Matrix<T> dp_new;
+        AttentionStateGradient<T> d_in;
+        backend::AttentionTraining<Backend, T>::backward(
+            cfg_, prepared_, trace, dy, dx, local, &dp_new, chained ? d_state_out : nullptr,
+            d_state_in != nullptr ? &d_in : nullptr);
+        detail::add_tensors(local, grads, cfg_);
+        if (dprefix != nullptr) {
+            *dprefix = trace.prefix.rows() > 0 ? std::move(dp_new) : Matrix<T>(0, cfg_.d_model);
+        }
+        if (d_state_in != nullptr) {
+            *d_state_in = std::move(d_in);
+        }
+    }
 
     template <class Tr>
     void check_backward(const Tr& trace, const MatrixRef<T>& dy, const Matrix<T>& dx,

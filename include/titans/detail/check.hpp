@@ -124,6 +124,16 @@ void check_view_call(const char* where, View<const T> x, View<T> y, std::ptrdiff
     }
 }
 
+/// The views of a layer's backend-level backward (ShapeError otherwise): dy d columns and the
+/// trace's `rows` rows, dx of its shape and distinct (check_view_call).
+template <class T>
+void check_view_gradient(const char* where, View<const T> dy, View<T> dx, std::ptrdiff_t d,
+                         std::ptrdiff_t rows) {
+    check_view_call(where, dy, dx, d, false);
+    require<ShapeError>(dy.rows == rows, where, "dy.rows", dy.rows,
+                        concat("the trace's ", rows, " rows"));
+}
+
 /// The checks of a layer's backward call, ShapeError otherwise: the trace was filled by a
 /// training forward (check_trace_filled) of a layer of width d, and dy (named `name`) is
 /// rows x d and finite (NonFiniteError otherwise).

@@ -348,9 +348,7 @@ public:
                   FeedForwardParams<T>& grads) const {
         constexpr const char* where = "FeedForward::backward";
         validate_trace(trace, where);
-        detail::check_view_call(where, dy, dx, cfg_.d_model, false);
-        detail::require<ShapeError>(dy.rows == trace.rows_, where, "dy.rows", dy.rows,
-                                    detail::concat("the trace's ", trace.rows_, " rows"));
+        detail::check_view_gradient(where, dy, dx, cfg_.d_model, trace.rows_);
         detail::check_same_tensors(*params_, grads, cfg_, where, "grads");
         backward_checked(trace, dy, dx, grads);
     }

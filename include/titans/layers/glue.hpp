@@ -18,6 +18,14 @@ namespace titans::backend {
 ///   add(a, b, out)             out = a + b, element-wise (out may be a or b)
 ///   gate(y, m, out)            out = y ⊙ σ(m), element-wise (out may be y or m): MAG's gate
 ///                              and MAC's output (math §7)
+///   gate_backward(dout, a, m, da, dm)   the adjoint of out = a ⊙ σ(m): da = dout ⊙ σ(m),
+///                              dm = dout ⊙ a ⊙ σ(m) ⊙ (1 - σ(m)) (da, dm distinct from the
+///                              inputs and each other)
+///   fill(to, value)            every entry of to = value
+///   copy_rows(from, to, r)     the row blocks r (RowBlocks) of from copied into to's (to's
+///                              blocks disjoint, distinct from from)
+///   add_rows(from, to, r)      to's row blocks += from's, block 0 first (to's blocks disjoint
+///                              or, with to_step 0, the same rows: a sum over blocks in order)
 ///   nonfinite_row(x)           the first row of x holding a NaN or an infinity, -1 if none
 ///                              (one scalar back to the host: how a block names the row of
 ///                              an overflow without downloading its activations)
@@ -33,6 +41,10 @@ concept GlueBackend = requires(View<const T> a, View<T> out, std::span<const int
     GlueKernels<B, T>::copy(a, out);
     GlueKernels<B, T>::add(a, a, out);
     GlueKernels<B, T>::gate(a, a, out);
+    GlueKernels<B, T>::gate_backward(a, a, a, out, out);
+    GlueKernels<B, T>::fill(out, T(0));
+    GlueKernels<B, T>::copy_rows(a, out, RowBlocks{});
+    GlueKernels<B, T>::add_rows(a, out, RowBlocks{});
     { GlueKernels<B, T>::nonfinite_row(a) } -> std::same_as<std::ptrdiff_t>;
     GlueKernels<B, T>::gather(a, ids, out);
     GlueKernels<B, T>::product(a, a, out);

@@ -4,6 +4,8 @@
 // compile); each backend specialises them in its own folder (backend/cpu/layer_kernels.hpp,
 // backend/cpu/glue_kernels.hpp, ...).
 
+#include <cstddef>
+
 #include "../backend/backend.hpp"
 
 namespace titans {
@@ -20,6 +22,16 @@ template <class Backend, class T>
 struct FeedForwardKernels {
     static_assert(dependent_false<Backend>,
                   "titans: no FeedForwardKernels specialization for this backend policy");
+};
+
+/// Row blocks of two matrices matched by copy_rows and add_rows (layers/glue.hpp): for each
+/// block i < count, the `rows` rows of `from` starting at i * from_step + from_first and those
+/// of `to` starting at i * to_step + to_first (a step of 0 repeats the same rows: a broadcast
+/// from, or a sum into to). How a block assembles each sequence's [P; u] and takes it apart.
+struct RowBlocks {
+    std::ptrdiff_t count = 0, rows = 0;
+    std::ptrdiff_t from_step = 0, from_first = 0;
+    std::ptrdiff_t to_step = 0, to_first = 0;
 };
 
 /// The element-wise and row kernels that join the layers of a block and a model (concept

@@ -206,9 +206,7 @@ public:
                   RowVector<T>& grad_weight) const {
         constexpr const char* where = "RMSNorm::backward";
         validate_trace(trace, where);
-        detail::check_view_call(where, dy, dx, weight_->cols(), false);
-        detail::require<ShapeError>(dy.rows == trace.rows_, where, "dy.rows", dy.rows,
-                                    detail::concat("the trace's ", trace.rows_, " rows"));
+        detail::check_view_gradient(where, dy, dx, weight_->cols(), trace.rows_);
         detail::TensorCheck{where}(grad_weight, "grad_weight", 1, weight_->cols());
         backward_checked(trace, dy, dx, grad_weight);
     }

@@ -114,11 +114,7 @@ public:
     /// NonFiniteError as forward, the state unchanged). How a block runs its memory without a
     /// round trip through the host.
     void forward(State& state, View<const T> x, View<T> y, Diagnostics<T>* diag = nullptr) const {
-        constexpr const char* where = "NeuralMemory::forward";
-        detail::check_position_advance(where, state.position(), x.rows, state.batch());
-        check_state(state, where);
-        check_shape(state.batch(), x.rows, x.cols, where);
-        detail::check_view_call(where, x, y, cfg_.d_model, false);
+        check_view_forward(state, x, y, "NeuralMemory::forward");
         const ThreadScope team(threads_, work_estimate(x.rows));
         const detail::DenormalFlushScope flush(cfg_.flush_denormals);
         Kernels::forward(cfg_, prepared_, state, x, y, diag);
@@ -147,24 +143,29 @@ public:
     {
         check_forward(state, x, y);
         require_chunk_start(state, "NeuralMemory::forward (training)");
-        const ThreadScope team(threads_, 3.0 * work_estimate(x.rows()));
-        const detail::DenormalFlushScope flush(cfg_.flush_denormals);
         Matrix<T> y_new;
-        Trace t;
-        Diagnostics<T> surprise;
         {
             const backend::Upload<Backend, T> in(x);
             backend::Download<Backend, T> out(y_new, x.rows(), cfg_.d_model);
-            backend::MemoryTraining<Backend, T>::forward(cfg_, prepared_, state, in.view(),
-                                                         out.view(), t,
-                                                         diag != nullptr ? &surprise : nullptr);
+            train_checked(state, in.view(), out.view(), trace, diag);
             out.finish();
         }
         y = std::move(y_new);
-        trace = std::move(t);
-        if (diag != nullptr) {
-            *diag = std::move(surprise);
-        }
+    }
+
+    /// The backend-level training forward: forward(state, x, y, trace, diag) on views in the
+    /// backend's memory, x (B*N) x d_model, y of x's shape and distinct. Shapes, the state, the
+    /// position and the chunk boundary are checked (ShapeError, ConfigError, OverflowError);
+    /// finiteness of x is the caller's. On an error the state, trace and diag are unchanged (y
+    /// may have been written). How a block trains its memory without a round trip.
+    void forward(State& state, View<const T> x, View<T> y, Trace& trace,
+                 Diagnostics<T>* diag = nullptr) const
+        requires(backend::MemoryTraining<Backend, T>::available)
+    {
+        constexpr const char* where = "NeuralMemory::forward (training)";
+        check_view_forward(state, x, y, where);
+        require_chunk_start(state, where);
+        train_checked(state, x, y, trace, diag);
     }
 
     /// The backward pass (math §9) of a training forward: dy = dL/dy (the trace's rows x
@@ -191,39 +192,36 @@ public:
         constexpr const char* where = "NeuralMemory::backward";
         validate_trace(trace, where);
         detail::check_gradient_rows(dy, trace.rows(), cfg_.d_model, where, "dy");
-        detail::check_same_tensors(*params_, grads, cfg_, where, "grads");
         if (detail::overlaps(dy, dx)) {
             throw ShapeError(detail::concat(where, ": dx shares storage with dy, expected a "
                                                    "distinct matrix"));
         }
-        const bool chained = d_state_out != nullptr && !d_state_out->empty();
-        if (chained) {
-            check_state_gradient(*d_state_out, trace);
-        }
-        const ThreadScope team(threads_, 3.0 * work_estimate(dy.rows()));
-        const detail::DenormalFlushScope flush(cfg_.flush_denormals);
-        MemoryParams<T> local = MemoryParams<T>::zeros(cfg_);
-        MemoryStateGradient<T> d_in;
         Matrix<T> dx_new;
         {
             const backend::Upload<Backend, T> in(dy);
             backend::Download<Backend, T> out(dx_new, dy.rows(), cfg_.d_model);
-            backend::MemoryTraining<Backend, T>::backward(cfg_, prepared_, trace, in.view(),
-                                                          out.view(), local,
-                                                          chained ? d_state_out : nullptr,
-                                                          d_state_in != nullptr ? &d_in : nullptr);
-            out.finish();
+            backward_checked(trace, in.view(), out.view(), grads, d_state_in, d_state_out,
+                             [&] {
+                                 out.finish();
+                                 return detail::all_finite(dx_new);
+                             });
         }
-        if (!detail::all_finite(dx_new) || !detail::tensors_finite(local, cfg_) ||
-            !d_in.finite()) {
-            throw NonFiniteError(detail::concat(where, ": the gradients overflow, expected "
-                                                       "finite values; grads are unchanged"));
-        }
-        detail::add_tensors(local, grads, cfg_);
         dx = std::move(dx_new);
-        if (d_state_in != nullptr) {
-            *d_state_in = std::move(d_in);
-        }
+    }
+
+    /// The backend-level backward: backward(trace, dy, dx, grads, d_state_in, d_state_out)
+    /// with dy and dx views in the backend's memory (the trace's rows x d_model, distinct).
+    /// Checks as backward's but dy's and dx's finiteness, which are the caller's; on an error
+    /// grads and d_state_in are unchanged (dx may have been written).
+    void backward(const Trace& trace, View<const T> dy, View<T> dx, MemoryParams<T>& grads,
+                  MemoryStateGradient<T>* d_state_in = nullptr,
+                  const MemoryStateGradient<T>* d_state_out = nullptr) const
+        requires(backend::MemoryTraining<Backend, T>::available)
+    {
+        constexpr const char* where = "NeuralMemory::backward";
+        validate_trace(trace, where);
+        detail::check_view_gradient(where, dy, dx, cfg_.d_model, trace.rows());
+        backward_checked(trace, dy, dx, grads, d_state_in, d_state_out, [] { return true; });
     }
 
     /// Reads the memory without writing it: x is projected like forward's queries (q path of
@@ -473,6 +471,60 @@ private:
                 ", expected 0 (a training trace starts at a chunk boundary: a fresh state, "
                 "or one fed a multiple of chunk = ", cfg_.chunk, " tokens)"));
         }
+    }
+    /// The training forward on checked views (the state at a chunk boundary): the trace and
+    /// diag replaced only if the kernels succeed.
+    void train_checked(State& state, View<const T> x, View<T> y, Trace& trace,
+                       Diagnostics<T>* diag) const {
+        const ThreadScope team(threads_, 3.0 * work_estimate(x.rows));
+        const detail::DenormalFlushScope flush(cfg_.flush_denormals);
+        Trace t;
+        Diagnostics<T> surprise;
+        backend::MemoryTraining<Backend, T>::forward(cfg_, prepared_, state, x, y, t,
+                                                     diag != nullptr ? &surprise : nullptr);
+        trace = std::move(t);
+        if (diag != nullptr) {
+            *diag = std::move(surprise);
+        }
+    }
+
+    /// The backward on views checked but for grads and d_state_out: the gradients into zeros,
+    /// added to grads (and d_state_in filled) only if they and dx are finite (`dx_finite()`
+    /// tells for dx: the host call downloads and scans it, the view call leaves it to its
+    /// caller).
+    template <class DxFinite>
+    void backward_checked(const Trace& trace, View<const T> dy, View<T> dx,
+                          MemoryParams<T>& grads, MemoryStateGradient<T>* d_state_in,
+                          const MemoryStateGradient<T>* d_state_out, DxFinite dx_finite) const {
+        constexpr const char* where = "NeuralMemory::backward";
+        detail::check_same_tensors(*params_, grads, cfg_, where, "grads");
+        const bool chained = d_state_out != nullptr && !d_state_out->empty();
+        if (chained) {
+            check_state_gradient(*d_state_out, trace);
+        }
+        const ThreadScope team(threads_, 3.0 * work_estimate(dy.rows));
+        const detail::DenormalFlushScope flush(cfg_.flush_denormals);
+        MemoryParams<T> local = MemoryParams<T>::zeros(cfg_);
+        MemoryStateGradient<T> d_in;
+        backend::MemoryTraining<Backend, T>::backward(cfg_, prepared_, trace, dy, dx, local,
+                                                      chained ? d_state_out : nullptr,
+                                                      d_state_in != nullptr ? &d_in : nullptr);
+        if (!dx_finite() || !detail::tensors_finite(local, cfg_) || !d_in.finite()) {
+            throw NonFiniteError(detail::concat(where, ": the gradients overflow, expected "
+                                                       "finite values; grads are unchanged"));
+        }
+        detail::add_tensors(local, grads, cfg_);
+        if (d_state_in != nullptr) {
+            *d_state_in = std::move(d_in);
+        }
+    }
+    /// The view forward's checks: position, state, shapes.
+    void check_view_forward(const State& state, View<const T> x, View<T> y,
+                            const char* where) const {
+        detail::check_position_advance(where, state.position(), x.rows, state.batch());
+        check_state(state, where);
+        check_shape(state.batch(), x.rows, x.cols, where);
+        detail::check_view_call(where, x, y, cfg_.d_model, false);
     }
     /// forward_part's checks of the trace against the state and the piece's m rows.
     void check_part(const State& state, Eigen::Index m, const Trace& trace,

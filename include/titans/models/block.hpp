@@ -270,6 +270,30 @@ public:
                                                     d_state_out);
     }
 
+    /// The backend-level training forward: forward(state, x, y, trace) on views in the
+    /// backend's memory (x, y (B*N) x d, distinct), the activations and the trace kept there.
+    /// Checks as the host call's but x's finiteness, which is the caller's (an output that is
+    /// not finite throws NonFiniteError as forward's); on an error the state and trace are
+    /// unchanged (y may have been written). How a model trains its blocks without a round trip.
+    void forward(State& state, View<const T> x, View<T> y, Trace& trace) const
+        requires(trainable)
+    {
+        detail::BlockTraining<T, Backend>::forward(*this, state, x, y, trace);
+    }
+
+    /// The backend-level backward: backward(trace, dy, dx, grads, d_state_in, d_state_out)
+    /// with dy and dx views in the backend's memory (the trace's rows x d, distinct). Checks as
+    /// the host call's but dy's finiteness (gradients that are not finite still throw); on an
+    /// error grads and d_state_in are unchanged (dx may have been written).
+    void backward(const Trace& trace, View<const T> dy, View<T> dx, BlockParams<T>& grads,
+                  BlockStateGradient<T>* d_state_in = nullptr,
+                  const BlockStateGradient<T>* d_state_out = nullptr) const
+        requires(trainable)
+    {
+        detail::BlockTraining<T, Backend>::backward(*this, trace, dy, dx, grads, d_state_in,
+                                                    d_state_out);
+    }
+
     /// Throws unless `trace` was filled by the training forward of a block of this
     /// configuration (every setting but the memory's flush_denormals) and holds the sizes that
     /// forward left: batch, rows and start, and every sub-layer's trace (each validated by the
@@ -386,15 +410,19 @@ public:
 
 private:
     friend struct detail::BlockTraining<T, Backend>;
+    friend struct detail::MixerTraining<T, Backend>;
     friend struct detail::MacTraining<T, Backend>;
     friend struct detail::MacMixer<T, Backend>;
     friend class Model<T, Backend>;  // set_parameters: derive() again after new values
 
     /// What the block computes once from its parameters: MAG's and SWA's persistent prefix
-    /// projected on the backend (P W_K, P W_V), MAC's P W_K and P W_V (N_p x D, host).
+    /// projected on the backend (P W_K, P W_V), MAC's P W_K and P W_V (N_p x D, host), and
+    /// for MAG and MAL P itself on the backend (the rows a training forward puts before each
+    /// sequence's; shared by copies of the block).
     struct Derived {
         std::optional<typename Attention<T, Backend>::Prefix> prefix;
         Matrix<T> k_prefix, v_prefix;
+        std::shared_ptr<const Buffer> persistent;
     };
     /// Derived from the parameters as held now (nothing changes if it throws).
     Derived derive() const {
@@ -407,12 +435,17 @@ private:
             d.k_prefix = p.persistent * p.attention.w_k;
             d.v_prefix = p.persistent * p.attention.w_v;
         }
+        if ((cfg_.kind == BlockKind::MAG || cfg_.kind == BlockKind::MAL) &&
+            cfg_.n_persistent > 0) {
+            d.persistent = std::make_shared<const Buffer>(Transfer::upload(view_of(p.persistent)));
+        }
         return d;
     }
     void install(Derived&& d) noexcept {
         prefix_ = std::move(d.prefix);
         k_prefix_.swap(d.k_prefix);
         v_prefix_.swap(d.v_prefix);
+        persistent_ = std::move(d.persistent);
     }
 
     /// Opens a transaction for one call (unless one is open); rolls it back on unwinding.
@@ -604,6 +637,7 @@ private:
     std::optional<FeedForward<T, Backend>> ffn_;        // if use_ffn
     std::optional<typename Attention<T, Backend>::Prefix> prefix_;  // MAG, SWA: P W_K, P W_V
     Matrix<T> k_prefix_, v_prefix_;  // MAC: P W_K, P W_V (N_p x D), for the segment attention
+    std::shared_ptr<const Buffer> persistent_;  // MAG, MAL with N_p > 0: P on the backend
 };
 
 }  // namespace titans

@@ -28,6 +28,8 @@ template <class T, class Backend>
 struct MacTraining;
 template <class T, class Backend>
 struct MacMixer;
+template <class T, class Backend>
+struct MixerTraining;
 }  // namespace detail
 
 /// The state of B streams through one block: the memory's state (not SWA), the attention's
@@ -88,6 +90,7 @@ private:
     friend struct detail::BlockTraining<T, Backend>;
     friend struct detail::MacTraining<T, Backend>;
     friend struct detail::MacMixer<T, Backend>;
+    friend struct detail::MixerTraining<T, Backend>;
     BlockKind kind_ = BlockKind::LMM;
     BlockConfig cfg_{};  // the block's settings at make_state (what a continuing block must match)
     int batch_ = 0;

@@ -9,7 +9,8 @@
 // pieces) the sub-layers continue from the state's, and the state's adjoint passes through
 // theirs (MAC: through its memory and segment state, mac_training.hpp). The backward reverses
 //     u = RMSNorm(x),  h = x + Mixer(u),  out = h + FFN(RMSNorm(h))
-// with the mixer by kind (LMM, MAG, MAL, SWA here; MAC in mac_training.hpp).
+// with the mixer by kind (mixer_training.hpp). Both run on views in the backend's memory (the
+// activations and traces stay there); the host-matrix calls upload and download at the edge.
 
 #include <cstdint>
 #include <utility>
@@ -19,75 +20,12 @@
 #include "../error.hpp"
 #include "../detail/tensor_slots.hpp"
 #include "block.hpp"
-#include "mac_trace.hpp"
-#include "mac_training.hpp"
+#include "block_trace.hpp"
+#include "mixer_training.hpp"
 
 namespace titans {
 
-/// What Block's training forward keeps for backward (math §9): each sub-layer's trace, for MAG
-/// the two factors of the gated output, for MAC u and each segment's reads and outputs.
-/// Shapes: rows = B*N of the call.
-template <class T, class Backend>
-struct BlockTrace {
-    BlockConfig cfg;
-    int batch = 0;
-    std::int64_t start = 0;  // the block's position at the call (0: P went through this call)
-    Eigen::Index rows = 0;
-    detail::TraceFilled filled;  // a moved-from trace is empty
-    typename RMSNorm<T, Backend>::Trace norm_mix, norm_ffn, norm_y, norm_m;
-    typename NeuralMemory<T, Backend>::Trace memory;     // over [P; u] per sequence (MAC: y)
-    typename Attention<T, Backend>::Trace attention;  // MAG, SWA: u with prefix P; MAL: [P; M]
-    typename FeedForward<T, Backend>::Trace ffn;
-    Matrix<T> a, g;  // MAG: RMSNorm_y(attention output), sigma(RMSNorm_m(memory output))
-    Matrix<T> u;     // MAC: RMSNorm_mix(x)
-    std::vector<MacSegmentTrace<T>> segments;  // MAC
-
-    [[nodiscard]] bool empty() const { return !filled; }
-};
-
 namespace detail {
-
-/// Each sequence's rows of u (B*N x d, sequence-major) after the rows of P: (B*(p+N)) x d.
-template <class T>
-Matrix<T> with_prefix(const Matrix<T>& P, const Matrix<T>& u, int B) {
-    const Eigen::Index p = P.rows(), N = u.rows() / B;
-    Matrix<T> out(B * (p + N), u.cols());
-    for (int b = 0; b < B; ++b) {
-        out.middleRows(b * (p + N), p) = P;
-        out.middleRows(b * (p + N) + p, N) = u.middleRows(b * N, N);
-    }
-    return out;
-}
-
-/// The inverse of with_prefix: the rows after each sequence's p prefix rows.
-template <class T>
-Matrix<T> without_prefix(const Matrix<T>& full, int B, Eigen::Index p) {
-    const Eigen::Index N = full.rows() / B - p;
-    Matrix<T> out(B * N, full.cols());
-    for (int b = 0; b < B; ++b) {
-        out.middleRows(b * N, N) = full.middleRows(b * (p + N) + p, N);
-    }
-    return out;
-}
-
-/// du (B*N x d) with p zero rows before each sequence's: the adjoint of without_prefix.
-template <class T>
-Matrix<T> zero_prefix(const Matrix<T>& du, int B, Eigen::Index p) {
-    return with_prefix(Matrix<T>::Zero(p, du.cols()).eval(), du, B);
-}
-
-/// dP += the sum over sequences of the prefix rows of dfull: the adjoint of P in with_prefix
-/// (nothing when p = 0: P did not go through this call).
-template <class T>
-void add_prefix_rows(const Matrix<T>& dfull, int B, Eigen::Index p, Matrix<T>& dP) {
-    if (p == 0) {
-        return;
-    }
-    const Eigen::Index n = dfull.rows() / B;
-    for (int b = 0; b < B; ++b) {
-        dP += dfull.middleRows(b * n, p);
-    }
-}
 
 /// The body of Block's training calls (a friend of Block and BlockState).
 template <class T, class Backend>
@@ -95,6 +33,10 @@ struct BlockTraining {
     using Blk = Block<T, Backend>;
     using State = BlockState<T, Backend>;
     using Trace = BlockTrace<T, Backend>;
+    using Mixer = MixerTraining<T, Backend>;
+    using Transfer = backend::Transfer<Backend, T>;
+    using Buffer = typename Transfer::Buffer;
+    using Glue = backend::GlueKernels<Backend, T>;
     /// Whether MAC trains here: its training drives the memory's staged reverse.
     static constexpr bool mac_trains = backend::MemoryTraining<Backend, T>::staged;
 
@@ -104,48 +46,36 @@ struct BlockTraining {
         require_kind_trains(blk.cfg_.kind, where);
         blk.check(state, x, where);
         check_start(blk, state, where);
-        const ThreadScope team(blk.threads_, 3.0 * blk.work_estimate(x.rows()));
-        State next = state;  // committed only if every step succeeds
-        Trace t;
-        t.cfg = blk.cfg_;
-        t.batch = state.batch_;
-        t.start = state.position_;
-        t.rows = x.rows();
-        Matrix<T> u;
-        blk.norm_mix_.forward(x, u, t.norm_mix);
-        Matrix<T> h;
-        try {
-            h = x + mix(blk, next, u, t);
-        } catch (const NonFiniteError& e) {
-            blk.rethrow_named(e);
+        Matrix<T> y_new;
+        {
+            const backend::Upload<Backend, T> in(x);
+            backend::Download<Backend, T> out(y_new, x.rows(), x.cols());
+            forward_checked(blk, state, in.view(), out.view(), trace);
+            out.finish();
         }
-        if (blk.cfg_.use_ffn) {
-            blk.require_finite(h, state, "the mixer's residual sum");
-            Matrix<T> z, f;
-            blk.norm_ffn_.forward(h, z, t.norm_ffn);
-            blk.ffn_->forward(z, f, t.ffn);
-            h += f;
-        }
-        blk.require_finite(h, state, "the output");
-        next.position_ += x.rows() / state.batch_;
-        t.filled = true;
-        y = std::move(h);
-        trace = std::move(t);
-        state = std::move(next);
+        y = std::move(y_new);
+    }
+
+    /// Block::forward on views (x, y (B*N) x d, distinct): checks as the host call's but x's
+    /// finiteness (the caller's; an output that is not finite still throws).
+    static void forward(const Blk& blk, State& state, View<const T> x, View<T> y, Trace& trace) {
+        constexpr const char* where = "Block::forward (training)";
+        require_kind_trains(blk.cfg_.kind, where);
+        blk.check_rows(state, x.rows, x.cols, where);
+        check_view_call(where, x, y, blk.cfg_.d_model, false);
+        check_start(blk, state, where);
+        forward_checked(blk, state, x, y, trace);
     }
 
     /// Block::backward: accumulate into zeros, added to grads once every check has passed.
-    static void backward(const Blk& blk, const Trace& tr, const MatrixRef<T>& dy, Matrix<T>& dx,
+    template <class Dy, class Dx>
+    static void backward(const Blk& blk, const Trace& tr, const Dy& dy, Dx& dx,
                          BlockParams<T>& grads, BlockStateGradient<T>* d_in,
                          const BlockStateGradient<T>* d_out) {
-        constexpr const char* where = "Block::backward";
-        const BlockConfig& cfg = blk.cfg_;
-        check_trace(blk, tr, where);
-        check_gradient_rows(dy, tr.rows, cfg.d_model, where, "dy");
-        check_same_tensors(*blk.params_, grads, cfg, where, "grads");
-        BlockParams<T> g = BlockParams<T>::zeros(cfg);
+        check_same_tensors(*blk.params_, grads, blk.cfg_, "Block::backward", "grads");
+        BlockParams<T> g = BlockParams<T>::zeros(blk.cfg_);
         accumulate(blk, tr, dy, dx, g, d_in, d_out);
-        add_tensors(g, grads, cfg);
+        add_tensors(g, grads, blk.cfg_);
     }
 
     /// backward's work with g, of this block's tensor shapes, finite, taking the gradients
@@ -156,38 +86,32 @@ struct BlockTraining {
                            Matrix<T>& dx, BlockParams<T>& g, BlockStateGradient<T>* d_in,
                            const BlockStateGradient<T>* d_out) {
         constexpr const char* where = "Block::backward";
-        const BlockConfig& cfg = blk.cfg_;
         check_trace(blk, tr, where);
-        check_gradient_rows(dy, tr.rows, cfg.d_model, where, "dy");
+        check_gradient_rows(dy, tr.rows, blk.cfg_.d_model, where, "dy");
         if (overlaps(dy, dx)) {
             throw ShapeError(concat(where, ": dx shares storage with dy, expected a distinct "
                                            "matrix"));
         }
-        if (d_out != nullptr && !d_out->empty()) {
-            check_state_gradient(blk, tr, *d_out);
+        Matrix<T> dx_new;
+        {
+            const backend::Upload<Backend, T> in(dy);
+            backend::Download<Backend, T> out(dx_new, dy.rows(), dy.cols());
+            accumulate_checked(blk, tr, in.view(), out.view(), g, d_in, d_out);
+            out.finish();
         }
-        const ThreadScope team(blk.threads_, 3.0 * blk.work_estimate(tr.rows));
-        Matrix<T> dh = dy;
-        if (cfg.use_ffn) {
-            Matrix<T> dz, dres;
-            blk.ffn_->backward(tr.ffn, dy, dz, g.ffn);
-            blk.norm_ffn_.backward(tr.norm_ffn, dz, dres, g.norm_ffn);
-            dh += dres;
-        }
-        BlockStateGradient<T> d_start;  // stays empty for a fresh start: no earlier piece
-        const Matrix<T> du = mix_backward(blk, tr, dh, g, d_out,
-                                          d_in != nullptr && tr.start != 0 ? &d_start : nullptr);
-        Matrix<T> dres;
-        blk.norm_mix_.backward(tr.norm_mix, du, dres, g.norm_mix);
-        dh += dres;
-        if (!all_finite(dh) || !tensors_finite(g, cfg)) {
-            throw NonFiniteError(concat(where, ": the gradients overflow, expected finite "
-                                               "values; grads are unchanged"));
-        }
-        dx = std::move(dh);
-        if (d_in != nullptr) {
-            *d_in = std::move(d_start);
-        }
+        dx = std::move(dx_new);
+    }
+
+    /// accumulate on views (dy, dx the trace's rows x d, distinct): checks as the host call's
+    /// but dy's finiteness (the caller's; gradients that are not finite still throw). If it
+    /// throws, d_in is unchanged and dx's entries are unspecified.
+    static void accumulate(const Blk& blk, const Trace& tr, View<const T> dy, View<T> dx,
+                           BlockParams<T>& g, BlockStateGradient<T>* d_in,
+                           const BlockStateGradient<T>* d_out) {
+        constexpr const char* where = "Block::backward";
+        check_trace(blk, tr, where);
+        check_view_gradient(where, dy, dx, blk.cfg_.d_model, tr.rows);
+        accumulate_checked(blk, tr, dy, dx, g, d_in, d_out);
     }
 
     /// Block::validate_trace: filled, this block's configuration, batch, rows and start, and
@@ -231,8 +155,8 @@ struct BlockTraining {
         if (cfg.kind == BlockKind::MAG) {
             check_sub_trace(*blk.norm_y_, tr.norm_y, rows, where, "norm_y");
             check_sub_trace(*blk.norm_m_, tr.norm_m, rows, where, "norm_m");
-            check_trace_shape(tr.a, rows, cfg.d_model, where, "a");
-            check_trace_shape(tr.g, rows, cfg.d_model, where, "g");
+            check_buffer_shape(tr.a, rows, cfg.d_model, where, "a");
+            check_buffer_shape(tr.gate, rows, cfg.d_model, where, "gate");
         }
     }
 
@@ -251,8 +175,81 @@ private:
         }
     }
 
-    static Eigen::Index prefix_rows(const BlockConfig& cfg) {
-        return cfg.kind == BlockKind::MAG || cfg.kind == BlockKind::MAL ? cfg.n_persistent : 0;
+    static Eigen::Index prefix_rows(const BlockConfig& cfg) { return Mixer::prefix_rows(cfg); }
+
+    /// check_trace_shape of a part in the backend's memory.
+    static void check_buffer_shape(const Buffer& b, Eigen::Index rows, Eigen::Index cols,
+                                   const char* where, const char* part) {
+        const View<const T> v = Transfer::view(b);
+        check_trace_part(v.rows == rows && v.cols == cols, where, concat(part, " shape"),
+                         concat(v.rows, " x ", v.cols), concat(rows, " x ", cols));
+    }
+
+    static View<T> view(Buffer& b) { return Transfer::view(b); }
+    static View<const T> cview(const Buffer& b) { return Transfer::view(b); }
+
+    /// The training forward on checked views: y = x + Mixer(u), y += FFN(RMSNorm(y)), each
+    /// sub-layer's trace kept; state and trace replaced only if every step succeeds.
+    static void forward_checked(const Blk& blk, State& state, View<const T> x, View<T> y,
+                                Trace& trace) {
+        const ThreadScope team(blk.threads_, 3.0 * blk.work_estimate(x.rows));
+        State next = state;  // committed only if every step succeeds
+        Trace t;
+        t.cfg = blk.cfg_;
+        t.batch = state.batch_;
+        t.start = state.position_;
+        t.rows = x.rows;
+        Buffer u = Transfer::allocate(x.rows, x.cols);
+        blk.norm_mix_.forward(x, view(u), t.norm_mix);
+        try {
+            Mixer::forward(blk, next, cview(u), y, t);
+        } catch (const NonFiniteError& e) {
+            blk.rethrow_named(e);
+        }
+        Glue::add(x, y, y);
+        if (blk.cfg_.use_ffn) {  // u's rows are free again: every trace keeps its own input
+            blk.require_finite(View<const T>(y), state, "the mixer's residual sum");
+            blk.norm_ffn_.forward(y, view(u), t.norm_ffn);
+            Buffer f = Transfer::allocate(x.rows, x.cols);
+            blk.ffn_->forward(cview(u), view(f), t.ffn);
+            Glue::add(y, cview(f), y);
+        }
+        blk.require_finite(View<const T>(y), state, "the output");
+        next.position_ += x.rows / state.batch_;
+        t.filled = true;
+        trace = std::move(t);
+        state = std::move(next);
+    }
+
+    /// The backward on checked views, dx the running dL/dh: dy, plus the FFN branch's, the
+    /// mixer's adjoint through the first norm added last.
+    static void accumulate_checked(const Blk& blk, const Trace& tr, View<const T> dy, View<T> dx,
+                                   BlockParams<T>& g, BlockStateGradient<T>* d_in,
+                                   const BlockStateGradient<T>* d_out) {
+        if (d_out != nullptr && !d_out->empty()) {
+            check_state_gradient(blk, tr, *d_out);
+        }
+        const BlockConfig& cfg = blk.cfg_;
+        const ThreadScope team(blk.threads_, 3.0 * blk.work_estimate(tr.rows));
+        Glue::copy(dy, dx);
+        Buffer a = Transfer::allocate(dy.rows, dy.cols), b = Transfer::allocate(dy.rows, dy.cols);
+        if (cfg.use_ffn) {
+            blk.ffn_->backward(tr.ffn, dy, view(a), g.ffn);
+            blk.norm_ffn_.backward(tr.norm_ffn, cview(a), view(b), g.norm_ffn);
+            Glue::add(dx, cview(b), dx);
+        }
+        BlockStateGradient<T> d_start;  // stays empty for a fresh start: no earlier piece
+        Mixer::backward(blk, tr, View<const T>(dx), view(a), g, d_out,
+                        d_in != nullptr && tr.start != 0 ? &d_start : nullptr);
+        blk.norm_mix_.backward(tr.norm_mix, cview(a), view(b), g.norm_mix);
+        Glue::add(dx, cview(b), dx);
+        if (Glue::nonfinite_row(View<const T>(dx)) >= 0 || !tensors_finite(g, cfg)) {
+            throw NonFiniteError(concat("Block::backward: the gradients overflow, expected "
+                                        "finite values; grads are unchanged"));
+        }
+        if (d_in != nullptr) {
+            *d_in = std::move(d_start);
+        }
     }
 
     /// ConfigError unless blocks of this kind train on this backend (Blk::trains).
@@ -300,120 +297,6 @@ private:
                                      to_string(kind), " block, expected none (it has no ",
                                      part, " state)"));
         }
-    }
-
-    /// SWA*(P ‖ u), MAG's attention and SWA's mixer: every position sees all of P (none when
-    /// N_p = 0) and its window of u; the trace keeps P for the prefix gradient.
-    static Matrix<T> prefix_attention(const Blk& blk, State& next, const Matrix<T>& u, Trace& t) {
-        const Matrix<T>& P = blk.params_->persistent;
-        Matrix<T> y;
-        blk.attention_->forward(next.attention_, u, y, t.attention,
-                                blk.cfg_.n_persistent > 0 ? &P : nullptr);
-        return y;
-    }
-
-    /// prefix_attention's backward: dy -> du (resized), the attention's gradients and P's
-    /// added to g, the window's state adjoint through da_out / da_in.
-    static void prefix_attention_backward(const Blk& blk, const Trace& tr, const Matrix<T>& dy,
-                                          Matrix<T>& du, BlockParams<T>& g,
-                                          AttentionStateGradient<T>* da_in,
-                                          const AttentionStateGradient<T>* da_out) {
-        const bool has_p = blk.cfg_.n_persistent > 0;
-        Matrix<T> dP;
-        blk.attention_->backward(tr.attention, dy, du, g.attention, has_p ? &dP : nullptr, da_in,
-                                 da_out);
-        if (has_p) g.persistent += dP;
-    }
-
-    /// The mixer's training forward on u. From a fresh state, next's memory (and MAL's
-    /// attention) restart from fresh states that take P first; else they continue.
-    static Matrix<T> mix(const Blk& blk, State& next, const Matrix<T>& u, Trace& t) {
-        const BlockConfig& cfg = blk.cfg_;
-        const int B = next.batch_;
-        const Matrix<T>& P = blk.params_->persistent;
-        const bool fresh = next.position_ == 0;
-        const Eigen::Index p = fresh ? prefix_rows(cfg) : 0;
-        if constexpr (mac_trains) {
-            if (cfg.kind == BlockKind::MAC) {
-                t.u = u;
-                return MacTraining<T, Backend>::forward(blk, next, u, t.memory, t.segments);
-            }
-        }
-        if (cfg.kind == BlockKind::SWA) {  // o = SWA*(P ‖ u): MAG's attention branch alone
-            return prefix_attention(blk, next, u, t);
-        }
-        if (fresh) {
-            next.memory_ = blk.memory_->make_state(B);
-        }
-        Matrix<T> m;
-        if (cfg.kind == BlockKind::LMM) {
-            blk.memory_->forward(next.memory_, u, m, t.memory);
-            return m;
-        }
-        blk.memory_->forward(next.memory_, p > 0 ? with_prefix(P, u, B) : u, m, t.memory);
-        Matrix<T> y;
-        if (cfg.kind == BlockKind::MAL) {
-            if (fresh) {
-                next.attention_ = blk.attention_->make_state(B);
-            }
-            blk.attention_->forward(next.attention_, m, y, t.attention);
-            return p > 0 ? without_prefix(y, B, p) : y;
-        }
-        // MAG: o = RMSNorm_y(SWA*(P ‖ u)) ⊙ σ(RMSNorm_m(M(P ‖ u))).
-        y = prefix_attention(blk, next, u, t);
-        Matrix<T> gl;
-        blk.norm_y_->forward(y, t.a, t.norm_y);
-        blk.norm_m_->forward(p > 0 ? without_prefix(m, B, p) : m, gl, t.norm_m);
-        t.g = gl.unaryExpr([](T v) { return sigmoid(v); });
-        return t.a.cwiseProduct(t.g);
-    }
-
-    /// The mixer's backward: do (B*N x d) -> du; parameter gradients added to g; the state's
-    /// adjoint through the memory and the attention (d_out in, d_in out, either may be null).
-    static Matrix<T> mix_backward(const Blk& blk, const Trace& tr, const Matrix<T>& dout,
-                                  BlockParams<T>& g, const BlockStateGradient<T>* d_out,
-                                  BlockStateGradient<T>* d_in) {
-        const BlockConfig& cfg = blk.cfg_;
-        const int B = tr.batch;
-        const Eigen::Index p = tr.start == 0 ? prefix_rows(cfg) : 0;
-        const auto* dm_out = d_out != nullptr ? &d_out->memory : nullptr;
-        const auto* da_out = d_out != nullptr ? &d_out->attention : nullptr;
-        auto* dm_in = d_in != nullptr ? &d_in->memory : nullptr;
-        auto* da_in = d_in != nullptr ? &d_in->attention : nullptr;
-        Matrix<T> du, dfull;
-        if constexpr (mac_trains) {
-            if (cfg.kind == BlockKind::MAC) {
-                return MacTraining<T, Backend>::backward(blk, tr.memory, tr.segments, tr.u, B,
-                                                         tr.start, dout, g, d_out, d_in);
-            }
-        }
-        if (cfg.kind == BlockKind::LMM) {
-            blk.memory_->backward(tr.memory, dout, du, g.memory, dm_in, dm_out);
-            return du;
-        }
-        if (cfg.kind == BlockKind::SWA) {
-            prefix_attention_backward(blk, tr, dout, du, g, da_in, da_out);
-            return du;
-        }
-        if (cfg.kind == BlockKind::MAL) {
-            Matrix<T> dm;
-            blk.attention_->backward(tr.attention, zero_prefix(dout, B, p), dm, g.attention,
-                                     nullptr, da_in, da_out);
-            blk.memory_->backward(tr.memory, dm, dfull, g.memory, dm_in, dm_out);
-            add_prefix_rows(dfull, B, p, g.persistent);
-            return without_prefix(dfull, B, p);
-        }
-        const Matrix<T> da = dout.cwiseProduct(tr.g);
-        const Matrix<T> dgl = (dout.array() * tr.a.array() * tr.g.array() *
-                               (T(1) - tr.g.array())).matrix();
-        Matrix<T> dya, dm;
-        blk.norm_y_->backward(tr.norm_y, da, dya, g.norm_y);
-        blk.norm_m_->backward(tr.norm_m, dgl, dm, g.norm_m);
-        prefix_attention_backward(blk, tr, dya, du, g, da_in, da_out);
-        blk.memory_->backward(tr.memory, zero_prefix(dm, B, p), dfull, g.memory, dm_in, dm_out);
-        add_prefix_rows(dfull, B, p, g.persistent);
-        du += without_prefix(dfull, B, p);
-        return du;
     }
 };
 

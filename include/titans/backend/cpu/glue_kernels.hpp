@@ -32,6 +32,31 @@ struct GlueKernels<Cpu, T> {
              cpu::as_eigen(m).unaryExpr([](T v) { return detail::sigmoid(v); }).array())
                 .matrix();
     }
+    static void gate_backward(View<const T> dout, View<const T> a, View<const T> m, View<T> da,
+                              View<T> dm) {
+        const auto g = cpu::as_eigen(m).unaryExpr([](T v) { return detail::sigmoid(v); });
+        const auto d = cpu::as_eigen(dout).array();
+        cpu::as_eigen(da) = (d * g.array()).matrix();
+        cpu::as_eigen(dm) = (d * cpu::as_eigen(a).array() * g.array() * (T(1) - g.array()))
+                                .matrix();
+    }
+    static void fill(View<T> to, T value) { cpu::as_eigen(to).setConstant(value); }
+    static void copy_rows(View<const T> from, View<T> to, RowBlocks r) {
+        const auto f = cpu::as_eigen(from);
+        auto t = cpu::as_eigen(to);
+        for (std::ptrdiff_t i = 0; i < r.count; ++i) {
+            t.middleRows(i * r.to_step + r.to_first, r.rows) =
+                f.middleRows(i * r.from_step + r.from_first, r.rows);
+        }
+    }
+    static void add_rows(View<const T> from, View<T> to, RowBlocks r) {
+        const auto f = cpu::as_eigen(from);
+        auto t = cpu::as_eigen(to);
+        for (std::ptrdiff_t i = 0; i < r.count; ++i) {
+            t.middleRows(i * r.to_step + r.to_first, r.rows) +=
+                f.middleRows(i * r.from_step + r.from_first, r.rows);
+        }
+    }
     static std::ptrdiff_t nonfinite_row(View<const T> x) {
         const auto m = cpu::as_eigen(x);
         if (detail::all_finite(m)) {

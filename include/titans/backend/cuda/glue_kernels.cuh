@@ -41,6 +41,54 @@ struct GlueKernels<Cuda, T> {
     static void gate(View<const T> y, View<const T> m, View<T> out) {
         binary(y, m, out, Gated{});
     }
+    static void gate_backward(View<const T> dout, View<const T> a, View<const T> m, View<T> da,
+                              View<T> dm) {
+        const T *d = dout.data, *av = a.data, *mv = m.data;
+        T *oa = da.data, *om = dm.data;
+        const long long ds = dout.stride, as = a.stride, ms = m.stride, oas = da.stride,
+                        oms = dm.stride;
+        const unsigned c = cuda::u32(da.cols);
+        run(da.rows * da.cols, [=] __device__(unsigned i) {
+            const unsigned r = i / c, j = i % c;
+            const T g = detail::sigmoid(mv[r * ms + j]), dv = d[r * ds + j];
+            oa[r * oas + j] = dv * g;
+            om[r * oms + j] = dv * av[r * as + j] * g * (T(1) - g);
+        });
+    }
+    static void fill(View<T> to, T value) {
+        T* o = to.data;
+        const long long os = to.stride;
+        const unsigned c = cuda::u32(to.cols);
+        run(to.rows * to.cols, [=] __device__(unsigned i) { o[(i / c) * os + i % c] = value; });
+    }
+    /// One thread per entry of a block's rows, every block.
+    static void copy_rows(View<const T> from, View<T> to, RowBlocks r) {
+        const T* f = from.data;
+        T* o = to.data;
+        const long long fs = from.stride, os = to.stride, fstep = r.from_step,
+                        ffirst = r.from_first, tstep = r.to_step, tfirst = r.to_first;
+        const unsigned c = cuda::u32(to.cols), n = cuda::u32(r.rows);
+        run(r.count * r.rows * to.cols, [=] __device__(unsigned i) {
+            const long long b = i / (n * c), q = (i / c) % n, j = i % c;
+            o[(b * tstep + tfirst + q) * os + j] = f[(b * fstep + ffirst + q) * fs + j];
+        });
+    }
+    /// One thread per entry of a block's rows, adding the blocks in order (deterministic, and
+    /// a sum into the same rows when to_step is 0).
+    static void add_rows(View<const T> from, View<T> to, RowBlocks r) {
+        const T* f = from.data;
+        T* o = to.data;
+        const long long fs = from.stride, os = to.stride, fstep = r.from_step,
+                        ffirst = r.from_first, tstep = r.to_step, tfirst = r.to_first,
+                        count = r.count;
+        const unsigned c = cuda::u32(to.cols);
+        run(r.rows * to.cols, [=] __device__(unsigned i) {
+            const long long q = i / c, j = i % c;
+            for (long long b = 0; b < count; ++b) {
+                o[(b * tstep + tfirst + q) * os + j] += f[(b * fstep + ffirst + q) * fs + j];
+            }
+        });
+    }
     /// A device minimum of the rows holding a NaN or an infinity; the one scalar comes back.
     static std::ptrdiff_t nonfinite_row(View<const T> x) {
         cuda::DeviceBuffer<unsigned> flag(1);
