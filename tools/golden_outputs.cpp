@@ -1,7 +1,7 @@
 // tools/golden_outputs.cpp: writes the outputs and states of every layer family for fixed
 // seeds (the memory in four modes, attention with a prefix, each block kind over three pieces,
-// a two-block model of each kind, each block kind's training pass over two chained pieces;
-// double, then float) to one binary file and, given a second
+// a two-block model of each kind, each block kind's training pass over two chained pieces, a
+// model's training pass of each kind; double, then float) to one binary file and, given a second
 // file, prints every value that differs from it. It checks that a refactoring is
 // bit-identical: build it against the commit before and the tree after, and compare.
 //
@@ -161,6 +161,22 @@ void block_training(int B) {
         b.backward(t1, gaussian<T>(B * 12, 32, 34), dx, g, nullptr, &d);
         write_matrix(dx);
         BlockParams<T>::tensors(std::as_const(g), c, WriteTensor{});
+    }
+    for (BlockKind k : {BlockKind::LMM, BlockKind::MAC, BlockKind::MAG, BlockKind::MAL}) {
+        section = "model training";
+        const auto mc = ModelConfig::uniform(k, 2, 32, 2, 2, 8, 50, 4);
+        Model<T> m(mc, ModelParams<T>::random(mc, 19));
+        auto ms = m.make_state(B);
+        std::vector<int> ids;
+        for (int i = 0; i < B * 12; ++i) ids.push_back((i * 11 + 3) % 50);
+        typename Model<T>::Trace t;
+        Matrix<T> logits, dx;
+        m.forward_tokens(ms, ids, logits, t);
+        write_matrix(logits);
+        auto g = ModelParams<T>::zeros(mc);
+        m.backward(t, gaussian<T>(B * 12, 50, 35), g, &dx);
+        write_matrix(dx);
+        ModelParams<T>::tensors(std::as_const(g), mc, WriteTensor{});
     }
 }
 

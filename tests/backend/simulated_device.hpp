@@ -677,7 +677,7 @@ struct FeedForwardKernels<titans_test::SimulatedDevice, T> {
 };
 
 /// The glue between layers on the simulated device: the CPU's on the arena's data; a gather
-/// takes its token ids to the device (one upload).
+/// and a scatter_add take their token ids to the device (one upload each).
 template <class T>
 struct GlueKernels<titans_test::SimulatedDevice, T> {
     using Host = GlueKernels<Cpu, T>;
@@ -722,6 +722,19 @@ struct GlueKernels<titans_test::SimulatedDevice, T> {
     static void product(View<const T> x, View<const T> w, View<T> out) {
         titans_test::sim::require_devices<T>({x, w, out}, {"x", "w", "out"});
         Host::product(x, w, out);
+    }
+    static void product_at(View<const T> a, View<const T> b, View<T> out) {
+        titans_test::sim::require_devices<T>({a, b, out}, {"a", "b", "out"});
+        Host::product_at(a, b, out);
+    }
+    static void product_bt(View<const T> a, View<const T> b, View<T> out) {
+        titans_test::sim::require_devices<T>({a, b, out}, {"a", "b", "out"});
+        Host::product_bt(a, b, out);
+    }
+    static void scatter_add(View<const T> rows, std::span<const int> ids, View<T> table) {
+        titans_test::sim::require_devices<T>({rows, table}, {"rows", "table"});
+        ++titans_test::sim::Traffic::instance().uploads;
+        Host::scatter_add(rows, ids, table);
     }
 };
 

@@ -630,6 +630,21 @@ TEMPLATE_TEST_CASE("backend: device training", "[backend][train]", float, double
     CHECK(sim::Arena::instance().live() == live0);
 }
 
+namespace {
+
+/// The round trips a block's backward makes for the gradients it still adds on the host
+/// through the backend: each norm's weight, the FFN's matrices, and (from a fresh start) P's
+/// rows summed from the memory's input adjoint.
+long gradient_round_trips(const BlockConfig& cfg, bool fresh) {
+    const bool mag = cfg.kind == BlockKind::MAG;
+    long n = 1 + (mag ? 2 : 0);  // norm_mix, norm_y, norm_m
+    if (cfg.use_ffn) n += 1 + (cfg.ffn.kind == titans::FeedForwardKind::SwiGLU ? 3 : 2);
+    if (fresh && (mag || cfg.kind == BlockKind::MAL) && cfg.n_persistent > 0) ++n;
+    return n;
+}
+
+}  // namespace
+
 // Transfers counted in block training: the training forward and the backward keep their
 // activations and traces on the device (the [P; u] rows assembled and taken apart there). A
 // forward piece makes one upload (x) and one download (y); a backward piece one upload (dy),
@@ -640,13 +655,6 @@ TEMPLATE_TEST_CASE("backend: device training", "[backend][train]", float, double
 TEMPLATE_TEST_CASE("backend: training transfers", "[backend][train]", float, double) {
     using T = TestType;
     auto& traffic = sim::Traffic::instance();
-    const auto round_trips = [](const BlockConfig& cfg, bool fresh) {
-        const bool mag = cfg.kind == BlockKind::MAG;
-        long n = 1 + (mag ? 2 : 0);  // norm_mix, norm_y, norm_m
-        if (cfg.use_ffn) n += 1 + (cfg.ffn.kind == titans::FeedForwardKind::SwiGLU ? 3 : 2);
-        if (fresh && (mag || cfg.kind == BlockKind::MAL) && cfg.n_persistent > 0) ++n;
-        return n;
-    };
     for (BlockKind kind : {BlockKind::LMM, BlockKind::MAG, BlockKind::MAL, BlockKind::SWA}) {
         for (int i = 0; i < 3; ++i) {
             Rng rng(seed_for(std::string("backends/training transfers/") + type_name<T>() +
@@ -684,7 +692,7 @@ TEMPLATE_TEST_CASE("backend: training transfers", "[backend][train]", float, dou
                 cpu.backward(tcpu[k], dyk, dxc, gc, &ic, &nc);
                 const long up0 = traffic.uploads, down0 = traffic.downloads;
                 dev.backward(tdev[k], dyk, dxd, gd, &id, &nd);
-                const long n = round_trips(tc.cfg, tc.cuts[k] == 0);
+                const long n = gradient_round_trips(tc.cfg, tc.cuts[k] == 0);
                 CHECK(traffic.uploads - up0 == 1 + n);
                 CHECK(traffic.downloads - down0 == 1 + n);
                 CHECK(identical(dxc, dxd));
@@ -692,6 +700,64 @@ TEMPLATE_TEST_CASE("backend: training transfers", "[backend][train]", float, dou
                 nd = std::move(id);
             }
             CHECK(same_param_bits(cast_block<double>(gc), cast_block<double>(gd), tc.cfg));
+        }
+    }
+}
+
+// Transfers counted in model training: a training forward on token ids uploads the ids once
+// (gathered on the device) and downloads the logits once, on vectors the same; the backward
+// uploads dL/dlogits once and downloads dx once (when asked), plus one round trip per
+// gradient tensor still added on the host (the head, the final norm, each block's, the
+// embedding with its ids). Logits, dx and gradients equal the CPU's bit for bit.
+TEMPLATE_TEST_CASE("backend: model transfers", "[backend][train]", float, double) {
+    using T = TestType;
+    auto& traffic = sim::Traffic::instance();
+    const std::pair<BlockKind, BlockKind> stacks[] = {{BlockKind::LMM, BlockKind::MAG},
+                                                      {BlockKind::MAL, BlockKind::SWA},
+                                                      {BlockKind::MAG, BlockKind::MAL}};
+    for (std::size_t s = 0; s < std::size(stacks); ++s) {
+        for (const bool tokens : {true, false}) {
+            Rng rng(seed_for(std::string("backends/model transfers/") + type_name<T>(),
+                             2 * s + (tokens ? 1 : 0)));
+            const int vocab = 11, B = uniform_int(rng, 1, 3), N = uniform_int(rng, 1, 9);
+            const ModelCase mc =
+                make_model_case<T>(stacks[s].first, stacks[s].second, 8, vocab, 0, rng);
+            const auto params = cast_model<T>(mc.params);
+            const titans::Model<T> cpu(mc.cfg, params);
+            const titans::Model<T, SimulatedDevice> dev(mc.cfg, params);
+            INFO(titans::to_string(stacks[s].first) << " + " << titans::to_string(stacks[s].second)
+                                                    << " B=" << B << " N=" << N);
+            auto sc = cpu.make_state(B);
+            auto sd = dev.make_state(B);
+            typename titans::Model<T>::Trace tc;
+            typename titans::Model<T, SimulatedDevice>::Trace td;
+            Matrix<T> oc, od;
+            const std::vector<int> ids = random_ids(rng, B * N, vocab);
+            const Matrix<T> x = random_matrix(B * N, 8, rng).cast<T>();
+            long up0 = traffic.uploads, down0 = traffic.downloads;  // the CPU's calls count none
+            if (tokens) {
+                cpu.forward_tokens(sc, ids, oc, tc);
+                dev.forward_tokens(sd, ids, od, td);
+            } else {
+                cpu.forward(sc, x, oc, tc);
+                dev.forward(sd, x, od, td);
+            }
+            CHECK(traffic.uploads - up0 == 1);
+            CHECK(traffic.downloads - down0 == 1);
+            CHECK(identical(oc, od));
+            const Matrix<T> dout = random_matrix(B * N, vocab, rng).cast<T>();
+            auto gc = titans::ModelParams<T>::zeros(mc.cfg), gd = gc;
+            Matrix<T> dxc, dxd;
+            cpu.backward(tc, dout, gc, &dxc);
+            long n = 2 + (tokens ? 1 : 0);  // the head, the final norm, the embedding
+            for (const BlockConfig& b : mc.cfg.blocks) n += gradient_round_trips(b, true);
+            up0 = traffic.uploads;
+            down0 = traffic.downloads;
+            dev.backward(td, dout, gd, &dxd);
+            CHECK(traffic.uploads - up0 == 1 + n + (tokens ? 1 : 0));  // the scatter's ids
+            CHECK(traffic.downloads - down0 == 1 + n);
+            CHECK(identical(dxc, dxd));
+            CHECK(same_param_bits(cast_model<double>(gc), cast_model<double>(gd), mc.cfg));
         }
     }
 }

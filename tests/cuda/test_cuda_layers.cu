@@ -2,7 +2,8 @@
 // of math §9): forward, training forward and backward (dx and the parameter gradients, added
 // to what the caller holds), widths across block-size boundaries, 0 rows, float and double;
 // the glue kernels between layers (copy, add, gate, the first non-finite row, gather, the
-// head's product) on strided device views against the CPU's.
+// head's product, and the training glue: the gate's adjoint, fill, row blocks, the head's
+// transposed products, the scatter-add) on strided device views against the CPU's.
 
 #include <titans/backend/cuda/cuda.cuh>
 
@@ -181,6 +182,67 @@ void glue_case(Eigen::Index rows, Eigen::Index cols, Rng& rng) {
     CHECK(rel_error(pg.host(), pc) <= tol<T>());
 }
 
+/// The training glue on strided views against the CPU's: MAG's gate adjoint, fill, row blocks
+/// ([P; u] assembled per sequence, stripped, P's adjoint summed over sequences), the head's
+/// transposed products and the embedding's scatter-add with repeated ids.
+template <class T>
+void training_glue_case(int B, Eigen::Index n, Eigen::Index p, Eigen::Index cols, Rng& rng) {
+    using Gpu = titans::backend::GlueKernels<Cuda, T>;
+    using Cpu = titans::backend::GlueKernels<titans::backend::Cpu, T>;
+    using titans::view_of;
+    INFO("B " << B << " n " << n << " p " << p << " cols " << cols << " " << type_name<T>());
+    const Eigen::Index rows = B * n, full = B * (n + p);
+    const Matrix<T> d = random_t<T>(rows, cols, rng), a = random_t<T>(rows, cols, rng),
+                    m = random_t<T>(rows, cols, rng);
+    Matrix<T> da(rows, cols), dm(rows, cols);
+    Cpu::gate_backward(view_of(d), view_of(a), view_of(m), view_of(da), view_of(dm));
+    const Strided<T> gd(d, 1), ga(a, 2), gm(m, 3);
+    Strided<T> gda(Matrix<T>::Zero(rows, cols), 1), gdm(Matrix<T>::Zero(rows, cols), 2);
+    Gpu::gate_backward(gd.view, ga.view, gm.view, gda.view, gdm.view);
+    CHECK(rel_error(gda.host(), da) <= tol<T>());
+    CHECK(rel_error(gdm.host(), dm) <= tol<T>());
+    // [P; u] per sequence, then stripped back to u, then P's rows summed into dP (to_step 0).
+    const Matrix<T> P = random_t<T>(p, cols, rng);
+    const titans::backend::RowBlocks pre{B, p, 0, 0, n + p, 0}, body{B, n, n, 0, n + p, p},
+        strip{B, n, n + p, p, n, 0}, sum{B, p, n + p, 0, 0, 0};
+    Matrix<T> want(full, cols);
+    Cpu::fill(view_of(want), T(0.5));
+    Cpu::copy_rows(view_of(P), view_of(want), pre);
+    Cpu::copy_rows(view_of(d), view_of(want), body);
+    const Strided<T> gP(P, 1);
+    Strided<T> gfull(Matrix<T>::Zero(full, cols), 1), gback(Matrix<T>::Zero(rows, cols), 3);
+    Gpu::fill(gfull.view, T(0.5));
+    Gpu::copy_rows(gP.view, gfull.view, pre);
+    Gpu::copy_rows(gd.view, gfull.view, body);
+    CHECK(identical(gfull.host(), want));
+    Gpu::copy_rows(gfull.view, gback.view, strip);
+    CHECK(identical(gback.host(), d));
+    Matrix<T> dP = random_t<T>(p, cols, rng);
+    Strided<T> gdP(dP, 2);
+    Cpu::add_rows(view_of(want), view_of(dP), sum);
+    Gpu::add_rows(gfull.view, gdP.view, sum);
+    CHECK(rel_error(gdP.host(), dP) <= tol<T>());
+    // The head's gradient aᵀ b, its input gradient b wᵀ, and the scatter-add.
+    const Eigen::Index V = 1 + rows % 5;
+    const Matrix<T> dout = random_t<T>(rows, V, rng), w = random_t<T>(cols, V, rng);
+    Matrix<T> gw(cols, V), dz(rows, cols);
+    Cpu::product_at(view_of(a), view_of(dout), view_of(gw));
+    Cpu::product_bt(view_of(dout), view_of(w), view_of(dz));
+    const Strided<T> gdo(dout, 1), gw_(w, 2);
+    Strided<T> ggw(Matrix<T>::Zero(cols, V), 1), gdz(Matrix<T>::Zero(rows, cols), 2);
+    Gpu::product_at(ga.view, gdo.view, ggw.view);
+    Gpu::product_bt(gdo.view, gw_.view, gdz.view);
+    CHECK(rel_error(ggw.host(), gw) <= tol<T>());
+    CHECK(rel_error(gdz.host(), dz) <= tol<T>());
+    std::vector<int> ids(static_cast<std::size_t>(rows));
+    for (int& id : ids) id = uniform_int(rng, 0, 2);  // repeats
+    Matrix<T> table = random_t<T>(3, cols, rng);
+    Strided<T> gt(table, 1);
+    Cpu::scatter_add(view_of(a), ids, view_of(table));
+    Gpu::scatter_add(ga.view, ids, gt.view);
+    CHECK(rel_error(gt.host(), table) <= tol<T>());
+}
+
 }  // namespace
 
 TEMPLATE_TEST_CASE("cuda layers: glue kernels", "[cuda]", float, double) {
@@ -188,6 +250,11 @@ TEMPLATE_TEST_CASE("cuda layers: glue kernels", "[cuda]", float, double) {
     for (Eigen::Index rows : {0, 1, 5, 37}) {
         for (Eigen::Index cols : {1, 7, 130}) {
             glue_case<TestType>(rows, cols, rng);
+        }
+    }
+    for (int B : {1, 3}) {
+        for (Eigen::Index n : {1, 6}) {
+            training_glue_case<TestType>(B, n, n == 1 ? 0 : 4, B == 1 ? 5 : 33, rng);
         }
     }
 }

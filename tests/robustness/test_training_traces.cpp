@@ -442,7 +442,7 @@ std::vector<Tampering<typename titans::Block<T>::Trace>> block_tamperings(
     }
     if (kind == BlockKind::MAG) {
         out.emplace_back("trace.a shape", [](Trace& t) { t.a.conservativeResize(5, 8); });
-        out.emplace_back("trace.g shape", [](Trace& t) { t.g.conservativeResize(6, 7); });
+        out.emplace_back("trace.gate shape", [](Trace& t) { t.gate.conservativeResize(6, 7); });
         out.emplace_back("(trace.norm_y): trace is empty", [](Trace& t) { t.norm_y = {}; });
     }
     if (titans::has_window(kind)) {

@@ -124,6 +124,14 @@ void check_view_call(const char* where, View<const T> x, View<T> y, std::ptrdiff
     }
 }
 
+/// check_trace_shape of a trace part held in the backend's memory (its view).
+template <class T>
+void check_trace_view(View<const T> v, Eigen::Index rows, Eigen::Index cols, const char* where,
+                      const std::string& part) {
+    check_trace_part(v.rows == rows && v.cols == cols, where, part + " shape",
+                     concat(v.rows, " x ", v.cols), concat(rows, " x ", cols));
+}
+
 /// The views of a layer's backend-level backward (ShapeError otherwise): dy d columns and the
 /// trace's `rows` rows, dx of its shape and distinct (check_view_call).
 template <class T>

@@ -34,6 +34,13 @@ namespace titans::backend {
 ///                              the backend: the embedding of token ids)
 ///   product(x, w, out)         out = x w (x rows x k, w k x n, out rows x n, out distinct from
 ///                              x and w): the model's head
+///   product_at(a, b, out)      out = aᵀ b (a k x m, b k x n, out m x n, distinct): the head's
+///                              gradient
+///   product_bt(a, b, out)      out = a bᵀ (a m x k, b n x k, out m x n, distinct): the head's
+///                              input gradient
+///   scatter_add(rows, ids, table)   table row ids[i] += rows row i, i in order (ids in host
+///                              memory, checked by the caller, copied with the call; repeats
+///                              add in order): the embedding's gradient
 /// The CPU's are the plain loops the layers used on host matrices before, so their results are
 /// the same bits; CUDA's are the same operations per entry (the product on cuBLAS).
 template <class B, class T>
@@ -48,6 +55,9 @@ concept GlueBackend = requires(View<const T> a, View<T> out, std::span<const int
     { GlueKernels<B, T>::nonfinite_row(a) } -> std::same_as<std::ptrdiff_t>;
     GlueKernels<B, T>::gather(a, ids, out);
     GlueKernels<B, T>::product(a, a, out);
+    GlueKernels<B, T>::product_at(a, a, out);
+    GlueKernels<B, T>::product_bt(a, a, out);
+    GlueKernels<B, T>::scatter_add(a, ids, out);
 };
 
 }  // namespace titans::backend

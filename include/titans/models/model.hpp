@@ -427,8 +427,7 @@ public:
                         Trace& trace) const
         requires(trainable)
     {
-        detail::ModelTraining<T, Backend>::forward(
-            *this, state, embed(ids, "Model::forward_tokens (training)"), out, trace, ids);
+        detail::ModelTraining<T, Backend>::forward_tokens(*this, state, ids, out, trace);
     }
 
     /// The backward pass (math §9) of a training forward: dout = dL/dout (the trace's rows x
@@ -531,17 +530,6 @@ private:
             detail::require<ShapeError>(id >= 0 && id < cfg_.vocab_size, where, "token id", id,
                                         detail::concat("in [0, ", cfg_.vocab_size, ")"));
         }
-    }
-
-    /// The rows of the embedding for ids, on the host (the training forward's input; checked
-    /// as check_ids).
-    Matrix<T> embed(const std::vector<int>& ids, const char* where) const {
-        check_ids(ids, where);
-        Matrix<T> x(static_cast<Eigen::Index>(ids.size()), cfg_.d_model);
-        for (std::size_t i = 0; i < ids.size(); ++i) {
-            x.row(static_cast<Eigen::Index>(i)) = params_->embedding.row(ids[i]);
-        }
-        return x;
     }
 
     /// The checks of a forward call: the position may advance, the state is this model's, x

@@ -4,13 +4,18 @@
 // Model::backward(trace, dout, grads, dx, d_state_in, d_state_out). The forward runs every
 // block's training forward from the model's state; the backward reverses
 //     h_0 = x (or embedding rows),  h_i = Block_i(h_{i-1}),  out = RMSNorm(h_n) head
-// and scatters the input gradient into the embedding rows of the tokens.
+// and scatters the input gradient into the embedding rows of the tokens. Both keep their
+// activations and traces in the backend's memory: the input goes up once (the ids, gathered
+// there, or the vectors), the logits come down once, and the backward takes dL/dlogits up once
+// (the parameter gradients, host structs, are added through the backend).
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <utility>
 #include <vector>
 
+#include "../backend/edge.hpp"
 #include "../detail/check.hpp"
 #include "../error.hpp"
 #include "../detail/tensor_slots.hpp"
@@ -33,7 +38,8 @@ struct ModelTrace {
     detail::TraceFilled filled;
     std::vector<BlockTrace<T, Backend>> blocks;
     typename RMSNorm<T, Backend>::Trace norm_final;
-    Matrix<T> normed;      // RMSNorm_final(h_n), rows x d_model: the head's input
+    /// RMSNorm_final(h_n), rows x d_model, in the backend's memory: the head's input.
+    typename backend::Transfer<Backend, T>::Buffer normed;
     std::vector<int> ids;  // forward_tokens: the ids whose embedding rows get the gradient
 
     [[nodiscard]] bool empty() const { return !filled; }
@@ -48,39 +54,30 @@ struct ModelTraining {
     using State = ModelState<T, Backend>;
     using Trace = ModelTrace<T, Backend>;
 
+    /// Model::forward (training) from host vectors: checked (finite too) and uploaded once.
     static void forward(const Mdl& model, State& state, const MatrixRef<T>& x, Matrix<T>& out,
-                        Trace& trace, std::vector<int> ids = {}) {
+                        Trace& trace) {
         constexpr const char* where = "Model::forward (training)";
         model.check_input(state, x.rows(), x.cols(), where);
-        const ThreadScope team(model.threads_, 3.0 * model.work_estimate(x.rows()));
-        State next = state;  // committed only if every block and the head succeed
-        Trace t;
-        t.cfg = model.cfg_;
-        t.batch = state.batch;
-        t.start = state.position;
-        t.rows = x.rows();
-        t.blocks.resize(model.blocks_.size());
-        Matrix<T> h = x, hn;
-        for (std::size_t i = 0; i < model.blocks_.size(); ++i) {
-            try {
-                model.blocks_[i].forward(next.blocks[i], h, hn, t.blocks[i]);
-            } catch (const NonFiniteError& e) {
-                throw NonFiniteError(concat("Model::forward: block ", i, ": ", e.what()));
-            } catch (const ConfigError& e) {  // a continuing forward the block cannot take
-                throw ConfigError(concat("Model::forward: block ", i, ": ", e.what()));
-            }
-            h.swap(hn);
+        if (!all_finite(x)) {
+            throw NonFiniteError(concat(where, ": x has a NaN or infinite entry"));
         }
-        model.norm_final_.forward(h, t.normed, t.norm_final);
-        Matrix<T> o(h.rows(), model.params_->head.cols());
-        multiply(o, t.normed, model.params_->head);
-        model.require_finite_output(o);
-        next.position += x.rows() / state.batch;
-        t.ids = std::move(ids);
-        t.filled = true;
-        out = std::move(o);
-        trace = std::move(t);
-        state = std::move(next);
+        const backend::Upload<Backend, T> in(x);
+        run(model, state, in.view(), out, trace, {});
+    }
+
+    /// Model::forward_tokens (training): the ids checked, their embedding rows gathered on the
+    /// backend.
+    static void forward_tokens(const Mdl& model, State& state, const std::vector<int>& ids,
+                               Matrix<T>& out, Trace& trace) {
+        constexpr const char* where = "Model::forward_tokens (training)";
+        model.check_ids(ids, where);
+        const auto rows = static_cast<Eigen::Index>(ids.size());
+        model.check_input(state, rows, model.cfg_.d_model, where);
+        Buffer x = Transfer::allocate(rows, model.cfg_.d_model);
+        Glue::gather(model.edge_view(model.params_->embedding, &Mdl::Edge::embedding), ids,
+                     Transfer::view(x));
+        run(model, state, Transfer::view(x), out, trace, ids);
     }
 
     static void backward(const Mdl& model, const Trace& tr, const MatrixRef<T>& dout,
@@ -105,28 +102,17 @@ struct ModelTraining {
         if (d_in != nullptr) {
             d_start.blocks.resize(cfg.blocks.size());
         }
-        g.head.noalias() = tr.normed.transpose() * dout;
-        const Matrix<T> dz = dout * model.params_->head.transpose();
-        Matrix<T> dh, dprev;
-        model.norm_final_.backward(tr.norm_final, dz, dh, g.norm_final);
-        for (std::size_t i = model.blocks_.size(); i-- > 0;) {
-            // Into g's own zeros: no second accumulator per block (BlockTraining::accumulate).
-            BlockTraining<T, Backend>::accumulate(model.blocks_[i], tr.blocks[i], dh, dprev,
-                                                  g.blocks[i],
-                                                  d_in != nullptr ? &d_start.blocks[i] : nullptr,
-                                                  chained ? &d_out->blocks[i] : nullptr);
-            dh.swap(dprev);
-        }
-        for (std::size_t r = 0; r < tr.ids.size(); ++r) {
-            g.embedding.row(tr.ids[r]) += dh.row(static_cast<Eigen::Index>(r));
-        }
-        if (!all_finite(dh) || !tensors_finite(g, cfg)) {
+        const backend::Upload<Backend, T> dO(dout);
+        Buffer dh = input_gradient(model, tr, dO.view(), g, chained ? d_out : nullptr,
+                                   d_in != nullptr ? &d_start : nullptr);
+        if (Glue::nonfinite_row(cview(dh)) >= 0 || !tensors_finite(g, cfg)) {
             throw NonFiniteError(concat(where, ": the gradients overflow, expected finite "
                                                "values; grads are unchanged"));
         }
         add_tensors(g, grads, cfg);
         if (dx != nullptr) {
-            *dx = std::move(dh);
+            dx->resize(tr.rows, cfg.d_model);
+            Transfer::download(cview(dh), view_of(*dx));
         }
         if (d_in != nullptr) {  // empty after a fresh start: no earlier piece
             const bool none = tr.start == 0;
@@ -135,6 +121,88 @@ struct ModelTraining {
     }
 
 private:
+    using Transfer = backend::Transfer<Backend, T>;
+    using Buffer = typename Transfer::Buffer;
+    using Glue = backend::GlueKernels<Backend, T>;
+    static View<T> view(Buffer& b) { return Transfer::view(b); }
+    static View<const T> cview(const Buffer& b) { return Transfer::view(b); }
+
+    /// The training forward on a checked input x in the backend's memory: every block's
+    /// training forward, their activations in two buffers taken in turn, the final norm and
+    /// the head; the logits downloaded once into out. state, out and trace change only if
+    /// every step succeeds.
+    static void run(const Mdl& model, State& state, View<const T> x, Matrix<T>& out,
+                    Trace& trace, std::vector<int> ids) {
+        const ThreadScope team(model.threads_, 3.0 * model.work_estimate(x.rows));
+        State next = state;  // committed only if every block and the head succeed
+        Trace t;
+        t.cfg = model.cfg_;
+        t.batch = state.batch;
+        t.start = state.position;
+        t.rows = x.rows;
+        t.blocks.resize(model.blocks_.size());
+        std::array<Buffer, 2> buf{Transfer::allocate(x.rows, x.cols),
+                                  Transfer::allocate(x.rows, x.cols)};
+        View<const T> h = x;
+        for (std::size_t i = 0; i < model.blocks_.size(); ++i) {
+            const View<T> y = view(buf[i % 2]);
+            try {
+                model.blocks_[i].forward(next.blocks[i], h, y, t.blocks[i]);
+            } catch (const NonFiniteError& e) {
+                throw NonFiniteError(concat("Model::forward: block ", i, ": ", e.what()));
+            } catch (const ConfigError& e) {  // a continuing forward the block cannot take
+                throw ConfigError(concat("Model::forward: block ", i, ": ", e.what()));
+            }
+            h = y;
+        }
+        t.normed = Transfer::allocate(x.rows, x.cols);
+        model.norm_final_.forward(h, view(t.normed), t.norm_final);
+        Matrix<T> o;
+        {
+            backend::Download<Backend, T> logits(o, x.rows, model.params_->head.cols());
+            Glue::product(cview(t.normed), model.edge_view(model.params_->head, &Mdl::Edge::head),
+                          logits.view());
+            logits.finish();
+        }
+        model.require_finite_output(o);
+        next.position += x.rows / state.batch;
+        t.ids = std::move(ids);
+        t.filled = true;
+        out = std::move(o);
+        trace = std::move(t);
+        state = std::move(next);
+    }
+
+    /// dL/d(the model's input) from dout (in the backend's memory): the head (its gradient
+    /// normedᵀ dout), the final norm, every block last first (each adding into g's own zeros,
+    /// BlockTraining::accumulate), then the embedding rows of the tokens (scatter-added).
+    static Buffer input_gradient(const Mdl& model, const Trace& tr, View<const T> dout,
+                                 ModelParams<T>& g, const ModelStateGradient<T>* d_out,
+                                 ModelStateGradient<T>* d_start) {
+        const Eigen::Index rows = tr.rows, d = model.cfg_.d_model;
+        {
+            backend::Update<Backend, T> head(view_of(g.head));
+            Glue::product_at(cview(tr.normed), dout, head.view());
+            head.finish();
+        }
+        Buffer dh = Transfer::allocate(rows, d), dprev = Transfer::allocate(rows, d);
+        Glue::product_bt(dout, model.edge_view(model.params_->head, &Mdl::Edge::head), view(dprev));
+        model.norm_final_.backward(tr.norm_final, cview(dprev), view(dh), g.norm_final);
+        for (std::size_t i = model.blocks_.size(); i-- > 0;) {
+            BlockTraining<T, Backend>::accumulate(
+                model.blocks_[i], tr.blocks[i], cview(dh), view(dprev), g.blocks[i],
+                d_start != nullptr ? &d_start->blocks[i] : nullptr,
+                d_out != nullptr ? &d_out->blocks[i] : nullptr);
+            std::swap(dh, dprev);
+        }
+        if (!tr.ids.empty()) {
+            backend::Update<Backend, T> emb(view_of(g.embedding));
+            Glue::scatter_add(cview(dh), tr.ids, emb.view());
+            emb.finish();
+        }
+        return dh;
+    }
+
     /// tr was filled by a training forward of a model of this configuration (block count
     /// first), with the sizes it left: batch, rows, start, every block's trace valid for its
     /// block with those, the final norm's and the head's input of rows x d_model, and token
@@ -162,7 +230,7 @@ private:
                                          concat(where, " (trace.norm_final)").c_str());
         check_trace_part(tr.norm_final.rows() == tr.rows, where, "norm_final.rows()",
                          tr.norm_final.rows(), "trace.rows");
-        check_trace_shape(tr.normed, tr.rows, cfg.d_model, where, "normed");
+        check_trace_view(cview(tr.normed), tr.rows, cfg.d_model, where, "normed");
         const bool ids = tr.ids.empty() || (cfg.vocab_size > 0 &&
                                             static_cast<Eigen::Index>(tr.ids.size()) == tr.rows);
         check_trace_part(ids, where, "ids.size()", tr.ids.size(),

@@ -74,6 +74,19 @@ struct GlueKernels<Cpu, T> {
     static void product(View<const T> x, View<const T> w, View<T> out) {
         detail::multiply(cpu::as_eigen(out), cpu::as_eigen(x), cpu::as_eigen(w));
     }
+    static void product_at(View<const T> a, View<const T> b, View<T> out) {
+        cpu::as_eigen(out).noalias() = cpu::as_eigen(a).transpose() * cpu::as_eigen(b);
+    }
+    static void product_bt(View<const T> a, View<const T> b, View<T> out) {
+        cpu::as_eigen(out).noalias() = cpu::as_eigen(a) * cpu::as_eigen(b).transpose();
+    }
+    static void scatter_add(View<const T> rows, std::span<const int> ids, View<T> table) {
+        const auto r = cpu::as_eigen(rows);
+        auto t = cpu::as_eigen(table);
+        for (std::size_t i = 0; i < ids.size(); ++i) {
+            t.row(ids[i]) += r.row(static_cast<Eigen::Index>(i));
+        }
+    }
 };
 
 }  // namespace titans::backend

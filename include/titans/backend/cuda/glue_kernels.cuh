@@ -1,8 +1,9 @@
 #pragma once
 // titans/backend/cuda/glue_kernels.cuh: the glue between layers on CUDA (layers/glue.hpp):
-// copies, residual sums, MAG's gate, finiteness, the embedding gather and the head's product,
-// on device views. Stateless: each call runs on the calling host thread's stream and cuBLAS
-// handle (thread_context(), layer_kernels.cuh) and returns with it idle.
+// copies, residual sums, MAG's gate and its adjoint, row blocks, finiteness, the embedding
+// gather and its scatter-add, the head's products, on device views. Stateless: each call runs
+// on the calling host thread's stream and cuBLAS handle (thread_context(), layer_kernels.cuh)
+// and returns with it idle.
 
 #include <cstddef>
 #include <span>
@@ -112,13 +113,42 @@ struct GlueKernels<Cuda, T> {
         });
     }
     static void product(View<const T> x, View<const T> w, View<T> out) {
+        gemm(false, x, false, w, out, x.cols);
+    }
+    static void product_at(View<const T> a, View<const T> b, View<T> out) {
+        gemm(true, a, false, b, out, a.rows);
+    }
+    static void product_bt(View<const T> a, View<const T> b, View<T> out) {
+        gemm(false, a, true, b, out, a.cols);
+    }
+    /// One thread per column, the rows added in order (repeated ids add deterministically).
+    static void scatter_add(View<const T> rows, std::span<const int> ids, View<T> table) {
+        if (ids.empty() || table.cols == 0) {
+            return;
+        }
+        const cuda::DeviceBuffer<int> dev = cuda::upload_array(ids.data(), ids.size());
+        const int* id = dev.data();
+        const T* r = rows.data;
+        T* t = table.data;
+        const long long rs = rows.stride, ts = table.stride,
+                        n = static_cast<long long>(ids.size());
+        run(table.cols, [=] __device__(unsigned j) {
+            for (long long i = 0; i < n; ++i) {
+                t[static_cast<long long>(id[i]) * ts + j] += r[i * rs + j];
+            }
+        });
+    }
+
+    /// out = op(a) op(b) on cuBLAS (row-major; k the inner size), then waits for it.
+    static void gemm(bool ta, View<const T> a, bool tb, View<const T> b, View<T> out,
+                     std::ptrdiff_t k) {
         if (out.rows == 0 || out.cols == 0) {
             return;
         }
         const cuda::StreamContext& cx = cuda::thread_context();
-        cuda::gemm<T>(cx.blas(), false, false, static_cast<int>(x.rows), static_cast<int>(w.cols),
-                      static_cast<int>(x.cols), T(1), {x.data, static_cast<int>(x.stride)},
-                      {w.data, static_cast<int>(w.stride)}, T(0), out.data,
+        cuda::gemm<T>(cx.blas(), ta, tb, static_cast<int>(out.rows), static_cast<int>(out.cols),
+                      static_cast<int>(k), T(1), {a.data, static_cast<int>(a.stride)},
+                      {b.data, static_cast<int>(b.stride)}, T(0), out.data,
                       static_cast<int>(out.stride), 0, 1);
         cx.synchronize();
     }
