@@ -5,6 +5,7 @@
 #include "catch.hpp"
 #include "test_common.hpp"
 #include "block_cases.hpp"
+#include "trainer_common.hpp"
 #include "training_pass.hpp"
 
 #include <titans/titans.hpp>
@@ -385,6 +386,29 @@ TEST_CASE("model bwd: refusals", "[train][model]") {
     REQUIRE_THROWS_NAMING(model.forward_tokens(st2, bad, out2, trace), titans::ShapeError, "token id");
     CHECK(identical(out2, out));
     CHECK(st2.position == 0);
+    {  // the loss on the backend: labels of the wrong count or range; a trace without a loss
+        std::vector<int> labels = c.ids;
+        labels.back() = c.cfg.vocab_size;
+        REQUIRE_THROWS_NAMING(model.forward_loss(st2, c.ids, labels, trace), titans::ShapeError,
+                              "a label");
+        labels.pop_back();
+        REQUIRE_THROWS_NAMING(model.forward_loss(st2, c.ids, labels, trace), titans::ShapeError,
+                              "labels.size()");
+        CHECK(st2.position == 0);
+        REQUIRE_THROWS_NAMING(model.backward_loss(trace, g), titans::ConfigError, "no loss");
+        CHECK(identical(g.head, Matrixd::Zero(g.head.rows(), g.head.cols())));
+        // forward_loss then backward_loss: forward_tokens, cross_entropy_loss and backward.
+        labels.push_back(-1);
+        titans::Model<double>::Trace tl;
+        auto g2 = g;
+        Matrixd dlogits;
+        const double want = titans::cross_entropy_loss<double>(out, labels, dlogits);
+        CHECK(model.forward_loss(st2, c.ids, labels, tl) == want);
+        model.backward(trace, dlogits, g);
+        model.backward_loss(tl, g2);
+        CHECK(same_param_bits(g, g2, c.cfg));
+        g = titans::ModelParams<double>::zeros(c.cfg);
+    }
     {  // a training forward continuing a memory mid-chunk (case 3: MAC, then LMM of chunk 2)
         TrainModelCase m = draw_model_case(3, rng);
         titans::Model<double> mac(m.cfg, m.p);

@@ -677,7 +677,8 @@ struct FeedForwardKernels<titans_test::SimulatedDevice, T> {
 };
 
 /// The glue between layers on the simulated device: the CPU's on the arena's data; a gather
-/// and a scatter_add take their token ids to the device (one upload each).
+/// and a scatter_add take their token ids to the device (one upload each), cross_entropy its
+/// labels (one upload) and brings the loss back (one download).
 template <class T>
 struct GlueKernels<titans_test::SimulatedDevice, T> {
     using Host = GlueKernels<Cpu, T>;
@@ -730,6 +731,13 @@ struct GlueKernels<titans_test::SimulatedDevice, T> {
     static void product_bt(View<const T> a, View<const T> b, View<T> out) {
         titans_test::sim::require_devices<T>({a, b, out}, {"a", "b", "out"});
         Host::product_bt(a, b, out);
+    }
+    static double cross_entropy(View<const T> logits, std::span<const int> labels,
+                                View<T> dlogits) {
+        titans_test::sim::require_devices<T>({logits, dlogits}, {"logits", "dlogits"});
+        ++titans_test::sim::Traffic::instance().uploads;    // the labels
+        ++titans_test::sim::Traffic::instance().downloads;  // the loss
+        return Host::cross_entropy(logits, labels, dlogits);
     }
     static void scatter_add(View<const T> rows, std::span<const int> ids, View<T> table) {
         titans_test::sim::require_devices<T>({rows, table}, {"rows", "table"});

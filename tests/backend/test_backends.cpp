@@ -708,7 +708,9 @@ TEMPLATE_TEST_CASE("backend: training transfers", "[backend][train]", float, dou
 // (gathered on the device) and downloads the logits once, on vectors the same; the backward
 // uploads dL/dlogits once and downloads dx once (when asked), plus one round trip per
 // gradient tensor still added on the host (the head, the final norm, each block's, the
-// embedding with its ids). Logits, dx and gradients equal the CPU's bit for bit.
+// embedding with its ids). forward_loss takes the ids and labels up and brings the loss down
+// (one scalar), backward_loss then needs no upload of dL/dlogits. Logits, losses, dx and
+// gradients equal the CPU's bit for bit.
 TEMPLATE_TEST_CASE("backend: model transfers", "[backend][train]", float, double) {
     using T = TestType;
     auto& traffic = sim::Traffic::instance();
@@ -758,6 +760,30 @@ TEMPLATE_TEST_CASE("backend: model transfers", "[backend][train]", float, double
             CHECK(traffic.downloads - down0 == 1 + n);
             CHECK(identical(dxc, dxd));
             CHECK(same_param_bits(cast_model<double>(gc), cast_model<double>(gd), mc.cfg));
+            if (!tokens) continue;
+            // The loss on the device: ids and labels up, the loss (one scalar) down; its
+            // backward as backward's with dL/dlogits already there.
+            std::vector<int> labels = random_ids(rng, B * N, vocab);
+            labels[0] = -1;  // not scored
+            auto s2 = dev.make_state(B);
+            typename titans::Model<T, SimulatedDevice>::Trace t2;
+            Matrix<T> dlogits;
+            const double want = titans::cross_entropy_loss<T>(oc, labels, dlogits);
+            up0 = traffic.uploads;
+            down0 = traffic.downloads;
+            const double loss = dev.forward_loss(s2, ids, labels, t2);
+            CHECK(traffic.uploads - up0 == 2);
+            CHECK(traffic.downloads - down0 == 1);
+            CHECK(loss == want);
+            auto g2 = titans::ModelParams<T>::zeros(mc.cfg), g3 = g2;
+            cpu.backward(tc, dlogits, g2);
+            up0 = traffic.uploads;
+            down0 = traffic.downloads;
+            dev.backward_loss(t2, g3);
+            CHECK(traffic.uploads - up0 == n + 1);
+            CHECK(traffic.downloads - down0 == n);
+            CHECK(same_param_bits(cast_model<double>(g2), cast_model<double>(g3), mc.cfg));
+            CHECK_THROWS_AS(dev.backward_loss(td, g3), titans::ConfigError);  // no loss there
         }
     }
 }

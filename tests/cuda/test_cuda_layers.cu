@@ -241,6 +241,15 @@ void training_glue_case(int B, Eigen::Index n, Eigen::Index p, Eigen::Index cols
     Cpu::scatter_add(view_of(a), ids, view_of(table));
     Gpu::scatter_add(ga.view, ids, gt.view);
     CHECK(rel_error(gt.host(), table) <= tol<T>());
+    // The cross-entropy of dout's rows (logits, V wide) against labels, some ignored.
+    std::vector<int> labels(static_cast<std::size_t>(rows));
+    for (int& l : labels) l = uniform_int(rng, -1, static_cast<int>(V) - 1);
+    Matrix<T> dl(rows, V);
+    const double lc = Cpu::cross_entropy(view_of(dout), labels, view_of(dl));
+    Strided<T> gdl(Matrix<T>::Constant(rows, V, T(7)), 2);
+    const double lg = Gpu::cross_entropy(gdo.view, labels, gdl.view);
+    CHECK(std::abs(lg - lc) <= tol<T>() * std::max(1.0, std::abs(lc)));
+    CHECK(rel_error(gdl.host(), dl) <= tol<T>());
 }
 
 }  // namespace

@@ -38,6 +38,11 @@ namespace titans::backend {
 ///                              gradient
 ///   product_bt(a, b, out)      out = a bᵀ (a m x k, b n x k, out m x n, distinct): the head's
 ///                              input gradient
+///   cross_entropy(logits, labels, dlogits)   the mean cross-entropy of each row's softmax
+///                              against its label (negative: ignored), returned (one scalar
+///                              back), its gradient into dlogits (detail::cross_entropy_rows;
+///                              labels in host memory, one per row, each < logits.cols,
+///                              checked by the caller, copied with the call; logits finite)
 ///   scatter_add(rows, ids, table)   table row ids[i] += rows row i, i in order (ids in host
 ///                              memory, checked by the caller, copied with the call; repeats
 ///                              add in order): the embedding's gradient
@@ -58,6 +63,7 @@ concept GlueBackend = requires(View<const T> a, View<T> out, std::span<const int
     GlueKernels<B, T>::product_at(a, a, out);
     GlueKernels<B, T>::product_bt(a, a, out);
     GlueKernels<B, T>::scatter_add(a, ids, out);
+    { GlueKernels<B, T>::cross_entropy(a, ids, out) } -> std::same_as<double>;
 };
 
 }  // namespace titans::backend

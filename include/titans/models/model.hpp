@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -430,6 +431,34 @@ public:
         detail::ModelTraining<T, Backend>::forward_tokens(*this, state, ids, out, trace);
     }
 
+    /// The training forward on token ids with its cross-entropy loss computed on the backend:
+    /// forward_tokens(state, ids, logits, trace) followed by cross_entropy_loss(logits,
+    /// labels, dlogits) (train/loss.hpp), the same bits on the CPU, but the logits stay in the
+    /// backend's memory and the trace keeps dlogits for backward_loss: the ids and labels go up
+    /// once, the loss (one scalar) comes back. labels: one per id, each < vocab_size or
+    /// negative (not scored); returns 0 if none is scored. Throws as forward_tokens, ShapeError
+    /// for labels (size, range); nothing changes then.
+    ///
+    ///     const double loss = model.forward_loss(state, ids, labels, trace);
+    ///     model.backward_loss(trace, grads);   // as backward(trace, dlogits, grads)
+    double forward_loss(State& state, const std::vector<int>& ids, std::span<const int> labels,
+                        Trace& trace) const
+        requires(trainable)
+    {
+        return detail::ModelTraining<T, Backend>::forward_loss(*this, state, ids, labels, trace);
+    }
+
+    /// backward(trace, dlogits, grads, dx, d_state_in, d_state_out) from the loss's gradient
+    /// that forward_loss kept in the trace (ConfigError for a trace without one).
+    void backward_loss(const Trace& trace, ModelParams<T>& grads, Matrix<T>* dx = nullptr,
+                       ModelStateGradient<T>* d_state_in = nullptr,
+                       const ModelStateGradient<T>* d_state_out = nullptr) const
+        requires(trainable)
+    {
+        detail::ModelTraining<T, Backend>::backward_loss(*this, trace, grads, dx, d_state_in,
+                                                         d_state_out);
+    }
+
     /// The backward pass (math §9) of a training forward: dout = dL/dout (the trace's rows x
     /// output_dim()) adds the gradient of every parameter (embedding rows of the tokens, every
     /// block, norm_final, head) to grads (shaped as params(), e.g. ModelParams<T>::zeros(
@@ -548,10 +577,13 @@ private:
 
     static void require_finite_output(const Matrix<T>& out) {
         if (!detail::all_finite(out)) {
-            throw NonFiniteError("Model::forward: the head's output is not finite (the final "
-                                 "projection overflows), expected finite values; the state "
-                                 "is unchanged");
+            throw_nonfinite_output();
         }
+    }
+    [[noreturn]] static void throw_nonfinite_output() {
+        throw NonFiniteError("Model::forward: the head's output is not finite (the final "
+                             "projection overflows), expected finite values; the state is "
+                             "unchanged");
     }
 
     void check_state(const State& state, const char* where) const {

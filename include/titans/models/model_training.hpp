@@ -12,6 +12,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <utility>
 #include <vector>
 
@@ -41,6 +42,10 @@ struct ModelTrace {
     /// RMSNorm_final(h_n), rows x d_model, in the backend's memory: the head's input.
     typename backend::Transfer<Backend, T>::Buffer normed;
     std::vector<int> ids;  // forward_tokens: the ids whose embedding rows get the gradient
+    /// forward_loss: dL/dlogits of its loss (rows x output_dim, in the backend's memory), what
+    /// backward_loss starts from; empty (0 x 0) after forward and forward_tokens.
+    typename backend::Transfer<Backend, T>::Buffer dlogits;
+    bool has_loss = false;
 
     [[nodiscard]] bool empty() const { return !filled; }
 };
@@ -80,18 +85,74 @@ struct ModelTraining {
         run(model, state, Transfer::view(x), out, trace, ids);
     }
 
+    /// Model::forward_loss: forward_tokens with the logits kept on the backend, the
+    /// cross-entropy against labels there (its gradient kept in the trace), the loss back.
+    static double forward_loss(const Mdl& model, State& state, const std::vector<int>& ids,
+                               std::span<const int> labels, Trace& trace) {
+        constexpr const char* where = "Model::forward_loss";
+        model.check_ids(ids, where);
+        require<ShapeError>(labels.size() == ids.size(), where, "labels.size()", labels.size(),
+                            concat("ids.size() = ", ids.size()));
+        for (const int label : labels) {
+            require<ShapeError>(label < model.cfg_.vocab_size, where, "a label", label,
+                                concat("< vocab_size = ", model.cfg_.vocab_size,
+                                       " (or negative: not scored)"));
+        }
+        const auto rows = static_cast<Eigen::Index>(ids.size());
+        model.check_input(state, rows, model.cfg_.d_model, where);
+        Buffer x = Transfer::allocate(rows, model.cfg_.d_model);
+        Glue::gather(model.edge_view(model.params_->embedding, &Mdl::Edge::embedding), ids,
+                     view(x));
+        State next = state;
+        Trace t;
+        const Buffer logits = forward_pass(model, next, cview(x), t);
+        if (Glue::nonfinite_row(cview(logits)) >= 0) {
+            model.throw_nonfinite_output();
+        }
+        t.dlogits = Transfer::allocate(rows, model.params_->head.cols());
+        const double loss = Glue::cross_entropy(cview(logits), labels, view(t.dlogits));
+        t.has_loss = true;
+        t.ids = ids;
+        commit(state, std::move(next), trace, std::move(t));
+        return loss;
+    }
+
+    /// Model::backward from host dout: checked, uploaded once.
     static void backward(const Mdl& model, const Trace& tr, const MatrixRef<T>& dout,
                          ModelParams<T>& grads, Matrix<T>* dx, ModelStateGradient<T>* d_in,
                          const ModelStateGradient<T>* d_out) {
         constexpr const char* where = "Model::backward";
-        const ModelConfig& cfg = model.cfg_;
         check_trace(model, tr, where);
-        check_gradient_rows(dout, tr.rows, cfg.output_dim(), where, "dout");
-        check_same_tensors(*model.params_, grads, cfg, where, "grads");
+        check_gradient_rows(dout, tr.rows, model.cfg_.output_dim(), where, "dout");
         if (dx != nullptr && overlaps(dout, *dx)) {
             throw ShapeError(concat(where, ": dx shares storage with dout, expected a distinct "
                                            "matrix"));
         }
+        const backend::Upload<Backend, T> dO(dout);
+        backward_checked(model, tr, dO.view(), grads, dx, d_in, d_out);
+    }
+
+    /// Model::backward_loss: from the gradient of forward_loss's loss, kept in the trace.
+    static void backward_loss(const Mdl& model, const Trace& tr, ModelParams<T>& grads,
+                              Matrix<T>* dx, ModelStateGradient<T>* d_in,
+                              const ModelStateGradient<T>* d_out) {
+        constexpr const char* where = "Model::backward_loss";
+        check_trace(model, tr, where);
+        if (!tr.has_loss) {
+            throw ConfigError(concat(where, ": the trace holds no loss, expected one filled by "
+                                            "forward_loss (else call backward with dL/dout)"));
+        }
+        check_trace_view(cview(tr.dlogits), tr.rows, model.cfg_.output_dim(), where, "dlogits");
+        backward_checked(model, tr, cview(tr.dlogits), grads, dx, d_in, d_out);
+    }
+
+    /// The backward from dout in the backend's memory (the trace and dout checked).
+    static void backward_checked(const Mdl& model, const Trace& tr, View<const T> dout,
+                                 ModelParams<T>& grads, Matrix<T>* dx,
+                                 ModelStateGradient<T>* d_in, const ModelStateGradient<T>* d_out) {
+        constexpr const char* where = "Model::backward";
+        const ModelConfig& cfg = model.cfg_;
+        check_same_tensors(*model.params_, grads, cfg, where, "grads");
         const bool chained = d_out != nullptr && !d_out->empty();
         require<ShapeError>(!chained || d_out->blocks.size() == cfg.blocks.size(), where,
                             "d_state_out.blocks.size()", chained ? d_out->blocks.size() : 0,
@@ -102,8 +163,7 @@ struct ModelTraining {
         if (d_in != nullptr) {
             d_start.blocks.resize(cfg.blocks.size());
         }
-        const backend::Upload<Backend, T> dO(dout);
-        Buffer dh = input_gradient(model, tr, dO.view(), g, chained ? d_out : nullptr,
+        Buffer dh = input_gradient(model, tr, dout, g, chained ? d_out : nullptr,
                                    d_in != nullptr ? &d_start : nullptr);
         if (Glue::nonfinite_row(cview(dh)) >= 0 || !tensors_finite(g, cfg)) {
             throw NonFiniteError(concat(where, ": the gradients overflow, expected finite "
@@ -127,18 +187,29 @@ private:
     static View<T> view(Buffer& b) { return Transfer::view(b); }
     static View<const T> cview(const Buffer& b) { return Transfer::view(b); }
 
-    /// The training forward on a checked input x in the backend's memory: every block's
-    /// training forward, their activations in two buffers taken in turn, the final norm and
-    /// the head; the logits downloaded once into out. state, out and trace change only if
-    /// every step succeeds.
+    /// The training forward on a checked input x in the backend's memory: the logits
+    /// downloaded once into out; state, out and trace change only if every step succeeds.
     static void run(const Mdl& model, State& state, View<const T> x, Matrix<T>& out,
                     Trace& trace, std::vector<int> ids) {
-        const ThreadScope team(model.threads_, 3.0 * model.work_estimate(x.rows));
         State next = state;  // committed only if every block and the head succeed
         Trace t;
+        const Buffer logits = forward_pass(model, next, x, t);
+        Matrix<T> o(x.rows, model.params_->head.cols());
+        Transfer::download(cview(logits), view_of(o));
+        model.require_finite_output(o);
+        t.ids = std::move(ids);
+        out = std::move(o);
+        commit(state, std::move(next), trace, std::move(t));
+    }
+
+    /// The training forward into next and t: every block's training forward, their
+    /// activations in two buffers taken in turn, the final norm (its output kept in t) and the
+    /// head; returns the logits, in the backend's memory.
+    static Buffer forward_pass(const Mdl& model, State& next, View<const T> x, Trace& t) {
+        const ThreadScope team(model.threads_, 3.0 * model.work_estimate(x.rows));
         t.cfg = model.cfg_;
-        t.batch = state.batch;
-        t.start = state.position;
+        t.batch = next.batch;
+        t.start = next.position;
         t.rows = x.rows;
         t.blocks.resize(model.blocks_.size());
         std::array<Buffer, 2> buf{Transfer::allocate(x.rows, x.cols),
@@ -157,18 +228,16 @@ private:
         }
         t.normed = Transfer::allocate(x.rows, x.cols);
         model.norm_final_.forward(h, view(t.normed), t.norm_final);
-        Matrix<T> o;
-        {
-            backend::Download<Backend, T> logits(o, x.rows, model.params_->head.cols());
-            Glue::product(cview(t.normed), model.edge_view(model.params_->head, &Mdl::Edge::head),
-                          logits.view());
-            logits.finish();
-        }
-        model.require_finite_output(o);
-        next.position += x.rows / state.batch;
-        t.ids = std::move(ids);
+        Buffer logits = Transfer::allocate(x.rows, model.params_->head.cols());
+        Glue::product(cview(t.normed), model.edge_view(model.params_->head, &Mdl::Edge::head),
+                      view(logits));
+        return logits;
+    }
+
+    /// A successful training forward: next's position advanced, t filled; both moved in.
+    static void commit(State& state, State next, Trace& trace, Trace t) {
+        next.position += t.rows / state.batch;
         t.filled = true;
-        out = std::move(o);
         trace = std::move(t);
         state = std::move(next);
     }

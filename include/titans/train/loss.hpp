@@ -10,6 +10,7 @@
 
 #include "../detail/float_env.hpp"
 #include "../detail/check.hpp"
+#include "../detail/cross_entropy.hpp"
 #include "../error.hpp"
 #include "../limits.hpp"
 #include "../types.hpp"
@@ -93,12 +94,10 @@ double cross_entropy_loss(const MatrixRef<T>& logits, std::span<const int> label
     detail::require<ShapeError>(static_cast<Eigen::Index>(labels.size()) == rows, where,
                                 "labels.size()", labels.size(),
                                 detail::concat("logits.rows() = ", rows));
-    std::int64_t counted = 0;
     for (std::size_t r = 0; r < labels.size(); ++r) {
         detail::require<ShapeError>(labels[r] < vocab, where, "a label", labels[r],
                                     detail::concat("< logits.cols() = ", vocab,
                                                    " (or negative: ignored)"));
-        counted += labels[r] >= 0;
     }
     if (!detail::all_finite(logits)) {
         throw NonFiniteError(detail::concat(where, ": logits has a NaN or infinite entry"));
@@ -107,22 +106,8 @@ double cross_entropy_loss(const MatrixRef<T>& logits, std::span<const int> label
         throw ShapeError(detail::concat(where, ": dlogits shares storage with logits, expected "
                                                "a distinct matrix"));
     }
-    dlogits.setZero(rows, vocab);
-    if (counted == 0) return 0.0;
-    const double inv_n = 1.0 / static_cast<double>(counted);
-    double loss = 0.0;
-    for (Eigen::Index r = 0; r < rows; ++r) {
-        const int label = labels[static_cast<std::size_t>(r)];
-        if (label < 0) continue;
-        const auto z = logits.row(r).template cast<double>().array();
-        const double m = z.maxCoeff();
-        const auto e = (z - m).exp();
-        const double sum = e.sum();
-        loss += std::log(sum) + m - z(label);
-        dlogits.row(r) = (e / sum * inv_n).template cast<T>().matrix();
-        dlogits(r, label) -= static_cast<T>(inv_n);
-    }
-    return loss * inv_n;
+    dlogits.resize(rows, vocab);
+    return detail::cross_entropy_rows(logits, labels, dlogits);
 }
 
 }  // namespace titans

@@ -104,7 +104,8 @@ struct TrainerProgress {
 ///     state = model.make_state(batch)                         a fresh state: sequences are
 ///     logits = model.forward_tokens(state, ids, ., trace)     independent, nothing carries over
 ///     loss = cross_entropy_loss(logits, labels, dlogits)      labels < 0 ignored
-///     grads = model.backward(trace, dlogits)
+///     grads = model.backward(trace, dlogits)                  (the three on the backend:
+///                                                             forward_loss, backward_loss)
 ///     norm = clip_gradient_norm(grads, clip_norm)             (skipped for clip_norm = 0)
 ///     params = AdamW step at schedule(optimizer().steps() + 1)
 ///
@@ -291,10 +292,8 @@ private:
                      ModelParams<T>& grads) const {
         auto state = model_.make_state(batch);
         typename ModelType::Trace trace;
-        Matrix<T> logits, dlogits;
-        model_.forward_tokens(state, ids, logits, trace);
-        const double loss = cross_entropy_loss<T>(logits, labels, dlogits);
-        model_.backward(trace, dlogits, grads);
+        const double loss = model_.forward_loss(state, ids, labels, trace);
+        model_.backward_loss(trace, grads);
         return loss;
     }
 

@@ -7,6 +7,7 @@
 #include <span>
 
 #include "../../detail/activation.hpp"
+#include "../../detail/cross_entropy.hpp"
 #include "../../detail/float_env.hpp"
 #include "../../detail/product.hpp"
 #include "../../layers/glue.hpp"
@@ -79,6 +80,10 @@ struct GlueKernels<Cpu, T> {
     }
     static void product_bt(View<const T> a, View<const T> b, View<T> out) {
         cpu::as_eigen(out).noalias() = cpu::as_eigen(a) * cpu::as_eigen(b).transpose();
+    }
+    static double cross_entropy(View<const T> logits, std::span<const int> labels,
+                                View<T> dlogits) {
+        return detail::cross_entropy_rows(cpu::as_eigen(logits), labels, cpu::as_eigen(dlogits));
     }
     static void scatter_add(View<const T> rows, std::span<const int> ids, View<T> table) {
         const auto r = cpu::as_eigen(rows);

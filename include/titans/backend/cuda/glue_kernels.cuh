@@ -121,6 +121,49 @@ struct GlueKernels<Cuda, T> {
     static void product_bt(View<const T> a, View<const T> b, View<T> out) {
         gemm(false, a, true, b, out, a.cols);
     }
+    /// One thread per row (log-sum-exp in double, as the CPU's), then the rows' losses summed
+    /// in order on the device; the one scalar comes back.
+    static double cross_entropy(View<const T> logits, std::span<const int> labels,
+                                View<T> dlogits) {
+        fill(dlogits, T(0));
+        long long counted = 0;
+        for (const int label : labels) counted += label >= 0;
+        if (counted == 0) {
+            return 0.0;
+        }
+        const cuda::DeviceBuffer<int> dev = cuda::upload_array(labels.data(), labels.size());
+        cuda::DeviceBuffer<double> row_loss(labels.size() + 1);
+        const int* lab = dev.data();
+        double* rl = row_loss.data();
+        const T* z = logits.data;
+        T* d = dlogits.data;
+        const long long zs = logits.stride, ds = dlogits.stride, V = logits.cols,
+                        rows = logits.rows;
+        const double inv_n = 1.0 / static_cast<double>(counted);
+        run(rows, [=] __device__(unsigned r) {
+            const int label = lab[r];
+            rl[r] = 0.0;
+            if (label < 0) return;
+            const T* zr = z + r * zs;
+            double m = static_cast<double>(zr[0]), sum = 0.0;
+            for (long long j = 1; j < V; ++j) m = fmax(m, static_cast<double>(zr[j]));
+            for (long long j = 0; j < V; ++j) sum += exp(static_cast<double>(zr[j]) - m);
+            rl[r] = log(sum) + m - static_cast<double>(zr[label]);
+            for (long long j = 0; j < V; ++j) {
+                d[r * ds + j] = static_cast<T>(exp(static_cast<double>(zr[j]) - m) / sum * inv_n);
+            }
+            d[r * ds + label] -= static_cast<T>(inv_n);
+        });
+        run(1, [=] __device__(unsigned) {
+            double total = 0.0;
+            for (long long r = 0; r < rows; ++r) total += rl[r];
+            rl[rows] = total;
+        });
+        double total = 0.0;
+        cuda::check(cudaMemcpy(&total, rl + rows, sizeof(double), cudaMemcpyDeviceToHost),
+                    "cudaMemcpy (cross-entropy loss)");
+        return total * inv_n;
+    }
     /// One thread per column, the rows added in order (repeated ids add deterministically).
     static void scatter_add(View<const T> rows, std::span<const int> ids, View<T> table) {
         if (ids.empty() || table.cols == 0) {
