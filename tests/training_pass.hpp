@@ -13,6 +13,7 @@
 //                                                     test's relative errors
 //   block_pieces(block, B, x, dy, cuts)               chained_pieces for a block of any scalar
 //                                                     and backend: y, dx and grads in double
+//   model_pieces(model, B, ids, dout, cuts)           the same for a model on token ids
 
 #include "catch.hpp"
 #include "block_cases.hpp"
@@ -153,6 +154,49 @@ BlockPieces block_pieces(const titans::Block<T, Backend>& block, int B, const ti
         d_next = std::move(d_in);
     }
     r.g = cast_block<double>(g);
+    return r;
+}
+
+struct ModelPieces {
+    titans::Matrixd out, dx;
+    titans::ModelParams<double> g;
+};
+
+/// model's training forward on token ids over the pieces [cuts[k], cuts[k + 1]) of each of the
+/// B streams of ids (B*N, sequence-major), then its backward last piece first from dout (B*N x
+/// output_dim, rounded to T), each given the next one's d_state_in: the logits, dx and grads
+/// in double, for a model of any scalar and backend.
+template <class T, class Backend>
+ModelPieces model_pieces(const titans::Model<T, Backend>& model, int B, const std::vector<int>& ids,
+                         const titans::Matrixd& dout, const std::vector<Eigen::Index>& cuts) {
+    const auto N = static_cast<Eigen::Index>(ids.size()) / B;
+    auto st = model.make_state(B);
+    std::vector<typename titans::Model<T, Backend>::Trace> traces(cuts.size() - 1);
+    ModelPieces r;
+    r.out.resize(dout.rows(), dout.cols());
+    r.dx.resize(dout.rows(), model.config().d_model);
+    for (std::size_t k = 0; k + 1 < cuts.size(); ++k) {
+        std::vector<int> piece;
+        for (int b = 0; b < B; ++b) {
+            for (Eigen::Index t = cuts[k]; t < cuts[k + 1]; ++t) {
+                piece.push_back(ids[static_cast<std::size_t>(b * N + t)]);
+            }
+        }
+        titans::Matrix<T> ok;
+        model.forward_tokens(st, piece, ok, traces[k]);
+        put_tokens(r.out, titans::Matrixd(ok.template cast<double>()), B, N, cuts[k], cuts[k + 1]);
+    }
+    auto g = titans::ModelParams<T>::zeros(model.config());
+    titans::ModelStateGradient<T> d_next;
+    for (std::size_t k = traces.size(); k-- > 0;) {
+        titans::Matrix<T> dxk;
+        titans::ModelStateGradient<T> d_in;
+        const titans::Matrix<T> dk = take_tokens(dout, B, N, cuts[k], cuts[k + 1]).template cast<T>();
+        model.backward(traces[k], dk, g, &dxk, &d_in, &d_next);
+        put_tokens(r.dx, titans::Matrixd(dxk.template cast<double>()), B, N, cuts[k], cuts[k + 1]);
+        d_next = std::move(d_in);
+    }
+    r.g = cast_model<double>(g);
     return r;
 }
 
