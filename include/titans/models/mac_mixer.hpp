@@ -39,13 +39,23 @@ struct MacMixer {
         if constexpr (backend::BackendTraits<Backend>::host_accessible) {
             mix_host(blk, st, host_map(u), host_map(o));
         } else {
-            using Transfer = backend::Transfer<Backend, T>;
-            Matrix<T> uh(u.rows, u.cols), oh(u.rows, u.cols);
-            Transfer::download(u, view_of(uh));
-            mix_host(blk, st, uh, oh);
-            const typename Transfer::Buffer ob = Transfer::upload(view_of(std::as_const(oh)));
-            backend::GlueKernels<Backend, T>::copy(Transfer::view(ob), o);
+            Matrix<T> oh(u.rows, u.cols);
+            mix_host(blk, st, to_host(u), oh);
+            to_backend(oh, o);
         }
+    }
+
+    /// The rows of a view on the host (MAC's mixer runs there, forward and training).
+    static Matrix<T> to_host(View<const T> v) {
+        Matrix<T> h(v.rows, v.cols);
+        backend::Transfer<Backend, T>::download(v, view_of(h));
+        return h;
+    }
+    /// Host rows into a view of the backend's memory.
+    static void to_backend(const Matrix<T>& h, View<T> to) {
+        using Transfer = backend::Transfer<Backend, T>;
+        const typename Transfer::Buffer b = Transfer::upload(view_of(h));
+        backend::GlueKernels<Backend, T>::copy(Transfer::view(b), to);
     }
 
     /// MAC over a piece, segment part by segment part [t, t + m) of every stream, into out

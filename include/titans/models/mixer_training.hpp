@@ -123,16 +123,9 @@ private:
     static View<T> view(Buffer& b) { return Transfer::view(b); }
     static View<const T> cview(const Buffer& b) { return Transfer::view(b); }
 
-    /// The rows of a view on the host (MAC's mixer trains there).
-    static Matrix<T> to_host(View<const T> v) {
-        Matrix<T> h(v.rows, v.cols);
-        Transfer::download(v, view_of(h));
-        return h;
-    }
-    /// Host rows into a view of the backend's memory.
+    static Matrix<T> to_host(View<const T> v) { return MacMixer<T, Backend>::to_host(v); }
     static void to_backend(const Matrix<T>& h, View<T> to) {
-        const Buffer b = Transfer::upload(view_of(h));
-        Glue::copy(Transfer::view(b), to);
+        MacMixer<T, Backend>::to_backend(h, to);
     }
 
     /// Each sequence's N rows after its p prefix rows of a (B*(p+N))-row matrix, as B*N rows.

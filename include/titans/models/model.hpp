@@ -394,11 +394,7 @@ public:
     /// Token ids in (B*N of them, sequence-major) -> logits (B*N) x vocab_size. The ids go to
     /// the backend once (the embedding rows are gathered there).
     [[nodiscard]] Matrix<T> forward_tokens(State& state, const std::vector<int>& ids) const {
-        constexpr const char* where = "Model::forward_tokens";
-        check_ids(ids, where);
-        check_input(state, static_cast<Eigen::Index>(ids.size()), cfg_.d_model, where);
-        Buffer x = Transfer::allocate(static_cast<std::ptrdiff_t>(ids.size()), cfg_.d_model);
-        Glue::gather(edge_view(params_->embedding, &Edge::embedding), ids, Transfer::view(x));
+        const Buffer x = embedded(state, ids, "Model::forward_tokens");
         return run(state, Transfer::view(x));
     }
 
@@ -559,6 +555,17 @@ private:
             detail::require<ShapeError>(id >= 0 && id < cfg_.vocab_size, where, "token id", id,
                                         detail::concat("in [0, ", cfg_.vocab_size, ")"));
         }
+    }
+
+    /// The embedding rows of ids gathered on the backend (ids and the call checked: check_ids,
+    /// check_input): every forward on token ids starts here.
+    Buffer embedded(const State& state, const std::vector<int>& ids, const char* where) const {
+        check_ids(ids, where);
+        const auto rows = static_cast<Eigen::Index>(ids.size());
+        check_input(state, rows, cfg_.d_model, where);
+        Buffer x = Transfer::allocate(rows, cfg_.d_model);
+        Glue::gather(edge_view(params_->embedding, &Edge::embedding), ids, Transfer::view(x));
+        return x;
     }
 
     /// The checks of a forward call: the position may advance, the state is this model's, x

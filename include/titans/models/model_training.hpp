@@ -75,14 +75,8 @@ struct ModelTraining {
     /// backend.
     static void forward_tokens(const Mdl& model, State& state, const std::vector<int>& ids,
                                Matrix<T>& out, Trace& trace) {
-        constexpr const char* where = "Model::forward_tokens (training)";
-        model.check_ids(ids, where);
-        const auto rows = static_cast<Eigen::Index>(ids.size());
-        model.check_input(state, rows, model.cfg_.d_model, where);
-        Buffer x = Transfer::allocate(rows, model.cfg_.d_model);
-        Glue::gather(model.edge_view(model.params_->embedding, &Mdl::Edge::embedding), ids,
-                     Transfer::view(x));
-        run(model, state, Transfer::view(x), out, trace, ids);
+        const Buffer x = model.embedded(state, ids, "Model::forward_tokens (training)");
+        run(model, state, cview(x), out, trace, ids);
     }
 
     /// Model::forward_loss: forward_tokens with the logits kept on the backend, the
@@ -90,7 +84,6 @@ struct ModelTraining {
     static double forward_loss(const Mdl& model, State& state, const std::vector<int>& ids,
                                std::span<const int> labels, Trace& trace) {
         constexpr const char* where = "Model::forward_loss";
-        model.check_ids(ids, where);
         require<ShapeError>(labels.size() == ids.size(), where, "labels.size()", labels.size(),
                             concat("ids.size() = ", ids.size()));
         for (const int label : labels) {
@@ -98,18 +91,14 @@ struct ModelTraining {
                                 concat("< vocab_size = ", model.cfg_.vocab_size,
                                        " (or negative: not scored)"));
         }
-        const auto rows = static_cast<Eigen::Index>(ids.size());
-        model.check_input(state, rows, model.cfg_.d_model, where);
-        Buffer x = Transfer::allocate(rows, model.cfg_.d_model);
-        Glue::gather(model.edge_view(model.params_->embedding, &Mdl::Edge::embedding), ids,
-                     view(x));
+        const Buffer x = model.embedded(state, ids, where);
         State next = state;
         Trace t;
         const Buffer logits = forward_pass(model, next, cview(x), t);
         if (Glue::nonfinite_row(cview(logits)) >= 0) {
             model.throw_nonfinite_output();
         }
-        t.dlogits = Transfer::allocate(rows, model.params_->head.cols());
+        t.dlogits = Transfer::allocate(t.rows, model.params_->head.cols());
         const double loss = Glue::cross_entropy(cview(logits), labels, view(t.dlogits));
         t.has_loss = true;
         t.ids = ids;
