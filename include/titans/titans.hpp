@@ -35,6 +35,7 @@
 
 #include "models/block.hpp"
 #include "models/model.hpp"
+#include "models/model_gradients.hpp"
 #include "models/state_gradient.hpp"
 #include "train/adamw.hpp"
 #include "train/gradients.hpp"

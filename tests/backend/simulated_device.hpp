@@ -359,6 +359,11 @@ struct Transfer<titans_test::SimulatedDevice, T> {
         ++titans_test::sim::Traffic::instance().downloads;
         cpu::as_eigen(host) = cpu::as_eigen(from);
     }
+    static void accumulate(View<const T> host, View<T> to) {
+        titans_test::sim::require_device(to, "an accumulated view");
+        ++titans_test::sim::Traffic::instance().uploads;
+        cpu::as_eigen(to) += cpu::as_eigen(host);
+    }
 };
 
 /// The memory kernels of the simulated device: the CPU kernels on the arena's data.
@@ -738,6 +743,16 @@ struct GlueKernels<titans_test::SimulatedDevice, T> {
         ++titans_test::sim::Traffic::instance().uploads;    // the labels
         ++titans_test::sim::Traffic::instance().downloads;  // the loss
         return Host::cross_entropy(logits, labels, dlogits);
+    }
+    static std::pair<double, double> scaled_norm(View<const T> x,
+                                                 std::span<const std::ptrdiff_t> parts) {
+        titans_test::sim::require_device(x, "x");
+        ++titans_test::sim::Traffic::instance().downloads;  // the norm's two scalars
+        return Host::scaled_norm(x, parts);
+    }
+    static void scale(View<T> x, T factor) {
+        titans_test::sim::require_device(x, "x");
+        Host::scale(x, factor);
     }
     static void scatter_add(View<const T> rows, std::span<const int> ids, View<T> table) {
         titans_test::sim::require_devices<T>({rows, table}, {"rows", "table"});

@@ -12,10 +12,13 @@
 
 #include "backend/simulated_device.hpp"
 
+#include <algorithm>
 #include <limits>
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 using namespace titans_test;
@@ -161,10 +164,38 @@ struct FromFresh {
     }
 };
 
+/// A layer's gradients g (host tensors: a norm's weight, or a struct of the layer's
+/// configuration) flat, in tensors() order, 1 x n: what its backward on views adds to.
+template <class T, class Layer, class Grads>
+Matrix<T> flat_of(const Layer& layer, const Grads& g) {
+    if constexpr (std::is_same_v<Grads, titans::RowVector<T>>) {
+        return g;
+    } else {
+        const auto slots = titans::detail::tensor_slots(g, layer.config());
+        std::vector<T> all;
+        for (const auto& s : slots) all.insert(all.end(), s.data, s.data + s.size());
+        return Eigen::Map<const Matrix<T>>(all.data(), 1, static_cast<Eigen::Index>(all.size()));
+    }
+}
+/// The inverse of flat_of: f's entries back into g's tensors.
+template <class T, class Layer, class Grads>
+void unflatten(const Layer& layer, const Matrix<T>& f, Grads& g) {
+    if constexpr (std::is_same_v<Grads, titans::RowVector<T>>) {
+        g = f;
+    } else {
+        const T* at = f.data();
+        for (const auto& s : titans::detail::tensor_slots(g, layer.config())) {
+            std::copy(at, at + s.size(), s.data);
+            at += s.size();
+        }
+    }
+}
+
 /// A layer's training calls on device views (forward with a trace through `fwd`, backward
-/// adding to the host gradients gd) against the CPU layer's host calls (adding to gc, equal to
-/// gd before): y and dx bit for bit (the gradients are the caller's to compare); then a dx
-/// that is dy and a dy one row short are refused.
+/// adding to a device copy of the host gradients gd, flat, copied back into gd) against the
+/// CPU layer's host calls (adding to gc, equal to gd before): y and dx bit for bit (the
+/// gradients are the caller's to compare); then a dx that is dy, a dy one row short and a flat
+/// gradient one entry short are refused, the gradients unchanged.
 template <class T, class CpuLayer, class DevLayer, class Grads, class Fwd = Stateless>
 void train_on_views(const CpuLayer& cpu, const DevLayer& dev, const Matrix<T>& x,
                     const Matrix<T>& dy, Grads& gc, Grads& gd, Fwd fwd = {}) {
@@ -175,19 +206,28 @@ void train_on_views(const CpuLayer& cpu, const DevLayer& dev, const Matrix<T>& x
     cpu.backward(tc, dy, dxc, gc);
     const auto xb = Dev<T>::upload(titans::view_of(x));
     const auto dyb = Dev<T>::upload(titans::view_of(dy));
+    const Matrix<T> flat = flat_of<T>(dev, gd);
+    auto gb = Dev<T>::upload(titans::view_of(flat));
     auto yb = Dev<T>::allocate(x.rows(), x.cols());
     auto dxb = Dev<T>::allocate(x.rows(), x.cols());
     fwd(dev, Dev<T>::view(xb), Dev<T>::view(yb), td);
-    dev.backward(td, Dev<T>::view(dyb), Dev<T>::view(dxb), gd);
+    const titans::View<T> g = Dev<T>::view(gb);
+    dev.backward(td, Dev<T>::view(dyb), Dev<T>::view(dxb), g);
     CHECK(identical(to_host<T>(yb), yc));
     CHECK(identical(to_host<T>(dxb), dxc));
+    const Matrix<T> added = to_host<T>(gb);
     const titans::View<T> dxv = Dev<T>::view(dxb);
-    CHECK_THROWS_AS(dev.backward(td, dxv, dxv, gd), titans::ShapeError);
+    CHECK_THROWS_AS(dev.backward(td, dxv, dxv, g), titans::ShapeError);
     const Matrix<T> short_dy = dy.topRows(dy.rows() - 1);
     const auto sdy = Dev<T>::upload(titans::view_of(short_dy));
     auto sdx = Dev<T>::allocate(short_dy.rows(), short_dy.cols());
-    CHECK_THROWS_AS(dev.backward(td, Dev<T>::view(sdy), Dev<T>::view(sdx), gd),
+    CHECK_THROWS_AS(dev.backward(td, Dev<T>::view(sdy), Dev<T>::view(sdx), g),
                     titans::ShapeError);
+    const titans::View<T> g_short{g.data, 1, g.cols - 1, g.cols - 1};
+    CHECK_THROWS_AS(dev.backward(td, Dev<T>::view(dyb), Dev<T>::view(dxb), g_short),
+                    titans::ShapeError);
+    CHECK(identical(to_host<T>(gb), added));
+    unflatten<T>(dev, added, gd);
 }
 
 }  // namespace
@@ -632,14 +672,15 @@ TEMPLATE_TEST_CASE("backend: device training", "[backend][train]", float, double
 
 namespace {
 
-/// The round trips a block's backward makes for the gradients it still adds on the host
-/// through the backend: each norm's weight, the FFN's matrices, and (from a fresh start) P's
-/// rows summed from the memory's input adjoint.
-long gradient_round_trips(const BlockConfig& cfg, bool fresh) {
-    const bool mag = cfg.kind == BlockKind::MAG;
-    long n = 1 + (mag ? 2 : 0);  // norm_mix, norm_y, norm_m
-    if (cfg.use_ffn) n += 1 + (cfg.ffn.kind == titans::FeedForwardKind::SwiGLU ? 3 : 2);
-    if (fresh && (mag || cfg.kind == BlockKind::MAL) && cfg.n_persistent > 0) ++n;
+/// The uploads a block's backward makes for the gradients whose kernels still hand them to
+/// the host (the memory's and the attention's, each added to the gradient buffer in one
+/// upload, and the attention's prefix gradient, P's, for MAG and SWA).
+long gradient_uploads(const BlockConfig& cfg) {
+    long n = titans::has_memory(cfg.kind) ? 1 : 0;
+    if (cfg.kind != BlockKind::LMM) {
+        const bool prefix = cfg.kind == BlockKind::MAG || cfg.kind == BlockKind::SWA;
+        n += 1 + (prefix && cfg.n_persistent > 0 ? 1 : 0);
+    }
     return n;
 }
 
@@ -648,10 +689,10 @@ long gradient_round_trips(const BlockConfig& cfg, bool fresh) {
 // Transfers counted in block training: the training forward and the backward keep their
 // activations and traces on the device (the [P; u] rows assembled and taken apart there). A
 // forward piece makes one upload (x) and one download (y); a backward piece one upload (dy),
-// one download (dx), plus one round trip per gradient tensor still added on the host through
-// the backend (each norm's weight, the FFN's matrices, P's rows summed from the memory's input
-// adjoint), until the gradients live on the backend. Outputs, dx and gradients equal the
-// CPU's bit for bit. (MAC's mixer trains on the host, so it is not counted here.)
+// one download (dx), one download of the block's flat gradient (the host call adds it to host
+// tensors), plus one upload per sub-layer whose kernels hand their gradients to the host (the
+// memory's, the attention's and its prefix's: gradient_uploads). Outputs, dx and gradients
+// equal the CPU's bit for bit. (MAC's mixer trains on the host, so it is not counted here.)
 TEMPLATE_TEST_CASE("backend: training transfers", "[backend][train]", float, double) {
     using T = TestType;
     auto& traffic = sim::Traffic::instance();
@@ -692,9 +733,8 @@ TEMPLATE_TEST_CASE("backend: training transfers", "[backend][train]", float, dou
                 cpu.backward(tcpu[k], dyk, dxc, gc, &ic, &nc);
                 const long up0 = traffic.uploads, down0 = traffic.downloads;
                 dev.backward(tdev[k], dyk, dxd, gd, &id, &nd);
-                const long n = gradient_round_trips(tc.cfg, tc.cuts[k] == 0);
-                CHECK(traffic.uploads - up0 == 1 + n);
-                CHECK(traffic.downloads - down0 == 1 + n);
+                CHECK(traffic.uploads - up0 == 1 + gradient_uploads(tc.cfg));
+                CHECK(traffic.downloads - down0 == 2);
                 CHECK(identical(dxc, dxd));
                 nc = std::move(ic);
                 nd = std::move(id);
@@ -706,10 +746,12 @@ TEMPLATE_TEST_CASE("backend: training transfers", "[backend][train]", float, dou
 
 // Transfers counted in model training: a training forward on token ids uploads the ids once
 // (gathered on the device) and downloads the logits once, on vectors the same; the backward
-// uploads dL/dlogits once and downloads dx once (when asked), plus one round trip per
-// gradient tensor still added on the host (the head, the final norm, each block's, the
-// embedding with its ids). forward_loss takes the ids and labels up and brings the loss down
-// (one scalar), backward_loss then needs no upload of dL/dlogits. Logits, losses, dx and
+// uploads dL/dlogits once and downloads dx once (when asked); its gradients gather in one flat
+// buffer on the device, downloaded once into host tensors, or (ModelGradients) not at all,
+// with the uploads of the sub-layers whose kernels hand theirs to the host
+// (gradient_uploads) and the embedding's ids. forward_loss takes the ids and labels up and
+// brings the loss down (one scalar), backward_loss then needs no upload of dL/dlogits; the
+// gradient buffer's norm and clipping bring two scalars down. Logits, losses, dx, norms and
 // gradients equal the CPU's bit for bit.
 TEMPLATE_TEST_CASE("backend: model transfers", "[backend][train]", float, double) {
     using T = TestType;
@@ -751,13 +793,13 @@ TEMPLATE_TEST_CASE("backend: model transfers", "[backend][train]", float, double
             auto gc = titans::ModelParams<T>::zeros(mc.cfg), gd = gc;
             Matrix<T> dxc, dxd;
             cpu.backward(tc, dout, gc, &dxc);
-            long n = 2 + (tokens ? 1 : 0);  // the head, the final norm, the embedding
-            for (const BlockConfig& b : mc.cfg.blocks) n += gradient_round_trips(b, true);
+            long n = tokens ? 1 : 0;  // the scatter's ids
+            for (const BlockConfig& b : mc.cfg.blocks) n += gradient_uploads(b);
             up0 = traffic.uploads;
             down0 = traffic.downloads;
             dev.backward(td, dout, gd, &dxd);
-            CHECK(traffic.uploads - up0 == 1 + n + (tokens ? 1 : 0));  // the scatter's ids
-            CHECK(traffic.downloads - down0 == 1 + n);
+            CHECK(traffic.uploads - up0 == 1 + n);
+            CHECK(traffic.downloads - down0 == 2);
             CHECK(identical(dxc, dxd));
             CHECK(same_param_bits(cast_model<double>(gc), cast_model<double>(gd), mc.cfg));
             if (!tokens) continue;
@@ -780,10 +822,27 @@ TEMPLATE_TEST_CASE("backend: model transfers", "[backend][train]", float, double
             up0 = traffic.uploads;
             down0 = traffic.downloads;
             dev.backward_loss(t2, g3);
-            CHECK(traffic.uploads - up0 == n + 1);
-            CHECK(traffic.downloads - down0 == n);
+            CHECK(traffic.uploads - up0 == n);
+            CHECK(traffic.downloads - down0 == 1);
             CHECK(same_param_bits(cast_model<double>(g2), cast_model<double>(g3), mc.cfg));
             CHECK_THROWS_AS(dev.backward_loss(td, g3), titans::ConfigError);  // no loss there
+            // Into a gradient buffer on the device: nothing comes down until asked for.
+            titans::ModelGradients<T, SimulatedDevice> buf(dev);
+            up0 = traffic.uploads;
+            down0 = traffic.downloads;
+            dev.backward_loss(t2, buf);
+            CHECK(traffic.uploads - up0 == n);
+            CHECK(traffic.downloads - down0 == 0);
+            const double norm = buf.norm();
+            CHECK(norm == titans::gradient_norm(g2, mc.cfg));
+            CHECK(traffic.downloads - down0 == 1);
+            CHECK(same_param_bits(cast_model<double>(g2), cast_model<double>(buf.to_params()),
+                                  mc.cfg));
+            CHECK(traffic.downloads - down0 == 2);
+            const double clipped = titans::clip_gradient_norm(g2, mc.cfg, norm / 3);
+            CHECK(buf.clip(norm / 3) == clipped);
+            CHECK(same_param_bits(cast_model<double>(g2), cast_model<double>(buf.to_params()),
+                                  mc.cfg));
         }
     }
 }
@@ -813,4 +872,83 @@ TEMPLATE_TEST_CASE("backend: model pieces", "[backend][train]", float, double) {
         CHECK(identical(c.dx, d.dx));
         CHECK(same_param_bits(c.g, d.g, mc.cfg));
     }
+}
+
+// The Trainer on the simulated device (its gradients in one buffer there, clipped there, the
+// buffer down once for AdamW) equals the CPU's trainer bit for bit: losses, gradient norms
+// and parameters after three steps, every kind in two-block stacks (MAC cut inside segments
+// by the sequence length), clipping on and off.
+TEMPLATE_TEST_CASE("backend: trainer steps", "[backend][train]", float, double) {
+    using T = TestType;
+    const std::pair<BlockKind, BlockKind> stacks[] = {{BlockKind::MAC, BlockKind::MAG},
+                                                      {BlockKind::MAL, BlockKind::SWA},
+                                                      {BlockKind::LMM, BlockKind::MAC}};
+    for (std::size_t s = 0; s < std::size(stacks); ++s) {
+        Rng rng(seed_for(std::string("backends/trainer steps/") + type_name<T>(), s));
+        const int vocab = 9, B = uniform_int(rng, 1, 3), N = uniform_int(rng, 3, 10);
+        const ModelCase mc = make_model_case<T>(stacks[s].first, stacks[s].second, 8, vocab, 0, rng);
+        const titans::TrainerConfig tcfg{.schedule = {.peak = 1e-2, .warmup = 1, .total = 10},
+                                         .clip_norm = s == 1 ? 0.0 : 0.5};
+        titans::Trainer<T> cpu(mc.cfg, cast_model<T>(mc.params), tcfg);
+        titans::Trainer<T, SimulatedDevice> dev(mc.cfg, cast_model<T>(mc.params), tcfg);
+        INFO(titans::to_string(stacks[s].first) << " + " << titans::to_string(stacks[s].second)
+                                                << " B=" << B << " N=" << N);
+        for (int step = 0; step < 3; ++step) {
+            const std::vector<int> ids = random_ids(rng, B * N, vocab);
+            std::vector<int> labels = random_ids(rng, B * N, vocab);
+            labels[static_cast<std::size_t>(step)] = -1;
+            CHECK(cpu.step(ids, labels, B) == dev.step(ids, labels, B));
+            CHECK(cpu.last_gradient_norm() == dev.last_gradient_norm());
+        }
+        CHECK(same_param_bits(cast_model<double>(cpu.params()), cast_model<double>(dev.params()),
+                              mc.cfg));
+    }
+}
+
+// ModelGradients: its tensors are named and shaped as ModelParams::tensors, one buffer after
+// the other; a buffer laid out for another model is refused by backward and backward_loss, a
+// bad clipping bound by clip, nothing changing.
+TEST_CASE("backend: model gradients", "[backend][train]") {
+    Rng rng(seed_for("backends/model gradients", 0));
+    const ModelCase mc = make_model_case<double>(BlockKind::MAG, BlockKind::LMM, 8, 7, 0, rng);
+    const titans::Model<double, SimulatedDevice> dev(mc.cfg, mc.params);
+    titans::ModelGradients<double, SimulatedDevice> g(dev);
+    std::vector<std::string> names;
+    Eigen::Index total = 0;
+    const double* next = g.view().data;
+    std::as_const(g).tensors([&](const std::string& name, titans::View<const double> v) {
+        names.push_back(name);
+        CHECK(v.data == next);
+        next += v.rows * v.cols;
+        total += v.rows * v.cols;
+    });
+    std::vector<std::string> want;
+    const auto slots = titans::detail::tensor_slots(mc.params, mc.cfg);
+    for (std::size_t i = 0; i < slots.size(); ++i) want.push_back(slots[i].name);
+    CHECK(names == want);
+    CHECK(total == g.size());
+    CHECK(total == titans::detail::flat_size(mc.params, mc.cfg));
+    CHECK(g.norm() == 0.0);
+    // Another model's layout.
+    const ModelCase other = make_model_case<double>(BlockKind::LMM, BlockKind::LMM, 8, 7, 0, rng);
+    const titans::Model<double, SimulatedDevice> dev2(other.cfg, other.params);
+    titans::ModelGradients<double, SimulatedDevice> g2(dev2);
+    auto state = dev.make_state(1);
+    typename titans::Model<double, SimulatedDevice>::Trace trace;
+    const std::vector<int> ids = random_ids(rng, 5, 7);
+    (void)dev.forward_loss(state, ids, ids, trace);
+    CHECK_THROWS_AS(dev.backward_loss(trace, g2), titans::ShapeError);
+    CHECK(g2.norm() == 0.0);
+    const titans::Matrixd dout = random_matrix(5, 7, rng);
+    CHECK_THROWS_AS(dev.backward(trace, dout, g2), titans::ShapeError);
+    dev.backward_loss(trace, g);
+    const double norm = g.norm();
+    CHECK(norm > 0.0);
+    CHECK_THROWS_AS(g.clip(0.0), titans::ConfigError);
+    CHECK_THROWS_AS(g.clip(std::numeric_limits<double>::infinity()), titans::ConfigError);
+    CHECK(g.norm() == norm);
+    CHECK(g.clip(2 * norm) == norm);  // below the bound: unchanged
+    CHECK(g.norm() == norm);
+    g.zero();
+    CHECK(g.norm() == 0.0);
 }

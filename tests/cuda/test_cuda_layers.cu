@@ -252,6 +252,37 @@ void training_glue_case(int B, Eigen::Index n, Eigen::Index p, Eigen::Index cols
     CHECK(rel_error(gdl.host(), dl) <= tol<T>());
 }
 
+/// A gradient buffer's glue against the CPU's: scaled_norm over several chunks and parts
+/// (a NaN and an infinity propagating), scale, and Transfer::accumulate (host rows added).
+template <class T>
+void gradient_glue_case(Eigen::Index n, Rng& rng) {
+    using Gpu = titans::backend::GlueKernels<Cuda, T>;
+    using Cpu = titans::backend::GlueKernels<titans::backend::Cpu, T>;
+    using titans::view_of;
+    INFO("n " << n << " " << type_name<T>());
+    Matrix<T> x = random_t<T>(1, n, rng);
+    x(0, n / 2) = T(1e3);  // the scale sits in the middle
+    const std::vector<std::ptrdiff_t> parts{n / 3, n - n / 3};
+    const auto want = Cpu::scaled_norm(view_of(std::as_const(x)), parts);
+    Strided<T> g(x, 0);
+    const auto got = Gpu::scaled_norm(g.view, parts);
+    CHECK(got.first == want.first);
+    CHECK(std::abs(got.second - want.second) <= 1e-13 * want.second);
+    Cpu::scale(view_of(x), T(0.25));
+    Gpu::scale(g.view, T(0.25));
+    CHECK(identical(g.host(), x));
+    const Matrix<T> add = random_t<T>(1, n, rng);
+    titans::backend::Transfer<Cuda, T>::accumulate(view_of(add), g.view);
+    CHECK(identical(g.host(), Matrix<T>(x + add)));
+    for (const T bad : {std::numeric_limits<T>::quiet_NaN(), std::numeric_limits<T>::infinity()}) {
+        Matrix<T> y = x;
+        y(0, n - 1) = bad;
+        Strided<T> gy(y, 0);
+        const double s = Gpu::scaled_norm(gy.view, parts).first;
+        CHECK((std::isnan(bad) ? std::isnan(s) : s == std::numeric_limits<double>::infinity()));
+    }
+}
+
 }  // namespace
 
 TEMPLATE_TEST_CASE("cuda layers: glue kernels", "[cuda]", float, double) {
@@ -265,6 +296,9 @@ TEMPLATE_TEST_CASE("cuda layers: glue kernels", "[cuda]", float, double) {
         for (Eigen::Index n : {1, 6}) {
             training_glue_case<TestType>(B, n, n == 1 ? 0 : 4, B == 1 ? 5 : 33, rng);
         }
+    }
+    for (Eigen::Index n : {1, 7, 4097, 9000}) {
+        gradient_glue_case<TestType>(n, rng);
     }
 }
 

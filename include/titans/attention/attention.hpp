@@ -29,6 +29,7 @@
 #include "../backend/backend.hpp"
 #include "../backend/edge.hpp"
 #include "../detail/check.hpp"
+#include "../detail/flat_tensors.hpp"
 #include "../detail/float_env.hpp"
 #include "../detail/shared.hpp"
 #include "../error.hpp"
@@ -318,8 +319,16 @@ public:
         {
             const backend::Upload<Backend, T> in(dy);
             backend::Download<Backend, T> out(dx_new, dy.rows(), cfg_.d_model);
-            backward_checked(trace, in.view(), out.view(), grads, dprefix, d_state_in,
-                             d_state_out);
+            backward_checked(trace, in.view(), out.view(),
+                             [&](const AttentionParams<T>& local, Matrix<T>& dp) {
+                                 detail::add_tensors(local, grads, cfg_);
+                                 if (dprefix != nullptr) {
+                                     *dprefix = trace.prefix.rows() > 0
+                                                    ? std::move(dp)
+                                                    : Matrix<T>(0, cfg_.d_model);
+                                 }
+                             },
+                             d_state_in, d_state_out);
             out.finish();
         }
         dx = std::move(dx_new);
@@ -327,18 +336,40 @@ public:
 
     /// The backend-level backward: backward(trace, dy, dx, grads, dprefix, d_state_in,
     /// d_state_out) with dy and dx views in the backend's memory (the trace's rows x d_model,
-    /// distinct); dprefix (host) as backward's. Checks as backward's but dy's finiteness, the
-    /// caller's; on an error grads, dprefix and d_state_in are unchanged.
-    void backward(const Trace& trace, View<const T> dy, View<T> dx, AttentionParams<T>& grads,
-                  Matrix<T>* dprefix = nullptr, AttentionStateGradient<T>* d_state_in = nullptr,
+    /// distinct), grads this attention's gradients flat there (1 x parameter_count(): W_Q,
+    /// W_K, W_V, W_O row-major one after the other; a slice of a gradient buffer) and dprefix
+    /// empty (not wanted) or the prefix's rows x d_model there; dL/dparams is added to grads,
+    /// dL/dprefix to dprefix. Checks as backward's but dy's finiteness, the caller's; on an
+    /// error grads, dprefix and d_state_in are unchanged.
+    void backward(const Trace& trace, View<const T> dy, View<T> dx, View<T> grads,
+                  View<T> dprefix = {}, AttentionStateGradient<T>* d_state_in = nullptr,
                   const AttentionStateGradient<T>* d_state_out = nullptr) const
         requires(backend::AttentionTraining<Backend, T>::available)
     {
         constexpr const char* where = "Attention::backward";
         validate_trace(trace, where);
         detail::check_view_gradient(where, dy, dx, cfg_.d_model, trace.rows());
-        detail::check_same_tensors(*params_, grads, cfg_, where, "grads");
-        backward_checked(trace, dy, dx, grads, dprefix, d_state_in, d_state_out);
+        detail::check_flat_gradient(where, grads, parameter_count(), "W_Q, W_K, W_V, W_O");
+        if (!dprefix.empty() && (dprefix.rows != trace.prefix.rows() ||
+                                 dprefix.cols != cfg_.d_model)) {
+            throw ShapeError(detail::concat(where, ": dprefix is ", dprefix.rows, " x ",
+                                            dprefix.cols, ", expected empty or ",
+                                            trace.prefix.rows(), " x ", cfg_.d_model,
+                                            " (the trace's prefix)"));
+        }
+        backward_checked(trace, dy, dx,
+                         [&](const AttentionParams<T>& local, const Matrix<T>& dp) {
+                             backend::add_flat<Backend>(local, cfg_, grads);
+                             if (!dprefix.empty()) {
+                                 backend::Transfer<Backend, T>::accumulate(view_of(dp), dprefix);
+                             }
+                         },
+                         d_state_in, d_state_out);
+    }
+
+    /// Entries of the parameters (W_Q, W_K, W_V, W_O): the length of a flat gradient.
+    [[nodiscard]] Eigen::Index parameter_count() const {
+        return detail::flat_size(*params_, cfg_);
     }
 
     /// Throws unless `trace` was filled by the training forward of an attention of this
@@ -441,10 +472,10 @@ private:
         trace = std::move(t);
     }
 
-    /// The backward on checked views (but d_state_out): the gradients into zeros, added to
-    /// grads (dprefix and d_state_in filled) once the kernels return.
-    void backward_checked(const Trace& trace, View<const T> dy, View<T> dx,
-                          AttentionParams<T>& grads, Matrix<T>* dprefix,
+    /// The backward on checked views (but d_state_out): the gradients into zeros, handed to
+    /// add(local, dprefix) (and d_state_in filled) once the kernels return.
+    template <class Add>
+    void backward_checked(const Trace& trace, View<const T> dy, View<T> dx, Add add,
                           AttentionStateGradient<T>* d_state_in,
                           const AttentionStateGradient<T>* d_state_out) const {
         const bool chained = d_state_out != nullptr && !d_state_out->empty();
@@ -458,10 +489,7 @@ private:
         backend::AttentionTraining<Backend, T>::backward(
             cfg_, prepared_, trace, dy, dx, local, &dp_new, chained ? d_state_out : nullptr,
             d_state_in != nullptr ? &d_in : nullptr);
-        detail::add_tensors(local, grads, cfg_);
-        if (dprefix != nullptr) {
-            *dprefix = trace.prefix.rows() > 0 ? std::move(dp_new) : Matrix<T>(0, cfg_.d_model);
-        }
+        add(std::as_const(local), dp_new);
         if (d_state_in != nullptr) {
             *d_state_in = std::move(d_in);
         }

@@ -49,6 +49,8 @@ struct Transfer {
 ///   view(buffer)                the View<T> of a Buffer's entries, in the backend's memory
 ///                               (View<const T> of a const Buffer)
 ///   download(from, host)        copies a backend view into a host view of the same shape
+///   accumulate(host, to)        to += host, entry by entry (to in the backend's memory, the
+///                               same shape; one upload): how host gradients join a buffer
 template <class B, class T>
 concept TransferBackend = requires(typename Transfer<B, T>::Buffer& buf,
                                    const typename Transfer<B, T>::Buffer& cbuf,
@@ -59,6 +61,7 @@ concept TransferBackend = requires(typename Transfer<B, T>::Buffer& buf,
     { Transfer<B, T>::view(buf) } -> std::same_as<View<T>>;
     { Transfer<B, T>::view(cbuf) } -> std::same_as<View<const T>>;
     Transfer<B, T>::download(host, out);
+    Transfer<B, T>::accumulate(host, out);
 };
 
 }  // namespace backend

@@ -8,7 +8,9 @@
 // once per call.
 
 #include <optional>
+#include <utility>
 
+#include "../detail/tensor_slots.hpp"
 #include "../types.hpp"
 #include "../view.hpp"
 #include "backend.hpp"
@@ -94,6 +96,53 @@ private:
 template <class B, class T>
 [[nodiscard]] typename Transfer<B, T>::Buffer keep(const MatrixRef<T>& host) {
     return Transfer<B, T>::upload(view_of<T>(host));
+}
+
+/// to += the tensors of `local` (host structs, as Params::tensors(local, cfg, .) visits them)
+/// laid out flat in that order (to: 1 x detail::flat_size(local, cfg) in B's memory): on a
+/// host-accessible backend each tensor is added in place, elsewhere they are packed and cross
+/// in one upload (Transfer::accumulate). How a layer whose kernels hand back host gradients adds
+/// them to a gradient buffer.
+template <class B, class Params, class Config>
+void add_flat(const Params& local, const Config& cfg,
+              View<typename detail::ParamsScalar<Params>::type> to) {
+    using T = typename detail::ParamsScalar<Params>::type;
+    const auto slots = detail::tensor_slots(local, cfg);
+    if constexpr (BackendTraits<B>::host_accessible) {
+        T* at = to.data;
+        for (const auto& s : slots) {
+            Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>(at, s.size()) += s.array();
+            at += s.size();
+        }
+    } else {
+        Matrix<T> packed(1, to.cols);
+        Eigen::Index at = 0;
+        for (const auto& s : slots) {
+            packed.row(0).segment(at, s.size()) = s.array().matrix().transpose();
+            at += s.size();
+        }
+        Transfer<B, T>::accumulate(view_of(std::as_const(packed)), to);
+    }
+}
+
+/// The inverse of add_flat: the tensors of `to` (host structs) += `flat` (1 x their flat size
+/// in B's memory), tensor by tensor in Params::tensors order; off the host one download.
+template <class B, class Params, class Config>
+void add_to_host(View<const typename detail::ParamsScalar<Params>::type> flat, Params& to,
+                 const Config& cfg) {
+    using T = typename detail::ParamsScalar<Params>::type;
+    using A = Eigen::Array<T, Eigen::Dynamic, 1>;
+    Matrix<T> host;
+    const T* at = flat.data;
+    if constexpr (!BackendTraits<B>::host_accessible) {
+        host.resize(1, flat.cols);
+        Transfer<B, T>::download(flat, view_of(host));
+        at = host.data();
+    }
+    for (const auto& s : detail::tensor_slots(to, cfg)) {
+        s.array() += Eigen::Map<const A>(at, s.size());
+        at += s.size();
+    }
 }
 
 }  // namespace titans::backend

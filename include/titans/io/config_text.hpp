@@ -12,11 +12,14 @@
 #include <utility>
 #include <vector>
 
+#include "../detail/fnv1a.hpp"
 #include "../models/model.hpp"
 
 namespace titans::io {
 
 namespace detail {
+
+using titans::detail::Fnv1a;  // detail/fnv1a.hpp
 
 template <class X>
 [[nodiscard]] std::string format_setting(const X& x) {
@@ -89,28 +92,6 @@ template <class X>
     }
     return out;
 }
-
-/// FNV-1a, 64 bits: a fingerprint (not a cryptographic hash).
-class Fnv1a {
-public:
-    void update(const void* data, std::size_t n) {
-        const auto* p = static_cast<const unsigned char*>(data);
-        for (std::size_t i = 0; i < n; ++i) {
-            h_ = (h_ ^ p[i]) * 0x100000001b3ull;
-        }
-    }
-    void update(std::string_view s) { update(s.data(), s.size()); }
-    [[nodiscard]] std::uint64_t value() const { return h_; }
-    [[nodiscard]] std::string hex() const {
-        static constexpr char digits[] = "0123456789abcdef";
-        std::string s(16, '0');
-        for (int i = 0; i < 16; ++i) s[15 - i] = digits[(h_ >> (4 * i)) & 0xF];
-        return s;
-    }
-
-private:
-    std::uint64_t h_ = 0xcbf29ce484222325ull;
-};
 
 }  // namespace detail
 

@@ -16,6 +16,7 @@
 #include "../backend/backend.hpp"
 #include "../backend/edge.hpp"
 #include "../detail/check.hpp"
+#include "../detail/flat_tensors.hpp"
 #include "../detail/product.hpp"
 #include "../detail/activation.hpp"
 #include "../detail/random.hpp"
@@ -337,20 +338,35 @@ public:
         }
         const backend::Upload<Backend, T> in(dy);
         backend::Download<Backend, T> out(dx, dy.rows(), d);
-        backward_checked(trace, in.view(), out.view(), grads);
+        backend::Update<Backend, T> g1(view_of(grads.w1)), g2(view_of(grads.w2));
+        std::optional<backend::Update<Backend, T>> g3;
+        if (swiglu) g3.emplace(view_of(grads.w3));
+        backward_checked(trace, in.view(), out.view(), g1.view(),
+                         g3 ? g3->view() : View<T>{}, g2.view());
+        g1.finish();
+        g2.finish();
+        if (g3) g3->finish();
         out.finish();
     }
 
     /// The backend-level backward: backward(trace, dy, dx, grads) with dy and dx views in the
-    /// backend's memory (the trace's rows x d, distinct). Shapes are checked (ShapeError,
-    /// ConfigError as backward); the finiteness of dy is the caller's, of grads checked.
-    void backward(const Trace& trace, View<const T> dy, View<T> dx,
-                  FeedForwardParams<T>& grads) const {
+    /// backend's memory (the trace's rows x d, distinct) and grads this layer's gradients flat
+    /// there (1 x parameter_count(): W1, W3 (SwiGLU), W2 row-major one after the other, as
+    /// tensors() visits them; a slice of a gradient buffer), added to. Shapes are checked
+    /// (ShapeError, ConfigError as backward); the finiteness of dy is the caller's.
+    void backward(const Trace& trace, View<const T> dy, View<T> dx, View<T> grads) const {
         constexpr const char* where = "FeedForward::backward";
         validate_trace(trace, where);
         detail::check_view_gradient(where, dy, dx, cfg_.d_model, trace.rows_);
-        detail::check_same_tensors(*params_, grads, cfg_, where, "grads");
-        backward_checked(trace, dy, dx, grads);
+        detail::check_flat_gradient(where, grads, parameter_count(), "W1, W3, W2");
+        const auto g = detail::flat_views(grads, *params_, cfg_);
+        const bool swiglu = cfg_.kind == FeedForwardKind::SwiGLU;
+        backward_checked(trace, dy, dx, g[0], swiglu ? g[1] : View<T>{}, g.back());
+    }
+
+    /// Entries of the parameters (W1, W3 for SwiGLU, W2): the length of a flat gradient.
+    [[nodiscard]] Eigen::Index parameter_count() const {
+        return detail::flat_size(*params_, cfg_);
     }
 
     /// Throws unless `trace` was filled by the training forward of a feed-forward of this
@@ -382,19 +398,12 @@ private:
                                Transfer::view(t.g_));
     }
 
-    /// The backward on checked views; the weights' gradients added to grads (through the
-    /// backend: uploaded, added to, downloaded).
-    void backward_checked(const Trace& trace, View<const T> dy, View<T> dx,
-                          FeedForwardParams<T>& grads) const {
-        const bool swiglu = cfg_.kind == FeedForwardKind::SwiGLU;
-        backend::Update<Backend, T> g1(view_of(grads.w1)), g2(view_of(grads.w2));
-        std::optional<backend::Update<Backend, T>> g3;
-        if (swiglu) g3.emplace(view_of(grads.w3));
+    /// The backward on checked views; the weights' gradients added to dw1, dw3 (SwiGLU; empty
+    /// otherwise), dw2, in the backend's memory.
+    void backward_checked(const Trace& trace, View<const T> dy, View<T> dx, View<T> dw1,
+                          View<T> dw3, View<T> dw2) const {
         Kernels::backward(cfg_, prepared_, cview(trace.x_), cview(trace.a_), cview(trace.g_),
-                          dy, dx, g1.view(), g3 ? g3->view() : View<T>{}, g2.view());
-        g1.finish();
-        g2.finish();
-        if (g3) g3->finish();
+                          dy, dx, dw1, dw3, dw2);
     }
 
     void check_input(const MatrixRef<T>& x, const Matrix<T>& y) const {

@@ -6,6 +6,7 @@
 #include <concepts>
 #include <cstddef>
 #include <span>
+#include <utility>
 
 #include "../view.hpp"
 #include "kernels_decl.hpp"
@@ -46,10 +47,18 @@ namespace titans::backend {
 ///   scatter_add(rows, ids, table)   table row ids[i] += rows row i, i in order (ids in host
 ///                              memory, checked by the caller, copied with the call; repeats
 ///                              add in order): the embedding's gradient
+///   scaled_norm(x, parts)      the Euclidean norm of x (1 x n, contiguous) as {scale, sum}:
+///                              scale = max |entry| (NaN or inf if an entry is; 0 if all are),
+///                              sum = Σ (entry / scale)² in double, the parts (lengths of
+///                              consecutive tensors, summing to n) summed in order on the CPU
+///                              (detail::scaled_norm); two scalars back: a gradient buffer's
+///                              global norm
+///   scale(x, factor)           x *= factor, entry by entry: the clipping of a gradient buffer
 /// The CPU's are the plain loops the layers used on host matrices before, so their results are
 /// the same bits; CUDA's are the same operations per entry (the product on cuBLAS).
 template <class B, class T>
-concept GlueBackend = requires(View<const T> a, View<T> out, std::span<const int> ids) {
+concept GlueBackend = requires(View<const T> a, View<T> out, std::span<const int> ids,
+                               std::span<const std::ptrdiff_t> parts) {
     GlueKernels<B, T>::copy(a, out);
     GlueKernels<B, T>::add(a, a, out);
     GlueKernels<B, T>::gate(a, a, out);
@@ -64,6 +73,8 @@ concept GlueBackend = requires(View<const T> a, View<T> out, std::span<const int
     GlueKernels<B, T>::product_bt(a, a, out);
     GlueKernels<B, T>::scatter_add(a, ids, out);
     { GlueKernels<B, T>::cross_entropy(a, ids, out) } -> std::same_as<double>;
+    { GlueKernels<B, T>::scaled_norm(a, parts) } -> std::same_as<std::pair<double, double>>;
+    GlueKernels<B, T>::scale(out, T(1));
 };
 
 }  // namespace titans::backend

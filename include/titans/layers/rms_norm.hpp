@@ -12,6 +12,7 @@
 #include "../backend/backend.hpp"
 #include "../backend/edge.hpp"
 #include "../detail/check.hpp"
+#include "../detail/flat_tensors.hpp"
 #include "../detail/shared.hpp"
 #include "../error.hpp"
 #include "../fwd.hpp"
@@ -195,19 +196,21 @@ public:
         }
         const backend::Upload<Backend, T> in(dy);
         backend::Download<Backend, T> out(dx, dy.rows(), dy.cols());
-        backward_checked(trace, in.view(), out.view(), grad_weight);
+        backend::Update<Backend, T> grad(view_of(grad_weight));
+        backward_checked(trace, in.view(), out.view(), grad.view());
+        grad.finish();
         out.finish();
     }
 
     /// The backend-level backward: backward(trace, dy, dx, grad_weight) with dy and dx views
-    /// in the backend's memory (the trace's rows x d, distinct). Shapes are checked
-    /// (ShapeError, ConfigError as backward); dy's finiteness is the caller's.
-    void backward(const Trace& trace, View<const T> dy, View<T> dx,
-                  RowVector<T>& grad_weight) const {
+    /// in the backend's memory (the trace's rows x d, distinct) and grad_weight a 1 x d view
+    /// there (a slice of a gradient buffer), added to. Shapes are checked (ShapeError,
+    /// ConfigError as backward); dy's finiteness is the caller's.
+    void backward(const Trace& trace, View<const T> dy, View<T> dx, View<T> grad_weight) const {
         constexpr const char* where = "RMSNorm::backward";
         validate_trace(trace, where);
         detail::check_view_gradient(where, dy, dx, weight_->cols(), trace.rows_);
-        detail::TensorCheck{where}(grad_weight, "grad_weight", 1, weight_->cols());
+        detail::check_flat_gradient(where, grad_weight, weight_->cols(), "the weight's");
         backward_checked(trace, dy, dx, grad_weight);
     }
 
@@ -240,13 +243,10 @@ private:
                                Transfer::view(t.inv_rms_));
     }
 
-    /// The backward on checked views; the weight's gradient added to grad_weight (through the
-    /// backend: uploaded, added to, downloaded).
-    void backward_checked(const Trace& trace, View<const T> dy, View<T> dx,
-                          RowVector<T>& grad_weight) const {
-        backend::Update<Backend, T> grad(view_of(grad_weight));
-        Kernels::backward(prepared_, view(trace.x_), view(trace.inv_rms_), dy, dx, grad.view());
-        grad.finish();
+    /// The backward on checked views; the weight's gradient added to grad (1 x d, in the
+    /// backend's memory).
+    void backward_checked(const Trace& trace, View<const T> dy, View<T> dx, View<T> grad) const {
+        Kernels::backward(prepared_, view(trace.x_), view(trace.inv_rms_), dy, dx, grad);
     }
 
     void check_input(const MatrixRef<T>& x, const Matrix<T>& y, const char* where) const {

@@ -9,6 +9,7 @@
 #include "../backend/backend.hpp"
 #include "../backend/edge.hpp"
 #include "../detail/check.hpp"
+#include "../detail/flat_tensors.hpp"
 #include "../detail/float_env.hpp"
 #include "../detail/shared.hpp"
 #include "../detail/tensor_slots.hpp"
@@ -200,20 +201,25 @@ public:
         {
             const backend::Upload<Backend, T> in(dy);
             backend::Download<Backend, T> out(dx_new, dy.rows(), cfg_.d_model);
-            backward_checked(trace, in.view(), out.view(), grads, d_state_in, d_state_out,
-                             [&] {
-                                 out.finish();
-                                 return detail::all_finite(dx_new);
-                             });
+            detail::check_same_tensors(*params_, grads, cfg_, where, "grads");
+            backward_checked(
+                trace, in.view(), out.view(),
+                [&](const MemoryParams<T>& local) { detail::add_tensors(local, grads, cfg_); },
+                d_state_in, d_state_out, [&] {
+                    out.finish();
+                    return detail::all_finite(dx_new);
+                });
         }
         dx = std::move(dx_new);
     }
 
     /// The backend-level backward: backward(trace, dy, dx, grads, d_state_in, d_state_out)
-    /// with dy and dx views in the backend's memory (the trace's rows x d_model, distinct).
-    /// Checks as backward's but dy's and dx's finiteness, which are the caller's; on an error
-    /// grads and d_state_in are unchanged (dx may have been written).
-    void backward(const Trace& trace, View<const T> dy, View<T> dx, MemoryParams<T>& grads,
+    /// with dy and dx views in the backend's memory (the trace's rows x d_model, distinct) and
+    /// grads this memory's gradients flat there (1 x parameter_count(), its tensors row-major
+    /// one after the other as MemoryParams::tensors visits them; a slice of a gradient buffer),
+    /// added to. Checks as backward's but dy's and dx's finiteness, which are the caller's; on
+    /// an error grads and d_state_in are unchanged (dx may have been written).
+    void backward(const Trace& trace, View<const T> dy, View<T> dx, View<T> grads,
                   MemoryStateGradient<T>* d_state_in = nullptr,
                   const MemoryStateGradient<T>* d_state_out = nullptr) const
         requires(backend::MemoryTraining<Backend, T>::available)
@@ -221,7 +227,17 @@ public:
         constexpr const char* where = "NeuralMemory::backward";
         validate_trace(trace, where);
         detail::check_view_gradient(where, dy, dx, cfg_.d_model, trace.rows());
-        backward_checked(trace, dy, dx, grads, d_state_in, d_state_out, [] { return true; });
+        detail::check_flat_gradient(where, grads, parameter_count(), "the memory's tensors");
+        backward_checked(
+            trace, dy, dx,
+            [&](const MemoryParams<T>& local) { backend::add_flat<Backend>(local, cfg_, grads); },
+            d_state_in, d_state_out, [] { return true; });
+    }
+
+    /// Entries of the parameters (every tensor MemoryParams::tensors visits for config()): the
+    /// length of a flat gradient.
+    [[nodiscard]] Eigen::Index parameter_count() const {
+        return detail::flat_size(*params_, cfg_);
     }
 
     /// Reads the memory without writing it: x is projected like forward's queries (q path of
@@ -488,16 +504,14 @@ private:
         }
     }
 
-    /// The backward on views checked but for grads and d_state_out: the gradients into zeros,
-    /// added to grads (and d_state_in filled) only if they and dx are finite (`dx_finite()`
-    /// tells for dx: the host call downloads and scans it, the view call leaves it to its
-    /// caller).
-    template <class DxFinite>
-    void backward_checked(const Trace& trace, View<const T> dy, View<T> dx,
-                          MemoryParams<T>& grads, MemoryStateGradient<T>* d_state_in,
+    /// The backward on views checked but for d_state_out: the gradients into zeros, handed to
+    /// add(local) (and d_state_in filled) only if they and dx are finite (`dx_finite()` tells
+    /// for dx: the host call downloads and scans it, the view call leaves it to its caller).
+    template <class Add, class DxFinite>
+    void backward_checked(const Trace& trace, View<const T> dy, View<T> dx, Add add,
+                          MemoryStateGradient<T>* d_state_in,
                           const MemoryStateGradient<T>* d_state_out, DxFinite dx_finite) const {
         constexpr const char* where = "NeuralMemory::backward";
-        detail::check_same_tensors(*params_, grads, cfg_, where, "grads");
         const bool chained = d_state_out != nullptr && !d_state_out->empty();
         if (chained) {
             check_state_gradient(*d_state_out, trace);
@@ -513,7 +527,7 @@ private:
             throw NonFiniteError(detail::concat(where, ": the gradients overflow, expected "
                                                        "finite values; grads are unchanged"));
         }
-        detail::add_tensors(local, grads, cfg_);
+        add(std::as_const(local));
         if (d_state_in != nullptr) {
             *d_state_in = std::move(d_in);
         }

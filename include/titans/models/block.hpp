@@ -19,6 +19,7 @@
 #include "../backend/backend.hpp"
 #include "../backend/edge.hpp"
 #include "../detail/check.hpp"
+#include "../detail/flat_tensors.hpp"
 #include "../detail/activation.hpp"
 #include "../detail/eigen_math.hpp"
 #include "../detail/enum_names.hpp"
@@ -282,16 +283,24 @@ public:
     }
 
     /// The backend-level backward: backward(trace, dy, dx, grads, d_state_in, d_state_out)
-    /// with dy and dx views in the backend's memory (the trace's rows x d, distinct). Checks as
-    /// the host call's but dy's finiteness (gradients that are not finite still throw); on an
-    /// error grads and d_state_in are unchanged (dx may have been written).
-    void backward(const Trace& trace, View<const T> dy, View<T> dx, BlockParams<T>& grads,
+    /// with dy and dx views in the backend's memory (the trace's rows x d, distinct) and grads
+    /// the block's gradients flat there (1 x parameter_count(): every tensor BlockParams::
+    /// tensors visits, row-major, one after the other; a slice of a gradient buffer), added
+    /// to. Checks as the host call's but dy's finiteness (gradients that are not finite still
+    /// throw); on an error grads and d_state_in are unchanged (dx may have been written).
+    void backward(const Trace& trace, View<const T> dy, View<T> dx, View<T> grads,
                   BlockStateGradient<T>* d_state_in = nullptr,
                   const BlockStateGradient<T>* d_state_out = nullptr) const
         requires(trainable)
     {
         detail::BlockTraining<T, Backend>::backward(*this, trace, dy, dx, grads, d_state_in,
                                                     d_state_out);
+    }
+
+    /// Entries of the parameters (every tensor BlockParams::tensors visits for config()): the
+    /// length of the block's flat gradient.
+    [[nodiscard]] Eigen::Index parameter_count() const {
+        return detail::flat_size(*params_, cfg_);
     }
 
     /// Throws unless `trace` was filled by the training forward of a block of this

@@ -20,6 +20,7 @@
 #include "../error.hpp"
 #include "../detail/tensor_slots.hpp"
 #include "block.hpp"
+#include "block_gradient.hpp"
 #include "block_trace.hpp"
 #include "mixer_training.hpp"
 
@@ -67,46 +68,50 @@ struct BlockTraining {
         forward_checked(blk, state, x, y, trace);
     }
 
-    /// Block::backward: accumulate into zeros, added to grads once every check has passed.
-    template <class Dy, class Dx>
-    static void backward(const Blk& blk, const Trace& tr, const Dy& dy, Dx& dx,
+    /// Block::backward (host): the gradients into a zeroed flat buffer in the backend's
+    /// memory, added to grads (one download off the host) once every check has passed.
+    static void backward(const Blk& blk, const Trace& tr, const MatrixRef<T>& dy, Matrix<T>& dx,
                          BlockParams<T>& grads, BlockStateGradient<T>* d_in,
                          const BlockStateGradient<T>* d_out) {
-        check_same_tensors(*blk.params_, grads, blk.cfg_, "Block::backward", "grads");
-        BlockParams<T> g = BlockParams<T>::zeros(blk.cfg_);
-        accumulate(blk, tr, dy, dx, g, d_in, d_out);
-        add_tensors(g, grads, blk.cfg_);
-    }
-
-    /// backward's work with g, of this block's tensor shapes, finite, taking the gradients
-    /// (added to what it holds): what Model::backward calls with its own zeroed accumulator
-    /// (no second accumulator, no pass over the caller's gradients). Checks as backward but
-    /// g's; if it throws, dx and d_in are unchanged (g is the caller's to discard).
-    static void accumulate(const Blk& blk, const Trace& tr, const MatrixRef<T>& dy,
-                           Matrix<T>& dx, BlockParams<T>& g, BlockStateGradient<T>* d_in,
-                           const BlockStateGradient<T>* d_out) {
         constexpr const char* where = "Block::backward";
+        check_same_tensors(*blk.params_, grads, blk.cfg_, where, "grads");
         check_trace(blk, tr, where);
         check_gradient_rows(dy, tr.rows, blk.cfg_.d_model, where, "dy");
         if (overlaps(dy, dx)) {
             throw ShapeError(concat(where, ": dx shares storage with dy, expected a distinct "
                                            "matrix"));
         }
+        Buffer g = zeros(blk.parameter_count());
         Matrix<T> dx_new;
         {
             const backend::Upload<Backend, T> in(dy);
             backend::Download<Backend, T> out(dx_new, dy.rows(), dy.cols());
-            accumulate_checked(blk, tr, in.view(), out.view(), g, d_in, d_out);
+            accumulate_checked(blk, tr, in.view(), out.view(), view(g), d_in, d_out);
             out.finish();
         }
+        backend::add_to_host<Backend>(cview(g), grads, blk.cfg_);
         dx = std::move(dx_new);
     }
 
-    /// accumulate on views (dy, dx the trace's rows x d, distinct): checks as the host call's
-    /// but dy's finiteness (the caller's; gradients that are not finite still throw). If it
-    /// throws, d_in is unchanged and dx's entries are unspecified.
+    /// Block::backward on views (dy, dx the trace's rows x d, distinct; grads the block's flat
+    /// gradient, 1 x parameter_count()): into a zeroed buffer, added to grads once every check
+    /// has passed. Checks as the host call's but dy's finiteness (the caller's).
+    static void backward(const Blk& blk, const Trace& tr, View<const T> dy, View<T> dx,
+                         View<T> grads, BlockStateGradient<T>* d_in,
+                         const BlockStateGradient<T>* d_out) {
+        check_flat_gradient("Block::backward", grads, blk.parameter_count(),
+                            "the block's tensors");
+        Buffer g = zeros(grads.cols);
+        accumulate(blk, tr, dy, dx, view(g), d_in, d_out);
+        Glue::add(View<const T>(grads), cview(g), grads);
+    }
+
+    /// backward's work on views with g the block's flat gradient (1 x parameter_count(), in
+    /// the backend's memory), taking the gradients (added to what it holds): what
+    /// Model::backward calls with its own zeroed buffer's slice. Checks as backward but g's;
+    /// if it throws, d_in is unchanged (g is the caller's to discard, dx unspecified).
     static void accumulate(const Blk& blk, const Trace& tr, View<const T> dy, View<T> dx,
-                           BlockParams<T>& g, BlockStateGradient<T>* d_in,
+                           View<T> g, BlockStateGradient<T>* d_in,
                            const BlockStateGradient<T>* d_out) {
         constexpr const char* where = "Block::backward";
         check_trace(blk, tr, where);
@@ -179,6 +184,12 @@ private:
 
     static View<T> view(Buffer& b) { return Transfer::view(b); }
     static View<const T> cview(const Buffer& b) { return Transfer::view(b); }
+    /// A 1 x n buffer of zeros in the backend's memory (a gradient accumulator).
+    static Buffer zeros(Eigen::Index n) {
+        Buffer b = Transfer::allocate(1, n);
+        Glue::fill(view(b), T(0));
+        return b;
+    }
 
     /// The training forward on checked views: y = x + Mixer(u), y += FFN(RMSNorm(y)), each
     /// sub-layer's trace kept; state and trace replaced only if every step succeeds.
@@ -216,12 +227,13 @@ private:
     /// The backward on checked views, dx the running dL/dh: dy, plus the FFN branch's, the
     /// mixer's adjoint through the first norm added last.
     static void accumulate_checked(const Blk& blk, const Trace& tr, View<const T> dy, View<T> dx,
-                                   BlockParams<T>& g, BlockStateGradient<T>* d_in,
+                                   View<T> flat, BlockStateGradient<T>* d_in,
                                    const BlockStateGradient<T>* d_out) {
         if (d_out != nullptr && !d_out->empty()) {
             check_state_gradient(blk, tr, *d_out);
         }
         const BlockConfig& cfg = blk.cfg_;
+        const auto g = BlockGradientViews<T>::cut(flat, *blk.params_, cfg);
         const ThreadScope team(blk.threads_, 3.0 * blk.work_estimate(tr.rows));
         Glue::copy(dy, dx);
         Buffer a = Transfer::allocate(dy.rows, dy.cols), b = Transfer::allocate(dy.rows, dy.cols);
@@ -235,7 +247,8 @@ private:
                         d_in != nullptr && tr.start != 0 ? &d_start : nullptr);
         blk.norm_mix_.backward(tr.norm_mix, cview(a), view(b), g.norm_mix);
         Glue::add(dx, cview(b), dx);
-        if (Glue::nonfinite_row(View<const T>(dx)) >= 0 || !tensors_finite(g, cfg)) {
+        if (Glue::nonfinite_row(View<const T>(dx)) >= 0 ||
+            Glue::nonfinite_row(View<const T>(flat)) >= 0) {
             throw NonFiniteError(concat("Block::backward: the gradients overflow, expected "
                                         "finite values; grads are unchanged"));
         }

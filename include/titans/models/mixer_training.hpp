@@ -8,13 +8,15 @@
 //     MAC  mac_training.hpp (on the host: u downloaded, o uploaded)
 // From a fresh state each sequence's memory input (and MAL's window) is [P; u]: the rows are
 // assembled, taken apart and their adjoints summed into P's gradient by glue kernels
-// (copy_rows, add_rows), so nothing but P's gradient crosses to the host.
+// (copy_rows, add_rows). The gradients are added to views of the block's flat gradient
+// (block_gradient.hpp), in the backend's memory.
 
 #include <utility>
 
 #include "../backend/edge.hpp"
 #include "../layers/glue.hpp"
 #include "block.hpp"
+#include "block_gradient.hpp"
 #include "block_trace.hpp"
 #include "mac_training.hpp"
 
@@ -30,6 +32,7 @@ struct MixerTraining {
     using Transfer = backend::Transfer<Backend, T>;
     using Buffer = typename Transfer::Buffer;
     using Glue = backend::GlueKernels<Backend, T>;
+    using Grads = BlockGradientViews<T>;
     static constexpr bool mac_trains = backend::MemoryTraining<Backend, T>::staged;
 
     /// The rows P enter with from a fresh state: N_p for MAG and MAL, none otherwise.
@@ -99,15 +102,12 @@ struct MixerTraining {
     /// state's adjoint through the memory and the attention (d_out in, d_in out, either may
     /// be null).
     static void backward(const Blk& blk, const Trace& tr, View<const T> dout, View<T> du,
-                         BlockParams<T>& g, const BlockStateGradient<T>* d_out,
+                         const Grads& g, const BlockStateGradient<T>* d_out,
                          BlockStateGradient<T>* d_in) {
         const BlockConfig& cfg = blk.cfg_;
         if constexpr (mac_trains) {
             if (cfg.kind == BlockKind::MAC) {
-                to_backend(MacTraining<T, Backend>::backward(blk, tr.memory, tr.segments, tr.u,
-                                                             tr.batch, tr.start, to_host(dout), g,
-                                                             d_out, d_in),
-                           du);
+                mac_backward(blk, tr, dout, du, g, d_out, d_in);
                 return;
             }
         }
@@ -126,6 +126,24 @@ private:
     static Matrix<T> to_host(View<const T> v) { return MacMixer<T, Backend>::to_host(v); }
     static void to_backend(const Matrix<T>& h, View<T> to) {
         MacMixer<T, Backend>::to_backend(h, to);
+    }
+
+    /// MAC's backward on the host (its mixer trains there): dout down, du up, the gradients
+    /// of the memory, the attention and P (host structs) added to g's parts.
+    static void mac_backward(const Blk& blk, const Trace& tr, View<const T> dout, View<T> du,
+                             const Grads& g, const BlockStateGradient<T>* d_out,
+                             BlockStateGradient<T>* d_in) {
+        const BlockConfig& cfg = blk.cfg_;
+        BlockParams<T> local;
+        local.memory = MemoryParams<T>::zeros(cfg.memory);
+        local.attention = AttentionParams<T>::zeros(cfg.attention);
+        local.persistent = Matrix<T>::Zero(cfg.n_persistent, cfg.d_model);
+        to_backend(MacTraining<T, Backend>::backward(blk, tr.memory, tr.segments, tr.u, tr.batch,
+                                                     tr.start, to_host(dout), local, d_out, d_in),
+                   du);
+        backend::add_flat<Backend>(local.memory, cfg.memory, g.memory);
+        backend::add_flat<Backend>(local.attention, cfg.attention, g.attention);
+        Transfer::accumulate(view_of(std::as_const(local.persistent)), g.persistent);
     }
 
     /// Each sequence's N rows after its p prefix rows of a (B*(p+N))-row matrix, as B*N rows.
@@ -154,16 +172,14 @@ private:
     /// The memory's backward from dm over its input's rows ([P; u] per sequence when p > 0):
     /// dfull gets dL/d(the input), and the adjoint of P's rows is summed into g.persistent.
     static void memory_backward(const Blk& blk, const Trace& tr, View<const T> dm,
-                                Eigen::Index p, View<T> dfull, BlockParams<T>& g,
+                                Eigen::Index p, View<T> dfull, const Grads& g,
                                 const BlockStateGradient<T>* d_out, BlockStateGradient<T>* d_in) {
         blk.memory_->backward(tr.memory, dm, dfull, g.memory,
                               d_in != nullptr ? &d_in->memory : nullptr,
                               d_out != nullptr ? &d_out->memory : nullptr);
         if (p > 0) {
-            backend::Update<Backend, T> dP(view_of(g.persistent));
-            Glue::add_rows(View<const T>(dfull), dP.view(), {tr.batch, p, dfull.rows / tr.batch,
-                                                            0, 0, 0});
-            dP.finish();
+            Glue::add_rows(View<const T>(dfull), g.persistent,
+                           {tr.batch, p, dfull.rows / tr.batch, 0, 0, 0});
         }
     }
 
@@ -186,28 +202,25 @@ private:
     /// prefix_attention's backward: dy -> du, the attention's gradients and P's added to g,
     /// the window's state adjoint through d_out / d_in.
     static void prefix_attention_backward(const Blk& blk, const Trace& tr, View<const T> dy,
-                                          View<T> du, BlockParams<T>& g,
+                                          View<T> du, const Grads& g,
                                           const BlockStateGradient<T>* d_out,
                                           BlockStateGradient<T>* d_in) {
-        const bool has_p = blk.cfg_.n_persistent > 0;
-        Matrix<T> dP;
-        blk.attention_->backward(tr.attention, dy, du, g.attention, has_p ? &dP : nullptr,
+        blk.attention_->backward(tr.attention, dy, du, g.attention, g.persistent,
                                  d_in != nullptr ? &d_in->attention : nullptr,
                                  d_out != nullptr ? &d_out->attention : nullptr);
-        if (has_p) g.persistent += dP;
     }
 
     /// MAL: o = SWA(M(P ‖ u)) reversed: the window's adjoint over [P; u] (P's rows zero),
     /// then the memory's.
     static void mal_backward(const Blk& blk, const Trace& tr, View<const T> dout, View<T> du,
-                             BlockParams<T>& g, const BlockStateGradient<T>* d_out,
+                             const Grads& g, const BlockStateGradient<T>* d_out,
                              BlockStateGradient<T>* d_in) {
         const int B = tr.batch;
         const Eigen::Index p = tr.start == 0 ? prefix_rows(blk.cfg_) : 0, N = dout.rows / B;
         const Buffer dz = p > 0 ? with_zero_prefix(dout, B, p) : Buffer{};
         const View<const T> dy = p > 0 ? cview(dz) : dout;
         Buffer dm = Transfer::allocate(dy.rows, dy.cols);
-        blk.attention_->backward(tr.attention, dy, view(dm), g.attention, nullptr,
+        blk.attention_->backward(tr.attention, dy, view(dm), g.attention, View<T>{},
                                  d_in != nullptr ? &d_in->attention : nullptr,
                                  d_out != nullptr ? &d_out->attention : nullptr);
         if (p == 0) {
@@ -222,7 +235,7 @@ private:
     /// MAG: o = a ⊙ σ(gate) reversed: the gate, both norms, the attention, then the memory
     /// (its input's adjoint added to du, P's rows to g.persistent).
     static void mag_backward(const Blk& blk, const Trace& tr, View<const T> dout, View<T> du,
-                             BlockParams<T>& g, const BlockStateGradient<T>* d_out,
+                             const Grads& g, const BlockStateGradient<T>* d_out,
                              BlockStateGradient<T>* d_in) {
         const int B = tr.batch;
         const Eigen::Index p = tr.start == 0 ? prefix_rows(blk.cfg_) : 0, N = dout.rows / B;

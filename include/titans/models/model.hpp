@@ -223,6 +223,8 @@ struct ModelParams {
 
 template <class T, class Backend>
 struct ModelTrace;
+template <class T, class Backend = backend::Cpu>
+class ModelGradients;  // models/model_gradients.hpp
 namespace detail {
 template <class T, class Backend>
 struct ModelTraining;
@@ -454,6 +456,16 @@ public:
         detail::ModelTraining<T, Backend>::backward_loss(*this, trace, grads, dx, d_state_in,
                                                          d_state_out);
     }
+    /// As above, the gradients added to a gradient buffer in the backend's memory
+    /// (ModelGradients(*this)): nothing crosses to the host but dx, if asked for.
+    void backward_loss(const Trace& trace, ModelGradients<T, Backend>& grads,
+                       Matrix<T>* dx = nullptr, ModelStateGradient<T>* d_state_in = nullptr,
+                       const ModelStateGradient<T>* d_state_out = nullptr) const
+        requires(trainable)
+    {
+        detail::ModelTraining<T, Backend>::backward_loss(*this, trace, grads, dx, d_state_in,
+                                                         d_state_out);
+    }
 
     /// The backward pass (math §9) of a training forward: dout = dL/dout (the trace's rows x
     /// output_dim()) adds the gradient of every parameter (embedding rows of the tokens, every
@@ -472,6 +484,17 @@ public:
     /// configuration, a state-gradient part a block's kind lacks), NonFiniteError (dout,
     /// d_state_out or grads, or gradients that overflow); nothing changes then.
     void backward(const Trace& trace, const MatrixRef<T>& dout, ModelParams<T>& grads,
+                  Matrix<T>* dx = nullptr, ModelStateGradient<T>* d_state_in = nullptr,
+                  const ModelStateGradient<T>* d_state_out = nullptr) const
+        requires(trainable)
+    {
+        detail::ModelTraining<T, Backend>::backward(*this, trace, dout, grads, dx, d_state_in,
+                                                    d_state_out);
+    }
+    /// As above, the gradients added to a gradient buffer in the backend's memory
+    /// (ModelGradients(*this), models/model_gradients.hpp): dout goes up, nothing comes down
+    /// but dx, if asked for. ShapeError for a buffer laid out for other parameters.
+    void backward(const Trace& trace, const MatrixRef<T>& dout, ModelGradients<T, Backend>& grads,
                   Matrix<T>* dx = nullptr, ModelStateGradient<T>* d_state_in = nullptr,
                   const ModelStateGradient<T>* d_state_out = nullptr) const
         requires(trainable)

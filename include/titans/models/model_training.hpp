@@ -7,7 +7,8 @@
 // and scatters the input gradient into the embedding rows of the tokens. Both keep their
 // activations and traces in the backend's memory: the input goes up once (the ids, gathered
 // there, or the vectors), the logits come down once, and the backward takes dL/dlogits up once
-// (the parameter gradients, host structs, are added through the backend).
+// and adds the parameter gradients to one flat buffer there (model_gradients.hpp; the host
+// calls download it once and add it to host structs).
 
 #include <array>
 #include <cstddef>
@@ -21,6 +22,7 @@
 #include "../error.hpp"
 #include "../detail/tensor_slots.hpp"
 #include "block_training.hpp"
+#include "model_gradients.hpp"
 #include "model.hpp"
 #include "state_gradient.hpp"
 
@@ -106,9 +108,11 @@ struct ModelTraining {
         return loss;
     }
 
-    /// Model::backward from host dout: checked, uploaded once.
+    /// Model::backward from host dout: checked, uploaded once; Grads: ModelParams<T> (host,
+    /// added to once at the end) or ModelGradients<T, Backend> (added to on the backend).
+    template <class Grads>
     static void backward(const Mdl& model, const Trace& tr, const MatrixRef<T>& dout,
-                         ModelParams<T>& grads, Matrix<T>* dx, ModelStateGradient<T>* d_in,
+                         Grads& grads, Matrix<T>* dx, ModelStateGradient<T>* d_in,
                          const ModelStateGradient<T>* d_out) {
         constexpr const char* where = "Model::backward";
         check_trace(model, tr, where);
@@ -117,14 +121,15 @@ struct ModelTraining {
             throw ShapeError(concat(where, ": dx shares storage with dout, expected a distinct "
                                            "matrix"));
         }
+        check_grads(model, grads, where);
         const backend::Upload<Backend, T> dO(dout);
-        backward_checked(model, tr, dO.view(), grads, dx, d_in, d_out);
+        backward_checked(model, tr, dO.view(), sink(model, grads), dx, d_in, d_out);
     }
 
     /// Model::backward_loss: from the gradient of forward_loss's loss, kept in the trace.
-    static void backward_loss(const Mdl& model, const Trace& tr, ModelParams<T>& grads,
-                              Matrix<T>* dx, ModelStateGradient<T>* d_in,
-                              const ModelStateGradient<T>* d_out) {
+    template <class Grads>
+    static void backward_loss(const Mdl& model, const Trace& tr, Grads& grads, Matrix<T>* dx,
+                              ModelStateGradient<T>* d_in, const ModelStateGradient<T>* d_out) {
         constexpr const char* where = "Model::backward_loss";
         check_trace(model, tr, where);
         if (!tr.has_loss) {
@@ -132,33 +137,37 @@ struct ModelTraining {
                                             "forward_loss (else call backward with dL/dout)"));
         }
         check_trace_view(cview(tr.dlogits), tr.rows, model.cfg_.output_dim(), where, "dlogits");
-        backward_checked(model, tr, cview(tr.dlogits), grads, dx, d_in, d_out);
+        check_grads(model, grads, "Model::backward");
+        backward_checked(model, tr, cview(tr.dlogits), sink(model, grads), dx, d_in, d_out);
     }
 
-    /// The backward from dout in the backend's memory (the trace and dout checked).
-    static void backward_checked(const Mdl& model, const Trace& tr, View<const T> dout,
-                                 ModelParams<T>& grads, Matrix<T>* dx,
-                                 ModelStateGradient<T>* d_in, const ModelStateGradient<T>* d_out) {
+    /// The backward from dout in the backend's memory (the trace, dout and grads checked): the
+    /// gradients into a zeroed flat buffer there, handed to add(flat) once they and dL/dx are
+    /// known finite.
+    template <class Add>
+    static void backward_checked(const Mdl& model, const Trace& tr, View<const T> dout, Add add,
+                                 Matrix<T>* dx, ModelStateGradient<T>* d_in,
+                                 const ModelStateGradient<T>* d_out) {
         constexpr const char* where = "Model::backward";
         const ModelConfig& cfg = model.cfg_;
-        check_same_tensors(*model.params_, grads, cfg, where, "grads");
         const bool chained = d_out != nullptr && !d_out->empty();
         require<ShapeError>(!chained || d_out->blocks.size() == cfg.blocks.size(), where,
                             "d_state_out.blocks.size()", chained ? d_out->blocks.size() : 0,
                             concat(cfg.blocks.size(), " (the model's blocks)"));
         const ThreadScope team(model.threads_, 3.0 * model.work_estimate(tr.rows));
-        ModelParams<T> g = ModelParams<T>::zeros(cfg);
+        Buffer g = Transfer::allocate(1, flat_size(*model.params_, cfg));
+        Glue::fill(view(g), T(0));
         ModelStateGradient<T> d_start;
         if (d_in != nullptr) {
             d_start.blocks.resize(cfg.blocks.size());
         }
-        Buffer dh = input_gradient(model, tr, dout, g, chained ? d_out : nullptr,
+        Buffer dh = input_gradient(model, tr, dout, view(g), chained ? d_out : nullptr,
                                    d_in != nullptr ? &d_start : nullptr);
-        if (Glue::nonfinite_row(cview(dh)) >= 0 || !tensors_finite(g, cfg)) {
+        if (Glue::nonfinite_row(cview(dh)) >= 0 || Glue::nonfinite_row(cview(g)) >= 0) {
             throw NonFiniteError(concat(where, ": the gradients overflow, expected finite "
                                                "values; grads are unchanged"));
         }
-        add_tensors(g, grads, cfg);
+        add(cview(g));
         if (dx != nullptr) {
             dx->resize(tr.rows, cfg.d_model);
             Transfer::download(cview(dh), view_of(*dx));
@@ -175,6 +184,27 @@ private:
     using Glue = backend::GlueKernels<Backend, T>;
     static View<T> view(Buffer& b) { return Transfer::view(b); }
     static View<const T> cview(const Buffer& b) { return Transfer::view(b); }
+
+    static void check_grads(const Mdl& model, const ModelParams<T>& grads, const char* where) {
+        check_same_tensors(*model.params_, grads, model.cfg_, where, "grads");
+    }
+    static void check_grads(const Mdl& model, const ModelGradients<T, Backend>& grads,
+                            const char* where) {
+        grads.check_layout(model, where);
+    }
+    /// How the finished flat gradient joins grads: added to the host tensors (one download
+    /// off the host), or to the gradient buffer on the backend.
+    static auto sink(const Mdl& model, ModelParams<T>& grads) {
+        return [&model, &grads](View<const T> g) {
+            backend::add_to_host<Backend>(g, grads, model.cfg_);
+        };
+    }
+    static auto sink(const Mdl&, ModelGradients<T, Backend>& grads) {
+        return [&grads](View<const T> g) {
+            const View<T> to = grads.view();
+            Glue::add(View<const T>(to), g, to);
+        };
+    }
 
     /// The training forward on a checked input x in the backend's memory: the logits
     /// downloaded once into out; state, out and trace change only if every step succeeds.
@@ -232,31 +262,38 @@ private:
     }
 
     /// dL/d(the model's input) from dout (in the backend's memory): the head (its gradient
-    /// normedᵀ dout), the final norm, every block last first (each adding into g's own zeros,
-    /// BlockTraining::accumulate), then the embedding rows of the tokens (scatter-added).
+    /// normedᵀ dout), the final norm, every block last first (each adding into its slice of
+    /// the flat gradient g, BlockTraining::accumulate), then the embedding rows of the tokens
+    /// (scatter-added).
     static Buffer input_gradient(const Mdl& model, const Trace& tr, View<const T> dout,
-                                 ModelParams<T>& g, const ModelStateGradient<T>* d_out,
+                                 View<T> g, const ModelStateGradient<T>* d_out,
                                  ModelStateGradient<T>* d_start) {
-        const Eigen::Index rows = tr.rows, d = model.cfg_.d_model;
-        {
-            backend::Update<Backend, T> head(view_of(g.head));
-            Glue::product_at(cview(tr.normed), dout, head.view());
-            head.finish();
+        const ModelConfig& cfg = model.cfg_;
+        const Eigen::Index rows = tr.rows, d = cfg.d_model;
+        // The flat layout (ModelParams::tensors): embedding, blocks, norm_final, head.
+        const Eigen::Index vocab = cfg.vocab_size, out = cfg.output_dim();
+        const View<T> embedding{g.data, vocab, d, d};
+        Eigen::Index at = vocab * d;
+        std::vector<View<T>> block_g;
+        for (const auto& b : model.blocks_) {
+            block_g.push_back(flat_range(g, at, b.parameter_count()));
+            at += b.parameter_count();
         }
+        const View<T> norm_final = flat_range(g, at, d);
+        const View<T> head{g.data + at + d, d, out, out};
+        Glue::product_at(cview(tr.normed), dout, head);
         Buffer dh = Transfer::allocate(rows, d), dprev = Transfer::allocate(rows, d);
         Glue::product_bt(dout, model.edge_view(model.params_->head, &Mdl::Edge::head), view(dprev));
-        model.norm_final_.backward(tr.norm_final, cview(dprev), view(dh), g.norm_final);
+        model.norm_final_.backward(tr.norm_final, cview(dprev), view(dh), norm_final);
         for (std::size_t i = model.blocks_.size(); i-- > 0;) {
             BlockTraining<T, Backend>::accumulate(
-                model.blocks_[i], tr.blocks[i], cview(dh), view(dprev), g.blocks[i],
+                model.blocks_[i], tr.blocks[i], cview(dh), view(dprev), block_g[i],
                 d_start != nullptr ? &d_start->blocks[i] : nullptr,
                 d_out != nullptr ? &d_out->blocks[i] : nullptr);
             std::swap(dh, dprev);
         }
         if (!tr.ids.empty()) {
-            backend::Update<Backend, T> emb(view_of(g.embedding));
-            Glue::scatter_add(cview(dh), tr.ids, emb.view());
-            emb.finish();
+            Glue::scatter_add(cview(dh), tr.ids, embedding);
         }
         return dh;
     }

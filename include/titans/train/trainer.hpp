@@ -19,6 +19,7 @@
 #include "../fwd.hpp"
 #include "../limits.hpp"
 #include "../models/model.hpp"
+#include "../models/model_gradients.hpp"
 #include "adamw.hpp"
 #include "gradients.hpp"
 #include "loss.hpp"
@@ -104,10 +105,12 @@ struct TrainerProgress {
 ///     state = model.make_state(batch)                         a fresh state: sequences are
 ///     logits = model.forward_tokens(state, ids, ., trace)     independent, nothing carries over
 ///     loss = cross_entropy_loss(logits, labels, dlogits)      labels < 0 ignored
-///     grads = model.backward(trace, dlogits)                  (the three on the backend:
-///                                                             forward_loss, backward_loss)
-///     norm = clip_gradient_norm(grads, clip_norm)             (skipped for clip_norm = 0)
-///     params = AdamW step at schedule(optimizer().steps() + 1)
+///     grads = model.backward(trace, dlogits)                  (the four on the backend:
+///     norm = clip_gradient_norm(grads, clip_norm)             forward_loss, backward_loss
+///                                                             into ModelGradients, its clip;
+///                                                             no clipping for clip_norm = 0)
+///     params = AdamW step at schedule(optimizer().steps() + 1)    (on the host: the gradient
+///                                                             buffer comes down once)
 ///
 /// bit for bit as that sequence written by hand with a model rebuilt from the parameters every
 /// step, but the model takes the new values in place (Model::set_parameters). Strong guarantee:
@@ -163,10 +166,9 @@ public:
     double step(const std::vector<int>& ids, std::span<const int> labels, int batch) {
         check_step(ids, labels, batch);
         const ModelConfig& mc = model_.config();
-        ModelParams<T> grads = ModelParams<T>::zeros(mc);
+        ModelGradients<T, Backend> grads(model_);  // zeros, in the backend's memory
         const double loss = gradients(ids, labels, batch, grads);
-        const double norm = cfg_.clip_norm > 0 ? clip_gradient_norm(grads, mc, cfg_.clip_norm)
-                                               : gradient_norm(std::as_const(grads), mc);
+        const double norm = cfg_.clip_norm > 0 ? grads.clip(cfg_.clip_norm) : grads.norm();
         if (!std::isfinite(norm)) {
             throw NonFiniteError("Trainer::step: the gradients have a NaN or infinite entry; "
                                  "nothing changed");
@@ -174,7 +176,7 @@ public:
         const double lr = cfg_.schedule(opt_.steps() + 1);
         ModelParams<T> next = model_.params();
         AdamW<T> opt = opt_;  // stepped on copies: committed below only if all went well
-        opt.step(next, grads, mc, lr);
+        opt.step(next, grads.to_params(), mc, lr);
         if (!detail::tensors_finite(next, mc)) {
             throw NonFiniteError(detail::concat(
                 "Trainer::step: the updated parameters have a NaN or infinite entry (learning "
@@ -289,7 +291,7 @@ private:
 
     /// The training forward from a fresh state, the loss and the backward into grads.
     double gradients(const std::vector<int>& ids, std::span<const int> labels, int batch,
-                     ModelParams<T>& grads) const {
+                     ModelGradients<T, Backend>& grads) const {
         auto state = model_.make_state(batch);
         typename ModelType::Trace trace;
         const double loss = model_.forward_loss(state, ids, labels, trace);

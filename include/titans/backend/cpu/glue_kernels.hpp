@@ -5,11 +5,16 @@
 
 #include <cstddef>
 #include <span>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "../../detail/activation.hpp"
 #include "../../detail/cross_entropy.hpp"
 #include "../../detail/float_env.hpp"
 #include "../../detail/product.hpp"
+#include "../../detail/scaled_norm.hpp"
+#include "../../detail/tensor_slots.hpp"
 #include "../../layers/glue.hpp"
 #include "../../types.hpp"
 #include "../backend.hpp"
@@ -85,6 +90,19 @@ struct GlueKernels<Cpu, T> {
                                 View<T> dlogits) {
         return detail::cross_entropy_rows(cpu::as_eigen(logits), labels, cpu::as_eigen(dlogits));
     }
+    /// detail::scaled_norm over the parts of x (what gradient_norm computes tensor by tensor).
+    static std::pair<double, double> scaled_norm(View<const T> x,
+                                                 std::span<const std::ptrdiff_t> parts) {
+        std::vector<detail::TensorSlot<const T>> slots;
+        slots.reserve(parts.size());
+        const T* at = x.data;
+        for (const std::ptrdiff_t n : parts) {
+            slots.push_back({std::string(), at, 1, n});
+            at += n;
+        }
+        return detail::scaled_norm(slots);
+    }
+    static void scale(View<T> x, T factor) { cpu::as_eigen(x).array() *= factor; }
     static void scatter_add(View<const T> rows, std::span<const int> ids, View<T> table) {
         const auto r = cpu::as_eigen(rows);
         auto t = cpu::as_eigen(table);

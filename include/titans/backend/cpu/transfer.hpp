@@ -45,6 +45,9 @@ struct Transfer<Cpu, T> {
     static void download(View<const T> from, View<T> host) {
         cpu::as_eigen(host) = cpu::as_eigen(from);
     }
+    static void accumulate(View<const T> host, View<T> to) {
+        cpu::as_eigen(to) += cpu::as_eigen(host);
+    }
 };
 
 }  // namespace titans::backend

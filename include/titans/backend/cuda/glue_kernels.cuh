@@ -6,7 +6,9 @@
 // and returns with it idle.
 
 #include <cstddef>
+#include <cmath>
 #include <span>
+#include <utility>
 
 #include "../../detail/activation.hpp"
 #include "../../layers/glue.hpp"
@@ -164,6 +166,50 @@ struct GlueKernels<Cuda, T> {
                     "cudaMemcpy (cross-entropy loss)");
         return total * inv_n;
     }
+    /// Chunks of x reduced by one thread each, then the chunks' results in order by one
+    /// thread (deterministic): the largest |entry| (NaN propagates), then Σ (entry / scale)² in
+    /// double. The parts do not change the value beyond rounding (the CPU sums by part).
+    static std::pair<double, double> scaled_norm(View<const T> x,
+                                                 std::span<const std::ptrdiff_t> /*parts*/) {
+        const long long n = x.rows * x.cols;
+        if (n == 0) {
+            return {0.0, 0.0};
+        }
+        constexpr long long chunk = 4096;
+        const long long parts = (n + chunk - 1) / chunk;
+        cuda::DeviceBuffer<double> part(static_cast<std::size_t>(parts) + 1);
+        double* pp = part.data();
+        const T* v = x.data;
+        run(parts, [=] __device__(unsigned i) {
+            double m = 0.0;
+            const long long hi = (i + 1) * chunk, end = hi < n ? hi : n;
+            for (long long j = i * chunk; j < end; ++j) {
+                const double a = fabs(static_cast<double>(v[j]));
+                if (!(a <= m)) m = a;
+            }
+            pp[i] = m;
+        });
+        const double scale = reduce_parts(pp, parts, true);
+        if (scale == 0.0 || !std::isfinite(scale)) {
+            return {scale, 0.0};
+        }
+        run(parts, [=] __device__(unsigned i) {
+            double s = 0.0;
+            const long long hi = (i + 1) * chunk, end = hi < n ? hi : n;
+            for (long long j = i * chunk; j < end; ++j) {
+                const double a = static_cast<double>(v[j]) / scale;
+                s += a * a;
+            }
+            pp[i] = s;
+        });
+        return {scale, reduce_parts(pp, parts, false)};
+    }
+    static void scale(View<T> x, T factor) {
+        T* o = x.data;
+        const long long os = x.stride;
+        const unsigned c = cuda::u32(x.cols);
+        run(x.rows * x.cols, [=] __device__(unsigned i) { o[(i / c) * os + i % c] *= factor; });
+    }
     /// One thread per column, the rows added in order (repeated ids add deterministically).
     static void scatter_add(View<const T> rows, std::span<const int> ids, View<T> table) {
         if (ids.empty() || table.cols == 0) {
@@ -180,6 +226,26 @@ struct GlueKernels<Cuda, T> {
                 t[static_cast<long long>(id[i]) * ts + j] += r[i * rs + j];
             }
         });
+    }
+
+    /// The max (NaN propagating) or the sum of p[0, n) in order on one device thread, into
+    /// p[n], then copied back.
+    static double reduce_parts(double* p, long long n, bool max) {
+        run(1, [=] __device__(unsigned) {
+            double r = 0.0;
+            for (long long i = 0; i < n; ++i) {
+                if (!max) {
+                    r += p[i];
+                } else if (!(p[i] <= r)) {
+                    r = p[i];
+                }
+            }
+            p[n] = r;
+        });
+        double r = 0.0;
+        cuda::check(cudaMemcpy(&r, p + n, sizeof(double), cudaMemcpyDeviceToHost),
+                    "cudaMemcpy (scaled_norm)");
+        return r;
     }
 
     /// out = op(a) op(b) on cuBLAS (row-major; k the inner size), then waits for it.
@@ -224,5 +290,11 @@ struct GlueKernels<Cuda, T> {
         cx.synchronize();
     }
 };
+
+template <class T>
+void Transfer<Cuda, T>::accumulate(View<const T> host, View<T> to) {
+    const Buffer up = upload(host);
+    GlueKernels<Cuda, T>::add(view(up), to, to);
+}
 
 }  // namespace titans::backend

@@ -36,6 +36,8 @@ struct Transfer<Cuda, T> {
     static void download(View<const T> from, View<T> host) {
         copy(host, from, cudaMemcpyDeviceToHost, "download (cudaMemcpy2D device to host)");
     }
+    /// to += host: an upload, then GlueKernels<Cuda, T>::add (defined in glue_kernels.cuh).
+    static void accumulate(View<const T> host, View<T> to);
     /// to <- from, same shape, either side strided.
     static void copy(View<T> to, View<const T> from, cudaMemcpyKind kind, const char* what) {
         if (to.rows == 0 || to.cols == 0) {

@@ -1,0 +1,167 @@
+#pragma once
+// titans/models/model_gradients.hpp: a model's parameter gradients in one buffer of its
+// backend's memory (math §9, "One gradient buffer").
+
+#include <cmath>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "../backend/edge.hpp"
+#include "../detail/check.hpp"
+#include "../detail/tensor_slots.hpp"
+#include "../error.hpp"
+#include "../fwd.hpp"
+#include "../layers/glue.hpp"
+#include "../view.hpp"
+#include "model.hpp"
+
+namespace titans {
+
+/// The gradients of every parameter of a Model in one buffer of its backend's memory: the
+/// tensors ModelParams::tensors visits (embedding, blocks.{i}.*, norm_final, head), row-major,
+/// one after the other (1 x size()). Model::backward and backward_loss add to it on the
+/// backend, with nothing crossing to the host; norm() and clip() run there too (the norm comes
+/// back, two scalars); to_params() / add_to() bring it to the host in one download. What a
+/// data-parallel step all-reduces.
+///
+///     titans::ModelGradients<float, titans::backend::Cuda> grads(model);   // zeros
+///     const double loss = model.forward_loss(state, ids, labels, trace);
+///     model.backward_loss(trace, grads);
+///     const double norm = grads.clip(1.0);          // global-norm clipping, on the GPU
+///     titans::ModelParams<float> g = grads.to_params();
+///
+/// The layout is fixed by the configuration and the model's tensor shapes at construction;
+/// a model of another configuration is refused by backward (ShapeError). Movable (copyable
+/// where the backend's buffers are: the CPU's).
+template <class T, class Backend>
+class ModelGradients {
+public:
+    using Scalar = T;
+
+    /// Zeros for the parameters of `model`.
+    explicit ModelGradients(const Model<T, Backend>& model)
+        : ModelGradients(model.config(), model.params()) {}
+
+    /// Zeros for parameters of configuration cfg shaped as `shapes` (ShapeError unless they
+    /// fit cfg).
+    ModelGradients(const ModelConfig& cfg, const ModelParams<T>& shapes) : cfg_(cfg) {
+        detail::check_fits(shapes, cfg, "ModelGradients", "shapes");
+        Eigen::Index at = 0;
+        for (const auto& s : detail::tensor_slots(shapes, cfg)) {
+            slots_.push_back({s.name, at, s.rows, s.cols});
+            parts_.push_back(s.size());
+            at += s.size();
+        }
+        buffer_ = Transfer::allocate(1, at);
+        zero();
+    }
+
+    [[nodiscard]] const ModelConfig& config() const { return cfg_; }
+    /// Entries: every parameter's.
+    [[nodiscard]] Eigen::Index size() const { return Transfer::view(buffer_).cols; }
+    /// The whole buffer, 1 x size(), in the backend's memory.
+    [[nodiscard]] View<T> view() { return Transfer::view(buffer_); }
+    [[nodiscard]] View<const T> view() const { return Transfer::view(buffer_); }
+
+    /// Every entry 0 (on the backend).
+    void zero() { Glue::fill(view(), T(0)); }
+
+    /// Calls v(name, view) for every tensor, in ModelParams::tensors order, view its rows x
+    /// cols row-major View in the backend's memory (View<const T> when const).
+    template <class V>
+    void tensors(V&& v) {
+        for (const Slot& s : slots_) v(s.name, View<T>{view().data + s.at, s.rows, s.cols, s.cols});
+    }
+    template <class V>
+    void tensors(V&& v) const {
+        for (const Slot& s : slots_) {
+            v(s.name, View<const T>{view().data + s.at, s.rows, s.cols, s.cols});
+        }
+    }
+
+    /// The gradients as host tensors (one download).
+    [[nodiscard]] ModelParams<T> to_params() const {
+        ModelParams<T> p = ModelParams<T>::zeros(cfg_);
+        backend::add_to_host<Backend>(view(), p, cfg_);
+        return p;
+    }
+    /// grads += these gradients, tensor by tensor (one download). ShapeError unless grads has
+    /// this layout's tensors; NonFiniteError if grads has a NaN or infinite entry.
+    void add_to(ModelParams<T>& grads) const {
+        check_host(grads, "ModelGradients::add_to");
+        backend::add_to_host<Backend>(view(), grads, cfg_);
+    }
+
+    /// The Euclidean norm of every entry (gradient_norm's value, computed on the backend: on
+    /// the CPU the same bits as gradient_norm(to_params(), config())); +inf or NaN if an entry
+    /// is.
+    [[nodiscard]] double norm() const {
+        const auto [scale, sum] = Glue::scaled_norm(view(), parts_);
+        if (scale == 0.0 || !std::isfinite(scale)) return scale;
+        return scale * std::sqrt(sum);
+    }
+
+    /// Global gradient-norm clipping on the backend, as clip_gradient_norm: if norm() exceeds
+    /// max_norm, every entry is scaled by max_norm / norm. Returns the norm before clipping.
+    /// Throws, nothing changed: ConfigError (max_norm not finite and > 0, or not representable
+    /// in T), NonFiniteError (an entry NaN or infinite, or a norm beyond the largest double).
+    double clip(double max_norm) {
+        constexpr const char* where = "ModelGradients::clip";
+        detail::require<ConfigError>(std::isfinite(max_norm) && max_norm > 0, where, "max_norm",
+                                     max_norm, "a finite value > 0");
+        detail::require_representable<T>(max_norm, where, "max_norm");
+        const auto [scale, sum] = Glue::scaled_norm(view(), parts_);
+        if (!std::isfinite(scale)) {
+            throw NonFiniteError(detail::concat(where, ": the gradients have a NaN or infinite "
+                                                       "entry"));
+        }
+        const double norm = scale == 0.0 ? 0.0 : scale * std::sqrt(sum);
+        if (!std::isfinite(norm)) {
+            throw NonFiniteError(detail::concat(where, ": the norm of the gradients exceeds the "
+                                                       "largest ", detail::scalar_name<T>(),
+                                                " (every entry finite)"));
+        }
+        if (norm > max_norm) {
+            Glue::scale(view(), static_cast<T>(max_norm / norm));
+        }
+        return norm;
+    }
+
+    /// ShapeError unless this buffer has the layout of `model`'s parameters (what backward
+    /// checks).
+    void check_layout(const Model<T, Backend>& model, const char* where) const {
+        const auto slots = detail::tensor_slots(model.params(), model.config());
+        bool same = slots.size() == slots_.size();
+        for (std::size_t i = 0; same && i < slots.size(); ++i) {
+            same = slots[i].name == slots_[i].name && slots[i].rows == slots_[i].rows &&
+                   slots[i].cols == slots_[i].cols;
+        }
+        if (!same) {
+            throw ShapeError(detail::concat(where, ": grads are laid out for other parameters (",
+                                            slots_.size(), " tensors, ", size(),
+                                            " entries), expected this model's (", slots.size(),
+                                            " tensors); make them with ModelGradients(model)"));
+        }
+    }
+
+private:
+    using Transfer = backend::Transfer<Backend, T>;
+    using Glue = backend::GlueKernels<Backend, T>;
+    struct Slot {
+        std::string name;
+        Eigen::Index at, rows, cols;
+    };
+
+    void check_host(const ModelParams<T>& grads, const char* where) const {
+        const ModelParams<T> zeros = ModelParams<T>::zeros(cfg_);
+        detail::check_same_tensors(zeros, grads, cfg_, where, "grads");
+    }
+
+    ModelConfig cfg_;
+    std::vector<Slot> slots_;
+    std::vector<std::ptrdiff_t> parts_;  // the tensors' sizes, what scaled_norm sums by
+    typename Transfer::Buffer buffer_;
+};
+
+}  // namespace titans
