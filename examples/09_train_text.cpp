@@ -26,6 +26,9 @@
 
 #include <titans/io/parameters.hpp>
 #include <titans/titans.hpp>
+#if defined(TITANS_EXAMPLE_MPI) && TITANS_EXAMPLE_MPI
+#include <titans/mpi/mpi.hpp>
+#endif
 
 #include "common/line_chart.hpp"
 #include "common/needle.hpp"
@@ -39,6 +42,8 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <memory>
+#include <optional>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -54,6 +59,7 @@ struct Settings {
     std::string kind = "mag";    // lmm, mac, mag, mal, swa
     std::string result;          // JSON file of the final figures; empty: none
     bool dedupe = false, constant_gates = false, momentum = true, forget = true, dry_run = false;
+    bool mpi = false;            // --mpi: one rank of a data-parallel run (mpirun -np N)
     int d = 64, heads = 4, blocks = 2, window = 64, chunk = 16, depth = 2;
     int length = 128, batch = 16, steps = 1200, eval_every = 100, eval_batches = 4, niah = 2;
     long long params = 0;        // > 0: the feed-forward sized for about this many parameters
@@ -77,6 +83,7 @@ Settings parse(int argc, char** argv) {
         else if (a == "--dedupe") s.dedupe = true;
         else if (a == "--constant-gates") s.constant_gates = true;
         else if (a == "--dry-run") s.dry_run = true;
+        else if (a == "--mpi") s.mpi = true;
         else if (a == "--no-momentum") s.momentum = false;
         else if (a == "--no-forget") s.forget = false;
         else if (a == "--result" && has) s.result = argv[++i];
@@ -103,7 +110,7 @@ Settings parse(int argc, char** argv) {
                         "  [--chunk C] [--depth L] [--constant-gates] [--no-momentum] [--no-forget]\n"
                         "  [--params N]\n"
                         "  [--length N] [--batch B] [--steps S] [--eval-every K] [--lr LR] [--seed S]\n"
-                        "  [--niah TRIALS] [--result FILE.json] [--dry-run] [--quick]\n");
+                        "  [--niah TRIALS] [--result FILE.json] [--dry-run] [--quick] [--mpi]\n");
             std::exit(0);
         } else {
             throw std::invalid_argument("unknown argument '" + a + "' (see --help)");
@@ -204,8 +211,46 @@ std::string sample_text(const titans::Model<float>& model, const tt::Document& d
 
 }  // namespace
 
+/// --mpi: MPI started, the trainer joined to every rank of the run (each steps on its shard
+/// of every batch); every rank but 0 prints and writes nothing. Without the component: an
+/// error saying so.
+struct Ranks {
+#if defined(TITANS_EXAMPLE_MPI) && TITANS_EXAMPLE_MPI
+    std::optional<titans::mpi::Session> session;
+    std::shared_ptr<titans::mpi::Communicator> comm;
+#endif
+    int rank = 0, size = 1;
+
+    Ranks(bool mpi, int& argc, char**& argv) {
+        if (!mpi) return;
+#if defined(TITANS_EXAMPLE_MPI) && TITANS_EXAMPLE_MPI
+        session.emplace(argc, argv);
+        comm = std::make_shared<titans::mpi::Communicator>();
+        rank = comm->rank();
+        size = comm->size();
+        if (rank != 0 && std::freopen("/dev/null", "w", stdout) == nullptr) {
+            throw std::runtime_error("cannot silence rank " + std::to_string(rank));
+        }
+#else
+        (void)argc;
+        (void)argv;
+        throw std::invalid_argument("--mpi: this build has no titans::mpi (install an MPI, e.g. "
+                                    "openmpi-bin libopenmpi-dev, and configure again)");
+#endif
+    }
+    template <class Trainer>
+    void join(Trainer& trainer) const {
+#if defined(TITANS_EXAMPLE_MPI) && TITANS_EXAMPLE_MPI
+        if (comm) trainer.set_communicator(comm);
+#else
+        (void)trainer;
+#endif
+    }
+};
+
 int main(int argc, char** argv) try {
     const Settings s = parse(argc, argv);
+    const Ranks ranks(s.mpi, argc, argv);
     std::filesystem::create_directories(s.out_dir);
     std::vector<tt::Document> docs = s.text.empty() ? made_up_corpus(s.seed) : tt::read_documents(s.text);
     const std::size_t read = docs.size();
@@ -223,12 +268,15 @@ int main(int argc, char** argv) try {
     titans::TrainerConfig tc;
     tc.schedule = {s.lr, std::max(1, s.steps / 20), s.steps, 0.1};
     titans::Trainer<float> trainer(cfg, titans::ModelParams<float>::random(cfg, s.seed), tc);
+    ranks.join(trainer);
     std::int64_t n_params = 0;
     titans::ModelParams<float>::tensors(trainer.params(), cfg,
                                         [&](const std::string&, const auto& t) { n_params += t.size(); });
-    std::printf("model: %s, blocks %d, d %d, %d heads, window %d, %lld parameters; batch %d x %d bytes, %d steps\n",
+    std::printf("model: %s, blocks %d, d %d, %d heads, window %d, %lld parameters; batch %d x %d bytes, %d steps"
+                "%s\n",
                 s.kind.c_str(), s.blocks, s.d, s.heads, s.window, static_cast<long long>(n_params),
-                s.batch, s.length, s.steps);
+                s.batch, s.length, s.steps,
+                ranks.size > 1 ? (", " + std::to_string(ranks.size) + " ranks").c_str() : "");
     if (s.dry_run) return 0;  // the model line alone (tools/text_study.py sizes the variants)
 
     tt::BatchSampler batches(split.train, s.batch, s.length, s.seed);
@@ -250,6 +298,7 @@ int main(int argc, char** argv) try {
             std::fflush(stdout);
         }
     }
+    if (ranks.rank != 0) return 0;  // the model is the same bits on every rank: 0 reports it
     const std::string plot = (std::filesystem::path(s.out_dir) / "train_text.svg").string();
     examples::write_line_chart(plot, "byte-level " + s.kind + " on text", "step", "bits per byte",
                                {train_curve, valid_curve});

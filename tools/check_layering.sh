@@ -13,6 +13,7 @@
 #   6 train      train/: optimiser, schedule, losses, trainer
 #   6 text       text/: bytes as tokens, corpora, batches, sampling, generation
 #   7 io         io/: files
+#   7 mpi        mpi/: MPI as a data-parallel run's engine
 #   8 umbrella   titans.hpp
 #
 # Prints every include that goes up (or across families) and exits 1 if there is one.
@@ -32,6 +33,7 @@ layer_of() {  # layer_of <path relative to include/titans> -> "<rank> <name>"
         train/*) echo "6 train" ;;
         text/*) echo "6 text" ;;
         io/*) echo "7 io" ;;
+        mpi/*) echo "7 mpi" ;;
         */*) echo "? ?" ;;
         *) echo "0 base" ;;
     esac

@@ -48,6 +48,14 @@ public:
     using Error::Error;
 };
 
+/// The processes of a data-parallel run disagree (train/communicator.hpp): a rank whose
+/// configuration, parameters or optimiser differ from rank 0's when they join, or whose
+/// parameters have drifted from rank 0's at a periodic check. The message names the rank.
+class CommunicationError : public Error {
+public:
+    using Error::Error;
+};
+
 namespace detail {
 
 template <class... Parts>

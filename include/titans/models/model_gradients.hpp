@@ -102,6 +102,15 @@ public:
         return scale * std::sqrt(sum);
     }
 
+    /// Every entry *= factor (on the backend; factor finite, representable in T: ConfigError
+    /// otherwise).
+    void scale(double factor) {
+        detail::require<ConfigError>(std::isfinite(factor), "ModelGradients::scale", "factor",
+                                     factor, "a finite value");
+        detail::require_representable<T>(factor, "ModelGradients::scale", "factor");
+        Glue::scale(view(), static_cast<T>(factor));
+    }
+
     /// Global gradient-norm clipping on the backend, as clip_gradient_norm: if norm() exceeds
     /// max_norm, every entry is scaled by max_norm / norm. Returns the norm before clipping.
     /// Throws, nothing changed: ConfigError (max_norm not finite and > 0, or not representable

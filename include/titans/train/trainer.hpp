@@ -7,6 +7,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <exception>
+#include <functional>
+#include <memory>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -21,6 +24,8 @@
 #include "../models/model.hpp"
 #include "../models/model_gradients.hpp"
 #include "adamw.hpp"
+#include "communicator.hpp"
+#include "data_parallel.hpp"
 #include "gradients.hpp"
 #include "loss.hpp"
 #include "schedule.hpp"
@@ -163,11 +168,21 @@ public:
     /// would pass max_position), ShapeError (ids.size() not a positive multiple of batch,
     /// labels.size() != ids.size(), an id or label outside [0, vocab_size)), NonFiniteError
     /// (logits, gradients or updated parameters NaN or infinite).
+    ///
+    /// With a communicator of n > 1 ranks (set_communicator) every rank passes the same batch
+    /// (batch >= n) and computes the gradients of its shard of sequences (rank r: sequences
+    /// [r * batch / n, (r + 1) * batch / n)); the gradient buffer is summed over the ranks,
+    /// each rank's weighted by its share of the scored labels, so every rank takes the step of
+    /// the whole batch (to rounding: the sums run in another order) with the same bits. A rank
+    /// that refuses its part makes every rank throw (CommunicationError naming it, its own
+    /// error on it), as does a rank given another batch; every check_every steps the ranks'
+    /// parameters are compared (CommunicationError naming a rank that drifted).
     double step(const std::vector<int>& ids, std::span<const int> labels, int batch) {
-        check_step(ids, labels, batch);
         const ModelConfig& mc = model_.config();
+        if (!comm_) check_step(ids, labels, batch);  // a run's ranks check it together
         ModelGradients<T, Backend> grads(model_);  // zeros, in the backend's memory
-        const double loss = gradients(ids, labels, batch, grads);
+        const double loss = comm_ ? distributed_gradients(ids, labels, batch, grads)
+                                  : gradients(ids, labels, batch, grads);
         const double norm = cfg_.clip_norm > 0 ? grads.clip(cfg_.clip_norm) : grads.norm();
         if (!std::isfinite(norm)) {
             throw NonFiniteError("Trainer::step: the gradients have a NaN or infinite entry; "
@@ -186,8 +201,48 @@ public:
         model_.set_parameters(std::move(next));
         opt_ = std::move(opt);
         progress_ = {progress_.data_position + batch, loss, norm, lr};
+        if (comm_ && check_every_ > 0 && opt_.steps() % check_every_ == 0) {
+            detail::require_same_on_ranks(*comm_, params_print(), "Trainer::step",
+                                          "parameters (the ranks have drifted apart)");
+        }
         return loss;
     }
+
+    /// Joins a data-parallel run (null: trains alone again): every rank's trainer calls it
+    /// with its communicator (collective), and every rank's model configuration, trainer
+    /// settings, parameters, optimiser state and data position must equal rank 0's
+    /// (CommunicationError naming the first rank that differs; nothing changes then). Every
+    /// check_every steps (0: never; >= 0, ConfigError otherwise) step() compares the ranks'
+    /// parameters. Backends whose memory the host reads (the CPU); ConfigError for others
+    /// with more than one rank.
+    ///
+    ///     titans::mpi::Session mpi(argc, argv);                        // <titans/mpi/mpi.hpp>
+    ///     trainer.set_communicator(std::make_shared<titans::mpi::Communicator>());
+    void set_communicator(std::shared_ptr<Communicator> comm, std::int64_t check_every = 100) {
+        constexpr const char* where = "Trainer::set_communicator";
+        detail::require<ConfigError>(check_every >= 0, where, "check_every", check_every,
+                                     ">= 0 (0: never)");
+        if (comm) {
+            if constexpr (!backend::BackendTraits<Backend>::host_accessible) {
+                detail::require<ConfigError>(comm->size() == 1, where, "communicator size()",
+                                             comm->size(), "1 on this backend (the gradient "
+                                             "buffer is summed in host memory: the CPU backend)");
+            }
+            detail::SettingsPrint settings;
+            ModelConfig::fields(model_.config(), std::ref(settings));
+            TrainerConfig::fields(cfg_, std::ref(settings));
+            detail::require_same_on_ranks(*comm, settings.hash().value(), where,
+                                          "model configuration or trainer settings");
+            detail::require_same_on_ranks(*comm, params_print(), where, "parameters");
+            detail::require_same_on_ranks(
+                *comm, detail::optimizer_print(opt_, progress_.data_position), where,
+                "optimiser state or data position");
+        }
+        comm_ = std::move(comm);
+        check_every_ = check_every;
+    }
+    /// The communicator of a data-parallel run (null when training alone).
+    [[nodiscard]] const std::shared_ptr<Communicator>& communicator() const { return comm_; }
 
     [[nodiscard]] const ModelType& model() const { return model_; }
     [[nodiscard]] const ModelParams<T>& params() const { return model_.params(); }
@@ -289,6 +344,41 @@ private:
                                      "at most max_position = 2^62");
     }
 
+    /// gradients() of this rank's shard, its refusal shared with every rank, then the ranks'
+    /// gradients and losses combined (detail::combine).
+    double distributed_gradients(const std::vector<int>& ids, std::span<const int> labels,
+                                 int batch, ModelGradients<T, Backend>& grads) const {
+        const int ranks = comm_->size();
+        std::exception_ptr failed;
+        double loss = 0.0;
+        std::int64_t mine = 0, all = 0;
+        try {
+            check_step(ids, labels, batch);
+            detail::require<ConfigError>(batch >= ranks, "Trainer::step", "batch", batch,
+                                         detail::concat(">= the ranks of the run, ", ranks));
+            const detail::Shard sh = detail::shard_of(batch, comm_->rank(), ranks);
+            const std::size_t n = ids.size() / static_cast<std::size_t>(batch),
+                              at = static_cast<std::size_t>(sh.first) * n,
+                              len = static_cast<std::size_t>(sh.count) * n;
+            const std::vector<int> my_ids(ids.begin() + static_cast<std::ptrdiff_t>(at),
+                                          ids.begin() + static_cast<std::ptrdiff_t>(at + len));
+            const std::span<const int> my_labels = labels.subspan(at, len);
+            loss = gradients(my_ids, my_labels, sh.count, grads);
+            for (const int l : labels) all += l >= 0;
+            for (const int l : my_labels) mine += l >= 0;
+        } catch (...) {
+            failed = std::current_exception();
+        }
+        detail::agree_on_step(*comm_, failed, detail::batch_print(ids, labels, batch));
+        return detail::combine(*comm_, grads, loss, mine, all);
+    }
+
+    std::uint64_t params_print() const {
+        detail::Fnv1a h;
+        detail::print_tensors(h, model_.params(), model_.config());
+        return h.value();
+    }
+
     /// The training forward from a fresh state, the loss and the backward into grads.
     double gradients(const std::vector<int>& ids, std::span<const int> labels, int batch,
                      ModelGradients<T, Backend>& grads) const {
@@ -303,6 +393,8 @@ private:
     ModelType model_;
     AdamW<T> opt_;
     TrainerProgress progress_;
+    std::shared_ptr<Communicator> comm_;  // a data-parallel run's (null: alone)
+    std::int64_t check_every_ = 0;
 };
 
 }  // namespace titans

@@ -1,0 +1,53 @@
+#pragma once
+// titans/train/communicator.hpp: how a Trainer joins the other processes of a data-parallel
+// run. The interface an engine implements (titans::mpi::Communicator over MPI,
+// <titans/mpi/mpi.hpp>), and the check every rank runs with it.
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "../detail/check.hpp"
+#include "../error.hpp"
+
+namespace titans {
+
+/// The collectives a data-parallel Trainer needs (Trainer::set_communicator): `size()`
+/// processes, this one `rank()`. Every call is collective: every rank makes the same calls in
+/// the same order, with spans of the same length. A reduction's result must be the same bits
+/// on every rank (a fixed order of the additions, e.g. a reduction to one rank and a
+/// broadcast), so that every rank takes the same optimiser step. Implementations report their
+/// engine's failures as they see fit (MPI's: the run ends, naming the rank).
+class Communicator {
+public:
+    virtual ~Communicator() = default;
+    [[nodiscard]] virtual int rank() const = 0;
+    [[nodiscard]] virtual int size() const = 0;
+    /// x[i] = the sum over the ranks of their x[i], the same bits on every rank (host memory).
+    virtual void sum(std::span<double> x) = 0;
+    virtual void sum(std::span<float> x) = 0;
+    /// Every rank's `value`, in rank order, on every rank.
+    [[nodiscard]] virtual std::vector<std::uint64_t> gather(std::uint64_t value) = 0;
+};
+
+namespace detail {
+
+/// Throws CommunicationError on every rank, naming the first rank whose `value` (a
+/// fingerprint of `what`) differs from rank 0's: "<where>: rank 1 has other <what> than rank
+/// 0, expected the same on every rank".
+inline void require_same_on_ranks(Communicator& comm, std::uint64_t value, const char* where,
+                                  const char* what) {
+    const std::vector<std::uint64_t> all = comm.gather(value);
+    for (std::size_t r = 1; r < all.size(); ++r) {
+        if (all[r] != all[0]) {
+            throw CommunicationError(concat(where, ": rank ", r, " has other ", what,
+                                            " than rank 0, expected the same on every rank"));
+        }
+    }
+}
+
+}  // namespace detail
+
+}  // namespace titans
