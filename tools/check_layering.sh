@@ -14,6 +14,7 @@
 #   6 text       text/: bytes as tokens, corpora, batches, sampling, generation
 #   7 io         io/: files
 #   7 mpi        mpi/: MPI as a data-parallel run's engine
+#   7 nccl       nccl/: NCCL as a data-parallel run's engine on GPUs
 #   8 umbrella   titans.hpp
 #
 # Prints every include that goes up (or across families) and exits 1 if there is one.
@@ -34,6 +35,7 @@ layer_of() {  # layer_of <path relative to include/titans> -> "<rank> <name>"
         text/*) echo "6 text" ;;
         io/*) echo "7 io" ;;
         mpi/*) echo "7 mpi" ;;
+        nccl/*) echo "7 nccl" ;;
         */*) echo "? ?" ;;
         *) echo "0 base" ;;
     esac

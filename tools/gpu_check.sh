@@ -35,8 +35,11 @@ repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${repo_root}/build/gpu-check"
 
 do_build() {
+  # NCCL (the test "cuda nccl: one rank") only with GPU_CHECK_NCCL=ON: its library (hundreds
+  # of MB) does not travel with the build, so the device must have it.
   cmake -S "${repo_root}" -B "${build}" -DCMAKE_BUILD_TYPE=Release -DTITANS_ENABLE_CUDA=ON \
-    -DTITANS_BUILD_EXAMPLES=ON -DTITANS_IO=AUTO -DTITANS_HEADER_CHECK=OFF -DTITANS_INSTALL=OFF
+    -DTITANS_BUILD_EXAMPLES=ON -DTITANS_IO=AUTO -DTITANS_HEADER_CHECK=OFF -DTITANS_INSTALL=OFF \
+    -DTITANS_ENABLE_NCCL="${GPU_CHECK_NCCL:-OFF}"
   cmake --build "${build}" -j "$(nproc)" --target titans_cuda_tests bench_cuda 07_cuda_memory
   local lib
   lib="$(ldd "${build}/bench/bench_cuda" | awk '/libbenchmark/ {print $3}')"

@@ -162,3 +162,36 @@ TEST_CASE("cuda model: chained pieces", "[cuda]") {
         });
     }
 }
+
+#if defined(TITANS_TEST_HAS_NCCL) && TITANS_TEST_HAS_NCCL
+#include <titans/nccl/nccl.cuh>
+
+// NCCL with one rank (the GPU tests only; NCCL is not emulated): its sum and gather on device
+// memory, a CUDA trainer joined to it takes the steps of one without it bit for bit, and a
+// host communicator's refusal by a device backend.
+TEST_CASE("cuda nccl: one rank", "[cuda]") {
+    const auto comm = titans::nccl::Communicator::alone();
+    CHECK((comm->rank() == 0 && comm->size() == 1 && comm->device_memory()));
+    std::vector<double> host{1.5, -2.0, 1e300};
+    titans::backend::cuda::DeviceBuffer<double> dev(host.size());
+    titans::backend::cuda::check(cudaMemcpy(dev.data(), host.data(), 3 * sizeof(double),
+                                            cudaMemcpyHostToDevice), "cudaMemcpy");
+    comm->sum(std::span<double>(dev.data(), 3));
+    std::vector<double> back(3);
+    titans::backend::cuda::check(cudaMemcpy(back.data(), dev.data(), 3 * sizeof(double),
+                                            cudaMemcpyDeviceToHost), "cudaMemcpy");
+    CHECK(back == host);
+    CHECK(comm->gather(42) == std::vector<std::uint64_t>{42});
+    Rng rng(seed_for("cuda nccl one rank", 0));
+    const int vocab = 11, B = 2, N = 6;
+    const ModelCase m = trainer_model_case<double>(BlockKind::MAG, BlockKind::LMM, vocab, rng);
+    const TrainerConfig tc = trainer_test_config(1.0);
+    Trainer<double, Cuda> alone(m.cfg, m.params, tc), joined(m.cfg, m.params, tc);
+    joined.set_communicator(comm);
+    for (int s = 0; s < 3; ++s) {
+        const StepData d = step_data("cuda nccl one rank", static_cast<std::uint64_t>(s), B, N, vocab);
+        CHECK(alone.step(d.ids, d.labels, B) == joined.step(d.ids, d.labels, B));
+    }
+    CHECK(same_trainers(alone, joined));
+}
+#endif

@@ -25,9 +25,13 @@ public:
     virtual ~Communicator() = default;
     [[nodiscard]] virtual int rank() const = 0;
     [[nodiscard]] virtual int size() const = 0;
-    /// x[i] = the sum over the ranks of their x[i], the same bits on every rank (host memory).
+    /// x[i] = the sum over the ranks of their x[i], the same bits on every rank; x in host
+    /// memory, or in the device's where device_memory() (NCCL's).
     virtual void sum(std::span<double> x) = 0;
     virtual void sum(std::span<float> x) = 0;
+    /// Whether sum() takes device memory (a CUDA backend's gradient buffer summed where it
+    /// lives) rather than host memory.
+    [[nodiscard]] virtual bool device_memory() const { return false; }
     /// Every rank's `value`, in rank order, on every rank.
     [[nodiscard]] virtual std::vector<std::uint64_t> gather(std::uint64_t value) = 0;
 };

@@ -9,6 +9,7 @@
 #include <span>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "../backend/backend.hpp"
@@ -16,6 +17,7 @@
 #include "../detail/fnv1a.hpp"
 #include "../detail/tensor_slots.hpp"
 #include "../error.hpp"
+#include "../view.hpp"
 #include "../models/model.hpp"
 #include "../models/model_gradients.hpp"
 #include "adamw.hpp"
@@ -117,22 +119,40 @@ inline void agree_on_step(Communicator& comm, const std::exception_ptr& failed,
 /// The whole batch's gradients and loss from each rank's: a rank's are those of the mean over
 /// its own scored labels (mine of them, of all in the batch), so each is weighted by
 /// mine / all before one sum of the gradient buffer over the ranks (the same bits on every
-/// rank); the loss likewise. The buffer is summed in host memory: on a backend the host
-/// cannot read, a run of one rank only (Trainer::set_communicator refuses more).
+/// rank); the loss likewise. The buffer is summed where it lives: in host memory on a backend
+/// the host reads, in the device's with a device communicator (NCCL's, device_memory()); a
+/// backend and communicator that cannot meet run one rank only (Trainer::set_communicator
+/// refuses more).
 template <class T, class Backend>
 [[nodiscard]] double combine(Communicator& comm, ModelGradients<T, Backend>& grads,
                              double loss, std::int64_t mine, std::int64_t all) {
+    constexpr bool host = backend::BackendTraits<Backend>::host_accessible;
     const double share = all > 0 ? static_cast<double>(mine) / static_cast<double>(all) : 0.0;
     if (mine != all) grads.scale(share);
-    if constexpr (backend::BackendTraits<Backend>::host_accessible) {
-        comm.sum(std::span<T>(grads.view().data, static_cast<std::size_t>(grads.size())));
-    } else {
-        require<ConfigError>(comm.size() == 1, "Trainer::step", "communicator size()",
-                             comm.size(), "1 on a backend whose memory the host cannot read");
+    if (comm.size() == 1) return loss * share;
+    require<ConfigError>(host != comm.device_memory(), "Trainer::step", "communicator",
+                         comm.device_memory() ? "a device communicator" : "a host communicator",
+                         host ? "a host communicator (MPI's) for a backend the host reads"
+                              : "a device communicator (NCCL's) for a device backend");
+    comm.sum(std::span<T>(grads.view().data, static_cast<std::size_t>(grads.size())));
+    double total = loss * share;
+    if (!comm.device_memory()) {
+        comm.sum(std::span<double>(&total, 1));
+        return total;
     }
-    double total[1] = {loss * share};
-    comm.sum(std::span<double>(total));
-    return total[0];
+    using Transfer = backend::Transfer<Backend, double>;
+    auto on_device = Transfer::upload(View<const double>{&total, 1, 1, 1});
+    comm.sum(std::span<double>(Transfer::view(on_device).data, 1));
+    Transfer::download(Transfer::view(std::as_const(on_device)), View<double>{&total, 1, 1, 1});
+    return total;
+}
+
+/// Whether a communicator can sum a Backend's gradient buffer: one rank always, else host
+/// memory for a backend the host reads, device memory for the others.
+template <class Backend>
+[[nodiscard]] bool can_sum(const Communicator& comm) {
+    return comm.size() == 1 ||
+           backend::BackendTraits<Backend>::host_accessible != comm.device_memory();
 }
 
 }  // namespace titans::detail

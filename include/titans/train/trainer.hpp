@@ -213,8 +213,9 @@ public:
     /// settings, parameters, optimiser state and data position must equal rank 0's
     /// (CommunicationError naming the first rank that differs; nothing changes then). Every
     /// check_every steps (0: never; >= 0, ConfigError otherwise) step() compares the ranks'
-    /// parameters. Backends whose memory the host reads (the CPU); ConfigError for others
-    /// with more than one rank.
+    /// parameters. The gradient buffer is summed where it lives: a backend the host reads (the
+    /// CPU) takes a host communicator (MPI's), a device backend (CUDA) a device one (NCCL's,
+    /// <titans/nccl/nccl.cuh>); ConfigError otherwise, unless the run has one rank.
     ///
     ///     titans::mpi::Session mpi(argc, argv);                        // <titans/mpi/mpi.hpp>
     ///     trainer.set_communicator(std::make_shared<titans::mpi::Communicator>());
@@ -223,11 +224,12 @@ public:
         detail::require<ConfigError>(check_every >= 0, where, "check_every", check_every,
                                      ">= 0 (0: never)");
         if (comm) {
-            if constexpr (!backend::BackendTraits<Backend>::host_accessible) {
-                detail::require<ConfigError>(comm->size() == 1, where, "communicator size()",
-                                             comm->size(), "1 on this backend (the gradient "
-                                             "buffer is summed in host memory: the CPU backend)");
-            }
+            detail::require<ConfigError>(
+                detail::can_sum<Backend>(*comm), where, "communicator",
+                comm->device_memory() ? "a device communicator" : "a host communicator",
+                backend::BackendTraits<Backend>::host_accessible
+                    ? "a host communicator (MPI's) for this backend, or one rank"
+                    : "a device communicator (NCCL's) for this backend, or one rank");
             detail::SettingsPrint settings;
             ModelConfig::fields(model_.config(), std::ref(settings));
             TrainerConfig::fields(cfg_, std::ref(settings));
