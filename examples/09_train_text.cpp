@@ -343,5 +343,12 @@ int main(int argc, char** argv) try {
     return 0;
 } catch (const std::exception& e) {
     std::fprintf(stderr, "09_train_text: %s\n", e.what());
+#if defined(TITANS_EXAMPLE_MPI) && TITANS_EXAMPLE_MPI
+    int ready = 0, done = 0, size = 1;
+    MPI_Initialized(&ready);
+    MPI_Finalized(&done);
+    if (ready != 0 && done == 0) MPI_Comm_size(MPI_COMM_WORLD, &size);
+    if (size > 1) MPI_Abort(MPI_COMM_WORLD, 1);  // the other ranks may wait in a collective
+#endif
     return 1;
 }

@@ -129,8 +129,9 @@ TEST_CASE("trainer: data parallel, threads", "[train][parallel]") {
 }
 
 // A run refuses ranks that disagree, every rank together, nothing changing: other parameters
-// at joining (the rank named), a rank refusing its part (its own error there, the rank named
-// on the others), another batch on one rank; a batch smaller than the ranks.
+// or another check_every at joining (the rank named), a rank refusing its own arguments at
+// joining or its part of a step (its own error there, the rank named on the others), another
+// batch on one rank; a batch smaller than the ranks.
 TEST_CASE("trainer: data parallel refusals", "[train][parallel]") {
     Rng rng(seed_for("trainer: data parallel refusals", 0));
     const int vocab = 9, N = 4;
@@ -151,6 +152,20 @@ TEST_CASE("trainer: data parallel refusals", "[train][parallel]") {
         }
         Trainer<double> t(m.cfg, m.params, tc);
         t.set_threads(titans::Threads{1});
+        bool own_join = false, named_join = false, other_every = false;
+        try {  // rank 1 refuses its own argument: rank 0 learns it at the first gather
+            t.set_communicator(comm, r == 1 ? -1 : 4);
+        } catch (const titans::ConfigError&) {
+            own_join = true;
+        } catch (const titans::CommunicationError& e) {
+            named_join = std::string(e.what()).find("rank 1 refused") != std::string::npos;
+        }
+        try {
+            t.set_communicator(comm, r == 1 ? 5 : 4);
+        } catch (const titans::CommunicationError& e) {
+            other_every = std::string(e.what()).find("check_every") != std::string::npos;
+        }
+        const bool joined_none = t.communicator() == nullptr;
         t.set_communicator(comm);
         StepData bad = d;
         if (r == 1) bad.ids[3] = -1;
@@ -168,7 +183,7 @@ TEST_CASE("trainer: data parallel refusals", "[train][parallel]") {
         try {
             t.step(moved.ids, moved.labels, 2);
         } catch (const titans::CommunicationError& e) {
-            other_batch = std::string(e.what()).find("rank 1's batch") != std::string::npos;
+            other_batch = std::string(e.what()).find("rank 1 has other batch") != std::string::npos;
         }
         try {
             t.step(d.ids, d.labels, 1);
@@ -178,7 +193,9 @@ TEST_CASE("trainer: data parallel refusals", "[train][parallel]") {
         const bool unchanged = t.steps() == 0 && same_param_bits(t.params(), m.params, m.cfg);
         t.step(d.ids, d.labels, 2);
         fine[static_cast<std::size_t>(r)] = (r == 1 ? own : named) && other_batch && too_small &&
-                                            unchanged && t.steps() == 1;
+                                            unchanged && t.steps() == 1 &&
+                                            (r == 1 ? own_join : named_join) && other_every &&
+                                            joined_none;
     });
     for (int r = 0; r < 2; ++r) {
         INFO("rank " << r << ": " << said[static_cast<std::size_t>(r)]);

@@ -13,6 +13,7 @@
 #include "backend/simulated_device.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -951,4 +952,8 @@ TEST_CASE("backend: model gradients", "[backend][train]") {
     CHECK(g.norm() == norm);
     g.zero();
     CHECK(g.norm() == 0.0);
+    // A NaN followed by finite entries sticks: the norm is NaN and clipping refuses.
+    g.view().data[1] = std::numeric_limits<double>::quiet_NaN();
+    CHECK(std::isnan(g.norm()));
+    CHECK_THROWS_AS(g.clip(1.0), titans::NonFiniteError);
 }

@@ -23,7 +23,8 @@ template <class Slots>
     for (const auto& s : slots) {
         for (Eigen::Index i = 0; i < s.size(); ++i) {
             const double a = std::abs(static_cast<double>(s.data[i]));
-            if (!(a <= scale)) scale = a;  // NaN propagates
+            if (std::isnan(a)) return {a, 0.0};  // NaN sticks: no later entry may replace it
+            if (!(a <= scale)) scale = a;
         }
     }
     if (scale == 0.0 || !std::isfinite(scale)) return {scale, 0.0};

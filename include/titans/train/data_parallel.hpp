@@ -94,24 +94,26 @@ template <class T>
     return h.value();
 }
 
-/// Ends a step on every rank together: `failed` (this rank's error, or null) and this rank's
-/// batch fingerprint are gathered; a rank that failed rethrows its own error, the others
-/// throw CommunicationError naming it; ranks given other batches throw CommunicationError.
-/// So no rank waits in a later collective for one that has stopped.
-inline void agree_on_step(Communicator& comm, const std::exception_ptr& failed,
-                          std::uint64_t batch) {
-    const std::vector<std::uint64_t> all = comm.gather(failed ? 0 : (batch | 1));
+/// Ends a collective call on every rank together: `failed` (this rank's error, or null) and
+/// this rank's `value` (a fingerprint of `what`) are gathered; a rank that failed rethrows its
+/// own error, the others throw CommunicationError naming it ("<where>: rank r refused (its
+/// own error names why); nothing changed"); a rank whose value differs from rank 0's is named
+/// ("<where>: rank r has other <what> than rank 0"). So no rank waits in a later collective
+/// for one that has stopped.
+inline void agree(Communicator& comm, const std::exception_ptr& failed, std::uint64_t value,
+                  const char* where, const char* what) {
+    const std::vector<std::uint64_t> all = comm.gather(failed ? 0 : (value | 1));
     for (std::size_t r = 0; r < all.size(); ++r) {
         if (all[r] != 0) continue;
         if (failed) std::rethrow_exception(failed);
-        throw CommunicationError(concat("Trainer::step: rank ", r, " refused its part of the "
-                                        "step (its own error names why); nothing changed"));
+        throw CommunicationError(concat(where, ": rank ", r, " refused (its own error names "
+                                        "why); nothing changed"));
     }
     for (std::size_t r = 1; r < all.size(); ++r) {
         if (all[r] != all[0]) {
-            throw CommunicationError(concat("Trainer::step: rank ", r, "'s batch (ids, labels "
-                                            "or batch) differs from rank 0's, expected every "
-                                            "rank to pass the same batch; nothing changed"));
+            throw CommunicationError(concat(where, ": rank ", r, " has other ", what,
+                                            " than rank 0, expected the same on every rank; "
+                                            "nothing changed"));
         }
     }
 }

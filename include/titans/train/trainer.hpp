@@ -10,6 +10,7 @@
 #include <exception>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -176,13 +177,20 @@ public:
     /// the whole batch (to rounding: the sums run in another order) with the same bits. A rank
     /// that refuses its part makes every rank throw (CommunicationError naming it, its own
     /// error on it), as does a rank given another batch; every check_every steps the ranks'
-    /// parameters are compared (CommunicationError naming a rank that drifted).
+    /// new parameters are compared before the step is taken (CommunicationError naming a rank
+    /// that drifted; nothing changes).
     double step(const std::vector<int>& ids, std::span<const int> labels, int batch) {
         const ModelConfig& mc = model_.config();
-        if (!comm_) check_step(ids, labels, batch);  // a run's ranks check it together
-        ModelGradients<T, Backend> grads(model_);  // zeros, in the backend's memory
-        const double loss = comm_ ? distributed_gradients(ids, labels, batch, grads)
-                                  : gradients(ids, labels, batch, grads);
+        std::optional<ModelGradients<T, Backend>> g;  // zeros, in the backend's memory
+        double loss = 0.0;
+        if (comm_) {
+            loss = distributed_gradients(ids, labels, batch, g);  // the ranks check together
+        } else {
+            check_step(ids, labels, batch);
+            g.emplace(model_);
+            loss = gradients(ids, labels, batch, *g);
+        }
+        ModelGradients<T, Backend>& grads = *g;
         const double norm = cfg_.clip_norm > 0 ? grads.clip(cfg_.clip_norm) : grads.norm();
         if (!std::isfinite(norm)) {
             throw NonFiniteError("Trainer::step: the gradients have a NaN or infinite entry; "
@@ -198,22 +206,24 @@ public:
                 "rate ", lr, " at step ", opt.steps(), "), expected finite values; nothing "
                 "changed"));
         }
+        if (comm_ && check_every_ > 0 && opt.steps() % check_every_ == 0) {
+            detail::require_same_on_ranks(*comm_, params_print(next), "Trainer::step",
+                                          "parameters (the ranks have drifted apart; nothing "
+                                          "changed)");
+        }
         model_.set_parameters(std::move(next));
         opt_ = std::move(opt);
         progress_ = {progress_.data_position + batch, loss, norm, lr};
-        if (comm_ && check_every_ > 0 && opt_.steps() % check_every_ == 0) {
-            detail::require_same_on_ranks(*comm_, params_print(), "Trainer::step",
-                                          "parameters (the ranks have drifted apart)");
-        }
         return loss;
     }
 
     /// Joins a data-parallel run (null: trains alone again): every rank's trainer calls it
     /// with its communicator (collective), and every rank's model configuration, trainer
     /// settings, parameters, optimiser state and data position must equal rank 0's
-    /// (CommunicationError naming the first rank that differs; nothing changes then). Every
-    /// check_every steps (0: never; >= 0, ConfigError otherwise) step() compares the ranks'
-    /// parameters. The gradient buffer is summed where it lives: a backend the host reads (the
+    /// (CommunicationError naming the first rank that differs; nothing changes then), and so
+    /// must check_every: every check_every steps (0: never; >= 0, ConfigError otherwise)
+    /// step() compares the ranks' parameters. A rank refusing its own arguments makes every
+    /// rank throw (CommunicationError naming it on the others). The gradient buffer is summed where it lives: a backend the host reads (the
     /// CPU) takes a host communicator (MPI's), a device backend (CUDA) a device one (NCCL's,
     /// <titans/nccl/nccl.cuh>); ConfigError otherwise, unless the run has one rank.
     ///
@@ -221,21 +231,31 @@ public:
     ///     trainer.set_communicator(std::make_shared<titans::mpi::Communicator>());
     void set_communicator(std::shared_ptr<Communicator> comm, std::int64_t check_every = 100) {
         constexpr const char* where = "Trainer::set_communicator";
-        detail::require<ConfigError>(check_every >= 0, where, "check_every", check_every,
-                                     ">= 0 (0: never)");
-        if (comm) {
-            detail::require<ConfigError>(
-                detail::can_sum<Backend>(*comm), where, "communicator",
-                comm->device_memory() ? "a device communicator" : "a host communicator",
-                backend::BackendTraits<Backend>::host_accessible
-                    ? "a host communicator (MPI's) for this backend, or one rank"
-                    : "a device communicator (NCCL's) for this backend, or one rank");
+        if (!comm) {
+            detail::require<ConfigError>(check_every >= 0, where, "check_every", check_every,
+                                         ">= 0 (0: never)");
+        } else {
+            std::exception_ptr failed;  // refused here: every rank learns it at the first gather
             detail::SettingsPrint settings;
-            ModelConfig::fields(model_.config(), std::ref(settings));
-            TrainerConfig::fields(cfg_, std::ref(settings));
-            detail::require_same_on_ranks(*comm, settings.hash().value(), where,
-                                          "model configuration or trainer settings");
-            detail::require_same_on_ranks(*comm, params_print(), where, "parameters");
+            try {
+                detail::require<ConfigError>(check_every >= 0, where, "check_every",
+                                             check_every, ">= 0 (0: never)");
+                detail::require<ConfigError>(
+                    detail::can_sum<Backend>(*comm), where, "communicator",
+                    comm->device_memory() ? "a device communicator" : "a host communicator",
+                    backend::BackendTraits<Backend>::host_accessible
+                        ? "a host communicator (MPI's) for this backend, or one rank"
+                        : "a device communicator (NCCL's) for this backend, or one rank");
+                ModelConfig::fields(model_.config(), std::ref(settings));
+                TrainerConfig::fields(cfg_, std::ref(settings));
+                settings(std::string("check_every"), check_every);
+            } catch (...) {
+                failed = std::current_exception();
+            }
+            detail::agree(*comm, failed, settings.hash().value(), where,
+                          "model configuration, trainer settings or check_every");
+            detail::require_same_on_ranks(*comm, params_print(model_.params()), where,
+                                          "parameters");
             detail::require_same_on_ranks(
                 *comm, detail::optimizer_print(opt_, progress_.data_position), where,
                 "optimiser state or data position");
@@ -349,13 +369,14 @@ private:
     /// gradients() of this rank's shard, its refusal shared with every rank, then the ranks'
     /// gradients and losses combined (detail::combine).
     double distributed_gradients(const std::vector<int>& ids, std::span<const int> labels,
-                                 int batch, ModelGradients<T, Backend>& grads) const {
+                                 int batch, std::optional<ModelGradients<T, Backend>>& g) const {
         const int ranks = comm_->size();
         std::exception_ptr failed;
         double loss = 0.0;
         std::int64_t mine = 0, all = 0;
         try {
             check_step(ids, labels, batch);
+            g.emplace(model_);
             detail::require<ConfigError>(batch >= ranks, "Trainer::step", "batch", batch,
                                          detail::concat(">= the ranks of the run, ", ranks));
             const detail::Shard sh = detail::shard_of(batch, comm_->rank(), ranks);
@@ -365,19 +386,20 @@ private:
             const std::vector<int> my_ids(ids.begin() + static_cast<std::ptrdiff_t>(at),
                                           ids.begin() + static_cast<std::ptrdiff_t>(at + len));
             const std::span<const int> my_labels = labels.subspan(at, len);
-            loss = gradients(my_ids, my_labels, sh.count, grads);
+            loss = gradients(my_ids, my_labels, sh.count, *g);
             for (const int l : labels) all += l >= 0;
             for (const int l : my_labels) mine += l >= 0;
         } catch (...) {
             failed = std::current_exception();
         }
-        detail::agree_on_step(*comm_, failed, detail::batch_print(ids, labels, batch));
-        return detail::combine(*comm_, grads, loss, mine, all);
+        detail::agree(*comm_, failed, detail::batch_print(ids, labels, batch), "Trainer::step",
+                      "batch (ids, labels or batch)");
+        return detail::combine(*comm_, *g, loss, mine, all);
     }
 
-    std::uint64_t params_print() const {
+    std::uint64_t params_print(const ModelParams<T>& p) const {
         detail::Fnv1a h;
-        detail::print_tensors(h, model_.params(), model_.config());
+        detail::print_tensors(h, p, model_.config());
         return h.value();
     }
 

@@ -186,6 +186,7 @@ struct GlueKernels<Cuda, T> {
             for (long long j = i * chunk; j < end; ++j) {
                 const double a = fabs(static_cast<double>(v[j]));
                 if (!(a <= m)) m = a;
+                if (m != m) break;  // NaN sticks
             }
             pp[i] = m;
         });
@@ -238,6 +239,7 @@ struct GlueKernels<Cuda, T> {
                     r += p[i];
                 } else if (!(p[i] <= r)) {
                     r = p[i];
+                    if (r != r) break;  // NaN sticks
                 }
             }
             p[n] = r;
