@@ -20,7 +20,8 @@
 // tools/text_study.py collects); --params N widens or narrows the feed-forward so the model
 // has about N parameters (equal sizes for the attention-only baseline and the memory kinds);
 // --depth 1 makes the memory linear, --no-momentum and --no-forget turn off its momentum and
-// forget gate (the paper's ablations; with constant gates, see model_config).
+// forget gate (the paper's ablations: MemoryConfig::momentum / forget, the other gates kept
+// data-dependent), --constant-gates makes every gate a constant (see model_config).
 // Without --text a small text is made up here (runs anywhere; the numbers then mean little).
 // --quick: a tiny run for CI (seconds).
 
@@ -159,19 +160,22 @@ std::vector<tt::Document> made_up_corpus(std::uint64_t seed) {
 /// The model of the settings. The ablations: --constant-gates makes the memory's gates
 /// constant (GateMode::Constant: theta = theta_max / 2, where the data-dependent gate starts
 /// with a zero logit; eta 0.9; alpha 0.01); --no-momentum (eta = 0) and --no-forget (alpha = 0)
-/// imply it (the library's data-dependent gates cannot switch one off alone); --depth 1 a
-/// linear memory. --params N: the feed-forward's hidden width that brings the count nearest N.
+/// switch one gate off and leave the others as they are (MemoryConfig::momentum, forget);
+/// --depth 1 a linear memory. --params N: the feed-forward's hidden width that brings the
+/// count nearest N.
 titans::ModelConfig model_config(const Settings& s) {
     auto cfg = titans::ModelConfig::uniform(block_kind(s.kind), s.blocks, s.d, s.heads, s.depth,
                                             s.window, tt::ByteTokenizer::vocab_size, s.chunk);
     for (auto& b : cfg.blocks) {
         b.attention.rope = true;
-        if (s.constant_gates || !s.momentum || !s.forget) {
+        if (s.constant_gates) {
             b.memory.gates = titans::GateMode::Constant;
             b.memory.constant_theta = b.memory.theta_max / 2;
-            b.memory.constant_eta = s.momentum ? 0.9 : 0.0;
-            b.memory.constant_alpha = s.forget ? 0.01 : 0.0;
+            b.memory.constant_eta = 0.9;
+            b.memory.constant_alpha = 0.01;
         }
+        b.memory.momentum = s.momentum;
+        b.memory.forget = s.forget;
     }
     if (s.params > 0) examples::fit_feed_forward(cfg, s.params);
     return cfg;

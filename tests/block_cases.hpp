@@ -120,6 +120,8 @@ BlockConfig random_block_config(const BlockOptions& o, Rng& rng) {
     m.constant_theta = round_scalar<T>(uniform(rng, 0.02, 0.15));
     m.constant_eta = round_scalar<T>(uniform(rng, 0.0, 0.8));
     m.constant_alpha = round_scalar<T>(uniform(rng, 0.0, 0.3));
+    m.momentum = uniform_int(rng, 0, 5) != 0;  // the ablations (Table 5), now and then
+    m.forget = uniform_int(rng, 0, 5) != 0;
     m.chunk = pick(rng, std::vector<int>{1, 2, 3, 3, 4, 4});
     AttentionConfig& a = c.attention;
     a.d_model = d;

@@ -398,6 +398,8 @@ inline void draw_backward_shapes(BackwardCase& c, Rng& rng) {
     g.constant_theta = uniform(rng, 0.1, 0.6);
     g.constant_eta = uniform(rng, 0.0, 0.9);
     g.constant_alpha = uniform(rng, 0.0, 0.4);
+    g.momentum = uniform_int(rng, 0, 3) != 0;  // the ablations (Table 5) one draw in four
+    g.forget = uniform_int(rng, 0, 3) != 0;
     g.validate();
     c.p = MemoryParams<double>::random(g, rng());
     const int H = g.n_heads;
@@ -544,6 +546,8 @@ inline MemoryConfig random_config(const Modes& m, Rng& rng, const Limits& lim = 
     c.chunk = pick(rng, std::vector<int>{1, 2, 3, 5, 8});
     // math §10 clipping: off, always active (0.05), often active, rarely active.
     c.max_grad_norm = pick(rng, std::vector<double>{0.0, 0.05, 0.3, 1.0, 4.0});
+    c.momentum = uniform_int(rng, 0, 3) != 0;  // the ablations (Table 5) one draw in four
+    c.forget = uniform_int(rng, 0, 3) != 0;
     c.validate();
     return c;
 }
@@ -595,7 +599,8 @@ struct Case {
            << ") qkv=" << titans::to_string(cfg.qkv_activation) << " norm=" << cfg.normalize_qk
            << " gates=" << titans::to_string(cfg.gates) << " update=" << titans::to_string(cfg.update)
            << " retrieval=" << titans::to_string(cfg.retrieval) << " chunk=" << cfg.chunk
-           << " max_grad_norm=" << cfg.max_grad_norm << " B=" << batch << " N=" << tokens;
+           << " max_grad_norm=" << cfg.max_grad_norm << " momentum=" << cfg.momentum
+           << " forget=" << cfg.forget << " B=" << batch << " N=" << tokens;
         return os.str();
     }
 };

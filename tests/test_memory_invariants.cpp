@@ -3,7 +3,8 @@
 //   alpha = 1 erases the past: M_t = S_t;
 //   eta = 0 is plain online gradient descent with decay, checked step by step by hand;
 //   eta = 0 with alpha = 1 (zero products in the chunk coefficients) still matches the reference;
-//   sequences of a batch are independent; outputs are causal (Lagged and InChunk, chunk > 1).
+//   sequences of a batch are independent; outputs are causal (Lagged and InChunk, chunk > 1);
+//   the ablation switches (momentum, forget) fix their gate at 0 in every gate mode.
 #include "test_common.hpp"
 
 using namespace titans_test;
@@ -26,6 +27,7 @@ Case constant_gate_case(const std::string& name, std::uint64_t index, UpdateMode
                                  c.cfg.constant_theta = theta;
                                  c.cfg.constant_eta = eta;
                                  c.cfg.constant_alpha = alpha;
+                                 c.cfg.momentum = c.cfg.forget = true;  // the gates as given
                                  if (chunk > 0) c.cfg.chunk = chunk;
                              });
 }
@@ -293,6 +295,84 @@ TEST_CASE("invariants: causal outputs", "[invariants]") {
             CHECK(identical(a.diag.loss.middleRows(r0, j), b2.diag.loss.middleRows(r0, j)));
             CHECK(identical(a.diag.grad_norm.middleRows(r0, j), b2.diag.grad_norm.middleRows(r0, j)));
             CHECK_FALSE(identical(a.y.middleRows(r0 + j, c.tokens - j), b2.y.middleRows(r0 + j, c.tokens - j)));
+        }
+    }
+}
+
+// The ablation switches (MemoryConfig::momentum, forget; the paper's Table 5) in every gate
+// mode: the fixed gate's parameters change nothing (outputs, memory, dx and every other
+// gradient bit for bit) and get exactly zero gradients; with the switch on the same parameters
+// do change the memory; under constant gates a switch off equals its constant set to 0.
+TEST_CASE("invariants: ablation switches", "[invariants]") {
+    const GateMode modes[] = {GateMode::DataDependent, GateMode::PerChunk, GateMode::Constant};
+    const std::pair<bool, bool> switches[] = {{false, true}, {true, false}, {false, false}};
+    int index = 0;
+    for (const GateMode gates : modes) {
+        for (const auto& [momentum, forget] : switches) {
+            for (int rep = 0; rep < 2; ++rep, ++index) {
+                Modes m;
+                m.gates = gates;
+                Rng rng(seed_for("ablation switches", static_cast<std::uint64_t>(index)));
+                m = random_flags(m, rng);
+                m.update = gates == GateMode::PerChunk || rep == 0 ? UpdateMode::Chunked
+                                                                    : UpdateMode::PerToken;
+                m.retrieval = gates == GateMode::PerChunk ? Retrieval::Lagged
+                              : rep == 0                  ? Retrieval::InChunk
+                                                          : Retrieval::Lagged;
+                Case c = make_case<double>(m, rng(), Limits{.max_tokens = 20, .max_batch = 2},
+                                           [&](Case& k) {
+                                               k.cfg.momentum = momentum;
+                                               k.cfg.forget = forget;
+                                           });
+                INFO(c.describe());
+                titans::MemoryParamsd moved = c.params;
+                if (!momentum) {
+                    moved.w_eta.array() += 0.7;
+                    moved.b_eta.array() -= 1.3;
+                }
+                if (!forget) {
+                    moved.w_alpha.array() -= 0.4;
+                    moved.b_alpha.array() += 2.1;
+                }
+                using Mem = titans::NeuralMemory<double>;
+                const auto run = [&](const MemoryConfig& cfg, const titans::MemoryParamsd& p) {
+                    const Mem mem(cfg, p);
+                    auto st = mem.make_state(c.batch);
+                    Mem::Trace trace;
+                    Matrixd y, dx;
+                    mem.forward(st, c.x, y, trace);
+                    auto g = titans::MemoryParamsd::zeros(cfg);
+                    const Matrixd dy = Matrixd::Constant(y.rows(), y.cols(), 0.25) + 0.5 * c.x.leftCols(1).replicate(1, y.cols());
+                    mem.backward(trace, dy, dx, g);
+                    return std::tuple{y, mem.current_weights(st, c.batch - 1, 0), dx, g};
+                };
+                const auto [y1, w1, dx1, g1] = run(c.cfg, c.params);
+                const auto [y2, w2, dx2, g2] = run(c.cfg, moved);
+                CHECK(identical(y1, y2));
+                CHECK(identical_layers(w1, w2));
+                CHECK(identical(dx1, dx2));
+                CHECK(identical(g1.w_q, g2.w_q));
+                CHECK(identical(g1.w_theta, g2.w_theta));
+                CHECK(identical(g1.memory_init[0][0], g2.memory_init[0][0]));
+                if (!momentum) CHECK(((g1.w_eta.array() == 0).all() && (g1.b_eta.array() == 0).all()));
+                if (!forget) CHECK(((g1.w_alpha.array() == 0).all() && (g1.b_alpha.array() == 0).all()));
+                MemoryConfig on = c.cfg;
+                on.momentum = on.forget = true;
+                if (gates == GateMode::Constant) {
+                    MemoryConfig zeroed = on;  // the switch off is its constant at 0
+                    if (!momentum) zeroed.constant_eta = 0;
+                    if (!forget) zeroed.constant_alpha = 0;
+                    const auto [y0, w0, dx0, g0] = run(zeroed, c.params);
+                    CHECK(identical(y0, y1));
+                    CHECK(identical(dx0, dx1));
+                    CHECK(identical(g0.w_k, g1.w_k));
+                } else if (c.tokens >= 2) {  // the control: on, the moved parameters matter
+                    const auto [y3, w3, dx3, g3] = run(on, c.params);
+                    const auto [y4, w4, dx4, g4] = run(on, moved);
+                    CHECK_FALSE(identical_layers(w3, w4));
+                    CHECK_FALSE(identical_layers(w3, w1));
+                }
+            }
         }
     }
 }

@@ -685,18 +685,19 @@ TEST_CASE("config visitors: names and text", "[visitors]") {
     cfg.norm_eps = 1e-5;
     const auto names = field_names(cfg);
     CHECK(std::set<std::string>(names.begin(), names.end()).size() == names.size());
-    CHECK(names.size() == 2 + 20 + 6 + 3 + 3 + 1);
+    CHECK(names.size() == 2 + 22 + 6 + 3 + 3 + 1);
     CHECK(names.front() == "kind");
     CHECK(names[1] == "d_model");
     CHECK(names[2] == "memory.d_model");
     CHECK(names.back() == "norm_eps");
-    for (const char* n : {"memory.chunk", "memory.gates", "memory.retrieval", "memory.max_grad_norm", "attention.window",
+    for (const char* n : {"memory.chunk", "memory.gates", "memory.retrieval", "memory.max_grad_norm",
+                          "memory.momentum", "memory.forget", "attention.window",
                           "attention.rope_base", "ffn.kind", "ffn.hidden", "segment", "use_ffn"}) {
         INFO(n);
         CHECK(std::count(names.begin(), names.end(), std::string(n)) == 1);
     }
     CHECK(std::count(names.begin(), names.end(), std::string("memory.flush_denormals")) == 0);
-    CHECK(field_names(cfg.memory).size() == 20);
+    CHECK(field_names(cfg.memory).size() == 22);
 
     // Block: text and back.
     std::map<std::string, std::string> text;

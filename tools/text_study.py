@@ -9,13 +9,17 @@ Variants (same data, steps, schedule and seeds; every variant's feed-forward siz
 parameter count is within 5% of the MAG model's, checked here):
   swa               attention only (sliding window, RoPE, same norms and feed-forward)
   lmm, mac, mag, mal  the Titans blocks
-  lmm-const         LMM with constant gates (the control of the next two)
-  lmm-no-momentum   constant gates, eta = 0
-  lmm-no-forget     constant gates, alpha = 0
+  lmm-no-momentum   LMM with eta = 0 (theta and alpha data-dependent, as in the paper's Table 5)
+  lmm-no-forget     LMM with alpha = 0 (theta and eta data-dependent)
   lmm-linear        LMM with a linear (depth 1) memory
-and, only when named in --variants, the MAC diagnostics: mac-seg16 and mac-seg32 (segments of
-16 and 32 instead of the window 64), mac-lr-low and mac-lr-high (peak learning rate 1e-3 and
-6e-3 instead of 3e-3), lmm-lr-high (the same for LMM, their control).
+  lmm-const         LMM with constant gates (the data-dependent gates' worth)
+and, only when named in --variants, the constant-gate ablations lmm-const-no-momentum and
+lmm-const-no-forget (eta = 0 or alpha = 0 beside constant gates: the study's first ablations),
+the MAC diagnostics: mac-seg16 and mac-seg32 (segments of 16 and 32 instead of the window 64),
+mac-lr-low and mac-lr-high (peak learning rate 1e-3 and 6e-3 instead of 3e-3), lmm-lr-high
+(the same for LMM, their control), and mac-len256, mag-len256, lmm-len256, swa-len256
+(training sequences of 256 bytes in batches of 8: the same bytes per step, twice the segments
+per sequence).
 Each run writes OUT/<variant>-s<seed>/ (log, curves SVG, model, result JSON). The script writes
 OUT/study.md (mean and spread over seeds of validation bits per byte at 1x, 4x and 16x the
 training length, and the needle-in-a-haystack scores) and OUT/study.svg (bits per byte by length).
@@ -36,19 +40,28 @@ VARIANTS = {
     "mac": ["--kind", "mac"],
     "mag": ["--kind", "mag"],
     "mal": ["--kind", "mal"],
-    "lmm-const": ["--kind", "lmm", "--constant-gates"],
     "lmm-no-momentum": ["--kind", "lmm", "--no-momentum"],
     "lmm-no-forget": ["--kind", "lmm", "--no-forget"],
     "lmm-linear": ["--kind", "lmm", "--depth", "1"],
+    "lmm-const": ["--kind", "lmm", "--constant-gates"],
+    # The first ablations (not in the default set): one gate off beside constant gates.
+    "lmm-const-no-momentum": ["--kind", "lmm", "--constant-gates", "--no-momentum"],
+    "lmm-const-no-forget": ["--kind", "lmm", "--constant-gates", "--no-forget"],
     # Why MAC trails (not in the default set): its segment length and the learning rate.
     "mac-seg16": ["--kind", "mac", "--window", "16"],
     "mac-seg32": ["--kind", "mac", "--window", "32"],
     "mac-lr-low": ["--kind", "mac", "--lr", "1e-3"],
     "mac-lr-high": ["--kind", "mac", "--lr", "6e-3"],
     "lmm-lr-high": ["--kind", "lmm", "--lr", "6e-3"],
+    # MAC's segments per training sequence: 256-byte sequences (4 segments of 64), batch 8 (the
+    # same bytes per step), against the same change in the others.
+    "mac-len256": ["--kind", "mac", "--length", "256", "--batch", "8"],
+    "mag-len256": ["--kind", "mag", "--length", "256", "--batch", "8"],
+    "lmm-len256": ["--kind", "lmm", "--length", "256", "--batch", "8"],
+    "swa-len256": ["--kind", "swa", "--length", "256", "--batch", "8"],
 }
-DEFAULT = ["swa", "lmm", "mac", "mag", "mal", "lmm-const", "lmm-no-momentum", "lmm-no-forget",
-           "lmm-linear"]
+DEFAULT = ["swa", "lmm", "mac", "mag", "mal", "lmm-no-momentum", "lmm-no-forget", "lmm-linear",
+           "lmm-const"]
 LENGTHS = ["1x", "4x", "16x"]
 
 

@@ -169,6 +169,30 @@ TEST_CASE("io: config from text", "[text][io]") {
     const std::string legacy =
         text_io_edit_line(io::config_text(clipped), "blocks.0.memory.max_grad_norm", "");
     CHECK(io::config_from_text<ModelConfig>(legacy, "t").blocks[0].memory.max_grad_norm == 0);
+    // Written before the ablation switches existed: read as on; switched off, they round-trip.
+    ModelConfig ablated = c;
+    ablated.blocks[1].memory.momentum = false;
+    ablated.blocks[2].memory.forget = false;
+    const std::string switched = io::config_text(ablated);
+    CHECK(io::config_text(io::config_from_text<ModelConfig>(switched, "t")) == switched);
+    CHECK(switched.find("blocks.1.memory.momentum=false\nblocks.1.memory.forget=true\n") !=
+          std::string::npos);
+    std::string before = switched;
+    for (const std::string name : {"momentum", "forget"}) {
+        for (int b = 0; b < static_cast<int>(c.blocks.size()); ++b) {
+            before = text_io_edit_line(before, "blocks." + std::to_string(b) + ".memory." + name, "");
+        }
+    }
+    const ModelConfig read = io::config_from_text<ModelConfig>(before, "t");
+    CHECK(io::config_text(read) == io::config_text(c));
+    CHECK((read.blocks[1].memory.momentum && read.blocks[2].memory.forget));
+    CHECK(io::with_legacy_settings(before) == io::config_text(c));
+    // Before clipping and the switches: all three completed, in their places.
+    const std::string oldest =
+        text_io_edit_line(before, "blocks.0.memory.max_grad_norm", "");
+    ModelConfig unclipped = c;
+    unclipped.blocks[0].memory.max_grad_norm = 0;
+    CHECK(io::with_legacy_settings(oldest) == io::config_text(unclipped));
 
     const std::vector<std::pair<std::string, std::string>> refused = {
         {text_io_edit_line(text, "n_blocks", ""), "setting n_blocks is missing"},

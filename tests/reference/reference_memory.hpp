@@ -277,8 +277,8 @@ inline Gates compute_gates(const MemoryConfig& cfg, const MemoryParams<double>& 
         for (Eigen::Index t = 0; t < N; ++t)
             for (int h = 0; h < H; ++h) {
                 g.theta(t, h) = cfg.constant_theta;
-                g.eta(t, h) = cfg.constant_eta;
-                g.alpha(t, h) = cfg.constant_alpha;
+                g.eta(t, h) = cfg.momentum ? cfg.constant_eta : 0.0;
+                g.alpha(t, h) = cfg.forget ? cfg.constant_alpha : 0.0;
             }
         return g;
     }
@@ -288,8 +288,8 @@ inline Gates compute_gates(const MemoryConfig& cfg, const MemoryParams<double>& 
             for (Eigen::Index i = 0; i < d; ++i) xrow(0, i) = xs(t, i);
             for (int h = 0; h < H; ++h) {
                 g.theta(t, h) = cfg.theta_max * gate_value(xrow, p.w_theta, p.b_theta, h);
-                g.eta(t, h) = gate_value(xrow, p.w_eta, p.b_eta, h);
-                g.alpha(t, h) = gate_value(xrow, p.w_alpha, p.b_alpha, h);
+                g.eta(t, h) = cfg.momentum ? gate_value(xrow, p.w_eta, p.b_eta, h) : 0.0;
+                g.alpha(t, h) = cfg.forget ? gate_value(xrow, p.w_alpha, p.b_alpha, h) : 0.0;
             }
         }
         return g;
@@ -305,8 +305,8 @@ inline Gates compute_gates(const MemoryConfig& cfg, const MemoryParams<double>& 
         }
         for (int h = 0; h < H; ++h) {
             const double th = cfg.theta_max * gate_value(xbar, p.w_theta, p.b_theta, h);
-            const double et = gate_value(xbar, p.w_eta, p.b_eta, h);
-            const double al = gate_value(xbar, p.w_alpha, p.b_alpha, h);
+            const double et = cfg.momentum ? gate_value(xbar, p.w_eta, p.b_eta, h) : 0.0;
+            const double al = cfg.forget ? gate_value(xbar, p.w_alpha, p.b_alpha, h) : 0.0;
             for (Eigen::Index t = c0; t < c1; ++t) {
                 g.theta(t, h) = th;
                 g.eta(t, h) = et;

@@ -401,8 +401,9 @@ inline void sequence_backward(const MemoryConfig& cfg, const MemoryParams<double
     project_backward(cfg, xs, p.w_v, p.conv_v, false, adj.dv, gp.w_v, gp.conv_v, dxs);
     if (cfg.gates == GateMode::DataDependent) {
         gate_backward(xs, p.w_theta, p.b_theta, cfg.theta_max, adj.dtheta, gp.w_theta, gp.b_theta, dxs);
-        gate_backward(xs, p.w_eta, p.b_eta, 1.0, adj.deta, gp.w_eta, gp.b_eta, dxs);
-        gate_backward(xs, p.w_alpha, p.b_alpha, 1.0, adj.dalpha, gp.w_alpha, gp.b_alpha, dxs);
+        // momentum / forget off: the gate is the constant 0, nothing flows into its parameters
+        if (cfg.momentum) gate_backward(xs, p.w_eta, p.b_eta, 1.0, adj.deta, gp.w_eta, gp.b_eta, dxs);
+        if (cfg.forget) gate_backward(xs, p.w_alpha, p.b_alpha, 1.0, adj.dalpha, gp.w_alpha, gp.b_alpha, dxs);
     }
 }
 

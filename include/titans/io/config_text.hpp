@@ -123,10 +123,13 @@ template <class Config>
 }
 
 /// A config_text() written before a setting existed, completed with the value that setting
-/// must have to mean what the writer meant: `max_grad_norm` (math §10 clipping, added after
-/// format_version 1 files were first written) is 0 (off) where a memory's settings lack it.
-/// Text that has it is returned unchanged.
+/// must have to mean what the writer meant. After a memory's `constant_alpha` come, in order:
+/// `max_grad_norm` (math §10 clipping, added after format_version 1 files were first
+/// written) = 0 (off), then `momentum` and `forget` (the ablation switches) = true; each one
+/// missing there is inserted. Text that has them all is returned unchanged.
 [[nodiscard]] inline std::string with_legacy_settings(std::string_view text) {
+    static constexpr std::pair<std::string_view, std::string_view> later[] = {
+        {"max_grad_norm=", "0"}, {"momentum=", "true"}, {"forget=", "true"}};
     std::string out;
     std::size_t pos = 0;
     while (pos < text.size()) {
@@ -141,10 +144,17 @@ template <class Config>
             continue;
         }
         const std::string prefix(line.substr(0, key_end));
-        const std::string next = prefix + "max_grad_norm=";
-        if (text.substr(pos, next.size()) != next) {
+        for (const auto& [name, value] : later) {
+            const std::string key = prefix + std::string(name);
             if (out.back() != '\n') out += '\n';
-            out += next + "0\n";
+            if (text.substr(pos, key.size()) == key) {  // present: copy its line
+                const auto e = text.find('\n', pos);
+                const std::size_t stop = e == std::string_view::npos ? text.size() : e + 1;
+                out += text.substr(pos, stop - pos);
+                pos = stop;
+            } else {
+                out += key + std::string(value) + "\n";
+            }
         }
     }
     return out;

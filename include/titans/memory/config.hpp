@@ -93,6 +93,12 @@ struct MemoryConfig {
     /// with ||grad_t|| the Frobenius norm of token t's gradient over all layers; 0 turns it
     /// off. Keeps the memory finite on constant, periodic and large inputs (math §10).
     double max_grad_norm = 1.0;
+    /// The paper's ablations (its Table 5), for every gate mode: false fixes eta_t = 0 (no
+    /// momentum: S_t = -theta_t grad_t) or alpha_t = 0 (no forgetting: W_t = W_{t-1} + S_t).
+    /// The other gates stay as `gates` makes them; the fixed gate's parameters stay in
+    /// MemoryParams (same layout) and get zero gradients.
+    bool momentum = true;
+    bool forget = true;
     // Algorithm (math §3-5).
     UpdateMode update = UpdateMode::Chunked;
     Retrieval retrieval = Retrieval::Lagged;
@@ -111,6 +117,19 @@ struct MemoryConfig {
     [[nodiscard]] int layer_in(int l) const { return l == 1 ? head_dim() : hidden_dim(); }
     /// Output width of memory layer l: d_h for l = L, e*d_h otherwise.
     [[nodiscard]] int layer_out(int l) const { return l == depth ? head_dim() : hidden_dim(); }
+    /// The factor of gate `which` (0 theta, 1 eta, 2 alpha) on its sigmoid for the
+    /// data-dependent and per-chunk gates: theta_max, then 1, or 0 where momentum / forget is
+    /// off (so the fixed gate is exactly 0 and its logits' adjoints too).
+    [[nodiscard]] double gate_scale(int which) const {
+        return which == 0 ? theta_max : which == 1 ? (momentum ? 1.0 : 0.0) : (forget ? 1.0 : 0.0);
+    }
+    /// The value of gate `which` under GateMode::Constant: constant_theta, constant_eta (0
+    /// without momentum), constant_alpha (0 without forgetting).
+    [[nodiscard]] double gate_constant(int which) const {
+        return which == 0 ? constant_theta
+               : which == 1 ? (momentum ? constant_eta : 0.0)
+                            : (forget ? constant_alpha : 0.0);
+    }
     /// H * d_h, the width of the concatenated heads.
     [[nodiscard]] int inner_dim() const { return n_heads * head_dim(); }
     /// The chunk size the algorithm runs with (PerToken is the b = 1 case).
@@ -151,6 +170,8 @@ struct MemoryConfig {
         v(S("constant_eta"), self.constant_eta);
         v(S("constant_alpha"), self.constant_alpha);
         v(S("max_grad_norm"), self.max_grad_norm);
+        v(S("momentum"), self.momentum);
+        v(S("forget"), self.forget);
         v(S("update"), self.update);
         v(S("retrieval"), self.retrieval);
         v(S("chunk"), self.chunk);

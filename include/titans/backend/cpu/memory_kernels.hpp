@@ -390,26 +390,18 @@ private:
     /// Gate values (theta, eta, alpha) of pending rows [0, n) into coef rows 0..2.
     /// PerChunk: every row gets the gates of the mean logit (= gates of the mean input).
     static void gate_values(const MemoryConfig& cfg, const Head& hd, int n, Mat& coef) {
-        auto th = coef.row(0), et = coef.row(1), al = coef.row(2);
-        if (cfg.gates == GateMode::Constant) {
-            th.head(n).setConstant(static_cast<T>(cfg.constant_theta));
-            et.head(n).setConstant(static_cast<T>(cfg.constant_eta));
-            al.head(n).setConstant(static_cast<T>(cfg.constant_alpha));
-            return;
-        }
-        const T tmax = static_cast<T>(cfg.theta_max);
-        if (cfg.gates == GateMode::PerChunk) {
-            const T lt = hd.gates.col(0).head(n).mean(), le = hd.gates.col(1).head(n).mean(),
-                    la = hd.gates.col(2).head(n).mean();
-            th.head(n).setConstant(tmax * detail::sigmoid(lt));
-            et.head(n).setConstant(detail::sigmoid(le));
-            al.head(n).setConstant(detail::sigmoid(la));
-            return;
-        }
-        for (int i = 0; i < n; ++i) {
-            th(i) = tmax * detail::sigmoid(hd.gates(i, 0));
-            et(i) = detail::sigmoid(hd.gates(i, 1));
-            al(i) = detail::sigmoid(hd.gates(i, 2));
+        for (int which = 0; which < 3; ++which) {
+            auto g = coef.row(which).head(n);
+            if (cfg.gates == GateMode::Constant) {
+                g.setConstant(static_cast<T>(cfg.gate_constant(which)));
+                continue;
+            }
+            const T scale = static_cast<T>(cfg.gate_scale(which));
+            if (cfg.gates == GateMode::PerChunk) {
+                g.setConstant(scale * detail::sigmoid(T(hd.gates.col(which).head(n).mean())));
+                continue;
+            }
+            for (int i = 0; i < n; ++i) g(i) = scale * detail::sigmoid(hd.gates(i, which));
         }
     }
 

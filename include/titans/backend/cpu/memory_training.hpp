@@ -323,7 +323,8 @@ private:
         for (auto* v : {&w.theta0, &w.theta, &w.eta, &w.alpha, &w.g2}) {
             v->resize(static_cast<std::size_t>(n));
         }
-        const T tmax = static_cast<T>(cfg.theta_max);
+        const T sc[3] = {static_cast<T>(cfg.gate_scale(0)), static_cast<T>(cfg.gate_scale(1)),
+                         static_cast<T>(cfg.gate_scale(2))};
         const Mat& lg = sl.pr.logits;
         const auto logit = [&](int i, int which) { return lg(sl.r0 + t0 + i, which * sl.H + sl.h); };
         const auto mean = [&](int which) {
@@ -334,14 +335,14 @@ private:
         for (int i = 0; i < n; ++i) {
             const auto u = static_cast<std::size_t>(i);
             if (cfg.gates == GateMode::Constant) {
-                w.theta0[u] = static_cast<T>(cfg.constant_theta);
-                w.eta[u] = static_cast<T>(cfg.constant_eta);
-                w.alpha[u] = static_cast<T>(cfg.constant_alpha);
+                w.theta0[u] = static_cast<T>(cfg.gate_constant(0));
+                w.eta[u] = static_cast<T>(cfg.gate_constant(1));
+                w.alpha[u] = static_cast<T>(cfg.gate_constant(2));
             } else {
                 const bool chunk = cfg.gates == GateMode::PerChunk;
-                w.theta0[u] = tmax * detail::sigmoid(chunk ? mean(0) : logit(i, 0));
-                w.eta[u] = detail::sigmoid(chunk ? mean(1) : logit(i, 1));
-                w.alpha[u] = detail::sigmoid(chunk ? mean(2) : logit(i, 2));
+                w.theta0[u] = sc[0] * detail::sigmoid(chunk ? mean(0) : logit(i, 0));
+                w.eta[u] = sc[1] * detail::sigmoid(chunk ? mean(1) : logit(i, 1));
+                w.alpha[u] = sc[2] * detail::sigmoid(chunk ? mean(2) : logit(i, 2));
             }
             T g2 = T(0);
             for (std::size_t l = 0; l < w.tape.a.size(); ++l) {
@@ -364,12 +365,11 @@ private:
         if (cfg.gates == GateMode::Constant) {
             return;
         }
-        const T tmax = static_cast<T>(cfg.theta_max);
         const Mat& lg = sl.pr.logits;
         const std::vector<T>* adj[3] = {&w.dtheta, &w.deta, &w.dalpha};
         for (int which = 0; which < 3; ++which) {
             const Eigen::Index col = which * sl.H + sl.h;
-            const T scale = which == 0 ? tmax : T(1);
+            const T scale = static_cast<T>(cfg.gate_scale(which));
             const auto dsig = [](T z) { const T s = detail::sigmoid(z); return s * (T(1) - s); };
             if (cfg.gates == GateMode::PerChunk) {
                 T m = T(0), d = T(0);

@@ -254,17 +254,21 @@ __global__ void l2_rows_kernel(T* a, T* b, long long rows, int dh) {
     }
 }
 
-/// The gate settings of a MemoryConfig (math §1 gates, §10 clipping), as kernels take them.
+/// The gate settings of a MemoryConfig (math §1 gates, §10 clipping), as kernels take them:
+/// the sigmoids' factors (tmax, se, sa: MemoryConfig::gate_scale) and the constant gates
+/// (MemoryConfig::gate_constant).
 template <class T>
 struct GateParams {
     GateMode mode;
-    T tmax, ct, ce, ca, clip;
+    T tmax, se, sa, ct, ce, ca, clip;
     static GateParams of(const MemoryConfig& cfg) {
         return {cfg.gates,
-                static_cast<T>(cfg.theta_max),
-                static_cast<T>(cfg.constant_theta),
-                static_cast<T>(cfg.constant_eta),
-                static_cast<T>(cfg.constant_alpha),
+                static_cast<T>(cfg.gate_scale(0)),
+                static_cast<T>(cfg.gate_scale(1)),
+                static_cast<T>(cfg.gate_scale(2)),
+                static_cast<T>(cfg.gate_constant(0)),
+                static_cast<T>(cfg.gate_constant(1)),
+                static_cast<T>(cfg.gate_constant(2)),
                 static_cast<T>(cfg.max_grad_norm)};
     }
 };
@@ -284,7 +288,8 @@ __device__ GateValues<T> gate_row(const GateParams<T>& gp, int depth, const T* g
     GateValues<T> v{gp.ct, gp.ce, gp.ca};
     if (gp.mode == GateMode::DataDependent) {
         const T* g = gates + 3LL * r;
-        v = {gp.tmax * detail::sigmoid(g[0]), detail::sigmoid(g[1]), detail::sigmoid(g[2])};
+        v = {gp.tmax * detail::sigmoid(g[0]), gp.se * detail::sigmoid(g[1]),
+             gp.sa * detail::sigmoid(g[2])};
     } else if (gp.mode == GateMode::PerChunk) {
         T s0 = T(0), s1 = T(0), s2 = T(0);
         for (int j = lane; j < n; j += 32) {
@@ -292,8 +297,9 @@ __device__ GateValues<T> gate_row(const GateParams<T>& gp, int depth, const T* g
             s1 += gates[3LL * j + 1];
             s2 += gates[3LL * j + 2];
         }
-        v = {gp.tmax * detail::sigmoid(warp_sum(s0) / T(n)), detail::sigmoid(warp_sum(s1) / T(n)),
-             detail::sigmoid(warp_sum(s2) / T(n))};
+        v = {gp.tmax * detail::sigmoid(warp_sum(s0) / T(n)),
+             gp.se * detail::sigmoid(warp_sum(s1) / T(n)),
+             gp.sa * detail::sigmoid(warp_sum(s2) / T(n))};
     }
     if (gp.clip > T(0)) {
         T g2 = T(0);

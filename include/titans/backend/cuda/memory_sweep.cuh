@@ -34,7 +34,7 @@ struct MemoryTraining<Cuda, T>::Sweep {
     bool gated, silu, norm, conv, residual, inchunk, clipping, given = false;
     Activation act;
     GateMode gmode;
-    T tmax, ct, ce, ca, clip;
+    T tmax, se, sa, ct, ce, ca, clip;  // as cuda::GateParams
     // 1. the projections: c (conv), pre = phi(c), qkv (norm), the heads' norms; pair-major
     // ([p][N][dh]) q, k, v, dyh, the read y and their adjoints; logits ([p][N][3]).
     Buf cb, preb, qkvb, nb, dyhb, Qb, Kb, Vb, DYb, Yb, dQb, dKb, dVb, LGb, dLGb;
@@ -67,8 +67,9 @@ struct MemoryTraining<Cuda, T>::Sweep {
           silu(c.qkv_activation == Activation::SiLU), norm(c.normalize_qk), conv(c.use_conv),
           residual(c.residual), inchunk(c.retrieval == Retrieval::InChunk),
           clipping(c.max_grad_norm > 0), act(c.activation), gmode(c.gates),
-          tmax(static_cast<T>(c.theta_max)), ct(static_cast<T>(c.constant_theta)),
-          ce(static_cast<T>(c.constant_eta)), ca(static_cast<T>(c.constant_alpha)),
+          tmax(static_cast<T>(c.gate_scale(0))), se(static_cast<T>(c.gate_scale(1))),
+          sa(static_cast<T>(c.gate_scale(2))), ct(static_cast<T>(c.gate_constant(0))),
+          ce(static_cast<T>(c.gate_constant(1))), ca(static_cast<T>(c.gate_constant(2))),
           clip(static_cast<T>(c.max_grad_norm)) {}
 
     /// The whole backward: dx (device), g (host, added), d_in (host, if given).
@@ -485,7 +486,8 @@ struct MemoryTraining<Cuda, T>::Sweep {
     static void gates(Sweep& w, long long c0, long long n) {
         const long long N = w.N, BW = w.BW, VS = w.VS;
         const GateMode gmode = w.gmode;
-        const T tmax = w.tmax, ct = w.ct, ce = w.ce, ca = w.ca, clip = w.clip;
+        const T tmax = w.tmax, se = w.se, sa = w.sa, ct = w.ct, ce = w.ce, ca = w.ca,
+                clip = w.clip;
         const bool clipping = w.clipping;
         const Vec vo = w.vo;
         const typename Kernels::Layers ly = tape_layers(w);
@@ -508,12 +510,12 @@ struct MemoryTraining<Cuda, T>::Sweep {
                     m2 += lg[q * 3 + 2];
                 }
                 th = tmax * detail::sigmoid(m0 / static_cast<T>(n));
-                et = detail::sigmoid(m1 / static_cast<T>(n));
-                al = detail::sigmoid(m2 / static_cast<T>(n));
+                et = se * detail::sigmoid(m1 / static_cast<T>(n));
+                al = sa * detail::sigmoid(m2 / static_cast<T>(n));
             } else {
                 th = tmax * detail::sigmoid(lg[r * 3]);
-                et = detail::sigmoid(lg[r * 3 + 1]);
-                al = detail::sigmoid(lg[r * 3 + 2]);
+                et = se * detail::sigmoid(lg[r * 3 + 1]);
+                al = sa * detail::sigmoid(lg[r * 3 + 2]);
             }
             T g2 = T(0);
             for (int l = 0; l < ly.depth; ++l) {
@@ -904,7 +906,7 @@ struct MemoryTraining<Cuda, T>::Sweep {
         const long long N = w.N, VS = w.VS;
         const Vec vo = w.vo;
         const GateMode gmode = w.gmode;
-        const T tmax = w.tmax;
+        const T tmax = w.tmax, se = w.se, sa = w.sa;
         const T* vec = w.vecb.data();
         const T* LG = w.LGb.data() + c0 * 3;
         T* dLG = w.dLGb.data() + c0 * 3;
@@ -912,7 +914,7 @@ struct MemoryTraining<Cuda, T>::Sweep {
             const long long p = i / 3, which = i % 3;
             const T* v = vec + p * VS;
             const T* adj = v + (which == 0 ? vo.dtheta() : which == 1 ? vo.deta() : vo.dalpha());
-            const T scale = which == 0 ? tmax : T(1);
+            const T scale = which == 0 ? tmax : which == 1 ? se : sa;
             const T* lg = LG + p * N * 3;
             T* dl = dLG + p * N * 3;
             if (gmode == GateMode::PerChunk) {
