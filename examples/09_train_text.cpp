@@ -65,6 +65,7 @@ struct Settings {
     int length = 128, batch = 16, steps = 1200, eval_every = 100, eval_batches = 4, niah = 2;
     long long params = 0;        // > 0: the feed-forward sized for about this many parameters
     double lr = 3e-3, valid = 0.1;
+    double theta_max = -1;       // >= 0: the memory's theta_max (its test-time learning rate)
     std::uint64_t seed = 1;
 };
 
@@ -104,11 +105,13 @@ Settings parse(int argc, char** argv) {
         else if (a == "--steps" && has) s.steps = int_arg(a, argv[++i], 1);
         else if (a == "--eval-every" && has) s.eval_every = int_arg(a, argv[++i], 1);
         else if (a == "--lr" && has) s.lr = std::stod(argv[++i]);
+        else if (a == "--theta-max" && has) s.theta_max = std::stod(argv[++i]);
         else if (a == "--seed" && has) s.seed = std::stoull(argv[++i]);
         else if (a == "--help" || a == "-h") {
             std::printf("usage: 09_train_text [--text FILE|DIR] [--dedupe] [--out DIR]\n"
                         "  [--kind lmm|mac|mag|mal|swa] [--d D] [--heads H] [--blocks L] [--window W]\n"
                         "  [--chunk C] [--depth L] [--constant-gates] [--no-momentum] [--no-forget]\n"
+                        "  [--theta-max X]\n"
                         "  [--params N]\n"
                         "  [--length N] [--batch B] [--steps S] [--eval-every K] [--lr LR] [--seed S]\n"
                         "  [--niah TRIALS] [--result FILE.json] [--dry-run] [--quick] [--mpi]\n");
@@ -161,13 +164,15 @@ std::vector<tt::Document> made_up_corpus(std::uint64_t seed) {
 /// constant (GateMode::Constant: theta = theta_max / 2, where the data-dependent gate starts
 /// with a zero logit; eta 0.9; alpha 0.01); --no-momentum (eta = 0) and --no-forget (alpha = 0)
 /// switch one gate off and leave the others as they are (MemoryConfig::momentum, forget);
-/// --depth 1 a linear memory. --params N: the feed-forward's hidden width that brings the
+/// --depth 1 a linear memory; --theta-max X the memory's largest test-time learning rate (0:
+/// the memory never learns at test time, a fixed MLP of its trained initial weights). --params N: the feed-forward's hidden width that brings the
 /// count nearest N.
 titans::ModelConfig model_config(const Settings& s) {
     auto cfg = titans::ModelConfig::uniform(block_kind(s.kind), s.blocks, s.d, s.heads, s.depth,
                                             s.window, tt::ByteTokenizer::vocab_size, s.chunk);
     for (auto& b : cfg.blocks) {
         b.attention.rope = true;
+        if (s.theta_max >= 0) b.memory.theta_max = s.theta_max;
         if (s.constant_gates) {
             b.memory.gates = titans::GateMode::Constant;
             b.memory.constant_theta = b.memory.theta_max / 2;

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <type_traits>
 
 namespace titans::detail {
 
@@ -30,5 +31,19 @@ public:
 private:
     std::uint64_t h_ = 0xcbf29ce484222325ull;
 };
+
+/// Adds one setting of a configuration's fields() visitor to a fingerprint: its name, then its
+/// value (arithmetic, bool or enum) as a double.
+template <class V>
+void add_setting(Fnv1a& h, const std::string& name, const V& v) {
+    double x = 0;
+    if constexpr (std::is_enum_v<V>) {
+        x = static_cast<double>(static_cast<long long>(v));
+    } else {
+        x = static_cast<double>(v);
+    }
+    h.update(name);
+    h.update(&x, sizeof x);
+}
 
 }  // namespace titans::detail

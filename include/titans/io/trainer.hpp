@@ -35,9 +35,7 @@ template <class T>
     const std::int64_t steps = opt.steps();
     h.update(&steps, sizeof steps);
     AdamWConfig::fields(opt.config(), [&h](const std::string& name, const auto& x) {
-        const double v = static_cast<double>(x);
-        h.update(name);
-        h.update(&v, sizeof v);
+        titans::detail::add_setting(h, name, x);
     });
     for (const auto& [name, mo] : opt.moments()) {
         h.update(name);

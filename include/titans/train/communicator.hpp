@@ -1,10 +1,11 @@
 #pragma once
 // titans/train/communicator.hpp: how a Trainer joins the other processes of a data-parallel
 // run. The interface an engine implements (titans::mpi::Communicator over MPI,
-// <titans/mpi/mpi.hpp>), and the check every rank runs with it.
+// <titans/mpi/mpi.hpp>), and how the ranks end a collective call together (agree).
 
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <span>
 #include <string>
 #include <vector>
@@ -38,18 +39,35 @@ public:
 
 namespace detail {
 
-/// Throws CommunicationError on every rank, naming the first rank whose `value` (a
-/// fingerprint of `what`) differs from rank 0's: "<where>: rank 1 has other <what> than rank
-/// 0, expected the same on every rank".
-inline void require_same_on_ranks(Communicator& comm, std::uint64_t value, const char* where,
-                                  const char* what) {
-    const std::vector<std::uint64_t> all = comm.gather(value);
+/// Ends a collective call on every rank together: `failed` (this rank's error, or null) and
+/// this rank's `value` (a fingerprint of `what`) are gathered; a rank that failed rethrows its
+/// own error, the others throw CommunicationError naming it ("<where>: rank r refused (its
+/// own error names why); nothing changed"); a rank whose value differs from rank 0's is named
+/// ("<where>: rank r has other <what> than rank 0"). So no rank waits in a later collective
+/// for one that has stopped.
+inline void agree(Communicator& comm, const std::exception_ptr& failed, std::uint64_t value,
+                  const char* where, const char* what) {
+    const std::vector<std::uint64_t> all = comm.gather(failed ? 0 : (value | 1));
+    for (std::size_t r = 0; r < all.size(); ++r) {
+        if (all[r] != 0) continue;
+        if (failed) std::rethrow_exception(failed);
+        throw CommunicationError(concat(where, ": rank ", r, " refused (its own error names "
+                                        "why); nothing changed"));
+    }
     for (std::size_t r = 1; r < all.size(); ++r) {
         if (all[r] != all[0]) {
             throw CommunicationError(concat(where, ": rank ", r, " has other ", what,
-                                            " than rank 0, expected the same on every rank"));
+                                            " than rank 0, expected the same on every rank; "
+                                            "nothing changed"));
         }
     }
+}
+
+/// agree() for a call that has not failed on this rank: throws CommunicationError on every
+/// rank, naming the first rank whose `value` (a fingerprint of `what`) differs from rank 0's.
+inline void require_same_on_ranks(Communicator& comm, std::uint64_t value, const char* where,
+                                  const char* what) {
+    agree(comm, nullptr, value, where, what);
 }
 
 }  // namespace detail

@@ -5,10 +5,8 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <exception>
 #include <span>
 #include <string>
-#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -44,14 +42,7 @@ class SettingsPrint {
 public:
     template <class V>
     void operator()(const std::string& name, const V& v) {
-        h_.update(name);
-        double x = 0;
-        if constexpr (std::is_enum_v<V>) {
-            x = static_cast<double>(static_cast<long long>(v));
-        } else {
-            x = static_cast<double>(v);
-        }
-        h_.update(&x, sizeof x);
+        add_setting(h_, name, v);
     }
     Fnv1a& hash() { return h_; }
 
@@ -92,30 +83,6 @@ template <class T>
     h.update(ids.data(), ids.size_bytes());
     h.update(labels.data(), labels.size_bytes());
     return h.value();
-}
-
-/// Ends a collective call on every rank together: `failed` (this rank's error, or null) and
-/// this rank's `value` (a fingerprint of `what`) are gathered; a rank that failed rethrows its
-/// own error, the others throw CommunicationError naming it ("<where>: rank r refused (its
-/// own error names why); nothing changed"); a rank whose value differs from rank 0's is named
-/// ("<where>: rank r has other <what> than rank 0"). So no rank waits in a later collective
-/// for one that has stopped.
-inline void agree(Communicator& comm, const std::exception_ptr& failed, std::uint64_t value,
-                  const char* where, const char* what) {
-    const std::vector<std::uint64_t> all = comm.gather(failed ? 0 : (value | 1));
-    for (std::size_t r = 0; r < all.size(); ++r) {
-        if (all[r] != 0) continue;
-        if (failed) std::rethrow_exception(failed);
-        throw CommunicationError(concat(where, ": rank ", r, " refused (its own error names "
-                                        "why); nothing changed"));
-    }
-    for (std::size_t r = 1; r < all.size(); ++r) {
-        if (all[r] != all[0]) {
-            throw CommunicationError(concat(where, ": rank ", r, " has other ", what,
-                                            " than rank 0, expected the same on every rank; "
-                                            "nothing changed"));
-        }
-    }
 }
 
 /// The whole batch's gradients and loss from each rank's: a rank's are those of the mean over

@@ -208,8 +208,7 @@ public:
         }
         if (comm_ && check_every_ > 0 && opt.steps() % check_every_ == 0) {
             detail::require_same_on_ranks(*comm_, params_print(next), "Trainer::step",
-                                          "parameters (the ranks have drifted apart; nothing "
-                                          "changed)");
+                                          "parameters (the ranks have drifted apart)");
         }
         model_.set_parameters(std::move(next));
         opt_ = std::move(opt);
