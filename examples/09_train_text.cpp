@@ -165,8 +165,9 @@ std::vector<tt::Document> made_up_corpus(std::uint64_t seed) {
 /// with a zero logit; eta 0.9; alpha 0.01); --no-momentum (eta = 0) and --no-forget (alpha = 0)
 /// switch one gate off and leave the others as they are (MemoryConfig::momentum, forget);
 /// --depth 1 a linear memory; --theta-max X the memory's largest test-time learning rate (0:
-/// the memory never learns at test time, a fixed MLP of its trained initial weights). --params N: the feed-forward's hidden width that brings the
-/// count nearest N.
+/// no writes; with --no-forget too the memory never changes, a fixed MLP of its trained
+/// initial weights). --params N: the feed-forward's hidden width that brings the count
+/// nearest N.
 titans::ModelConfig model_config(const Settings& s) {
     auto cfg = titans::ModelConfig::uniform(block_kind(s.kind), s.blocks, s.d, s.heads, s.depth,
                                             s.window, tt::ByteTokenizer::vocab_size, s.chunk);

@@ -19,9 +19,10 @@ the MAC diagnostics: mac-seg16 and mac-seg32 (segments of 16 and 32 instead of t
 mac-lr-low and mac-lr-high (peak learning rate 1e-3 and 6e-3 instead of 3e-3), lmm-lr-high
 (the same for LMM, their control), and mac-len256, mag-len256, lmm-len256, swa-len256
 (training sequences of 256 bytes in batches of 8: the same bytes per step, twice the segments
-per sequence), and lmm-theta0 and lmm-theta5x (the memory's theta_max 0, so it never learns
-at test time, and 0.05 instead of 0.01), with lmm-len512, lmm-theta0-len512 and swa-len512 (the
-same on 512-byte training streams).
+per sequence), and lmm-theta0, lmm-frozen and lmm-theta5x (the memory's theta_max 0, so it
+never writes but its forget gate still decays it; theta_max 0 without forgetting, so it never
+changes: a fixed MLP; theta_max 0.05 instead of 0.01), with lmm-len512, lmm-theta0-len512,
+lmm-frozen-len512 and swa-len512 (the same on 512-byte training streams).
 Each run writes OUT/<variant>-s<seed>/ (log, curves SVG, model, result JSON). The script writes
 OUT/study.md (mean and spread over seeds of validation bits per byte at 1x, 4x and 16x the
 training length, and the needle-in-a-haystack scores) and OUT/study.svg (bits per byte by length).
@@ -61,12 +62,16 @@ VARIANTS = {
     "mag-len256": ["--kind", "mag", "--length", "256", "--batch", "8"],
     "lmm-len256": ["--kind", "lmm", "--length", "256", "--batch", "8"],
     "swa-len256": ["--kind", "swa", "--length", "256", "--batch", "8"],
-    # How much the memory learns at test time: theta_max 0 (never: a fixed MLP) and 5x the default.
+    # How much the memory learns at test time: theta_max 0 (no writes; the forget gate still
+    # decays the weights), frozen (no writes, no forgetting: a fixed MLP), 5x the default.
     "lmm-theta0": ["--kind", "lmm", "--theta-max", "0"],
+    "lmm-frozen": ["--kind", "lmm", "--theta-max", "0", "--no-forget"],
     "lmm-theta5x": ["--kind", "lmm", "--theta-max", "0.05"],
     # The same question on 512-byte training streams (32 chunks; batch 4, the same bytes per step).
     "lmm-len512": ["--kind", "lmm", "--length", "512", "--batch", "4"],
     "lmm-theta0-len512": ["--kind", "lmm", "--theta-max", "0", "--length", "512", "--batch", "4"],
+    "lmm-frozen-len512": ["--kind", "lmm", "--theta-max", "0", "--no-forget", "--length", "512",
+                          "--batch", "4"],
     "swa-len512": ["--kind", "swa", "--length", "512", "--batch", "4"],
 }
 DEFAULT = ["swa", "lmm", "mac", "mag", "mal", "lmm-no-momentum", "lmm-no-forget", "lmm-linear",
