@@ -17,7 +17,8 @@
 #   7 nccl       nccl/: NCCL as a data-parallel run's engine on GPUs
 #   8 umbrella   titans.hpp
 #
-# Prints every include that goes up (or across families) and exits 1 if there is one.
+# Prints every include that goes up (or across families), and every friend declaration naming
+# a class defined in another top folder, and exits 1 if there is one.
 set -euo pipefail
 root="${1:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/include/titans}"
 cd "${root}"
@@ -63,8 +64,28 @@ while IFS= read -r -d '' file; do
     done < <(sed -n 's/^[[:space:]]*#[[:space:]]*include[[:space:]]*"\([^"]*\)".*/\1/p' "${file}")
 done < <(find . -type f \( -name '*.hpp' -o -name '*.cuh' \) -print0 | sort -z)
 
+# No friend across folders: a class befriended in a header is defined in the same top folder
+# (backend/ counts as one: its kernels befriend the states of their own backend).
+folder_of() { case "$1" in */*) echo "${1%%/*}" ;; *) echo "." ;; esac; }
+while IFS= read -r -d '' file; do
+    rel="${file#./}"
+    while IFS= read -r friend; do
+        [ -n "${friend}" ] || continue
+        defined="$(grep -rlE "^[[:space:]]*(struct|class)[[:space:]]+${friend}\b[^;]*$" . \
+                   --include='*.hpp' --include='*.cuh' | sed 's|^\./||' || true)"
+        ok=0
+        for d in ${defined}; do
+            [ "$(folder_of "${d}")" = "$(folder_of "${rel}")" ] && ok=1
+        done
+        if [ "${ok}" -ne 1 ]; then
+            echo "${rel}: befriends ${friend}, not a class of its folder"; bad=1
+        fi
+    done < <(sed -n 's/^[[:space:]]*friend[[:space:]]\{1,\}\(struct\|class\)[[:space:]]\{1,\}\([A-Za-z_:]*::\)\{0,1\}\([A-Za-z_][A-Za-z0-9_]*\).*/\3/p' "${file}")
+done < <(find . -type f \( -name '*.hpp' -o -name '*.cuh' \) -print0 | sort -z)
+
 if [ "${bad}" -ne 0 ]; then
-    echo "check_layering: includes against the layer order (see the header of this script)"
+    echo "check_layering: includes against the layer order, or friends across folders (see the"
+    echo "header of this script)"
     exit 1
 fi
-echo "check_layering: every include goes to the same or a lower layer"
+echo "check_layering: every include goes to the same or a lower layer; no friend across folders"

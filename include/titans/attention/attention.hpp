@@ -42,7 +42,7 @@
 #include "kernel.hpp"
 #include "params.hpp"
 #include "rope.hpp"
-#include "state.hpp"
+#include "prefix.hpp"
 #include "state_gradient.hpp"
 #include "kernels_decl.hpp"
 

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "../../attention/config.hpp"
-#include "../../attention/state.hpp"
+#include "../../attention/prefix.hpp"
 #include "../../detail/visit.hpp"
 #include "../../types.hpp"
 #include "runtime.cuh"
