@@ -65,7 +65,7 @@ struct Settings {
     int length = 128, batch = 16, steps = 1200, eval_every = 100, eval_batches = 4, niah = 2;
     long long params = 0;        // > 0: the feed-forward sized for about this many parameters
     double lr = 3e-3, valid = 0.1;
-    double theta_max = -1;       // >= 0: the memory's theta_max (its test-time learning rate)
+    std::optional<double> theta_max;  // the memory's theta_max (its test-time learning rate)
     std::uint64_t seed = 1;
 };
 
@@ -173,7 +173,7 @@ titans::ModelConfig model_config(const Settings& s) {
                                             s.window, tt::ByteTokenizer::vocab_size, s.chunk);
     for (auto& b : cfg.blocks) {
         b.attention.rope = true;
-        if (s.theta_max >= 0) b.memory.theta_max = s.theta_max;
+        if (s.theta_max) b.memory.theta_max = *s.theta_max;  // validated by the Model
         if (s.constant_gates) {
             b.memory.gates = titans::GateMode::Constant;
             b.memory.constant_theta = b.memory.theta_max / 2;
