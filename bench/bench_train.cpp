@@ -21,6 +21,10 @@
 //   BM_ModelRebuild     the rebuild alone (Model from a copy of the parameters) and
 //   BM_SetParameters    Model::set_parameters alone (the values swapped in, MAC's and MAG's
 //                       derived data made again), for that model.
+//   BM_AdamWHost        one AdamW<float>::step over that model's parameters (host tensors,
+//                       checked into scratch, then written), and
+//   BM_AdamWBuffer      the same step by ModelAdamW (the parameter buffer: propose, commit);
+//                       counter parameters_per_second.
 //
 // Headline: float, d = 512, H = 8, d_h = 64, L = 2, e = 4, b = 64, B = 1, N = 2048, lagged
 // retrieval, data-dependent gates, conv on (the headline of bench_memory); and in-chunk
@@ -43,6 +47,7 @@
 #include "memory_flops.hpp"
 
 #include <cmath>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -228,6 +233,43 @@ void BM_SetParameters(benchmark::State& state) {
     }
 }
 
+/// The gradients of one optimiser step: every parameter's, of magnitude about 1e-3.
+titans::ModelParams<float> step_gradients(const titans::ModelConfig& cfg) {
+    titans::ModelParams<float> g = titans::ModelParams<float>::random(cfg, 2);
+    titans::ModelParams<float>::tensors(g, cfg, [](const std::string&, auto& m) { m *= 1e-3f; });
+    return g;
+}
+
+void set_parameter_rate(benchmark::State& state, const titans::ModelConfig& cfg,
+                        const titans::ModelParams<float>& p) {
+    state.counters["parameters_per_second"] = benchmark::Counter(
+        static_cast<double>(titans::detail::flat_size(p, cfg)), benchmark::Counter::kIsIterationInvariantRate);
+}
+
+void BM_AdamWHost(benchmark::State& state) {
+    const StepCase c(1);
+    titans::ModelParams<float> p = c.params;
+    const titans::ModelParams<float> g = step_gradients(c.cfg);
+    titans::AdamW<float> opt(step_settings.adamw);
+    for (auto _ : state) {
+        opt.step(p, g, c.cfg, 1e-4);
+    }
+    set_parameter_rate(state, c.cfg, p);
+}
+
+void BM_AdamWBuffer(benchmark::State& state) {
+    const StepCase c(1);
+    titans::ModelAdamW<float, titans::backend::Cpu> opt(c.cfg, c.params,
+                                                        titans::AdamW<float>(step_settings.adamw));
+    titans::ModelGradients<float, titans::backend::Cpu> g(c.cfg, c.params);
+    titans::backend::add_flat<titans::backend::Cpu>(step_gradients(c.cfg), c.cfg, g.view());
+    for (auto _ : state) {
+        opt.propose(std::as_const(g).view(), 1e-4);
+        opt.commit();
+    }
+    set_parameter_rate(state, c.cfg, c.params);
+}
+
 void BM_MemoryForward(benchmark::State& state) { run(state, false); }
 void BM_ModelForward(benchmark::State& state) { run_model(state, false); }
 void BM_ModelTrainStep(benchmark::State& state) { run_model(state, true); }
@@ -251,5 +293,7 @@ BENCHMARK(BM_RebuildStep)->ArgName("N")->Arg(1024)->Unit(benchmark::kMillisecond
 BENCHMARK(BM_TrainerStep)->ArgName("N")->Arg(1024)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_ModelRebuild)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_SetParameters)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_AdamWHost)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_AdamWBuffer)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 int main(int argc, char** argv) { return titans_bench::run(argc, argv); }

@@ -5,6 +5,7 @@
 #include "test_common.hpp"
 
 #include <cmath>
+#include <limits>
 #include <numbers>
 #include <string>
 #include <vector>
@@ -91,6 +92,61 @@ TEMPLATE_TEST_CASE("adamw: == plain loop", "[training]", float, double) {
         const Eigen::Map<const Eigen::VectorXd> b(ref.data(), static_cast<Eigen::Index>(ref.size()));
         INFO("step " << t);
         CHECK(rel_error(a, b) <= tol<T>());
+    }
+}
+
+// AdamW's arithmetic is exact per operation in T (each entry rounded as the plain loop in T
+// rounds it, in its order), whatever the tensor's length and alignment: second moments in the
+// subnormal range (tiny gradients) and a tiny eps make the square root decide the step, where
+// an approximate vector root (Eigen's fast float sqrt: an rsqrt with one Newton step, flushing
+// subnormals to 0) would be off. Tensors of odd lengths (5 x 7, 7 x 5, 1 x 5) reach vector
+// tails.
+TEMPLATE_TEST_CASE("adamw: exact in T", "[training]", float, double) {
+    using T = TestType;
+    Rng rng(seed_for(std::string("adamw-exact/") + type_name<T>(), 0));
+    const FeedForwardConfig cfg{.d_model = 5, .kind = FeedForwardKind::GELU, .hidden = 7};
+    auto p = FeedForwardParams<T>::random(cfg, 4);
+    const AdamWConfig oc{.beta1 = 0.9, .beta2 = 0.99, .eps = 1e-30, .weight_decay = 0.1};
+    AdamW<T> opt(oc);
+    std::vector<T> ref, m, v;
+    FeedForwardParams<T>::tensors(p, cfg, [&](const std::string&, const Matrix<T>& x) {
+        ref.insert(ref.end(), x.data(), x.data() + x.size());
+    });
+    m.assign(ref.size(), T(0));
+    v.assign(ref.size(), T(0));
+    const std::vector<bool> dec = decayed(p, cfg, false);
+    const T tiny = std::numeric_limits<T>::min() * T(1e6);  // g² subnormal
+    for (int t = 1; t <= 3; ++t) {
+        auto g = random_grads<T>(cfg, rng, 1.0);
+        FeedForwardParams<T>::tensors(g, cfg, [&](const std::string&, Matrix<T>& x) {
+            for (Eigen::Index i = 0; i < x.size(); i += 2) x.data()[i] *= tiny;
+        });
+        const double rate = 0.01 * t;
+        std::vector<T> gf;
+        FeedForwardParams<T>::tensors(g, cfg, [&](const std::string&, const Matrix<T>& x) {
+            gf.insert(gf.end(), x.data(), x.data() + x.size());
+        });
+        const T b1 = static_cast<T>(oc.beta1), b2 = static_cast<T>(oc.beta2),
+                eps = static_cast<T>(oc.eps),
+                step = static_cast<T>(rate / (1 - std::pow(oc.beta1, t))),
+                root2 = static_cast<T>(std::sqrt(1 - std::pow(oc.beta2, t))),
+                shrink = static_cast<T>(1 - rate * oc.weight_decay);
+        for (std::size_t i = 0; i < ref.size(); ++i) {
+            m[i] = b1 * m[i] + (T(1) - b1) * gf[i];
+            v[i] = b2 * v[i] + (T(1) - b2) * (gf[i] * gf[i]);
+            const T base = dec[i] ? ref[i] * shrink : ref[i];
+            ref[i] = base - step * m[i] / (std::sqrt(v[i]) / root2 + eps);
+        }
+        opt.step(p, g, cfg, rate);
+        std::vector<T> got;
+        FeedForwardParams<T>::tensors(p, cfg, [&](const std::string&, const Matrix<T>& x) {
+            got.insert(got.end(), x.data(), x.data() + x.size());
+        });
+        INFO("step " << t);
+        REQUIRE(got.size() == ref.size());
+        std::size_t differ = 0;
+        for (std::size_t i = 0; i < ref.size(); ++i) differ += got[i] != ref[i];
+        CHECK(differ == 0);
     }
 }
 

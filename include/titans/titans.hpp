@@ -40,6 +40,7 @@
 #include "train/adamw.hpp"
 #include "train/gradients.hpp"
 #include "train/loss.hpp"
+#include "train/model_adamw.hpp"
 #include "train/schedule.hpp"
 #include "train/trainer.hpp"
 

@@ -875,10 +875,11 @@ TEMPLATE_TEST_CASE("backend: model pieces", "[backend][train]", float, double) {
     }
 }
 
-// The Trainer on the simulated device (its gradients in one buffer there, clipped there, the
-// buffer down once for AdamW) equals the CPU's trainer bit for bit: losses, gradient norms
-// and parameters after three steps, every kind in two-block stacks (MAC cut inside segments
-// by the sequence length), clipping on and off.
+// The Trainer on the simulated device (its gradients in one buffer there, clipped there, AdamW
+// stepping its parameter buffer there, the stepped parameters down once) equals the CPU's
+// trainer bit for bit: losses, gradient norms, parameters and optimiser after three steps,
+// every kind in two-block stacks (MAC cut inside segments by the sequence length), clipping on
+// and off.
 TEMPLATE_TEST_CASE("backend: trainer steps", "[backend][train]", float, double) {
     using T = TestType;
     const std::pair<BlockKind, BlockKind> stacks[] = {{BlockKind::MAC, BlockKind::MAG},
@@ -898,11 +899,29 @@ TEMPLATE_TEST_CASE("backend: trainer steps", "[backend][train]", float, double) 
             const std::vector<int> ids = random_ids(rng, B * N, vocab);
             std::vector<int> labels = random_ids(rng, B * N, vocab);
             labels[static_cast<std::size_t>(step)] = -1;
-            CHECK(cpu.step(ids, labels, B) == dev.step(ids, labels, B));
+            // What the forward, the loss, the backward and the clipping download (a probe
+            // model: MAC's mixer still crosses to the host), then the step's.
+            auto& traffic = sim::Traffic::instance();
+            const titans::Model<T, SimulatedDevice> probe(mc.cfg, dev.params());
+            titans::ModelGradients<T, SimulatedDevice> pg(probe);
+            long down0 = traffic.downloads;
+            auto ps = probe.make_state(B);
+            typename titans::Model<T, SimulatedDevice>::Trace pt;
+            (void)probe.forward_loss(ps, ids, labels, pt);
+            probe.backward_loss(pt, pg);
+            (void)pg.norm();
+            const long gradients = traffic.downloads - down0;
+            const double lc = cpu.step(ids, labels, B);
+            down0 = traffic.downloads;
+            CHECK(dev.step(ids, labels, B) == lc);
+            // One more: the stepped parameters. The gradients stay on the device, and AdamW
+            // steps there (ModelAdamW).
+            CHECK(traffic.downloads - down0 == gradients + 1);
             CHECK(cpu.last_gradient_norm() == dev.last_gradient_norm());
         }
         CHECK(same_param_bits(cast_model<double>(cpu.params()), cast_model<double>(dev.params()),
                               mc.cfg));
+        CHECK(same_optimizer(cpu.optimizer(), dev.optimizer()));
     }
 }
 
@@ -956,4 +975,102 @@ TEST_CASE("backend: model gradients", "[backend][train]") {
     g.view().data[1] = std::numeric_limits<double>::quiet_NaN();
     CHECK(std::isnan(g.norm()));
     CHECK_THROWS_AS(g.clip(1.0), titans::NonFiniteError);
+}
+
+namespace {
+
+/// Random host gradients for `shapes`' tensors, of magnitude `scale`.
+template <class T>
+ModelParams<T> random_model_grads(const titans::ModelConfig& cfg, Rng& rng, double scale) {
+    ModelParams<T> g = ModelParams<T>::zeros(cfg);
+    ModelParams<T>::tensors(g, cfg, [&](const std::string&, auto& m) {
+        m = (random_matrix(m.rows(), m.cols(), rng) * scale).template cast<T>();
+    });
+    return g;
+}
+
+/// ModelAdamW<T, B> against the host AdamW<T> over `steps` steps from `opt` (fresh or resumed):
+/// the proposed and committed parameters and the moments bit for bit, every gradient in one
+/// buffer of B's memory.
+template <class T, class B>
+void model_adamw_matches(const ModelCase& mc, AdamW<T> opt, int steps, Rng& rng) {
+    ModelParams<T> p = cast_model<T>(mc.params);
+    titans::ModelAdamW<T, B> dev(mc.cfg, p, opt);
+    titans::ModelGradients<T, B> gb(mc.cfg, p);
+    const titans::WarmupCosine lr{.peak = 0.05, .warmup = 1, .total = 5};
+    for (int t = 1; t <= steps; ++t) {
+        INFO("step " << t);
+        const ModelParams<T> g = random_model_grads<T>(mc.cfg, rng, t == 2 ? 1e-6 : 1.0);
+        gb.zero();
+        titans::backend::add_flat<B>(g, mc.cfg, gb.view());
+        const std::int64_t before = dev.steps();
+        opt.step(p, g, mc.cfg, lr(opt.steps() + 1));
+        dev.propose(std::as_const(gb).view(), lr(before + 1));
+        CHECK(dev.steps() == before);  // nothing taken yet
+        CHECK(same_param_bits(dev.proposed_params(mc.cfg), p, mc.cfg));
+        dev.commit();
+        CHECK(dev.steps() == opt.steps());
+        REQUIRE(same_param_bits(dev.params_to_host(mc.cfg), p, mc.cfg));
+        REQUIRE(same_optimizer(dev.to_host(), opt));
+    }
+}
+
+}  // namespace
+
+// ModelAdamW (AdamW on the parameter buffer, in the backend's memory) equals the host AdamW bit
+// for bit on the CPU and on the simulated device: fresh and resumed, decaying vectors or not,
+// tiny and large gradients; refusals (a bad rate, a gradient buffer of another size, a step
+// whose second moment overflows float, a commit with nothing proposed) change nothing.
+TEMPLATE_TEST_CASE("backend: model adamw", "[backend][train]", float, double) {
+    using T = TestType;
+    for (std::uint64_t s = 0; s < 3; ++s) {
+        Rng rng(seed_for(std::string("backends/model adamw/") + type_name<T>(), s));
+        const BlockKind kinds[] = {BlockKind::MAG, BlockKind::MAC, BlockKind::LMM};
+        const ModelCase mc = make_model_case<T>(kinds[s], BlockKind::SWA, 8, 7, 0, rng);
+        const titans::AdamWConfig oc{.beta1 = 0.8, .beta2 = 0.95, .eps = 1e-7,
+                                     .weight_decay = 0.2, .decay_vectors = s == 1};
+        AdamW<T> resumed(oc);  // two steps taken on the host first
+        ModelParams<T> p0 = cast_model<T>(mc.params);
+        for (int t = 1; t <= 2; ++t) resumed.step(p0, random_model_grads<T>(mc.cfg, rng, 0.5), mc.cfg, 0.01);
+        INFO("case " << s);
+        model_adamw_matches<T, titans::backend::Cpu>(mc, AdamW<T>(oc), 3, rng);
+        model_adamw_matches<T, SimulatedDevice>(mc, AdamW<T>(oc), 3, rng);
+        model_adamw_matches<T, SimulatedDevice>(mc, resumed, 2, rng);
+    }
+    // Refusals, nothing changed.
+    Rng rng(seed_for(std::string("backends/model adamw refusals/") + type_name<T>(), 0));
+    const ModelCase mc = make_model_case<T>(BlockKind::MAL, BlockKind::MAG, 8, 7, 0, rng);
+    const ModelParams<T> p = cast_model<T>(mc.params);
+    titans::ModelAdamW<T, SimulatedDevice> opt(mc.cfg, p, AdamW<T>());
+    titans::ModelGradients<T, SimulatedDevice> g(mc.cfg, p);
+    titans::backend::add_flat<SimulatedDevice>(random_model_grads<T>(mc.cfg, rng, 1.0), mc.cfg,
+                                               g.view());
+    const auto cg = std::as_const(g).view();
+    CHECK_THROWS_AS(opt.commit(), titans::ConfigError);
+    CHECK_THROWS_AS(opt.propose(cg, -1.0), titans::ConfigError);
+    CHECK_THROWS_AS(opt.propose(cg, std::numeric_limits<double>::quiet_NaN()), titans::ConfigError);
+    CHECK_THROWS_AS(opt.propose(titans::detail::flat_range(cg, 0, g.size() - 1), 0.1),
+                    titans::ShapeError);
+    if constexpr (std::is_same_v<T, float>) {
+        // g² beyond the largest float in one entry of the head: the second moment overflows.
+        titans::ModelGradients<T, SimulatedDevice> big(mc.cfg, p);
+        ModelParams<T> hg = ModelParams<T>::zeros(mc.cfg);
+        hg.head(0, 0) = 1e30f;
+        titans::backend::add_flat<SimulatedDevice>(hg, mc.cfg, big.view());
+        try {
+            opt.propose(std::as_const(big).view(), 0.1);
+            FAIL("the overflowing step was taken");
+        } catch (const titans::NonFiniteError& e) {
+            CHECK_THAT(e.what(), Catch::Matchers::Contains("second moment") &&
+                                     Catch::Matchers::Contains("'head'"));
+        }
+        CHECK_THROWS_AS(opt.commit(), titans::ConfigError);  // a refused proposal is not taken
+    }
+    CHECK(opt.steps() == 0);
+    CHECK(same_param_bits(opt.params_to_host(mc.cfg), p, mc.cfg));
+    CHECK(opt.to_host().moments().empty());
+    opt.propose(cg, 0.1);
+    opt.commit();
+    CHECK(opt.steps() == 1);
+    CHECK(opt.to_host().moments().size() == titans::detail::tensor_slots(p, mc.cfg).size());
 }

@@ -253,7 +253,8 @@ void training_glue_case(int B, Eigen::Index n, Eigen::Index p, Eigen::Index cols
 }
 
 /// A gradient buffer's glue against the CPU's: scaled_norm over several chunks and parts
-/// (a NaN and an infinity propagating), scale, and Transfer::accumulate (host rows added).
+/// (a NaN and an infinity propagating), scale, Transfer::accumulate (host rows added) and
+/// AdamW's step (adamw).
 template <class T>
 void gradient_glue_case(Eigen::Index n, Rng& rng) {
     using Gpu = titans::backend::GlueKernels<Cuda, T>;
@@ -274,6 +275,22 @@ void gradient_glue_case(Eigen::Index n, Rng& rng) {
     const Matrix<T> add = random_t<T>(1, n, rng);
     titans::backend::Transfer<Cuda, T>::accumulate(view_of(add), g.view);
     CHECK(identical(g.host(), Matrix<T>(x + add)));
+    // One AdamW step on the entries (ModelAdamW's kernel), decayed and not.
+    const Matrix<T> gr = random_t<T>(1, n, rng), m0 = random_t<T>(1, n, rng),
+                    v0 = random_t<T>(1, n, rng).cwiseAbs();
+    const titans::detail::AdamWStep<T> f{3, T(0.9), T(0.99), T(1e-8), T(0.01), T(0.17), T(0.999)};
+    for (const bool shrink : {false, true}) {
+        Matrix<T> p1(1, n), m1(1, n), v1(1, n);
+        Cpu::adamw(f, shrink, view_of(x), view_of(gr), view_of(m0), view_of(v0), view_of(p1),
+                   view_of(m1), view_of(v1));
+        Strided<T> dp(x, 0), dg(gr, 0), dm(m0, 0), dv(v0, 0);
+        Strided<T> op(Matrix<T>::Zero(1, n), 0), om(Matrix<T>::Zero(1, n), 0),
+            ov(Matrix<T>::Zero(1, n), 0);
+        Gpu::adamw(f, shrink, dp.view, dg.view, dm.view, dv.view, op.view, om.view, ov.view);
+        CHECK(rel_error(op.host(), p1) <= tol<T>());
+        CHECK(rel_error(om.host(), m1) <= tol<T>());
+        CHECK(rel_error(ov.host(), v1) <= tol<T>());
+    }
     for (const T bad : {std::numeric_limits<T>::quiet_NaN(), std::numeric_limits<T>::infinity()}) {
         Matrix<T> y = x;
         y(0, n / 3) = bad;  // finite entries after it: it must stick

@@ -125,11 +125,13 @@ void add_flat(const Params& local, const Config& cfg,
     }
 }
 
-/// The inverse of add_flat: the tensors of `to` (host structs) += `flat` (1 x their flat size
-/// in B's memory), tensor by tensor in Params::tensors order; off the host one download.
-template <class B, class Params, class Config>
-void add_to_host(View<const typename detail::ParamsScalar<Params>::type> flat, Params& to,
-                 const Config& cfg) {
+namespace edge_detail {
+/// op(tensor's entries, flat's) for every tensor of `to` (host structs) in Params::tensors
+/// order, `flat` (1 x their flat size in B's memory) read in place on a host-accessible
+/// backend, elsewhere after one download.
+template <class B, class Params, class Config, class Op>
+void to_host(View<const typename detail::ParamsScalar<Params>::type> flat, Params& to,
+             const Config& cfg, Op op) {
     using T = typename detail::ParamsScalar<Params>::type;
     using A = Eigen::Array<T, Eigen::Dynamic, 1>;
     Matrix<T> host;
@@ -140,9 +142,25 @@ void add_to_host(View<const typename detail::ParamsScalar<Params>::type> flat, P
         at = host.data();
     }
     for (const auto& s : detail::tensor_slots(to, cfg)) {
-        s.array() += Eigen::Map<const A>(at, s.size());
+        op(s.array(), Eigen::Map<const A>(at, s.size()));
         at += s.size();
     }
+}
+}  // namespace edge_detail
+
+/// The inverse of add_flat: the tensors of `to` (host structs) += `flat` (1 x their flat size
+/// in B's memory), tensor by tensor in Params::tensors order; off the host one download.
+template <class B, class Params, class Config>
+void add_to_host(View<const typename detail::ParamsScalar<Params>::type> flat, Params& to,
+                 const Config& cfg) {
+    edge_detail::to_host<B>(flat, to, cfg, [](auto&& t, const auto& f) { t += f; });
+}
+
+/// As add_to_host, but the tensors of `to` take flat's entries (=, every bit).
+template <class B, class Params, class Config>
+void copy_to_host(View<const typename detail::ParamsScalar<Params>::type> flat, Params& to,
+                  const Config& cfg) {
+    edge_detail::to_host<B>(flat, to, cfg, [](auto&& t, const auto& f) { t = f; });
 }
 
 }  // namespace titans::backend

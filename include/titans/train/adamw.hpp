@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "../detail/adamw_update.hpp"
 #include "../detail/float_env.hpp"
 #include "../error.hpp"
 #include "../limits.hpp"
@@ -152,7 +153,7 @@ public:
     ///   first moment, the second moment, whose g² may overflow float, or the parameter).
     template <class Params, class Config>
     void step(Params& params, const Params& grads, const Config& cfg, double lr) {
-        const Factors f = factors(lr);
+        const Factors f = next_step(lr);
         detail::check_fits(std::as_const(params), cfg, where_, "params");  // reads only
         detail::check_fits(grads, cfg, where_, "grads");
         const auto ps = detail::tensor_slots(std::as_const(params), cfg);
@@ -173,30 +174,16 @@ public:
             const auto& s = out[i];
             Moments& mo = moments_.find(s.name)->second;
             const Eigen::Index n = s.size();
-            update(f, shrinks(s), In(s.data, n), In(gs[i].data, n), In(mo.m.data(), n),
+            update(f, decays(s.rows, s.cols), In(s.data, n), In(gs[i].data, n), In(mo.m.data(), n),
                    In(mo.v.data(), n), Out(s.data, n), Out(mo.m.data(), n), Out(mo.v.data(), n));
         }
         steps_ = f.t;
     }
 
-private:
-    using A = Eigen::Array<T, Eigen::Dynamic, 1>;
-    using In = Eigen::Map<const A>;
-    using Out = Eigen::Map<A>;
-    static constexpr const char* where_ = "AdamW::step";
-
-    /// The scalars of step t, in T.
-    struct Factors {
-        std::int64_t t;
-        T b1, b2, eps;
-        T step;    ///< lr / (1 - β1^t)
-        T root2;   ///< sqrt(1 - β2^t)
-        T shrink;  ///< 1 - lr λ
-    };
-
-    /// The scalars of the next step; ConfigError (lr, the step counter) if one is not finite
-    /// in T or the counter cannot advance.
-    [[nodiscard]] Factors factors(double lr) const {
+    /// The scalars of step steps() + 1 at rate lr (what step() applies; ModelAdamW's kernels
+    /// take them). ConfigError (lr, the step counter) if one is not finite in T or the counter
+    /// cannot advance.
+    [[nodiscard]] detail::AdamWStep<T> next_step(double lr) const {
         detail::require<ConfigError>(std::isfinite(lr) && lr >= 0, where_, "lr", lr,
                                      "a finite value >= 0");
         constexpr std::int64_t top = std::numeric_limits<std::int64_t>::max();
@@ -205,7 +192,7 @@ private:
         const std::int64_t t = steps_ + 1;
         const double bias1 = 1 - std::pow(cfg_.beta1, static_cast<double>(t));
         const double bias2 = 1 - std::pow(cfg_.beta2, static_cast<double>(t));
-        const Factors f{t,
+        const detail::AdamWStep<T> f{t,
                         static_cast<T>(cfg_.beta1),
                         static_cast<T>(cfg_.beta2),
                         static_cast<T>(cfg_.eps),
@@ -224,25 +211,25 @@ private:
         return f;
     }
 
-    /// Whether the tensor of slot s is decayed: λ > 0, and a matrix or decay_vectors.
-    template <class S>
-    [[nodiscard]] bool shrinks(const S& s) const {
-        return cfg_.weight_decay > 0 && (cfg_.decay_vectors || std::min(s.rows, s.cols) > 1);
+    /// Whether a rows x cols tensor is decayed: λ > 0, and a matrix or decay_vectors.
+    [[nodiscard]] bool decays(Eigen::Index rows, Eigen::Index cols) const {
+        return cfg_.weight_decay > 0 && (cfg_.decay_vectors || std::min(rows, cols) > 1);
     }
 
+private:
+    using A = Eigen::Array<T, Eigen::Dynamic, 1>;
+    using In = Eigen::Map<const A>;
+    using Out = Eigen::Map<A>;
+    static constexpr const char* where_ = "AdamW::step";
+
+    using Factors = detail::AdamWStep<T>;
+
     /// The update of one tensor's entries (math §9) from p, g, m, v to p1, m1, v1, which may be
-    /// p, m, v themselves. The one expression both check_result and step run, so the check
-    /// sees the values the step writes.
+    /// p, m, v themselves. The one expression both check_result and step run (and the glue
+    /// kernels' adamw: detail::adamw_update), so the check sees the values the step writes.
     static void update(const Factors& f, bool shrink, In p, In g, In m, In v, Out p1, Out m1,
                        Out v1) {
-        m1 = f.b1 * m + (T(1) - f.b1) * g;
-        v1 = f.b2 * v + (T(1) - f.b2) * g.square();
-        if (shrink) {
-            p1 = p * f.shrink;
-        } else if (p1.data() != p.data()) {
-            p1 = p;
-        }
-        p1 -= f.step * m1 / (v1.sqrt() / f.root2 + f.eps);
+        detail::adamw_update(f, shrink, p, g, m, v, p1, m1, v1);
     }
 
     /// Everything step() refuses about the tensors, before anything changes.
@@ -294,7 +281,7 @@ private:
             const bool has = it != moments_.end();
             for (Eigen::Index at = 0; at < ps[i].size(); at += chunk) {
                 const Eigen::Index n = std::min(chunk, ps[i].size() - at);
-                update(f, shrinks(ps[i]), In(ps[i].data + at, n), In(gs[i].data + at, n),
+                update(f, decays(ps[i].rows, ps[i].cols), In(ps[i].data + at, n), In(gs[i].data + at, n),
                        has ? In(it->second.m.data() + at, n) : In(zero.data(), n),
                        has ? In(it->second.v.data() + at, n) : In(zero.data(), n),
                        Out(p1.data(), n), Out(m1.data(), n), Out(v1.data(), n));

@@ -1,8 +1,9 @@
 #pragma once
 // titans/train/trainer.hpp: Trainer, a training step over a Model on token ids (math §9):
 // forward from a fresh state, cross-entropy, backward, global clipping, AdamW at the
-// schedule's rate. The model takes each step's parameters in place (Model::set_parameters); the
-// trainer's whole state saves and resumes bit for bit (titans/io/trainer.hpp).
+// schedule's rate, on the model's backend (ModelGradients, ModelAdamW). The model takes each
+// step's parameters in place (Model::set_parameters); the trainer's whole state saves and resumes
+// bit for bit (titans/io/trainer.hpp).
 
 #include <cmath>
 #include <cstdint>
@@ -27,6 +28,7 @@
 #include "adamw.hpp"
 #include "communicator.hpp"
 #include "data_parallel.hpp"
+#include "model_adamw.hpp"
 #include "gradients.hpp"
 #include "loss.hpp"
 #include "schedule.hpp"
@@ -115,13 +117,15 @@ struct TrainerProgress {
 ///     norm = clip_gradient_norm(grads, clip_norm)             forward_loss, backward_loss
 ///                                                             into ModelGradients, its clip;
 ///                                                             no clipping for clip_norm = 0)
-///     params = AdamW step at schedule(optimizer().steps() + 1)    (on the host: the gradient
-///                                                             buffer comes down once)
+///     params = AdamW step at schedule(optimizer().steps() + 1)    (ModelAdamW: on the backend,
+///                                                             in the parameter buffer; the
+///                                                             gradients stay where they are)
 ///
 /// bit for bit as that sequence written by hand with a model rebuilt from the parameters every
-/// step, but the model takes the new values in place (Model::set_parameters). Strong guarantee:
-/// a step that throws (bad arguments, non-finite logits, gradients or updated parameters)
-/// leaves the model, the optimiser and the progress as they were.
+/// step and the host AdamW<T>, but the model takes the new values in place
+/// (Model::set_parameters). Strong guarantee: a step that throws (bad arguments, non-finite
+/// logits, gradients or updated parameters) leaves the model, the optimiser and the progress
+/// as they were.
 ///
 ///     titans::Trainer<float> trainer(cfg, titans::ModelParams<float>::random(cfg, 1),
 ///                                    {.schedule = {.peak = 3e-3, .warmup = 100, .total = 2000}});
@@ -129,9 +133,10 @@ struct TrainerProgress {
 ///
 /// Backends: those whose blocks train (Model<T, Backend>::trainable: the CPU and CUDA);
 /// elsewhere the class does not compile (static_assert). On a backend without the memory's
-/// staged reverse a model with a MAC block is refused (ConfigError; Block::trains). On CUDA
-/// each step re-uploads the stepped parameters (Model::set_parameters builds the model afresh
-/// where the kernels keep their own copy).
+/// staged reverse a model with a MAC block is refused (ConfigError; Block::trains). The
+/// optimiser's parameters and moments live in the backend's memory (ModelAdamW); off the host
+/// the stepped parameters come down once per step and the layers take them again
+/// (Model::set_parameters builds the model afresh where the kernels keep their own copy).
 template <class T, class Backend>
 class Trainer {
     static_assert(Model<T, Backend>::trainable,
@@ -156,10 +161,9 @@ public:
             AdamW<T> optimizer, TrainerProgress progress)
         : cfg_(checked(config, model_config)),
           model_(std::move(model_config), std::move(params)),
-          opt_(std::move(optimizer)),
+          opt_(model_.config(), model_.params(), checked_optimizer(cfg_, model_, optimizer)),
           progress_(progress) {
         progress_.validate();
-        check_optimizer();
     }
 
     /// One training step on `batch` sequences of N tokens: ids (batch * N, sequence-major as
@@ -197,21 +201,14 @@ public:
                                  "nothing changed");
         }
         const double lr = cfg_.schedule(opt_.steps() + 1);
-        ModelParams<T> next = model_.params();
-        AdamW<T> opt = opt_;  // stepped on copies: committed below only if all went well
-        opt.step(next, grads.to_params(), mc, lr);
-        if (!detail::tensors_finite(next, mc)) {
-            throw NonFiniteError(detail::concat(
-                "Trainer::step: the updated parameters have a NaN or infinite entry (learning "
-                "rate ", lr, " at step ", opt.steps(), "), expected finite values; nothing "
-                "changed"));
-        }
-        if (comm_ && check_every_ > 0 && opt.steps() % check_every_ == 0) {
+        opt_.propose(grads.view(), lr);  // taken below (commit) only if all went well
+        ModelParams<T> next = opt_.proposed_params(mc);
+        if (comm_ && check_every_ > 0 && (opt_.steps() + 1) % check_every_ == 0) {
             detail::require_same_on_ranks(*comm_, params_print(next), "Trainer::step",
                                           "parameters (the ranks have drifted apart)");
         }
         model_.set_parameters(std::move(next));
-        opt_ = std::move(opt);
+        opt_.commit();
         progress_ = {progress_.data_position + batch, loss, norm, lr};
         return loss;
     }
@@ -256,7 +253,7 @@ public:
             detail::require_same_on_ranks(*comm, params_print(model_.params()), where,
                                           "parameters");
             detail::require_same_on_ranks(
-                *comm, detail::optimizer_print(opt_, progress_.data_position), where,
+                *comm, detail::optimizer_print(opt_.to_host(), progress_.data_position), where,
                 "optimiser state or data position");
         }
         comm_ = std::move(comm);
@@ -267,7 +264,8 @@ public:
 
     [[nodiscard]] const ModelType& model() const { return model_; }
     [[nodiscard]] const ModelParams<T>& params() const { return model_.params(); }
-    [[nodiscard]] const AdamW<T>& optimizer() const { return opt_; }
+    /// The optimiser's state as a host AdamW<T> (from the backend: moments by tensor name).
+    [[nodiscard]] AdamW<T> optimizer() const { return opt_.to_host(); }
     [[nodiscard]] const TrainerConfig& config() const { return cfg_; }
     [[nodiscard]] const TrainerProgress& progress() const { return progress_; }
     /// Steps taken (the optimiser's).
@@ -311,25 +309,26 @@ private:
 
     /// The optimiser belongs to these parameters: its settings are config().adamw, and its
     /// moments (once it has stepped) are those of every tensor, shaped as it.
-    void check_optimizer() const {
+    static const AdamW<T>& checked_optimizer(const TrainerConfig& config, const ModelType& model,
+                                             const AdamW<T>& opt) {
         constexpr const char* where = "Trainer";
         std::vector<std::pair<std::string, double>> mine, theirs;
         const auto list = [](auto& out) {
             return [&out](const std::string& n, const auto& x) { out.emplace_back(n, double(x)); };
         };
-        AdamWConfig::fields(opt_.config(), list(theirs));
-        AdamWConfig::fields(cfg_.adamw, list(mine));
+        AdamWConfig::fields(opt.config(), list(theirs));
+        AdamWConfig::fields(config.adamw, list(mine));
         for (std::size_t i = 0; i < mine.size(); ++i) {
             detail::require<ConfigError>(
                 theirs[i].second == mine[i].second, where,
                 detail::concat("optimizer.config().", theirs[i].first).c_str(), theirs[i].second,
                 detail::concat("config.adamw.", mine[i].first, " = ", mine[i].second));
         }
-        const auto slots = detail::tensor_slots(model_.params(), model_.config());
-        const auto& moments = opt_.moments();
+        const auto slots = detail::tensor_slots(model.params(), model.config());
+        const auto& moments = opt.moments();
         for (const auto& s : slots) {
             const auto it = moments.find(s.name);
-            if (it == moments.end() && opt_.steps() == 0) continue;
+            if (it == moments.end() && opt.steps() == 0) continue;
             if (it == moments.end() || it->second.m.rows() != s.rows ||
                 it->second.m.cols() != s.cols) {
                 throw ShapeError(detail::concat(where, ": the optimizer has no moments of '",
@@ -337,10 +336,11 @@ private:
                                                 ", expected the moments of these parameters"));
             }
         }
-        const bool complete = opt_.steps() == 0 || moments.size() == slots.size();
+        const bool complete = opt.steps() == 0 || moments.size() == slots.size();
         detail::require<ShapeError>(complete && moments.size() <= slots.size(), where,
                                     "optimizer.moments().size()", moments.size(),
                                     detail::concat(slots.size(), " (one per parameter tensor)"));
+        return opt;
     }
 
     void check_step(const std::vector<int>& ids, std::span<const int> labels, int batch) const {
@@ -414,7 +414,7 @@ private:
 
     TrainerConfig cfg_;
     ModelType model_;
-    AdamW<T> opt_;
+    ModelAdamW<T, Backend> opt_;  // the parameters and moments in the backend's memory
     TrainerProgress progress_;
     std::shared_ptr<Communicator> comm_;  // a data-parallel run's (null: alone)
     std::int64_t check_every_ = 0;

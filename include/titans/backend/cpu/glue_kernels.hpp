@@ -103,6 +103,16 @@ struct GlueKernels<Cpu, T> {
         return detail::scaled_norm(slots);
     }
     static void scale(View<T> x, T factor) { cpu::as_eigen(x).array() *= factor; }
+    /// detail::adamw_update on the entries (the host AdamW's expression: the same bits).
+    static void adamw(const detail::AdamWStep<T>& f, bool shrink, View<const T> p,
+                      View<const T> g, View<const T> m, View<const T> v, View<T> p1, View<T> m1,
+                      View<T> v1) {
+        using A = Eigen::Array<T, Eigen::Dynamic, 1>;
+        const Eigen::Index n = p.cols;
+        const auto in = [n](View<const T> x) { return Eigen::Map<const A>(x.data, n); };
+        Eigen::Map<A> op(p1.data, n), om(m1.data, n), ov(v1.data, n);
+        detail::adamw_update(f, shrink, in(p), in(g), in(m), in(v), op, om, ov);
+    }
     static void scatter_add(View<const T> rows, std::span<const int> ids, View<T> table) {
         const auto r = cpu::as_eigen(rows);
         auto t = cpu::as_eigen(table);

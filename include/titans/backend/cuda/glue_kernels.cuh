@@ -211,6 +211,17 @@ struct GlueKernels<Cuda, T> {
         const unsigned c = cuda::u32(x.cols);
         run(x.rows * x.cols, [=] __device__(unsigned i) { o[(i / c) * os + i % c] *= factor; });
     }
+    /// detail::adamw_entry per entry, a thread each (1 x n contiguous views).
+    static void adamw(const detail::AdamWStep<T>& f, bool shrink, View<const T> p,
+                      View<const T> g, View<const T> m, View<const T> v, View<T> p1, View<T> m1,
+                      View<T> v1) {
+        const T *pp = p.data, *gp = g.data, *mp = m.data, *vp = v.data;
+        T *po = p1.data, *mo = m1.data, *vo = v1.data;
+        const detail::AdamWStep<T> s = f;
+        run(p.cols, [=] __device__(unsigned i) {
+            detail::adamw_entry(s, shrink, pp[i], gp[i], mp[i], vp[i], po + i, mo + i, vo + i);
+        });
+    }
     /// One thread per column, the rows added in order (repeated ids add deterministically).
     static void scatter_add(View<const T> rows, std::span<const int> ids, View<T> table) {
         if (ids.empty() || table.cols == 0) {
