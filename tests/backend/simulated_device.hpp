@@ -754,12 +754,15 @@ struct GlueKernels<titans_test::SimulatedDevice, T> {
         titans_test::sim::require_device(x, "x");
         Host::scale(x, factor);
     }
-    static void adamw(const titans::detail::AdamWStep<T>& f, bool shrink, View<const T> p,
+    static bool adamw(const titans::detail::AdamWStep<T>& f,
+                      std::span<const titans::detail::AdamWPart> parts, View<const T> p,
                       View<const T> g, View<const T> m, View<const T> v, View<T> p1, View<T> m1,
                       View<T> v1) {
         titans_test::sim::require_devices<T>({p, g, m, v, p1, m1, v1},
                                              {"p", "g", "m", "v", "p1", "m1", "v1"});
-        Host::adamw(f, shrink, p, g, m, v, p1, m1, v1);
+        ++titans_test::sim::Traffic::instance().uploads;    // the parts
+        ++titans_test::sim::Traffic::instance().downloads;  // the finiteness flag
+        return Host::adamw(f, parts, p, g, m, v, p1, m1, v1);
     }
     static void scatter_add(View<const T> rows, std::span<const int> ids, View<T> table) {
         titans_test::sim::require_devices<T>({rows, table}, {"rows", "table"});

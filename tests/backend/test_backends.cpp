@@ -914,9 +914,9 @@ TEMPLATE_TEST_CASE("backend: trainer steps", "[backend][train]", float, double) 
             const double lc = cpu.step(ids, labels, B);
             down0 = traffic.downloads;
             CHECK(dev.step(ids, labels, B) == lc);
-            // One more: the stepped parameters. The gradients stay on the device, and AdamW
-            // steps there (ModelAdamW).
-            CHECK(traffic.downloads - down0 == gradients + 1);
+            // Two more: AdamW's finiteness flag and the stepped parameters. The gradients stay
+            // on the device, and AdamW steps there (ModelAdamW).
+            CHECK(traffic.downloads - down0 == gradients + 2);
             CHECK(cpu.last_gradient_norm() == dev.last_gradient_norm());
         }
         CHECK(same_param_bits(cast_model<double>(cpu.params()), cast_model<double>(dev.params()),

@@ -275,18 +275,25 @@ void gradient_glue_case(Eigen::Index n, Rng& rng) {
     const Matrix<T> add = random_t<T>(1, n, rng);
     titans::backend::Transfer<Cuda, T>::accumulate(view_of(add), g.view);
     CHECK(identical(g.host(), Matrix<T>(x + add)));
-    // One AdamW step on the entries (ModelAdamW's kernel), decayed and not.
-    const Matrix<T> gr = random_t<T>(1, n, rng), m0 = random_t<T>(1, n, rng),
-                    v0 = random_t<T>(1, n, rng).cwiseAbs();
+    // One AdamW step on the entries (ModelAdamW's kernel) as two tensors, one decayed, in
+    // either order; then a gradient whose square overflows: both say so.
+    Matrix<T> gr = random_t<T>(1, n, rng);
+    const Matrix<T> m0 = random_t<T>(1, n, rng), v0 = random_t<T>(1, n, rng).cwiseAbs();
     const titans::detail::AdamWStep<T> f{3, T(0.9), T(0.99), T(1e-8), T(0.01), T(0.17), T(0.999)};
-    for (const bool shrink : {false, true}) {
+    for (int c = 0; c < 3; ++c) {
+        if (c == 2) gr(0, n - 1) = std::numeric_limits<T>::max();
+        const std::vector<titans::detail::AdamWPart> parts{{n / 3, c == 0}, {n - n / 3, c != 0}};
         Matrix<T> p1(1, n), m1(1, n), v1(1, n);
-        Cpu::adamw(f, shrink, view_of(x), view_of(gr), view_of(m0), view_of(v0), view_of(p1),
-                   view_of(m1), view_of(v1));
+        const bool fc = Cpu::adamw(f, parts, view_of(x), view_of(gr), view_of(m0), view_of(v0),
+                                   view_of(p1), view_of(m1), view_of(v1));
         Strided<T> dp(x, 0), dg(gr, 0), dm(m0, 0), dv(v0, 0);
         Strided<T> op(Matrix<T>::Zero(1, n), 0), om(Matrix<T>::Zero(1, n), 0),
             ov(Matrix<T>::Zero(1, n), 0);
-        Gpu::adamw(f, shrink, dp.view, dg.view, dm.view, dv.view, op.view, om.view, ov.view);
+        const bool fg = Gpu::adamw(f, parts, dp.view, dg.view, dm.view, dv.view, op.view,
+                                   om.view, ov.view);
+        CHECK(fc == (c != 2));
+        CHECK(fg == fc);
+        if (c == 2) continue;
         CHECK(rel_error(op.host(), p1) <= tol<T>());
         CHECK(rel_error(om.host(), m1) <= tol<T>());
         CHECK(rel_error(ov.host(), v1) <= tol<T>());

@@ -4,6 +4,7 @@
 // expression, so the CPU's bits are the host optimiser's.
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 
 #include <Eigen/Core>
@@ -23,6 +24,20 @@ struct AdamWStep {
     T shrink{};  ///< 1 - lr λ (applied where a tensor is decayed)
 };
 
+/// One tensor of a flat parameter buffer, as AdamW sees it: its entries, and whether it is
+/// decayed (AdamW<T>::decays).
+struct AdamWPart {
+    std::ptrdiff_t size = 0;
+    bool decay = false;
+};
+
+/// Whether x is neither NaN nor infinite (x - x is 0 exactly then, NaN otherwise), on the host
+/// and the device alike.
+template <class T>
+TITANS_HOST_DEVICE bool finite_entry(T x) {
+    return x - x == T(0);
+}
+
 /// The update of n entries from p, g, m, v to p1, m1, v1 (which may be p, m, v themselves;
 /// Eigen arrays or maps):
 ///
@@ -33,9 +48,10 @@ struct AdamWStep {
 /// inputs (not on where the entry lies in memory, nor on the vector width): the square root
 /// is std::sqrt entry by entry, because Eigen's vectorised float sqrt (EIGEN_FAST_MATH, on by
 /// default) is an approximate reciprocal root with one Newton step, 1-2 bits off, and its
-/// packets start where the data's alignment puts them.
+/// packets start where the data's alignment puts them. Returns whether every new entry (p1,
+/// m1, v1) is finite.
 template <class T, class In, class Out>
-void adamw_update(const AdamWStep<T>& f, bool shrink, const In& p, const In& g, const In& m,
+bool adamw_update(const AdamWStep<T>& f, bool shrink, const In& p, const In& g, const In& m,
                   const In& v, Out& p1, Out& m1, Out& v1) {
     m1 = f.b1 * m + (T(1) - f.b1) * g;
     v1 = f.b2 * v + (T(1) - f.b2) * g.square();
@@ -44,22 +60,27 @@ void adamw_update(const AdamWStep<T>& f, bool shrink, const In& p, const In& g, 
     } else if (p1.data() != p.data()) {
         p1 = p;
     }
+    bool finite = true;
     for (Eigen::Index i = 0; i < p1.size(); ++i) {
         p1[i] -= f.step * m1[i] / (std::sqrt(v1[i]) / f.root2 + f.eps);
+        finite &= finite_entry(m1[i]) & finite_entry(v1[i]) & finite_entry(p1[i]);
     }
+    return finite;
 }
 
-/// adamw_update of one entry (the device kernels' form: the same operations in the same
+/// adamw_update of one entry, returning whether its new values are finite (the device kernels' form: the same operations in the same
 /// order; a compiler that fuses a multiply and an add, as nvcc does, rounds them once).
 template <class T>
-TITANS_HOST_DEVICE void adamw_entry(const AdamWStep<T>& f, bool shrink, T p, T g, T m, T v,
+TITANS_HOST_DEVICE bool adamw_entry(const AdamWStep<T>& f, bool shrink, T p, T g, T m, T v,
                                     T* p1, T* m1, T* v1) {
     const T mn = f.b1 * m + (T(1) - f.b1) * g;
     const T vn = f.b2 * v + (T(1) - f.b2) * (g * g);
     const T base = shrink ? p * f.shrink : p;
     *m1 = mn;
     *v1 = vn;
-    *p1 = base - f.step * mn / (std::sqrt(vn) / f.root2 + f.eps);
+    const T pn = base - f.step * mn / (std::sqrt(vn) / f.root2 + f.eps);
+    *p1 = pn;
+    return finite_entry(mn) && finite_entry(vn) && finite_entry(pn);
 }
 
 }  // namespace titans::detail

@@ -55,17 +55,20 @@ namespace titans::backend {
 ///                              (detail::scaled_norm); two scalars back: a gradient buffer's
 ///                              global norm
 ///   scale(x, factor)           x *= factor, entry by entry: the clipping of a gradient buffer
-///   adamw(f, shrink, p, g, m, v, p1, m1, v1)   AdamW's step f (detail::AdamWStep) on 1 x n
-///                              contiguous views, entry by entry (detail::adamw_update; decayed
-///                              when shrink): p1, m1, v1 the new parameters and moments, distinct
-///                              from p, g, m, v and each other: a model's optimiser on its
-///                              parameter buffer (ModelAdamW)
+///   adamw(f, parts, p, g, m, v, p1, m1, v1)   AdamW's step f (detail::AdamWStep) on 1 x n
+///                              contiguous views, entry by entry (detail::adamw_update), the
+///                              tensors `parts` (host, consecutive, sizes summing to n) decayed
+///                              where their flag says: p1, m1, v1 the new parameters and
+///                              moments, distinct from p, g, m, v and each other; returns
+///                              whether every new entry is finite (one scalar back): a model's
+///                              optimiser on its parameter buffer (ModelAdamW)
 /// The CPU's are the plain loops the layers used on host matrices before, so their results are
 /// the same bits; CUDA's are the same operations per entry (the product on cuBLAS).
 template <class B, class T>
 concept GlueBackend = requires(View<const T> a, View<T> out, std::span<const int> ids,
                                std::span<const std::ptrdiff_t> parts,
-                               const detail::AdamWStep<T>& f) {
+                               const detail::AdamWStep<T>& f,
+                               std::span<const detail::AdamWPart> tensors) {
     GlueKernels<B, T>::copy(a, out);
     GlueKernels<B, T>::add(a, a, out);
     GlueKernels<B, T>::gate(a, a, out);
@@ -82,7 +85,7 @@ concept GlueBackend = requires(View<const T> a, View<T> out, std::span<const int
     { GlueKernels<B, T>::cross_entropy(a, ids, out) } -> std::same_as<double>;
     { GlueKernels<B, T>::scaled_norm(a, parts) } -> std::same_as<std::pair<double, double>>;
     GlueKernels<B, T>::scale(out, T(1));
-    GlueKernels<B, T>::adamw(f, true, a, a, a, a, out, out, out);
+    { GlueKernels<B, T>::adamw(f, tensors, a, a, a, a, out, out, out) } -> std::same_as<bool>;
 };
 
 }  // namespace titans::backend

@@ -229,7 +229,7 @@ private:
     /// kernels' adamw: detail::adamw_update), so the check sees the values the step writes.
     static void update(const Factors& f, bool shrink, In p, In g, In m, In v, Out p1, Out m1,
                        Out v1) {
-        detail::adamw_update(f, shrink, p, g, m, v, p1, m1, v1);
+        (void)detail::adamw_update(f, shrink, p, g, m, v, p1, m1, v1);
     }
 
     /// Everything step() refuses about the tensors, before anything changes.

@@ -32,7 +32,8 @@ namespace titans {
 ///     opt.commit();                    // the step taken: O(1), cannot fail
 ///
 /// A step is proposed, then committed: propose computes the new parameters and moments into
-/// scratch buffers (three more buffers of the same size) and makes sure every entry is finite,
+/// scratch buffers (three more buffers of the same size) in one pass of the glue kernel adamw,
+/// which also says whether every new entry is finite (one scalar back),
 /// so that a refused step changes nothing and the caller can act on the new values (give them
 /// to the model, compare them across ranks) before taking it. Movable; copyable where the
 /// backend's buffers are (the CPU's).
@@ -52,7 +53,8 @@ public:
         const auto slots = detail::tensor_slots(params, cfg);
         Eigen::Index n = 0;
         for (const auto& s : slots) {
-            slots_.push_back({s.name, n, s.rows, s.cols, adamw_.decays(s.rows, s.cols)});
+            slots_.push_back({s.name, n, s.rows, s.cols});
+            parts_.push_back({s.size(), adamw_.decays(s.rows, s.cols)});
             n += s.size();
         }
         Matrix<T> flat(1, n), m(1, n), v(1, n);
@@ -101,18 +103,13 @@ public:
     /// gradient shows there).
     void propose(View<const T> grads, double lr) {
         constexpr const char* where = "ModelAdamW::propose";
+        proposed_ = false;
         const detail::AdamWStep<T> f = AdamW<T>(adamw_.config(), steps_, {}).next_step(lr);
         detail::check_flat_gradient(where, grads, size(), "the gradient buffer");
-        for (const Slot& s : slots_) {
-            Glue::adamw(f, s.decay, range(params(), s), range(grads, s), range(view(m_), s),
-                        range(view(v_), s), range(Transfer::view(p1_), s),
-                        range(Transfer::view(m1_), s), range(Transfer::view(v1_), s));
-        }
-        proposed_ = false;
-        if (Glue::nonfinite_row(view(m1_)) >= 0 || Glue::nonfinite_row(view(v1_)) >= 0 ||
-            Glue::nonfinite_row(proposed()) >= 0) {
-            throw_nonfinite(where);
-        }
+        const bool finite =
+            Glue::adamw(f, parts_, params(), grads, view(m_), view(v_), Transfer::view(p1_),
+                        Transfer::view(m1_), Transfer::view(v1_));
+        if (!finite) throw_nonfinite(where);
         proposed_ = true;
         next_steps_ = f.t;
     }
@@ -159,7 +156,6 @@ private:
     struct Slot {
         std::string name;
         Eigen::Index at, rows, cols;
-        bool decay;
     };
 
     static View<const T> view(const typename Transfer::Buffer& b) { return Transfer::view(b); }
@@ -207,6 +203,7 @@ private:
     std::int64_t steps_ = 0, next_steps_ = 0;
     bool has_moments_ = false, proposed_ = false;
     std::vector<Slot> slots_;
+    std::vector<detail::AdamWPart> parts_;  // the tensors' sizes and decay, what adamw steps by
     typename Transfer::Buffer p_, m_, v_;     // parameters and moments
     typename Transfer::Buffer p1_, m1_, v1_;  // the proposed step's
 };

@@ -103,15 +103,22 @@ struct GlueKernels<Cpu, T> {
         return detail::scaled_norm(slots);
     }
     static void scale(View<T> x, T factor) { cpu::as_eigen(x).array() *= factor; }
-    /// detail::adamw_update on the entries (the host AdamW's expression: the same bits).
-    static void adamw(const detail::AdamWStep<T>& f, bool shrink, View<const T> p,
-                      View<const T> g, View<const T> m, View<const T> v, View<T> p1, View<T> m1,
-                      View<T> v1) {
+    /// detail::adamw_update on each part's entries (the host AdamW's expression: the same
+    /// bits).
+    static bool adamw(const detail::AdamWStep<T>& f, std::span<const detail::AdamWPart> parts,
+                      View<const T> p, View<const T> g, View<const T> m, View<const T> v,
+                      View<T> p1, View<T> m1, View<T> v1) {
         using A = Eigen::Array<T, Eigen::Dynamic, 1>;
-        const Eigen::Index n = p.cols;
-        const auto in = [n](View<const T> x) { return Eigen::Map<const A>(x.data, n); };
-        Eigen::Map<A> op(p1.data, n), om(m1.data, n), ov(v1.data, n);
-        detail::adamw_update(f, shrink, in(p), in(g), in(m), in(v), op, om, ov);
+        bool finite = true;
+        std::ptrdiff_t at = 0;
+        for (const detail::AdamWPart& part : parts) {
+            const auto in = [&](View<const T> x) { return Eigen::Map<const A>(x.data + at, part.size); };
+            Eigen::Map<A> op(p1.data + at, part.size), om(m1.data + at, part.size),
+                ov(v1.data + at, part.size);
+            finite &= detail::adamw_update(f, part.decay, in(p), in(g), in(m), in(v), op, om, ov);
+            at += part.size;
+        }
+        return finite;
     }
     static void scatter_add(View<const T> rows, std::span<const int> ids, View<T> table) {
         const auto r = cpu::as_eigen(rows);

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <span>
 #include <utility>
+#include <vector>
 
 #include "../../detail/activation.hpp"
 #include "../../layers/glue.hpp"
@@ -211,16 +212,48 @@ struct GlueKernels<Cuda, T> {
         const unsigned c = cuda::u32(x.cols);
         run(x.rows * x.cols, [=] __device__(unsigned i) { o[(i / c) * os + i % c] *= factor; });
     }
-    /// detail::adamw_entry per entry, a thread each (1 x n contiguous views).
-    static void adamw(const detail::AdamWStep<T>& f, bool shrink, View<const T> p,
-                      View<const T> g, View<const T> m, View<const T> v, View<T> p1, View<T> m1,
-                      View<T> v1) {
+    /// detail::adamw_entry per entry, a thread each (1 x n contiguous views), in one launch:
+    /// the parts' ends and decay flags go up with the call (a thread finds its part by
+    /// bisection), a flag set by any non-finite result comes back.
+    static bool adamw(const detail::AdamWStep<T>& f, std::span<const detail::AdamWPart> parts,
+                      View<const T> p, View<const T> g, View<const T> m, View<const T> v,
+                      View<T> p1, View<T> m1, View<T> v1) {
+        const long long k = static_cast<long long>(parts.size());
+        if (p.cols == 0 || k == 0) {
+            return true;
+        }
+        std::vector<long long> layout(static_cast<std::size_t>(2 * k + 1), 0);  // ends, flags, bad
+        long long end = 0;
+        for (long long j = 0; j < k; ++j) {
+            end += parts[static_cast<std::size_t>(j)].size;
+            layout[static_cast<std::size_t>(j)] = end;
+            layout[static_cast<std::size_t>(k + j)] = parts[static_cast<std::size_t>(j)].decay;
+        }
+        cuda::DeviceBuffer<long long> dev = cuda::upload_array(layout.data(), layout.size());
+        const long long* ends = dev.data();
+        long long* bad = dev.data() + 2 * k;
         const T *pp = p.data, *gp = g.data, *mp = m.data, *vp = v.data;
         T *po = p1.data, *mo = m1.data, *vo = v1.data;
         const detail::AdamWStep<T> s = f;
         run(p.cols, [=] __device__(unsigned i) {
-            detail::adamw_entry(s, shrink, pp[i], gp[i], mp[i], vp[i], po + i, mo + i, vo + i);
+            long long lo = 0, hi = k - 1;  // the first part whose end lies beyond i
+            while (lo < hi) {
+                const long long mid = (lo + hi) / 2;
+                if (ends[mid] > static_cast<long long>(i)) {
+                    hi = mid;
+                } else {
+                    lo = mid + 1;
+                }
+            }
+            if (!detail::adamw_entry(s, ends[k + lo] != 0, pp[i], gp[i], mp[i], vp[i], po + i,
+                                     mo + i, vo + i)) {
+                *bad = 1;  // every writer stores the same value
+            }
         });
+        long long flag = 0;
+        cuda::check(cudaMemcpy(&flag, bad, sizeof(long long), cudaMemcpyDeviceToHost),
+                    "cudaMemcpy (adamw)");
+        return flag == 0;
     }
     /// One thread per column, the rows added in order (repeated ids add deterministically).
     static void scatter_add(View<const T> rows, std::span<const int> ids, View<T> table) {
