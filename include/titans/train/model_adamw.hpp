@@ -76,7 +76,10 @@ public:
             m.row(0).segment(s.at, slots[i].size()) = row_of(it->second.m);
             v.row(0).segment(s.at, slots[i].size()) = row_of(it->second.v);
         }
-        if (!has_moments_) m.setZero(), v.setZero();
+        if (!has_moments_) {
+            m.setZero();
+            v.setZero();
+        }
         p_ = Transfer::upload(view_of(std::as_const(flat)));
         m_ = Transfer::upload(view_of(std::as_const(m)));
         v_ = Transfer::upload(view_of(std::as_const(v)));
