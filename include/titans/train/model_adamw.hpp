@@ -59,9 +59,6 @@ public:
         }
         Matrix<T> flat(1, n), m(1, n), v(1, n);
         has_moments_ = !host.moments().empty();
-        detail::require<ShapeError>(!has_moments_ || host.moments().size() == slots.size(),
-                                    where, "optimizer moments", host.moments().size(),
-                                    detail::concat(slots.size(), " (one per parameter tensor)"));
         for (std::size_t i = 0; i < slots.size(); ++i) {
             const Slot& s = slots_[i];
             flat.row(0).segment(s.at, slots[i].size()) = slots[i].array().matrix().transpose();
@@ -76,6 +73,9 @@ public:
             m.row(0).segment(s.at, slots[i].size()) = row_of(it->second.m);
             v.row(0).segment(s.at, slots[i].size()) = row_of(it->second.v);
         }
+        detail::require<ShapeError>(!has_moments_ || host.moments().size() == slots.size(),
+                                    where, "optimizer.moments().size()", host.moments().size(),
+                                    detail::concat(slots.size(), " (one per parameter tensor)"));
         if (!has_moments_) {
             m.setZero();
             v.setZero();

@@ -161,7 +161,7 @@ public:
             AdamW<T> optimizer, TrainerProgress progress)
         : cfg_(checked(config, model_config)),
           model_(std::move(model_config), std::move(params)),
-          opt_(model_.config(), model_.params(), checked_optimizer(cfg_, model_, optimizer)),
+          opt_(model_.config(), model_.params(), checked_optimizer(cfg_, optimizer)),
           progress_(progress) {
         progress_.validate();
     }
@@ -307,10 +307,9 @@ private:
         return c;
     }
 
-    /// The optimiser belongs to these parameters: its settings are config().adamw, and its
-    /// moments (once it has stepped) are those of every tensor, shaped as it.
-    static const AdamW<T>& checked_optimizer(const TrainerConfig& config, const ModelType& model,
-                                             const AdamW<T>& opt) {
+    /// The optimiser's settings are config().adamw (ModelAdamW's constructor then checks that
+    /// its moments are none or those of every tensor, shaped as it).
+    static const AdamW<T>& checked_optimizer(const TrainerConfig& config, const AdamW<T>& opt) {
         constexpr const char* where = "Trainer";
         std::vector<std::pair<std::string, double>> mine, theirs;
         const auto list = [](auto& out) {
@@ -324,22 +323,6 @@ private:
                 detail::concat("optimizer.config().", theirs[i].first).c_str(), theirs[i].second,
                 detail::concat("config.adamw.", mine[i].first, " = ", mine[i].second));
         }
-        const auto slots = detail::tensor_slots(model.params(), model.config());
-        const auto& moments = opt.moments();
-        for (const auto& s : slots) {
-            const auto it = moments.find(s.name);
-            if (it == moments.end() && opt.steps() == 0) continue;
-            if (it == moments.end() || it->second.m.rows() != s.rows ||
-                it->second.m.cols() != s.cols) {
-                throw ShapeError(detail::concat(where, ": the optimizer has no moments of '",
-                                                s.name, "' shaped ", s.rows, " x ", s.cols,
-                                                ", expected the moments of these parameters"));
-            }
-        }
-        const bool complete = opt.steps() == 0 || moments.size() == slots.size();
-        detail::require<ShapeError>(complete && moments.size() <= slots.size(), where,
-                                    "optimizer.moments().size()", moments.size(),
-                                    detail::concat(slots.size(), " (one per parameter tensor)"));
         return opt;
     }
 
