@@ -613,12 +613,12 @@ struct AttentionTraining<titans_test::SimulatedDevice, T> {
         st.mirror();
     }
     static void backward(const AttentionConfig& cfg, const typename Kernels::Prepared& p,
-                         const Trace& tr, View<const T> dy, View<T> dx, AttentionParams<T>& g,
-                         Mat* dprefix, const AttentionStateGradient<T>* d_out = nullptr,
+                         const Trace& tr, View<const T> dy, View<T> dx, View<T> grads,
+                         View<T> dprefix, const AttentionStateGradient<T>* d_out = nullptr,
                          AttentionStateGradient<T>* d_in = nullptr) {
-        titans_test::sim::require_device(dy, "dy");
-        titans_test::sim::require_device(dx, "dx");
-        Host::backward(cfg, p->get(), tr, dy, dx, g, dprefix, d_out, d_in);
+        titans_test::sim::require_devices<T>({dy, dx, grads, dprefix},
+                                             {"dy", "dx", "grads", "dprefix"});
+        Host::backward(cfg, p->get(), tr, dy, dx, grads, dprefix, d_out, d_in);
     }
 };
 

@@ -590,7 +590,8 @@ TEMPLATE_TEST_CASE("backend: device model", "[backend]", float, double) {
     CHECK(sim::Arena::instance().live() == live0);
 }
 
-// Transfers counted: a model's forward keeps its activations on the device. Every call (a
+// Transfers counted: a fresh state makes none, and a model's forward keeps its activations on
+// the device. Every call (a
 // model on token ids or on vectors, a block) makes one upload (the ids or the vectors) and one
 // download (the output), whatever the stack of LMM, MAG, MAL and SWA blocks, streamed in
 // pieces; the outputs equal the CPU's bit for bit. (MAC's segment attention still runs on the
@@ -614,12 +615,16 @@ TEMPLATE_TEST_CASE("backend: transfer counts", "[backend]", float, double) {
         const auto params = cast_model<T>(mc.params);
         const titans::Model<T> cpu(mc.cfg, params);
         const titans::Model<T, SimulatedDevice> dev(mc.cfg, params);
-        auto sc = cpu.make_state(B);
-        auto sd = dev.make_state(B);
-        auto bc = cpu.blocks()[1].make_state(B);  // a block alone, its own stream
-        auto bd = dev.blocks()[1].make_state(B);
         INFO(titans::to_string(stacks[s].first) << " + " << titans::to_string(stacks[s].second)
                                                 << " B=" << B);
+        auto sc = cpu.make_state(B);
+        // A fresh state makes none: MAG's and MAL's memory (and MAL's window) take P there.
+        auto [sd, up0, down0] = counted([&] { return dev.make_state(B); });
+        CHECK(up0 == 0);
+        CHECK(down0 == 0);
+        CHECK(same_states(sc, sd));
+        auto bc = cpu.blocks()[1].make_state(B);  // a block alone, its own stream
+        auto bd = dev.blocks()[1].make_state(B);
         for (int piece = 0; piece < 3; ++piece) {  // chained pieces of random lengths
             const int N = uniform_int(rng, 1, 9);
             const std::vector<int> ids = random_ids(rng, B * N, vocab);
@@ -674,16 +679,9 @@ TEMPLATE_TEST_CASE("backend: device training", "[backend][train]", float, double
 namespace {
 
 /// The uploads a block's backward makes for the gradients whose kernels still hand them to
-/// the host (the memory's and the attention's, each added to the gradient buffer in one
-/// upload, and the attention's prefix gradient, P's, for MAG and SWA).
-long gradient_uploads(const BlockConfig& cfg) {
-    long n = titans::has_memory(cfg.kind) ? 1 : 0;
-    if (cfg.kind != BlockKind::LMM) {
-        const bool prefix = cfg.kind == BlockKind::MAG || cfg.kind == BlockKind::SWA;
-        n += 1 + (prefix && cfg.n_persistent > 0 ? 1 : 0);
-    }
-    return n;
-}
+/// the host: the memory's, added to the gradient buffer in one upload. (The attention's
+/// kernels add theirs, and P's through the prefix, to the buffer on the device.)
+long gradient_uploads(const BlockConfig& cfg) { return titans::has_memory(cfg.kind) ? 1 : 0; }
 
 }  // namespace
 
@@ -692,8 +690,9 @@ long gradient_uploads(const BlockConfig& cfg) {
 // forward piece makes one upload (x) and one download (y); a backward piece one upload (dy),
 // one download (dx), one download of the block's flat gradient (the host call adds it to host
 // tensors), plus one upload per sub-layer whose kernels hand their gradients to the host (the
-// memory's, the attention's and its prefix's: gradient_uploads). Outputs, dx and gradients
-// equal the CPU's bit for bit. (MAC's mixer trains on the host, so it is not counted here.)
+// memory's: gradient_uploads; the attention's add theirs, P's too, on the device). Outputs, dx
+// and gradients equal the CPU's bit for bit. (MAC's mixer trains on the host, so it is not
+// counted here.)
 TEMPLATE_TEST_CASE("backend: training transfers", "[backend][train]", float, double) {
     using T = TestType;
     auto& traffic = sim::Traffic::instance();

@@ -315,22 +315,23 @@ public:
     {
         constexpr const char* where = "Attention::backward";
         check_backward(trace, dy, dx, grads, dprefix, where);
-        Matrix<T> dx_new;
+        using Transfer = backend::Transfer<Backend, T>;
+        Matrix<T> dx_new, flat(1, parameter_count());
+        detail::flatten_tensors(grads, cfg_, flat.data());  // grads go up, gain, come down
+        const bool want_dp = dprefix != nullptr && trace.prefix.rows() > 0;
+        Matrix<T> dp_new = Matrix<T>::Zero(want_dp ? trace.prefix.rows() : 0, cfg_.d_model);
         {
             const backend::Upload<Backend, T> in(dy);
             backend::Download<Backend, T> out(dx_new, dy.rows(), cfg_.d_model);
-            backward_checked(trace, in.view(), out.view(),
-                             [&](const AttentionParams<T>& local, Matrix<T>& dp) {
-                                 detail::add_tensors(local, grads, cfg_);
-                                 if (dprefix != nullptr) {
-                                     *dprefix = trace.prefix.rows() > 0
-                                                    ? std::move(dp)
-                                                    : Matrix<T>(0, cfg_.d_model);
-                                 }
-                             },
+            auto g = Transfer::upload(view_of(std::as_const(flat)));
+            auto dp = Transfer::upload(view_of(std::as_const(dp_new)));
+            backward_checked(trace, in.view(), out.view(), Transfer::view(g), Transfer::view(dp),
                              d_state_in, d_state_out);
             out.finish();
+            backend::copy_to_host<Backend>(Transfer::view(std::as_const(g)), grads, cfg_);
+            if (want_dp) Transfer::download(Transfer::view(std::as_const(dp)), view_of(dp_new));
         }
+        if (dprefix != nullptr) *dprefix = std::move(dp_new);
         dx = std::move(dx_new);
     }
 
@@ -357,14 +358,7 @@ public:
                                             trace.prefix.rows(), " x ", cfg_.d_model,
                                             " (the trace's prefix)"));
         }
-        backward_checked(trace, dy, dx,
-                         [&](const AttentionParams<T>& local, const Matrix<T>& dp) {
-                             backend::add_flat<Backend>(local, cfg_, grads);
-                             if (!dprefix.empty()) {
-                                 backend::Transfer<Backend, T>::accumulate(view_of(dp), dprefix);
-                             }
-                         },
-                         d_state_in, d_state_out);
+        backward_checked(trace, dy, dx, grads, dprefix, d_state_in, d_state_out);
     }
 
     /// Entries of the parameters (W_Q, W_K, W_V, W_O): the length of a flat gradient.
@@ -472,24 +466,20 @@ private:
         trace = std::move(t);
     }
 
-    /// The backward on checked views (but d_state_out): the gradients into zeros, handed to
-    /// add(local, dprefix) (and d_state_in filled) once the kernels return.
-    template <class Add>
-    void backward_checked(const Trace& trace, View<const T> dy, View<T> dx, Add add,
-                          AttentionStateGradient<T>* d_state_in,
+    /// The backward on checked views (but d_state_out): the kernels add the gradients to grads
+    /// and dprefix (the backend's memory), d_state_in filled once they return.
+    void backward_checked(const Trace& trace, View<const T> dy, View<T> dx, View<T> grads,
+                          View<T> dprefix, AttentionStateGradient<T>* d_state_in,
                           const AttentionStateGradient<T>* d_state_out) const {
         const bool chained = d_state_out != nullptr && !d_state_out->empty();
         if (chained) {
             check_state_gradient(*d_state_out, trace, "Attention::backward");
         }
         const ThreadScope team(threads_, 3.0 * work_estimate(dy.rows, trace.prefix.rows()));
-        auto local = AttentionParams<T>::zeros(cfg_);
-        Matrix<T> dp_new;
         AttentionStateGradient<T> d_in;
         backend::AttentionTraining<Backend, T>::backward(
-            cfg_, prepared_, trace, dy, dx, local, &dp_new, chained ? d_state_out : nullptr,
+            cfg_, prepared_, trace, dy, dx, grads, dprefix, chained ? d_state_out : nullptr,
             d_state_in != nullptr ? &d_in : nullptr);
-        add(std::as_const(local), dp_new);
         if (d_state_in != nullptr) {
             *d_state_in = std::move(d_in);
         }

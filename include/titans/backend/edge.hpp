@@ -107,14 +107,10 @@ template <class B, class Params, class Config>
 void add_flat(const Params& local, const Config& cfg,
               View<typename detail::ParamsScalar<Params>::type> to) {
     using T = typename detail::ParamsScalar<Params>::type;
-    const auto slots = detail::tensor_slots(local, cfg);
     if constexpr (BackendTraits<B>::host_accessible) {
-        T* at = to.data;
-        for (const auto& s : slots) {
-            Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>(at, s.size()) += s.array();
-            at += s.size();
-        }
+        detail::add_flat_host(local, cfg, to.data);
     } else {
+        const auto slots = detail::tensor_slots(local, cfg);
         Matrix<T> packed(1, to.cols);
         Eigen::Index at = 0;
         for (const auto& s : slots) {

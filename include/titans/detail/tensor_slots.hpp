@@ -133,6 +133,26 @@ void check_same_tensors(const Params& params, const Params& grads, const Config&
     }
 }
 
+/// The flat form of p's tensors (Params::tensors order, each row-major) added to the entries
+/// at `to` in host memory, tensor after tensor: how a host kernel hands its gradients to a
+/// slice of a gradient buffer.
+template <class Params, class Config, class T>
+void add_flat_host(const Params& p, const Config& cfg, T* to) {
+    for (const auto& s : tensor_slots(p, cfg)) {
+        Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>(to, s.size()) += s.array();
+        to += s.size();
+    }
+}
+
+/// The flat form of p's tensors (Params::tensors order, each row-major) written at `to`.
+template <class Params, class Config, class T>
+void flatten_tensors(const Params& p, const Config& cfg, T* to) {
+    for (const auto& s : tensor_slots(p, cfg)) {
+        Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>(to, s.size()) = s.array();
+        to += s.size();
+    }
+}
+
 /// Whether every entry of every tensor of p is finite.
 template <class Params, class Config>
 [[nodiscard]] bool tensors_finite(const Params& p, const Config& cfg) {

@@ -135,14 +135,7 @@ public:
         }
         const Eigen::Index np = cfg_.n_persistent;
         if ((cfg_.kind == BlockKind::MAG || cfg_.kind == BlockKind::MAL) && np > 0) {
-            Matrix<T> p(np * batch, cfg_.d_model);
-            for (int b = 0; b < batch; ++b) {
-                p.middleRows(b * np, np) = params_->persistent;
-            }
-            Matrix<T> yp = memory_->forward(st.memory_, p);
-            if (cfg_.kind == BlockKind::MAL) {
-                (void)attention_->forward(st.attention_, yp);
-            }
+            consume_persistent(st);
         }
         if (cfg_.kind == BlockKind::MAC) {
             const int D = cfg_.attention.inner_dim();
@@ -499,6 +492,20 @@ private:
     }
 
     static View<const T> cview(const Buffer& b) { return Transfer::view(b); }
+
+    /// MAG's and MAL's fresh state takes P first, on the backend (nothing crosses to the
+    /// host): each sequence's memory reads and writes P's rows, and MAL's window keeps M(P).
+    void consume_persistent(State& st) const {
+        const int batch = st.batch_;
+        const Eigen::Index np = cfg_.n_persistent;
+        Buffer p = Transfer::allocate(np * batch, cfg_.d_model);
+        Glue::copy_rows(cview(*persistent_), Transfer::view(p), {batch, np, 0, 0, np, 0});
+        Buffer yp = Transfer::allocate(np * batch, cfg_.d_model);
+        memory_->forward(st.memory_, cview(p), Transfer::view(yp));
+        if (cfg_.kind == BlockKind::MAL) {
+            attention_->forward(st.attention_, cview(yp), Transfer::view(p), nullptr);
+        }
+    }
 
     void mix_unchecked(State& state, View<const T> u, View<T> o) const {
         try {

@@ -15,6 +15,7 @@
 
 #include "../../attention/kernel_backward.hpp"
 #include "../../attention/state_gradient.hpp"
+#include "../../detail/tensor_slots.hpp"
 #include "../../detail/trace.hpp"
 #include "attention_kernels.hpp"
 #include "../../attention/kernels_decl.hpp"
@@ -87,13 +88,32 @@ struct AttentionTraining<Cpu, T> {
         trace = std::move(t);
     }
 
-    /// dL/dx (written), the parameters' gradients (added to g) and, if dprefix is given,
-    /// dL/dprefix (written, the prefix's shape) from dy = dL/dy. d_out (checked, or null): the
-    /// adjoint of the window the call left; d_in (or null) receives the incoming window's.
+    /// dL/dx (written), the parameters' gradients added to `grads` (1 x the parameters'
+    /// count, W_Q, W_K, W_V, W_O row-major one after the other) and, if dprefix is not empty,
+    /// dL/dprefix added to it (the prefix's shape) from dy = dL/dy. d_out (checked, or null):
+    /// the adjoint of the window the call left; d_in (or null) receives the incoming window's.
+    /// The gradients gather in zeros first, then join grads and dprefix.
     static void backward(const AttentionConfig& cfg, const typename Kernels::Prepared& prepared,
-                         const Trace& tr, View<const T> dyv, View<T> dxv, AttentionParams<T>& g,
-                         Mat* dprefix, const AttentionStateGradient<T>* d_out = nullptr,
+                         const Trace& tr, View<const T> dyv, View<T> dxv, View<T> grads,
+                         View<T> dprefix, const AttentionStateGradient<T>* d_out = nullptr,
                          AttentionStateGradient<T>* d_in = nullptr) {
+        auto local = AttentionParams<T>::zeros(cfg);
+        Mat dp;
+        backward_into(cfg, prepared, tr, dyv, dxv, local, dprefix.empty() ? nullptr : &dp,
+                      d_out, d_in);
+        detail::add_flat_host(std::as_const(local), cfg, grads.data);
+        if (!dprefix.empty() && dp.size() > 0) {
+            cpu::as_eigen(dprefix) += dp;
+        }
+    }
+
+    /// backward with the gradients added to g (host tensors) and dL/dprefix written to
+    /// *dprefix (the prefix's shape) if dprefix is given.
+    static void backward_into(const AttentionConfig& cfg,
+                              const typename Kernels::Prepared& prepared, const Trace& tr,
+                              View<const T> dyv, View<T> dxv, AttentionParams<T>& g,
+                              Mat* dprefix, const AttentionStateGradient<T>* d_out,
+                              AttentionStateGradient<T>* d_in) {
         const AttentionParams<T>& p = *prepared;
         const int B = tr.batch, H = cfg.n_heads, dh = cfg.head_dim(), D = cfg.inner_dim();
         const Index N = tr.x.rows() / B;

@@ -123,20 +123,22 @@ struct AttentionTraining<Cuda, T> {
         trace = std::move(t);
     }
 
-    /// dL/dx (written, device), the parameters' gradients (added to g, host) and, if dprefix
-    /// is given, dL/dprefix (written, the prefix's shape) from dy = dL/dy (device). d_out
-    /// (checked, or null): the adjoint of the window the call left; d_in (or null) receives
-    /// the incoming window's.
+    /// dL/dx (written, device), the parameters' gradients added to `grads` (device, 1 x the
+    /// parameters' count: W_Q, W_K, W_V, W_O row-major one after the other) and, if dprefix is
+    /// not empty, dL/dprefix added to it (device, the prefix's shape) from dy = dL/dy
+    /// (device); nothing crosses to the host but d_in. d_out (checked, or null): the adjoint
+    /// of the window the call left; d_in (or null) receives the incoming window's.
     static void backward(const AttentionConfig& cfg, const typename Kernels::Prepared& prepared,
-                         const Trace& tr, View<const T> dyv, View<T> dxv, AttentionParams<T>& g,
-                         Mat* dprefix, const AttentionStateGradient<T>* d_out = nullptr,
+                         const Trace& tr, View<const T> dyv, View<T> dxv, View<T> grads,
+                         View<T> dprefix, const AttentionStateGradient<T>* d_out = nullptr,
                          AttentionStateGradient<T>* d_in = nullptr) {
         Pass ps = recompute(cfg, prepared, tr);                    // 1.
         output_backward(cfg, prepared, ps, dyv);
         attend_backward(cfg, ps);                                  // 2.
         window_backward(cfg, tr, ps, d_out);                       // 3.
         projections_backward(cfg, prepared, tr, ps, dxv);
-        host_outputs(cfg, tr, ps, g, dprefix, d_in);
+        add_gradients(ps, grads, dprefix);                         // 4.
+        state_adjoint(ps, d_in);
     }
 
     // The backward's stages (public: nvcc's device lambdas cannot sit in private members).
@@ -306,22 +308,39 @@ struct AttentionTraining<Cuda, T> {
         }
     }
 
-    /// The downloads (host copies), then the host outputs: nothing changes before this point.
-    static void host_outputs(const AttentionConfig&, const Trace&, const Pass& ps,
-                             AttentionParams<T>& g, Mat* dprefix,
-                             AttentionStateGradient<T>* d_in) {
-        const long long D = ps.D;
-        Mat hq, ho, hp;
+    /// Stage 4: the gradients added to the flat buffer's slices (gqkv's column blocks to W_Q,
+    /// W_K, W_V where the call had queries / keys, go to W_O) and dL/dprefix to dprefix, on
+    /// the device.
+    static void add_gradients(const Pass& ps, View<T> grads, View<T> dprefix) {
+        const cudaStream_t sm = cuda::thread_context().stream();
+        const long long D = ps.D, d = ps.d, D3 = 3 * D;
         const bool any_q = ps.rows > 0, any_kv = ps.rows > 0 || ps.prows > 0;
+        T* const g = grads.data;
         if (any_kv) {
-            hq = download(ps.gqkv.data(), ps.d, 3 * D);
+            const T* const gq = ps.gqkv.data();
+            const long long first = any_q ? 0 : D;  // no queries: gqkv's q columns are unset
+            const long long w = D3 - first;
+            cuda::each(sm, d * w, [=] __device__(unsigned i) {
+                const long long r = i / cuda::u32(w), c = first + i % cuda::u32(w);
+                const long long part = c / D;
+                g[part * d * D + r * D + (c - part * D)] += gq[r * D3 + c];
+            });
         }
         if (any_q) {
-            ho = download(ps.go.data(), D, ps.d);
+            const T* const go = ps.go.data();
+            T* const wo = g + 3 * d * D;
+            cuda::each(sm, D * d, [=] __device__(unsigned i) { wo[i] += go[i]; });
         }
-        if (ps.prows > 0 && dprefix != nullptr) {
-            hp = download(ps.dp.data(), ps.prows, ps.d);
+        if (!dprefix.empty() && ps.prows > 0) {
+            const T* const dp = ps.dp.data();
+            T* const to = dprefix.data;
+            cuda::each(sm, ps.prows * d, [=] __device__(unsigned i) { to[i] += dp[i]; });
         }
+    }
+
+    /// The incoming window's adjoint downloaded into *d_in (host, per sequence), if asked.
+    static void state_adjoint(const Pass& ps, AttentionStateGradient<T>* d_in) {
+        const long long D = ps.D;
         AttentionStateGradient<T> din;
         if (d_in != nullptr) {
             din.keys.assign(static_cast<std::size_t>(ps.B), Mat());
@@ -333,17 +352,6 @@ struct AttentionTraining<Cuda, T> {
             }
         }
         cuda::thread_context().synchronize();
-        if (any_q) {
-            g.w_q += hq.leftCols(D);
-            g.w_o += ho;
-        }
-        if (any_kv) {
-            g.w_k += hq.middleCols(D, D);
-            g.w_v += hq.rightCols(D);
-        }
-        if (dprefix != nullptr && ps.prows > 0) {
-            *dprefix = std::move(hp);
-        }
         if (d_in != nullptr) {
             *d_in = std::move(din);
         }
