@@ -531,13 +531,12 @@ struct MemoryTraining<titans_test::SimulatedDevice, T> {
         }
         Kernels::mirror(st);
     }
-    static void backward(const MemoryConfig& cfg, const typename Kernels::Prepared& p,
-                         const Trace& tr, View<const T> dy, View<T> dx, MemoryParams<T>& g,
+    static bool backward(const MemoryConfig& cfg, const typename Kernels::Prepared& p,
+                         const Trace& tr, View<const T> dy, View<T> dx, View<T> grads,
                          const MemoryStateGradient<T>* d_out = nullptr,
                          MemoryStateGradient<T>* d_in = nullptr) {
-        titans_test::sim::require_device(dy, "dy");
-        titans_test::sim::require_device(dx, "dx");
-        Host::backward(cfg, p->get(), tr, dy, dx, g, d_out, d_in);
+        titans_test::sim::require_devices<T>({dy, dx, grads}, {"dy", "dx", "grads"});
+        return Host::backward(cfg, p->get(), tr, dy, dx, grads, d_out, d_in);
     }
 
     static void start(const MemoryConfig& cfg, const typename Kernels::State& st,

@@ -299,6 +299,56 @@ TEMPLATE_TEST_CASE("backend: stateful views", "[backend][train]", float, double)
     CHECK(sim::Arena::instance().live() == live0);
 }
 
+namespace {
+
+/// A memory's backward (host call, then view call) after a training forward from a fresh
+/// state, on backend B: both refused with NonFiniteError and the gradients they were to add
+/// to, g0 (host) and its flat copy (B's memory), left as they were.
+template <class T, class B>
+void overflow_refused(const NeuralMemory<T, B>& mem, const Matrix<T>& x, const Matrix<T>& dy,
+                      const titans::MemoryParams<T>& g0, int batch) {
+    using X = titans::backend::Transfer<B, T>;
+    typename NeuralMemory<T, B>::Trace tr;
+    Matrix<T> y, dx;
+    FromFresh{batch}(mem, x, y, tr);
+    auto g = g0;
+    REQUIRE_THROWS_AS(mem.backward(tr, dy, dx, g), titans::NonFiniteError);
+    CHECK(identical(flat_of<T>(mem, g), flat_of<T>(mem, g0)));
+    const Matrix<T> flat = flat_of<T>(mem, g0);
+    auto gb = X::upload(titans::view_of(flat));
+    const auto dyb = X::upload(titans::view_of(dy));
+    auto dxb = X::allocate(dy.rows(), dy.cols());
+    REQUIRE_THROWS_AS(mem.backward(tr, X::view(dyb), X::view(dxb), X::view(gb)),
+                      titans::NonFiniteError);
+    Matrix<T> after(1, flat.cols());
+    X::download(X::view(std::as_const(gb)), titans::view_of(after));
+    CHECK(identical(after, flat));
+}
+
+}  // namespace
+
+// A memory backward whose gradients overflow (dy finite, half the largest value of T) is
+// refused on the CPU and on the simulated device, by the host call and the view call alike,
+// the gradients it was to add to unchanged: the kernels add to the flat buffer only what they
+// have found finite (the view call does not check dx, so the kernels' own check decides).
+TEMPLATE_TEST_CASE("backend: memory overflow", "[backend][train]", float, double) {
+    using T = TestType;
+    for (int i = 0; i < 2; ++i) {
+        Rng rng(seed_for(std::string("backends/memory overflow/") + type_name<T>(),
+                         static_cast<std::uint64_t>(i)));
+        const BlockTrainCase tc = block_train_case<T>(BlockKind::LMM, i, 12, rng);
+        const titans::MemoryConfig& mc = tc.cfg.memory;
+        const auto p = cast_block<T>(tc.params).memory;
+        const Matrix<T> x = tc.x.cast<T>();
+        const Matrix<T> dy =
+            Matrix<T>::Constant(x.rows(), x.cols(), std::numeric_limits<T>::max() / 2);
+        const auto g0 = titans::MemoryParams<T>::random(mc, rng());
+        INFO("case " << i << " B=" << tc.B << " N=" << tc.N);
+        overflow_refused<T>(NeuralMemory<T>(mc, p), x, dy, g0, tc.B);
+        overflow_refused<T>(DeviceMemory<T>(mc, p), x, dy, g0, tc.B);
+    }
+}
+
 TEMPLATE_TEST_CASE("backend: views, transfer", "[backend]", float, double) {
     using T = TestType;
     namespace tb = titans::backend;
@@ -676,23 +726,13 @@ TEMPLATE_TEST_CASE("backend: device training", "[backend][train]", float, double
     CHECK(sim::Arena::instance().live() == live0);
 }
 
-namespace {
-
-/// The uploads a block's backward makes for the gradients whose kernels still hand them to
-/// the host: the memory's, added to the gradient buffer in one upload. (The attention's
-/// kernels add theirs, and P's through the prefix, to the buffer on the device.)
-long gradient_uploads(const BlockConfig& cfg) { return titans::has_memory(cfg.kind) ? 1 : 0; }
-
-}  // namespace
-
 // Transfers counted in block training: the training forward and the backward keep their
 // activations and traces on the device (the [P; u] rows assembled and taken apart there). A
 // forward piece makes one upload (x) and one download (y); a backward piece one upload (dy),
-// one download (dx), one download of the block's flat gradient (the host call adds it to host
-// tensors), plus one upload per sub-layer whose kernels hand their gradients to the host (the
-// memory's: gradient_uploads; the attention's add theirs, P's too, on the device). Outputs, dx
-// and gradients equal the CPU's bit for bit. (MAC's mixer trains on the host, so it is not
-// counted here.)
+// one download (dx) and one download of the block's flat gradient (the host call adds it to
+// host tensors): every sub-layer's kernels add their gradients (P's too) to the flat buffer on
+// the device. Outputs, dx and gradients equal the CPU's bit for bit. (MAC's mixer trains on
+// the host, so it is not counted here.)
 TEMPLATE_TEST_CASE("backend: training transfers", "[backend][train]", float, double) {
     using T = TestType;
     auto& traffic = sim::Traffic::instance();
@@ -733,7 +773,7 @@ TEMPLATE_TEST_CASE("backend: training transfers", "[backend][train]", float, dou
                 cpu.backward(tcpu[k], dyk, dxc, gc, &ic, &nc);
                 const long up0 = traffic.uploads, down0 = traffic.downloads;
                 dev.backward(tdev[k], dyk, dxd, gd, &id, &nd);
-                CHECK(traffic.uploads - up0 == 1 + gradient_uploads(tc.cfg));
+                CHECK(traffic.uploads - up0 == 1);
                 CHECK(traffic.downloads - down0 == 2);
                 CHECK(identical(dxc, dxd));
                 nc = std::move(ic);
@@ -747,9 +787,9 @@ TEMPLATE_TEST_CASE("backend: training transfers", "[backend][train]", float, dou
 // Transfers counted in model training: a training forward on token ids uploads the ids once
 // (gathered on the device) and downloads the logits once, on vectors the same; the backward
 // uploads dL/dlogits once and downloads dx once (when asked); its gradients gather in one flat
-// buffer on the device, downloaded once into host tensors, or (ModelGradients) not at all,
-// with the uploads of the sub-layers whose kernels hand theirs to the host
-// (gradient_uploads) and the embedding's ids. forward_loss takes the ids and labels up and
+// buffer on the device (every sub-layer's kernels add theirs there), downloaded once into host
+// tensors, or (ModelGradients) not at all; the embedding's scatter takes its ids up (one upload).
+// forward_loss takes the ids and labels up and
 // brings the loss down (one scalar), backward_loss then needs no upload of dL/dlogits; the
 // gradient buffer's norm and clipping bring two scalars down. Logits, losses, dx, norms and
 // gradients equal the CPU's bit for bit.
@@ -793,8 +833,7 @@ TEMPLATE_TEST_CASE("backend: model transfers", "[backend][train]", float, double
             auto gc = titans::ModelParams<T>::zeros(mc.cfg), gd = gc;
             Matrix<T> dxc, dxd;
             cpu.backward(tc, dout, gc, &dxc);
-            long n = tokens ? 1 : 0;  // the scatter's ids
-            for (const BlockConfig& b : mc.cfg.blocks) n += gradient_uploads(b);
+            const long n = tokens ? 1 : 0;  // the scatter's ids
             up0 = traffic.uploads;
             down0 = traffic.downloads;
             dev.backward(td, dout, gd, &dxd);

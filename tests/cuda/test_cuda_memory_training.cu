@@ -519,7 +519,8 @@ TEST_CASE("cuda memory training: wrong dy caught", "[cuda]") {
 
 TEST_CASE("cuda memory training: refusals", "[cuda]") {
     // The refusals throw the CPU's exception types and leave grads, dx and d_state_in as they
-    // were; backward of one trace twice gives the same result (the trace is not consumed).
+    // were (gradients that overflow included); backward of one trace twice gives the same
+    // result (the trace is not consumed).
     Rng rng(seed_for("cuda memory training: refusals", 0));
     Modes m;
     m.update = UpdateMode::Chunked;
@@ -578,6 +579,24 @@ TEST_CASE("cuda memory training: refusals", "[cuda]") {
     CHECK_THROWS_AS(mem.backward(trace, random_matrix(2 * 4, cfg.d_model, rng), dx, g, &d_in, &d_out),
                     titans::ConfigError);
     CHECK(unchanged());
+    // Gradients that overflow (dy finite, half the largest double): refused by the host call
+    // and by the view call, whose dx is the caller's to check, so the device's finiteness scan
+    // decides; the flat gradient on the device stays as it was.
+    const Matrixd huge = Matrixd::Constant(2 * 4, cfg.d_model,
+                                           std::numeric_limits<double>::max() / 2);
+    REQUIRE_THROWS_AS(mem.backward(trace, huge, dx, g, &d_in), titans::NonFiniteError);
+    CHECK(unchanged());
+    Matrixd flat0(1, mem.parameter_count()), flat(1, mem.parameter_count());
+    titans::detail::flatten_tensors(g0, cfg, flat0.data());
+    using X = Transfer<Cuda, double>;
+    auto gb = X::upload(titans::view_of(std::as_const(flat0)));
+    const auto hb = X::upload(titans::view_of(huge));
+    auto dxb = X::allocate(huge.rows(), huge.cols());
+    REQUIRE_THROWS_AS(mem.backward(trace, X::view(hb), X::view(dxb), X::view(gb), &d_in),
+                      titans::NonFiniteError);
+    X::download(X::view(std::as_const(gb)), titans::view_of(flat));
+    CHECK(identical(flat, flat0));
+    CHECK(d_in.empty());
     const Matrixd dy = random_matrix(2 * 4, cfg.d_model, rng);
     Matrixd dx1, dx2;
     auto g1 = g0, g2 = g0;

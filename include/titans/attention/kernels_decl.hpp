@@ -10,7 +10,9 @@ namespace backend {
 
 /// The attention layer's training pass (math §9), as MemoryTraining: a Trace,
 /// forward(cfg, prepared, state, x, y, prefix, sharing, trace), check_trace(cfg, trace, where)
-/// and backward(cfg, prepared, trace, dy, dx, grads, dprefix).
+/// and backward(cfg, prepared, trace, dy, dx, grads, dprefix, d_out, d_in) (dx written; the
+/// parameters' gradients added to grads, the layer's flat slice, and the prefix rows' to
+/// dprefix unless it is empty, both in the backend's memory).
 template <class Backend, class T>
 struct AttentionTraining {
     static constexpr bool available = false;

@@ -33,8 +33,10 @@ struct MemoryKernels {
 /// NeuralMemory::validate_trace reads them), forward(cfg, prepared, state, x, y, trace, diag)
 /// (diag optional, filled as MemoryKernels::forward fills it),
 /// check_trace(cfg, trace, where) (ShapeError unless the trace's buffers have the sizes forward
-/// leaves) and backward(cfg, prepared, trace, dy, dx, grads). Backends that have one specialise it with
-/// `available = true` (the CPU and CUDA do; NeuralMemory's training calls require it).
+/// leaves) and backward(cfg, prepared, trace, dy, dx, grads, d_out, d_in) -> bool (dx written;
+/// the parameters' gradients added to grads, the layer's flat slice in the backend's memory,
+/// only if they and d_in are finite, which it returns). Backends that have one specialise it
+/// with `available = true` (the CPU and CUDA do; NeuralMemory's training calls require it).
 template <class Backend, class T>
 struct MemoryTraining {
     static constexpr bool available = false;

@@ -197,18 +197,20 @@ public:
             throw ShapeError(detail::concat(where, ": dx shares storage with dy, expected a "
                                                    "distinct matrix"));
         }
-        Matrix<T> dx_new;
+        using Transfer = backend::Transfer<Backend, T>;
+        Matrix<T> dx_new, flat(1, parameter_count());
         {
             const backend::Upload<Backend, T> in(dy);
             backend::Download<Backend, T> out(dx_new, dy.rows(), cfg_.d_model);
             detail::check_same_tensors(*params_, grads, cfg_, where, "grads");
-            backward_checked(
-                trace, in.view(), out.view(),
-                [&](const MemoryParams<T>& local) { detail::add_tensors(local, grads, cfg_); },
-                d_state_in, d_state_out, [&] {
-                    out.finish();
-                    return detail::all_finite(dx_new);
-                });
+            detail::flatten_tensors(grads, cfg_, flat.data());  // up, gain, down if all is well
+            auto g = Transfer::upload(view_of(std::as_const(flat)));
+            backward_checked(trace, in.view(), out.view(), Transfer::view(g), d_state_in,
+                             d_state_out, [&] {
+                                 out.finish();
+                                 return detail::all_finite(dx_new);
+                             });
+            backend::copy_to_host<Backend>(Transfer::view(std::as_const(g)), grads, cfg_);
         }
         dx = std::move(dx_new);
     }
@@ -228,10 +230,7 @@ public:
         validate_trace(trace, where);
         detail::check_view_gradient(where, dy, dx, cfg_.d_model, trace.rows());
         detail::check_flat_gradient(where, grads, parameter_count(), "the memory's tensors");
-        backward_checked(
-            trace, dy, dx,
-            [&](const MemoryParams<T>& local) { backend::add_flat<Backend>(local, cfg_, grads); },
-            d_state_in, d_state_out, [] { return true; });
+        backward_checked(trace, dy, dx, grads, d_state_in, d_state_out, [] { return true; });
     }
 
     /// Entries of the parameters (every tensor MemoryParams::tensors visits for config()): the
@@ -504,11 +503,12 @@ private:
         }
     }
 
-    /// The backward on views checked but for d_state_out: the gradients into zeros, handed to
-    /// add(local) (and d_state_in filled) only if they and dx are finite (`dx_finite()` tells
-    /// for dx: the host call downloads and scans it, the view call leaves it to its caller).
-    template <class Add, class DxFinite>
-    void backward_checked(const Trace& trace, View<const T> dy, View<T> dx, Add add,
+    /// The backward on views checked but for d_state_out: the kernels add the gradients to
+    /// grads only if they and the incoming state's adjoint are finite; d_state_in is filled
+    /// only if dx is finite too (`dx_finite()` tells: the host call downloads and scans it into
+    /// a copy of its grads, the view call leaves dx to its caller).
+    template <class DxFinite>
+    void backward_checked(const Trace& trace, View<const T> dy, View<T> dx, View<T> grads,
                           MemoryStateGradient<T>* d_state_in,
                           const MemoryStateGradient<T>* d_state_out, DxFinite dx_finite) const {
         constexpr const char* where = "NeuralMemory::backward";
@@ -518,16 +518,14 @@ private:
         }
         const ThreadScope team(threads_, 3.0 * work_estimate(dy.rows));
         const detail::DenormalFlushScope flush(cfg_.flush_denormals);
-        MemoryParams<T> local = MemoryParams<T>::zeros(cfg_);
         MemoryStateGradient<T> d_in;
-        backend::MemoryTraining<Backend, T>::backward(cfg_, prepared_, trace, dy, dx, local,
-                                                      chained ? d_state_out : nullptr,
-                                                      d_state_in != nullptr ? &d_in : nullptr);
-        if (!dx_finite() || !detail::tensors_finite(local, cfg_) || !d_in.finite()) {
+        const bool finite = backend::MemoryTraining<Backend, T>::backward(
+            cfg_, prepared_, trace, dy, dx, grads, chained ? d_state_out : nullptr,
+            d_state_in != nullptr ? &d_in : nullptr);
+        if (!finite || !dx_finite()) {
             throw NonFiniteError(detail::concat(where, ": the gradients overflow, expected "
                                                        "finite values; grads are unchanged"));
         }
-        add(std::as_const(local));
         if (d_state_in != nullptr) {
             *d_state_in = std::move(d_in);
         }

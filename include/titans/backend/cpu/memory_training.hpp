@@ -20,6 +20,7 @@
 #include "../../detail/activation.hpp"
 #include "../../detail/float_env.hpp"
 #include "../../detail/norm_scale.hpp"
+#include "../../detail/tensor_slots.hpp"
 #include "../../detail/trace.hpp"
 #include "../../memory/chunk_coefficients.hpp"
 #include "../../memory/chunk_coefficients_backward.hpp"
@@ -152,18 +153,26 @@ struct MemoryTraining<Cpu, T> {
         t.filled = t0 + m == N;
     }
 
-    /// dL/dx (written, rows x d) and every parameter's gradient (added to grads) from
-    /// dy = dL/dy and, if given, d_out = dL/d(the state after the trace; it ends at a chunk
-    /// boundary). d_in, if given, gets dL/d(the state before it).
-    static void backward(const MemoryConfig& cfg, const typename Kernels::Prepared& prepared,
-                         const Trace& tr, View<const T> dyv, View<T> dxv, MemoryParams<T>& g,
+    /// dL/dx (written, rows x d) and every parameter's gradient from dy = dL/dy and, if
+    /// given, d_out = dL/d(the state after the trace; it ends at a chunk boundary). d_in, if
+    /// given, gets dL/d(the state before it). The gradients gather in zeros; if they and d_in
+    /// are finite they are added to `grads` (1 x the parameters' count, MemoryParams::tensors
+    /// order, row-major) and true returned, else grads is unchanged and false returned.
+    static bool backward(const MemoryConfig& cfg, const typename Kernels::Prepared& prepared,
+                         const Trace& tr, View<const T> dyv, View<T> dxv, View<T> grads,
                          const MemoryStateGradient<T>* d_out = nullptr,
                          MemoryStateGradient<T>* d_in = nullptr) {
+        MemoryParams<T> local = MemoryParams<T>::zeros(cfg);
         Reverse rev(cfg, prepared, tr, dyv, d_out);
         Mat dx;
         rev.down_to(0, dx);
-        rev.finish(g, d_in);
+        rev.finish(local, d_in);
         cpu::as_eigen(dxv) = dx;
+        if (!detail::tensors_finite(local, cfg) || (d_in != nullptr && !d_in->finite())) {
+            return false;
+        }
+        detail::add_flat_host(std::as_const(local), cfg, grads.data);
+        return true;
     }
 
     class Reverse;

@@ -313,28 +313,20 @@ struct AttentionTraining<Cuda, T> {
     /// the device.
     static void add_gradients(const Pass& ps, View<T> grads, View<T> dprefix) {
         const cudaStream_t sm = cuda::thread_context().stream();
-        const long long D = ps.D, d = ps.d, D3 = 3 * D;
-        const bool any_q = ps.rows > 0, any_kv = ps.rows > 0 || ps.prows > 0;
-        T* const g = grads.data;
-        if (any_kv) {
-            const T* const gq = ps.gqkv.data();
-            const long long first = any_q ? 0 : D;  // no queries: gqkv's q columns are unset
-            const long long w = D3 - first;
-            cuda::each(sm, d * w, [=] __device__(unsigned i) {
-                const long long r = i / cuda::u32(w), c = first + i % cuda::u32(w);
-                const long long part = c / D;
-                g[part * d * D + r * D + (c - part * D)] += gq[r * D3 + c];
-            });
+        const long long D = ps.D, d = ps.d;
+        if (ps.rows > 0 || ps.prows > 0) {  // no queries: gqkv's q columns are unset
+            cuda::add_column_blocks(sm, ps.gqkv.data(), d, 3, D, ps.rows > 0 ? 0 : 1, grads.data);
         }
-        if (any_q) {
-            const T* const go = ps.go.data();
-            T* const wo = g + 3 * d * D;
-            cuda::each(sm, D * d, [=] __device__(unsigned i) { wo[i] += go[i]; });
+        if (ps.rows > 0) {
+            cuda::add_entries(sm, ps.go.data(), D * d, grads.data + 3 * d * D);
         }
         if (!dprefix.empty() && ps.prows > 0) {
             const T* const dp = ps.dp.data();
             T* const to = dprefix.data;
-            cuda::each(sm, ps.prows * d, [=] __device__(unsigned i) { to[i] += dp[i]; });
+            const long long stride = dprefix.stride;
+            cuda::each(sm, ps.prows * d, [=] __device__(unsigned i) {
+                to[i / cuda::u32(d) * stride + i % cuda::u32(d)] += dp[i];
+            });
         }
     }
 

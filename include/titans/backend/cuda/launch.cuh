@@ -134,4 +134,25 @@ TITANS_HOST_DEVICE bool not_finite(T v) {
     return !(v - v == T(0));
 }
 
+#if TITANS_CUDA_DEVICE_CODE
+/// The column blocks of src (rows x blocks * width, row-major) from block `first` on added to
+/// consecutive row-major tensors of rows x width at `to` (block j's at to + j * rows * width),
+/// a thread per entry: how a product computed as [A | B | C] joins a flat gradient buffer.
+template <class T>
+void add_column_blocks(cudaStream_t stream, const T* src, long long rows, long long blocks,
+                       long long width, long long first, T* to) {
+    const long long cols = blocks * width, skip = first * width, w = cols - skip;
+    each(stream, rows * w, [=] __device__(unsigned i) {
+        const long long r = i / u32(w), c = skip + i % u32(w), j = c / width;
+        to[(j * rows + r) * width + c - j * width] += src[r * cols + c];
+    });
+}
+
+/// to[i] += from[i] for i < n, a thread per entry.
+template <class T>
+void add_entries(cudaStream_t stream, const T* from, long long n, T* to) {
+    each(stream, n, [=] __device__(unsigned i) { to[i] += from[i]; });
+}
+#endif
+
 }  // namespace titans::backend::cuda

@@ -7,8 +7,9 @@
 //      memory, the gates with clipping, the read recomputed and reversed (lagged or dual
 //      form), the chunk end reversed, the coefficient recurrences, clipping, the key pass
 //      with its second-order terms, the gates; the start memory's adjoint carried down;
-//   3. the projections reversed (norm, phi, conv), dx, the parameter gradients and the
-//      incoming state's adjoint, downloaded and added to the host's last.
+//   3. the projections reversed (norm, phi, conv), dx, the parameter gradients (checked
+//      finite and added to the caller's flat gradient on the device; the staged Reverse's
+//      downloaded and added to host tensors) and the incoming state's adjoint (downloaded).
 // Included at the end of memory_training.cuh. Each stage is a static function of the Sweep
 // (device lambdas copy what they read into locals: a lambda that named the Sweep would copy
 // it, which does not compile, so no host pointer reaches the device).
@@ -72,14 +73,15 @@ struct MemoryTraining<Cuda, T>::Sweep {
           ce(static_cast<T>(c.gate_constant(1))), ca(static_cast<T>(c.gate_constant(2))),
           clip(static_cast<T>(c.max_grad_norm)) {}
 
-    /// The whole backward: dx (device), g (host, added), d_in (host, if given).
-    static void run(Sweep& w, View<const T> dyv, View<T> dxv, MemoryParams<T>& g,
+    /// The whole backward: dx (device), the gradients added to grads (device, flat) if they
+    /// and d_in (host, if given) are finite (finish_flat's result).
+    static bool run(Sweep& w, View<const T> dyv, View<T> dxv, View<T> grads,
                     const MemoryStateGradient<T>* d_out, MemoryStateGradient<T>* d_in) {
         init(w, dyv, d_out);
         down(w, 0);
         rows_backward(w, 0, w.N);
         input_rows(w, 0, w.N, dxv.data, dxv.stride);
-        finish(w, g, d_in);
+        return finish_flat(w, grads, d_in);
     }
 
     /// Stage 1 and the sweep's buffers; dy (device) is read until finish.
@@ -98,12 +100,106 @@ struct MemoryTraining<Cuda, T>::Sweep {
     }
 
     /// After every row is reversed: the parameters' gradients, the incoming tails' adjoint,
-    /// downloaded and added to g (and d_in).
+    /// downloaded and added to g (and d_in). The staged Reverse's end (host gradients).
     static void finish(Sweep& w, MemoryParams<T>& g, MemoryStateGradient<T>* d_in) {
         parameter_gradients(w, w.dy);
         tails_in(w, d_in != nullptr);
         w.cx.synchronize();
         host_outputs(w, g, d_in);
+    }
+
+    /// After every row is reversed (MemoryTraining::backward): the parameters' gradients made
+    /// and checked finite on the device (one flag down), d_in downloaded; if every entry is
+    /// finite the gradients are added to `grads` (the memory's flat slice, device,
+    /// MemoryParams::tensors order) there and true returned, else grads is unchanged.
+    static bool finish_flat(Sweep& w, View<T> grads, MemoryStateGradient<T>* d_in) {
+        parameter_gradients(w, w.dy);
+        tails_in(w, d_in != nullptr);
+        const Buf w0 = w.tr.start == 0 && w.N > 0 ? start_memory_gradient(w) : Buf{};
+        bool finite = gradients_finite(w, w0);
+        if (d_in != nullptr) {
+            state_in(w, *d_in);
+            finite = finite && d_in->finite();
+        }
+        if (finite) {
+            add_flat(w, grads, w0);
+            w.cx.synchronize();
+        }
+        return finite;
+    }
+
+    /// Entries of memory_init (every head's layers) in the flat gradient.
+    static long long init_entries(const Sweep& w) {
+        long long n = 0;
+        for (const long long e : w.lio) n += e;
+        return w.H * n;
+    }
+
+    /// memory_init's gradient in the flat layout ([h][l], each layer's in x out row-major):
+    /// per head, the start memory's adjoint summed over the sequences in order (the CPU's).
+    static Buf start_memory_gradient(Sweep& w) {
+        const long long H = w.H, B = w.B, per_head = init_entries(w) / (H > 0 ? H : 1);
+        Buf out(static_cast<std::size_t>(init_entries(w)));
+        long long off = 0;
+        for (std::size_t l = 0; l < w.Ls; ++l) {
+            const long long n = w.lio[l];
+            const T* dw = w.dWn[l].data();
+            T* o = out.data();
+            cuda::each(w.sm, H * n, [=] __device__(unsigned i) {
+                const long long h = i / cuda::u32(n), j = i % cuda::u32(n);
+                T acc = T(0);
+                for (long long s = 0; s < B; ++s) acc += dw[(s * H + h) * n + j];
+                o[h * per_head + off + j] = acc;
+            });
+            off += n;
+        }
+        return out;
+    }
+
+    /// Sets *flag (device) to 1 if one of x's n entries is not finite.
+    static void scan_finite(cudaStream_t sm, const T* x, long long n, T* flag) {
+        cuda::each(sm, n, [=] __device__(unsigned i) {
+            if (cuda::not_finite(x[i])) flag[0] = T(1);
+        });
+    }
+
+    /// Whether every gradient finish_flat adds (and memory_init's, w0) is finite.
+    static bool gradients_finite(Sweep& w, const Buf& w0) {
+        Buf flag = zeros(1);
+        T* f = flag.data();
+        scan_finite(w.sm, w.gq.data(), w.d * w.C3, f);
+        if (w.N > 0) scan_finite(w.sm, w.go.data(), w.D * w.d, f);
+        if (w.conv) scan_finite(w.sm, w.gt.data(), w.K * w.C3, f);
+        if (w.gated) {
+            scan_finite(w.sm, w.gg.data(), w.d * w.G3, f);
+            scan_finite(w.sm, w.gb.data(), w.G3, f);
+        }
+        scan_finite(w.sm, w0.data(), static_cast<long long>(w0.size()), f);
+        w.cx.synchronize();
+        return download_mat(flag.data(), 1, 1)(0, 0) == T(0);
+    }
+
+    /// The gradients added to their slices of grads, in MemoryParams::tensors order: W_Q, W_K,
+    /// W_V (gq's column blocks), the conv taps (gt's), the gates' weights and biases (gg's,
+    /// gb's), memory_init (w0, for a trace from position 0 with rows), W_O (go, with rows).
+    static void add_flat(Sweep& w, View<T> grads, const Buf& w0) {
+        const long long d = w.d, D = w.D, H = w.H, K = w.K;
+        T* at = grads.data;
+        cuda::add_column_blocks(w.sm, w.gq.data(), d, 3, D, 0, at);
+        at += 3 * d * D;
+        if (w.conv) {
+            cuda::add_column_blocks(w.sm, w.gt.data(), K, 3, D, 0, at);
+            at += 3 * K * D;
+        }
+        if (w.gated) {
+            cuda::add_column_blocks(w.sm, w.gg.data(), d, 3, H, 0, at);
+            at += 3 * d * H;
+            cuda::add_column_blocks(w.sm, w.gb.data(), 1, 3, H, 0, at);
+            at += 3 * H;
+        }
+        cuda::add_entries(w.sm, w0.data(), static_cast<long long>(w0.size()), at);
+        at += init_entries(w);
+        if (w.N > 0) cuda::add_entries(w.sm, w.go.data(), D * d, at);
     }
 
     /// The sweep over rows [p, cur), chunk by chunk, last first, as the CPU's sweep_down: a
@@ -1117,7 +1213,7 @@ struct MemoryTraining<Cuda, T>::Sweep {
     /// 0 that holds tokens; d_in (the start memory's adjoint and the tails', passed through
     /// where the trace is shorter than the tail).
     static void host_outputs(Sweep& w, MemoryParams<T>& g, MemoryStateGradient<T>* d_in) {
-        const long long d = w.d, C3 = w.C3, D = w.D, H = w.H, G3 = w.G3, K = w.K, K1 = w.K1;
+        const long long d = w.d, C3 = w.C3, D = w.D, H = w.H, G3 = w.G3, K = w.K;
         const Mat Gq = download_mat(w.gq.data(), d, C3);
         g.w_q += Gq.leftCols(D);
         g.w_k += Gq.middleCols(D, D);
@@ -1138,32 +1234,47 @@ struct MemoryTraining<Cuda, T>::Sweep {
             g.b_eta += Gb.middleCols(H, H);
             g.b_alpha += Gb.rightCols(H);
         }
-        std::vector<std::vector<Mat>> dw0(static_cast<std::size_t>(w.P)), ds0(dw0.size());
-        for (long long p = 0; p < w.P; ++p) {
-            for (std::size_t l = 0; l < w.Ls; ++l) {
-                dw0[static_cast<std::size_t>(p)].push_back(download_mat(w.dWn[l].data() + p * w.lio[l], w.lin[l], w.lout[l]));
-                ds0[static_cast<std::size_t>(p)].push_back(download_mat(w.dSn[l].data() + p * w.lio[l], w.lin[l], w.lout[l]));
-            }
-        }
-        if (w.tr.start == 0 && w.N > 0) {
-            for (long long p = 0; p < w.P; ++p) {
-                auto& w0 = g.memory_init[static_cast<std::size_t>(p % H)];
-                for (std::size_t l = 0; l < w.Ls; ++l) w0[l] += dw0[static_cast<std::size_t>(p)][l];
-            }
-        }
-        if (d_in == nullptr) {
+        const bool init = w.tr.start == 0 && w.N > 0;
+        if (!init && d_in == nullptr) {
             return;
         }
-        d_in->weights = std::move(dw0);
-        d_in->momentum = std::move(ds0);
-        d_in->conv_tail.clear();
+        MemoryStateGradient<T> din;
+        state_in(w, din);
+        if (init) {
+            for (long long p = 0; p < w.P; ++p) {
+                auto& w0 = g.memory_init[static_cast<std::size_t>(p % H)];
+                for (std::size_t l = 0; l < w.Ls; ++l) {
+                    w0[l] += din.weights[static_cast<std::size_t>(p)][l];
+                }
+            }
+        }
+        if (d_in != nullptr) {
+            *d_in = std::move(din);
+        }
+    }
+
+    /// The incoming state's adjoint downloaded into d_in: the start memory's (W and S per pair
+    /// and layer) and the tails' (passed through where the trace is shorter than the tail).
+    static void state_in(Sweep& w, MemoryStateGradient<T>& d_in) {
+        const long long C3 = w.C3, K1 = w.K1;
+        w.cx.synchronize();
+        d_in.weights.assign(static_cast<std::size_t>(w.P), {});
+        d_in.momentum.assign(d_in.weights.size(), {});
+        for (long long p = 0; p < w.P; ++p) {
+            const auto i = static_cast<std::size_t>(p);
+            for (std::size_t l = 0; l < w.Ls; ++l) {
+                d_in.weights[i].push_back(download_mat(w.dWn[l].data() + p * w.lio[l], w.lin[l], w.lout[l]));
+                d_in.momentum[i].push_back(download_mat(w.dSn[l].data() + p * w.lio[l], w.lin[l], w.lout[l]));
+            }
+        }
+        d_in.conv_tail.clear();
         for (int s = 0; s < w.B; ++s) {
             Mat m = Mat::Zero(K1, C3);
             if (w.conv && K1 > 0) m = download_mat(w.dtb.data() + s * K1 * C3, K1, C3);
             if (!w.dtail_out.empty() && K1 > 0) {
                 for (long long i = 0; i + w.N < K1; ++i) m.row(w.N + i) += w.dtail_out[static_cast<std::size_t>(s)].row(i);
             }
-            d_in->conv_tail.push_back(std::move(m));
+            d_in.conv_tail.push_back(std::move(m));
         }
     }
 };

@@ -338,15 +338,17 @@ struct MemoryTraining<Cuda, T> {
         TITANS_HOST_DEVICE long long size() const { return 22 * b + 6 + 2 * b * b; }
     };
 
-    /// dL/dx (written, device) and every parameter's gradient (added to g, host) from dy =
-    /// dL/dy (device) and, if given, d_out = dL/d(the state after the trace; it ends at a chunk
-    /// boundary); d_in, if given, gets dL/d(the state before it). memory_sweep.cuh.
-    static void backward(const MemoryConfig& cfg, const typename Kernels::Prepared& pp,
-                         const Trace& tr, View<const T> dyv, View<T> dxv, MemoryParams<T>& g,
+    /// dL/dx (written, device) and every parameter's gradient from dy = dL/dy (device) and,
+    /// if given, d_out = dL/d(the state after the trace; it ends at a chunk boundary); d_in, if
+    /// given, gets dL/d(the state before it). If the gradients and d_in are finite the
+    /// gradients are added to `grads` (device, 1 x the parameters' count, MemoryParams::tensors
+    /// order) and true returned; else grads is unchanged and false returned. memory_sweep.cuh.
+    static bool backward(const MemoryConfig& cfg, const typename Kernels::Prepared& pp,
+                         const Trace& tr, View<const T> dyv, View<T> dxv, View<T> grads,
                          const MemoryStateGradient<T>* d_out = nullptr,
                          MemoryStateGradient<T>* d_in = nullptr) {
         Sweep w(cfg, pp, tr);
-        Sweep::run(w, dyv, dxv, g, d_out, d_in);
+        return Sweep::run(w, dyv, dxv, grads, d_out, d_in);
     }
 
     /// The backward's stages and buffers (memory_sweep.cuh).
