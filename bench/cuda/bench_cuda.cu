@@ -178,8 +178,9 @@ void BM_CudaMemory(benchmark::State& state) {
 }
 
 /// The memory's training step at B x N: the training forward (trace in device memory) and the
-/// backward (dx in device memory, the parameter gradients downloaded into host matrices, as
-/// the public API returns them), from a fresh state each iteration (reset outside the timer);
+/// backward (dx in device memory, the parameter gradients added to a flat gradient buffer in
+/// device memory, as a block's backward adds them), from a fresh state each iteration (reset
+/// outside the timer);
 /// TF32 allowed in both passes. GFLOPS counts the forward's FLOP model only (no backward model yet).
 void BM_CudaMemoryTrain(benchmark::State& state) {
     using Training = titans::backend::MemoryTraining<Cuda, float>;
@@ -192,13 +193,15 @@ void BM_CudaMemoryTrain(benchmark::State& state) {
     const titans::Matrixf dy_host = titans::Matrixf::Random(B * N, s.cfg.d_model) / N;
     const Transfer::Buffer dy = Transfer::upload(titans::view_of(dy_host));
     Transfer::Buffer dx = Transfer::allocate(B * N, s.cfg.d_model);
-    auto grads = titans::MemoryParams<float>::zeros(s.cfg);
+    const titans::Matrixf zeros = titans::Matrixf::Zero(
+        1, titans::detail::flat_size(titans::MemoryParams<float>::zeros(s.cfg), s.cfg));
+    Transfer::Buffer grads = Transfer::upload(titans::view_of(zeros));
     const auto step = [&](Kernels::State& st) {
         Training::Trace trace;
         Training::forward(s.cfg, s.prepared, st, Transfer::view(std::as_const(s.x)),
                           Transfer::view(s.y), trace);
-        Training::backward(s.cfg, s.prepared, trace, Transfer::view(dy), Transfer::view(dx),
-                           grads);
+        (void)Training::backward(s.cfg, s.prepared, trace, Transfer::view(dy),
+                                 Transfer::view(dx), Transfer::view(grads));
         cudaDeviceSynchronize();
     };
     Kernels::State st = fresh;

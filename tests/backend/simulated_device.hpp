@@ -719,10 +719,18 @@ struct GlueKernels<titans_test::SimulatedDevice, T> {
         titans_test::sim::require_device(x, "x");
         return Host::nonfinite_row(x);
     }
-    static void gather(View<const T> table, std::span<const int> ids, View<T> out) {
-        titans_test::sim::require_devices<T>({table, out}, {"table", "out"});
+    /// Token ids "on the device": a copy made by a counted upload.
+    struct Ids {
+        std::vector<int> ids;
+        [[nodiscard]] std::size_t size() const { return ids.size(); }
+    };
+    static Ids upload_ids(std::span<const int> ids) {
         ++titans_test::sim::Traffic::instance().uploads;
-        Host::gather(table, ids, out);
+        return Ids{std::vector<int>(ids.begin(), ids.end())};
+    }
+    static void gather(View<const T> table, const Ids& ids, View<T> out) {
+        titans_test::sim::require_devices<T>({table, out}, {"table", "out"});
+        Host::gather(table, ids.ids, out);
     }
     static void product(View<const T> x, View<const T> w, View<T> out) {
         titans_test::sim::require_devices<T>({x, w, out}, {"x", "w", "out"});
@@ -763,10 +771,9 @@ struct GlueKernels<titans_test::SimulatedDevice, T> {
         ++titans_test::sim::Traffic::instance().downloads;  // the finiteness flag
         return Host::adamw(f, parts, p, g, m, v, p1, m1, v1);
     }
-    static void scatter_add(View<const T> rows, std::span<const int> ids, View<T> table) {
+    static void scatter_add(View<const T> rows, const Ids& ids, View<T> table) {
         titans_test::sim::require_devices<T>({rows, table}, {"rows", "table"});
-        ++titans_test::sim::Traffic::instance().uploads;
-        Host::scatter_add(rows, ids, table);
+        Host::scatter_add(rows, ids.ids, table);
     }
 };
 

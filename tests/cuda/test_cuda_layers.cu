@@ -171,7 +171,7 @@ void glue_case(Eigen::Index rows, Eigen::Index cols, Rng& rng) {
     std::vector<int> ids(static_cast<std::size_t>(rows));
     for (int& id : ids) id = uniform_int(rng, 0, static_cast<int>(vocab) - 1);
     const Strided<T> dt(table, 1);
-    Gpu::gather(dt.view, ids, out.view);
+    Gpu::gather(dt.view, Gpu::upload_ids(ids), out.view);
     Cpu::gather(titans::view_of(table), ids, titans::view_of(want));
     CHECK(identical(out.host(), want));
     const Matrix<T> w = random_t<T>(cols, 5, rng);
@@ -239,7 +239,7 @@ void training_glue_case(int B, Eigen::Index n, Eigen::Index p, Eigen::Index cols
     Matrix<T> table = random_t<T>(3, cols, rng);
     Strided<T> gt(table, 1);
     Cpu::scatter_add(view_of(a), ids, view_of(table));
-    Gpu::scatter_add(ga.view, ids, gt.view);
+    Gpu::scatter_add(ga.view, Gpu::upload_ids(ids), gt.view);
     CHECK(rel_error(gt.host(), table) <= tol<T>());
     // The cross-entropy of dout's rows (logits, V wide) against labels, some ignored.
     std::vector<int> labels(static_cast<std::size_t>(rows));

@@ -31,9 +31,13 @@ namespace titans::backend {
 ///   nonfinite_row(x)           the first row of x holding a NaN or an infinity, -1 if none
 ///                              (one scalar back to the host: how a block names the row of
 ///                              an overflow without downloading its activations)
-///   gather(table, ids, out)    out row i = table row ids[i] (ids in host memory, each in
-///                              [0, table.rows), checked by the caller; the call copies them to
-///                              the backend: the embedding of token ids)
+///   Ids                        token ids in B's memory (movable, copyable; size() on the
+///                              host): what gather and scatter_add read
+///   upload_ids(ids)            Ids holding a copy of ids (host memory, each checked by the
+///                              caller; one upload): a training forward keeps them for the
+///                              backward's scatter_add
+///   gather(table, ids, out)    out row i = table row ids[i] (ids: Ids, each in
+///                              [0, table.rows)): the embedding of token ids
 ///   product(x, w, out)         out = x w (x rows x k, w k x n, out rows x n, out distinct from
 ///                              x and w): the model's head
 ///   product_at(a, b, out)      out = aᵀ b (a k x m, b k x n, out m x n, distinct): the head's
@@ -45,9 +49,8 @@ namespace titans::backend {
 ///                              back), its gradient into dlogits (detail::cross_entropy_rows;
 ///                              labels in host memory, one per row, each < logits.cols,
 ///                              checked by the caller, copied with the call; logits finite)
-///   scatter_add(rows, ids, table)   table row ids[i] += rows row i, i in order (ids in host
-///                              memory, checked by the caller, copied with the call; repeats
-///                              add in order): the embedding's gradient
+///   scatter_add(rows, ids, table)   table row ids[i] += rows row i, i in order (ids: Ids;
+///                              repeats add in order): the embedding's gradient
 ///   scaled_norm(x, parts)      the Euclidean norm of x (1 x n, contiguous) as {scale, sum}:
 ///                              scale = max |entry| (NaN or inf if an entry is; 0 if all are),
 ///                              sum = Σ (entry / scale)² in double, the parts (lengths of
@@ -66,6 +69,7 @@ namespace titans::backend {
 /// the same bits; CUDA's are the same operations per entry (the product on cuBLAS).
 template <class B, class T>
 concept GlueBackend = requires(View<const T> a, View<T> out, std::span<const int> ids,
+                               const typename GlueKernels<B, T>::Ids& device_ids,
                                std::span<const std::ptrdiff_t> parts,
                                const detail::AdamWStep<T>& f,
                                std::span<const detail::AdamWPart> tensors) {
@@ -77,11 +81,13 @@ concept GlueBackend = requires(View<const T> a, View<T> out, std::span<const int
     GlueKernels<B, T>::copy_rows(a, out, RowBlocks{});
     GlueKernels<B, T>::add_rows(a, out, RowBlocks{});
     { GlueKernels<B, T>::nonfinite_row(a) } -> std::same_as<std::ptrdiff_t>;
-    GlueKernels<B, T>::gather(a, ids, out);
+    { GlueKernels<B, T>::upload_ids(ids) } -> std::same_as<typename GlueKernels<B, T>::Ids>;
+    { device_ids.size() } -> std::convertible_to<std::size_t>;
+    GlueKernels<B, T>::gather(a, device_ids, out);
     GlueKernels<B, T>::product(a, a, out);
     GlueKernels<B, T>::product_at(a, a, out);
     GlueKernels<B, T>::product_bt(a, a, out);
-    GlueKernels<B, T>::scatter_add(a, ids, out);
+    GlueKernels<B, T>::scatter_add(a, device_ids, out);
     { GlueKernels<B, T>::cross_entropy(a, ids, out) } -> std::same_as<double>;
     { GlueKernels<B, T>::scaled_norm(a, parts) } -> std::same_as<std::pair<double, double>>;
     GlueKernels<B, T>::scale(out, T(1));

@@ -581,13 +581,18 @@ private:
     }
 
     /// The embedding rows of ids gathered on the backend (ids and the call checked: check_ids,
-    /// check_input): every forward on token ids starts here.
-    Buffer embedded(const State& state, const std::vector<int>& ids, const char* where) const {
+    /// check_input; the ids go up once, and stay in *kept if given, as a training forward
+    /// keeps them for its backward): every forward on token ids starts here.
+    Buffer embedded(const State& state, const std::vector<int>& ids, const char* where,
+                    typename Glue::Ids* kept = nullptr) const {
         check_ids(ids, where);
         const auto rows = static_cast<Eigen::Index>(ids.size());
         check_input(state, rows, cfg_.d_model, where);
+        typename Glue::Ids on_backend = Glue::upload_ids(ids);
         Buffer x = Transfer::allocate(rows, cfg_.d_model);
-        Glue::gather(edge_view(params_->embedding, &Edge::embedding), ids, Transfer::view(x));
+        Glue::gather(edge_view(params_->embedding, &Edge::embedding), on_backend,
+                     Transfer::view(x));
+        if (kept != nullptr) *kept = std::move(on_backend);
         return x;
     }
 

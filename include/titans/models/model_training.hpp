@@ -44,6 +44,9 @@ struct ModelTrace {
     /// RMSNorm_final(h_n), rows x d_model, in the backend's memory: the head's input.
     typename backend::Transfer<Backend, T>::Buffer normed;
     std::vector<int> ids;  // forward_tokens: the ids whose embedding rows get the gradient
+    /// The same ids in the backend's memory (uploaded once by the forward): what the
+    /// backward's scatter_add reads.
+    typename backend::GlueKernels<Backend, T>::Ids device_ids;
     /// forward_loss: dL/dlogits of its loss (rows x output_dim, in the backend's memory), what
     /// backward_loss starts from; empty (0 x 0) after forward and forward_tokens.
     typename backend::Transfer<Backend, T>::Buffer dlogits;
@@ -70,15 +73,16 @@ struct ModelTraining {
             throw NonFiniteError(concat(where, ": x has a NaN or infinite entry"));
         }
         const backend::Upload<Backend, T> in(x);
-        run(model, state, in.view(), out, trace, {});
+        run(model, state, in.view(), out, trace, {}, {});
     }
 
     /// Model::forward_tokens (training): the ids checked, their embedding rows gathered on the
     /// backend.
     static void forward_tokens(const Mdl& model, State& state, const std::vector<int>& ids,
                                Matrix<T>& out, Trace& trace) {
-        const Buffer x = model.embedded(state, ids, "Model::forward_tokens (training)");
-        run(model, state, cview(x), out, trace, ids);
+        typename Glue::Ids kept;
+        const Buffer x = model.embedded(state, ids, "Model::forward_tokens (training)", &kept);
+        run(model, state, cview(x), out, trace, ids, std::move(kept));
     }
 
     /// Model::forward_loss: forward_tokens with the logits kept on the backend, the
@@ -93,7 +97,8 @@ struct ModelTraining {
                                 concat("< vocab_size = ", model.cfg_.vocab_size,
                                        " (or negative: not scored)"));
         }
-        const Buffer x = model.embedded(state, ids, where);
+        typename Glue::Ids kept;
+        const Buffer x = model.embedded(state, ids, where, &kept);
         State next = state;
         Trace t;
         const Buffer logits = forward_pass(model, next, cview(x), t);
@@ -104,6 +109,7 @@ struct ModelTraining {
         const double loss = Glue::cross_entropy(cview(logits), labels, view(t.dlogits));
         t.has_loss = true;
         t.ids = ids;
+        t.device_ids = std::move(kept);
         commit(state, std::move(next), trace, std::move(t));
         return loss;
     }
@@ -209,7 +215,7 @@ private:
     /// The training forward on a checked input x in the backend's memory: the logits
     /// downloaded once into out; state, out and trace change only if every step succeeds.
     static void run(const Mdl& model, State& state, View<const T> x, Matrix<T>& out,
-                    Trace& trace, std::vector<int> ids) {
+                    Trace& trace, std::vector<int> ids, typename Glue::Ids device_ids) {
         State next = state;  // committed only if every block and the head succeed
         Trace t;
         const Buffer logits = forward_pass(model, next, x, t);
@@ -217,6 +223,7 @@ private:
         Transfer::download(cview(logits), view_of(o));
         model.require_finite_output(o);
         t.ids = std::move(ids);
+        t.device_ids = std::move(device_ids);
         out = std::move(o);
         commit(state, std::move(next), trace, std::move(t));
     }
@@ -293,7 +300,7 @@ private:
             std::swap(dh, dprev);
         }
         if (!tr.ids.empty()) {
-            Glue::scatter_add(cview(dh), tr.ids, embedding);
+            Glue::scatter_add(cview(dh), tr.device_ids, embedding);
         }
         return dh;
     }
@@ -330,6 +337,8 @@ private:
                                             static_cast<Eigen::Index>(tr.ids.size()) == tr.rows);
         check_trace_part(ids, where, "ids.size()", tr.ids.size(),
                          cfg.vocab_size > 0 ? "0 or trace.rows" : "0 (a model without a vocabulary)");
+        check_trace_part(tr.device_ids.size() == tr.ids.size(), where, "device_ids.size()",
+                         tr.device_ids.size(), "ids.size()");
         for (std::size_t r = 0; r < tr.ids.size(); ++r) {
             check_trace_part(tr.ids[r] >= 0 && tr.ids[r] < cfg.vocab_size, where,
                              concat("ids[", r, "]"), tr.ids[r],

@@ -70,6 +70,9 @@ struct GlueKernels<Cpu, T> {
         }
         return static_cast<std::ptrdiff_t>(detail::first_nonfinite_row(m));
     }
+    /// Token ids as the kernels read them: a host copy (the CPU reads host memory).
+    using Ids = std::vector<int>;
+    static Ids upload_ids(std::span<const int> ids) { return Ids(ids.begin(), ids.end()); }
     static void gather(View<const T> table, std::span<const int> ids, View<T> out) {
         const auto t = cpu::as_eigen(table);
         auto o = cpu::as_eigen(out);

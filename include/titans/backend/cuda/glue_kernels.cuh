@@ -99,13 +99,21 @@ struct GlueKernels<Cuda, T> {
         return static_cast<std::ptrdiff_t>(
             cuda::first_nonfinite_row<T>(cuda::thread_context().stream(), x, flag.data()));
     }
-    /// The ids are copied to the device with the call (checked by the caller).
-    static void gather(View<const T> table, std::span<const int> ids, View<T> out) {
-        if (ids.empty() || out.cols == 0) {
+    /// Token ids in device memory.
+    struct Ids {
+        cuda::DeviceBuffer<int> ids;
+        [[nodiscard]] std::size_t size() const { return ids.size(); }
+    };
+    /// One copy up (the ids checked by the caller).
+    static Ids upload_ids(std::span<const int> ids) {
+        return Ids{ids.empty() ? cuda::DeviceBuffer<int>()
+                               : cuda::upload_array(ids.data(), ids.size())};
+    }
+    static void gather(View<const T> table, const Ids& ids, View<T> out) {
+        if (ids.size() == 0 || out.cols == 0) {
             return;
         }
-        const cuda::DeviceBuffer<int> dev = cuda::upload_array(ids.data(), ids.size());
-        const int* id = dev.data();
+        const int* id = ids.ids.data();
         const T* t = table.data;
         T* o = out.data;
         const long long ts = table.stride, os = out.stride;
@@ -256,12 +264,11 @@ struct GlueKernels<Cuda, T> {
         return flag == 0;
     }
     /// One thread per column, the rows added in order (repeated ids add deterministically).
-    static void scatter_add(View<const T> rows, std::span<const int> ids, View<T> table) {
-        if (ids.empty() || table.cols == 0) {
+    static void scatter_add(View<const T> rows, const Ids& ids, View<T> table) {
+        if (ids.size() == 0 || table.cols == 0) {
             return;
         }
-        const cuda::DeviceBuffer<int> dev = cuda::upload_array(ids.data(), ids.size());
-        const int* id = dev.data();
+        const int* id = ids.ids.data();
         const T* r = rows.data;
         T* t = table.data;
         const long long rs = rows.stride, ts = table.stride,
