@@ -102,5 +102,27 @@ TEMPLATE_LIST_TEST_CASE("model: set_parameters", "[model][training]", Both) {
         CHECK(&model.params() == held);
         CHECK(same_param_bits(model.params(), p1, cfg));
         CHECK(identical(setp_logits(model, ids, B), y1));
+
+        // The values flat in the backend's memory (ModelAdamW's layout): refused with a wrong
+        // width or a NaN (named), nothing changing; then taken, as p2 itself.
+        using Tr = titans::backend::Transfer<Backend, T>;
+        Matrix<T> flat(1, model.parameter_count()), nan;
+        titans::detail::flatten_tensors(p2, cfg, flat.data());
+        nan = flat;
+        nan(0, flat.cols() - 1) = std::numeric_limits<T>::quiet_NaN();
+        const auto on_backend = Tr::upload(titans::view_of(std::as_const(flat)));
+        const auto nan_backend = Tr::upload(titans::view_of(std::as_const(nan)));
+        const titans::View<const T> fv = Tr::view(on_backend);
+        REQUIRE_THROWS_NAMING(model.set_parameters(Tr::view(nan_backend)), titans::NonFiniteError,
+                              "head");
+        REQUIRE_THROWS_NAMING(
+            model.set_parameters(titans::View<const T>{fv.data, 1, fv.cols - 1, fv.cols - 1}),
+            titans::ShapeError, "flat");
+        CHECK(same_param_bits(model.params(), p1, cfg));
+        CHECK(identical(setp_logits(model, ids, B), y1));
+        model.set_parameters(fv);
+        CHECK(identical(setp_logits(model, ids, B), y2));
+        CHECK(&model.params() == held);  // alone: the same host tensors, brought up to date
+        CHECK(same_param_bits(model.params(), p2, cfg));
     }
 }

@@ -121,4 +121,18 @@ double hand_step(const ModelConfig& cfg, ModelParams<T>& p, AdamW<T>& opt,
     return loss;
 }
 
+/// Whether models a and b give the same loss and the same gradients, bit for bit, on ids and
+/// labels from fresh states of B sequences (the training forward, cross-entropy, backward).
+template <class T, class Backend>
+bool same_training(const titans::Model<T, Backend>& a, const titans::Model<T, Backend>& b, int B,
+                   const std::vector<int>& ids, const std::vector<int>& labels) {
+    titans::ModelGradients<T, Backend> ga(a), gb(b);
+    typename titans::Model<T, Backend>::Trace ta, tb;
+    auto sa = a.make_state(B), sb = b.make_state(B);
+    const bool same_loss = a.forward_loss(sa, ids, labels, ta) == b.forward_loss(sb, ids, labels, tb);
+    a.backward_loss(ta, ga);
+    b.backward_loss(tb, gb);
+    return same_loss && same_param_bits(ga.to_params(), gb.to_params(), a.config());
+}
+
 }  // namespace titans_test

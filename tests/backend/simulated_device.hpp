@@ -381,6 +381,12 @@ struct MemoryKernels<titans_test::SimulatedDevice, T> {
             MemoryParams<T>::tensors(p, cfg, titans_test::sim::PoisonVisitor{});
         });
     }
+    /// From the flat parameters in the arena: a copy there (no transfer).
+    static Prepared prepare_flat(const MemoryConfig& cfg, const MemoryParams<T>& shapes,
+                                 View<const T> flat) {
+        titans_test::sim::require_device(flat, "flat");
+        return prepare(cfg, Host::prepare_flat(cfg, shapes, flat));
+    }
 
     static State make_state(const MemoryConfig& cfg, const Prepared& p, int batch) {
         State st;
@@ -456,6 +462,11 @@ struct AttentionKernels<titans_test::SimulatedDevice, T> {
         return titans_test::sim::upload(host, [cfg](AttentionParams<T>& p) {
             AttentionParams<T>::tensors(p, cfg, titans_test::sim::PoisonVisitor{});
         });
+    }
+    static Prepared prepare_flat(const AttentionConfig& cfg, const AttentionParams<T>& shapes,
+                                 View<const T> flat) {
+        titans_test::sim::require_device(flat, "flat");
+        return prepare(cfg, Host::prepare_flat(cfg, shapes, flat));
     }
     static State make_state(const AttentionConfig& cfg, int batch) {
         State st;
@@ -600,9 +611,10 @@ struct AttentionTraining<titans_test::SimulatedDevice, T> {
     }
     static void forward(const AttentionConfig& cfg, const typename Kernels::Prepared& p,
                         typename Kernels::State& st, View<const T> x, View<T> y,
-                        const Mat* prefix, PrefixSharing sharing, Trace& trace) {
+                        View<const T> prefix, PrefixSharing sharing, Trace& trace) {
         titans_test::sim::require_device(x, "x");
         titans_test::sim::require_device(y, "y");
+        if (prefix.rows > 0) titans_test::sim::require_device(prefix, "prefix");
         try {
             Host::forward(cfg, p->get(), st.device_.get(), x, y, prefix, sharing, trace);
         } catch (...) {
@@ -630,6 +642,10 @@ struct NormKernels<titans_test::SimulatedDevice, T> {
         return titans_test::sim::upload(weight, [](RowVector<T>& w) {
             w.setConstant(std::numeric_limits<T>::quiet_NaN());
         });
+    }
+    static Prepared prepare_flat(View<const T> flat) {
+        titans_test::sim::require_device(flat, "flat");
+        return prepare(Host::prepare_flat(flat));
     }
     static void forward(const Prepared& p, T eps, View<const T> x, View<T> y) {
         titans_test::sim::require_device(x, "x");
@@ -659,6 +675,11 @@ struct FeedForwardKernels<titans_test::SimulatedDevice, T> {
         return titans_test::sim::upload(params, [cfg](FeedForwardParams<T>& p) {
             FeedForwardParams<T>::tensors(p, cfg, titans_test::sim::PoisonVisitor{});
         });
+    }
+    static Prepared prepare_flat(const FeedForwardConfig& cfg, const FeedForwardParams<T>& shapes,
+                                 View<const T> flat) {
+        titans_test::sim::require_device(flat, "flat");
+        return prepare(cfg, Host::prepare_flat(cfg, shapes, flat));
     }
     static void forward(const FeedForwardConfig& cfg, const Prepared& p, View<const T> x,
                         View<T> y) {
@@ -761,15 +782,21 @@ struct GlueKernels<titans_test::SimulatedDevice, T> {
         titans_test::sim::require_device(x, "x");
         Host::scale(x, factor);
     }
-    static bool adamw(const titans::detail::AdamWStep<T>& f,
-                      std::span<const titans::detail::AdamWPart> parts, View<const T> p,
-                      View<const T> g, View<const T> m, View<const T> v, View<T> p1, View<T> m1,
-                      View<T> v1) {
+    struct Parts {
+        typename Host::Parts parts;
+        [[nodiscard]] std::size_t size() const { return parts.size(); }
+    };
+    static Parts upload_parts(std::span<const titans::detail::AdamWPart> parts) {
+        ++titans_test::sim::Traffic::instance().uploads;
+        return Parts{Host::upload_parts(parts)};
+    }
+    static bool adamw(const titans::detail::AdamWStep<T>& f, const Parts& parts,
+                      View<const T> p, View<const T> g, View<const T> m, View<const T> v,
+                      View<T> p1, View<T> m1, View<T> v1) {
         titans_test::sim::require_devices<T>({p, g, m, v, p1, m1, v1},
                                              {"p", "g", "m", "v", "p1", "m1", "v1"});
-        ++titans_test::sim::Traffic::instance().uploads;    // the parts
         ++titans_test::sim::Traffic::instance().downloads;  // the finiteness flag
-        return Host::adamw(f, parts, p, g, m, v, p1, m1, v1);
+        return Host::adamw(f, parts.parts, p, g, m, v, p1, m1, v1);
     }
     static void scatter_add(View<const T> rows, const Ids& ids, View<T> table) {
         titans_test::sim::require_devices<T>({rows, table}, {"rows", "table"});

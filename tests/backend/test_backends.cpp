@@ -950,15 +950,82 @@ TEMPLATE_TEST_CASE("backend: trainer steps", "[backend][train]", float, double) 
             const long gradients = traffic.downloads - down0;
             const double lc = cpu.step(ids, labels, B);
             down0 = traffic.downloads;
+            const long up0 = traffic.uploads;
             CHECK(dev.step(ids, labels, B) == lc);
-            // Two more: AdamW's finiteness flag and the stepped parameters. The gradients stay
-            // on the device, and AdamW steps there (ModelAdamW).
-            CHECK(traffic.downloads - down0 == gradients + 2);
+            // One more: AdamW's finiteness flag. The gradients stay on the device, AdamW steps
+            // there (ModelAdamW) and the model takes the new values there; a model with a MAC
+            // block takes them on the host (one download more).
+            const bool mac = stacks[s].first == BlockKind::MAC || stacks[s].second == BlockKind::MAC;
+            CHECK(traffic.downloads - down0 == gradients + (mac ? 2 : 1));
+            if (!mac) CHECK(traffic.uploads - up0 == 2);  // the ids and the labels
             CHECK(cpu.last_gradient_norm() == dev.last_gradient_norm());
         }
         CHECK(same_param_bits(cast_model<double>(cpu.params()), cast_model<double>(dev.params()),
                               mc.cfg));
         CHECK(same_optimizer(cpu.optimizer(), dev.optimizer()));
+    }
+}
+
+// Model::set_parameters(flat): values in a device buffer taken there (no transfer) by a model
+// that alone holds its parameters, with the outputs and the training of a model built from
+// them, bit for bit; params() brings them back once (one download); a copy made before keeps
+// its values; a wrong shape or a NaN is refused naming the tensor, nothing changing. A MAC
+// block's model brings them to the host at once (one download, no upload); shared parameters
+// are taken on the host, the same bits.
+TEMPLATE_TEST_CASE("backend: parameters on device", "[backend][train]", float, double) {
+    using T = TestType;
+    using DevModel = titans::Model<T, SimulatedDevice>;
+    using Tr = titans::backend::Transfer<SimulatedDevice, T>;
+    const std::pair<BlockKind, BlockKind> stacks[] = {{BlockKind::MAG, BlockKind::SWA},
+                                                      {BlockKind::MAL, BlockKind::LMM},
+                                                      {BlockKind::MAC, BlockKind::MAG}};
+    auto& traffic = sim::Traffic::instance();
+    for (std::size_t s = 0; s < std::size(stacks); ++s) {
+        Rng rng(seed_for(std::string("backends/parameters on device/") + type_name<T>(), s));
+        const int vocab = 11, B = uniform_int(rng, 1, 3), N = uniform_int(rng, 3, 9);
+        const ModelCase a = make_model_case<T>(stacks[s].first, stacks[s].second, 8, vocab, 0, rng);
+        const auto pa = cast_model<T>(a.params);
+        const auto pb = cast_model<T>(
+            titans::ModelParams<double>::random(a.cfg, static_cast<unsigned>(uniform_int(rng, 1, 1 << 30))));
+        const bool mac = s == 2;
+        INFO(titans::to_string(stacks[s].first) << " + " << titans::to_string(stacks[s].second));
+        DevModel dev(a.cfg, pa);
+        const DevModel built(a.cfg, pb);  // what dev must compute after taking pb
+        Matrix<T> flat(1, dev.parameter_count());
+        titans::detail::flatten_tensors(pb, a.cfg, flat.data());
+        const auto on_dev = Tr::upload(titans::view_of(std::as_const(flat)));
+        const titans::View<const T> fv = Tr::view(on_dev);
+        // Refused, nothing changing: a wrong width, a NaN (named).
+        CHECK_THROWS_AS(dev.set_parameters(titans::View<const T>{fv.data, 1, fv.cols - 1, fv.cols - 1}),
+                        titans::ShapeError);
+        Matrix<T> bad = flat;
+        bad(0, bad.cols() - 1) = std::numeric_limits<T>::quiet_NaN();
+        const auto bad_dev = Tr::upload(titans::view_of(std::as_const(bad)));
+        CHECK_THROWS_WITH(dev.set_parameters(Tr::view(bad_dev)), Catch::Contains("'head'"));
+        const DevModel before = dev;  // shares dev's parameters: dev now takes them on the host
+        CHECK(same_param_bits(dev.params(), pa, a.cfg));
+        {
+            DevModel shared = before;
+            shared.set_parameters(fv);
+            CHECK(same_param_bits(shared.params(), pb, a.cfg));
+        }
+        CHECK(same_param_bits(before.params(), pa, a.cfg));
+        DevModel own(a.cfg, pa);
+        const long up0 = traffic.uploads, down0 = traffic.downloads;
+        own.set_parameters(fv, DevModel::ValueCheck::known_finite);
+        CHECK(traffic.uploads - up0 == 0);
+        CHECK(traffic.downloads - down0 == (mac ? 1 : 0));
+        const std::vector<int> ids = random_ids(rng, B * N, vocab);
+        std::vector<int> labels = random_ids(rng, B * N, vocab);
+        auto so = own.make_state(B), sb = built.make_state(B);
+        CHECK(identical(own.forward_tokens(so, ids), built.forward_tokens(sb, ids)));
+        CHECK(same_states(so, sb));
+        CHECK(same_training(own, built, B, ids, labels));
+        // The host tensors come back once, on first read.
+        const long down1 = traffic.downloads;
+        CHECK(same_param_bits(own.params(), pb, a.cfg));
+        CHECK(same_param_bits(own.blocks()[0].params(), pb.blocks[0], a.cfg.blocks[0]));
+        CHECK(traffic.downloads - down1 == (mac ? 0 : 1));
     }
 }
 

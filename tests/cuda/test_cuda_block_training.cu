@@ -123,6 +123,46 @@ TEST_CASE("cuda trainer: the CPU's steps", "[cuda]") {
     }
 }
 
+// Model::set_parameters(flat) on CUDA: values in a device buffer taken there by every layer
+// (prepare_flat: the projections, gates and conv taps laid out by device copies, memory_init
+// kept on the device) give the logits and the gradients of a model built from them, bit for
+// bit, over random configurations (conv or not, constant or data-dependent gates, SwiGLU or
+// GELU); the host tensors come back on first read; a NaN is refused naming its tensor.
+TEMPLATE_TEST_CASE("cuda model: parameters on device", "[cuda]", float, double) {
+    using T = TestType;
+    using M = titans::Model<T, Cuda>;
+    const std::pair<BlockKind, BlockKind> stacks[] = {
+        {BlockKind::LMM, BlockKind::MAG}, {BlockKind::MAL, BlockKind::SWA},
+        {BlockKind::MAG, BlockKind::LMM}, {BlockKind::SWA, BlockKind::MAL}};
+    for (std::size_t s = 0; s < std::size(stacks); ++s) {
+        Rng rng(seed_for(std::string("cuda model: parameters on device/") + type_name<T>(), s));
+        const int vocab = 11, B = uniform_int(rng, 1, 2), N = uniform_int(rng, 3, 9);
+        const ModelCase mc = make_model_case<T>(stacks[s].first, stacks[s].second, 8, vocab, 0, rng);
+        const auto pa = cast_model<T>(mc.params);
+        const auto pb = cast_model<T>(titans::ModelParams<double>::random(
+            mc.cfg, static_cast<unsigned>(uniform_int(rng, 1, 1 << 30))));
+        INFO("stack " << s);
+        M model(mc.cfg, pa);
+        const M built(mc.cfg, pb);
+        Matrix<T> flat(1, model.parameter_count());
+        titans::detail::flatten_tensors(pb, mc.cfg, flat.data());
+        Matrix<T> bad = flat;
+        bad(0, 0) = std::numeric_limits<T>::infinity();  // the embedding's first entry
+        using Tr = titans::backend::Transfer<Cuda, T>;
+        const auto on_dev = Tr::upload(titans::view_of(std::as_const(flat)));
+        const auto bad_dev = Tr::upload(titans::view_of(std::as_const(bad)));
+        REQUIRE_THROWS_NAMING(model.set_parameters(Tr::view(bad_dev)), titans::NonFiniteError,
+                              "embedding");
+        model.set_parameters(Tr::view(on_dev));
+        const std::vector<int> ids = random_ids(rng, B * N, vocab);
+        std::vector<int> labels = random_ids(rng, B * N, vocab);
+        auto s1 = model.make_state(B), s2 = built.make_state(B);
+        CHECK(identical(model.forward_tokens(s1, ids), built.forward_tokens(s2, ids)));
+        CHECK(same_training(model, built, B, ids, labels));
+        CHECK(same_param_bits(model.params(), pb, mc.cfg));
+    }
+}
+
 // A model (two blocks, every kind among the stacks, MAC cut inside segments) trained on token
 // ids in chained pieces on CUDA in double equals the CPU's: logits, dx and every gradient
 // within 1e-12 (each relative to its own largest entry, or 1e-3 of the gradients' scale).

@@ -23,6 +23,7 @@
 #include <concepts>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <type_traits>
 #include <utility>
 
@@ -155,6 +156,20 @@ public:
 
     [[nodiscard]] const AttentionConfig& config() const { return cfg_; }
     [[nodiscard]] const AttentionParams<T>& params() const { return *params_; }
+    /// The parameters as this layer's kernels hold them (on the CPU the host tensors).
+    using Prepared = typename Kernels::Prepared;
+    /// As NeuralMemory::prepare_flat: from W_Q, W_K, W_V, W_O flat in the backend's memory,
+    /// copied there; ShapeError unless flat is 1 x their count.
+    [[nodiscard]] Prepared prepare_flat(View<const T> flat) const
+        requires requires(const AttentionConfig& c, const AttentionParams<T>& s,
+                          View<const T> f) { Kernels::prepare_flat(c, s, f); }
+    {
+        const Eigen::Index n = detail::flat_size(*params_, cfg_);
+        detail::check_flat_params("Attention::prepare_flat", flat, n);
+        return Kernels::prepare_flat(cfg_, *params_, flat);
+    }
+    /// As NeuralMemory::adopt.
+    void adopt(Prepared p) noexcept { prepared_ = std::move(p); }
     /// The parameters as held (shared with the block that owns them, if any).
     [[nodiscard]] const std::shared_ptr<const AttentionParams<T>>& shared_params() const {
         return params_;
@@ -176,6 +191,16 @@ public:
         check_prefix(prefix, "Attention::project_prefix");
         const backend::Upload<Backend, T> rows(prefix);
         return Kernels::project_prefix(cfg_, prepared_, rows.view(), sharing);
+    }
+
+    /// As project_prefix, from rows in the backend's memory (p x d_model, finite: the
+    /// caller's check) with the parameters `with` (prepare_flat's of this layer): how a model
+    /// projects its persistent tokens for new values before it adopts them.
+    [[nodiscard]] Prefix project_prefix(const Prepared& with, View<const T> rows) const {
+        detail::require<ShapeError>(rows.cols == cfg_.d_model, "Attention::project_prefix",
+                                    "rows.cols", rows.cols,
+                                    detail::concat(cfg_.d_model, " (d_model)"));
+        return Kernels::project_prefix(cfg_, with, rows, PrefixSharing::Shared);
     }
 
     /// Processes the next piece of every stream. x: (B*N) x d_model with B = state.batch();
@@ -264,29 +289,34 @@ public:
         Matrix<T> y_new;
         {
             const backend::Upload<Backend, T> in(x);
+            std::optional<backend::Upload<Backend, T>> rows;
+            if (prefix != nullptr) rows.emplace(*prefix);
             backend::Download<Backend, T> out(y_new, x.rows(), cfg_.d_model);
-            train_checked(state, in.view(), out.view(), trace, prefix, sharing);
+            train_checked(state, in.view(), out.view(), trace,
+                          rows ? rows->view() : View<const T>{}, sharing);
             out.finish();
         }
         y = std::move(y_new);
     }
 
-    /// The backend-level training forward: forward(state, x, y, trace, prefix, sharing) with x
-    /// and y views in the backend's memory ((B*N) x d_model, distinct); the prefix rows (a
-    /// parameter) stay on the host. Shapes, the state and the position are checked
-    /// (ShapeError, ConfigError, OverflowError); finiteness of x is the caller's (the prefix's
-    /// is checked). On an error the state and trace are unchanged (y may have been written).
+    /// The backend-level training forward: forward(state, x, y, trace, prefix, sharing) with x,
+    /// y and the prefix rows views in the backend's memory (x, y (B*N) x d_model, distinct;
+    /// prefix p x d_model or (B*p) x d_model as sharing says, 0 rows: none, copied into the
+    /// trace there). Shapes, the state and the position are checked (ShapeError, ConfigError,
+    /// OverflowError); finiteness of x and of the prefix is the caller's. On an error the state
+    /// and trace are unchanged (y may have been written).
     void forward(State& state, View<const T> x, View<T> y, Trace& trace,
-                 const Matrix<T>* prefix = nullptr,
-                 PrefixSharing sharing = PrefixSharing::Shared) const
+                 View<const T> prefix = {}, PrefixSharing sharing = PrefixSharing::Shared) const
         requires(backend::AttentionTraining<Backend, T>::available)
     {
         constexpr const char* where = "Attention::forward";
         check_rows(state, x.rows, x.cols, where);
         detail::check_view_call(where, x, y, cfg_.d_model, false);
-        if (prefix != nullptr) {
-            check_prefix(*prefix, where);
-            check_sharing(state, prefix->rows(), sharing, where);
+        if (prefix.rows > 0) {
+            detail::require<ShapeError>(prefix.cols == cfg_.d_model && prefix.stride >= prefix.cols,
+                                        where, "prefix.cols()", prefix.cols,
+                                        detail::concat(cfg_.d_model, " (d_model)"));
+            check_sharing(state, prefix.rows, sharing, where);
         }
         train_checked(state, x, y, trace, prefix, sharing);
     }
@@ -458,8 +488,8 @@ private:
 
     /// The training forward on checked views: the trace replaced only if the kernels succeed.
     void train_checked(State& state, View<const T> x, View<T> y, Trace& trace,
-                       const Matrix<T>* prefix, PrefixSharing sharing) const {
-        const ThreadScope team(threads_, work_estimate(x.rows, prefix ? prefix->rows() : 0));
+                       View<const T> prefix, PrefixSharing sharing) const {
+        const ThreadScope team(threads_, work_estimate(x.rows, prefix.rows));
         Trace t;
         backend::AttentionTraining<Backend, T>::forward(cfg_, prepared_, state, x, y, prefix,
                                                         sharing, t);

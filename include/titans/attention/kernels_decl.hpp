@@ -9,7 +9,8 @@ namespace titans {
 namespace backend {
 
 /// The attention layer's training pass (math §9), as MemoryTraining: a Trace,
-/// forward(cfg, prepared, state, x, y, prefix, sharing, trace), check_trace(cfg, trace, where)
+/// forward(cfg, prepared, state, x, y, prefix, sharing, trace) (the prefix rows a view in the
+/// backend's memory, 0 rows: none), check_trace(cfg, trace, where)
 /// and backward(cfg, prepared, trace, dy, dx, grads, dprefix, d_out, d_in) (dx written; the
 /// parameters' gradients added to grads, the layer's flat slice, and the prefix rows' to
 /// dprefix unless it is empty, both in the backend's memory).

@@ -44,6 +44,18 @@ template <class X>
     return View<X>{flat.data + first, 1, n, n};
 }
 
+/// ShapeError unless `flat` holds a layer's parameters flat: 1 x n, contiguous (what a
+/// layer's prepare_flat takes).
+template <class X>
+void check_flat_params(const char* where, View<X> flat, Eigen::Index n) {
+    if (flat.rows != 1 || flat.cols != n || flat.stride < flat.cols ||
+        (n > 0 && flat.data == nullptr)) {
+        throw ShapeError(concat(where, ": flat is ", flat.rows, " x ", flat.cols,
+                                ", expected 1 x ", n, " (the parameters, flat in tensors() "
+                                "order, in the backend's memory)"));
+    }
+}
+
 /// ShapeError unless `grads` is a layer's flat gradient view: 1 x n, contiguous (what a
 /// backward on views adds its parameters' gradients to; `what` names the layer's tensors).
 template <class X>

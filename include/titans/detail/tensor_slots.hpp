@@ -3,6 +3,7 @@
 // shape), as its tensors() visitor names them; the optimiser pairs them with the gradients',
 // and every backward checks and adds its gradients through them (math §9).
 
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -151,6 +152,26 @@ void flatten_tensors(const Params& p, const Config& cfg, T* to) {
         Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>(to, s.size()) = s.array();
         to += s.size();
     }
+}
+
+/// The inverse of flatten_tensors: p's tensors take the entries at `from`, tensor after tensor.
+template <class Params, class Config, class T>
+void unflatten_tensors(const T* from, Params& p, const Config& cfg) {
+    for (const auto& s : tensor_slots(p, cfg)) {
+        s.array() = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>(from, s.size());
+        from += s.size();
+    }
+}
+
+/// A copy of `shapes` (a parameter struct) whose tensors hold the entries of `flat` (host
+/// memory, its tensors() order, each row-major): how a host kernel prepares a layer's
+/// parameters from a slice of a parameter buffer.
+template <class Params, class Config, class T>
+[[nodiscard]] std::shared_ptr<const Params> from_flat(const Params& shapes, const Config& cfg,
+                                                      const T* flat) {
+    auto p = std::make_shared<Params>(shapes);
+    unflatten_tensors(flat, *p, cfg);
+    return p;
 }
 
 /// Whether every entry of every tensor of p is finite.

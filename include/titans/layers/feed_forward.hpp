@@ -263,6 +263,20 @@ public:
 
     [[nodiscard]] const FeedForwardConfig& config() const { return cfg_; }
     [[nodiscard]] const FeedForwardParams<T>& params() const { return *params_; }
+    /// The parameters as this layer's kernels hold them (on the CPU the host tensors).
+    using Prepared = typename Kernels::Prepared;
+    /// As NeuralMemory::prepare_flat: from w1 (w3 for SwiGLU), w2 flat in the backend's
+    /// memory, copied there; ShapeError unless flat is 1 x their count.
+    [[nodiscard]] Prepared prepare_flat(View<const T> flat) const
+        requires requires(const FeedForwardConfig& c, const FeedForwardParams<T>& s,
+                          View<const T> f) { Kernels::prepare_flat(c, s, f); }
+    {
+        detail::check_flat_params("FeedForward::prepare_flat", flat,
+                                  detail::flat_size(*params_, cfg_));
+        return Kernels::prepare_flat(cfg_, *params_, flat);
+    }
+    /// As NeuralMemory::adopt.
+    void adopt(Prepared p) noexcept { prepared_ = std::move(p); }
     /// The parameters as held (shared with the block that owns them, if any).
     [[nodiscard]] const std::shared_ptr<const FeedForwardParams<T>>& shared_params() const {
         return params_;

@@ -58,9 +58,13 @@ namespace titans::backend {
 ///                              (detail::scaled_norm); two scalars back: a gradient buffer's
 ///                              global norm
 ///   scale(x, factor)           x *= factor, entry by entry: the clipping of a gradient buffer
+///   Parts                      AdamW's tensors (detail::AdamWPart: size, decay flag) in B's
+///                              memory (movable; size() on the host)
+///   upload_parts(parts)        Parts holding a copy of parts (host; one upload): an
+///                              optimiser's, once
 ///   adamw(f, parts, p, g, m, v, p1, m1, v1)   AdamW's step f (detail::AdamWStep) on 1 x n
 ///                              contiguous views, entry by entry (detail::adamw_update), the
-///                              tensors `parts` (host, consecutive, sizes summing to n) decayed
+///                              tensors `parts` (Parts, consecutive, sizes summing to n) decayed
 ///                              where their flag says: p1, m1, v1 the new parameters and
 ///                              moments, distinct from p, g, m, v and each other; returns
 ///                              whether every new entry is finite (one scalar back): a model's
@@ -72,7 +76,8 @@ concept GlueBackend = requires(View<const T> a, View<T> out, std::span<const int
                                const typename GlueKernels<B, T>::Ids& device_ids,
                                std::span<const std::ptrdiff_t> parts,
                                const detail::AdamWStep<T>& f,
-                               std::span<const detail::AdamWPart> tensors) {
+                               std::span<const detail::AdamWPart> tensors,
+                               const typename GlueKernels<B, T>::Parts& device_parts) {
     GlueKernels<B, T>::copy(a, out);
     GlueKernels<B, T>::add(a, a, out);
     GlueKernels<B, T>::gate(a, a, out);
@@ -91,7 +96,9 @@ concept GlueBackend = requires(View<const T> a, View<T> out, std::span<const int
     { GlueKernels<B, T>::cross_entropy(a, ids, out) } -> std::same_as<double>;
     { GlueKernels<B, T>::scaled_norm(a, parts) } -> std::same_as<std::pair<double, double>>;
     GlueKernels<B, T>::scale(out, T(1));
-    { GlueKernels<B, T>::adamw(f, tensors, a, a, a, a, out, out, out) } -> std::same_as<bool>;
+    { GlueKernels<B, T>::upload_parts(tensors) } -> std::same_as<typename GlueKernels<B, T>::Parts>;
+    { device_parts.size() } -> std::convertible_to<std::size_t>;
+    { GlueKernels<B, T>::adamw(f, device_parts, a, a, a, a, out, out, out) } -> std::same_as<bool>;
 };
 
 }  // namespace titans::backend

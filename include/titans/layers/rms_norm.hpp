@@ -118,6 +118,18 @@ public:
     [[nodiscard]] double eps() const { return eps_; }
     /// The learnable per-channel weight, 1 x d.
     [[nodiscard]] const RowVector<T>& weight() const { return *weight_; }
+    /// The parameters as this layer's kernels hold them (on the CPU the host tensors).
+    using Prepared = typename Kernels::Prepared;
+    /// As NeuralMemory::prepare_flat: from the values flat in the backend's memory (the weight's
+    /// order), copied there; ShapeError unless flat is 1 x their count.
+    [[nodiscard]] Prepared prepare_flat(View<const T> flat) const
+        requires requires(View<const T> f) { Kernels::prepare_flat(f); }
+    {
+        detail::check_flat_params("RMSNorm::prepare_flat", flat, weight_->cols());
+        return Kernels::prepare_flat(flat);
+    }
+    /// As NeuralMemory::adopt.
+    void adopt(Prepared p) noexcept { prepared_ = std::move(p); }
     /// Replaces the weight (same width d, finite). A shared weight is not modified: this norm
     /// then holds its own.
     void set_weight(RowVector<T> weight) {

@@ -76,6 +76,25 @@ public:
     [[nodiscard]] const std::shared_ptr<const MemoryParams<T>>& shared_params() const {
         return params_;
     }
+    /// The parameters as this layer's kernels hold them (on the CPU the host tensors).
+    using Prepared = typename Kernels::Prepared;
+    /// What the kernels would hold for new values of the parameters, read from their flat form
+    /// in the backend's memory (1 x parameter_count(), MemoryParams::tensors order, each
+    /// row-major: a slice of a parameter buffer) and copied there: nothing crosses to the
+    /// host. ShapeError unless flat is 1 x that count. With adopt, how a model takes an
+    /// optimiser's step where the parameters live (Model::set_parameters(flat)): every layer's
+    /// made first, then all adopted, so that a throw changes nothing.
+    [[nodiscard]] Prepared prepare_flat(View<const T> flat) const
+        requires requires(const MemoryConfig& c, const MemoryParams<T>& s, View<const T> f) {
+            Kernels::prepare_flat(c, s, f);
+        }
+    {
+        detail::check_flat_params("NeuralMemory::prepare_flat", flat, parameter_count());
+        return Kernels::prepare_flat(cfg_, *params_, flat);
+    }
+    /// The kernels use `p` (from prepare_flat of this layer or a copy of it) from now on;
+    /// params() keeps the host values it had (the owner of the parameters refreshes them).
+    void adopt(Prepared p) noexcept { prepared_ = std::move(p); }
 
     /// A fresh state for `batch` independent sequences: M_0 = memory_init, S_0 = 0,
     /// conv history zero, position 0.

@@ -34,6 +34,7 @@
 #include "../limits.hpp"
 #include "../memory/neural_memory.hpp"
 #include "block_config.hpp"
+#include "block_gradient.hpp"
 #include "block_params.hpp"
 #include "block_state.hpp"
 #include "state_gradient.hpp"
@@ -419,8 +420,8 @@ private:
 
     /// What the block computes once from its parameters: MAG's and SWA's persistent prefix
     /// projected on the backend (P W_K, P W_V), MAC's P W_K and P W_V (N_p x D, host), and
-    /// for MAG and MAL P itself on the backend (the rows a training forward puts before each
-    /// sequence's; shared by copies of the block).
+    /// for MAG, MAL and SWA P itself on the backend (the rows a training forward puts before
+    /// each sequence's, or keeps as its attention's prefix; shared by copies of the block).
     struct Derived {
         std::optional<typename Attention<T, Backend>::Prefix> prefix;
         Matrix<T> k_prefix, v_prefix;
@@ -437,12 +438,63 @@ private:
             d.k_prefix = p.persistent * p.attention.w_k;
             d.v_prefix = p.persistent * p.attention.w_v;
         }
-        if ((cfg_.kind == BlockKind::MAG || cfg_.kind == BlockKind::MAL) &&
-            cfg_.n_persistent > 0) {
+        if (cfg_.kind != BlockKind::LMM && cfg_.kind != BlockKind::MAC && cfg_.n_persistent > 0) {
             d.persistent = std::make_shared<const Buffer>(Transfer::upload(view_of(p.persistent)));
         }
         return d;
     }
+    /// New parameter values as the block's kernels would hold them (every sub-layer's
+    /// prepare_flat and what derive() makes, from them), before any is taken.
+    struct Staged {
+        using Norm = typename RMSNorm<T, Backend>::Prepared;
+        Norm norm_mix, norm_ffn;
+        std::optional<typename NeuralMemory<T, Backend>::Prepared> memory;
+        std::optional<typename Attention<T, Backend>::Prepared> attention;
+        std::optional<Norm> norm_y, norm_m;
+        std::optional<typename FeedForward<T, Backend>::Prepared> ffn;
+        Derived derived;
+    };
+    /// Staged from the block's parameters flat in the backend's memory (1 x parameter_count(),
+    /// BlockParams::tensors order): nothing crosses to the host. MAC's P W_K, P W_V are host
+    /// matrices: a MAC block takes `host`, the same values on the host (required for MAC).
+    Staged stage(View<const T> flat, const BlockParams<T>* host) const {
+        const auto v = detail::BlockGradientViews<T, const T>::cut(flat, *params_, cfg_);
+        Staged s;
+        s.norm_mix = norm_mix_.prepare_flat(v.norm_mix);
+        s.norm_ffn = norm_ffn_.prepare_flat(v.norm_ffn);
+        if (memory_) s.memory = memory_->prepare_flat(v.memory);
+        if (norm_y_) s.norm_y = norm_y_->prepare_flat(v.norm_y);
+        if (norm_m_) s.norm_m = norm_m_->prepare_flat(v.norm_m);
+        if (ffn_) s.ffn = ffn_->prepare_flat(v.ffn);
+        if (attention_) {
+            s.attention = attention_->prepare_flat(v.attention);
+            if (cfg_.kind == BlockKind::MAG || cfg_.kind == BlockKind::SWA) {
+                s.derived.prefix.emplace(attention_->project_prefix(*s.attention, v.persistent));
+            }
+            if (cfg_.kind == BlockKind::MAC) {
+                s.derived.k_prefix = host->persistent * host->attention.w_k;
+                s.derived.v_prefix = host->persistent * host->attention.w_v;
+            } else if (cfg_.n_persistent > 0) {
+                Buffer p = Transfer::allocate(v.persistent.rows, v.persistent.cols);
+                Glue::copy(v.persistent, Transfer::view(p));
+                s.derived.persistent = std::make_shared<const Buffer>(std::move(p));
+            }
+        }
+        return s;
+    }
+    /// The kernels use what `s` holds from now on (params() keeps its host values: the model
+    /// refreshes them).
+    void adopt(Staged&& s) noexcept {
+        norm_mix_.adopt(std::move(s.norm_mix));
+        norm_ffn_.adopt(std::move(s.norm_ffn));
+        if (memory_) memory_->adopt(std::move(*s.memory));
+        if (norm_y_) norm_y_->adopt(std::move(*s.norm_y));
+        if (norm_m_) norm_m_->adopt(std::move(*s.norm_m));
+        if (ffn_) ffn_->adopt(std::move(*s.ffn));
+        if (attention_) attention_->adopt(std::move(*s.attention));
+        install(std::move(s.derived));
+    }
+
     void install(Derived&& d) noexcept {
         prefix_ = std::move(d.prefix);
         k_prefix_.swap(d.k_prefix);
@@ -653,7 +705,7 @@ private:
     std::optional<FeedForward<T, Backend>> ffn_;        // if use_ffn
     std::optional<typename Attention<T, Backend>::Prefix> prefix_;  // MAG, SWA: P W_K, P W_V
     Matrix<T> k_prefix_, v_prefix_;  // MAC: P W_K, P W_V (N_p x D), for the segment attention
-    std::shared_ptr<const Buffer> persistent_;  // MAG, MAL with N_p > 0: P on the backend
+    std::shared_ptr<const Buffer> persistent_;  // MAG, MAL, SWA with N_p > 0: P on the backend
 };
 
 }  // namespace titans

@@ -196,7 +196,8 @@ private:
     static void prefix_attention(const Blk& blk, State& next, View<const T> u, View<T> o,
                                  Trace& t) {
         blk.attention_->forward(next.attention_, u, o, t.attention,
-                                blk.cfg_.n_persistent > 0 ? &blk.params_->persistent : nullptr);
+                                blk.cfg_.n_persistent > 0 ? cview(*blk.persistent_)
+                                                          : View<const T>{});
     }
 
     /// prefix_attention's backward: dy -> du, the attention's gradients and P's added to g,

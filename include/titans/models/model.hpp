@@ -6,6 +6,8 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -14,6 +16,7 @@
 
 #include "../backend/edge.hpp"
 #include "../detail/check.hpp"
+#include "../detail/flat_tensors.hpp"
 #include "../detail/product.hpp"
 #include "../detail/visit.hpp"
 #include "../detail/random.hpp"
@@ -286,8 +289,20 @@ public:
     }
 
     [[nodiscard]] const ModelConfig& config() const { return cfg_; }
-    [[nodiscard]] const ModelParams<T>& params() const { return *params_; }
-    [[nodiscard]] const std::vector<Block<T, Backend>>& blocks() const { return blocks_; }
+    /// The parameters on the host. After set_parameters took values where they live (a device
+    /// buffer), the first call brings them back (one download; thread-safe).
+    [[nodiscard]] const ModelParams<T>& params() const {
+        sync_host();
+        return *params_;
+    }
+    /// The blocks (their params() as this model's: brought back as params() does).
+    [[nodiscard]] const std::vector<Block<T, Backend>>& blocks() const {
+        sync_host();
+        return blocks_;
+    }
+    /// Entries of every parameter: the length of the flat layout (ModelParams::tensors order,
+    /// each tensor row-major) of ModelGradients and ModelAdamW.
+    [[nodiscard]] Eigen::Index parameter_count() const { return detail::flat_size(*params_, cfg_); }
 
     /// Takes new values for every parameter the configuration uses (what a training loop does
     /// after each optimiser step: titans::Trainer) without rebuilding the model. `values` must
@@ -331,6 +346,45 @@ public:
         for (std::size_t i = 0; i < blocks_.size(); ++i) {
             blocks_[i].install(std::move(derived[i]));
         }
+    }
+
+    /// What set_parameters(flat, check) checks of the values: every entry finite (one scalar
+    /// back from the backend), or nothing but the shape where the caller knows them finite (a
+    /// step ModelAdamW::propose accepted).
+    enum class ValueCheck { finite, known_finite };
+
+    /// As set_parameters(values), with the values flat in the backend's memory: 1 x
+    /// parameter_count(), ModelParams::tensors order, each tensor row-major (what
+    /// ModelAdamW::proposed() and ModelGradients::view() hold). The view is read during the
+    /// call only. ShapeError unless flat is 1 x parameter_count(); NonFiniteError naming the
+    /// first tensor with a NaN or infinite entry (unless check is known_finite); nothing
+    /// changes if it throws (strong guarantee).
+    ///
+    /// On a backend the host cannot read (a GPU), where this model alone holds its parameters
+    /// (as set_parameters(values) writes in place), every layer takes its part where the values
+    /// are (prepare_flat: a copy on the backend), and so do P, the embedding and the head.
+    /// Without a MAC block nothing crosses to the host: the model keeps a copy of flat, and
+    /// params() and blocks() bring the host tensors up to date when next called (one
+    /// download). With one, the values come down at once (one download: MAC's mixer reads
+    /// them on the host) into the host tensors, in place. Otherwise (shared parameters, the
+    /// CPU) the values come to the host (one download; none on the CPU) and
+    /// set_parameters(values) takes them.
+    ///
+    ///     opt.propose(grads.view(), lr);                // titans::ModelAdamW
+    ///     model.set_parameters(opt.proposed(), Model<float, Cuda>::ValueCheck::known_finite);
+    void set_parameters(View<const T> flat, ValueCheck check = ValueCheck::finite) {
+        constexpr const char* where = "Model::set_parameters";
+        detail::check_flat_params(where, flat, parameter_count());
+        if (check == ValueCheck::finite) require_finite_flat(flat, where);
+        if constexpr (takes_flat_on_backend()) {
+            if (own_refs_ > 0 && params_.use_count() == own_refs_) {
+                take_on_backend(flat);
+                return;
+            }
+        }
+        ModelParams<T> values = ModelParams<T>::zeros(cfg_);
+        backend::copy_to_host<Backend>(flat, values, cfg_);
+        set_parameters(std::move(values));
     }
 
     [[nodiscard]] State make_state(int batch = 1) const {
@@ -505,6 +559,7 @@ public:
 
 private:
     friend struct detail::ModelTraining<T, Backend>;
+    friend class ModelGradients<T, Backend>;  // the parameters' shapes, without sync_host()
 
     using Transfer = backend::Transfer<Backend, T>;
     using Buffer = typename Transfer::Buffer;
@@ -639,6 +694,94 @@ private:
         }
     }
 
+    /// Whether every layer family's kernels on this backend take parameters from a flat view
+    /// (prepare_flat), on a backend the host cannot read.
+    static constexpr bool takes_flat_on_backend() {
+        return !backend::BackendTraits<Backend>::host_accessible &&
+               requires(const NeuralMemory<T, Backend>& m, const Attention<T, Backend>& a,
+                        const FeedForward<T, Backend>& ff, const RMSNorm<T, Backend>& n,
+                        View<const T> f) {
+                   m.prepare_flat(f);
+                   a.prepare_flat(f);
+                   ff.prepare_flat(f);
+                   n.prepare_flat(f);
+               };
+    }
+    /// set_parameters(flat) on the backend, where this model alone holds its parameters:
+    /// everything new is made first (a throw changes nothing), then taken. A model with a MAC
+    /// block brings the values to the host at once (one download: MAC's mixer reads them
+    /// there) and swaps them into its host tensors; any other leaves the host tensors to
+    /// sync_host().
+    void take_on_backend(View<const T> flat) {
+        const Eigen::Index d = cfg_.d_model, vocab = cfg_.vocab_size, out = cfg_.output_dim();
+        std::optional<ModelParams<T>> host;
+        for (const BlockConfig& b : cfg_.blocks) {
+            if (b.kind == BlockKind::MAC && !host) {
+                host.emplace(ModelParams<T>::zeros(cfg_));
+                backend::copy_to_host<Backend>(flat, *host, cfg_);
+            }
+        }
+        auto mirror = std::make_shared<Mirror>();
+        mirror->flat = Transfer::allocate(1, flat.cols);
+        Glue::copy(flat, Transfer::view(mirror->flat));
+        const View<const T> v = Transfer::view(std::as_const(mirror->flat));
+        Eigen::Index at = vocab * d;
+        std::vector<typename Block<T, Backend>::Staged> staged;
+        staged.reserve(blocks_.size());
+        for (std::size_t i = 0; i < blocks_.size(); ++i) {
+            const auto& b = blocks_[i];
+            staged.push_back(b.stage(detail::flat_range(v, at, b.parameter_count()),
+                                     host ? &host->blocks[i] : nullptr));
+            at += b.parameter_count();
+        }
+        auto norm = norm_final_.prepare_flat(detail::flat_range(v, at, d));
+        auto edge = std::make_shared<const Edge>(
+            Edge{copy_on_backend(View<const T>{v.data, vocab, d, d}),
+                 copy_on_backend(View<const T>{v.data + at + d, d, out, out})});
+        for (std::size_t i = 0; i < blocks_.size(); ++i) blocks_[i].adopt(std::move(staged[i]));
+        norm_final_.adopt(std::move(norm));
+        edge_ = std::move(edge);
+        if (host) {  // made non-const by the by-value constructor, held by nothing else
+            swap_tensors(const_cast<ModelParams<T>&>(*params_), *host, cfg_);
+            mirror_.reset();
+        } else {
+            mirror_ = std::move(mirror);
+        }
+    }
+    static Buffer copy_on_backend(View<const T> from) {
+        Buffer b = Transfer::allocate(from.rows, from.cols);
+        if (from.rows * from.cols > 0) Glue::copy(from, Transfer::view(b));
+        return b;
+    }
+
+    /// NonFiniteError naming the first tensor of flat (the parameters' layout) with a NaN or
+    /// an infinity: one scalar back, one more per tensor only if there is one.
+    void require_finite_flat(View<const T> flat, const char* where) const {
+        if (flat.cols == 0 || Glue::nonfinite_row(flat) < 0) return;
+        Eigen::Index at = 0;
+        for (const auto& s : detail::tensor_slots(*params_, cfg_)) {
+            if (Glue::nonfinite_row(detail::flat_range(flat, at, s.size())) >= 0) {
+                throw NonFiniteError(detail::concat(where, ": flat's '", s.name,
+                                                    "' has a NaN or infinite entry, expected "
+                                                    "finite values; nothing changed"));
+            }
+            at += s.size();
+        }
+    }
+
+    /// Brings the host tensors up to date after set_parameters(flat) took values on the
+    /// backend (one download, once, whichever copy of the model asks first).
+    void sync_host() const {
+        if constexpr (!backend::BackendTraits<Backend>::host_accessible) {
+            if (!mirror_) return;
+            const std::lock_guard<std::mutex> lock(mirror_->mutex);
+            if (!mirror_->stale) return;
+            backend::copy_to_host<Backend>(Transfer::view(std::as_const(mirror_->flat)),
+                                           const_cast<ModelParams<T>&>(*params_), cfg_);
+            mirror_->stale = false;
+        }
+    }
+
     /// Whether set_parameters may write the parameters in place: this model made them (by
     /// value), nothing outside it holds them, and every kernel family's prepared form is the
     /// host parameters themselves (so nothing but Block::derive() depends on their values).
@@ -698,6 +841,15 @@ private:
     std::vector<Block<T, Backend>> blocks_;
     RMSNorm<T, Backend> norm_final_;
     std::shared_ptr<const Edge> edge_;  // null on a host-accessible backend
+    // The values set_parameters(flat) took on the backend, which the host tensors (params_)
+    // take again when next read (sync_host); null while the host tensors hold the values.
+    // Shared by copies of the model, as params_ is.
+    struct Mirror {
+        Buffer flat;
+        std::mutex mutex;
+        bool stale = true;
+    };
+    std::shared_ptr<Mirror> mirror_;
     Threads threads_{};
     // params_.use_count() right after the by-value constructor (every pointer this model's
     // layers hold), 0 for shared parameters: set_parameters writes in place only at that count.

@@ -41,7 +41,7 @@ public:
 
     /// Zeros for the parameters of `model`.
     explicit ModelGradients(const Model<T, Backend>& model)
-        : ModelGradients(model.config(), model.params()) {}
+        : ModelGradients(model.config(), *model.params_) {}
 
     /// Zeros for parameters of configuration cfg shaped as `shapes` (ShapeError unless they
     /// fit cfg).
@@ -140,7 +140,7 @@ public:
     /// ShapeError unless this buffer has the layout of `model`'s parameters (what backward
     /// checks).
     void check_layout(const Model<T, Backend>& model, const char* where) const {
-        const auto slots = detail::tensor_slots(model.params(), model.config());
+        const auto slots = detail::tensor_slots(*model.params_, model.config());
         bool same = slots.size() == slots_.size();
         for (std::size_t i = 0; same && i < slots.size(); ++i) {
             same = slots[i].name == slots_[i].name && slots[i].rows == slots_[i].rows &&

@@ -28,12 +28,14 @@ namespace titans {
 ///
 ///     titans::ModelAdamW<float, titans::backend::Cuda> opt(cfg, params, titans::AdamW<float>{});
 ///     opt.propose(grads.view(), lr);   // step t = steps() + 1 into scratch, checked finite
-///     model.set_parameters(opt.proposed_params(cfg));  // the new values (one download)
+///     model.set_parameters(opt.proposed(),            // the new values, taken on the device
+///                          titans::Model<float, titans::backend::Cuda>::ValueCheck::known_finite);
 ///     opt.commit();                    // the step taken: O(1), cannot fail
 ///
 /// A step is proposed, then committed: propose computes the new parameters and moments into
 /// scratch buffers (three more buffers of the same size) in one pass of the glue kernel adamw,
-/// which also says whether every new entry is finite (one scalar back),
+/// which also says whether every new entry is finite (one scalar back; the tensors' sizes and
+/// decay flags went to the backend once, at construction),
 /// so that a refused step changes nothing and the caller can act on the new values (give them
 /// to the model, compare them across ranks) before taking it. Movable; copyable where the
 /// backend's buffers are (the CPU's).
@@ -51,12 +53,14 @@ public:
         constexpr const char* where = "ModelAdamW";
         detail::check_fits(params, cfg, where, "params");
         const auto slots = detail::tensor_slots(params, cfg);
+        std::vector<detail::AdamWPart> parts;
         Eigen::Index n = 0;
         for (const auto& s : slots) {
             slots_.push_back({s.name, n, s.rows, s.cols});
-            parts_.push_back({s.size(), adamw_.decays(s.rows, s.cols)});
+            parts.push_back({s.size(), adamw_.decays(s.rows, s.cols)});
             n += s.size();
         }
+        parts_ = Glue::upload_parts(parts);
         Matrix<T> flat(1, n), m(1, n), v(1, n);
         has_moments_ = !host.moments().empty();
         for (std::size_t i = 0; i < slots.size(); ++i) {
@@ -206,7 +210,7 @@ private:
     std::int64_t steps_ = 0, next_steps_ = 0;
     bool has_moments_ = false, proposed_ = false;
     std::vector<Slot> slots_;
-    std::vector<detail::AdamWPart> parts_;  // the tensors' sizes and decay, what adamw steps by
+    typename Glue::Parts parts_;  // the tensors' sizes and decay (on the backend): adamw's
     typename Transfer::Buffer p_, m_, v_;     // parameters and moments
     typename Transfer::Buffer p1_, m1_, v1_;  // the proposed step's
 };

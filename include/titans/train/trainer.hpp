@@ -134,9 +134,10 @@ struct TrainerProgress {
 /// Backends: those whose blocks train (Model<T, Backend>::trainable: the CPU and CUDA);
 /// elsewhere the class does not compile (static_assert). On a backend without the memory's
 /// staged reverse a model with a MAC block is refused (ConfigError; Block::trains). The
-/// optimiser's parameters and moments live in the backend's memory (ModelAdamW); off the host
-/// the stepped parameters come down once per step and the layers take them again
-/// (Model::set_parameters builds the model afresh where the kernels keep their own copy).
+/// optimiser's parameters and moments live in the backend's memory (ModelAdamW), and the model
+/// takes each step's values from there (Model::set_parameters(flat)): on a device each layer
+/// copies its part there, nothing crossing to the host (with a MAC block the values also come
+/// down once a step, for MAC's mixer on the host).
 template <class T, class Backend>
 class Trainer {
     static_assert(Model<T, Backend>::trainable,
@@ -202,12 +203,13 @@ public:
         }
         const double lr = cfg_.schedule(opt_.steps() + 1);
         opt_.propose(grads.view(), lr);  // taken below (commit) only if all went well
-        ModelParams<T> next = opt_.proposed_params(mc);
         if (comm_ && check_every_ > 0 && (opt_.steps() + 1) % check_every_ == 0) {
-            detail::require_same_on_ranks(*comm_, params_print(next), "Trainer::step",
+            detail::require_same_on_ranks(*comm_, params_print(opt_.proposed_params(mc)),
+                                          "Trainer::step",
                                           "parameters (the ranks have drifted apart)");
         }
-        model_.set_parameters(std::move(next));
+        // propose found every new entry finite; on a device the model takes them there
+        model_.set_parameters(opt_.proposed(), ModelType::ValueCheck::known_finite);
         opt_.commit();
         progress_ = {progress_.data_position + batch, loss, norm, lr};
         return loss;

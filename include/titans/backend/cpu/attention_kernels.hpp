@@ -12,6 +12,7 @@
 #include <memory>
 #include <utility>
 
+#include "../../detail/tensor_slots.hpp"
 #include "../../attention/config.hpp"
 #include "../../attention/kernel.hpp"
 #include "../../attention/params.hpp"
@@ -44,6 +45,11 @@ struct AttentionKernels<Cpu, T> {
     static Prepared prepare(const AttentionConfig&,
                             const std::shared_ptr<const AttentionParams<T>>& params) {
         return params;
+    }
+    /// The parameters from their flat form (AttentionParams::tensors order): a copy.
+    static Prepared prepare_flat(const AttentionConfig& cfg, const AttentionParams<T>& shapes,
+                                 View<const T> flat) {
+        return detail::from_flat(shapes, cfg, flat.data);
     }
 
     static State make_state(const AttentionConfig& cfg, int batch) {

@@ -62,15 +62,16 @@ struct AttentionTraining<Cpu, T> {
         }
     }
 
-    /// Kernels::forward from any state, recording the trace. prefix: checked rows or null.
+    /// Kernels::forward from any state, recording the trace. prefix: checked rows (0 rows:
+    /// none).
     static void forward(const AttentionConfig& cfg, const typename Kernels::Prepared& p,
                         typename Kernels::State& st, View<const T> x, View<T> y,
-                        const Mat* prefix, PrefixSharing sharing, Trace& trace) {
+                        View<const T> prefix, PrefixSharing sharing, Trace& trace) {
         Trace t;
         t.cfg = cfg;
         t.batch = st.batch();
         t.x = cpu::as_eigen(x);
-        t.prefix = prefix != nullptr ? *prefix : Mat(0, cfg.d_model);
+        t.prefix = prefix.rows > 0 ? Mat(cpu::as_eigen(prefix)) : Mat(0, cfg.d_model);
         t.sharing = sharing;
         t.start = st.position();
         for (int b = 0; b < t.batch; ++b) {

@@ -106,9 +106,13 @@ struct GlueKernels<Cpu, T> {
         return detail::scaled_norm(slots);
     }
     static void scale(View<T> x, T factor) { cpu::as_eigen(x).array() *= factor; }
+    using Parts = std::vector<detail::AdamWPart>;
+    static Parts upload_parts(std::span<const detail::AdamWPart> parts) {
+        return Parts(parts.begin(), parts.end());
+    }
     /// detail::adamw_update on each part's entries (the host AdamW's expression: the same
     /// bits).
-    static bool adamw(const detail::AdamWStep<T>& f, std::span<const detail::AdamWPart> parts,
+    static bool adamw(const detail::AdamWStep<T>& f, const Parts& parts,
                       View<const T> p, View<const T> g, View<const T> m, View<const T> v,
                       View<T> p1, View<T> m1, View<T> v1) {
         using A = Eigen::Array<T, Eigen::Dynamic, 1>;

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <memory>
 
+#include "../../detail/tensor_slots.hpp"
 #include "../../detail/activation.hpp"
 #include "../../detail/eigen_math.hpp"
 #include "../../detail/norm_scale.hpp"
@@ -30,6 +31,10 @@ struct NormKernels<Cpu, T> {
     using Prepared = std::shared_ptr<const RowVector<T>>;
 
     static Prepared prepare(const std::shared_ptr<const RowVector<T>>& weight) { return weight; }
+    /// The weight from a 1 x d view: a copy.
+    static Prepared prepare_flat(View<const T> flat) {
+        return std::make_shared<const RowVector<T>>(cpu::as_eigen(flat));
+    }
 
     static void forward(const Prepared& weight, T eps, View<const T> x, View<T> y) {
         normalize(*weight, eps, x, y, nullptr);
@@ -136,6 +141,11 @@ struct FeedForwardKernels<Cpu, T> {
     static Prepared prepare(const FeedForwardConfig&,
                             const std::shared_ptr<const FeedForwardParams<T>>& params) {
         return params;
+    }
+    /// The parameters from their flat form (FeedForwardParams::tensors order): a copy.
+    static Prepared prepare_flat(const FeedForwardConfig& cfg, const FeedForwardParams<T>& shapes,
+                                 View<const T> flat) {
+        return detail::from_flat(shapes, cfg, flat.data);
     }
 
     static void forward(const FeedForwardConfig& cfg, const Prepared& p, View<const T> xv,

@@ -12,6 +12,7 @@
 #include <memory>
 #include <vector>
 
+#include "../../detail/tensor_slots.hpp"
 #include "../../detail/activation.hpp"
 #include "../../detail/eigen_math.hpp"
 #include "../../detail/float_env.hpp"
@@ -45,6 +46,12 @@ struct MemoryKernels<Cpu, T> {
 
     static Prepared prepare(const MemoryConfig&, const std::shared_ptr<const MemoryParams<T>>& p) {
         return p;
+    }
+    /// The parameters from their flat form (1 x the count, MemoryParams::tensors order; shapes:
+    /// parameters of the same shapes): a copy.
+    static Prepared prepare_flat(const MemoryConfig& cfg, const MemoryParams<T>& shapes,
+                                 View<const T> flat) {
+        return detail::from_flat(shapes, cfg, flat.data);
     }
 
     static State make_state(const MemoryConfig& cfg, const Prepared& prepared, int batch) {

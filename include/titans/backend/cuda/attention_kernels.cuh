@@ -19,6 +19,7 @@
 #include <memory>
 #include <utility>
 
+#include "../../detail/flat_tensors.hpp"
 #include "../../attention/attention_row.hpp"
 #include "../../attention/config.hpp"
 #include "../../attention/params.hpp"
@@ -57,6 +58,18 @@ struct AttentionKernels<Cuda, T> {
         qkv << hp->w_q, hp->w_k, hp->w_v;
         p->w_qkv = cuda::upload_array(qkv.data(), static_cast<std::size_t>(qkv.size()));
         p->w_o = cuda::upload_array(hp->w_o.data(), static_cast<std::size_t>(hp->w_o.size()));
+        return p;
+    }
+    /// The parameters from their flat form in device memory (AttentionParams::tensors order:
+    /// W_Q, W_K, W_V, W_O), laid out on the device.
+    static Prepared prepare_flat(const AttentionConfig& cfg, const AttentionParams<T>& shapes,
+                                 View<const T> flat) {
+        const auto v = detail::flat_views(flat, shapes, cfg);
+        auto p = std::make_shared<Params>();
+        p->d = cfg.d_model;
+        p->D = cfg.inner_dim();
+        p->w_qkv = cuda::concat_columns({v[0], v[1], v[2]});
+        p->w_o = cuda::concat_columns({v[3]});
         return p;
     }
 

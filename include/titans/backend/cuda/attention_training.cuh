@@ -82,10 +82,10 @@ struct AttentionTraining<Cuda, T> {
     }
 
     /// Kernels::forward from any state, recording the trace. x: device rows; prefix: checked
-    /// host rows or null.
+    /// device rows (0 rows: none), copied on the device.
     static void forward(const AttentionConfig& cfg, const typename Kernels::Prepared& p,
                         typename Kernels::State& st, View<const T> x, View<T> y,
-                        const Mat* prefix, PrefixSharing sharing, Trace& trace) {
+                        View<const T> prefix, PrefixSharing sharing, Trace& trace) {
         Trace t;
         t.cfg = cfg;
         t.batch = st.batch();
@@ -93,10 +93,8 @@ struct AttentionTraining<Cuda, T> {
         t.start = st.position();
         const long long D = cfg.inner_dim();
         t.x = DeviceMatrix::copy_of(x, "cudaMemcpy2D (attention trace input)");
-        if (prefix != nullptr) {
-            t.prefix.mem = cuda::upload_array(prefix->data(), static_cast<std::size_t>(prefix->size()));
-            t.prefix.r = prefix->rows();
-            t.prefix.c = prefix->cols();
+        if (prefix.rows > 0) {
+            t.prefix = DeviceMatrix::copy_of(prefix, "cudaMemcpy2D (attention trace prefix)");
         } else {
             t.prefix.c = cfg.d_model;
         }

@@ -223,23 +223,37 @@ struct GlueKernels<Cuda, T> {
     /// detail::adamw_entry per entry, a thread each (1 x n contiguous views), in one launch:
     /// the parts' ends and decay flags go up with the call (a thread finds its part by
     /// bisection), a flag set by any non-finite result comes back.
-    static bool adamw(const detail::AdamWStep<T>& f, std::span<const detail::AdamWPart> parts,
-                      View<const T> p, View<const T> g, View<const T> m, View<const T> v,
-                      View<T> p1, View<T> m1, View<T> v1) {
+    /// AdamW's tensors on the device: each one's end, then each one's decay flag.
+    struct Parts {
+        cuda::DeviceBuffer<long long> layout;
+        long long k = 0;
+        [[nodiscard]] std::size_t size() const { return static_cast<std::size_t>(k); }
+    };
+    static Parts upload_parts(std::span<const detail::AdamWPart> parts) {
         const long long k = static_cast<long long>(parts.size());
-        if (p.cols == 0 || k == 0) {
-            return true;
-        }
-        std::vector<long long> layout(static_cast<std::size_t>(2 * k + 1), 0);  // ends, flags, bad
+        if (k == 0) return Parts{};
+        std::vector<long long> layout(static_cast<std::size_t>(2 * k), 0);
         long long end = 0;
         for (long long j = 0; j < k; ++j) {
             end += parts[static_cast<std::size_t>(j)].size;
             layout[static_cast<std::size_t>(j)] = end;
             layout[static_cast<std::size_t>(k + j)] = parts[static_cast<std::size_t>(j)].decay;
         }
-        cuda::DeviceBuffer<long long> dev = cuda::upload_array(layout.data(), layout.size());
-        const long long* ends = dev.data();
-        long long* bad = dev.data() + 2 * k;
+        return Parts{cuda::upload_array(layout.data(), layout.size()), k};
+    }
+    static bool adamw(const detail::AdamWStep<T>& f, const Parts& parts, View<const T> p,
+                      View<const T> g, View<const T> m, View<const T> v, View<T> p1, View<T> m1,
+                      View<T> v1) {
+        const long long k = parts.k;
+        if (p.cols == 0 || k == 0) {
+            return true;
+        }
+        const cuda::StreamContext& cx = cuda::thread_context();
+        cuda::DeviceBuffer<long long> any_bad(1);
+        cuda::check(cudaMemsetAsync(any_bad.data(), 0, sizeof(long long), cx.stream()),
+                    "cudaMemsetAsync (adamw flag)");
+        const long long* ends = parts.layout.data();
+        long long* bad = any_bad.data();
         const T *pp = p.data, *gp = g.data, *mp = m.data, *vp = v.data;
         T *po = p1.data, *mo = m1.data, *vo = v1.data;
         const detail::AdamWStep<T> s = f;

@@ -7,6 +7,7 @@
 
 #include <memory>
 
+#include "../../detail/flat_tensors.hpp"
 #include "../../detail/activation.hpp"
 #include "../../detail/norm_scale.hpp"
 #include "../../layers/feed_forward.hpp"
@@ -146,6 +147,10 @@ struct NormKernels<Cuda, T> {
         return std::make_shared<const cuda::DeviceBuffer<T>>(cuda::upload_array(
             weight->data(), static_cast<std::size_t>(weight->size())));
     }
+    /// The weight from a 1 x d device view: a copy on the device.
+    static Prepared prepare_flat(View<const T> flat) {
+        return std::make_shared<const cuda::DeviceBuffer<T>>(cuda::concat_columns({flat}));
+    }
     static void forward(const Prepared& w, T eps, View<const T> x, View<T> y) {
         run(w, eps, x, y, nullptr, 0);
     }
@@ -217,6 +222,20 @@ struct FeedForwardKernels<Cuda, T> {
         p->w2 = up(hp->w2);
         p->d = static_cast<int>(hp->w1.rows());
         p->h = static_cast<int>(hp->w1.cols());
+        return p;
+    }
+    /// The parameters from their flat form in device memory (FeedForwardParams::tensors order:
+    /// w1, w3 for SwiGLU, w2), copied on the device.
+    static Prepared prepare_flat(const FeedForwardConfig& cfg, const FeedForwardParams<T>& shapes,
+                                 View<const T> flat) {
+        const auto v = detail::flat_views(flat, shapes, cfg);
+        const bool glu = cfg.kind == FeedForwardKind::SwiGLU;
+        auto p = std::make_shared<Params>();
+        p->w1 = cuda::concat_columns({v[0]});
+        if (glu) p->w3 = cuda::concat_columns({v[1]});
+        p->w2 = cuda::concat_columns({v[glu ? 2 : 1]});
+        p->d = static_cast<int>(shapes.w1.rows());
+        p->h = static_cast<int>(shapes.w1.cols());
         return p;
     }
 

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "../../detail/activation.hpp"
+#include "../../detail/flat_tensors.hpp"
 #include "../../error.hpp"
 #include "../../limits.hpp"
 #include "../../memory/chunk_coefficients.hpp"
@@ -55,7 +56,7 @@ struct MemoryKernels<Cuda, T> {
         Buf b_gates;  // 3H
         Buf taps;     // K x 3D: [conv_q | conv_k | conv_v]
         Buf w_o;      // D x d
-        std::vector<std::vector<Mat>> init;  // memory_init (host; make_state uploads it)
+        Buf init;     // memory_init, head after head, each's layers in order, row-major
     };
     using Prepared = std::shared_ptr<const Params>;
 
@@ -88,8 +89,67 @@ struct MemoryKernels<Cuda, T> {
         out->b_gates = upload(concat({&bt, &be, &ba}));
         out->taps = upload(concat({&p.conv_q, &p.conv_k, &p.conv_v}));
         out->w_o = upload(p.w_o);
-        out->init = p.memory_init;
+        Mat init(1, head_init_size(p) * static_cast<Eigen::Index>(p.memory_init.size()));
+        Eigen::Index at = 0;
+        for (const auto& head : p.memory_init) {
+            for (const Mat& w : head) {
+                init.middleCols(at, w.size()) = Eigen::Map<const Mat>(w.data(), 1, w.size());
+                at += w.size();
+            }
+        }
+        out->init = upload(init);
         return out;
+    }
+
+    /// The parameters from their flat form in device memory (1 x the count, MemoryParams::
+    /// tensors order; shapes: host parameters of the same shapes), laid out on the device.
+    static Prepared prepare_flat(const MemoryConfig& cfg, const MemoryParams<T>& shapes,
+                                 View<const T> flat) {
+        const auto slots = detail::tensor_slots(shapes, cfg);
+        const auto views = detail::flat_views(flat, shapes, cfg);
+        const auto find = [&](const char* name) {
+            for (std::size_t i = 0; i < slots.size(); ++i) {
+                if (slots[i].name == name) return views[i];
+            }
+            return View<const T>{};
+        };
+        const auto row = [](View<const T> v) { return View<const T>{v.data, 1, v.rows * v.cols,
+                                                                   v.rows * v.cols}; };
+        auto out = std::make_shared<Params>();
+        out->w_qkv = cuda::concat_columns({find("w_q"), find("w_k"), find("w_v")});
+        out->w_gates = cuda::concat_columns({find("w_theta"), find("w_eta"), find("w_alpha")});
+        out->b_gates =
+            cuda::concat_columns({row(find("b_theta")), row(find("b_eta")), row(find("b_alpha"))});
+        out->taps = cuda::concat_columns({find("conv_q"), find("conv_k"), find("conv_v")});
+        out->w_o = cuda::concat_columns({find("w_o")});
+        const Eigen::Index n = head_init_size(shapes) * cfg.n_heads;  // one run of tensors
+        std::size_t first = 0;  // memory_init.0.0
+        while (first < slots.size() && slots[first].name.rfind("memory_init", 0) != 0) ++first;
+        if (first < slots.size()) {
+            out->init = cuda::concat_columns({View<const T>{views[first].data, 1, n, n}});
+        }
+        return out;
+    }
+
+    /// Entries of one head's memory_init (every layer).
+    static Eigen::Index head_init_size(const MemoryParams<T>& p) {
+        Eigen::Index n = 0;
+        if (!p.memory_init.empty()) {
+            for (const Mat& w : p.memory_init.front()) n += w.size();
+        }
+        return n;
+    }
+
+    /// Every pair p's weights of one layer (size entries each) from head p % H's memory_init
+    /// (heads `head_stride` apart in `init`), on the device: a fresh state's memory.
+    static void replicate_init(cudaStream_t sm, const T* init, long long head_stride,
+                               unsigned size, unsigned H, T* w, long long n) {
+        cuda::each(sm, n, [=] __device__(unsigned i) {
+            const unsigned p = i / size;
+            w[i] = init[static_cast<long long>(p % H) * head_stride + i % size];
+        });
+        cuda::check_launch("the memory's initial weights");
+        cuda::check(cudaStreamSynchronize(sm), "cudaStreamSynchronize (initial weights)");
     }
 
     static void zero(Buf& b, std::size_t n) {
@@ -107,19 +167,20 @@ struct MemoryKernels<Cuda, T> {
         st.position_ = 0;
         st.ctx_.emplace();
         const int H = cfg.n_heads, b = st.chunk_, P = batch * H;
+        long long head_size = 0;
+        for (int l = 1; l <= cfg.depth; ++l) head_size += 1LL * cfg.layer_in(l) * cfg.layer_out(l);
+        long long layer_at = 0;  // layer l's offset in a head's memory_init
         for (int l = 1; l <= cfg.depth; ++l) {
             const std::size_t in = static_cast<std::size_t>(cfg.layer_in(l)),
                               out = static_cast<std::size_t>(cfg.layer_out(l));
-            std::vector<T> host(static_cast<std::size_t>(P) * in * out);
-            for (int p = 0; p < P; ++p) {
-                const Mat& w0 = prepared->init[static_cast<std::size_t>(p % H)]
-                                              [static_cast<std::size_t>(l - 1)];
-                std::copy(w0.data(), w0.data() + w0.size(),
-                          host.begin() + static_cast<std::ptrdiff_t>(p * in * out));
-            }
-            st.w_.push_back(cuda::upload_array(host.data(), host.size()));
+            const std::size_t n = static_cast<std::size_t>(P) * in * out;
+            st.w_.push_back(Buf(n));
+            replicate_init(st.ctx_->stream(), prepared->init.data() + layer_at, head_size,
+                           static_cast<unsigned>(in * out), static_cast<unsigned>(H),
+                           st.w_.back().data(), static_cast<long long>(n));
+            layer_at += static_cast<long long>(in * out);
             st.s_.emplace_back();
-            zero(st.s_.back(), host.size());
+            zero(st.s_.back(), n);
             st.a_.emplace_back();
             zero(st.a_.back(), static_cast<std::size_t>(P * b) * in);
             st.delta_.emplace_back();

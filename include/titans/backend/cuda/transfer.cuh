@@ -3,6 +3,7 @@
 // memory and the copies between them and host views (backend/backend.hpp, TransferBackend).
 
 #include <cstddef>
+#include <initializer_list>
 
 #include "../../view.hpp"
 #include "../backend.hpp"
@@ -52,6 +53,28 @@ struct Transfer<Cuda, T> {
 };
 
 namespace cuda {
+
+/// [parts[0] | parts[1] | ...] (rows x the sum of their columns, row-major) in a new device
+/// buffer, from device views of the same rows (empty parts skipped): how a layer's prepared
+/// parameters are laid out from a parameter buffer without leaving the device.
+template <class T>
+DeviceBuffer<T> concat_columns(std::initializer_list<View<const T>> parts) {
+    std::ptrdiff_t rows = 0, cols = 0;
+    for (const View<const T>& v : parts) {
+        if (v.rows * v.cols == 0) continue;
+        rows = v.rows;
+        cols += v.cols;
+    }
+    DeviceBuffer<T> out(static_cast<std::size_t>(rows * cols));
+    std::ptrdiff_t at = 0;
+    for (const View<const T>& v : parts) {
+        if (v.rows * v.cols == 0) continue;
+        Transfer<Cuda, T>::copy(View<T>{out.data() + at, v.rows, v.cols, cols}, v,
+                                cudaMemcpyDeviceToDevice, "cudaMemcpy2D (parameters on device)");
+        at += v.cols;
+    }
+    return out;
+}
 
 /// A dense row-major rows x cols matrix in device memory, read as the CPU traces' matrices
 /// are (rows(), cols()): what the training passes keep of their inputs.
