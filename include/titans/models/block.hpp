@@ -417,6 +417,7 @@ private:
     friend struct detail::MacTraining<T, Backend>;
     friend struct detail::MacMixer<T, Backend>;
     friend class Model<T, Backend>;  // set_parameters: derive() again after new values
+    friend struct detail::ModelParameters<T, Backend>;  // set_parameters(flat): stage, adopt
 
     /// What the block computes once from its parameters: MAG's and SWA's persistent prefix
     /// projected on the backend (P W_K, P W_V), MAC's P W_K and P W_V (N_p x D, host), and

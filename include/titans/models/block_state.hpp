@@ -30,6 +30,8 @@ template <class T, class Backend>
 struct MacMixer;
 template <class T, class Backend>
 struct MixerTraining;
+template <class T, class Backend>
+struct ModelParameters;
 }  // namespace detail
 
 /// The state of B streams through one block: the memory's state (not SWA), the attention's

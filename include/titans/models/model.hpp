@@ -6,8 +6,6 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
-#include <mutex>
-#include <optional>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -231,6 +229,10 @@ class ModelGradients;  // models/model_gradients.hpp
 namespace detail {
 template <class T, class Backend>
 struct ModelTraining;
+template <class T, class Backend>
+struct ModelParameters;
+template <class T, class Backend>
+struct ParameterMirror;
 }  // namespace detail
 
 /// The state of B streams through a Model: one BlockState per layer and the position.
@@ -292,12 +294,12 @@ public:
     /// The parameters on the host. After set_parameters took values where they live (a device
     /// buffer), the first call brings them back (one download; thread-safe).
     [[nodiscard]] const ModelParams<T>& params() const {
-        sync_host();
+        detail::ModelParameters<T, Backend>::sync_host(*this);
         return *params_;
     }
     /// The blocks (their params() as this model's: brought back as params() does).
     [[nodiscard]] const std::vector<Block<T, Backend>>& blocks() const {
-        sync_host();
+        detail::ModelParameters<T, Backend>::sync_host(*this);
         return blocks_;
     }
     /// Entries of every parameter: the length of the flat layout (ModelParams::tensors order,
@@ -365,7 +367,8 @@ public:
     /// are (prepare_flat: a copy on the backend), and so do P, the embedding and the head.
     /// Without a MAC block nothing crosses to the host: the model keeps a copy of flat, and
     /// params() and blocks() bring the host tensors up to date when next called (one
-    /// download). With one, the values come down at once (one download: MAC's mixer reads
+    /// download; a reference kept from an earlier call sees the new values only after such a
+    /// call). With one, the values come down at once (one download: MAC's mixer reads
     /// them on the host) into the host tensors, in place. Otherwise (shared parameters, the
     /// CPU) the values come to the host (one download; none on the CPU) and
     /// set_parameters(values) takes them.
@@ -375,10 +378,11 @@ public:
     void set_parameters(View<const T> flat, ValueCheck check = ValueCheck::finite) {
         constexpr const char* where = "Model::set_parameters";
         detail::check_flat_params(where, flat, parameter_count());
-        if (check == ValueCheck::finite) require_finite_flat(flat, where);
-        if constexpr (takes_flat_on_backend()) {
+        using Take = detail::ModelParameters<T, Backend>;
+        if (check == ValueCheck::finite) Take::require_finite(*this, flat, where);
+        if constexpr (Take::on_backend) {
             if (own_refs_ > 0 && params_.use_count() == own_refs_) {
-                take_on_backend(flat);
+                Take::take(*this, flat);
                 return;
             }
         }
@@ -560,6 +564,7 @@ public:
 private:
     friend struct detail::ModelTraining<T, Backend>;
     friend class ModelGradients<T, Backend>;  // the parameters' shapes, without sync_host()
+    friend struct detail::ModelParameters<T, Backend>;  // set_parameters(flat), params()
 
     using Transfer = backend::Transfer<Backend, T>;
     using Buffer = typename Transfer::Buffer;
@@ -694,94 +699,6 @@ private:
         }
     }
 
-    /// Whether every layer family's kernels on this backend take parameters from a flat view
-    /// (prepare_flat), on a backend the host cannot read.
-    static constexpr bool takes_flat_on_backend() {
-        return !backend::BackendTraits<Backend>::host_accessible &&
-               requires(const NeuralMemory<T, Backend>& m, const Attention<T, Backend>& a,
-                        const FeedForward<T, Backend>& ff, const RMSNorm<T, Backend>& n,
-                        View<const T> f) {
-                   m.prepare_flat(f);
-                   a.prepare_flat(f);
-                   ff.prepare_flat(f);
-                   n.prepare_flat(f);
-               };
-    }
-    /// set_parameters(flat) on the backend, where this model alone holds its parameters:
-    /// everything new is made first (a throw changes nothing), then taken. A model with a MAC
-    /// block brings the values to the host at once (one download: MAC's mixer reads them
-    /// there) and swaps them into its host tensors; any other leaves the host tensors to
-    /// sync_host().
-    void take_on_backend(View<const T> flat) {
-        const Eigen::Index d = cfg_.d_model, vocab = cfg_.vocab_size, out = cfg_.output_dim();
-        std::optional<ModelParams<T>> host;
-        for (const BlockConfig& b : cfg_.blocks) {
-            if (b.kind == BlockKind::MAC && !host) {
-                host.emplace(ModelParams<T>::zeros(cfg_));
-                backend::copy_to_host<Backend>(flat, *host, cfg_);
-            }
-        }
-        auto mirror = std::make_shared<Mirror>();
-        mirror->flat = Transfer::allocate(1, flat.cols);
-        Glue::copy(flat, Transfer::view(mirror->flat));
-        const View<const T> v = Transfer::view(std::as_const(mirror->flat));
-        Eigen::Index at = vocab * d;
-        std::vector<typename Block<T, Backend>::Staged> staged;
-        staged.reserve(blocks_.size());
-        for (std::size_t i = 0; i < blocks_.size(); ++i) {
-            const auto& b = blocks_[i];
-            staged.push_back(b.stage(detail::flat_range(v, at, b.parameter_count()),
-                                     host ? &host->blocks[i] : nullptr));
-            at += b.parameter_count();
-        }
-        auto norm = norm_final_.prepare_flat(detail::flat_range(v, at, d));
-        auto edge = std::make_shared<const Edge>(
-            Edge{copy_on_backend(View<const T>{v.data, vocab, d, d}),
-                 copy_on_backend(View<const T>{v.data + at + d, d, out, out})});
-        for (std::size_t i = 0; i < blocks_.size(); ++i) blocks_[i].adopt(std::move(staged[i]));
-        norm_final_.adopt(std::move(norm));
-        edge_ = std::move(edge);
-        if (host) {  // made non-const by the by-value constructor, held by nothing else
-            swap_tensors(const_cast<ModelParams<T>&>(*params_), *host, cfg_);
-            mirror_.reset();
-        } else {
-            mirror_ = std::move(mirror);
-        }
-    }
-    static Buffer copy_on_backend(View<const T> from) {
-        Buffer b = Transfer::allocate(from.rows, from.cols);
-        if (from.rows * from.cols > 0) Glue::copy(from, Transfer::view(b));
-        return b;
-    }
-
-    /// NonFiniteError naming the first tensor of flat (the parameters' layout) with a NaN or
-    /// an infinity: one scalar back, one more per tensor only if there is one.
-    void require_finite_flat(View<const T> flat, const char* where) const {
-        if (flat.cols == 0 || Glue::nonfinite_row(flat) < 0) return;
-        Eigen::Index at = 0;
-        for (const auto& s : detail::tensor_slots(*params_, cfg_)) {
-            if (Glue::nonfinite_row(detail::flat_range(flat, at, s.size())) >= 0) {
-                throw NonFiniteError(detail::concat(where, ": flat's '", s.name,
-                                                    "' has a NaN or infinite entry, expected "
-                                                    "finite values; nothing changed"));
-            }
-            at += s.size();
-        }
-    }
-
-    /// Brings the host tensors up to date after set_parameters(flat) took values on the
-    /// backend (one download, once, whichever copy of the model asks first).
-    void sync_host() const {
-        if constexpr (!backend::BackendTraits<Backend>::host_accessible) {
-            if (!mirror_) return;
-            const std::lock_guard<std::mutex> lock(mirror_->mutex);
-            if (!mirror_->stale) return;
-            backend::copy_to_host<Backend>(Transfer::view(std::as_const(mirror_->flat)),
-                                           const_cast<ModelParams<T>&>(*params_), cfg_);
-            mirror_->stale = false;
-        }
-    }
-
     /// Whether set_parameters may write the parameters in place: this model made them (by
     /// value), nothing outside it holds them, and every kernel family's prepared form is the
     /// host parameters themselves (so nothing but Block::derive() depends on their values).
@@ -844,12 +761,7 @@ private:
     // The values set_parameters(flat) took on the backend, which the host tensors (params_)
     // take again when next read (sync_host); null while the host tensors hold the values.
     // Shared by copies of the model, as params_ is.
-    struct Mirror {
-        Buffer flat;
-        std::mutex mutex;
-        bool stale = true;
-    };
-    std::shared_ptr<Mirror> mirror_;
+    std::shared_ptr<detail::ParameterMirror<T, Backend>> mirror_;
     Threads threads_{};
     // params_.use_count() right after the by-value constructor (every pointer this model's
     // layers hold), 0 for shared parameters: set_parameters writes in place only at that count.
@@ -858,4 +770,5 @@ private:
 
 }  // namespace titans
 
+#include "model_parameters.hpp"  // Model::set_parameters(flat), params(): ModelParameters
 #include "model_training.hpp"  // Model::forward / backward (training): ModelTraining
