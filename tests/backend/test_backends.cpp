@@ -972,7 +972,7 @@ TEMPLATE_TEST_CASE("backend: trainer steps", "[backend][train]", float, double) 
 // its values; a wrong shape or a NaN is refused naming the tensor, nothing changing. A MAC
 // block's model brings them to the host at once (one download, no upload); shared parameters
 // are taken on the host, the same bits.
-TEMPLATE_TEST_CASE("backend: parameters on device", "[backend][train]", float, double) {
+TEMPLATE_TEST_CASE("backend: flat parameters", "[backend][train]", float, double) {
     using T = TestType;
     using DevModel = titans::Model<T, SimulatedDevice>;
     using Tr = titans::backend::Transfer<SimulatedDevice, T>;

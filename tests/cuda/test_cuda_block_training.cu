@@ -128,7 +128,7 @@ TEST_CASE("cuda trainer: the CPU's steps", "[cuda]") {
 // kept on the device) give the logits and the gradients of a model built from them, bit for
 // bit, over random configurations (conv or not, constant or data-dependent gates, SwiGLU or
 // GELU); the host tensors come back on first read; a NaN is refused naming its tensor.
-TEMPLATE_TEST_CASE("cuda model: parameters on device", "[cuda]", float, double) {
+TEMPLATE_TEST_CASE("cuda model: flat parameters", "[cuda]", float, double) {
     using T = TestType;
     using M = titans::Model<T, Cuda>;
     const std::pair<BlockKind, BlockKind> stacks[] = {
