@@ -703,7 +703,7 @@ struct FeedForwardKernels<titans_test::SimulatedDevice, T> {
 
 /// The glue between layers on the simulated device: the CPU's on the arena's data; a gather
 /// and a scatter_add take their token ids to the device (one upload each), cross_entropy its
-/// labels (one upload) and brings the loss back (one download).
+/// labels (one upload); the scalars the kernels leave come back by read() (one download).
 template <class T>
 struct GlueKernels<titans_test::SimulatedDevice, T> {
     using Host = GlueKernels<Cpu, T>;
@@ -765,18 +765,25 @@ struct GlueKernels<titans_test::SimulatedDevice, T> {
         titans_test::sim::require_devices<T>({a, b, out}, {"a", "b", "out"});
         Host::product_bt(a, b, out);
     }
-    static double cross_entropy(View<const T> logits, std::span<const int> labels,
-                                View<T> dlogits) {
-        titans_test::sim::require_devices<T>({logits, dlogits}, {"logits", "dlogits"});
-        ++titans_test::sim::Traffic::instance().uploads;    // the labels
-        ++titans_test::sim::Traffic::instance().downloads;  // the loss
-        return Host::cross_entropy(logits, labels, dlogits);
+    /// Scalars "on the device": read() is the one counted download.
+    struct Scalars {
+        typename Host::Scalars s;
+    };
+    static Scalars make_scalars() { return Scalars{}; }
+    static ScalarValues read(const Scalars& s) {
+        ++titans_test::sim::Traffic::instance().downloads;
+        return Host::read(s.s);
     }
-    static std::pair<double, double> scaled_norm(View<const T> x,
-                                                 std::span<const std::ptrdiff_t> parts) {
+    static void cross_entropy(View<const T> logits, std::span<const int> labels,
+                              View<T> dlogits, Scalars& s, std::size_t slot) {
+        titans_test::sim::require_devices<T>({logits, dlogits}, {"logits", "dlogits"});
+        ++titans_test::sim::Traffic::instance().uploads;  // the labels
+        Host::cross_entropy(logits, labels, dlogits, s.s, slot);
+    }
+    static void clip(View<T> x, std::span<const std::ptrdiff_t> parts, double max_norm,
+                     Scalars& s, std::size_t slot) {
         titans_test::sim::require_device(x, "x");
-        ++titans_test::sim::Traffic::instance().downloads;  // the norm's two scalars
-        return Host::scaled_norm(x, parts);
+        Host::clip(x, parts, max_norm, s.s, slot);
     }
     static void scale(View<T> x, T factor) {
         titans_test::sim::require_device(x, "x");
@@ -790,13 +797,12 @@ struct GlueKernels<titans_test::SimulatedDevice, T> {
         ++titans_test::sim::Traffic::instance().uploads;
         return Parts{Host::upload_parts(parts)};
     }
-    static bool adamw(const titans::detail::AdamWStep<T>& f, const Parts& parts,
+    static void adamw(const titans::detail::AdamWStep<T>& f, const Parts& parts,
                       View<const T> p, View<const T> g, View<const T> m, View<const T> v,
-                      View<T> p1, View<T> m1, View<T> v1) {
+                      View<T> p1, View<T> m1, View<T> v1, Scalars& s, std::size_t slot) {
         titans_test::sim::require_devices<T>({p, g, m, v, p1, m1, v1},
                                              {"p", "g", "m", "v", "p1", "m1", "v1"});
-        ++titans_test::sim::Traffic::instance().downloads;  // the finiteness flag
-        return Host::adamw(f, parts.parts, p, g, m, v, p1, m1, v1);
+        Host::adamw(f, parts.parts, p, g, m, v, p1, m1, v1, s.s, slot);
     }
     static void scatter_add(View<const T> rows, const Ids& ids, View<T> table) {
         titans_test::sim::require_devices<T>({rows, table}, {"rows", "table"});

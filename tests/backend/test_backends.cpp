@@ -952,12 +952,18 @@ TEMPLATE_TEST_CASE("backend: trainer steps", "[backend][train]", float, double) 
             down0 = traffic.downloads;
             const long up0 = traffic.uploads;
             CHECK(dev.step(ids, labels, B) == lc);
-            // One more: AdamW's finiteness flag. The gradients stay on the device, AdamW steps
-            // there (ModelAdamW) and the model takes the new values there; a model with a MAC
-            // block takes them on the host (one download more).
+            // The step leaves the loss, the norm and AdamW's verdict on the device and brings
+            // the three back at once: the probe's two scalars become one download. The
+            // gradients stay on the device, AdamW steps there (ModelAdamW) and the model takes
+            // the new values there; a model with a MAC block takes them on the host (one
+            // download more). Without MAC: the ids and labels up, one download.
             const bool mac = stacks[s].first == BlockKind::MAC || stacks[s].second == BlockKind::MAC;
-            CHECK(traffic.downloads - down0 == gradients + (mac ? 2 : 1));
-            if (!mac) CHECK(traffic.uploads - up0 == 2);  // the ids and the labels
+            CHECK(traffic.downloads - down0 == gradients - 1 + (mac ? 1 : 0));
+            if (!mac) {
+                CHECK(gradients == 2);  // the probe's loss and norm
+                CHECK(traffic.downloads - down0 == 1);
+                CHECK(traffic.uploads - up0 == 2);
+            }
             CHECK(cpu.last_gradient_norm() == dev.last_gradient_norm());
         }
         CHECK(same_param_bits(cast_model<double>(cpu.params()), cast_model<double>(dev.params()),
@@ -1177,4 +1183,99 @@ TEMPLATE_TEST_CASE("backend: model adamw", "[backend][train]", float, double) {
     opt.commit();
     CHECK(opt.steps() == 1);
     CHECK(opt.to_host().moments().size() == titans::detail::tensor_slots(p, mc.cfg).size());
+}
+
+namespace {
+
+/// The step's scalars left on backend B (BackendScalars): forward_loss's loss, clip's norm and
+/// AdamW's verdict, each in its slot, the same bits as the calls that bring them back at once;
+/// on the simulated device none comes back before read(). Bad slots and bounds are refused,
+/// nothing changing; a non-finite norm names its cause; settle() takes only a verdict of 1.
+template <class T, class B>
+void step_scalars_case(const ModelCase& mc, Rng& rng) {
+    using titans::backend::scalar_slots;
+    auto& traffic = sim::Traffic::instance();
+    const titans::Model<T, B> model(mc.cfg, cast_model<T>(mc.params));
+    const int batch = 2, n = 5;
+    const std::vector<int> ids = random_ids(rng, batch * n, mc.cfg.vocab_size);
+    std::vector<int> labels = random_ids(rng, batch * n, mc.cfg.vocab_size);
+    labels[1] = -1;
+    titans::BackendScalars<T, B> s;
+    auto state = model.make_state(batch);
+    typename titans::Model<T, B>::Trace t1, t2;
+    CHECK_THROWS_AS(model.forward_loss(state, ids, labels, t1, s, scalar_slots),
+                    titans::ConfigError);
+    CHECK(state.position == 0);
+    const long down0 = traffic.downloads;
+    model.forward_loss(state, ids, labels, t1, s, 2);
+    CHECK(traffic.downloads == down0);  // nothing back yet
+    auto fresh = model.make_state(batch);
+    const double loss = model.forward_loss(fresh, ids, labels, t2);
+    const titans::backend::ScalarValues got = s.read();
+    CHECK(got[2] == loss);
+    CHECK((got[0] == 0.0 && got[1] == 0.0 && got[3] == 0.0));
+    CHECK(state.position == n);
+    // The norm alone, then clipping: the same bits as clip(), and the norm before it.
+    titans::ModelGradients<T, B> g(model), h(model);
+    model.backward_loss(t1, g);
+    model.backward_loss(t2, h);
+    const double norm = h.norm();
+    g.clip(0.0, s, 1);
+    CHECK(s.read()[1] == norm);
+    CHECK(same_param_bits(g.to_params(), h.to_params(), mc.cfg));  // nothing scaled
+    CHECK_THROWS_AS(g.clip(-1.0, s, 1), titans::ConfigError);
+    CHECK_THROWS_AS(g.clip(std::numeric_limits<double>::infinity(), s, 1), titans::ConfigError);
+    CHECK_THROWS_AS(g.clip(1.0, s, scalar_slots), titans::ConfigError);
+    g.clip(0.5 * norm, s, 0);
+    CHECK(h.clip(0.5 * norm) == norm);
+    CHECK(s.read()[0] == norm);
+    CHECK(same_param_bits(g.to_params(), h.to_params(), mc.cfg));
+    // AdamW's verdict in a slot, then settle.
+    titans::ModelAdamW<T, B> a(mc.cfg, cast_model<T>(mc.params), AdamW<T>());
+    titans::ModelAdamW<T, B> b(mc.cfg, cast_model<T>(mc.params), AdamW<T>());
+    CHECK_THROWS_AS(a.settle(1.0), titans::ConfigError);  // nothing proposed
+    a.propose(std::as_const(g).view(), 0.01, s, 3);
+    CHECK(s.read()[3] == 1.0);
+    CHECK_THROWS_AS(a.commit(), titans::ConfigError);  // not settled yet
+    a.settle(s.read()[3]);
+    CHECK_THROWS_AS(a.settle(1.0), titans::ConfigError);  // once
+    a.commit();
+    b.propose(std::as_const(h).view(), 0.01);
+    b.commit();
+    CHECK(same_param_bits(a.params_to_host(mc.cfg), b.params_to_host(mc.cfg), mc.cfg));
+    // A NaN gradient: the verdict is 0, the norm NaN, and each refusal says so.
+    g.view().data[3] = std::numeric_limits<T>::quiet_NaN();
+    g.clip(1.0, s, 1);
+    a.propose(std::as_const(g).view(), 0.01, s, 2);
+    const titans::backend::ScalarValues bad = s.read();
+    CHECK(std::isnan(bad[1]));
+    CHECK(bad[2] == 0.0);
+    CHECK_THROWS_WITH(g.require_finite_norm(bad[1], "here"),
+                      Catch::Matchers::Contains("here: the gradients have a NaN or infinite"));
+    CHECK_THROWS_AS(a.settle(bad[2]), titans::NonFiniteError);
+    CHECK_THROWS_AS(a.commit(), titans::ConfigError);
+    CHECK(a.steps() == 1);
+    if constexpr (std::is_same_v<T, double>) {  // finite entries whose norm overflows a double
+        titans::ModelGradients<T, B> huge(model);
+        titans::backend::ScalarValues v{};
+        ModelParams<T> hg = ModelParams<T>::zeros(mc.cfg);
+        hg.head.setConstant(1e308);
+        titans::backend::add_flat<B>(hg, mc.cfg, huge.view());
+        huge.clip(1.0, s, 0);
+        v = s.read();
+        CHECK(v[0] == std::numeric_limits<double>::infinity());
+        CHECK_THROWS_WITH(huge.require_finite_norm(v[0], "there"),
+                          Catch::Matchers::Contains("there: the norm of the gradients exceeds"));
+        CHECK_THROWS_AS(huge.clip(1.0), titans::NonFiniteError);
+        CHECK(huge.to_params().head(0, 0) == 1e308);  // nothing scaled
+    }
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("backend: step scalars", "[backend][train]", float, double) {
+    Rng rng(seed_for(std::string("backends/step scalars/") + type_name<TestType>(), 0));
+    const ModelCase mc = make_model_case<TestType>(BlockKind::MAG, BlockKind::LMM, 8, 7, 0, rng);
+    step_scalars_case<TestType, titans::backend::Cpu>(mc, rng);
+    step_scalars_case<TestType, SimulatedDevice>(mc, rng);
 }

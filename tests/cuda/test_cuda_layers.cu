@@ -245,16 +245,23 @@ void training_glue_case(int B, Eigen::Index n, Eigen::Index p, Eigen::Index cols
     std::vector<int> labels(static_cast<std::size_t>(rows));
     for (int& l : labels) l = uniform_int(rng, -1, static_cast<int>(V) - 1);
     Matrix<T> dl(rows, V);
-    const double lc = Cpu::cross_entropy(view_of(dout), labels, view_of(dl));
+    auto sc = Cpu::make_scalars();
+    Cpu::cross_entropy(view_of(dout), labels, view_of(dl), sc, 1);
+    const double lc = Cpu::read(sc)[1];
     Strided<T> gdl(Matrix<T>::Constant(rows, V, T(7)), 2);
-    const double lg = Gpu::cross_entropy(gdo.view, labels, gdl.view);
+    auto sg = Gpu::make_scalars();
+    Gpu::cross_entropy(gdo.view, labels, gdl.view, sg, 2);
+    const titans::backend::ScalarValues lgs = Gpu::read(sg);
+    const double lg = lgs[2];
+    CHECK(lgs[0] == 0.0);  // the other slots untouched
+    CHECK(lgs[1] == 0.0);
     CHECK(std::abs(lg - lc) <= tol<T>() * std::max(1.0, std::abs(lc)));
     CHECK(rel_error(gdl.host(), dl) <= tol<T>());
 }
 
-/// A gradient buffer's glue against the CPU's: scaled_norm over several chunks and parts
-/// (a NaN and an infinity propagating), scale, Transfer::accumulate (host rows added) and
-/// AdamW's step (adamw).
+/// A gradient buffer's glue against the CPU's: clip's norm over several chunks and parts
+/// and its clipping (a NaN and an infinity propagating, nothing scaled then), scale,
+/// Transfer::accumulate (host rows added) and AdamW's step (adamw, its verdict in a slot).
 template <class T>
 void gradient_glue_case(Eigen::Index n, Rng& rng) {
     using Gpu = titans::backend::GlueKernels<Cuda, T>;
@@ -264,11 +271,22 @@ void gradient_glue_case(Eigen::Index n, Rng& rng) {
     Matrix<T> x = random_t<T>(1, n, rng);
     x(0, n / 2) = T(1e3);  // the scale sits in the middle
     const std::vector<std::ptrdiff_t> parts{n / 3, n - n / 3};
-    const auto want = Cpu::scaled_norm(view_of(std::as_const(x)), parts);
+    auto sc = Cpu::make_scalars();
+    auto sg = Gpu::make_scalars();
+    Cpu::clip(view_of(x), parts, 0.0, sc, 0);  // the norm alone
     Strided<T> g(x, 0);
-    const auto got = Gpu::scaled_norm(g.view, parts);
-    CHECK(got.first == want.first);
-    CHECK(std::abs(got.second - want.second) <= 1e-13 * want.second);
+    Gpu::clip(g.view, parts, 0.0, sg, 3);
+    const double want = Cpu::read(sc)[0];
+    CHECK(std::abs(Gpu::read(sg)[3] - want) <= 1e-13 * want);
+    CHECK(identical(g.host(), x));
+    for (const double max_norm : {2 * want, 0.5 * want}) {  // above the norm: nothing scaled
+        Cpu::clip(view_of(x), parts, max_norm, sc, 1);
+        Gpu::clip(g.view, parts, max_norm, sg, 1);
+        CHECK(std::abs(Gpu::read(sg)[1] - Cpu::read(sc)[1]) <= 1e-13 * want);
+        CHECK(rel_error(g.host(), x) <= tol<T>());
+    }
+    CHECK(std::abs(Cpu::read(sc)[1] - want) <= 1e-13 * want);  // the norm before clipping
+    g = Strided<T>(x, 0);  // the CPU's entries again
     Cpu::scale(view_of(x), T(0.25));
     Gpu::scale(g.view, T(0.25));
     CHECK(identical(g.host(), x));
@@ -284,21 +302,24 @@ void gradient_glue_case(Eigen::Index n, Rng& rng) {
         if (c == 2) gr(0, n - 1) = std::numeric_limits<T>::max();
         const std::vector<titans::detail::AdamWPart> parts{{n / 3, c == 0}, {n - n / 3, c != 0}};
         Matrix<T> p1(1, n), m1(1, n), v1(1, n);
-        const bool fc = Cpu::adamw(f, parts, view_of(x), view_of(gr), view_of(m0), view_of(v0),
-                                   view_of(p1), view_of(m1), view_of(v1));
+        Cpu::adamw(f, parts, view_of(x), view_of(gr), view_of(m0), view_of(v0), view_of(p1),
+                   view_of(m1), view_of(v1), sc, 2);
+        const bool fc = Cpu::read(sc)[2] == 1.0;
         Strided<T> dp(x, 0), dg(gr, 0), dm(m0, 0), dv(v0, 0);
         Strided<T> op(Matrix<T>::Zero(1, n), 0), om(Matrix<T>::Zero(1, n), 0),
             ov(Matrix<T>::Zero(1, n), 0);
         const auto on_device = Gpu::upload_parts(parts);
-        const bool fg = Gpu::adamw(f, on_device, dp.view, dg.view, dm.view, dv.view, op.view,
-                                   om.view, ov.view);
+        Gpu::adamw(f, on_device, dp.view, dg.view, dm.view, dv.view, op.view, om.view, ov.view,
+                   sg, 2);
+        const bool fg = Gpu::read(sg)[2] == 1.0;
         CHECK(fc == (c != 2));
         CHECK(fg == fc);
         if (c == 2) {  // the same parts again with a finite gradient: the flag starts clear
             const Matrix<T> small = random_t<T>(1, n, rng);
             Strided<T> ds(small, 0);
-            CHECK(Gpu::adamw(f, on_device, dp.view, ds.view, dm.view, dv.view, op.view, om.view,
-                             ov.view));
+            Gpu::adamw(f, on_device, dp.view, ds.view, dm.view, dv.view, op.view, om.view,
+                       ov.view, sg, 2);
+            CHECK(Gpu::read(sg)[2] == 1.0);
             continue;
         }
         CHECK(rel_error(op.host(), p1) <= tol<T>());
@@ -309,8 +330,12 @@ void gradient_glue_case(Eigen::Index n, Rng& rng) {
         Matrix<T> y = x;
         y(0, n / 3) = bad;  // finite entries after it: it must stick
         Strided<T> gy(y, 0);
-        const double s = Gpu::scaled_norm(gy.view, parts).first;
+        Gpu::clip(gy.view, parts, 1.0, sg, 0);
+        const double s = Gpu::read(sg)[0];
         CHECK((std::isnan(bad) ? std::isnan(s) : s == std::numeric_limits<double>::infinity()));
+        const Matrix<T> back = gy.host();  // nothing scaled (the NaN compares unequal)
+        CHECK(((back.array() == y.array()) || (back.array() != back.array() &&
+                                               y.array() != y.array())).all());
     }
 }
 

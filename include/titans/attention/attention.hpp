@@ -170,6 +170,8 @@ public:
     }
     /// As NeuralMemory::adopt.
     void adopt(Prepared p) noexcept { prepared_ = std::move(p); }
+    /// The parameters as the kernels hold them now (project_prefix(prepared(), rows)).
+    [[nodiscard]] const Prepared& prepared() const { return prepared_; }
     /// The parameters as held (shared with the block that owns them, if any).
     [[nodiscard]] const std::shared_ptr<const AttentionParams<T>>& shared_params() const {
         return params_;

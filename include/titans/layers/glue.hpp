@@ -3,6 +3,7 @@
 // GlueBackend): the operations between layers that let a block and a model keep their
 // activations in the backend's memory, so data crosses to the host at the model's edge only.
 
+#include <array>
 #include <concepts>
 #include <cstddef>
 #include <span>
@@ -44,40 +45,53 @@ namespace titans::backend {
 ///                              gradient
 ///   product_bt(a, b, out)      out = a bᵀ (a m x k, b n x k, out m x n, distinct): the head's
 ///                              input gradient
-///   cross_entropy(logits, labels, dlogits)   the mean cross-entropy of each row's softmax
-///                              against its label (negative: ignored), returned (one scalar
-///                              back), its gradient into dlogits (detail::cross_entropy_rows;
-///                              labels in host memory, one per row, each < logits.cols,
-///                              checked by the caller, copied with the call; logits finite)
+///   Scalars                    a few doubles in B's memory (scalar_slots of them; movable):
+///                              where the kernels below leave their results, so that the host
+///                              reads a training step's loss, norm and AdamW's verdict at once
+///   make_scalars()             Scalars, every slot 0
+///   read(scalars)              ScalarValues, every slot (one download)
+///   cross_entropy(logits, labels, dlogits, s, slot)   the mean cross-entropy of each row's
+///                              softmax against its label (negative: ignored; 0 if none is
+///                              scored) into slot `slot` of s, its gradient into dlogits
+///                              (detail::cross_entropy_rows; labels in host memory, one per
+///                              row, each < logits.cols, checked by the caller, copied with the
+///                              call; logits finite)
 ///   scatter_add(rows, ids, table)   table row ids[i] += rows row i, i in order (ids: Ids;
 ///                              repeats add in order): the embedding's gradient
-///   scaled_norm(x, parts)      the Euclidean norm of x (1 x n, contiguous) as {scale, sum}:
-///                              scale = max |entry| (NaN or inf if an entry is; 0 if all are),
-///                              sum = Σ (entry / scale)² in double, the parts (lengths of
-///                              consecutive tensors, summing to n) summed in order on the CPU
-///                              (detail::scaled_norm); two scalars back: a gradient buffer's
-///                              global norm
-///   scale(x, factor)           x *= factor, entry by entry: the clipping of a gradient buffer
+///   clip(x, parts, max_norm, s, slot)   the Euclidean norm of x (1 x n, contiguous) into
+///                              slot `slot` of s: scale * sqrt(sum), scale = max |entry| (0 if
+///                              all are 0, the norm then 0; NaN or inf, the norm then that, if
+///                              an entry is), sum = Σ (entry / scale)² in double, the parts
+///                              (lengths of consecutive tensors, summing to n) summed in order
+///                              on the CPU (detail::scaled_norm); then, if max_norm > 0 and the
+///                              norm is finite and above it, x *= T(max_norm / norm): a
+///                              gradient buffer's global norm and clipping, with no scalar back
+///   scale(x, factor)           x *= factor, entry by entry
 ///   Parts                      AdamW's tensors (detail::AdamWPart: size, decay flag) in B's
 ///                              memory (movable; size() on the host)
 ///   upload_parts(parts)        Parts holding a copy of parts (host; one upload): an
 ///                              optimiser's, once
-///   adamw(f, parts, p, g, m, v, p1, m1, v1)   AdamW's step f (detail::AdamWStep) on 1 x n
+///   adamw(f, parts, p, g, m, v, p1, m1, v1, s, slot)   AdamW's step f (detail::AdamWStep) on 1 x n
 ///                              contiguous views, entry by entry (detail::adamw_update), the
 ///                              tensors `parts` (Parts, consecutive, sizes summing to n) decayed
 ///                              where their flag says: p1, m1, v1 the new parameters and
-///                              moments, distinct from p, g, m, v and each other; returns
-///                              whether every new entry is finite (one scalar back): a model's
+///                              moments, distinct from p, g, m, v and each other; slot `slot`
+///                              of s = 1 if every new entry is finite, else 0: a model's
 ///                              optimiser on its parameter buffer (ModelAdamW)
 /// The CPU's are the plain loops the layers used on host matrices before, so their results are
 /// the same bits; CUDA's are the same operations per entry (the product on cuBLAS).
+/// How many doubles GlueKernels' Scalars hold, and what read() returns.
+inline constexpr std::size_t scalar_slots = 4;
+using ScalarValues = std::array<double, scalar_slots>;
+
 template <class B, class T>
 concept GlueBackend = requires(View<const T> a, View<T> out, std::span<const int> ids,
                                const typename GlueKernels<B, T>::Ids& device_ids,
                                std::span<const std::ptrdiff_t> parts,
                                const detail::AdamWStep<T>& f,
                                std::span<const detail::AdamWPart> tensors,
-                               const typename GlueKernels<B, T>::Parts& device_parts) {
+                               const typename GlueKernels<B, T>::Parts& device_parts,
+                               typename GlueKernels<B, T>::Scalars& scalars) {
     GlueKernels<B, T>::copy(a, out);
     GlueKernels<B, T>::add(a, a, out);
     GlueKernels<B, T>::gate(a, a, out);
@@ -93,12 +107,14 @@ concept GlueBackend = requires(View<const T> a, View<T> out, std::span<const int
     GlueKernels<B, T>::product_at(a, a, out);
     GlueKernels<B, T>::product_bt(a, a, out);
     GlueKernels<B, T>::scatter_add(a, device_ids, out);
-    { GlueKernels<B, T>::cross_entropy(a, ids, out) } -> std::same_as<double>;
-    { GlueKernels<B, T>::scaled_norm(a, parts) } -> std::same_as<std::pair<double, double>>;
+    { GlueKernels<B, T>::make_scalars() } -> std::same_as<typename GlueKernels<B, T>::Scalars>;
+    { GlueKernels<B, T>::read(std::as_const(scalars)) } -> std::same_as<ScalarValues>;
+    GlueKernels<B, T>::cross_entropy(a, ids, out, scalars, 0);
+    GlueKernels<B, T>::clip(out, parts, 1.0, scalars, 0);
     GlueKernels<B, T>::scale(out, T(1));
     { GlueKernels<B, T>::upload_parts(tensors) } -> std::same_as<typename GlueKernels<B, T>::Parts>;
     { device_parts.size() } -> std::convertible_to<std::size_t>;
-    { GlueKernels<B, T>::adamw(f, device_parts, a, a, a, a, out, out, out) } -> std::same_as<bool>;
+    GlueKernels<B, T>::adamw(f, device_parts, a, a, a, a, out, out, out, scalars, 0);
 };
 
 }  // namespace titans::backend

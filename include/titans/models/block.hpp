@@ -428,19 +428,32 @@ private:
         Matrix<T> k_prefix, v_prefix;
         std::shared_ptr<const Buffer> persistent;
     };
-    /// Derived from the parameters as held now (nothing changes if it throws).
+    /// Derived from the parameters as held now (nothing changes if it throws): P goes to the
+    /// backend once.
     Derived derive() const {
-        const BlockParams<T>& p = *params_;
+        if (!attention_) return {};
+        if (cfg_.kind == BlockKind::MAC) {  // its products are made on the host
+            return derive(attention_->prepared(), View<const T>{}, params_.get());
+        }
+        const backend::Upload<Backend, T> rows(params_->persistent);
+        return derive(attention_->prepared(), rows.view(), params_.get());
+    }
+    /// Derived from the attention's parameters `att` and P's rows `persistent` (p x d_model),
+    /// both in the backend's memory; MAC's products from `host`, the same values on the host
+    /// (required for MAC, not read otherwise).
+    Derived derive(const typename Attention<T, Backend>::Prepared& att, View<const T> persistent,
+                   const BlockParams<T>* host) const {
         Derived d;
-        if (cfg_.kind == BlockKind::MAG || cfg_.kind == BlockKind::SWA) {  // once, on the backend
-            d.prefix.emplace(attention_->project_prefix(p.persistent));
+        if (cfg_.kind == BlockKind::MAG || cfg_.kind == BlockKind::SWA) {
+            d.prefix.emplace(attention_->project_prefix(att, persistent));
         }
         if (cfg_.kind == BlockKind::MAC) {
-            d.k_prefix = p.persistent * p.attention.w_k;
-            d.v_prefix = p.persistent * p.attention.w_v;
-        }
-        if (cfg_.kind != BlockKind::LMM && cfg_.kind != BlockKind::MAC && cfg_.n_persistent > 0) {
-            d.persistent = std::make_shared<const Buffer>(Transfer::upload(view_of(p.persistent)));
+            d.k_prefix = host->persistent * host->attention.w_k;
+            d.v_prefix = host->persistent * host->attention.w_v;
+        } else if (cfg_.n_persistent > 0) {
+            Buffer p = Transfer::allocate(persistent.rows, persistent.cols);
+            Glue::copy(persistent, Transfer::view(p));
+            d.persistent = std::make_shared<const Buffer>(std::move(p));
         }
         return d;
     }
@@ -469,17 +482,7 @@ private:
         if (ffn_) s.ffn = ffn_->prepare_flat(v.ffn);
         if (attention_) {
             s.attention = attention_->prepare_flat(v.attention);
-            if (cfg_.kind == BlockKind::MAG || cfg_.kind == BlockKind::SWA) {
-                s.derived.prefix.emplace(attention_->project_prefix(*s.attention, v.persistent));
-            }
-            if (cfg_.kind == BlockKind::MAC) {
-                s.derived.k_prefix = host->persistent * host->attention.w_k;
-                s.derived.v_prefix = host->persistent * host->attention.w_v;
-            } else if (cfg_.n_persistent > 0) {
-                Buffer p = Transfer::allocate(v.persistent.rows, v.persistent.cols);
-                Glue::copy(v.persistent, Transfer::view(p));
-                s.derived.persistent = std::make_shared<const Buffer>(std::move(p));
-            }
+            s.derived = derive(*s.attention, v.persistent, host);
         }
         return s;
     }

@@ -25,6 +25,7 @@
 #include "../limits.hpp"
 #include "../threads.hpp"
 #include "../types.hpp"
+#include "backend_scalars.hpp"
 #include "block.hpp"
 
 namespace titans {
@@ -502,6 +503,16 @@ public:
         requires(trainable)
     {
         return detail::ModelTraining<T, Backend>::forward_loss(*this, state, ids, labels, trace);
+    }
+    /// As above, with nothing back now: the loss is left in slot `slot` of `into`, read later
+    /// with a step's other scalars (BackendScalars::read; what Trainer::step does). ConfigError
+    /// also for a slot out of range.
+    void forward_loss(State& state, const std::vector<int>& ids, std::span<const int> labels,
+                      Trace& trace, BackendScalars<T, Backend>& into, std::size_t slot) const
+        requires(trainable)
+    {
+        detail::ModelTraining<T, Backend>::forward_loss(*this, state, ids, labels, trace, &into,
+                                                        slot);
     }
 
     /// backward(trace, dlogits, grads, dx, d_state_in, d_state_out) from the loss's gradient

@@ -14,6 +14,7 @@
 #include "../fwd.hpp"
 #include "../layers/glue.hpp"
 #include "../view.hpp"
+#include "backend_scalars.hpp"
 #include "model.hpp"
 
 namespace titans {
@@ -22,7 +23,7 @@ namespace titans {
 /// tensors ModelParams::tensors visits (embedding, blocks.{i}.*, norm_final, head), row-major,
 /// one after the other (1 x size()). Model::backward and backward_loss add to it on the
 /// backend, with nothing crossing to the host; norm() and clip() run there too (the norm comes
-/// back, two scalars); to_params() / add_to() bring it to the host in one download. What a
+/// back, one scalar, or stays there in a BackendScalars); to_params() / add_to() bring it to the host in one download. What a
 /// data-parallel step all-reduces.
 ///
 ///     titans::ModelGradients<float, titans::backend::Cuda> grads(model);   // zeros
@@ -95,11 +96,12 @@ public:
 
     /// The Euclidean norm of every entry (gradient_norm's value, computed on the backend: on
     /// the CPU the same bits as gradient_norm(to_params(), config())); +inf or NaN if an entry
-    /// is.
+    /// is. One scalar back.
     [[nodiscard]] double norm() const {
-        const auto [scale, sum] = Glue::scaled_norm(view(), parts_);
-        if (scale == 0.0 || !std::isfinite(scale)) return scale;
-        return scale * std::sqrt(sum);
+        BackendScalars<T, Backend> s;
+        // max_norm 0: the kernel only reads the entries
+        Glue::clip(const_cast<ModelGradients&>(*this).view(), parts_, 0.0, s.at(0, "norm"), 0);
+        return s.read()[0];
     }
 
     /// Every entry *= factor (on the backend; factor finite, representable in T: ConfigError
@@ -112,29 +114,46 @@ public:
     }
 
     /// Global gradient-norm clipping on the backend, as clip_gradient_norm: if norm() exceeds
-    /// max_norm, every entry is scaled by max_norm / norm. Returns the norm before clipping.
-    /// Throws, nothing changed: ConfigError (max_norm not finite and > 0, or not representable
-    /// in T), NonFiniteError (an entry NaN or infinite, or a norm beyond the largest double).
+    /// max_norm, every entry is scaled by max_norm / norm. Returns the norm before clipping
+    /// (one scalar back). Throws, nothing changed: ConfigError (max_norm not finite and > 0,
+    /// or not representable in T), NonFiniteError (an entry NaN or infinite, or a norm beyond
+    /// the largest double).
     double clip(double max_norm) {
         constexpr const char* where = "ModelGradients::clip";
         detail::require<ConfigError>(std::isfinite(max_norm) && max_norm > 0, where, "max_norm",
                                      max_norm, "a finite value > 0");
-        detail::require_representable<T>(max_norm, where, "max_norm");
-        const auto [scale, sum] = Glue::scaled_norm(view(), parts_);
-        if (!std::isfinite(scale)) {
-            throw NonFiniteError(detail::concat(where, ": the gradients have a NaN or infinite "
-                                                       "entry"));
-        }
-        const double norm = scale == 0.0 ? 0.0 : scale * std::sqrt(sum);
-        if (!std::isfinite(norm)) {
-            throw NonFiniteError(detail::concat(where, ": the norm of the gradients exceeds the "
-                                                       "largest ", detail::scalar_name<T>(),
-                                                " (every entry finite)"));
-        }
-        if (norm > max_norm) {
-            Glue::scale(view(), static_cast<T>(max_norm / norm));
-        }
+        BackendScalars<T, Backend> s;
+        clip(max_norm, s, 0);
+        const double norm = s.read()[0];
+        require_finite_norm(norm, where);
         return norm;
+    }
+
+    /// As clip(max_norm), with max_norm 0 for the norm alone, and nothing back now: the norm
+    /// before clipping is left in slot `slot` of `into`, for the host to read with the step's
+    /// other scalars and hand to require_finite_norm. A NaN or infinite norm scales nothing.
+    /// ConfigError (max_norm not finite and >= 0 or not representable in T, slot out of
+    /// range), nothing changed.
+    void clip(double max_norm, BackendScalars<T, Backend>& into, std::size_t slot) {
+        constexpr const char* where = "ModelGradients::clip";
+        detail::require<ConfigError>(std::isfinite(max_norm) && max_norm >= 0, where, "max_norm",
+                                     max_norm, "a finite value >= 0 (0: the norm alone)");
+        detail::require_representable<T>(max_norm, where, "max_norm");
+        Glue::clip(view(), parts_, max_norm, into.at(slot, where), slot);
+    }
+
+    /// NonFiniteError naming `where` unless `norm` (what clip left) is finite: "a NaN or
+    /// infinite entry", or, every entry finite, "a norm beyond the largest double" (then one
+    /// more scalar back to tell which).
+    void require_finite_norm(double norm, const char* where) const {
+        if (std::isfinite(norm)) return;
+        if (Glue::nonfinite_row(view()) >= 0) {
+            throw NonFiniteError(detail::concat(where, ": the gradients have a NaN or infinite "
+                                                       "entry; nothing changed"));
+        }
+        throw NonFiniteError(detail::concat(where, ": the norm of the gradients exceeds the "
+                                                   "largest double (every entry finite); "
+                                                   "nothing changed"));
     }
 
     /// ShapeError unless this buffer has the layout of `model`'s parameters (what backward
@@ -169,7 +188,7 @@ private:
 
     ModelConfig cfg_;
     std::vector<Slot> slots_;
-    std::vector<std::ptrdiff_t> parts_;  // the tensors' sizes, what scaled_norm sums by
+    std::vector<std::ptrdiff_t> parts_;  // the tensors' sizes, what clip's norm sums by
     typename Transfer::Buffer buffer_;
 };
 

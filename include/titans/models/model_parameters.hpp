@@ -64,10 +64,14 @@ struct ModelParameters {
                 backend::copy_to_host<Backend>(flat, *host, cfg);
             }
         }
-        auto mirror = std::make_shared<ParameterMirror<T, Backend>>();
-        mirror->flat = Transfer::allocate(1, flat.cols);
-        Glue::copy(flat, Transfer::view(mirror->flat));
-        const View<const T> v = Transfer::view(std::as_const(mirror->flat));
+        // Without MAC the host tensors are brought back later from a copy of the values the
+        // model keeps (the caller's buffer may change); with MAC they are on the host already.
+        std::shared_ptr<ParameterMirror<T, Backend>> mirror;
+        if (!host) {
+            mirror = std::make_shared<ParameterMirror<T, Backend>>();
+            mirror->flat = copy_on_backend(flat);
+        }
+        const View<const T> v = mirror ? Transfer::view(std::as_const(mirror->flat)) : flat;
         Eigen::Index at = vocab * d;
         std::vector<typename Block<T, Backend>::Staged> staged;
         staged.reserve(m.blocks_.size());
@@ -88,10 +92,8 @@ struct ModelParameters {
         m.edge_ = std::move(edge);
         if (host) {  // made non-const by the by-value constructor, held by nothing else
             Mdl::swap_tensors(const_cast<ModelParams<T>&>(*m.params_), *host, cfg);
-            m.mirror_.reset();
-        } else {
-            m.mirror_ = std::move(mirror);
         }
+        m.mirror_ = std::move(mirror);  // null with MAC: the host tensors are current
     }
 
     /// A copy of `from` in a buffer of its own, on the backend.

@@ -13,6 +13,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <utility>
 #include <vector>
@@ -21,6 +22,7 @@
 #include "../detail/check.hpp"
 #include "../error.hpp"
 #include "../detail/tensor_slots.hpp"
+#include "backend_scalars.hpp"
 #include "block_training.hpp"
 #include "model_gradients.hpp"
 #include "model.hpp"
@@ -87,9 +89,14 @@ struct ModelTraining {
 
     /// Model::forward_loss: forward_tokens with the logits kept on the backend, the
     /// cross-entropy against labels there (its gradient kept in the trace), the loss back.
+    /// into (or null: the loss back now) takes the loss in slot `slot`.
     static double forward_loss(const Mdl& model, State& state, const std::vector<int>& ids,
-                               std::span<const int> labels, Trace& trace) {
+                               std::span<const int> labels, Trace& trace,
+                               BackendScalars<T, Backend>* into = nullptr, std::size_t slot = 0) {
         constexpr const char* where = "Model::forward_loss";
+        std::optional<BackendScalars<T, Backend>> own;  // where the loss waits to come back
+        if (into == nullptr) own.emplace();
+        typename BackendScalars<T, Backend>::Slots& s = (into != nullptr ? *into : *own).at(slot, where);
         require<ShapeError>(labels.size() == ids.size(), where, "labels.size()", labels.size(),
                             concat("ids.size() = ", ids.size()));
         for (const int label : labels) {
@@ -106,7 +113,8 @@ struct ModelTraining {
             model.throw_nonfinite_output();
         }
         t.dlogits = Transfer::allocate(t.rows, model.params_->head.cols());
-        const double loss = Glue::cross_entropy(cview(logits), labels, view(t.dlogits));
+        Glue::cross_entropy(cview(logits), labels, view(t.dlogits), s, slot);
+        const double loss = own ? own->read()[slot] : 0.0;
         t.has_loss = true;
         t.ids = ids;
         t.device_ids = std::move(kept);

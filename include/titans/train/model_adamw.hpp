@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -14,6 +15,7 @@
 #include "../detail/tensor_slots.hpp"
 #include "../error.hpp"
 #include "../layers/glue.hpp"
+#include "../models/backend_scalars.hpp"
 #include "../models/model.hpp"
 #include "../view.hpp"
 #include "adamw.hpp"
@@ -109,16 +111,41 @@ public:
     /// parameter NaN or infinite in T, naming the first tensor and which; a NaN or infinite
     /// gradient shows there).
     void propose(View<const T> grads, double lr) {
+        BackendScalars<T, Backend> s;
+        propose(grads, lr, s, 0);
+        settle(s.read()[0]);
+    }
+
+    /// As propose(grads, lr), with nothing back now: AdamW's verdict (1: every new entry
+    /// finite, 0: not) is left in slot `slot` of `into`; the step counts as proposed once the
+    /// host, having read that slot with the step's other scalars, hands it to settle(). Throws
+    /// as propose (ConfigError also for a slot out of range) but NonFiniteError, which settle
+    /// throws; nothing changes then.
+    void propose(View<const T> grads, double lr, BackendScalars<T, Backend>& into,
+                 std::size_t slot) {
         constexpr const char* where = "ModelAdamW::propose";
         proposed_ = false;
+        unsettled_.reset();
         const detail::AdamWStep<T> f = AdamW<T>(adamw_.config(), steps_, {}).next_step(lr);
         detail::check_flat_gradient(where, grads, size(), "the gradient buffer");
-        const bool finite =
-            Glue::adamw(f, parts_, params(), grads, view(m_), view(v_), Transfer::view(p1_),
-                        Transfer::view(m1_), Transfer::view(v1_));
-        if (!finite) throw_nonfinite(where);
+        Glue::adamw(f, parts_, params(), grads, view(m_), view(v_), Transfer::view(p1_),
+                    Transfer::view(m1_), Transfer::view(v1_), into.at(slot, where), slot);
+        unsettled_ = f.t;
+    }
+
+    /// Takes AdamW's verdict on the step proposed last (the value propose left in its slot):
+    /// 1 makes it the proposed step (commit() may take it); anything else throws
+    /// NonFiniteError naming the first tensor whose new moment or parameter is not finite, and
+    /// the step cannot be taken. ConfigError if no step awaits a verdict.
+    void settle(double verdict) {
+        constexpr const char* where = "ModelAdamW::propose";
+        detail::require<ConfigError>(unsettled_.has_value(), "ModelAdamW::settle",
+                                     "a step awaiting its verdict", "none", "propose() first");
+        const std::int64_t t = *unsettled_;
+        unsettled_.reset();
+        if (verdict != 1.0) throw_nonfinite(where);
         proposed_ = true;
-        next_steps_ = f.t;
+        next_steps_ = t;
     }
 
     /// Takes the step proposed last (the parameters and moments become the proposed ones,
@@ -209,6 +236,7 @@ private:
     AdamW<T> adamw_;  // the settings (its next_step gives the scalars of a step)
     std::int64_t steps_ = 0, next_steps_ = 0;
     bool has_moments_ = false, proposed_ = false;
+    std::optional<std::int64_t> unsettled_;  // a proposed step's number, awaiting settle()
     std::vector<Slot> slots_;
     typename Glue::Parts parts_;  // the tensors' sizes and decay (on the backend): adamw's
     typename Transfer::Buffer p_, m_, v_;     // parameters and moments

@@ -6,6 +6,7 @@
 // bit for bit (titans/io/trainer.hpp).
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <exception>
@@ -23,6 +24,7 @@
 #include "../error.hpp"
 #include "../fwd.hpp"
 #include "../limits.hpp"
+#include "../models/backend_scalars.hpp"
 #include "../models/model.hpp"
 #include "../models/model_gradients.hpp"
 #include "adamw.hpp"
@@ -137,7 +139,9 @@ struct TrainerProgress {
 /// optimiser's parameters and moments live in the backend's memory (ModelAdamW), and the model
 /// takes each step's values from there (Model::set_parameters(flat)): on a device each layer
 /// copies its part there, nothing crossing to the host (with a MAC block the values also come
-/// down once a step, for MAC's mixer on the host).
+/// down once a step, for MAC's mixer on the host). The loss, the norm and AdamW's verdict wait
+/// there too (BackendScalars) and come back together: besides the ids and labels going up, a
+/// step on a device without MAC makes one download.
 template <class T, class Backend>
 class Trainer {
     static_assert(Model<T, Backend>::trainable,
@@ -187,22 +191,27 @@ public:
     double step(const std::vector<int>& ids, std::span<const int> labels, int batch) {
         const ModelConfig& mc = model_.config();
         std::optional<ModelGradients<T, Backend>> g;  // zeros, in the backend's memory
+        // The loss, the norm and AdamW's verdict wait on the backend until all are known: one
+        // download brings them back (a data-parallel rank has its loss already).
+        enum : std::size_t { loss_slot, norm_slot, verdict_slot };
+        BackendScalars<T, Backend> scalars;
         double loss = 0.0;
         if (comm_) {
             loss = distributed_gradients(ids, labels, batch, g);  // the ranks check together
         } else {
             check_step(ids, labels, batch);
             g.emplace(model_);
-            loss = gradients(ids, labels, batch, *g);
+            gradients(ids, labels, batch, *g, &scalars, loss_slot);
         }
         ModelGradients<T, Backend>& grads = *g;
-        const double norm = cfg_.clip_norm > 0 ? grads.clip(cfg_.clip_norm) : grads.norm();
-        if (!std::isfinite(norm)) {
-            throw NonFiniteError("Trainer::step: the gradients have a NaN or infinite entry; "
-                                 "nothing changed");
-        }
+        grads.clip(cfg_.clip_norm, scalars, norm_slot);  // clip_norm 0: the norm alone
         const double lr = cfg_.schedule(opt_.steps() + 1);
-        opt_.propose(grads.view(), lr);  // taken below (commit) only if all went well
+        opt_.propose(grads.view(), lr, scalars, verdict_slot);
+        const backend::ScalarValues got = scalars.read();
+        if (!comm_) loss = got[loss_slot];
+        const double norm = got[norm_slot];
+        grads.require_finite_norm(norm, "Trainer::step");
+        opt_.settle(got[verdict_slot]);  // taken below (commit) only if all went well
         if (comm_ && check_every_ > 0 && (opt_.steps() + 1) % check_every_ == 0) {
             detail::require_same_on_ranks(*comm_, params_print(opt_.proposed_params(mc)),
                                           "Trainer::step",
@@ -387,12 +396,19 @@ private:
         return h.value();
     }
 
-    /// The training forward from a fresh state, the loss and the backward into grads.
+    /// The training forward from a fresh state, the loss (returned, or, given `into`, left in
+    /// its slot `slot`) and the backward into grads.
     double gradients(const std::vector<int>& ids, std::span<const int> labels, int batch,
-                     ModelGradients<T, Backend>& grads) const {
+                     ModelGradients<T, Backend>& grads,
+                     BackendScalars<T, Backend>* into = nullptr, std::size_t slot = 0) const {
         auto state = model_.make_state(batch);
         typename ModelType::Trace trace;
-        const double loss = model_.forward_loss(state, ids, labels, trace);
+        double loss = 0.0;
+        if (into != nullptr) {
+            model_.forward_loss(state, ids, labels, trace, *into, slot);
+        } else {
+            loss = model_.forward_loss(state, ids, labels, trace);
+        }
         model_.backward_loss(trace, grads);
         return loss;
     }

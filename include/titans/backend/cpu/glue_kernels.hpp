@@ -3,6 +3,7 @@
 // residual sums, MAG's gate, finiteness, the embedding gather and the head's product, on
 // host views through Eigen maps.
 
+#include <cmath>
 #include <cstddef>
 #include <span>
 #include <string>
@@ -89,13 +90,21 @@ struct GlueKernels<Cpu, T> {
     static void product_bt(View<const T> a, View<const T> b, View<T> out) {
         cpu::as_eigen(out).noalias() = cpu::as_eigen(a) * cpu::as_eigen(b).transpose();
     }
-    static double cross_entropy(View<const T> logits, std::span<const int> labels,
-                                View<T> dlogits) {
-        return detail::cross_entropy_rows(cpu::as_eigen(logits), labels, cpu::as_eigen(dlogits));
+    /// The scalars on the host, read in place.
+    struct Scalars {
+        ScalarValues values{};
+    };
+    static Scalars make_scalars() { return Scalars{}; }
+    static ScalarValues read(const Scalars& s) { return s.values; }
+    static void cross_entropy(View<const T> logits, std::span<const int> labels,
+                              View<T> dlogits, Scalars& s, std::size_t slot) {
+        s.values[slot] =
+            detail::cross_entropy_rows(cpu::as_eigen(logits), labels, cpu::as_eigen(dlogits));
     }
-    /// detail::scaled_norm over the parts of x (what gradient_norm computes tensor by tensor).
-    static std::pair<double, double> scaled_norm(View<const T> x,
-                                                 std::span<const std::ptrdiff_t> parts) {
+    /// detail::scaled_norm over the parts of x (what gradient_norm computes tensor by tensor),
+    /// then the clipping (the expression clip_gradient_norm evaluates).
+    static void clip(View<T> x, std::span<const std::ptrdiff_t> parts, double max_norm,
+                     Scalars& s, std::size_t slot) {
         std::vector<detail::TensorSlot<const T>> slots;
         slots.reserve(parts.size());
         const T* at = x.data;
@@ -103,7 +112,13 @@ struct GlueKernels<Cpu, T> {
             slots.push_back({std::string(), at, 1, n});
             at += n;
         }
-        return detail::scaled_norm(slots);
+        const auto [scale_of, sum] = detail::scaled_norm(slots);
+        const double norm =
+            scale_of == 0.0 || !std::isfinite(scale_of) ? scale_of : scale_of * std::sqrt(sum);
+        s.values[slot] = norm;
+        if (max_norm > 0 && std::isfinite(norm) && norm > max_norm) {
+            scale(x, static_cast<T>(max_norm / norm));
+        }
     }
     static void scale(View<T> x, T factor) { cpu::as_eigen(x).array() *= factor; }
     using Parts = std::vector<detail::AdamWPart>;
@@ -112,9 +127,9 @@ struct GlueKernels<Cpu, T> {
     }
     /// detail::adamw_update on each part's entries (the host AdamW's expression: the same
     /// bits).
-    static bool adamw(const detail::AdamWStep<T>& f, const Parts& parts,
+    static void adamw(const detail::AdamWStep<T>& f, const Parts& parts,
                       View<const T> p, View<const T> g, View<const T> m, View<const T> v,
-                      View<T> p1, View<T> m1, View<T> v1) {
+                      View<T> p1, View<T> m1, View<T> v1, Scalars& s, std::size_t slot) {
         using A = Eigen::Array<T, Eigen::Dynamic, 1>;
         bool finite = true;
         std::ptrdiff_t at = 0;
@@ -125,7 +140,7 @@ struct GlueKernels<Cpu, T> {
             finite &= detail::adamw_update(f, part.decay, in(p), in(g), in(m), in(v), op, om, ov);
             at += part.size;
         }
-        return finite;
+        s.values[slot] = finite ? 1.0 : 0.0;
     }
     static void scatter_add(View<const T> rows, std::span<const int> ids, View<T> table) {
         const auto r = cpu::as_eigen(rows);

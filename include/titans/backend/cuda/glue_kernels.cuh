@@ -132,18 +132,37 @@ struct GlueKernels<Cuda, T> {
     static void product_bt(View<const T> a, View<const T> b, View<T> out) {
         gemm(false, a, true, b, out, a.cols);
     }
+    /// The scalars in device memory; read() brings them back together.
+    struct Scalars {
+        cuda::DeviceBuffer<double> values;
+    };
+    static Scalars make_scalars() {
+        Scalars s{cuda::DeviceBuffer<double>(scalar_slots)};
+        cuda::check(cudaMemset(s.values.data(), 0, scalar_slots * sizeof(double)),
+                    "cudaMemset (scalars)");
+        return s;
+    }
+    static ScalarValues read(const Scalars& s) {
+        ScalarValues out{};
+        cuda::check(cudaMemcpy(out.data(), s.values.data(), scalar_slots * sizeof(double),
+                               cudaMemcpyDeviceToHost),
+                    "cudaMemcpy (scalars)");
+        return out;
+    }
     /// One thread per row (log-sum-exp in double, as the CPU's), then the rows' losses summed
-    /// in order on the device; the one scalar comes back.
-    static double cross_entropy(View<const T> logits, std::span<const int> labels,
-                                View<T> dlogits) {
+    /// in order on the device into the slot.
+    static void cross_entropy(View<const T> logits, std::span<const int> labels,
+                              View<T> dlogits, Scalars& s, std::size_t slot) {
         fill(dlogits, T(0));
+        double* out = s.values.data() + slot;
         long long counted = 0;
         for (const int label : labels) counted += label >= 0;
         if (counted == 0) {
-            return 0.0;
+            run(1, [=] __device__(unsigned) { *out = 0.0; });
+            return;
         }
         const cuda::DeviceBuffer<int> dev = cuda::upload_array(labels.data(), labels.size());
-        cuda::DeviceBuffer<double> row_loss(labels.size() + 1);
+        cuda::DeviceBuffer<double> row_loss(labels.size());
         const int* lab = dev.data();
         double* rl = row_loss.data();
         const T* z = logits.data;
@@ -168,27 +187,27 @@ struct GlueKernels<Cuda, T> {
         run(1, [=] __device__(unsigned) {
             double total = 0.0;
             for (long long r = 0; r < rows; ++r) total += rl[r];
-            rl[rows] = total;
+            *out = total * inv_n;
         });
-        double total = 0.0;
-        cuda::check(cudaMemcpy(&total, rl + rows, sizeof(double), cudaMemcpyDeviceToHost),
-                    "cudaMemcpy (cross-entropy loss)");
-        return total * inv_n;
     }
     /// Chunks of x reduced by one thread each, then the chunks' results in order by one
     /// thread (deterministic): the largest |entry| (NaN propagates), then Σ (entry / scale)² in
-    /// double. The parts do not change the value beyond rounding (the CPU sums by part).
-    static std::pair<double, double> scaled_norm(View<const T> x,
-                                                 std::span<const std::ptrdiff_t> /*parts*/) {
+    /// double, the norm into the slot and the clipping factor beside the chunks' sums, then x
+    /// scaled by it; no branch on the host. The parts do not change the value beyond rounding
+    /// (the CPU sums by part).
+    static void clip(View<T> x, std::span<const std::ptrdiff_t> /*parts*/, double max_norm,
+                     Scalars& s, std::size_t slot) {
+        double* out = s.values.data() + slot;
         const long long n = x.rows * x.cols;
         if (n == 0) {
-            return {0.0, 0.0};
+            run(1, [=] __device__(unsigned) { *out = 0.0; });
+            return;
         }
         constexpr long long chunk = 4096;
         const long long parts = (n + chunk - 1) / chunk;
-        cuda::DeviceBuffer<double> part(static_cast<std::size_t>(parts) + 1);
-        double* pp = part.data();
-        const T* v = x.data;
+        cuda::DeviceBuffer<double> part(static_cast<std::size_t>(parts) + 2);
+        double* pp = part.data();  // the chunks', then [parts] the scale, [parts + 1] the factor
+        T* v = x.data;
         run(parts, [=] __device__(unsigned i) {
             double m = 0.0;
             const long long hi = (i + 1) * chunk, end = hi < n ? hi : n;
@@ -199,20 +218,41 @@ struct GlueKernels<Cuda, T> {
             }
             pp[i] = m;
         });
-        const double scale = reduce_parts(pp, parts, true);
-        if (scale == 0.0 || !std::isfinite(scale)) {
-            return {scale, 0.0};
-        }
-        run(parts, [=] __device__(unsigned i) {
-            double s = 0.0;
-            const long long hi = (i + 1) * chunk, end = hi < n ? hi : n;
-            for (long long j = i * chunk; j < end; ++j) {
-                const double a = static_cast<double>(v[j]) / scale;
-                s += a * a;
+        run(1, [=] __device__(unsigned) {
+            double r = 0.0;
+            for (long long i = 0; i < parts; ++i) {
+                if (!(pp[i] <= r)) r = pp[i];
+                if (r != r) break;  // NaN sticks
             }
-            pp[i] = s;
+            pp[parts] = r;
         });
-        return {scale, reduce_parts(pp, parts, false)};
+        run(parts, [=] __device__(unsigned i) {
+            const double scale = pp[parts];
+            double sum = 0.0;
+            if (scale != 0.0 && scale - scale == 0.0) {  // 0, NaN or inf: no sum
+                const long long hi = (i + 1) * chunk, end = hi < n ? hi : n;
+                for (long long j = i * chunk; j < end; ++j) {
+                    const double a = static_cast<double>(v[j]) / scale;
+                    sum += a * a;
+                }
+            }
+            pp[i] = sum;
+        });
+        run(1, [=] __device__(unsigned) {
+            double sum = 0.0;
+            for (long long i = 0; i < parts; ++i) sum += pp[i];
+            const double scale = pp[parts];
+            const double norm = scale == 0.0 || scale - scale != 0.0 ? scale : scale * sqrt(sum);
+            *out = norm;
+            pp[parts + 1] = max_norm > 0 && norm - norm == 0.0 && norm > max_norm
+                                ? max_norm / norm : 1.0;
+        });
+        if (max_norm > 0) {
+            run(n, [=] __device__(unsigned i) {
+                const double f = pp[parts + 1];
+                if (f != 1.0) v[i] *= static_cast<T>(f);
+            });
+        }
     }
     static void scale(View<T> x, T factor) {
         T* o = x.data;
@@ -220,9 +260,8 @@ struct GlueKernels<Cuda, T> {
         const unsigned c = cuda::u32(x.cols);
         run(x.rows * x.cols, [=] __device__(unsigned i) { o[(i / c) * os + i % c] *= factor; });
     }
-    /// detail::adamw_entry per entry, a thread each (1 x n contiguous views), in one launch:
-    /// the parts' ends and decay flags go up with the call (a thread finds its part by
-    /// bisection), a flag set by any non-finite result comes back.
+    /// detail::adamw_entry per entry, a thread each (1 x n contiguous views), in one launch
+    /// (a thread finds its part by bisection); any non-finite result clears the slot.
     /// AdamW's tensors on the device: each one's end, then each one's decay flag.
     struct Parts {
         cuda::DeviceBuffer<long long> layout;
@@ -241,22 +280,19 @@ struct GlueKernels<Cuda, T> {
         }
         return Parts{cuda::upload_array(layout.data(), layout.size()), k};
     }
-    static bool adamw(const detail::AdamWStep<T>& f, const Parts& parts, View<const T> p,
+    static void adamw(const detail::AdamWStep<T>& f, const Parts& parts, View<const T> p,
                       View<const T> g, View<const T> m, View<const T> v, View<T> p1, View<T> m1,
-                      View<T> v1) {
+                      View<T> v1, Scalars& s, std::size_t slot) {
+        double* flag = s.values.data() + slot;
+        run(1, [=] __device__(unsigned) { *flag = 1.0; });
         const long long k = parts.k;
         if (p.cols == 0 || k == 0) {
-            return true;
+            return;
         }
-        const cuda::StreamContext& cx = cuda::thread_context();
-        cuda::DeviceBuffer<long long> any_bad(1);
-        cuda::check(cudaMemsetAsync(any_bad.data(), 0, sizeof(long long), cx.stream()),
-                    "cudaMemsetAsync (adamw flag)");
         const long long* ends = parts.layout.data();
-        long long* bad = any_bad.data();
         const T *pp = p.data, *gp = g.data, *mp = m.data, *vp = v.data;
         T *po = p1.data, *mo = m1.data, *vo = v1.data;
-        const detail::AdamWStep<T> s = f;
+        const detail::AdamWStep<T> st = f;
         run(p.cols, [=] __device__(unsigned i) {
             long long lo = 0, hi = k - 1;  // the first part whose end lies beyond i
             while (lo < hi) {
@@ -267,15 +303,11 @@ struct GlueKernels<Cuda, T> {
                     lo = mid + 1;
                 }
             }
-            if (!detail::adamw_entry(s, ends[k + lo] != 0, pp[i], gp[i], mp[i], vp[i], po + i,
+            if (!detail::adamw_entry(st, ends[k + lo] != 0, pp[i], gp[i], mp[i], vp[i], po + i,
                                      mo + i, vo + i)) {
-                *bad = 1;  // every writer stores the same value
+                *flag = 0.0;  // every writer stores the same value
             }
         });
-        long long flag = 0;
-        cuda::check(cudaMemcpy(&flag, bad, sizeof(long long), cudaMemcpyDeviceToHost),
-                    "cudaMemcpy (adamw)");
-        return flag == 0;
     }
     /// One thread per column, the rows added in order (repeated ids add deterministically).
     static void scatter_add(View<const T> rows, const Ids& ids, View<T> table) {
@@ -292,27 +324,6 @@ struct GlueKernels<Cuda, T> {
                 t[static_cast<long long>(id[i]) * ts + j] += r[i * rs + j];
             }
         });
-    }
-
-    /// The max (NaN propagating) or the sum of p[0, n) in order on one device thread, into
-    /// p[n], then copied back.
-    static double reduce_parts(double* p, long long n, bool max) {
-        run(1, [=] __device__(unsigned) {
-            double r = 0.0;
-            for (long long i = 0; i < n; ++i) {
-                if (!max) {
-                    r += p[i];
-                } else if (!(p[i] <= r)) {
-                    r = p[i];
-                    if (r != r) break;  // NaN sticks
-                }
-            }
-            p[n] = r;
-        });
-        double r = 0.0;
-        cuda::check(cudaMemcpy(&r, p + n, sizeof(double), cudaMemcpyDeviceToHost),
-                    "cudaMemcpy (scaled_norm)");
-        return r;
     }
 
     /// out = op(a) op(b) on cuBLAS (row-major; k the inner size), then waits for it.

@@ -80,7 +80,8 @@ struct MemoryKernels<Cuda, T> {
         return out;
     }
 
-    static Prepared prepare(const MemoryConfig&, const std::shared_ptr<const MemoryParams<T>>& hp) {
+    static Prepared prepare(const MemoryConfig& cfg,
+                            const std::shared_ptr<const MemoryParams<T>>& hp) {
         const MemoryParams<T>& p = *hp;
         auto out = std::make_shared<Params>();
         out->w_qkv = upload(concat({&p.w_q, &p.w_k, &p.w_v}));
@@ -89,7 +90,7 @@ struct MemoryKernels<Cuda, T> {
         out->b_gates = upload(concat({&bt, &be, &ba}));
         out->taps = upload(concat({&p.conv_q, &p.conv_k, &p.conv_v}));
         out->w_o = upload(p.w_o);
-        Mat init(1, head_init_size(p) * static_cast<Eigen::Index>(p.memory_init.size()));
+        Mat init(1, head_init_size(cfg) * static_cast<Eigen::Index>(p.memory_init.size()));
         Eigen::Index at = 0;
         for (const auto& head : p.memory_init) {
             for (const Mat& w : head) {
@@ -122,7 +123,7 @@ struct MemoryKernels<Cuda, T> {
             cuda::concat_columns({row(find("b_theta")), row(find("b_eta")), row(find("b_alpha"))});
         out->taps = cuda::concat_columns({find("conv_q"), find("conv_k"), find("conv_v")});
         out->w_o = cuda::concat_columns({find("w_o")});
-        const Eigen::Index n = head_init_size(shapes) * cfg.n_heads;  // one run of tensors
+        const Eigen::Index n = head_init_size(cfg) * cfg.n_heads;  // one run of tensors
         std::size_t first = 0;  // memory_init.0.0
         while (first < slots.size() && slots[first].name.rfind("memory_init", 0) != 0) ++first;
         if (first < slots.size()) {
@@ -131,12 +132,11 @@ struct MemoryKernels<Cuda, T> {
         return out;
     }
 
-    /// Entries of one head's memory_init (every layer).
-    static Eigen::Index head_init_size(const MemoryParams<T>& p) {
+    /// Entries of one head's memory_init (every layer): how far apart Params::init keeps the
+    /// heads, and where make_state finds each layer.
+    static Eigen::Index head_init_size(const MemoryConfig& cfg) {
         Eigen::Index n = 0;
-        if (!p.memory_init.empty()) {
-            for (const Mat& w : p.memory_init.front()) n += w.size();
-        }
+        for (int l = 1; l <= cfg.depth; ++l) n += Eigen::Index{cfg.layer_in(l)} * cfg.layer_out(l);
         return n;
     }
 
@@ -167,8 +167,7 @@ struct MemoryKernels<Cuda, T> {
         st.position_ = 0;
         st.ctx_.emplace();
         const int H = cfg.n_heads, b = st.chunk_, P = batch * H;
-        long long head_size = 0;
-        for (int l = 1; l <= cfg.depth; ++l) head_size += 1LL * cfg.layer_in(l) * cfg.layer_out(l);
+        const long long head_size = head_init_size(cfg);
         long long layer_at = 0;  // layer l's offset in a head's memory_init
         for (int l = 1; l <= cfg.depth; ++l) {
             const std::size_t in = static_cast<std::size_t>(cfg.layer_in(l)),
