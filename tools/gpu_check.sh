@@ -21,8 +21,9 @@
 #   tools/gpu_check.sh lease [DIR]
 #                                 one lent machine's call, each step under a time limit: the
 #                                 tests, the fused kernel's tests under memcheck and racecheck
-#                                 (fused_memcheck.txt, fused_racecheck.txt), then the memory and
-#                                 decode benchmarks (BENCH_FILTER overrides which); a table last
+#                                 (fused_memcheck.txt, fused_racecheck.txt), then the memory,
+#                                 decode and Trainer-step benchmarks (BENCH_FILTER overrides
+#                                 which); a table last
 #   tools/gpu_check.sh peers [DIR]
 #                                 titans-pytorch's NeuralMemory against bench_cuda on the same GPU
 #                                 (tools/compare_pytorch_gpu.py): needs the wheels that
@@ -103,7 +104,7 @@ do_lease() {
     echo "fused ${tool}: $(grep 'ERROR SUMMARY\|RACECHECK SUMMARY' "${out}/fused_${tool}.txt" || echo 'no summary')"
   done
   timeout 300 "${build}/bench/bench_cuda" --benchmark_counters_tabular=true \
-    --benchmark_filter="${BENCH_FILTER:-BM_CublasSgemm|BM_CudaMemory|BM_CudaDecode}" \
+    --benchmark_filter="${BENCH_FILTER:-BM_CublasSgemm|BM_CudaMemory|BM_CudaDecode|BM_CudaTrainStep}" \
     --benchmark_out="${out}/cuda_bench.json" --benchmark_out_format=json \
     > "${out}/cuda_bench.txt" 2>&1 || echo "bench: exit $?"
   grep -v "^\*\*\*\|^-\|^Run on\|^CPU Caches\|^  L[123]\|^Load Average" "${out}/cuda_bench.txt"

@@ -21,6 +21,8 @@
 //                             sequences of N tokens in one call, host input and output (the
 //                             public API); MAC's segment attention runs on the host (docs/cuda.md)
 //   BM_CudaModel/B/N          a 4-block model (MAC, MAG, MAL, LMM) of those blocks, the same way
+//   BM_CudaTrainStep/mac/B/N  a Trainer step of that model with a vocabulary of 512 (mac 0: its
+//                             MAC block an LMM one, so that nothing runs on the host)
 //
 // Run: build/.../bench_cuda --benchmark_counters_tabular=true (tools/gpu_check.sh does).
 
@@ -30,7 +32,10 @@
 #include <titans/backend/cuda/cuda.cuh>
 
 #include <chrono>
+#include <cmath>
 #include <map>
+#include <utility>
+#include <vector>
 
 #include "../memory_flops.hpp"
 
@@ -265,23 +270,58 @@ void BM_CudaBlock(benchmark::State& state) {
     state.SetLabel(titans::to_string(kind));
 }
 
-void BM_CudaModel(benchmark::State& state) {
-    const int B = static_cast<int>(state.range(0));
-    const long N = state.range(1);
+/// The 4-block model (MAC, MAG, MAL, LMM) of bench_block's blocks, d 512; with `mac` false its
+/// MAC block is an LMM one (nothing of it then runs on the host); vocab 0: vectors in.
+std::pair<titans::ModelConfig, titans::ModelParams<float>> bench_model(bool mac, int vocab) {
     titans::ModelConfig cfg;
     cfg.d_model = 512;
-    for (auto kind : {titans::BlockKind::MAC, titans::BlockKind::MAG, titans::BlockKind::MAL,
-                      titans::BlockKind::LMM}) {
+    cfg.vocab_size = vocab;
+    for (auto kind : {mac ? titans::BlockKind::MAC : titans::BlockKind::LMM,
+                      titans::BlockKind::MAG, titans::BlockKind::MAL, titans::BlockKind::LMM}) {
         cfg.blocks.push_back(bench_block(kind));
     }
     auto params = titans::ModelParams<float>::random(cfg, 1);
     for (std::size_t i = 0; i < cfg.blocks.size(); ++i) {
         params.blocks[i] = bench_block_params(cfg.blocks[i], i + 1);
     }
+    return {cfg, params};
+}
+
+void BM_CudaModel(benchmark::State& state) {
+    const int B = static_cast<int>(state.range(0));
+    const long N = state.range(1);
+    const auto [cfg, params] = bench_model(true, 0);
     const titans::Model<float, Cuda> model(cfg, params);
     const titans::Matrixf x = titans::Matrixf::Random(B * N, cfg.d_model);
     stream_timed(state, model.make_state(B), B, N,
                  [&](auto& st) { benchmark::DoNotOptimize(model.forward(st, x)); });
+}
+
+/// One Trainer<float, Cuda> step (forward on token ids, cross-entropy, backward, clipping,
+/// AdamW and the model taking the values, all on the device; the loss, norm and AdamW's
+/// verdict back in one download) of bench_model with a vocabulary of 512, B sequences of N
+/// ids, each labelled with the next.
+void BM_CudaTrainStep(benchmark::State& state) {
+    const bool mac = state.range(0) != 0;
+    const int B = static_cast<int>(state.range(1));
+    const long N = state.range(2);
+    const auto [cfg, params] = bench_model(mac, 512);
+    std::vector<int> ids, labels;
+    for (long i = 0; i < B * N; ++i) {
+        ids.push_back(static_cast<int>((i * 7919) % 512));
+        labels.push_back(static_cast<int>(((i + 1) * 7919) % 512));
+    }
+    titans::Trainer<float, Cuda> trainer(cfg, params,
+                                         {.schedule = {.peak = 1e-4}, .clip_norm = 1.0});
+    double loss = trainer.step(ids, labels, B);  // warm-up: workspaces, cuBLAS heuristics
+    for (auto _ : state) {
+        loss = trainer.step(ids, labels, B);
+    }
+    if (!std::isfinite(loss)) state.SkipWithError("non-finite loss");
+    state.counters["tokens_per_second"] = benchmark::Counter(
+        static_cast<double>(state.iterations()) * B * static_cast<double>(N),
+        benchmark::Counter::kIsRate);
+    state.SetLabel(mac ? "MAC MAG MAL LMM" : "LMM MAG MAL LMM");
 }
 
 }  // namespace
@@ -305,5 +345,7 @@ BENCHMARK(BM_CudaBlock)
     ->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_CudaModel)->ArgNames({"B", "N"})->Args({1, 2048})->Args({16, 2048})
     ->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_CudaTrainStep)->ArgNames({"mac", "B", "N"})->Args({0, 1, 1024})->Args({1, 1, 1024})
+    ->Args({0, 8, 1024})->Unit(benchmark::kMillisecond)->UseRealTime();
 
 BENCHMARK_MAIN();

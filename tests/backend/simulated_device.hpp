@@ -437,6 +437,9 @@ struct MemoryKernels<titans_test::SimulatedDevice, T> {
                                              int h) {
         return Host::current_momentum(cfg, st.device_.get(), b, h);
     }
+    static std::vector<std::vector<Mat>> all_weights(const MemoryConfig& cfg, const State& st) {
+        return Host::all_weights(cfg, st.device_.get());
+    }
 
     static bool begin(State& st) { return Host::begin(st.device_.get()); }
     static void commit(State& st) { Host::commit(st.device_.get()); }

@@ -30,17 +30,27 @@ namespace {
 template <class T>
 using DeviceMemory = NeuralMemory<T, SimulatedDevice>;
 
-/// Weights and momentum of every (sequence, head) of both objects' states, bit for bit.
+/// Weights and momentum of every (sequence, head) of both objects' states, bit for bit, and
+/// every pair's weights at once (current_weights(state)) the same as pair by pair.
 template <class T>
 bool same_memory(const NeuralMemory<T>& cpu, const typename NeuralMemory<T>::State& sc,
                  const DeviceMemory<T>& dev, const typename DeviceMemory<T>::State& sd) {
     if (sc.position() != sd.position() || sc.batch() != sd.batch()) return false;
+    const int H = cpu.config().n_heads;
+    const auto all_c = cpu.current_weights(sc), all_d = dev.current_weights(sd);
+    if (all_c.size() != static_cast<std::size_t>(sc.batch() * H) || all_d.size() != all_c.size()) {
+        return false;
+    }
     for (int b = 0; b < sc.batch(); ++b) {
-        for (int h = 0; h < cpu.config().n_heads; ++h) {
+        for (int h = 0; h < H; ++h) {
             const auto wc = cpu.current_weights(sc, b, h), wd = dev.current_weights(sd, b, h);
             const auto mc = cpu.current_momentum(sc, b, h), md = dev.current_momentum(sd, b, h);
+            const auto& ac = all_c[static_cast<std::size_t>(b * H + h)];
+            const auto& ad = all_d[static_cast<std::size_t>(b * H + h)];
+            if (ac.size() != wc.size() || ad.size() != wc.size()) return false;
             for (std::size_t l = 0; l < wc.size(); ++l) {
                 if (!identical(wc[l], wd[l]) || !identical(mc[l], md[l])) return false;
+                if (!identical(ac[l], wc[l]) || !identical(ad[l], wc[l])) return false;
             }
         }
     }

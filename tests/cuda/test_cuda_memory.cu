@@ -104,6 +104,13 @@ double compare_case(const MemoryConfig& cfg, const titans::MemoryParamsd& p, con
     const int s = uniform_int(rng, 0, B - 1), h = uniform_int(rng, 0, cfg.n_heads - 1);
     const double ew = rel_error(cast_layers<double>(gpu.current_weights(gs, s, h)),
                                 cpu.current_weights(cs, s, h));
+    // Every pair at once (one download per layer): the same values as pair by pair.
+    const auto all = gpu.current_weights(gs);
+    REQUIRE(all.size() == static_cast<std::size_t>(B * cfg.n_heads));
+    const auto one = gpu.current_weights(gs, s, h);
+    const auto& same = all[static_cast<std::size_t>(s * cfg.n_heads + h)];
+    REQUIRE(same.size() == one.size());
+    for (std::size_t l = 0; l < one.size(); ++l) CHECK(same[l] == one[l]);
     const double es = rel_error(cast_layers<double>(gpu.current_momentum(gs, s, h)),
                                 cpu.current_momentum(cs, s, h), 1e-12);
     const Matrixd q = round_through<T>(random_matrix(B * 3, cfg.d_model, rng));

@@ -66,6 +66,8 @@ struct MemoryTraining {
 ///   current_weights / current_momentum(cfg, state, b, h)
 ///                                 the memory as it is after the last token seen, materialised
 ///                                 on the host
+///   all_weights(cfg, state)       current_weights of every pair, index b * H + h, the same
+///                                 values, brought to the host at once (MAC's snapshot)
 ///   begin(state) -> bool, commit(state), rollback(state)
 ///                                 a transaction over several forward calls: rollback puts the
 ///                                 state back as it was at begin (forward opens and commits its
@@ -91,6 +93,8 @@ concept MemoryBackend = requires(
         std::same_as<std::vector<Matrix<T>>>;
     { MemoryKernels<B, T>::current_momentum(cfg, cs, i, i) } ->
         std::same_as<std::vector<Matrix<T>>>;
+    { MemoryKernels<B, T>::all_weights(cfg, cs) } ->
+        std::same_as<std::vector<std::vector<Matrix<T>>>>;
     { MemoryKernels<B, T>::begin(s) } -> std::convertible_to<bool>;
     MemoryKernels<B, T>::commit(s);
     MemoryKernels<B, T>::rollback(s);

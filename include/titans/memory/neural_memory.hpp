@@ -308,6 +308,13 @@ public:
         return Kernels::current_weights(cfg_, state, b, h);
     }
 
+    /// current_weights of every (sequence b, head h), at index b * H + h: the layout
+    /// read_weights takes, brought to the host at once (on CUDA one download per layer).
+    [[nodiscard]] std::vector<std::vector<Matrix<T>>> current_weights(const State& state) const {
+        check_state(state, "NeuralMemory::current_weights");
+        return Kernels::all_weights(cfg_, state);
+    }
+
     /// The momentum S_t of sequence b, head h after the last token seen.
     [[nodiscard]] std::vector<Matrix<T>> current_momentum(const State& state, int b, int h) const {
         check_index(state, b, h, "NeuralMemory::current_momentum");

@@ -143,14 +143,7 @@ public:
             st.seg_k_.assign(static_cast<std::size_t>(batch), Matrix<T>::Zero(2 * cfg_.segment, D));
             st.seg_v_ = st.seg_k_;
             // Filled now (refreshed at every segment start) so every entry has a fixed shape.
-            const int Hm = cfg_.memory.n_heads;
-            st.snapshot_.resize(static_cast<std::size_t>(batch) * static_cast<std::size_t>(Hm));
-            for (int b = 0; b < batch; ++b) {
-                for (int h = 0; h < Hm; ++h) {
-                    st.snapshot_[static_cast<std::size_t>(b * Hm + h)] =
-                        memory_->current_weights(st.memory_, b, h);
-                }
-            }
+            st.snapshot_ = memory_->current_weights(st.memory_);
         }
         return st;
     }

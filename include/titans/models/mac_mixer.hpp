@@ -62,21 +62,16 @@ struct MacMixer {
     /// ((B*N) x d, host).
     template <class Out>
     static void mix_host(const Blk& blk, State& st, const MatrixRef<T>& u, Out&& out) {
-        const int B = st.batch_, C = blk.cfg_.segment, Hm = blk.cfg_.memory.n_heads;
+        const int B = st.batch_, C = blk.cfg_.segment;
         const Eigen::Index N = u.rows() / B;
         Eigen::Index t = 0;
         while (t < N) {
             const std::int64_t pos = st.position_ + t;
             const int o = static_cast<int>(pos % C);
             const int m = static_cast<int>(std::min<Eigen::Index>(C - o, N - t));
-            if (o == 0) {  // segment start: remember M_{t-1}
+            if (o == 0) {  // segment start: remember M_{t-1} (every pair at once)
                 save_segment_start(st, pos);
-                for (int b = 0; b < B; ++b) {
-                    for (int h = 0; h < Hm; ++h) {
-                        st.snapshot_[static_cast<std::size_t>(b * Hm + h)] =
-                            blk.memory_->current_weights(st.memory_, b, h);
-                    }
-                }
+                st.snapshot_ = blk.memory_->current_weights(st.memory_);
             }
             save_segment_rows(st, 2 * o, 2 * m);
             const Matrix<T> U = segment_rows(u, B, t, m);  // stream-major rows

@@ -211,7 +211,7 @@ private:
     /// A part's segment-start weights and, mid-segment (a call's first part continuing an
     /// earlier call's segment), the state's snapshot and the first 2 offset rows of its buffers.
     static void begin_part(const Blk& blk, const State& st, MacSegmentTrace<T>& sg) {
-        const int B = st.batch_, H = blk.cfg_.memory.n_heads;
+        const int B = st.batch_;
         if (sg.offset > 0) {
             sg.weights = st.snapshot_;
             for (int b = 0; b < B; ++b) {
@@ -220,11 +220,7 @@ private:
             }
             return;
         }
-        for (int b = 0; b < B; ++b) {
-            for (int h = 0; h < H; ++h) {
-                sg.weights.push_back(blk.memory_->current_weights(st.memory_, b, h));
-            }
-        }
+        sg.weights = blk.memory_->current_weights(st.memory_);
     }
 
     /// o = y ⊙ σ(r): dr = dout ⊙ y ⊙ σ'(r) for the memory, dy_gate = dout ⊙ σ(r), y's direct

@@ -172,6 +172,14 @@ public:
                                              int h) {
         return materialise(cfg, st, b, h, false);
     }
+    static std::vector<std::vector<Mat>> all_weights(const MemoryConfig& cfg, const State& st) {
+        std::vector<std::vector<Mat>> out;
+        out.reserve(static_cast<std::size_t>(st.batch()) * static_cast<std::size_t>(cfg.n_heads));
+        for (int b = 0; b < st.batch(); ++b) {
+            for (int h = 0; h < cfg.n_heads; ++h) out.push_back(materialise(cfg, st, b, h, true));
+        }
+        return out;
+    }
 
 private:
     /// math §1's query path for x ((B*N) x d, N rows per sequence) into q ((B*N) x D):

@@ -1140,6 +1140,26 @@ struct MemoryKernels<Cuda, T> {
                                              int h) {
         return current(cfg, st, s, h, false);
     }
+    /// Every pair's weights: materialised once, one download per layer.
+    static std::vector<std::vector<Mat>> all_weights(const MemoryConfig& cfg, const State& st) {
+        const std::vector<T*> src = materialise(cfg, st, true);
+        st.ctx_->synchronize();
+        const auto P = static_cast<std::size_t>(st.batch_) * static_cast<std::size_t>(cfg.n_heads);
+        std::vector<std::vector<Mat>> out(P);
+        std::vector<T> layer;
+        for (int l = 1; l <= cfg.depth; ++l) {
+            const Eigen::Index in = cfg.layer_in(l), o = cfg.layer_out(l);
+            const auto size = static_cast<std::size_t>(in * o);
+            layer.resize(P * size);
+            cuda::check(cudaMemcpy(layer.data(), src[static_cast<std::size_t>(l - 1)],
+                                   layer.size() * sizeof(T), cudaMemcpyDeviceToHost),
+                        "cudaMemcpy (current memory)");
+            for (std::size_t p = 0; p < P; ++p) {
+                out[p].push_back(Eigen::Map<const Mat>(layer.data() + p * size, in, o));
+            }
+        }
+        return out;
+    }
 };
 
 }  // namespace titans::backend
