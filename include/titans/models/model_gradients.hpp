@@ -23,8 +23,8 @@ namespace titans {
 /// tensors ModelParams::tensors visits (embedding, blocks.{i}.*, norm_final, head), row-major,
 /// one after the other (1 x size()). Model::backward and backward_loss add to it on the
 /// backend, with nothing crossing to the host; norm() and clip() run there too (the norm comes
-/// back, one scalar, or stays there in a BackendScalars); to_params() / add_to() bring it to the host in one download. What a
-/// data-parallel step all-reduces.
+/// back, one scalar, or stays there in a BackendScalars); to_params() / add_to() bring it to
+/// the host in one download. What a data-parallel step all-reduces.
 ///
 ///     titans::ModelGradients<float, titans::backend::Cuda> grads(model);   // zeros
 ///     const double loss = model.forward_loss(state, ids, labels, trace);

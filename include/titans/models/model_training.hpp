@@ -96,7 +96,8 @@ struct ModelTraining {
         constexpr const char* where = "Model::forward_loss";
         std::optional<BackendScalars<T, Backend>> own;  // where the loss waits to come back
         if (into == nullptr) own.emplace();
-        typename BackendScalars<T, Backend>::Slots& s = (into != nullptr ? *into : *own).at(slot, where);
+        typename BackendScalars<T, Backend>::Slots& s =
+            (into != nullptr ? *into : *own).at(slot, where);
         require<ShapeError>(labels.size() == ids.size(), where, "labels.size()", labels.size(),
                             concat("ids.size() = ", ids.size()));
         for (const int label : labels) {
