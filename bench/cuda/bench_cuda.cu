@@ -21,6 +21,13 @@
 //                             sequences of N tokens in one call, host input and output (the
 //                             public API); MAC's segment attention runs on the host (docs/cuda.md)
 //   BM_CudaModel/B/N          a 4-block model (MAC, MAG, MAL, LMM) of those blocks, the same way
+//   BM_CudaAttention/B/N/tiled
+//                             the attention layer (d 512, H 8, d_h 64, window 512, RoPE) over B
+//                             sequences of N tokens from a fresh state, device input and output;
+//                             its attention in tiles (attention_tiled.cuh, 1) or a thread per
+//                             (row, head) (0); counters tokens_per_second, GFLOPS (projections
+//                             and the attention's two products over the keys each query sees),
+//                             frac_sgemm and frac_tf32 (of BM_CublasSgemm/4096's)
 //   BM_CudaTrainStep/mac/B/N  a Trainer step of that model with a vocabulary of 512 (mac 0: its
 //                             MAC block an LMM one, so that nothing runs on the host)
 //
@@ -297,6 +304,48 @@ void BM_CudaModel(benchmark::State& state) {
                  [&](auto& st) { benchmark::DoNotOptimize(model.forward(st, x)); });
 }
 
+/// The attention layer's FLOPs for B fresh sequences of N tokens: the four projections and,
+/// per query at position t, q k^T and p v over the min(t + 1, w) keys it sees.
+double attention_flops(const titans::AttentionConfig& cfg, int B, long N) {
+    const double d = cfg.d_model, D = cfg.inner_dim(), w = cfg.window;
+    double keys = 0;
+    for (long t = 0; t < N; ++t) {
+        keys += std::min<double>(static_cast<double>(t) + 1, w);
+    }
+    return B * (8.0 * N * d * D + 4.0 * keys * D);
+}
+
+void BM_CudaAttention(benchmark::State& state) {
+    using AK = titans::backend::AttentionKernels<Cuda, float>;
+    const int B = static_cast<int>(state.range(0));
+    const long N = state.range(1);
+    const bool tiled = state.range(2) != 0;
+    const titans::AttentionConfig cfg{.d_model = 512, .n_heads = 8, .window = 512, .rope = true};
+    const auto params = std::make_shared<const titans::AttentionParams<float>>(
+        titans::AttentionParams<float>::random(cfg, 1));
+    const AK::Prepared prepared = AK::prepare(cfg, params);
+    const titans::Matrixf host = titans::Matrixf::Random(B * N, cfg.d_model);
+    const Transfer::Buffer x = Transfer::upload(titans::view_of(host));
+    Transfer::Buffer y = Transfer::allocate(B * N, cfg.d_model);
+    tc::set_tiled_attention(tiled ? tc::TiledAttentionMode::Auto : tc::TiledAttentionMode::Off);
+    const AK::State fresh = AK::make_state(cfg, B);
+    AK::State st = fresh;
+    const auto run = [&] {
+        AK::forward(cfg, prepared, st, Transfer::view(x), Transfer::view(y), nullptr);
+    };
+    run();  // warm-up: workspaces, cuBLAS heuristics
+    const double seconds = timed_from_fresh(state, fresh, st, run);
+    tc::set_tiled_attention(tc::TiledAttentionMode::Auto);
+    const double gflops =
+        static_cast<double>(state.iterations()) * attention_flops(cfg, B, N) / seconds / 1e9;
+    state.counters["tokens_per_second"] = benchmark::Counter(
+        static_cast<double>(state.iterations()) * B * static_cast<double>(N),
+        benchmark::Counter::kIsRate);
+    state.counters["GFLOPS"] = gflops;
+    state.counters["frac_sgemm"] = gflops / sgemm_rate(4096, false);
+    state.counters["frac_tf32"] = gflops / sgemm_rate(4096, true);
+}
+
 /// One Trainer<float, Cuda> step (forward on token ids, cross-entropy, backward, clipping,
 /// AdamW and the model taking the values, all on the device; the loss, norm and AdamW's
 /// verdict back in one download) of bench_model with a vocabulary of 512, B sequences of N
@@ -345,6 +394,10 @@ BENCHMARK(BM_CudaBlock)
     ->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_CudaModel)->ArgNames({"B", "N"})->Args({1, 2048})->Args({16, 2048})
     ->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_CudaAttention)
+    ->ArgNames({"B", "N", "tiled"})
+    ->ArgsProduct({{1, 16}, {2048}, {0, 1}})
+    ->Unit(benchmark::kMillisecond)->UseManualTime();
 BENCHMARK(BM_CudaTrainStep)->ArgNames({"mac", "B", "N"})->Args({0, 1, 1024})->Args({1, 1, 1024})
     ->Args({0, 8, 1024})->Unit(benchmark::kMillisecond)->UseRealTime();
 

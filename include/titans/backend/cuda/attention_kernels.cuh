@@ -6,8 +6,10 @@
 //   1. one GEMM x [W_Q | W_K | W_V] over every token of every sequence;
 //   2. RoPE on q and k (the angles in double, rope_frequency of attention/rope.hpp);
 //   3. the new keys and values appended after each sequence's kept window rows;
-//   4. the attention, a thread per (row, head) running attention_row: the prefix and the window
-//      only, never an N x N matrix.
+//   4. the attention in tiles (attention_tiled.cuh: a block per query tile and head, the keys
+//      and values through shared memory, an online softmax), or, where a tile does not fit
+//      (d_h in the hundreds) or tiles are switched off, a thread per (row, head) running
+//      attention_row; either sees the prefix and the window only, never an N x N matrix.
 // Steps 2-4 are the functors of attention/attention_row.hpp (RopeQK, AppendWindow,
 // AttendRows), which the CPU tests run in a loop against the CPU layer;
 //   5. one GEMM with W_O; a kernel finds the first non-finite output row (exact sequence and
@@ -27,6 +29,7 @@
 #include "../../error.hpp"
 #include "../backend.hpp"
 #include "attention_state.cuh"
+#include "attention_tiled.cuh"
 #include "blas.cuh"
 #include "launch.cuh"
 #include "layer_kernels.cuh"
@@ -250,7 +253,7 @@ struct AttentionKernels<Cuda, T> {
                                            st.off_ + st.rows_});
     }
 
-    /// o (rows x D) = the attention of every (row, head), a thread each.
+    /// o (rows x D) = the attention of every (row, head) (attend_rows).
     static void attend(const AttentionConfig& cfg, cudaStream_t sm, const State& st,
                        const T* qkv, T* o, const PrefixView<T>* prefix, long long N) {
         const long long D = cfg.inner_dim();
@@ -276,8 +279,26 @@ struct AttentionKernels<Cuda, T> {
                                       cfg.window,
                                       T(1) / std::sqrt(static_cast<T>(cfg.head_dim())),
                                       o};
-        cuda::each(sm, st.batch_ * N * cfg.n_heads, f);
+        attend_rows(sm, f, st.batch_);
     }
+
+    /// o = what f (AttendRows) computes for B sequences: in tiles (tiled_attention) where a
+    /// tile fits and tiles are on (TiledAttentionMode), else a thread per (row, head).
+    static void attend_rows(cudaStream_t sm, const detail::AttendRows<T>& f, long long B) {
+        const cuda::TiledShape shape = cuda::tiled_attention() == cuda::TiledAttentionMode::Off
+                                           ? cuda::TiledShape{}
+                                           : cuda::tiled_shape(f.d_head, f.N, sizeof(T));
+        if (!cuda::tiled_grid_fits(B, f.N, f.H, shape)) {
+            cuda::each(sm, B * f.N * f.H, f);
+            return;
+        }
+        const cuda::TiledAttentionArgs<T> a{
+            f.qkv, 3 * f.D, f.k_prefix, f.v_prefix, f.p, f.k_prefix_stride, f.v_prefix_stride,
+            f.shared, f.k_win, f.v_win, f.cap, f.D, f.N, f.kept, 1, f.H, f.d_head, f.window,
+            f.scale, f.o, f.D};
+        cuda::tiled_attention(sm, a, B, shape);
+    }
+
 };
 
 }  // namespace titans::backend

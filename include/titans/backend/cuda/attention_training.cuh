@@ -6,7 +6,7 @@
 // memory the input, the prefix rows, the incoming position and each sequence's kept keys and
 // values. backward, on the device:
 //   1. qkv = x [W_Q | W_K | W_V] (one GEMM), RoPE, the prefix's P W_K, P W_V, and each
-//      sequence's [kept ; new] keys and values; o recomputed (AttendRows), g_O += o^T dy,
+//      sequence's [kept ; new] keys and values; o recomputed (as the forward: Kernels::attend_rows), g_O += o^T dy,
 //      dout = dy W_O^T (GEMMs);
 //   2. the attention backward, three deterministic passes, no atomics (functors of
 //      attention/attention_row_backward.hpp): a thread per (query row, head) recomputes its
@@ -204,10 +204,11 @@ struct AttentionTraining<Cuda, T> {
         ps.vp = ps.prows > 0 ? ps.proj.v.data() : ps.qkv.data();
         ps.o = Buf(static_cast<std::size_t>(rows * D));
         if (rows > 0) {
-            cuda::each(sm, rows * ps.H,
-                       detail::AttendRows<T>{ps.qkv.data(), ps.kp, ps.vp, ps.np, D, D, ps.shared,
-                                             ps.kw.data(), ps.vw.data(), ps.cap, ps.h, ps.N, D,
-                                             ps.H, ps.dh, cfg.window, ps.scale, ps.o.data()});
+            Kernels::attend_rows(
+                sm, detail::AttendRows<T>{ps.qkv.data(), ps.kp, ps.vp, ps.np, D, D, ps.shared,
+                                          ps.kw.data(), ps.vw.data(), ps.cap, ps.h, ps.N, D,
+                                          ps.H, ps.dh, cfg.window, ps.scale, ps.o.data()},
+                ps.B);
         }
         return ps;
     }
