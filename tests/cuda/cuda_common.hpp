@@ -7,6 +7,9 @@
 //   state_tensors(st)      every tensor State::tensors visits, as (name, host copy in double);
 //                          the position as a 1 x 1 entry: what a checkpoint would write
 //   same_tensors(a, b)     two of those equal: the same names, shapes and bits
+//   TiledModeScope         sets the attention's TiledAttentionMode for a scope
+
+#include <titans/backend/cuda/attention_tiled.cuh>
 
 #include "test_common.hpp"
 
@@ -84,5 +87,20 @@ inline bool same_tensors(const std::vector<std::pair<std::string, Matrixd>>& a,
         return x.first == y.first && identical(x.second, y.second);
     });
 }
+
+/// Sets the process's TiledAttentionMode for a scope, then puts the previous one back.
+class TiledModeScope {
+public:
+    explicit TiledModeScope(titans::backend::cuda::TiledAttentionMode m)
+        : old_(titans::backend::cuda::tiled_attention()) {
+        titans::backend::cuda::set_tiled_attention(m);
+    }
+    TiledModeScope(const TiledModeScope&) = delete;
+    TiledModeScope& operator=(const TiledModeScope&) = delete;
+    ~TiledModeScope() { titans::backend::cuda::set_tiled_attention(old_); }
+
+private:
+    titans::backend::cuda::TiledAttentionMode old_;
+};
 
 }  // namespace titans_test

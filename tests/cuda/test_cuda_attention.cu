@@ -326,21 +326,6 @@ TEMPLATE_TEST_CASE("cuda model: parity", "[cuda]", float, double) {
 
 namespace {
 
-/// Sets the process's TiledAttentionMode for a scope, then puts the previous one back.
-class TiledModeScope {
-public:
-    explicit TiledModeScope(titans::backend::cuda::TiledAttentionMode m)
-        : old_(titans::backend::cuda::tiled_attention()) {
-        titans::backend::cuda::set_tiled_attention(m);
-    }
-    TiledModeScope(const TiledModeScope&) = delete;
-    TiledModeScope& operator=(const TiledModeScope&) = delete;
-    ~TiledModeScope() { titans::backend::cuda::set_tiled_attention(old_); }
-
-private:
-    titans::backend::cuda::TiledAttentionMode old_;
-};
-
 /// One draw of tiled_attention's operands (host, rounded through T): n queries of B sequences,
 /// each against a prefix (shared or per sequence) and its own m key rows, query t at key
 /// position pos0 + stride t.
@@ -352,7 +337,7 @@ struct TiledCase {
 };
 
 template <class T>
-TiledCase tiled_case(Rng& rng, int index) {
+TiledCase tiled_case(Rng& rng, int index, bool gradients = false) {
     TiledCase c;
     c.B = uniform_int(rng, 1, 3);
     c.H = uniform_int(rng, 1, 3);
@@ -367,10 +352,13 @@ TiledCase tiled_case(Rng& rng, int index) {
     c.m = c.pos0 + c.stride * (c.n - 1) + 1 + uniform_int(rng, 0, 3);  // rows past the last unread
     c.shared = uniform_int(rng, 0, 1) == 1;
     const long long D = static_cast<long long>(c.H) * c.dh;
-    // Some peaked softmaxes; in float only at narrow heads: at d_h 160 entries of 8 give scores
-    // near 200, whose own rounding to float moves the softmax by ~1e-5 (the problem's
-    // conditioning, not the kernel's; double takes them all).
-    const bool peaked = index % 7 == 6 && (std::is_same_v<T, double> || c.dh <= 17);
+    // Some peaked softmaxes; in float only at narrow heads and not for gradients: at d_h 160
+    // entries of 8 give scores near 200, whose own rounding to float moves the softmax by
+    // ~1e-5, and a peaked softmax's dS = P (dP - delta) cancels (delta ~ the dominant key's
+    // dP) to values near float's rounding of dP (the problem's conditioning, not the
+    // kernel's; double takes them all).
+    const bool peaked =
+        index % 7 == 6 && (std::is_same_v<T, double> || (c.dh <= 17 && !gradients));
     const double big = peaked ? 8.0 : 1.5;
     c.q = round_through<T>(random_matrix(c.B * c.n, D, rng, -big, big));
     const long long pr = c.shared ? c.p : c.B * c.p;
@@ -474,4 +462,127 @@ TEMPLATE_TEST_CASE("cuda attention: per-row", "[cuda]", float, double) {
     CHECK(decode.tq == 1);
     CHECK(decode.tk >= head.tk);
     CHECK_FALSE(cu::tiled_shape(1000, 10, sizeof(T)).fits());
+}
+
+namespace {
+
+/// The gradients of a TiledCase's attention for dout: dq (B n x D), the prefix rows' dk, dv
+/// (kp's rows: a shared prefix sums every sequence's) and the sequence rows' (B m x D).
+struct TiledGrads {
+    Matrixd dq, dkp, dvp, dks, dvs;
+};
+
+/// The CPU's prefix_window_attention_backward per sequence, in double.
+TiledGrads tiled_reference_backward(const TiledCase& c, const Matrixd& dout) {
+    const long long D = static_cast<long long>(c.H) * c.dh;
+    TiledGrads g{Matrixd(c.B * c.n, D), Matrixd::Zero(c.kp.rows(), D),
+                 Matrixd::Zero(c.kp.rows(), D), Matrixd::Zero(c.B * c.m, D),
+                 Matrixd::Zero(c.B * c.m, D)};
+    for (int b = 0; b < c.B; ++b) {
+        const long long p0 = c.shared ? 0 : b * c.p;
+        Matrixd dq, dkp = Matrixd::Zero(c.p, D), dvp = Matrixd::Zero(c.p, D),
+                    dks = Matrixd::Zero(c.m, D), dvs = Matrixd::Zero(c.m, D);
+        titans::prefix_window_attention_backward<double>(
+            c.q.middleRows(b * c.n, c.n), c.kp.middleRows(p0, c.p), c.vp.middleRows(p0, c.p),
+            c.ks.middleRows(b * c.m, c.m), c.vs.middleRows(b * c.m, c.m), c.H, c.dh, c.window,
+            c.pos0, dout.middleRows(b * c.n, c.n), dq, dkp, dvp, dks, dvs, c.stride);
+        g.dq.middleRows(b * c.n, c.n) = dq;
+        g.dkp.middleRows(p0, c.p) += dkp;
+        g.dvp.middleRows(p0, c.p) += dvp;
+        g.dks.middleRows(b * c.m, c.m) = dks;
+        g.dvs.middleRows(b * c.m, c.m) = dvs;
+    }
+    return g;
+}
+
+/// The tiled forward, then the tiled backward's query pass and both key passes, on the device
+/// in `shape`; the gradients brought back in double.
+template <class T>
+TiledGrads tiled_device_backward(const TiledCase& c, const Matrixd& dout,
+                                 titans::backend::cuda::TiledShape shape) {
+    namespace cu = titans::backend::cuda;
+    const long long D = static_cast<long long>(c.H) * c.dh;
+    const auto up = [](const Matrixd& h) {
+        const Matrix<T> t = h.cast<T>();
+        return t.size() == 0 ? cu::DeviceBuffer<T>(1)
+                             : cu::upload_array(t.data(), static_cast<std::size_t>(t.size()));
+    };
+    const auto down = [](const cu::DeviceBuffer<T>& d, long long rows, long long cols) {
+        Matrix<T> h(rows, cols);
+        if (h.size() > 0) {
+            cu::check(cudaMemcpy(h.data(), d.data(), static_cast<std::size_t>(h.size()) * sizeof(T),
+                                 cudaMemcpyDeviceToHost),
+                      "cudaMemcpy (test)");
+        }
+        return Matrixd(h.template cast<double>());
+    };
+    const cu::DeviceBuffer<T> q = up(c.q), kp = up(c.kp), vp = up(c.vp), ks = up(c.ks),
+                              vs = up(c.vs), g = up(dout);
+    const auto rows = static_cast<std::size_t>(c.B * c.n);
+    cu::DeviceBuffer<T> o(rows * D), stats(3 * rows * c.H), dq(rows * D),
+        dkp(std::max<std::size_t>(1, c.kp.rows() * D)), dvp(dkp.size()),
+        dks(static_cast<std::size_t>(c.B * c.m * D)), dvs(dks.size());
+    const cu::TiledAttentionArgs<T> f{
+        q.data(), D, kp.data(), vp.data(), c.p, D, D, c.shared, ks.data(), vs.data(), c.m, D,
+        c.n, c.pos0, c.stride, c.H, c.dh, c.window,
+        T(1) / std::sqrt(static_cast<T>(c.dh)), o.data(), D};
+    const cudaStream_t sm = cu::thread_context().stream();
+    cu::tiled_attention(sm, f, c.B, cu::tiled_shape(c.dh, c.n, sizeof(T)));
+    const cu::TiledBackwardArgs<T> a{f, g.data(), D, o.data(), D, stats.data(),
+                                     stats.data() + rows * c.H, stats.data() + 2 * rows * c.H};
+    cu::tiled_query_backward(sm, a, c.B, shape, dq.data(), D);
+    cu::tiled_key_backward(sm, a, c.B, shape, false,
+                           cu::TiledKeyGrads<T>{dks.data(), dvs.data(), D});
+    cu::tiled_key_backward(sm, a, c.B, shape, true,
+                           cu::TiledKeyGrads<T>{dkp.data(), dvp.data(), D});
+    return TiledGrads{down(dq, c.B * c.n, D), down(dkp, c.kp.rows(), D), down(dvp, c.kp.rows(), D),
+                      down(dks, c.B * c.m, D), down(dvs, c.B * c.m, D)};
+}
+
+}  // namespace
+
+// The tiled backward alone against the CPU's prefix_window_attention_backward on the draws of
+// "cuda attention: tiled" (strides 1 and 2, both prefix sharings, rows no query sees, which
+// must come back 0): dq, the prefix rows' dk and dv (a shared prefix summed over the
+// sequences) and the sequence rows'.
+TEMPLATE_TEST_CASE("cuda attention: tiled backward", "[cuda]", float, double) {
+    namespace cu = titans::backend::cuda;
+    using T = TestType;
+    const int cases = parity_cases(40);
+    double worst = 0;
+    int ran = 0;
+    for (int i = 0; i < cases; ++i) {
+        Rng rng(seed_for(std::string("cuda tiled attention backward ") + type_name<T>(),
+                         static_cast<std::uint64_t>(i)));
+        const TiledCase c = tiled_case<T>(rng, i, /*gradients=*/true);
+        const Matrixd dout = round_through<T>(
+            random_matrix(c.B * c.n, static_cast<long long>(c.H) * c.dh, rng, -1.0, 1.0));
+        INFO("case " << i << ": B " << c.B << " H " << c.H << " d_h " << c.dh << " window "
+                     << c.window << " n " << c.n << " p " << c.p << " shared " << c.shared
+                     << " pos0 " << c.pos0 << " stride " << c.stride);
+        const cu::TiledShape shape = cu::tiled_backward_shape(c.dh, sizeof(T));
+        if (!shape.fits()) {  // double at d_h 160: the per-row backward's case
+            CHECK(c.dh > 100);
+            continue;
+        }
+        const TiledGrads got = tiled_device_backward<T>(c, dout, shape);
+        const TiledGrads ref = tiled_reference_backward(c, dout);
+        const double e = std::max({rel_error(got.dq, ref.dq), rel_error(got.dkp, ref.dkp),
+                                   rel_error(got.dvp, ref.dvp), rel_error(got.dks, ref.dks),
+                                   rel_error(got.dvs, ref.dvs)});
+        CHECK(e <= bound<T>());
+        worst = std::max(worst, e);
+        ++ran;
+    }
+    CHECK(ran >= cases / 2);
+    std::printf("cuda tiled attention backward (%s): %d cases, worst relative error %.3g (bound "
+                "%.0e)\n", type_name<T>(), ran, worst, bound<T>());
+    // The shapes: both passes fit 48 KB (d_h 64: 16 x 16 in float, 8 x 8 in double; d_h 160:
+    // 8 x 8 in float, none in double), none at d_h 1000.
+    const cu::TiledShape head = cu::tiled_backward_shape(64, sizeof(T));
+    CHECK(head.tq == (std::is_same_v<T, float> ? 16 : 8));
+    CHECK(static_cast<std::size_t>(cu::tiled_key_entries(head, 64)) * sizeof(T) <=
+          cu::tiled_shared_limit);
+    CHECK(cu::tiled_backward_shape(160, sizeof(T)).fits() == std::is_same_v<T, float>);
+    CHECK_FALSE(cu::tiled_backward_shape(1000, sizeof(T)).fits());
 }

@@ -177,6 +177,13 @@ TEMPLATE_TEST_CASE("cuda attention train: chained", "[cuda]", float, double) {
     parity_sweep<TestType>("cuda attention train: chained", 40, 4, true);
 }
 
+// The training pass with the tiles off: the per-row backward (a thread per query row, window
+// row and prefix row) still matches the CPU.
+TEMPLATE_TEST_CASE("cuda attention train: per-row", "[cuda]", float, double) {
+    const TiledModeScope off(titans::backend::cuda::TiledAttentionMode::Off);
+    parity_sweep<TestType>("cuda attention train: per-row", 12, 4, true);
+}
+
 TEST_CASE("cuda attention train: can fail", "[cuda]") {
     // A window one row off, the same problem otherwise: the comparison sees it.
     int seen = 0;

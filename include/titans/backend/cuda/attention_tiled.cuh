@@ -245,7 +245,8 @@ void tiled_attention(cudaStream_t stream, const TiledAttentionArgs<T>& a, long l
 
 /// Whether B sequences of N queries over H heads fit tiled_attention's grid.
 inline bool tiled_grid_fits(long long B, long long N, int H, TiledShape shape) {
-    return shape.fits() && B <= 65535 && H <= 65535 && (N + shape.tq - 1) / shape.tq <= 2147483647LL;
+    return shape.fits() && B <= 65535 && H <= 65535 &&
+           (N + shape.tq - 1) / shape.tq <= 2147483647LL;
 }
 
 }  // namespace titans::backend::cuda

@@ -6,12 +6,14 @@
 // memory the input, the prefix rows, the incoming position and each sequence's kept keys and
 // values. backward, on the device:
 //   1. qkv = x [W_Q | W_K | W_V] (one GEMM), RoPE, the prefix's P W_K, P W_V, and each
-//      sequence's [kept ; new] keys and values; o recomputed (as the forward: Kernels::attend_rows), g_O += o^T dy,
+//      sequence's [kept ; new] keys and values; o recomputed (as the forward:
+//      Kernels::attend_rows), g_O += o^T dy,
 //      dout = dy W_O^T (GEMMs);
-//   2. the attention backward, three deterministic passes, no atomics (functors of
-//      attention/attention_row_backward.hpp): a thread per (query row, head) recomputes its
-//      softmax and writes dq and the softmax statistics; a thread per (window row, head) and
-//      one per (prefix row, head) sum their dk, dv over the queries that see them;
+//   2. the attention backward, three deterministic passes, no atomics: in tiles where the
+//      forward's are (attention_tiled_backward.cuh: a block per query tile writes dq and the
+//      softmax statistics, a block per key tile of the window and of the prefix sums dk, dv
+//      over the query tiles that see it), else the functors of
+//      attention/attention_row_backward.hpp (a thread per query row, window row, prefix row);
 //   3. the adjoint of the window the call left added, the kept rows' adjoint downloaded, the
 //      transposed RoPE, then g_QKV += x^T [dq | dk | dv], dx = [dq | dk | dv] [W_Q|W_K|W_V]^T,
 //      g_KV += P^T [dk_P | dv_P], dprefix = [dk_P | dv_P] [W_K | W_V]^T (GEMMs).
@@ -29,6 +31,7 @@
 #include "../../attention/state_gradient.hpp"
 #include "../../detail/trace.hpp"
 #include "attention_kernels.cuh"
+#include "attention_tiled_backward.cuh"
 #include "../../attention/kernels_decl.hpp"
 
 namespace titans::backend {
@@ -241,14 +244,44 @@ struct AttentionTraining<Cuda, T> {
             ps.qkv.data(), ps.kp, ps.vp, ps.np, D, D, ps.shared, ps.kw.data(), ps.vw.data(),
             ps.cap, ps.h, ps.N, D, ps.H, ps.dh, cfg.window, ps.scale, ps.dout.data(),
             stats.data(), stats.data() + rows * H, stats.data() + 2 * rows * H};
-        cuda::each(sm, rows * H, detail::QueryRowsBackward<T>{ops, ps.dqkv.data(), 3 * D});
         ps.dkw = Buf(static_cast<std::size_t>(ps.B * ps.cap * D));
         ps.dvw = Buf(ps.dkw.size());
+        ps.dkvp = Buf(static_cast<std::size_t>(ps.prows * 2 * D));
+        if (tiled_backward(cfg, ps, ops)) {
+            return;
+        }
+        cuda::each(sm, rows * H, detail::QueryRowsBackward<T>{ops, ps.dqkv.data(), 3 * D});
         cuda::each(sm, ps.B * ps.cap * H, detail::KeyRowsBackward<T>{ops, ps.dkw.data(),
                                                                       ps.dvw.data()});
-        ps.dkvp = Buf(static_cast<std::size_t>(ps.prows * 2 * D));
         cuda::each(sm, ps.prows * H,
                    detail::PrefixRowsBackward<T>{ops, ps.B, ps.dkvp.data(), 2 * D});
+    }
+
+    /// Stage 2 in tiles (attention_tiled_backward.cuh: a query pass writing dq and the
+    /// statistics, then the window's and the prefix's key passes) when tiles are on and fit, as
+    /// the forward's; false (nothing done) otherwise. ops: the per-row operands (their
+    /// statistics arrays reused).
+    static bool tiled_backward(const AttentionConfig& cfg, Pass& ps,
+                               const detail::AttentionBackwardOperands<T>& ops) {
+        const cuda::TiledShape shape = cuda::tiled_attention() == cuda::TiledAttentionMode::Off
+                                           ? cuda::TiledShape{}
+                                           : cuda::tiled_backward_shape(ps.dh, sizeof(T));
+        if (!cuda::tiled_grid_fits(ps.B, std::max(ps.N, ps.cap), ps.H, shape)) {
+            return false;
+        }
+        const cudaStream_t sm = cuda::thread_context().stream();
+        const long long D = ps.D;
+        const cuda::TiledBackwardArgs<T> a{
+            {ps.qkv.data(), 3 * D, ps.kp, ps.vp, ps.np, D, D, ps.shared, ps.kw.data(),
+             ps.vw.data(), ps.cap, D, ps.N, ps.h, 1, ps.H, ps.dh, cfg.window, ps.scale, nullptr,
+             0},
+            ps.dout.data(), D, ps.o.data(), D, ops.mx, ops.inv, ops.delta};
+        cuda::tiled_query_backward(sm, a, ps.B, shape, ps.dqkv.data(), 3 * D);
+        cuda::tiled_key_backward(sm, a, ps.B, shape, false,
+                                 cuda::TiledKeyGrads<T>{ps.dkw.data(), ps.dvw.data(), D});
+        cuda::tiled_key_backward(sm, a, ps.B, shape, true,
+                                 cuda::TiledKeyGrads<T>{ps.dkvp.data(), ps.dkvp.data() + D, 2 * D});
+        return true;
     }
 
     /// Stage 3a: the adjoint of the window the call left added, the call's rows' window
