@@ -104,7 +104,7 @@ do_lease() {
     echo "fused ${tool}: $(grep 'ERROR SUMMARY\|RACECHECK SUMMARY' "${out}/fused_${tool}.txt" || echo 'no summary')"
   done
   timeout 300 "${build}/bench/bench_cuda" --benchmark_counters_tabular=true \
-    --benchmark_filter="${BENCH_FILTER:-BM_CublasSgemm|BM_CudaMemory|BM_CudaDecode|BM_CudaAttention|BM_CudaTrainStep}" \
+    --benchmark_filter="${BENCH_FILTER:-BM_CublasSgemm|BM_CudaMemory|BM_CudaDecode|BM_CudaAttention|BM_CudaTrainStep|BM_CudaModelDecode}" \
     --benchmark_out="${out}/cuda_bench.json" --benchmark_out_format=json \
     > "${out}/cuda_bench.txt" 2>&1 || echo "bench: exit $?"
   grep -v "^\*\*\*\|^-\|^Run on\|^CPU Caches\|^  L[123]\|^Load Average" "${out}/cuda_bench.txt"

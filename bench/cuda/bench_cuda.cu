@@ -30,6 +30,11 @@
 //                             frac_sgemm and frac_tf32 (of BM_CublasSgemm/4096's)
 //   BM_CudaTrainStep/mac/B/N  a Trainer step of that model with a vocabulary of 512 (mac 0: its
 //                             MAC block an LMM one, so that nothing runs on the host)
+//   BM_CudaModelDecode/B/pooled
+//                             that model with the LMM block for MAC fed one token per sequence
+//                             per call (host vectors in and out: serving), its device buffers
+//                             from the stream-ordered pool (1, the default) or from cudaMalloc /
+//                             cudaFree (0, DeviceMemory::Direct); real time per call
 //
 // Run: build/.../bench_cuda --benchmark_counters_tabular=true (tools/gpu_check.sh does).
 
@@ -373,6 +378,23 @@ void BM_CudaTrainStep(benchmark::State& state) {
     state.SetLabel(mac ? "MAC MAG MAL LMM" : "LMM MAG MAL LMM");
 }
 
+void BM_CudaModelDecode(benchmark::State& state) {
+    const int B = static_cast<int>(state.range(0));
+    tc::set_device_memory(state.range(1) != 0 ? tc::DeviceMemory::Pooled
+                                              : tc::DeviceMemory::Direct);
+    const auto [cfg, params] = bench_model(false, 0);
+    const titans::Model<float, Cuda> model(cfg, params);
+    auto st = model.make_state(B);
+    const titans::Matrixf x = titans::Matrixf::Random(B, cfg.d_model);
+    benchmark::DoNotOptimize(model.forward(st, x));  // warm-up: workspaces, cuBLAS heuristics
+    for (auto _ : state) {
+        benchmark::DoNotOptimize(model.forward(st, x));
+    }
+    tc::set_device_memory(tc::DeviceMemory::Pooled);
+    state.counters["tokens_per_second"] = benchmark::Counter(
+        static_cast<double>(state.iterations()) * B, benchmark::Counter::kIsRate);
+}
+
 }  // namespace
 
 BENCHMARK(BM_CublasSgemm)->Args({4096, 0})->Args({4096, 1})->Iterations(1)->Unit(benchmark::kMillisecond);
@@ -400,5 +422,7 @@ BENCHMARK(BM_CudaAttention)
     ->Unit(benchmark::kMillisecond)->UseManualTime();
 BENCHMARK(BM_CudaTrainStep)->ArgNames({"mac", "B", "N"})->Args({0, 1, 1024})->Args({1, 1, 1024})
     ->Args({0, 8, 1024})->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_CudaModelDecode)->ArgNames({"B", "pooled"})->ArgsProduct({{1, 64}, {0, 1}})
+    ->Unit(benchmark::kMicrosecond)->UseRealTime();
 
 BENCHMARK_MAIN();

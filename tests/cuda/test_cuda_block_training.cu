@@ -203,6 +203,57 @@ TEST_CASE("cuda model: chained pieces", "[cuda]") {
     }
 }
 
+// DeviceBuffer's memory (runtime.cuh, DeviceMemory): Trainer steps and forwards on CUDA take
+// every buffer from the device's stream-ordered pool, none from cudaMalloc (counted under the
+// emulator), and give the same bits as with DeviceMemory::Direct, which takes them all from
+// cudaMalloc.
+TEST_CASE("cuda memory: pooled device buffers", "[cuda]") {
+    namespace tc = titans::backend::cuda;
+    Rng rng(seed_for("cuda pooled buffers", 0));
+    const int vocab = 11, B = 2, N = 6;
+    const ModelCase m = trainer_model_case<double>(BlockKind::MAG, BlockKind::LMM, vocab, rng);
+    const TrainerConfig cfg = trainer_test_config(1.0);
+    struct Run {
+        std::vector<double> losses;
+        Matrixd logits;
+    };
+    const auto run = [&](tc::DeviceMemory mode) {
+        tc::set_device_memory(mode);
+        Run r;
+        Trainer<double, Cuda> trainer(m.cfg, m.params, cfg);
+        for (int s = 0; s < 3; ++s) {
+            const StepData d = step_data("cuda pooled buffers", static_cast<std::uint64_t>(s),
+                                         B, N, vocab);
+            r.losses.push_back(trainer.step(d.ids, d.labels, B));
+        }
+        const titans::Model<double, Cuda> model(m.cfg, trainer.params());
+        auto st = model.make_state(B);
+        r.logits = model.forward_tokens(st, random_ids(rng, B * N, vocab));
+        tc::set_device_memory(tc::DeviceMemory::Pooled);
+        return r;
+    };
+#if TITANS_CUDA_EMULATION
+    const auto c0 = cuda_emulation::allocation_calls();
+#endif
+    Rng keep = rng;
+    const Run pooled = run(tc::DeviceMemory::Pooled);
+#if TITANS_CUDA_EMULATION
+    const auto c1 = cuda_emulation::allocation_calls();
+    CHECK(c1.direct == c0.direct);  // nothing from cudaMalloc
+    CHECK(c1.pooled > c0.pooled);
+#endif
+    rng = keep;
+    const Run direct = run(tc::DeviceMemory::Direct);
+#if TITANS_CUDA_EMULATION
+    const auto c2 = cuda_emulation::allocation_calls();
+    CHECK(c2.pooled == c1.pooled);
+    CHECK(c2.direct > c1.direct);
+#endif
+    CHECK(pooled.losses == direct.losses);
+    CHECK(identical(pooled.logits, direct.logits));
+    tc::release_cached_device_memory();
+}
+
 #if defined(TITANS_TEST_HAS_NCCL) && TITANS_TEST_HAS_NCCL
 #include <titans/nccl/nccl.cuh>
 

@@ -7,7 +7,10 @@
 //   device memory   host memory (posix_memalign, 256-byte aligned like cudaMalloc), filled with
 //                   0xCD when allocated so that reads of unwritten memory show; every
 //                   allocation is registered, so a copy or memset whose device side is not
-//                   inside one allocation fails with cudaErrorInvalidValue
+//                   inside one allocation fails with cudaErrorInvalidValue; cudaMallocAsync and
+//                   cudaFreeAsync (the default pool) allocate and free at the call, counted
+//                   apart from cudaMalloc (allocation_calls()), and cudaFreeAsync refuses
+//                   memory that cudaMalloc gave
 //   copies, memset  at the call (every stream is synchronous), with the argument checks CUDA
 //                   makes (pitches, directions) and, where CUDA leaves it undefined (an
 //                   overlapping copy), an error and a message on stderr
@@ -94,6 +97,15 @@ enum cudaDeviceAttr {
     cudaDevAttrMaxPitch = 11,
     cudaDevAttrMultiProcessorCount = 16,
     cudaDevAttrMaxSharedMemoryPerBlockOptin = 97,
+    cudaDevAttrMemoryPoolsSupported = 115,
+};
+
+/// A stream-ordered memory pool (the device has one, its default pool) and the attribute the
+/// backend sets on it.
+struct CUmemPoolHandle_st;
+using cudaMemPool_t = CUmemPoolHandle_st*;
+enum cudaMemPoolAttr {
+    cudaMemPoolAttrReleaseThreshold = 4,
 };
 
 /// The kernel attribute the backend sets (cudaFuncSetAttribute).
@@ -134,15 +146,39 @@ inline constexpr int multiprocessors = 132;
 /// The byte fresh device memory is filled with (uninitialised reads show as 0xCDCD...).
 inline constexpr int garbage_byte = 0xCD;
 
-/// Process-wide bookkeeping: live allocations (base -> size), live streams and events.
+/// How many allocations each way the process has made (tests read it: allocation_calls()).
+struct AllocationCalls {
+    long direct = 0;  // cudaMalloc
+    long pooled = 0;  // cudaMallocAsync
+};
+
+/// Process-wide bookkeeping: live allocations (base -> size; those from cudaMallocAsync also
+/// in `pooled`), live streams and events, the allocation counts, the default pool's release
+/// threshold.
 struct Registry {
     std::mutex m;
     std::map<std::uintptr_t, std::size_t> allocations;
+    std::set<std::uintptr_t> pooled;
     std::set<const void*> handles;
+    AllocationCalls calls;
+    unsigned long long release_threshold = 0;
 };
 inline Registry& registry() {
     static Registry r;
     return r;
+}
+
+/// The allocation counts so far.
+inline AllocationCalls allocation_calls() {
+    Registry& r = registry();
+    std::lock_guard<std::mutex> lock(r.m);
+    return r.calls;
+}
+
+/// The one device's default pool: a fixed handle.
+inline cudaMemPool_t default_pool() {
+    static char pool;
+    return reinterpret_cast<cudaMemPool_t>(&pool);
 }
 
 /// The host thread's last error (CUDA keeps one per host thread).
@@ -411,6 +447,7 @@ inline cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr attr, int devic
     case cudaDevAttrMaxPitch: *v = static_cast<int>(cuda_emulation::max_pitch); return cudaSuccess;
     case cudaDevAttrMultiProcessorCount: *v = cuda_emulation::multiprocessors; return cudaSuccess;
     case cudaDevAttrMaxSharedMemoryPerBlockOptin: *v = cuda_emulation::max_shared_optin; return cudaSuccess;
+    case cudaDevAttrMemoryPoolsSupported: *v = 1; return cudaSuccess;
     }
     return cuda_emulation::fail(cudaErrorInvalidValue);
 }
@@ -420,8 +457,9 @@ inline cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
 // ---------------------------------------------------------------------------------------------
 // Memory
 // ---------------------------------------------------------------------------------------------
-inline cudaError_t cudaMalloc(void** p, std::size_t n) {
-    using namespace cuda_emulation;
+namespace cuda_emulation {
+/// cudaMalloc, and cudaMallocAsync (pooled) once its stream is checked.
+inline cudaError_t allocate(void** p, std::size_t n, bool pooled) {
     if (p == nullptr) {
         return fail(cudaErrorInvalidValue);
     }
@@ -437,26 +475,84 @@ inline cudaError_t cudaMalloc(void** p, std::size_t n) {
     {
         Registry& r = registry();
         std::lock_guard<std::mutex> lock(r.m);
-        r.allocations.emplace(reinterpret_cast<std::uintptr_t>(mem), n);
+        const auto base = reinterpret_cast<std::uintptr_t>(mem);
+        r.allocations.emplace(base, n);
+        if (pooled) {
+            r.pooled.insert(base);
+        }
+        ++(pooled ? r.calls.pooled : r.calls.direct);
     }
     *p = mem;
     return cudaSuccess;
 }
 
-inline cudaError_t cudaFree(void* p) {
-    using namespace cuda_emulation;
+/// cudaFree (any live allocation), and cudaFreeAsync (only one from cudaMallocAsync).
+inline cudaError_t release(void* p, bool pooled_only, const char* call) {
     if (p == nullptr) {
         return cudaSuccess;
     }
     {
         Registry& r = registry();
         std::lock_guard<std::mutex> lock(r.m);
-        if (r.allocations.erase(reinterpret_cast<std::uintptr_t>(p)) == 0) {
+        const auto base = reinterpret_cast<std::uintptr_t>(p);
+        if (r.allocations.count(base) == 0) {
             return fail(cudaErrorInvalidValue);  // not the base of a live allocation
         }
+        if (pooled_only && r.pooled.count(base) == 0) {
+            return misuse(call, "the memory was not allocated by cudaMallocAsync");
+        }
+        r.allocations.erase(base);
+        r.pooled.erase(base);
     }
     std::free(p);
     return cudaSuccess;
+}
+}  // namespace cuda_emulation
+
+inline cudaError_t cudaMalloc(void** p, std::size_t n) {
+    return cuda_emulation::allocate(p, n, false);
+}
+
+/// Stream-ordered allocation from the device's default pool (the work is done at the call).
+inline cudaError_t cudaMallocAsync(void** p, std::size_t n, cudaStream_t stream) {
+    if (!cuda_emulation::valid_stream(stream)) {
+        return cuda_emulation::fail(cudaErrorInvalidResourceHandle);
+    }
+    return cuda_emulation::allocate(p, n, true);
+}
+
+inline cudaError_t cudaFree(void* p) { return cuda_emulation::release(p, false, "cudaFree"); }
+
+inline cudaError_t cudaFreeAsync(void* p, cudaStream_t stream) {
+    if (!cuda_emulation::valid_stream(stream)) {
+        return cuda_emulation::fail(cudaErrorInvalidResourceHandle);
+    }
+    return cuda_emulation::release(p, true, "cudaFreeAsync");
+}
+
+inline cudaError_t cudaDeviceGetDefaultMemPool(cudaMemPool_t* pool, int device) {
+    if (pool == nullptr || device != 0) {
+        return cuda_emulation::fail(device != 0 ? cudaErrorInvalidDevice : cudaErrorInvalidValue);
+    }
+    *pool = cuda_emulation::default_pool();
+    return cudaSuccess;
+}
+
+inline cudaError_t cudaMemPoolSetAttribute(cudaMemPool_t pool, cudaMemPoolAttr attr, void* value) {
+    if (pool != cuda_emulation::default_pool() || value == nullptr ||
+        attr != cudaMemPoolAttrReleaseThreshold) {
+        return cuda_emulation::fail(cudaErrorInvalidValue);
+    }
+    cuda_emulation::Registry& r = cuda_emulation::registry();
+    std::lock_guard<std::mutex> lock(r.m);
+    std::memcpy(&r.release_threshold, value, sizeof(r.release_threshold));
+    return cudaSuccess;
+}
+
+/// Freed memory goes straight back to the host here: nothing is kept to trim.
+inline cudaError_t cudaMemPoolTrimTo(cudaMemPool_t pool, std::size_t) {
+    return pool == cuda_emulation::default_pool() ? cudaSuccess
+                                                  : cuda_emulation::fail(cudaErrorInvalidValue);
 }
 
 inline cudaError_t cudaMemcpy(void* dst, const void* src, std::size_t n, cudaMemcpyKind kind) {

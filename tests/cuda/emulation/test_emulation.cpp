@@ -169,3 +169,42 @@ TEST_CASE("emulation: dynamic shared memory", "[cuda]") {
     cudaFree(fresh);
     cudaFree(wrong);
 }
+
+// Stream-ordered allocation: cudaMallocAsync / cudaFreeAsync check their stream, are counted
+// apart from cudaMalloc, and cudaFreeAsync refuses memory cudaMalloc gave. DeviceBuffer takes
+// the pool by default and cudaMalloc under DeviceMemory::Direct, and frees each buffer the way
+// it was allocated even after the setting changed.
+TEST_CASE("emulation: stream-ordered memory", "[cuda]") {
+    namespace emu = cuda_emulation;
+    void* p = nullptr;
+    CHECK(cudaMallocAsync(&p, 64, reinterpret_cast<cudaStream_t>(0x5)) ==
+          cudaErrorInvalidResourceHandle);
+    (void)cudaGetLastError();
+    const emu::AllocationCalls c0 = emu::allocation_calls();
+    REQUIRE(cudaMallocAsync(&p, 64, cudaStreamLegacy) == cudaSuccess);
+    void* q = nullptr;
+    REQUIRE(cudaMalloc(&q, 64) == cudaSuccess);
+    CHECK(emu::allocation_calls().pooled == c0.pooled + 1);
+    CHECK(emu::allocation_calls().direct == c0.direct + 1);
+    CHECK(cudaFreeAsync(q, cudaStreamLegacy) == cudaErrorInvalidValue);  // cudaMalloc's
+    (void)cudaGetLastError();
+    CHECK(cudaFreeAsync(p, cudaStreamLegacy) == cudaSuccess);
+    CHECK(cudaFreeAsync(p, cudaStreamLegacy) == cudaErrorInvalidValue);  // freed already
+    (void)cudaGetLastError();
+    CHECK(cudaFree(q) == cudaSuccess);
+
+    const emu::AllocationCalls c1 = emu::allocation_calls();
+    {
+        tc::DeviceBuffer<float> pooled(100);
+        tc::set_device_memory(tc::DeviceMemory::Direct);
+        tc::DeviceBuffer<float> direct(100);
+        tc::DeviceBuffer<float> copy(pooled);  // allocated now: directly
+        tc::set_device_memory(tc::DeviceMemory::Pooled);
+        CHECK(emu::allocation_calls().pooled == c1.pooled + 1);
+        CHECK(emu::allocation_calls().direct == c1.direct + 2);
+        pooled.swap(direct);  // each still freed its own way below
+    }
+    CHECK(cudaGetLastError() == cudaSuccess);  // no free refused
+    tc::release_cached_device_memory();
+    CHECK(tc::device_memory() == tc::DeviceMemory::Pooled);
+}

@@ -1,13 +1,16 @@
 #pragma once
 // titans/backend/cuda/runtime.cuh: the CUDA runtime as the CUDA backend uses it: the error
-// type and checks, an owning device buffer, a stream and a cuBLAS handle (RAII, no managed
-// memory). Only CUDA translation units (nvcc) include the backend/cuda/ headers.
+// type and checks, an owning device buffer (from the device's stream-ordered pool), a stream
+// and a cuBLAS handle (RAII, no managed memory). Only CUDA translation units (nvcc) include
+// the backend/cuda/ headers.
 
 #include <cuda_runtime.h>
 #include <cublas_v2.h>
 
 #include <atomic>
 #include <cstddef>
+#include <cstdint>
+#include <mutex>
 #include <utility>
 
 #include "../../error.hpp"
@@ -68,20 +71,108 @@ inline std::atomic<bool>& tf32_flag() {
 inline void set_allow_tf32(bool on) { tf32_flag().store(on); }
 [[nodiscard]] inline bool allow_tf32() { return tf32_flag().load(); }
 
-/// An owning array of n elements of T in device memory (cudaMalloc). Copies are deep
-/// (device to device); a moved-from buffer is empty.
+/// Where DeviceBuffer takes its memory from.
+///   Pooled  the current device's stream-ordered pool (cudaMallocAsync / cudaFreeAsync on the
+///           legacy default stream; the pool keeps what is freed for the next allocation, so a
+///           call that needs scratch makes no driver allocation once warm, and a free waits
+///           for no one): the default where the device supports pools
+///   Direct  cudaMalloc / cudaFree (each cudaFree waits for the device)
+/// A buffer is freed the way it was allocated, whatever the setting is by then.
+enum class DeviceMemory { Pooled, Direct };
+
+inline std::atomic<DeviceMemory>& device_memory_flag() {
+    static std::atomic<DeviceMemory> mode{DeviceMemory::Pooled};
+    return mode;
+}
+/// Process-wide; read at each allocation.
+inline void set_device_memory(DeviceMemory m) { device_memory_flag().store(m); }
+[[nodiscard]] inline DeviceMemory device_memory() { return device_memory_flag().load(); }
+
+namespace pool_detail {
+
+/// The current device's default pool, ready for DeviceBuffer (its release threshold raised so
+/// that memory freed into it stays there across synchronisations), or nullptr where the device
+/// has no pools. Set up once per device.
+inline cudaMemPool_t current_pool() {
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
+        (void)cudaGetLastError();
+        return nullptr;
+    }
+    static std::mutex m;
+    static cudaMemPool_t pools[64] = {};
+    static bool probed[64] = {};
+    const std::lock_guard<std::mutex> lock(m);
+    if (!probed[dev]) {
+        int supported = 0;
+        cudaMemPool_t pool = nullptr;
+        if (cudaDeviceGetAttribute(&supported, cudaDevAttrMemoryPoolsSupported, dev) ==
+                cudaSuccess &&
+            supported != 0 && cudaDeviceGetDefaultMemPool(&pool, dev) == cudaSuccess) {
+            std::uint64_t keep = ~std::uint64_t(0);
+            if (cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep) ==
+                cudaSuccess) {
+                pools[dev] = pool;
+            }
+        }
+        (void)cudaGetLastError();  // a device without pools: Direct, no sticky error
+        probed[dev] = true;
+    }
+    return pools[dev];
+}
+
+}  // namespace pool_detail
+
+/// `bytes` of device memory as device_memory() says (pooled reports which); CudaError naming
+/// the call when the device has none left.
+inline void* device_allocate(std::size_t bytes, bool& pooled) {
+    void* p = nullptr;
+    pooled = device_memory() == DeviceMemory::Pooled && pool_detail::current_pool() != nullptr;
+    if (pooled) {
+        check(cudaMallocAsync(&p, bytes, cudaStreamLegacy), "cudaMallocAsync");
+    } else {
+        check(cudaMalloc(&p, bytes), "cudaMalloc");
+    }
+    return p;
+}
+
+/// Frees what device_allocate gave, the same way: into the pool once the work before it on
+/// every blocking stream is done (the legacy stream's ordering), or with cudaFree.
+inline void device_free(void* p, bool pooled) noexcept {
+    if (p == nullptr) {
+        return;
+    }
+    if (pooled) {
+        (void)cudaFreeAsync(p, cudaStreamLegacy);
+    } else {
+        (void)cudaFree(p);
+    }
+}
+
+/// Hands the memory the current device's pool keeps back to the driver (after waiting for the
+/// device): for a program that is done with the GPU for a while. Buffers alive keep theirs.
+inline void release_cached_device_memory() {
+    if (cudaMemPool_t pool = pool_detail::current_pool(); pool != nullptr) {
+        check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+        check(cudaMemPoolTrimTo(pool, 0), "cudaMemPoolTrimTo");
+    }
+}
+
+/// An owning array of n elements of T in device memory (device_allocate: the device's pool by
+/// default, see DeviceMemory). Copies are deep (device to device); a moved-from buffer is
+/// empty.
 template <class T>
 class DeviceBuffer {
 public:
     DeviceBuffer() = default;
     explicit DeviceBuffer(std::size_t n) : n_(n) {
         if (n_ > 0) {
-            check(cudaMalloc(reinterpret_cast<void**>(&p_), n_ * sizeof(T)), "cudaMalloc");
+            p_ = static_cast<T*>(device_allocate(n_ * sizeof(T), pooled_));
         }
     }
     DeviceBuffer(const DeviceBuffer& o) : DeviceBuffer(o.n_) { copy_from(o); }
     DeviceBuffer(DeviceBuffer&& o) noexcept
-        : p_(std::exchange(o.p_, nullptr)), n_(std::exchange(o.n_, 0)) {}
+        : p_(std::exchange(o.p_, nullptr)), n_(std::exchange(o.n_, 0)), pooled_(o.pooled_) {}
     /// Copies o's elements; reuses this buffer's memory when the sizes agree (no allocation).
     DeviceBuffer& operator=(const DeviceBuffer& o) {
         if (this == &o) {
@@ -100,14 +191,11 @@ public:
         swap(tmp);
         return *this;
     }
-    ~DeviceBuffer() {
-        if (p_ != nullptr) {
-            (void)cudaFree(p_);
-        }
-    }
+    ~DeviceBuffer() { device_free(p_, pooled_); }
     void swap(DeviceBuffer& o) noexcept {
         std::swap(p_, o.p_);
         std::swap(n_, o.n_);
+        std::swap(pooled_, o.pooled_);
     }
     /// Grows to at least n elements (contents lost when it grows).
     void reserve(std::size_t n) {
@@ -130,6 +218,7 @@ public:
 private:
     T* p_ = nullptr;
     std::size_t n_ = 0;
+    bool pooled_ = false;
 };
 
 /// A state's per-call workspaces W, not part of its value: a copy of the state starts with an
