@@ -217,6 +217,18 @@ inline std::vector<Eigen::Index> chunk_cuts(const std::vector<BlockConfig>& bloc
     return cuts;
 }
 
+/// Cuts of [0, N) anywhere (a memory may be left mid-chunk; the CPU trains from there), empty
+/// pieces included: what chunk_cuts draws without the alignment.
+inline std::vector<Eigen::Index> any_cuts(Eigen::Index N, Rng& rng) {
+    std::vector<Eigen::Index> cuts{0};
+    for (Eigen::Index t = 1; t < N; ++t) {
+        if (uniform_int(rng, 0, 1) == 1) cuts.push_back(t);
+        if (uniform_int(rng, 0, 7) == 0) cuts.push_back(t);  // an empty piece
+    }
+    cuts.push_back(N);
+    return cuts;
+}
+
 /// A block training case: a block of `kind` (random_block_config<T>; FFN on unless i % 3 == 1,
 /// 0-3 persistent tokens, Lagged retrieval for even i, InChunk for odd), its parameters
 /// (random_block_params<T>), B = 1-2 streams of N = 5..max_tokens rows x and dy (rounded

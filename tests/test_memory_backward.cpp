@@ -198,12 +198,6 @@ TEST_CASE("mem bwd: forward, sums, refusals", "[train][memory]") {
     CHECK(identical(g.w_q, (2 * once.w_q).eval()));
     CHECK(identical(g.memory_init[0][0], (2 * once.memory_init[0][0]).eval()));
     // Refusals leave everything as it was.
-    Matrixd y3 = y1;
-    if (s2.pending() != 0) {  // a training forward starts at a chunk boundary
-        CHECK_THROWS_AS(mem.forward(s2, c.x, y3, trace), titans::ConfigError);
-        CHECK(identical(y3, y1));
-        CHECK(trace.rows() == c.x.rows());
-    }
     titans::NeuralMemory<double>::Trace empty;
     CHECK_THROWS_AS(mem.backward(empty, c.dy, dx1, g), titans::ShapeError);
     const Matrixd short_dy = c.dy.topRows(c.dy.rows() - 1);
@@ -228,7 +222,7 @@ TEST_CASE("mem bwd: forward, sums, refusals", "[train][memory]") {
 
 
 // The training forward fills Diagnostics as forward does, bit for bit, in every mode, from a
-// fresh state and from one a whole number of chunks in; a refused call leaves diag as it was.
+// fresh state and from one some tokens in (mid-chunk too); a refused call leaves diag as it was.
 TEST_CASE("mem bwd: training diagnostics", "[train][memory]") {
     const std::vector<Modes> modes = all_primary_modes();
     for (int i = 0; i < 2 * static_cast<int>(modes.size()); ++i) {
@@ -238,8 +232,9 @@ TEST_CASE("mem bwd: training diagnostics", "[train][memory]") {
         INFO("case " << i << " chunk " << c.cfg.chunk << " rows " << c.x.rows());
         titans::NeuralMemory<double> mem(c.cfg, c.p);
         auto s1 = mem.make_state(c.batch), s2 = mem.make_state(c.batch);
-        if (i % 2 == 1) {  // start a whole number of chunks in
-            const Matrixd head = random_matrix(c.batch * c.cfg.effective_chunk(), c.cfg.d_model, rng);
+        if (i % 2 == 1) {  // start a whole number of chunks in, or mid-chunk
+            const int lead = i % 4 == 1 ? c.cfg.effective_chunk() : uniform_int(rng, 1, 5);
+            const Matrixd head = random_matrix(c.batch * lead, c.cfg.d_model, rng);
             (void)mem.forward(s1, head);
             (void)mem.forward(s2, head);
         }
@@ -254,15 +249,12 @@ TEST_CASE("mem bwd: training diagnostics", "[train][memory]") {
         CHECK(identical(d1.loss, d2.loss));
         CHECK(identical(d1.grad_norm, d2.grad_norm));
         CHECK(d2.loss.maxCoeff() > 0.0);
-        // Refused (mid-chunk, or a NaN input): diag, y and the trace as they were.
+        // Refused (a NaN input): diag, y and the trace as they were.
         const titans::Diagnostics<double> before = d2;
         Matrixd bad = c.x;
         bad(bad.rows() - 1, 0) = std::numeric_limits<double>::quiet_NaN();
         auto s3 = mem.make_state(c.batch);
         CHECK_THROWS_AS(mem.forward(s3, bad, y2, trace, &d2), titans::NonFiniteError);
-        if (s2.pending() != 0) {
-            CHECK_THROWS_AS(mem.forward(s2, c.x, y2, trace, &d2), titans::ConfigError);
-        }
         CHECK(identical(d2.loss, before.loss));
         CHECK(identical(d2.grad_norm, before.grad_norm));
         CHECK(identical(y2, y1));
@@ -270,26 +262,75 @@ TEST_CASE("mem bwd: training diagnostics", "[train][memory]") {
     }
 }
 
-// Pieces cut at chunk boundaries (the last one may end mid-chunk), forward in order and
+namespace {
+
+/// Cuts of [0, N): at chunk boundaries (the last one may end mid-chunk; an empty piece if
+/// `empty`) or, if `anywhere`, of random lengths 0..b+2 (mid-chunk starts and ends, empty
+/// pieces, pieces inside one chunk).
+std::vector<Eigen::Index> memory_cuts(Eigen::Index N, int b, bool anywhere, bool empty, Rng& rng) {
+    std::vector<Eigen::Index> cuts{0};
+    if (anywhere) {
+        while (cuts.back() < N) {
+            cuts.push_back(std::min<Eigen::Index>(N, cuts.back() + uniform_int(rng, 0, b + 2)));
+        }
+        return cuts;
+    }
+    while (cuts.back() + b < N) cuts.push_back(cuts.back() + b * uniform_int(rng, 1, 2));
+    cuts.back() = std::min(cuts.back(), N);
+    if (cuts.back() != N) cuts.push_back(N);
+    if (empty) {
+        const auto at = static_cast<std::size_t>(uniform_int(rng, 0, static_cast<int>(cuts.size()) - 2));
+        cuts.insert(cuts.begin() + static_cast<std::ptrdiff_t>(at) + 1, cuts[at]);
+    }
+    return cuts;
+}
+
+/// The state gradient backward returns for a trace from `at` tokens in: zeros()'s shapes for
+/// that state (its pending rows included), finite.
+void check_state_gradient_at(const titans::NeuralMemory<double>& mem, const BackwardCase& c,
+                             Eigen::Index at) {
+    const int B = c.batch;
+    const Eigen::Index N = c.x.rows() / B;
+    auto st = mem.make_state(B);
+    (void)mem.forward(st, take_tokens(c.x, B, N, 0, at));
+    titans::NeuralMemory<double>::Trace tr;
+    Matrixd y, dx;
+    mem.forward(st, take_tokens(c.x, B, N, at, N), y, tr);
+    titans::MemoryStateGradient<double> d;
+    auto g = MemoryParams<double>::zeros(c.cfg);
+    mem.backward(tr, take_tokens(c.dy, B, N, at, N), dx, g, &d);
+    const auto z = titans::MemoryStateGradient<double>::zeros(
+        c.cfg, B, static_cast<int>(at % c.cfg.effective_chunk()));
+    REQUIRE(d.pending_a.size() == z.pending_a.size());
+    REQUIRE(d.pending_delta.size() == z.pending_delta.size());
+    REQUIRE(d.pending_gates.size() == z.pending_gates.size());
+    for (std::size_t k = 0; k < z.pending_a.size(); ++k) {
+        for (std::size_t l = 0; l < z.pending_a[k].size(); ++l) {
+            CHECK(d.pending_a[k][l].rows() == z.pending_a[k][l].rows());
+            CHECK(d.pending_a[k][l].cols() == z.pending_a[k][l].cols());
+            CHECK(d.pending_delta[k][l].cols() == z.pending_delta[k][l].cols());
+        }
+    }
+    CHECK(d.finite());
+}
+
+}  // namespace
+
+// Pieces cut at chunk boundaries (the last one may end mid-chunk) or, from case 24, anywhere
+// (the memory left mid-chunk: the pending rows' adjoints chain too), forward in order and
 // backward last first, each given the next one's d_state_in as its d_state_out: the same dx
 // and gradients as one call, to rounding. Short pieces (under the conv's K-1 rows) pass the
 // tail's adjoint through; so do empty ones. Random and constant streams.
 TEST_CASE("mem bwd: chained pieces", "[train][memory]") {
     const std::vector<Modes> modes = all_primary_modes();
-    for (int i = 0; i < 24; ++i) {
+    for (int i = 0; i < 48; ++i) {
         Rng rng(seed_for("mem bwd: chained pieces", static_cast<std::uint64_t>(i)));
         BackwardCase c = draw_mem_case(modes[static_cast<std::size_t>(i) % modes.size()],
                                        (i * 29) % 128, rng);
         const int B = c.batch, b = c.cfg.effective_chunk();
         const Eigen::Index N = c.x.rows() / B;
-        std::vector<Eigen::Index> cuts{0};
-        while (cuts.back() + b < N) cuts.push_back(cuts.back() + b * uniform_int(rng, 1, 2));
-        cuts.back() = std::min(cuts.back(), N);
-        if (cuts.back() != N) cuts.push_back(N);
-        if (i % 3 == 1) {  // an empty piece at a chunk boundary
-            const auto at = static_cast<std::size_t>(uniform_int(rng, 0, static_cast<int>(cuts.size()) - 2));
-            cuts.insert(cuts.begin() + static_cast<std::ptrdiff_t>(at) + 1, cuts[at]);
-        }
+        const bool anywhere = i >= 24;
+        const std::vector<Eigen::Index> cuts = memory_cuts(N, b, anywhere, i % 3 == 1, rng);
         if (i % 4 == 2) {  // a constant stream: every token of a sequence the same row
             for (int s = 0; s < B; ++s) {
                 c.x.middleRows(s * N, N).rowwise() = c.x.row(s * N);
@@ -304,6 +345,7 @@ TEST_CASE("mem bwd: chained pieces", "[train][memory]") {
                                                                                cuts, g, false);
         CHECK(note_error<double>("memory chained pieces", rel_error(dx, dx_all, 1e-6)) <= 1e-12);
         check_gradients_match(g, g_all, c.cfg, 1e-6, "memory chained pieces");
+        if (anywhere) check_state_gradient_at(mem, c, cuts[cuts.size() / 2]);
     }
 }
 
@@ -330,10 +372,24 @@ TEST_CASE("mem bwd: state gradient refusals", "[train][memory]") {
     REQUIRE(d.weights.size() == static_cast<std::size_t>(B * c.cfg.n_heads));
     REQUIRE(d.conv_tail.size() == static_cast<std::size_t>(B));
     const auto before = g;
-    // t2 ends mid-chunk (at 7): no state gradient at its end.
-    REQUIRE_THROWS_NAMING(mem.backward(t2, take_tokens(c.dy, B, N, 2, N), dx, g, nullptr, &d),
-                          titans::ConfigError, "chunk");
-    auto bad = d;
+    // t2 ends mid-chunk (at 7): its end's state gradient has one pending row per pair, or none.
+    auto bad = titans::MemoryStateGradient<double>::zeros(c.cfg, B, 1);
+    bad.pending_a[0][0].resize(2, bad.pending_a[0][0].cols());
+    REQUIRE_THROWS_NAMING(mem.backward(t2, take_tokens(c.dy, B, N, 2, N), dx, g, nullptr, &bad),
+                          titans::ShapeError, "pending_a");
+    bad = titans::MemoryStateGradient<double>::zeros(c.cfg, B, 1);
+    bad.pending_gates.pop_back();
+    REQUIRE_THROWS_NAMING(mem.backward(t2, take_tokens(c.dy, B, N, 2, N), dx, g, nullptr, &bad),
+                          titans::ShapeError, "pending_gates");
+    bad = titans::MemoryStateGradient<double>::zeros(c.cfg, B, 1);
+    bad.pending_delta[0].back()(0, 0) = std::numeric_limits<double>::quiet_NaN();
+    REQUIRE_THROWS_NAMING(mem.backward(t2, take_tokens(c.dy, B, N, 2, N), dx, g, nullptr, &bad),
+                          titans::NonFiniteError, "d_state_out");
+    // t1 ends at a chunk boundary: no pending rows.
+    bad = titans::MemoryStateGradient<double>::zeros(c.cfg, B, 1);
+    REQUIRE_THROWS_NAMING(mem.backward(t1, take_tokens(c.dy, B, N, 0, 2), dx, g, nullptr, &bad),
+                          titans::ShapeError, "pending");
+    bad = d;
     bad.conv_tail.pop_back();
     REQUIRE_THROWS_NAMING(mem.backward(t1, take_tokens(c.dy, B, N, 0, 2), dx, g, nullptr, &bad),
                           titans::ShapeError, "conv_tail");
@@ -346,11 +402,10 @@ TEST_CASE("mem bwd: state gradient refusals", "[train][memory]") {
     REQUIRE_THROWS_NAMING(mem.backward(t1, take_tokens(c.dy, B, N, 0, 2), dx, g, nullptr, &bad),
                           titans::NonFiniteError, "d_state_out");
     CHECK(identical(g.w_q, before.w_q));
-    // A state gradient for the start of a mid-chunk forward is refused at the forward.
-    auto s3 = mem.make_state(B);
-    mem.forward(s3, take_tokens(c.x, B, N, 0, 1), y);
-    REQUIRE_THROWS_NAMING(mem.forward(s3, take_tokens(c.x, B, N, 1, 3), y, t1), titans::ConfigError,
-                          "pending");
+    REQUIRE_THROWS_NAMING(titans::MemoryStateGradient<double>::zeros(c.cfg, B, 2),
+                          titans::ConfigError, "pending");
+    REQUIRE_THROWS_NAMING(titans::MemoryStateGradient<double>::zeros(c.cfg, B, -1),
+                          titans::ConfigError, "pending");
 }
 
 TEST_CASE("mem bwd: zero state gradient", "[train][memory]") {
@@ -412,10 +467,11 @@ TEST_CASE("mem bwd: zero state gradient", "[train][memory]") {
 namespace {
 
 /// A mid-stream read: the stream's rows [0, p), then h = read_weights(W_p, xr) of the memory
-/// after p tokens, then rows [p, N), all one trace. L = sum(dy . y) + sum(dh . h).
+/// after p tokens, then rows [p, N), all one trace, after a lead-in piece xl of its own trace
+/// (so the staged one may start mid-chunk). L = sum(dyl . yl) + sum(dy . y) + sum(dh . h).
 struct TappedRead {
     BackwardCase c;
-    Matrixd xr, dh;
+    Matrixd xr, dh, xl, dyl;
     Eigen::Index p = 0;
 
     using Mem = titans::NeuralMemory<double>;
@@ -423,11 +479,13 @@ struct TappedRead {
 
     [[nodiscard]] Eigen::Index rows() const { return c.x.rows() / c.batch; }
 
-    /// The forward: y of the stream, the weights read and h; trace filled.
-    Matrixd run(const Mem& mem, Mem::Trace& trace, Weights& W, Matrixd& h) const {
+    /// The forward: yl, y of the stream, the weights read and h; traces filled.
+    Matrixd run(const Mem& mem, Mem::Trace& lead, Mem::Trace& trace, Weights& W, Matrixd& h,
+                Matrixd& yl) const {
         const int B = c.batch;
         const Eigen::Index N = rows();
         auto st = mem.make_state(B);
+        mem.forward(st, xl, yl, lead);
         mem.begin_trace(st, N, trace);
         Matrixd y(c.x.rows(), c.cfg.d_model), yk;
         mem.forward_part(st, take_tokens(c.x, B, N, 0, p), yk, trace);
@@ -444,29 +502,32 @@ struct TappedRead {
 
     [[nodiscard]] double loss() const {
         const Mem mem(c.cfg, c.p);
-        Mem::Trace trace;
+        Mem::Trace lead, trace;
         Weights W;
-        Matrixd h;
-        const Matrixd y = run(mem, trace, W, h);
-        return c.dy.cwiseProduct(y).sum() + dh.cwiseProduct(h).sum();
+        Matrixd h, yl;
+        const Matrixd y = run(mem, lead, trace, W, h, yl);
+        return dyl.cwiseProduct(yl).sum() + c.dy.cwiseProduct(y).sum() + dh.cwiseProduct(h).sum();
     }
 
-    /// The staged backward: the rows above p, the read's backward tapped at p, the rest.
-    MemoryParams<double> gradients(Matrixd& dx, Matrixd& dxr) const {
+    /// The staged backward: the rows above p, the read's backward tapped at p, the rest, then
+    /// the lead-in piece from the staged trace's state gradient.
+    MemoryParams<double> gradients(Matrixd& dx, Matrixd& dxr, Matrixd& dxl) const {
         const int B = c.batch;
         const Eigen::Index N = rows();
         const Mem mem(c.cfg, c.p);
-        Mem::Trace trace;
+        Mem::Trace lead, trace;
         Weights W, dW;
-        Matrixd h, dx_hi, dx_lo;
-        run(mem, trace, W, h);
+        Matrixd h, yl, dx_hi, dx_lo;
+        run(mem, lead, trace, W, h, yl);
         auto g = MemoryParams<double>::zeros(c.cfg);
         Mem::Reverse rev(mem, trace, c.dy);
         rev.down_to(p, dx_hi);
         mem.read_weights_backward(W, xr, B, dh, dxr, dW, g);
         rev.tap(dW);
         rev.down_to(0, dx_lo);
-        rev.finish(g);
+        titans::MemoryStateGradient<double> d_lead;
+        rev.finish(g, &d_lead);
+        mem.backward(lead, dyl, dxl, g, nullptr, &d_lead);
         dx.resize(c.x.rows(), c.cfg.d_model);
         put_tokens(dx, dx_hi, B, N, p, N);
         put_tokens(dx, dx_lo, B, N, 0, p);
@@ -477,26 +538,42 @@ struct TappedRead {
 }  // namespace
 
 TEST_CASE("mem bwd: staged read vs FD", "[train][memory]") {
-    const std::vector<Modes> modes = all_primary_modes();
-    for (int i = 0; i < 14; ++i) {
+    const std::vector<Modes> modes = all_primary_modes(), chunked = chunked_primary_modes();
+    for (int i = 0; i < 28; ++i) {
         Rng rng(seed_for("mem bwd: staged read vs FD", static_cast<std::uint64_t>(i)));
         TappedRead t;
-        t.c = draw_mem_case(modes[static_cast<std::size_t>(i) % modes.size()], (i * 53) % 128, rng);
+        const bool mid = i >= 21;  // the staged trace starts mid-chunk, the read often at its row 0
+        t.c = draw_mem_case(mid ? chunked[static_cast<std::size_t>(i) % chunked.size()]
+                                : modes[static_cast<std::size_t>(i) % modes.size()],
+                            (i * 53) % 128, rng);
+        if (mid && t.c.cfg.chunk == 1) {
+            t.c.cfg.chunk = uniform_int(rng, 2, 5);
+            t.c.p = MemoryParams<double>::random(t.c.cfg, rng());
+        }
         const Eigen::Index N = t.rows();
+        const int b = t.c.cfg.effective_chunk();
         // The read at the start, at the end, or anywhere between (mid-chunk included).
-        t.p = i % 5 == 0 ? 0 : i % 5 == 1 ? N : uniform_int(rng, 1, static_cast<int>(N) - 1);
+        t.p = i % 5 == 0 || (mid && i % 2 == 0) ? 0
+              : i % 5 == 1                      ? N
+                                                : uniform_int(rng, 1, static_cast<int>(N) - 1);
         const int r = uniform_int(rng, 1, 3);
         t.xr = random_matrix(t.c.batch * r, t.c.cfg.d_model, rng);
         t.dh = random_matrix(t.c.batch * r, t.c.cfg.d_model, rng);
-        INFO("case " << i << " chunk " << t.c.cfg.effective_chunk() << " rows " << N << " read at "
-                     << t.p);
-        Matrixd dx, dxr;
-        const MemoryParams<double> g = t.gradients(dx, dxr);
+        const int lead = mid ? uniform_int(rng, 1, b - 1) + (i % 3 == 0 ? b : 0)
+                         : i % 3 == 0 ? 0
+                                      : uniform_int(rng, 1, b + 1);
+        t.xl = random_matrix(t.c.batch * lead, t.c.cfg.d_model, rng);
+        t.dyl = random_matrix(t.c.batch * lead, t.c.cfg.d_model, rng);
+        INFO("case " << i << " chunk " << b << " rows " << N << " read at " << t.p << " lead "
+                     << lead);
+        Matrixd dx, dxr, dxl;
+        const MemoryParams<double> g = t.gradients(dx, dxr, dxl);
         const auto loss = [&] { return t.loss(); };
         const double atol = fd_floor(loss());
         double worst = params_fd_error(t.c.p, g, t.c.cfg, atol, loss);
         worst = std::max(worst, tensor_error(t.c.x.data(), dx.data(), t.c.x.size(), atol, loss));
         worst = std::max(worst, tensor_error(t.xr.data(), dxr.data(), t.xr.size(), atol, loss));
+        worst = std::max(worst, tensor_error(t.xl.data(), dxl.data(), t.xl.size(), atol, loss));
         CHECK(note_error<double>("memory staged read", worst) <= 1e-6);
     }
 }
@@ -574,8 +651,6 @@ TEST_CASE("mem bwd: staged API refusals", "[train][memory]") {
     auto other = mem.make_state(B);
     REQUIRE_THROWS_NAMING(mem.forward_part(other, take_tokens(c.x, B, N, 4, 5), y, tr),
                           titans::ConfigError, "position");
-    Mem::Trace t2;
-    REQUIRE_THROWS_NAMING(mem.begin_trace(st, 3, t2), titans::ConfigError, "pending");
     // An unfilled trace has no Reverse.
     REQUIRE_THROWS_AS(Mem::Reverse(mem, tr, take_tokens(c.dy, B, N, 0, 4)), titans::ShapeError);
     mem.forward_part(st, take_tokens(c.x, B, N, 4, N), y, tr);

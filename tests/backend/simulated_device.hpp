@@ -525,6 +525,7 @@ template <class T>
 struct MemoryTraining<titans_test::SimulatedDevice, T> {
     static constexpr bool available = true;
     static constexpr bool staged = true;
+    static constexpr bool mid_chunk = true;
     using Host = MemoryTraining<Cpu, T>;
     using Kernels = MemoryKernels<titans_test::SimulatedDevice, T>;
     using Trace = typename Host::Trace;

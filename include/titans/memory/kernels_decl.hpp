@@ -43,6 +43,9 @@ struct MemoryTraining {
     /// Whether it also has the staged reverse MAC's training drives (Reverse, start,
     /// forward_part, read_weights_backward; models/mac_training.hpp).
     static constexpr bool staged = false;
+    /// Whether a trace may start mid-chunk (a state with pending rows; its Trace then has an
+    /// `offset` member, and the state gradients carry the pending rows' adjoints).
+    static constexpr bool mid_chunk = false;
     struct Trace {};
 };
 

@@ -144,9 +144,11 @@ public:
     /// every chunk start (N/b copies per sequence and head), in the backend's memory.
     using Trace = typename backend::MemoryTraining<Backend, T>::Trace;
 
-    /// The training forward (math §9): forward(state, x, y) from a state at a chunk boundary
-    /// (state.pending() == 0: a fresh state, or one a whole number of chunks in; ConfigError
-    /// otherwise), keeping in `trace` what backward needs. Same outputs and state as forward,
+    /// The training forward (math §9): forward(state, x, y) from any state on the CPU (and
+    /// backends with mid_chunk_training; a state p tokens into a chunk is continued with its
+    /// pending rows, whose adjoints backward's d_state_in then carries); elsewhere from a
+    /// state at a chunk boundary (state.pending() == 0: a fresh state, or one a whole number
+    /// of chunks in; ConfigError otherwise), keeping in `trace` what backward needs. Same outputs and state as forward,
     /// and if `diag` is given the same per-token surprise (Diagnostics: (B*N) x H each) as
     /// forward gives; on an error nothing changes (state, y, trace, diag). Backends with a
     /// training pass only (the CPU, CUDA). Pieces chain: see backward's d_state_in and
@@ -175,7 +177,7 @@ public:
 
     /// The backend-level training forward: forward(state, x, y, trace, diag) on views in the
     /// backend's memory, x (B*N) x d_model, y of x's shape and distinct. Shapes, the state, the
-    /// position and the chunk boundary are checked (ShapeError, ConfigError, OverflowError);
+    /// position and (without mid_chunk_training) the chunk boundary are checked (ShapeError, ConfigError, OverflowError);
     /// finiteness of x is the caller's. On an error the state, trace and diag are unchanged (y
     /// may have been written). How a block trains its memory without a round trip.
     void forward(State& state, View<const T> x, View<T> y, Trace& trace,
@@ -198,8 +200,10 @@ public:
     /// or gradients that overflow); nothing changes then.
     ///
     /// Chained pieces (math §9): d_state_out, if given and not empty(), is dL/d(the state the
-    /// trace's call left), and the trace must end at a chunk boundary (ConfigError otherwise);
-    /// d_state_in, if given, receives dL/d(the state it started from). grads.memory_init gets
+    /// trace's call left: its chunk-start memory and, mid-chunk, its pending rows; see
+    /// MemoryStateGradient), and without mid_chunk_training the trace must end at a chunk
+    /// boundary (ConfigError otherwise); d_state_in, if given, receives dL/d(the state it
+    /// started from), the pending rows' adjoints included when it was mid-chunk. grads.memory_init gets
     /// the start memory's adjoint only for a trace from position 0 (where the state is W^0)
     /// with tokens: an empty trace there comes before the piece that adds it, and passes it on.
     /// Reversing pieces last first, each with the next one's d_state_in as its d_state_out,
@@ -359,9 +363,14 @@ public:
     /// of a memory with the same configuration (every setting but flush_denormals).
     void validate_state(const State& state) const { check_state(state, "NeuralMemory"); }
 
+    /// Whether a training trace may start mid-chunk on this backend (the CPU's: yes; CUDA's
+    /// not yet: its training starts at a chunk boundary).
+    static constexpr bool mid_chunk_training = backend::MemoryTraining<Backend, T>::mid_chunk;
+
     /// Throws unless `trace` was filled by the training forward of a memory of this
     /// configuration (every setting but flush_denormals) and holds the sizes that forward left
-    /// (batch, input, a start at a chunk boundary, conv tails, products, chunk-start memory):
+    /// (batch, input, its start (at a chunk boundary unless mid_chunk_training; else with the
+    /// incoming pending rows), conv tails, products, chunk-start memory):
     /// ShapeError (empty, moved-from, another width, sizes changed), ConfigError (another
     /// configuration, the first differing setting named). `where` names the call.
     void validate_trace(const Trace& trace,
@@ -372,10 +381,13 @@ public:
                             cfg_.d_model, where);
         detail::check_trace_config(trace.cfg, cfg_, where, "a memory");
         detail::check_trace_stream(trace.batch, trace.rows(), trace.start, where);
-        const int b = cfg_.effective_chunk();
-        detail::check_trace_part(trace.start % b == 0, where, "start", trace.start,
-                                 detail::concat("a multiple of the chunk ", b,
-                                                " (a training forward starts at a chunk boundary)"));
+        if constexpr (!mid_chunk_training) {
+            const int b = cfg_.effective_chunk();
+            detail::check_trace_part(
+                trace.start % b == 0, where, "start", trace.start,
+                detail::concat("a multiple of the chunk ", b,
+                               " (a training forward starts at a chunk boundary here)"));
+        }
         backend::MemoryTraining<Backend, T>::check_trace(cfg_, trace, where);
     }
 
@@ -389,9 +401,10 @@ public:
     }
 
     /// Throws unless d can be the adjoint of the state a trace's call left (d_state_out of
-    /// backward and Reverse): the trace ends at a chunk boundary (ConfigError), the weights,
-    /// momentum and conv tails are shaped for its batch (ShapeError), every entry is finite
-    /// (NonFiniteError).
+    /// backward and Reverse): the trace ends at a chunk boundary unless mid_chunk_training
+    /// (ConfigError), the weights, momentum, conv tails and pending rows (p = the trace's end
+    /// mod the chunk; empty: zero) are shaped for its batch (ShapeError), every entry is
+    /// finite (NonFiniteError).
     void validate_state_gradient(const MemoryStateGradient<T>& d, const Trace& trace) const
         requires(backend::MemoryTraining<Backend, T>::available)
     {
@@ -405,8 +418,9 @@ public:
     /// read_weights_backward): the CPU's and CUDA's.
     static constexpr bool staged = backend::MemoryTraining<Backend, T>::staged;
 
-    /// Starts a training trace of `rows` tokens per stream from `state` (at a chunk boundary:
-    /// ConfigError otherwise, as the training forward), for forward_part to fill in pieces of
+    /// Starts a training trace of `rows` tokens per stream from `state` (anywhere with
+    /// mid_chunk_training, else at a chunk boundary: ConfigError otherwise, as the training
+    /// forward), for forward_part to fill in pieces of
     /// any length. Replaces `trace` (on success only); the state is not changed.
     ///
     ///     NeuralMemory<double>::Trace trace;
@@ -506,14 +520,14 @@ public:
 
 private:
     void require_chunk_start(const State& state, const char* where) const {
-        if (state.pending() != 0) {
+        if (!mid_chunk_training && state.pending() != 0) {
             throw ConfigError(detail::concat(
                 where, ": state.pending() = ", state.pending(),
                 ", expected 0 (a training trace starts at a chunk boundary: a fresh state, "
                 "or one fed a multiple of chunk = ", cfg_.chunk, " tokens)"));
         }
     }
-    /// The training forward on checked views (the state at a chunk boundary): the trace and
+    /// The training forward on checked views (require_chunk_start passed): the trace and
     /// diag replaced only if the kernels succeed.
     void train_checked(State& state, View<const T> x, View<T> y, Trace& trace,
                        Diagnostics<T>* diag) const {
@@ -638,13 +652,14 @@ private:
         }
     }
     /// d: a state gradient of the trace's batch (weights and momentum as check_weights, conv
-    /// tails (K-1) x 3D per sequence, or none without a conv), finite, for a trace that ends
-    /// at a chunk boundary.
+    /// tails (K-1) x 3D per sequence, or none without a conv, pending rows as
+    /// check_pending_gradient), finite, for a trace that ends at a chunk boundary unless
+    /// mid_chunk_training.
     template <class Tr>
     void check_state_gradient(const MemoryStateGradient<T>& d, const Tr& trace) const {
         constexpr const char* where = "NeuralMemory::backward";
         const std::int64_t end = trace.start + trace.rows() / trace.batch;
-        if (cfg_.update == UpdateMode::Chunked && end % cfg_.chunk != 0) {
+        if (!mid_chunk_training && cfg_.update == UpdateMode::Chunked && end % cfg_.chunk != 0) {
             throw ConfigError(detail::concat(where, ": d_state_out is given but the trace ends at "
                                              "position ", end, ", expected a multiple of chunk = ",
                                              cfg_.chunk, " (a state gradient is taken at a chunk "
@@ -664,8 +679,50 @@ private:
                                                 3 * cfg_.inner_dim(), " (K-1 x 3D)"));
             }
         }
+        check_pending_gradient(d, trace.batch, static_cast<int>(end % cfg_.effective_chunk()));
         if (!d.finite()) {
             throw NonFiniteError(detail::concat(where, ": d_state_out has a NaN or infinite entry"));
+        }
+    }
+    /// d_state_out's pending rows: each part empty (zero) or one per pair of p rows.
+    void check_pending_gradient(const MemoryStateGradient<T>& d, int batch, int p) const {
+        constexpr const char* where = "NeuralMemory::backward";
+        const auto pairs = static_cast<std::size_t>(batch) * static_cast<std::size_t>(cfg_.n_heads);
+        const auto parts = [&](const auto& v, const char* name) {
+            detail::require<ShapeError>(
+                v.empty() || (p > 0 && v.size() == pairs), where, name, v.size(),
+                p > 0 ? detail::concat("0 (zero) or ", pairs, " (batch * n_heads)")
+                      : std::string("0 (the trace ends at a chunk boundary: no pending rows)"));
+        };
+        parts(d.pending_a, "d_state_out.pending_a.size()");
+        parts(d.pending_delta, "d_state_out.pending_delta.size()");
+        parts(d.pending_gates, "d_state_out.pending_gates.size()");
+        const auto shape = [&](const Matrix<T>& m, Eigen::Index cols, const char* name) {
+            if (m.rows() != p || m.cols() != cols) {
+                throw ShapeError(detail::concat(where, ": d_state_out.", name, " has a ", m.rows(),
+                                                " x ", m.cols(), " matrix, expected ", p, " x ",
+                                                cols, " (the pending rows after the trace)"));
+            }
+        };
+        for (std::size_t i = 0; i < d.pending_a.size(); ++i) {
+            detail::require<ShapeError>(d.pending_a[i].size() == static_cast<std::size_t>(cfg_.depth),
+                                        where, "d_state_out.pending_a[i].size()",
+                                        d.pending_a[i].size(), detail::concat(cfg_.depth, " (depth)"));
+            for (int l = 1; l <= cfg_.depth; ++l) {
+                shape(d.pending_a[i][static_cast<std::size_t>(l - 1)], cfg_.layer_in(l), "pending_a");
+            }
+        }
+        for (std::size_t i = 0; i < d.pending_delta.size(); ++i) {
+            detail::require<ShapeError>(d.pending_delta[i].size() == static_cast<std::size_t>(cfg_.depth),
+                                        where, "d_state_out.pending_delta[i].size()",
+                                        d.pending_delta[i].size(), detail::concat(cfg_.depth, " (depth)"));
+            for (int l = 1; l <= cfg_.depth; ++l) {
+                shape(d.pending_delta[i][static_cast<std::size_t>(l - 1)], cfg_.layer_out(l),
+                      "pending_delta");
+            }
+        }
+        for (const Matrix<T>& g : d.pending_gates) {
+            shape(g, cfg_.gates != GateMode::Constant ? 3 : 0, "pending_gates");
         }
     }
     void check_index(const State& state, int b, int h, const char* where) const {

@@ -216,7 +216,8 @@ public:
     /// needs; y = the output. From a fresh state (position 0) the persistent tokens go through
     /// the memory (and MAL's window) in this call, as rows before each sequence's, so that
     /// they are learnt. It also starts from a state that has seen earlier pieces (chained
-    /// pieces: see backward's d_state_in / d_state_out) when the memory is at a chunk boundary
+    /// pieces: see backward's d_state_in / d_state_out): on the CPU (a backend whose memory
+    /// has mid_chunk_training) anywhere; elsewhere when the memory is at a chunk boundary
     /// (its position, persistent tokens included for MAG and MAL, a multiple of chunk;
     /// ConfigError otherwise); MAC anywhere in a segment. Same outputs as forward (to
     /// rounding) and a state that continues the same; on an error nothing changes (state, y,
@@ -239,7 +240,8 @@ public:
     /// is added to grads (shaped as params(), e.g. BlockParams<T>::zeros(config())).
     ///
     /// Chained pieces: d_state_out, if given and not empty(), is dL/d(the state the call
-    /// left), its memory part taken at a chunk boundary, its attention part for MAG and MAL,
+    /// left), its memory part (MemoryStateGradient: mid-chunk with the pending rows'
+    /// adjoints), its attention part for MAG and MAL,
     /// its mac part (segment buffers and snapshot) for MAC (a part the kind lacks: ConfigError);
     /// d_state_in, if given, receives dL/d(the state the call started from) (empty for a call
     /// from a fresh state, whose memory restarts from W^0 and P). Reversing pieces last first,
@@ -388,7 +390,7 @@ public:
         const int B = state.batch_;
         BlockStateGradient<T> d;
         if (memory_) {
-            d.memory = MemoryStateGradient<T>::zeros(cfg_.memory, B);
+            d.memory = MemoryStateGradient<T>::zeros(cfg_.memory, B, state.memory_.pending());
         }
         if (uses_attention_state()) {
             d.attention = AttentionStateGradient<T>::zeros(cfg_.attention, B,

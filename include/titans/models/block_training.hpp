@@ -267,9 +267,11 @@ private:
         }
     }
 
-    /// A training forward starts from a fresh state or one whose memory is at a chunk boundary.
+    /// A training forward starts from a fresh state or, unless the memory trains from mid-chunk
+    /// on this backend (the CPU's), one whose memory is at a chunk boundary.
     static void check_start(const Blk& blk, const State& state, const char* where) {
-        if (state.position_ == 0 || !has_memory(blk.cfg_.kind)) {
+        if (backend::MemoryTraining<Backend, T>::mid_chunk || state.position_ == 0 ||
+            !has_memory(blk.cfg_.kind)) {
             return;
         }
         if (state.memory_.pending() != 0) {

@@ -40,7 +40,7 @@ struct MacTraining {
     using Layers = std::vector<Matrix<T>>;
     using Segments = std::vector<MacSegmentTrace<T>>;
 
-    /// The mixer on u ((B*N) x d) from next (fresh, or at a memory chunk boundary), as
+    /// The mixer on u ((B*N) x d) from next (fresh, or any state the memory trains from), as
     /// MacMixer::mix computes it, segment part by segment part; fills mem (one trace over all
     /// y) and segs.
     static Matrix<T> forward(const Blk& blk, State& next, const Matrix<T>& u, MemoryTrace& mem,

@@ -40,14 +40,22 @@ struct MemoryTraining<Cpu, T> {
     using Mat = Matrix<T>;
     using Layers = std::vector<Mat>;
 
+    /// Trains from a state any number of tokens into a chunk (its pending rows are kept).
+    static constexpr bool mid_chunk = true;
+
     /// What backward needs: the input, the memory at every chunk start, the input products
-    /// and gate logits (Kernels::Recording), the incoming position and conv tails.
+    /// and gate logits (Kernels::Recording), the incoming position and conv tails, and for a
+    /// trace that starts `offset` tokens into a chunk that chunk's pending rows (whose start
+    /// memory, the state's W^s and S^s, is then the first one kept).
     struct Trace {
         MemoryConfig cfg;
         Mat x;
         int batch = 0;
         std::int64_t start = 0;       // the state's position at the trace's first row
+        int offset = 0;               // start mod the chunk: the pending rows before row 0
         std::vector<Mat> tail_in;     // its conv tails (B of (K-1) x 3D)
+        std::vector<Layers> pend_a, pend_delta;  // per pair: those rows' A_{l-1}, Delta_l
+        std::vector<Mat> pend_gates;             // per pair: their gate logits (offset x 3)
         typename Kernels::Recording kept;
         Eigen::Index recorded = 0;   // rows per stream forward_part has recorded
         detail::TraceFilled filled;  // a moved-from trace is empty
@@ -59,7 +67,9 @@ struct MemoryTraining<Cpu, T> {
     /// of batch, rows and start (NeuralMemory::validate_trace): B conv tails of (K-1) x 3D
     /// (K-1 = 0 without a conv), the products (B*N) x 3D, the gate logits (B*N) x 3H (not kept
     /// for constant gates) and per (sequence, head) the L weights then the L momenta at each
-    /// of the ceil(N / b) chunk starts. ShapeError naming the part otherwise.
+    /// of the ceil((offset + N) / b) chunk starts; offset = start mod b, and with offset > 0
+    /// per pair the pending rows (offset x layer_in(l), offset x layer_out(l), offset x 3
+    /// unless the gates are constant). ShapeError naming the part otherwise.
     static void check_trace(const MemoryConfig& cfg, const Trace& tr, const char* where) {
         using detail::check_trace_part;
         using detail::check_trace_shape;
@@ -79,7 +89,11 @@ struct MemoryTraining<Cpu, T> {
         check_trace_part(memory.size() == B * static_cast<std::size_t>(cfg.n_heads), where,
                          "kept.memory.size()", memory.size(), "trace.batch * n_heads");
         const int b = cfg.effective_chunk(), L = cfg.depth;
-        const auto per_pair = static_cast<std::size_t>((N + b - 1) / b * 2 * L);
+        check_trace_part(tr.offset == tr.start % b, where, "start", tr.start,
+                         detail::concat("a position ", tr.offset, " tokens into a chunk of ", b,
+                                        " (the trace's offset)"));
+        check_pending(cfg, tr, where);
+        const auto per_pair = static_cast<std::size_t>((tr.offset + N + b - 1) / b * 2 * L);
         for (const std::vector<Mat>& pair : memory) {
             check_trace_part(pair.size() == per_pair, where, "kept.memory[i].size()", pair.size(),
                              detail::concat(per_pair, " (2 depth per chunk start)"));
@@ -91,8 +105,8 @@ struct MemoryTraining<Cpu, T> {
         }
     }
 
-    /// The forward of Kernels::forward from a state at a chunk boundary, recording the trace;
-    /// diag (optional) as Kernels::forward fills it.
+    /// The forward of Kernels::forward, recording the trace; diag (optional) as
+    /// Kernels::forward fills it.
     static void forward(const MemoryConfig& cfg, const typename Kernels::Prepared& p,
                         typename Kernels::State& st, View<const T> x, View<T> y, Trace& trace,
                         Diagnostics<T>* diag = nullptr) {
@@ -102,8 +116,8 @@ struct MemoryTraining<Cpu, T> {
         trace = std::move(t);
     }
 
-    /// An empty trace for st's B sequences of N rows of width d from st (at a chunk boundary),
-    /// filled by forward_part piece by piece (MAC feeds its memory a segment at a time).
+    /// An empty trace for st's B sequences of N rows of width d from st, filled by
+    /// forward_part piece by piece (MAC feeds its memory a segment at a time).
     static void start(const MemoryConfig& cfg, const typename Kernels::State& st, Eigen::Index N,
                       Eigen::Index d, Trace& t) {
         const int B = st.batch();
@@ -111,6 +125,7 @@ struct MemoryTraining<Cpu, T> {
         t.cfg = cfg;
         t.batch = B;
         t.start = st.position();
+        t.offset = st.pending();
         t.tail_in = st.conv_tail_;
         t.x.resize(B * N, d);
         t.kept.u.resize(B * N, 3 * cfg.inner_dim());
@@ -118,6 +133,9 @@ struct MemoryTraining<Cpu, T> {
             t.kept.logits.resize(B * N, 3 * cfg.n_heads);
         }
         t.kept.memory.resize(static_cast<std::size_t>(B) * static_cast<std::size_t>(cfg.n_heads));
+        if (t.offset > 0) {
+            keep_pending(cfg, st, t);
+        }
         t.filled = N == 0;
     }
 
@@ -154,7 +172,7 @@ struct MemoryTraining<Cpu, T> {
     }
 
     /// dL/dx (written, rows x d) and every parameter's gradient from dy = dL/dy and, if
-    /// given, d_out = dL/d(the state after the trace; it ends at a chunk boundary). d_in, if
+    /// given, d_out = dL/d(the state after the trace, its pending rows' included). d_in, if
     /// given, gets dL/d(the state before it). The gradients gather in zeros; if they and d_in
     /// are finite they are added to `grads` (1 x the parameters' count, MemoryParams::tensors
     /// order, row-major) and true returned, else grads is unchanged and false returned.
@@ -178,23 +196,73 @@ struct MemoryTraining<Cpu, T> {
     class Reverse;
 
 private:
-    /// One (sequence, head)'s rows and columns in the piece's matrices.
+    /// The incoming chunk's pending rows and its start memory (the state's W^s, S^s, kept
+    /// first), per pair, into a trace from a state t.offset tokens into a chunk.
+    static void keep_pending(const MemoryConfig& cfg, const typename Kernels::State& st,
+                             Trace& t) {
+        const int p = t.offset;
+        for (int s = 0; s < st.batch(); ++s) {
+            for (int h = 0; h < cfg.n_heads; ++h) {
+                const auto& hd = st.heads_[st.index(s, h)];
+                Layers a, delta;
+                for (std::size_t l = 0; l < hd.a.size(); ++l) {
+                    a.push_back(hd.a[l].topRows(p));
+                    delta.push_back(hd.delta[l].topRows(p));
+                }
+                t.pend_a.push_back(std::move(a));
+                t.pend_delta.push_back(std::move(delta));
+                t.pend_gates.push_back(cfg.gates != GateMode::Constant ? Mat(hd.gates.topRows(p))
+                                                                        : Mat(p, 0));
+                auto& snap = t.kept.memory[st.index(s, h)];
+                snap.insert(snap.end(), hd.w.begin(), hd.w.end());
+                snap.insert(snap.end(), hd.s.begin(), hd.s.end());
+            }
+        }
+    }
+
+    /// check_trace's part for the pending rows before row 0.
+    static void check_pending(const MemoryConfig& cfg, const Trace& tr, const char* where) {
+        using detail::check_trace_part;
+        using detail::check_trace_shape;
+        const std::size_t pairs = tr.offset > 0 ? tr.kept.memory.size() : 0;
+        check_trace_part(tr.pend_a.size() == pairs && tr.pend_delta.size() == pairs &&
+                             tr.pend_gates.size() == pairs,
+                         where, "pend_a.size()", tr.pend_a.size(), "the pairs when offset > 0");
+        for (std::size_t i = 0; i < pairs; ++i) {
+            check_trace_part(tr.pend_a[i].size() == static_cast<std::size_t>(cfg.depth) &&
+                                 tr.pend_delta[i].size() == tr.pend_a[i].size(),
+                             where, "pend_a[i].size()", tr.pend_a[i].size(), "depth");
+            for (int l = 1; l <= cfg.depth; ++l) {
+                const auto u = static_cast<std::size_t>(l - 1);
+                check_trace_shape(tr.pend_a[i][u], tr.offset, cfg.layer_in(l), where, "pend_a");
+                check_trace_shape(tr.pend_delta[i][u], tr.offset, cfg.layer_out(l), where,
+                                  "pend_delta");
+            }
+            check_trace_shape(tr.pend_gates[i], tr.offset,
+                              cfg.gates != GateMode::Constant ? 3 : 0, where, "pend_gates");
+        }
+    }
+
+    /// One (sequence, head)'s rows and columns in the piece's matrices. Rows t are counted from
+    /// the chunk start before the trace's row 0, `off` rows (the incoming pending ones) earlier.
     struct Slice {
         const cpu::MemoryProjections<T>& pr;
         const Mat& dyh;
         Eigen::Index r0;
         int h, dh, D, H;
+        Eigen::Index off;
+        [[nodiscard]] Eigen::Index row(Eigen::Index t) const { return r0 + t - off; }
         template <class M>
         auto q(M& m, Eigen::Index t, Eigen::Index n) const {
-            return m.block(r0 + t, h * dh, n, dh);
+            return m.block(row(t), h * dh, n, dh);
         }
         template <class M>
         auto k(M& m, Eigen::Index t, Eigen::Index n) const {
-            return m.block(r0 + t, D + h * dh, n, dh);
+            return m.block(row(t), D + h * dh, n, dh);
         }
         template <class M>
         auto v(M& m, Eigen::Index t, Eigen::Index n) const {
-            return m.block(r0 + t, 2 * D + h * dh, n, dh);
+            return m.block(row(t), 2 * D + h * dh, n, dh);
         }
     };
 
@@ -207,25 +275,42 @@ private:
         Mat dq, dk, dv, dH, tmp, G, dG, dM;
         std::vector<T> theta0, theta, eta, alpha, g2, beta, c, g, s;
         std::vector<T> dtheta, deta, dalpha, dbeta, dc, dg, ds, scratch;
-        Eigen::Index cur = 0;  // rows >= cur are reversed
+        Eigen::Index cur = 0;  // rows >= cur are reversed (counted as Slice's)
         bool has_tap = false;
         bool final_end = false;  // the last chunk's end has an adjoint (the state after the call)
+        // A trace ending mid-chunk: the state after keeps that chunk's start memory and rows.
+        bool end_mid = false;     // d_out given there: its W^s, S^s adjoint in dW_end, dS_end
+        bool add_out = false;     // the stage about to run adds d_out's pending rows
+        Layers dW_end, dS_end;
+        const Layers *pa_out = nullptr, *pd_out = nullptr;  // d_out's pending rows (or none)
+        const Mat* pg_out = nullptr;
+        // A trace starting mid-chunk: the incoming pending rows and their adjoints.
+        const Layers *pa_in = nullptr, *pd_in = nullptr;
+        const Mat* pg_in = nullptr;
+        Layers da_in, dd_in;
+        Mat dg_in;
     };
 
-    /// Starts a pair's sweep at the end of its N rows, with the final memory's adjoint
-    /// (dW, dS; null: none). Shapes from the layer sizes.
+    /// Starts a pair's sweep at the end of its N rows, with the adjoint of the state's
+    /// memory after them (dW, dS; null: none): at a chunk end the final memory's, mid-chunk
+    /// (w.end_mid) that chunk's start memory's. Shapes from the layer sizes.
     static void sweep_start(const MemoryConfig& cfg, Eigen::Index N, const Layers* dW,
                             const Layers* dS, Pair& w) {
         const auto L = static_cast<std::size_t>(cfg.depth);
         for (Layers* v : {&w.W, &w.S, &w.dW, &w.dS, &w.dWn, &w.dSn, &w.tapW}) v->resize(L);
+        w.end_mid = dW != nullptr && N % cfg.effective_chunk() != 0;
         for (std::size_t l = 0; l < L; ++l) {
             const int in = cfg.layer_in(static_cast<int>(l) + 1), out = cfg.layer_out(static_cast<int>(l) + 1);
-            w.dWn[l] = dW != nullptr ? (*dW)[l] : Mat::Zero(in, out);
-            w.dSn[l] = dS != nullptr ? (*dS)[l] : Mat::Zero(in, out);
+            w.dWn[l] = dW != nullptr && !w.end_mid ? (*dW)[l] : Mat::Zero(in, out);
+            w.dSn[l] = dS != nullptr && !w.end_mid ? (*dS)[l] : Mat::Zero(in, out);
+        }
+        if (w.end_mid) {
+            w.dW_end = *dW;
+            w.dS_end = *dS;
         }
         w.cur = N;
         w.has_tap = false;
-        w.final_end = dW != nullptr;
+        w.final_end = dW != nullptr && !w.end_mid;
     }
 
     /// The adjoint of the weights after w.cur tokens (the memory a MAC segment starting there
@@ -259,13 +344,19 @@ private:
         const auto Ls = w.W.size();
         while (w.cur > p) {
             const Eigen::Index ch = (w.cur - 1) / b, c0 = ch * b, c1 = std::min<Eigen::Index>(c0 + b, N);
+            w.add_out = w.cur == N && w.end_mid;
             if (w.cur == c1) {  // a new chunk from its top: its start memory
                 const auto at = static_cast<std::size_t>(ch) * 2 * Ls;
                 for (std::size_t l = 0; l < Ls; ++l) {
                     w.W[l] = snap[at + l];
                     w.S[l] = snap[at + Ls + l];
-                    w.dW[l].setZero(w.W[l].rows(), w.W[l].cols());
-                    w.dS[l].setZero(w.W[l].rows(), w.W[l].cols());
+                    if (w.add_out) {  // the state after keeps this start memory
+                        w.dW[l] = w.dW_end[l];
+                        w.dS[l] = w.dS_end[l];
+                    } else {
+                        w.dW[l].setZero(w.W[l].rows(), w.W[l].cols());
+                        w.dS[l].setZero(w.W[l].rows(), w.W[l].cols());
+                    }
                 }
             }
             // The chunk end, adjoint carried in dWn, dSn (the last chunk's: the state after).
@@ -279,8 +370,10 @@ private:
             }
             w.has_tap = false;
             const Eigen::Index lo = std::max(c0, p);
-            chunk_backward(cfg, sl, c0, static_cast<int>(w.cur - c0), static_cast<int>(lo - c0),
+            const Eigen::Index reads = std::max(lo, c0 == 0 ? sl.off : Eigen::Index(0));
+            chunk_backward(cfg, sl, c0, static_cast<int>(w.cur - c0), static_cast<int>(reads - c0),
                            end, w, yh, dqkv, dlogits);
+            w.add_out = false;
             w.cur = lo;
             if (lo == c0) {
                 std::swap(w.dW, w.dWn);
@@ -292,18 +385,28 @@ private:
     /// One stage of a chunk at t0: the prefix of n rows, the reads of rows [o, n). Recompute,
     /// then reverse the reads, the end of the prefix (if `end`: W' = f(W, S, rows < n), the
     /// adjoint in dWn, dSn), the coefficients, clipping, key pass and gates. Adds to dqkv and
-    /// dlogits.
+    /// dlogits. In the first chunk of a trace that starts mid-chunk the first sl.off rows are
+    /// the incoming pending ones: taken from the trace, their adjoints added to w.da_in,
+    /// w.dd_in, w.dg_in.
     static void chunk_backward(const MemoryConfig& cfg, const Slice& sl, Eigen::Index t0, int n,
                                int o, bool end, Pair& w, Mat& yh, Mat& dqkv, Mat& dlogits) {
         const Mat& qkv = sl.pr.qkv;
-        w.tape.forward(w.W, sl.k(qkv, t0, n), sl.v(qkv, t0, n), cfg.activation, cfg.residual);
-        gates(cfg, sl, t0, n, w);
+        const int pre = t0 == 0 ? static_cast<int>(sl.off) : 0;
+        w.tape.forward(w.W, sl.k(qkv, t0 + pre, n - pre), sl.v(qkv, t0 + pre, n - pre),
+                       cfg.activation, cfg.residual);
+        if (pre > 0) {
+            w.tape.prepend(*w.pa_in, *w.pd_in);
+        }
+        if (w.add_out) {
+            pending_out(cfg, sl, t0, pre, w, dlogits);
+        }
+        gates(cfg, sl, t0, n, pre, w);
         for (auto* v : {&w.dtheta, &w.deta, &w.dalpha, &w.dbeta, &w.dc, &w.dg, &w.ds}) {
             v->assign(static_cast<std::size_t>(n), T(0));
         }
         w.scratch.resize(6 * static_cast<std::size_t>(n));
-        auto y = yh.block(sl.r0 + t0 + o, sl.h * sl.dh, n - o, sl.dh);
-        const auto dy = sl.dyh.block(sl.r0 + t0 + o, sl.h * sl.dh, n - o, sl.dh);
+        auto y = yh.block(sl.row(t0 + o), sl.h * sl.dh, n - o, sl.dh);
+        const auto dy = sl.dyh.block(sl.row(t0 + o), sl.h * sl.dh, n - o, sl.dh);
         T dp_end = T(0);
         if (cfg.retrieval == Retrieval::Lagged) {
             lagged_backward(cfg, sl.q(qkv, t0 + o, n - o), dy, w, y);
@@ -319,23 +422,53 @@ private:
             end ? w.dg.data() : nullptr, end ? w.ds.data() : nullptr, dp_end, w.dtheta.data(),
             w.deta.data(), w.dalpha.data(), w.scratch.data());
         clip_backward(cfg, n, w);
+        for (std::size_t l = 0; l < w.da_in.size() && pre > 0; ++l) {
+            w.da_in[l] += w.tape.abar[l].topRows(pre);
+            w.dd_in[l] += w.tape.dbar[l].topRows(pre);
+        }
         w.tape.backward(w.W, cfg.activation, cfg.residual, w.dW, w.dk, w.dv);
         sl.q(dqkv, t0 + o, n - o) += w.dq;
-        sl.k(dqkv, t0, n) += w.dk;
-        sl.v(dqkv, t0, n) += w.dv;
-        gates_backward(cfg, sl, t0, n, w, dlogits);
+        sl.k(dqkv, t0 + pre, n - pre) += w.dk;
+        sl.v(dqkv, t0 + pre, n - pre) += w.dv;
+        gates_backward(cfg, sl, t0, n, pre, w, dlogits);
+    }
+
+    /// d_out's adjoints of the pending rows the state after the trace keeps (rows [0, n) of
+    /// the last chunk) into the tape's abar, dbar and the gate logits' adjoints (the incoming
+    /// rows' into w.dg_in).
+    static void pending_out(const MemoryConfig& cfg, const Slice& sl, Eigen::Index t0, int pre,
+                            Pair& w, Mat& dlogits) {
+        for (std::size_t l = 0; l < w.tape.a.size(); ++l) {
+            if (w.pa_out != nullptr) w.tape.abar[l] += (*w.pa_out)[l];
+            if (w.pd_out != nullptr) w.tape.dbar[l] += (*w.pd_out)[l];
+        }
+        if (w.pg_out == nullptr || cfg.gates == GateMode::Constant) {
+            return;
+        }
+        for (Eigen::Index i = 0; i < w.pg_out->rows(); ++i) {
+            for (int which = 0; which < 3; ++which) {
+                if (i < pre) {
+                    w.dg_in(i, which) += (*w.pg_out)(i, which);
+                } else {
+                    dlogits(sl.row(t0 + i), which * sl.H + sl.h) += (*w.pg_out)(i, which);
+                }
+            }
+        }
     }
 
     /// The gates of rows [t0, t0+n) (theta0 before clipping, theta after, eta, alpha), as
     /// Kernels::gates_clipped computes them for a whole chunk.
-    static void gates(const MemoryConfig& cfg, const Slice& sl, Eigen::Index t0, int n, Pair& w) {
+    static void gates(const MemoryConfig& cfg, const Slice& sl, Eigen::Index t0, int n, int pre,
+                      Pair& w) {
         for (auto* v : {&w.theta0, &w.theta, &w.eta, &w.alpha, &w.g2}) {
             v->resize(static_cast<std::size_t>(n));
         }
         const T sc[3] = {static_cast<T>(cfg.gate_scale(0)), static_cast<T>(cfg.gate_scale(1)),
                          static_cast<T>(cfg.gate_scale(2))};
         const Mat& lg = sl.pr.logits;
-        const auto logit = [&](int i, int which) { return lg(sl.r0 + t0 + i, which * sl.H + sl.h); };
+        const auto logit = [&](int i, int which) {
+            return i < pre ? (*w.pg_in)(i, which) : lg(sl.row(t0 + i), which * sl.H + sl.h);
+        };
         const auto mean = [&](int which) {
             T m = T(0);
             for (int i = 0; i < n; ++i) m += logit(i, which);
@@ -368,9 +501,10 @@ private:
         }
     }
 
-    /// The adjoints of the gate values (dtheta of theta0 after clip_backward) into the logits.
+    /// The adjoints of the gate values (dtheta of theta0 after clip_backward) into the logits
+    /// (the first `pre` rows' into w.dg_in).
     static void gates_backward(const MemoryConfig& cfg, const Slice& sl, Eigen::Index t0, int n,
-                               const Pair& w, Mat& dlogits) {
+                               int pre, Pair& w, Mat& dlogits) {
         if (cfg.gates == GateMode::Constant) {
             return;
         }
@@ -378,21 +512,26 @@ private:
         const std::vector<T>* adj[3] = {&w.dtheta, &w.deta, &w.dalpha};
         for (int which = 0; which < 3; ++which) {
             const Eigen::Index col = which * sl.H + sl.h;
+            const auto logit = [&](int i) -> T {
+                return i < pre ? (*w.pg_in)(i, which) : lg(sl.row(t0 + i), col);
+            };
+            const auto add = [&](int i, T v) {
+                (i < pre ? w.dg_in(i, which) : dlogits(sl.row(t0 + i), col)) += v;
+            };
             const T scale = static_cast<T>(cfg.gate_scale(which));
             const auto dsig = [](T z) { const T s = detail::sigmoid(z); return s * (T(1) - s); };
             if (cfg.gates == GateMode::PerChunk) {
                 T m = T(0), d = T(0);
                 for (int i = 0; i < n; ++i) {
-                    m += lg(sl.r0 + t0 + i, col);
+                    m += logit(i);
                     d += (*adj[which])[static_cast<std::size_t>(i)];
                 }
                 m /= static_cast<T>(n);
                 const T dl = d * scale * dsig(m) / static_cast<T>(n);
-                for (int i = 0; i < n; ++i) dlogits(sl.r0 + t0 + i, col) += dl;
+                for (int i = 0; i < n; ++i) add(i, dl);
             } else {
                 for (int i = 0; i < n; ++i) {
-                    dlogits(sl.r0 + t0 + i, col) += (*adj[which])[static_cast<std::size_t>(i)] *
-                                                   scale * dsig(lg(sl.r0 + t0 + i, col));
+                    add(i, (*adj[which])[static_cast<std::size_t>(i)] * scale * dsig(logit(i)));
                 }
             }
         }
@@ -590,7 +729,8 @@ public:
         /// d_out: the adjoint of the state after the trace (null: none).
         Reverse(const MemoryConfig& cfg, const typename Kernels::Prepared& prepared,
                 const Trace& tr, View<const T> dyv, const MemoryStateGradient<T>* d_out = nullptr)
-            : cfg_(cfg), p_(*prepared), tr_(tr), N_(tr.x.rows() / tr.batch), cur_(N_) {
+            : cfg_(cfg), p_(*prepared), tr_(tr), N_(tr.x.rows() / tr.batch), cur_(N_),
+              off_(tr.offset) {
             const int B = tr.batch, D = cfg.inner_dim();
             const auto pairs = static_cast<std::size_t>(B) * static_cast<std::size_t>(cfg.n_heads);
             pr_.compute(cfg, p_, tr.kept.u, tr.kept.logits, B, tr.tail_in);
@@ -603,8 +743,9 @@ public:
             work_.resize(pairs);
             const bool given = d_out != nullptr && !d_out->empty();
             for (std::size_t i = 0; i < pairs; ++i) {
-                sweep_start(cfg, N_, given ? &d_out->weights[i] : nullptr,
+                sweep_start(cfg, off_ + N_, given ? &d_out->weights[i] : nullptr,
                             given ? &d_out->momentum[i] : nullptr, work_[i]);
+                connect_pending(i, given ? d_out : nullptr, work_[i]);
             }
             if (given) {
                 dtail_out_ = d_out->conv_tail;
@@ -624,9 +765,9 @@ public:
 #endif
             for (int bh = 0; bh < pairs; ++bh) {
                 const detail::DenormalFlushScope flush(cfg_.flush_denormals);
-                const Slice sl{pr_, dyh_, bh / H * N_, bh % H, cfg_.head_dim(), cfg_.inner_dim(), H};
-                sweep_down(cfg_, tr_.kept.memory[static_cast<std::size_t>(bh)], sl, N_, p,
-                           work_[static_cast<std::size_t>(bh)], yh_, dqkv_, dlogits_);
+                sweep_down(cfg_, tr_.kept.memory[static_cast<std::size_t>(bh)], slice(bh),
+                           off_ + N_, p == 0 ? 0 : off_ + p, work_[static_cast<std::size_t>(bh)],
+                           yh_, dqkv_, dlogits_);
             }
             pr_.to_conv_adjoint(cfg_, dqkv_, B, p, cur_);
             pr_.input_adjoint(cfg_, p_, B, dqkv_, du_, p, cur_);
@@ -640,7 +781,11 @@ public:
         /// tokens.
         void tap(const std::vector<Layers>& dW) {
             for (std::size_t i = 0; i < work_.size(); ++i) {
-                sweep_tap(cfg_, N_, dW[i], work_[i]);
+                if (work_[i].cur == 0 && off_ > 0) {
+                    tap_before(i, dW[i]);
+                } else {
+                    sweep_tap(cfg_, off_ + N_, dW[i], work_[i]);
+                }
             }
         }
 
@@ -667,6 +812,58 @@ public:
         }
 
     private:
+        [[nodiscard]] Slice slice(int bh) const {
+            const int H = cfg_.n_heads;
+            return Slice{pr_, dyh_, bh / H * N_, bh % H, cfg_.head_dim(), cfg_.inner_dim(), H,
+                         off_};
+        }
+
+        /// Pair i's pending rows: the trace's incoming ones (their adjoints zeroed) and d_out's.
+        void connect_pending(std::size_t i, const MemoryStateGradient<T>* d_out, Pair& w) const {
+            if (off_ > 0) {
+                w.pa_in = &tr_.pend_a[i];
+                w.pd_in = &tr_.pend_delta[i];
+                w.pg_in = &tr_.pend_gates[i];
+                w.da_in.clear();
+                w.dd_in.clear();
+                for (std::size_t l = 0; l < w.pa_in->size(); ++l) {
+                    w.da_in.push_back(Mat::Zero(off_, (*w.pa_in)[l].cols()));
+                    w.dd_in.push_back(Mat::Zero(off_, (*w.pd_in)[l].cols()));
+                }
+                w.dg_in.setZero(off_, w.pg_in->cols());
+            }
+            if (d_out != nullptr && w.end_mid) {
+                w.pa_out = d_out->pending_a.empty() ? nullptr : &d_out->pending_a[i];
+                w.pd_out = d_out->pending_delta.empty() ? nullptr : &d_out->pending_delta[i];
+                w.pg_out = d_out->pending_gates.empty() ? nullptr : &d_out->pending_gates[i];
+            }
+        }
+
+        /// A tap at the trace's row 0 when it starts mid-chunk: the weights there are the
+        /// incoming chunk's partial end f(W^s, S^s, pending rows), reversed as a stage of
+        /// those rows alone into the start memory's adjoint (carried in dWn, dSn once the
+        /// sweep is down) and the pending rows'.
+        void tap_before(std::size_t i, const Layers& dW) {
+            Pair& w = work_[i];
+            const std::vector<Mat>& snap = tr_.kept.memory[i];
+            const std::size_t Ls = w.W.size();
+            for (std::size_t l = 0; l < Ls; ++l) {
+                w.W[l] = snap[l];
+                w.S[l] = snap[Ls + l];
+            }
+            std::swap(w.dW, w.dWn);
+            std::swap(w.dS, w.dSn);
+            for (std::size_t l = 0; l < Ls; ++l) {
+                w.dWn[l] = dW[l];
+                w.dSn[l].setZero(w.W[l].rows(), w.W[l].cols());
+            }
+            // No row of the trace is in the stage: yh_, dqkv_ and dlogits_ stay as they are.
+            chunk_backward(cfg_, slice(static_cast<int>(i)), 0, off_, off_, true, w, yh_, dqkv_,
+                           dlogits_);
+            std::swap(w.dW, w.dWn);
+            std::swap(w.dS, w.dSn);
+        }
+
         /// The state after the trace keeps the last K-1 rows of [tail_in; u] per sequence:
         /// dtail_out row i is row N + i of that, u's row N + i - (K-1) when in [p, cur).
         void add_tail_out(Eigen::Index p) {
@@ -686,9 +883,19 @@ public:
         void state_in(MemoryStateGradient<T>& d) const {
             d.weights.resize(work_.size());
             d.momentum.resize(work_.size());
+            d.pending_a.clear();
+            d.pending_delta.clear();
+            d.pending_gates.clear();
             for (std::size_t i = 0; i < work_.size(); ++i) {
                 d.weights[i] = work_[i].dWn;
                 d.momentum[i] = work_[i].dSn;
+                if (off_ > 0) {
+                    d.pending_a.push_back(work_[i].da_in);
+                    d.pending_delta.push_back(work_[i].dd_in);
+                    if (cfg_.gates != GateMode::Constant) {
+                        d.pending_gates.push_back(work_[i].dg_in);
+                    }
+                }
             }
             d.conv_tail.clear();
             for (const Mat& tail : tr_.tail_in) {
@@ -714,6 +921,7 @@ public:
         std::vector<Mat> dtail_out_;
         std::vector<Pair> work_;
         Eigen::Index N_, cur_;
+        int off_;  // the trace's start mod the chunk: the incoming pending rows
     };
 
     /// The reverse of Kernels::read_weights (MAC's read of its segment-start memory): from

@@ -50,6 +50,8 @@ struct MemoryTraining<Cuda, T> {
     /// The staged reverse MAC's training drives: Reverse, start, forward_part and
     /// read_weights_backward (host matrices in and out where the caller's glue is).
     static constexpr bool staged = true;
+    /// A training trace starts at a chunk boundary here (the CPU's also starts mid-chunk).
+    static constexpr bool mid_chunk = false;
     using Kernels = MemoryKernels<Cuda, T>;
     using Buf = cuda::DeviceBuffer<T>;
     using Mat = Matrix<T>;
