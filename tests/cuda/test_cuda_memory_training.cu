@@ -144,7 +144,8 @@ void trace_sweep(const char* name, int cases_per_mode, double bound) {
 
 
 /// A chained training case: config, parameters, the stream cut at chunk boundaries (cuts[0] =
-/// 0 .. N; an empty piece sometimes), upstream gradients, non-zero starting gradients.
+/// 0 .. N; an empty piece sometimes) or, for odd indices, anywhere (the memory left
+/// mid-chunk), upstream gradients, non-zero starting gradients.
 struct TrainCase {
     MemoryConfig cfg;
     titans::MemoryParamsd p, g0;
@@ -172,6 +173,12 @@ TrainCase train_case(const Modes& base, int index, Rng& rng, bool chained) {
     c.dy = round_through<T>(random_matrix(c.B * N, c.cfg.d_model, rng));
     const int b = c.cfg.effective_chunk();
     c.cuts = {0};
+    if (chained && index % 2 == 1) {
+        while (c.cuts.back() < N) {
+            c.cuts.push_back(std::min<Eigen::Index>(N, c.cuts.back() + uniform_int(rng, 0, b + 2)));
+        }
+        return c;
+    }
     while (chained && c.cuts.back() + b < N) c.cuts.push_back(c.cuts.back() + b * uniform_int(rng, 1, 2));
     c.cuts.back() = std::min<Eigen::Index>(c.cuts.back(), N);
     if (c.cuts.back() != N) c.cuts.push_back(N);
@@ -189,21 +196,21 @@ struct TrainResult {
     titans::MemoryParamsd g;
 };
 
-template <class T>
-titans::MemoryStateGradient<T> cast_state_gradient(const titans::MemoryStateGradient<double>& d) {
-    titans::MemoryStateGradient<T> r;
-    for (const auto& w : d.weights) r.weights.push_back(cast_layers<T>(w));
-    for (const auto& w : d.momentum) r.momentum.push_back(cast_layers<T>(w));
-    for (const auto& t : d.conv_tail) r.conv_tail.push_back(t.cast<T>());
+/// A state gradient in another scalar, every part (the pending rows' too).
+template <class To, class From>
+titans::MemoryStateGradient<To> cast_state_gradient(const titans::MemoryStateGradient<From>& d) {
+    titans::MemoryStateGradient<To> r;
+    for (const auto& w : d.weights) r.weights.push_back(cast_layers<To>(w));
+    for (const auto& w : d.momentum) r.momentum.push_back(cast_layers<To>(w));
+    for (const auto& t : d.conv_tail) r.conv_tail.push_back(t.template cast<To>());
+    for (const auto& w : d.pending_a) r.pending_a.push_back(cast_layers<To>(w));
+    for (const auto& w : d.pending_delta) r.pending_delta.push_back(cast_layers<To>(w));
+    for (const auto& t : d.pending_gates) r.pending_gates.push_back(t.template cast<To>());
     return r;
 }
 template <class T>
 titans::MemoryStateGradient<double> to_double(const titans::MemoryStateGradient<T>& d) {
-    titans::MemoryStateGradient<double> r;
-    for (const auto& w : d.weights) r.weights.push_back(cast_layers<double>(w));
-    for (const auto& w : d.momentum) r.momentum.push_back(cast_layers<double>(w));
-    for (const auto& t : d.conv_tail) r.conv_tail.push_back(t.template cast<double>());
-    return r;
+    return cast_state_gradient<double>(d);
 }
 
 /// The pieces forward with traces, then backward last first, chained; dx NaN-poisoned.
@@ -262,6 +269,12 @@ double compare_results(const TrainResult& a, const TrainResult& ref, const Memor
         e = std::max(e, rel_error(a.dx[k], ref.dx[k], floor));
         e = std::max(e, layers_rel(a.d_in[k].weights, ref.d_in[k].weights, floor));
         e = std::max(e, layers_rel(a.d_in[k].momentum, ref.d_in[k].momentum, floor));
+        e = std::max(e, layers_rel(a.d_in[k].pending_a, ref.d_in[k].pending_a, floor));
+        e = std::max(e, layers_rel(a.d_in[k].pending_delta, ref.d_in[k].pending_delta, floor));
+        REQUIRE(a.d_in[k].pending_gates.size() == ref.d_in[k].pending_gates.size());
+        for (std::size_t i = 0; i < ref.d_in[k].pending_gates.size(); ++i) {
+            e = std::max(e, rel_error(a.d_in[k].pending_gates[i], ref.d_in[k].pending_gates[i], floor));
+        }
         REQUIRE(a.d_in[k].conv_tail.size() == ref.d_in[k].conv_tail.size());
         for (std::size_t s = 0; s < ref.d_in[k].conv_tail.size(); ++s) {
             e = std::max(e, rel_error(a.d_in[k].conv_tail[s], ref.d_in[k].conv_tail[s], floor));
@@ -572,12 +585,12 @@ TEST_CASE("cuda memory training: refusals", "[cuda]") {
                               "trace.u.size()");
         CHECK(unchanged());
     }
-    // d_state_out for a trace that ends inside a chunk (4 tokens, chunk 3).
-    titans::MemoryStateGradient<double> d_out;
-    d_out.weights.assign(2 * static_cast<std::size_t>(cfg.n_heads), mem.current_weights(st, 0, 0));
-    d_out.momentum = d_out.weights;
+    // d_state_out for a trace that ends inside a chunk (4 tokens, chunk 3): pending rows of
+    // the wrong count.
+    auto d_out = titans::MemoryStateGradient<double>::zeros(cfg, 2, 1);
+    d_out.pending_a[0][0].resize(2, d_out.pending_a[0][0].cols());
     CHECK_THROWS_AS(mem.backward(trace, random_matrix(2 * 4, cfg.d_model, rng), dx, g, &d_in, &d_out),
-                    titans::ConfigError);
+                    titans::ShapeError);
     CHECK(unchanged());
     // Gradients that overflow (dy finite, half the largest double): refused by the host call
     // and by the view call, whose dx is the caller's to check, so the device's finiteness scan

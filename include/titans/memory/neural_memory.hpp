@@ -144,11 +144,11 @@ public:
     /// every chunk start (N/b copies per sequence and head), in the backend's memory.
     using Trace = typename backend::MemoryTraining<Backend, T>::Trace;
 
-    /// The training forward (math §9): forward(state, x, y) from any state on the CPU (and
-    /// backends with mid_chunk_training; a state p tokens into a chunk is continued with its
-    /// pending rows, whose adjoints backward's d_state_in then carries); elsewhere from a
-    /// state at a chunk boundary (state.pending() == 0: a fresh state, or one a whole number
-    /// of chunks in; ConfigError otherwise), keeping in `trace` what backward needs. Same outputs and state as forward,
+    /// The training forward (math §9): forward(state, x, y) from any state (mid_chunk_training:
+    /// the CPU and CUDA; a state p tokens into a chunk is continued with its pending rows,
+    /// whose adjoints backward's d_state_in then carries; on a backend without it, from a
+    /// state at a chunk boundary only: ConfigError otherwise), keeping in `trace` what
+    /// backward needs. Same outputs and state as forward,
     /// and if `diag` is given the same per-token surprise (Diagnostics: (B*N) x H each) as
     /// forward gives; on an error nothing changes (state, y, trace, diag). Backends with a
     /// training pass only (the CPU, CUDA). Pieces chain: see backward's d_state_in and
@@ -363,8 +363,8 @@ public:
     /// of a memory with the same configuration (every setting but flush_denormals).
     void validate_state(const State& state) const { check_state(state, "NeuralMemory"); }
 
-    /// Whether a training trace may start mid-chunk on this backend (the CPU's: yes; CUDA's
-    /// not yet: its training starts at a chunk boundary).
+    /// Whether a training trace may start (and a state gradient be taken) mid-chunk on this
+    /// backend: the CPU's and CUDA's, yes.
     static constexpr bool mid_chunk_training = backend::MemoryTraining<Backend, T>::mid_chunk;
 
     /// Throws unless `trace` was filled by the training forward of a memory of this

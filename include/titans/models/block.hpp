@@ -216,8 +216,8 @@ public:
     /// needs; y = the output. From a fresh state (position 0) the persistent tokens go through
     /// the memory (and MAL's window) in this call, as rows before each sequence's, so that
     /// they are learnt. It also starts from a state that has seen earlier pieces (chained
-    /// pieces: see backward's d_state_in / d_state_out): on the CPU (a backend whose memory
-    /// has mid_chunk_training) anywhere; elsewhere when the memory is at a chunk boundary
+    /// pieces: see backward's d_state_in / d_state_out): on the CPU and CUDA (backends whose
+    /// memory has mid_chunk_training) anywhere; elsewhere when the memory is at a chunk boundary
     /// (its position, persistent tokens included for MAG and MAL, a multiple of chunk;
     /// ConfigError otherwise); MAC anywhere in a segment. Same outputs as forward (to
     /// rounding) and a state that continues the same; on an error nothing changes (state, y,

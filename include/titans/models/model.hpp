@@ -467,7 +467,7 @@ public:
     /// The training forward (math §9): forward(state, x), every block's training forward
     /// keeping its trace in `trace`; out = the output. From a fresh state, or (chained pieces:
     /// see backward's d_state_in / d_state_out) from one that has seen earlier pieces: on the
-    /// CPU anywhere, elsewhere when every block's memory is at a chunk boundary (ConfigError
+    /// CPU and CUDA anywhere, elsewhere when every block's memory is at a chunk boundary (ConfigError
     /// naming the block otherwise). Same outputs as forward (to rounding) and a state that continues the
     /// same; on an error nothing changes (state, out, trace). Every block kind.
     ///

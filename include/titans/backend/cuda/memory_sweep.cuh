@@ -52,8 +52,19 @@ struct MemoryTraining<Cuda, T>::Sweep {
     std::vector<const T*> Wl, Sl;  // the chunk's start memory in the trace
     // The stages: rows >= cur are reversed; a tap's adjoint waiting for the stage below it
     // (tapW, per layer); whether the last chunk's end has an adjoint (d_out or a tap there).
-    long long cur = 0;
+    // Rows of the pair-major buffers and cur are counted from the chunk start before the
+    // trace's row 0: off (= its start mod b) leading rows are the incoming pending ones (zero
+    // q, k, v, dy; their logits the state's), NV = off + N per pair.
+    long long cur = 0, off = 0, NV = 0;
     bool has_tap = false, final_end = false;
+    // A trace ending mid-chunk with d_out (end_mid): its memory adjoint is the last chunk's
+    // start memory's (dW_end, dS_end), its pending rows' (P x rows x width) are added to that
+    // chunk's tape adjoints and logits in its top stage (add_out). A trace starting mid-chunk:
+    // the incoming pending rows' adjoints gather in da_in, dd_in (P x off x width; the
+    // logits' stay in dLGb's leading rows).
+    bool end_mid = false, add_out = false;
+    std::vector<Buf> dW_end, dS_end, pa_out, pd_out, da_in, dd_in;
+    Buf pg_out;
     std::vector<Buf> tapW;
     View<const T> dy{};  // dL/dy, (B*N) x d on the device
     // 3. the projections reversed and the gradients; dxb: a range's dx, compact.
@@ -71,7 +82,10 @@ struct MemoryTraining<Cuda, T>::Sweep {
           tmax(static_cast<T>(c.gate_scale(0))), se(static_cast<T>(c.gate_scale(1))),
           sa(static_cast<T>(c.gate_scale(2))), ct(static_cast<T>(c.gate_constant(0))),
           ce(static_cast<T>(c.gate_constant(1))), ca(static_cast<T>(c.gate_constant(2))),
-          clip(static_cast<T>(c.max_grad_norm)) {}
+          clip(static_cast<T>(c.max_grad_norm)) {
+        off = t.offset;
+        NV = off + N;
+    }
 
     /// The whole backward: dx (device), the gradients added to grads (device, flat) if they
     /// and d_in (host, if given) are finite (finish_flat's result).
@@ -91,8 +105,8 @@ struct MemoryTraining<Cuda, T>::Sweep {
         pair_major(w, dyv);
         allocate(w, d_out);
         if (w.given) w.dtail_out = d_out->conv_tail;
-        w.cur = w.N;
-        w.final_end = w.given;
+        w.cur = w.NV;
+        w.final_end = w.given && !w.end_mid;
         w.dqb = Buf(static_cast<std::size_t>(w.M * w.C3));
         w.dub = Buf(w.dqb.size());
         w.yhb = Buf(static_cast<std::size_t>(w.M * w.D));
@@ -206,18 +220,25 @@ struct MemoryTraining<Cuda, T>::Sweep {
     /// chunk with a tap inside runs in stages split at it, each the reads of its rows and the
     /// chunk end (or the tap's partial end) of its prefix; a chunk's start memory's adjoint
     /// is carried down once its first row is done.
+    /// p and cur count rows as the pair-major buffers do (from the chunk start before the
+    /// trace's row 0, see off).
     static void down(Sweep& w, long long p) {
         while (w.cur > p) {
-            const long long ch = (w.cur - 1) / w.b, c0 = ch * w.b, c1 = std::min(c0 + w.b, w.N);
+            const long long ch = (w.cur - 1) / w.b, c0 = ch * w.b, c1 = std::min(c0 + w.b, w.NV);
+            w.add_out = w.cur == w.NV && w.end_mid;
             if (w.cur == c1) {  // a new chunk from its top: its start memory
+                load_chunk(w, ch);
                 for (std::size_t l = 0; l < w.Ls; ++l) {
-                    w.Wl[l] = w.tr.memory[static_cast<std::size_t>(ch) * 2 * w.Ls + l].data();
-                    w.Sl[l] = w.tr.memory[static_cast<std::size_t>(ch) * 2 * w.Ls + w.Ls + l].data();
-                    clear(w, w.dW[l]);
-                    clear(w, w.dS[l]);
+                    if (w.add_out) {  // the state after keeps this start memory
+                        copy(w, w.dW[l], w.dW_end[l]);
+                        copy(w, w.dS[l], w.dS_end[l]);
+                    } else {
+                        clear(w, w.dW[l]);
+                        clear(w, w.dS[l]);
+                    }
                 }
             }
-            bool end = w.cur == c1 && (c1 < w.N || w.final_end);
+            bool end = w.cur == c1 && (c1 < w.NV || w.final_end);
             if (!end && w.has_tap) {  // a tap's partial end
                 for (std::size_t l = 0; l < w.Ls; ++l) {
                     copy(w, w.dWn[l], w.tapW[l]);
@@ -226,8 +247,9 @@ struct MemoryTraining<Cuda, T>::Sweep {
                 end = true;
             }
             w.has_tap = false;
-            const long long lo = std::max(c0, p);
-            stage(w, c0, w.cur - c0, lo - c0, end);
+            const long long lo = std::max(c0, p), reads = std::max(lo, c0 == 0 ? w.off : 0LL);
+            stage(w, c0, w.cur - c0, reads - c0, end);
+            w.add_out = false;
             w.cur = lo;
             if (lo == c0) {
                 std::swap(w.dW, w.dWn);
@@ -240,7 +262,11 @@ struct MemoryTraining<Cuda, T>::Sweep {
     /// cur tokens: at a chunk start or the trace's end to the carried adjoint (dWn), else to
     /// the tap waiting for the stage that ends there.
     static void tap(Sweep& w, const std::vector<std::vector<Mat>>& dW) {
-        const bool last = w.cur == w.N, boundary = last || w.cur % w.b == 0;
+        if (w.cur == 0 && w.off > 0) {
+            tap_before(w, dW);
+            return;
+        }
+        const bool last = w.cur == w.NV, boundary = last || w.cur % w.b == 0;
         if (w.tapW.empty()) {
             w.tapW.resize(w.Ls);
             for (std::size_t l = 0; l < w.Ls; ++l) w.tapW[l] = zeros(w.dWn[l].size());
@@ -260,6 +286,32 @@ struct MemoryTraining<Cuda, T>::Sweep {
         }
         w.has_tap = w.has_tap || !boundary;
         w.final_end = w.final_end || last;
+    }
+
+    /// The trace's memory at chunk ch's start as the stages' W and S.
+    static void load_chunk(Sweep& w, long long ch) {
+        for (std::size_t l = 0; l < w.Ls; ++l) {
+            w.Wl[l] = w.tr.memory[static_cast<std::size_t>(ch) * 2 * w.Ls + l].data();
+            w.Sl[l] = w.tr.memory[static_cast<std::size_t>(ch) * 2 * w.Ls + w.Ls + l].data();
+        }
+    }
+
+    /// A tap at the trace's row 0 when it starts mid-chunk (the sweep is down): the weights
+    /// there are the incoming chunk's partial end f(W^s, S^s, pending rows), reversed as a
+    /// stage of those rows alone into the start memory's adjoint (dWn, dSn) and theirs.
+    static void tap_before(Sweep& w, const std::vector<std::vector<Mat>>& dW) {
+        load_chunk(w, 0);
+        std::swap(w.dW, w.dWn);
+        std::swap(w.dS, w.dSn);
+        for (std::size_t l = 0; l < w.Ls; ++l) {
+            for (long long p = 0; p < w.P; ++p) {
+                upload_to(w.dWn[l].data() + p * w.lio[l], dW[static_cast<std::size_t>(p)][l]);
+            }
+            clear(w, w.dSn[l]);
+        }
+        stage(w, 0, w.off, w.off, true);
+        std::swap(w.dW, w.dWn);
+        std::swap(w.dS, w.dSn);
     }
 
     static void copy(Sweep& w, Buf& to, const Buf& from) {
@@ -380,8 +432,9 @@ struct MemoryTraining<Cuda, T>::Sweep {
     /// Pair-major q, k, v and dyh = dy W_O^T ([p][N][dh]), the logits ([p][N][3]); the
     /// adjoints dq, dk, dv, dlogits zeroed.
     static void pair_major(Sweep& w, View<const T> dyv) {
-        const long long M = w.M, N = w.N, D = w.D, H = w.H, dh = w.dh, C3 = w.C3, G3 = w.G3;
-        const auto n = static_cast<std::size_t>(w.P * N * dh);
+        const long long M = w.M, N = w.N, NV = w.NV, off = w.off, D = w.D, H = w.H, dh = w.dh,
+                        C3 = w.C3, G3 = w.G3, b = w.b;
+        const auto n = static_cast<std::size_t>(w.P * NV * dh);
         w.Qb = Buf(n);
         w.Kb = Buf(n);
         w.Vb = Buf(n);
@@ -390,7 +443,7 @@ struct MemoryTraining<Cuda, T>::Sweep {
         w.dQb = zeros(n);
         w.dKb = zeros(n);
         w.dVb = zeros(n);
-        w.LGb = Buf(static_cast<std::size_t>(w.P * N * 3));
+        w.LGb = Buf(static_cast<std::size_t>(w.P * NV * 3));
         w.dLGb = zeros(w.LGb.size());
         w.dyhb = Buf(static_cast<std::size_t>(M * D));
         mm(w.cx, false, true, M, D, w.d, T(1), dyv.data, dyv.stride, 0, w.prm.w_o.data(), w.d, 0,
@@ -401,21 +454,24 @@ struct MemoryTraining<Cuda, T>::Sweep {
         T* V = w.Vb.data();
         T* DY = w.DYb.data();
         const T* dyh = w.dyhb.data();
-        cuda::each(w.sm, w.P * N * dh, [=] __device__(unsigned i) {
-            const long long p = i / cuda::u32(N * dh), t = (i / cuda::u32(dh)) % cuda::u32(N),
-                            j = i % cuda::u32(dh), s = p / H, h = p % H, r = s * N + t;
-            Q[i] = qkv[r * C3 + h * dh + j];
-            Kp[i] = qkv[r * C3 + D + h * dh + j];
-            V[i] = qkv[r * C3 + 2 * D + h * dh + j];
-            DY[i] = dyh[r * D + h * dh + j];
+        cuda::each(w.sm, w.P * NV * dh, [=] __device__(unsigned i) {
+            const long long p = i / cuda::u32(NV * dh), tv = (i / cuda::u32(dh)) % cuda::u32(NV),
+                            j = i % cuda::u32(dh), s = p / H, h = p % H, t = tv - off,
+                            r = s * N + t;
+            const bool pend = tv < off;  // an incoming pending row: no q, k, v or dy here
+            Q[i] = pend ? T(0) : qkv[r * C3 + h * dh + j];
+            Kp[i] = pend ? T(0) : qkv[r * C3 + D + h * dh + j];
+            V[i] = pend ? T(0) : qkv[r * C3 + 2 * D + h * dh + j];
+            DY[i] = pend ? T(0) : dyh[r * D + h * dh + j];
         });
         if (w.gated) {
             const T* lg = w.tr.logits.data();
+            const T* pg = w.tr.pend_gates.data();
             T* LG = w.LGb.data();
-            cuda::each(w.sm, w.P * N * 3, [=] __device__(unsigned i) {
-                const long long p = i / cuda::u32(N * 3), t = (i / 3) % cuda::u32(N), c = i % 3,
-                                s = p / H, h = p % H;
-                LG[i] = lg[(s * N + t) * G3 + c * H + h];
+            cuda::each(w.sm, w.P * NV * 3, [=] __device__(unsigned i) {
+                const long long p = i / cuda::u32(NV * 3), tv = (i / 3) % cuda::u32(NV),
+                                c = i % 3, s = p / H, h = p % H, t = tv - off;
+                LG[i] = tv < off ? pg[(p * b + tv) * 3 + c] : lg[(s * N + t) * G3 + c * H + h];
             });
         }
     }
@@ -461,24 +517,73 @@ struct MemoryTraining<Cuda, T>::Sweep {
         w.VS = w.vo.size();
         w.vecb = zeros(static_cast<std::size_t>(w.P * w.VS));
         w.given = d_out != nullptr && !d_out->empty();
-        for (long long p = 0; p < w.P && w.given; ++p) {
+        w.end_mid = w.given && w.NV % w.b != 0;
+        if (w.end_mid) {
+            w.dW_end.resize(Ls);
+            w.dS_end.resize(Ls);
             for (std::size_t l = 0; l < Ls; ++l) {
-                upload_to(w.dWn[l].data() + p * w.lio[l], d_out->weights[static_cast<std::size_t>(p)][l]);
-                upload_to(w.dSn[l].data() + p * w.lio[l], d_out->momentum[static_cast<std::size_t>(p)][l]);
+                w.dW_end[l] = zeros(w.dW[l].size());
+                w.dS_end[l] = zeros(w.dS[l].size());
             }
         }
+        for (long long p = 0; p < w.P && w.given; ++p) {
+            for (std::size_t l = 0; l < Ls; ++l) {
+                const auto i = static_cast<std::size_t>(p);
+                upload_to((w.end_mid ? w.dW_end : w.dWn)[l].data() + p * w.lio[l], d_out->weights[i][l]);
+                upload_to((w.end_mid ? w.dS_end : w.dSn)[l].data() + p * w.lio[l], d_out->momentum[i][l]);
+            }
+        }
+        pending_buffers(w, w.end_mid ? d_out : nullptr);
         w.Wl.resize(Ls);
         w.Sl.resize(Ls);
+    }
+
+    /// d_out's pending rows' adjoints uploaded (P x rows x width, empty parts as zeros) when
+    /// the trace ends mid-chunk; the incoming pending rows' adjoints zeroed when it starts so.
+    static void pending_buffers(Sweep& w, const MemoryStateGradient<T>* d_out) {
+        const long long rows = w.NV % w.b;
+        w.pa_out.assign(w.Ls, Buf{});
+        w.pd_out.assign(w.Ls, Buf{});
+        w.da_in.assign(w.Ls, Buf{});
+        w.dd_in.assign(w.Ls, Buf{});
+        for (std::size_t l = 0; l < w.Ls && d_out != nullptr; ++l) {
+            w.pa_out[l] = zeros(static_cast<std::size_t>(w.P * rows * w.lin[l]));
+            w.pd_out[l] = zeros(static_cast<std::size_t>(w.P * rows * w.lout[l]));
+            for (long long p = 0; p < w.P; ++p) {
+                const auto i = static_cast<std::size_t>(p);
+                if (!d_out->pending_a.empty()) {
+                    upload_to(w.pa_out[l].data() + p * rows * w.lin[l], d_out->pending_a[i][l]);
+                }
+                if (!d_out->pending_delta.empty()) {
+                    upload_to(w.pd_out[l].data() + p * rows * w.lout[l], d_out->pending_delta[i][l]);
+                }
+            }
+        }
+        w.pg_out = zeros(static_cast<std::size_t>(d_out != nullptr && w.gated ? w.P * rows * 3 : 0));
+        for (long long p = 0; p < w.P && d_out != nullptr && w.gated && !d_out->pending_gates.empty(); ++p) {
+            upload_to(w.pg_out.data() + p * rows * 3, d_out->pending_gates[static_cast<std::size_t>(p)]);
+        }
+        for (std::size_t l = 0; l < w.Ls && w.off > 0; ++l) {
+            w.da_in[l] = zeros(static_cast<std::size_t>(w.P * w.off * w.lin[l]));
+            w.dd_in[l] = zeros(static_cast<std::size_t>(w.P * w.off * w.lout[l]));
+        }
     }
 
     /// One stage of the chunk at c0: the prefix of n rows, the reads of rows [o, n); if end,
     /// the prefix's end W' = f(W, S, rows < n) with its adjoint in dWn, dSn. Adds into dW,
     /// dS (the chunk start's), dq, dk, dv and dlogits.
     static void stage(Sweep& w, long long c0, long long n, long long o, bool end) {
+        const long long pre = c0 == 0 ? w.off : 0;  // the incoming pending rows in the prefix
         key_tape(w, c0, n);
         for (std::size_t l = 0; l < w.Ls; ++l) {
             clear(w, w.tabar[l]);
             clear(w, w.tdbar[l]);
+        }
+        if (pre > 0) {
+            pending_rows_in(w, pre);
+        }
+        if (w.add_out) {
+            pending_rows_out(w, c0, n);
         }
         clear(w, w.vecb);
         gates(w, c0, n);
@@ -494,9 +599,72 @@ struct MemoryTraining<Cuda, T>::Sweep {
         if (w.clipping) {
             clip_backward(w, n);
         }
+        if (pre > 0) {
+            pending_adjoints_in(w, pre);
+        }
         tape_backward(w, c0, n);
         if (w.gated) {
             gates_backward(w, c0, n);
+        }
+    }
+
+    /// Rows [0, pre) of the key tape's a_l, delta_l: the trace's incoming pending rows (the
+    /// state's P x b x width arrays), over the ones key_tape computed from zero keys.
+    static void pending_rows_in(Sweep& w, long long pre) {
+        const long long BW = w.BW, b = w.b;
+        for (std::size_t l = 0; l < w.Ls; ++l) {
+            for (int which = 0; which < 2; ++which) {
+                const long long width = which == 0 ? w.lin[l] : w.lout[l];
+                const T* from = (which == 0 ? w.tr.pend_a : w.tr.pend_delta)[l].data();
+                T* to = (which == 0 ? w.ta : w.tdelta)[l].data();
+                cuda::each(w.sm, w.P * pre * width, [=] __device__(unsigned i) {
+                    const long long p = i / cuda::u32(pre * width), rc = i % cuda::u32(pre * width);
+                    to[p * BW + rc] = from[p * b * width + rc];
+                });
+            }
+        }
+    }
+
+    /// d_out's pending rows' adjoints into the last chunk's tape adjoints (rows [0, n)) and
+    /// its logits' (pair-major rows [c0, c0 + n)).
+    static void pending_rows_out(Sweep& w, long long c0, long long n) {
+        const long long BW = w.BW, NV = w.NV;
+        for (std::size_t l = 0; l < w.Ls; ++l) {
+            for (int which = 0; which < 2; ++which) {
+                const long long width = which == 0 ? w.lin[l] : w.lout[l];
+                const T* from = (which == 0 ? w.pa_out : w.pd_out)[l].data();
+                T* to = (which == 0 ? w.tabar : w.tdbar)[l].data();
+                cuda::each(w.sm, w.P * n * width, [=] __device__(unsigned i) {
+                    const long long p = i / cuda::u32(n * width), rc = i % cuda::u32(n * width);
+                    to[p * BW + rc] += from[i];
+                });
+            }
+        }
+        if (w.gated) {
+            const T* from = w.pg_out.data();
+            T* dLG = w.dLGb.data() + c0 * 3;
+            cuda::each(w.sm, w.P * n * 3, [=] __device__(unsigned i) {
+                const long long p = i / cuda::u32(n * 3), rc = i % cuda::u32(n * 3);
+                dLG[p * NV * 3 + rc] += from[i];
+            });
+        }
+    }
+
+    /// The incoming pending rows' tape adjoints (rows [0, pre)) moved into da_in, dd_in: they
+    /// are the state's, not reversed through the key pass (zeroed, their rows add nothing).
+    static void pending_adjoints_in(Sweep& w, long long pre) {
+        const long long BW = w.BW;
+        for (std::size_t l = 0; l < w.Ls; ++l) {
+            for (int which = 0; which < 2; ++which) {
+                const long long width = which == 0 ? w.lin[l] : w.lout[l];
+                T* from = (which == 0 ? w.tabar : w.tdbar)[l].data();
+                T* to = (which == 0 ? w.da_in : w.dd_in)[l].data();
+                cuda::each(w.sm, w.P * pre * width, [=] __device__(unsigned i) {
+                    const long long p = i / cuda::u32(pre * width), rc = i % cuda::u32(pre * width);
+                    to[i] += from[p * BW + rc];
+                    from[p * BW + rc] = T(0);
+                });
+            }
         }
     }
 
@@ -521,7 +689,7 @@ struct MemoryTraining<Cuda, T>::Sweep {
     /// the error delta_L = M(k) - v (+ k with the residual) and the deltas back through the
     /// layers.
     static void key_tape(Sweep& w, long long c0, long long n) {
-        const long long N = w.N, dh = w.dh, BW = w.BW, P = w.P;
+        const long long N = w.NV, dh = w.dh, BW = w.BW, P = w.P;
         const Activation act = w.act;
         const bool residual = w.residual;
         const T* Kp = w.Kb.data() + c0 * dh;
@@ -580,7 +748,7 @@ struct MemoryTraining<Cuda, T>::Sweep {
 
     /// g2 and theta after clipping, into the pair's vectors.
     static void gates(Sweep& w, long long c0, long long n) {
-        const long long N = w.N, BW = w.BW, VS = w.VS;
+        const long long N = w.NV, BW = w.BW, VS = w.VS;
         const GateMode gmode = w.gmode;
         const T tmax = w.tmax, se = w.se, sa = w.sa, ct = w.ct, ce = w.ce, ca = w.ca,
                 clip = w.clip;
@@ -638,7 +806,7 @@ struct MemoryTraining<Cuda, T>::Sweep {
     /// dual form: z_l = diag(beta) h_l W_l + diag(c) h_l S_l - (G . h_l A_l^T) Delta_l, G
     /// (n - o) x n), y kept; the adjoint of the last z (dy's rows) in tmp.
     static void read_forward(Sweep& w, long long c0, long long n, long long o) {
-        const long long N = w.N, dh = w.dh, BW = w.BW, VS = w.VS, P = w.P, m = n - o;
+        const long long N = w.NV, dh = w.dh, BW = w.BW, VS = w.VS, P = w.P, m = n - o;
         const Vec vo = w.vo;
         const Activation act = w.act;
         const bool residual = w.residual;
@@ -798,7 +966,7 @@ struct MemoryTraining<Cuda, T>::Sweep {
 
     /// dq of the read rows [c0 + o, c0 + n): the read's input adjoint (+ dy with the residual).
     static void read_input_adjoint(Sweep& w, long long c0, long long n, long long o) {
-        const long long N = w.N, dh = w.dh, BW = w.BW, m = n - o;
+        const long long N = w.NV, dh = w.dh, BW = w.BW, m = n - o;
         const bool residual = w.residual;
         const T* dH = w.dHb.data();
         T* dQ = w.dQb.data() + (c0 + o) * dh;
@@ -942,7 +1110,7 @@ struct MemoryTraining<Cuda, T>::Sweep {
     /// detail::KeyTape::backward on the device: the deltas' adjoints back through the layers
     /// (second-order terms in zbar), then the forward's, into dW, dk and dv.
     static void tape_backward(Sweep& w, long long c0, long long n) {
-        const long long N = w.N, dh = w.dh, BW = w.BW, P = w.P;
+        const long long N = w.NV, dh = w.dh, BW = w.BW, P = w.P;
         const Activation act = w.act;
         const bool residual = w.residual;
         for (std::size_t l = 0; l < w.Ls; ++l) clear(w, w.tzbar[l]);
@@ -999,7 +1167,7 @@ struct MemoryTraining<Cuda, T>::Sweep {
 
     /// The gate values' adjoints (dtheta of theta0, deta, dalpha) into the logits.
     static void gates_backward(Sweep& w, long long c0, long long n) {
-        const long long N = w.N, VS = w.VS;
+        const long long N = w.NV, VS = w.VS;
         const Vec vo = w.vo;
         const GateMode gmode = w.gmode;
         const T tmax = w.tmax, se = w.se, sa = w.sa;
@@ -1037,7 +1205,8 @@ struct MemoryTraining<Cuda, T>::Sweep {
     /// Rows [p, q) of every sequence: dq, dk, dv back to row-major (in dqb, (B*N) x 3D) and
     /// the read y (in yhb, (B*N) x D).
     static void to_row_major(Sweep& w, long long p, long long q) {
-        const long long C3 = w.C3, D = w.D, N = w.N, H = w.H, dh = w.dh, m = q - p;
+        const long long C3 = w.C3, D = w.D, N = w.N, NV = w.NV, off = w.off, H = w.H, dh = w.dh,
+                        m = q - p;
         T* dq = w.dqb.data();
         T* yh = w.yhb.data();
         const T* dQ = w.dQb.data();
@@ -1047,7 +1216,7 @@ struct MemoryTraining<Cuda, T>::Sweep {
         cuda::each(w.sm, w.B * m * D, [=] __device__(unsigned i) {
             const long long k = i / cuda::u32(D), c = i % cuda::u32(D), s = k / m, t = p + k % m,
                             r = s * N + t, h = c / dh, j = c % dh,
-                            e = ((s * H + h) * N + t) * dh + j;
+                            e = ((s * H + h) * NV + off + t) * dh + j;
             dq[r * C3 + c] = dQ[e];
             dq[r * C3 + D + c] = dK[e];
             dq[r * C3 + 2 * D + c] = dV[e];
@@ -1108,13 +1277,13 @@ struct MemoryTraining<Cuda, T>::Sweep {
         if (!w.gated) {
             return;
         }
-        const long long G3 = w.G3, N = w.N, H = w.H, m = q - p;
+        const long long G3 = w.G3, N = w.N, NV = w.NV, off = w.off, H = w.H, m = q - p;
         const T* dLG = w.dLGb.data();
         T* dl = w.dlgb.data();
         cuda::each(w.sm, w.B * m * G3, [=] __device__(unsigned i) {
             const long long k = i / cuda::u32(G3), c = i % cuda::u32(G3), s = k / m,
                             t = p + k % m, g = c / H, h = c % H;
-            dl[(s * N + t) * G3 + c] = dLG[((s * H + h) * N + t) * 3 + g];
+            dl[(s * N + t) * G3 + c] = dLG[((s * H + h) * NV + off + t) * 3 + g];
         });
     }
 
@@ -1253,6 +1422,26 @@ struct MemoryTraining<Cuda, T>::Sweep {
         }
     }
 
+    /// The incoming pending rows' adjoints downloaded into d_in (none at a chunk boundary):
+    /// per pair and layer da_in's and dd_in's rows, and the logits' (dLGb's leading rows).
+    static void pending_in(Sweep& w, MemoryStateGradient<T>& d_in) {
+        d_in.pending_a.clear();
+        d_in.pending_delta.clear();
+        d_in.pending_gates.clear();
+        for (long long p = 0; p < w.P && w.off > 0; ++p) {
+            std::vector<Mat> a, delta;
+            for (std::size_t l = 0; l < w.Ls; ++l) {
+                a.push_back(download_mat(w.da_in[l].data() + p * w.off * w.lin[l], w.off, w.lin[l]));
+                delta.push_back(download_mat(w.dd_in[l].data() + p * w.off * w.lout[l], w.off, w.lout[l]));
+            }
+            d_in.pending_a.push_back(std::move(a));
+            d_in.pending_delta.push_back(std::move(delta));
+            if (w.gated) {
+                d_in.pending_gates.push_back(download_mat(w.dLGb.data() + p * w.NV * 3, w.off, 3));
+            }
+        }
+    }
+
     /// The incoming state's adjoint downloaded into d_in: the start memory's (W and S per pair
     /// and layer) and the tails' (passed through where the trace is shorter than the tail).
     static void state_in(Sweep& w, MemoryStateGradient<T>& d_in) {
@@ -1267,6 +1456,7 @@ struct MemoryTraining<Cuda, T>::Sweep {
                 d_in.momentum[i].push_back(download_mat(w.dSn[l].data() + p * w.lio[l], w.lin[l], w.lout[l]));
             }
         }
+        pending_in(w, d_in);
         d_in.conv_tail.clear();
         for (int s = 0; s < w.B; ++s) {
             Mat m = Mat::Zero(K1, C3);
@@ -1299,13 +1489,13 @@ public:
     }
 
     /// Rows >= position() of every sequence are reversed.
-    [[nodiscard]] Index position() const { return w_.cur; }
+    [[nodiscard]] Index position() const { return std::max(w_.cur - w_.off, 0LL); }
 
     /// Reverses rows [p, position()) of every sequence, then their projections: dx (resized)
     /// gets dL/dx of those rows, (B * (position() - p)) x d, sequence-major.
     void down_to(Index p, Mat& dx) {
-        const long long q = w_.cur, rows = w_.B * (q - p);
-        Sweep::down(w_, p);
+        const long long q = position(), rows = w_.B * (q - p);
+        Sweep::down(w_, p == 0 ? 0 : p + w_.off);
         Sweep::rows_backward(w_, p, q);
         Buf out(static_cast<std::size_t>(rows * w_.d));
         Sweep::input_rows(w_, p, q, out.data(), w_.d);

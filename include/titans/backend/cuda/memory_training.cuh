@@ -50,8 +50,8 @@ struct MemoryTraining<Cuda, T> {
     /// The staged reverse MAC's training drives: Reverse, start, forward_part and
     /// read_weights_backward (host matrices in and out where the caller's glue is).
     static constexpr bool staged = true;
-    /// A training trace starts at a chunk boundary here (the CPU's also starts mid-chunk).
-    static constexpr bool mid_chunk = false;
+    /// A training trace may start mid-chunk (its pending rows kept), as the CPU's.
+    static constexpr bool mid_chunk = true;
     using Kernels = MemoryKernels<Cuda, T>;
     using Buf = cuda::DeviceBuffer<T>;
     using Mat = Matrix<T>;
@@ -63,13 +63,18 @@ struct MemoryTraining<Cuda, T> {
     /// x (B*N) x d; tail_in B x (K-1) x 3D; u (B*N) x 3D; logits (B*N) x 3H (Constant gates:
     /// none); memory[ch * 2L + l] the weights W_{l+1} and memory[ch * 2L + L + l] the momentum
     /// S_{l+1} at chunk ch's start (P x layer_in x layer_out, pair p = s H + h), chunks =
-    /// ceil(N / b).
+    /// ceil((offset + N) / b); a trace starting offset = start mod b tokens into a chunk keeps
+    /// the state's pending arrays (per layer pend_a P x b x layer_in, pend_delta P x b x
+    /// layer_out, pend_gates P x b x 3; rows [0, offset) of each pair used) and that chunk's
+    /// start memory as chunk 0's.
     struct Trace {
         MemoryConfig cfg;
         DeviceMatrix x;
         int batch = 0;
         std::int64_t start = 0;
-        Buf tail_in, u, logits;
+        int offset = 0;
+        Buf tail_in, u, logits, pend_gates;
+        std::vector<Buf> pend_a, pend_delta;
         std::vector<Buf> memory;
         long long chunks = 0;
         Index recorded = 0;          // rows per stream forward_part has recorded
@@ -95,8 +100,22 @@ struct MemoryTraining<Cuda, T> {
         size(tr.tail_in, B * K1 * 3 * D, "tail_in.size()");
         size(tr.u, rows * 3 * D, "u.size()");
         size(tr.logits, gated * rows * 3 * H, "logits.size()");
-        check_trace_part(tr.chunks == (N + b - 1) / b, where, "chunks", tr.chunks,
-                         detail::concat("ceil(N / chunk) = ", (N + b - 1) / b));
+        check_trace_part(tr.offset == tr.start % b, where, "start", tr.start,
+                         detail::concat("a position ", tr.offset, " tokens into a chunk of ", b,
+                                        " (the trace's offset)"));
+        const long long P = B * H, pend = tr.offset > 0 ? P * b : 0;
+        check_trace_part(static_cast<long long>(tr.pend_a.size()) == (pend > 0 ? L : 0) &&
+                             tr.pend_delta.size() == tr.pend_a.size(),
+                         where, "pend_a.size()", tr.pend_a.size(), "depth when offset > 0");
+        for (std::size_t l = 0; l < tr.pend_a.size(); ++l) {
+            const int li = static_cast<int>(l) + 1;
+            size(tr.pend_a[l], pend * cfg.layer_in(li), "pend_a[l].size()");
+            size(tr.pend_delta[l], pend * cfg.layer_out(li), "pend_delta[l].size()");
+        }
+        size(tr.pend_gates, gated * pend * 3, "pend_gates.size()");
+        const long long chunks = (tr.offset + N + b - 1) / b;
+        check_trace_part(tr.chunks == chunks, where, "chunks", tr.chunks,
+                         detail::concat("ceil((offset + N) / chunk) = ", chunks));
         check_trace_part(static_cast<long long>(tr.memory.size()) == tr.chunks * 2 * L, where,
                          "memory.size()", tr.memory.size(), "2 depth per chunk start");
         for (std::size_t i = 0; i < tr.memory.size(); ++i) {
@@ -139,9 +158,10 @@ struct MemoryTraining<Cuda, T> {
         const bool own = Kernels::begin(st);
         try {
             for (long long q = t0; q < t0 + m;) {
-                const long long len = std::min(b - q % b, t0 + m - q);
-                if (q % b == 0) {
-                    keep_chunk_start(cfg, st, t, q / b);
+                const long long at = t.offset + q;  // from the first chunk's start
+                const long long len = std::min(b - at % b, t0 + m - q);
+                if (at % b == 0) {
+                    keep_chunk_start(cfg, st, t, at / b);
                 }
                 const ChunkRows piece{B, m, q - t0, len}, rows{B, N, q, len};
                 piece.gather(sm, x.data, x.stride, xs.data(), d);
@@ -207,9 +227,9 @@ struct MemoryTraining<Cuda, T> {
         }
     };
 
-    /// An empty trace for st's B sequences of N rows of width d from st (at a chunk
-    /// boundary), for forward_part to fill: the incoming tails copied, the input, products,
-    /// logits and chunk-start memories allocated.
+    /// An empty trace for st's B sequences of N rows of width d from st, for forward_part to
+    /// fill: the incoming tails (and, mid-chunk, the pending arrays and the chunk's start
+    /// memory) copied, the input, products, logits and chunk-start memories allocated.
     static void start(const MemoryConfig& cfg, const typename Kernels::State& st, Index N,
                       Index d, Trace& t) {
         const int B = st.batch();
@@ -229,8 +249,23 @@ struct MemoryTraining<Cuda, T> {
         t.u = Buf(static_cast<std::size_t>(B * N * 3 * D));
         const bool gated = cfg.gates != GateMode::Constant;
         t.logits = Buf(static_cast<std::size_t>(gated ? B * N * 3 * H : 0));
-        t.chunks = (N + b - 1) / b;
+        t.offset = st.pending();
+        t.chunks = (t.offset + N + b - 1) / b;
         t.memory.resize(static_cast<std::size_t>(t.chunks * 2 * cfg.depth));
+        if (t.offset > 0) {
+            const cudaStream_t sm = st.ctx_->stream();
+            for (std::size_t l = 0; l < st.a_.size(); ++l) {
+                t.pend_a.push_back(Buf(st.a_[l].size()));
+                t.pend_delta.push_back(Buf(st.delta_[l].size()));
+                Kernels::copy_into(t.pend_a.back(), st.a_[l], sm);
+                Kernels::copy_into(t.pend_delta.back(), st.delta_[l], sm);
+            }
+            if (gated) {
+                t.pend_gates = Buf(st.gates_.size());
+                Kernels::copy_into(t.pend_gates, st.gates_, sm);
+            }
+            keep_chunk_start(cfg, st, t, 0);
+        }
         t.filled = N == 0;
     }
 
