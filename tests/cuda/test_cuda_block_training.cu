@@ -256,6 +256,75 @@ TEST_CASE("cuda memory: pooled device buffers", "[cuda]") {
     tc::release_cached_device_memory();
 }
 
+// A model call on CUDA runs in one CallScope (call_scope.cuh): every layer on the thread's
+// stream, no host wait but its transfers and the call's flag at the edge (counted under the
+// emulator); outputs as the CPU's. A deferred check that fails rolls the call back and runs it
+// again strictly, which throws the error at its place (block 0 here, not the head's output,
+// which is also non-finite), the state as it was.
+TEST_CASE("cuda model: one wait per call", "[cuda]") {
+    Rng rng(seed_for("cuda call waits", 0));
+    const int vocab = 11, d = 8;
+    const std::pair<BlockKind, BlockKind> stacks[] = {{BlockKind::LMM, BlockKind::MAG},
+                                                      {BlockKind::MAL, BlockKind::SWA},
+                                                      {BlockKind::MAG, BlockKind::MAL}};
+    for (const auto& [k0, k1] : stacks) {
+        const int B = uniform_int(rng, 1, 3), N = uniform_int(rng, 1, 9);
+        INFO(titans::to_string(k0) << "+" << titans::to_string(k1) << " B " << B << " N " << N);
+        const ModelCase mc = make_model_case<double>(k0, k1, d, vocab, 0, rng);
+        const titans::Model<double> cpu(mc.cfg, mc.params);
+        const titans::Model<double, Cuda> gpu(mc.cfg, mc.params);
+        auto sc = cpu.make_state(B);
+        auto sg = gpu.make_state(B);
+        for (int piece = 0; piece < 4; ++piece) {
+            const std::vector<int> ids = random_ids(rng, B * N, vocab);
+            const Matrixd x = random_matrix(B * N, d, rng);
+#if TITANS_CUDA_EMULATION
+            const long w0 = cuda_emulation::host_waits();
+#endif
+            const Matrixd lg = piece % 2 == 0 ? gpu.forward_tokens(sg, ids) : gpu.forward(sg, x);
+#if TITANS_CUDA_EMULATION
+            CHECK(cuda_emulation::host_waits() - w0 == 3);  // input up, output down, the flag
+#endif
+            const Matrixd lc = piece % 2 == 0 ? cpu.forward_tokens(sc, ids) : cpu.forward(sc, x);
+            CHECK(rel_error(lg, lc) <= 1e-12);
+        }
+        auto bad_p = mc.params;
+        bad_p.blocks[0].ffn.w1 *= 1e200;  // block 0's feed-forward overflows
+        bad_p.blocks[0].ffn.w2 *= 1e200;
+        const titans::Model<double, Cuda> bad(mc.cfg, bad_p);
+        const auto copy = sg;
+        const auto before = state_tensors(sg);
+        const std::vector<int> ids = random_ids(rng, B * N, vocab);
+        const std::string what = nonfinite_message([&] { (void)bad.forward_tokens(sg, ids); });
+        INFO(what);
+        CHECK(what.find("Model::forward: block 0: ") == 0);
+        CHECK(same_tensors(state_tensors(sg), before));
+        auto other = copy;
+        CHECK(identical(gpu.forward_tokens(sg, ids), gpu.forward_tokens(other, ids)));
+
+        // A block's host call likewise: x up, the flag, y down.
+        const Block<double> cblk(mc.cfg.blocks[0], mc.params.blocks[0]);
+        const Block<double, Cuda> gblk(mc.cfg.blocks[0], mc.params.blocks[0]);
+        const Block<double, Cuda> gbad(mc.cfg.blocks[0], bad_p.blocks[0]);
+        auto bc = cblk.make_state(B);
+        auto bg = gblk.make_state(B);
+        const Matrixd x = random_matrix(B * N, d, rng);
+#if TITANS_CUDA_EMULATION
+        const long w0 = cuda_emulation::host_waits();
+#endif
+        const Matrixd yg = gblk.forward(bg, x);
+#if TITANS_CUDA_EMULATION
+        CHECK(cuda_emulation::host_waits() - w0 == 3);
+#endif
+        CHECK(rel_error(yg, cblk.forward(bc, x)) <= 1e-12);
+        const auto bbefore = state_tensors(bg);
+        const std::string bwhat = nonfinite_message([&] { (void)gbad.forward(bg, x); });
+        INFO(bwhat);
+        CHECK(bwhat.find("the output is not finite at sequence") != std::string::npos);
+        CHECK(same_tensors(state_tensors(bg), bbefore));
+    }
+}
+
 #if defined(TITANS_TEST_HAS_NCCL) && TITANS_TEST_HAS_NCCL
 #include <titans/nccl/nccl.cuh>
 

@@ -78,6 +78,10 @@ namespace titans::backend {
 ///                              moments, distinct from p, g, m, v and each other; slot `slot`
 ///                              of s = 1 if every new entry is finite, else 0: a model's
 ///                              optimiser on its parameter buffer (ModelAdamW)
+/// Optional: CallScope, what a model's forward call runs in on B (CUDA's: every layer on one
+/// stream without waiting, the finiteness checks deferred to one device flag, flagged() read
+/// at the call's edge, CallScope(false) a strict scope; backend/cuda/call_scope.cuh). A
+/// backend without one runs every check at its place (CallScopeOf: NoCallScope).
 /// The CPU's are the plain loops the layers used on host matrices before, so their results are
 /// the same bits; CUDA's are the same operations per entry (the product on cuBLAS).
 /// How many doubles GlueKernels' Scalars hold, and what read() returns.
@@ -115,6 +119,22 @@ concept GlueBackend = requires(View<const T> a, View<T> out, std::span<const int
     { GlueKernels<B, T>::upload_parts(tensors) } -> std::same_as<typename GlueKernels<B, T>::Parts>;
     { device_parts.size() } -> std::convertible_to<std::size_t>;
     GlueKernels<B, T>::adamw(f, device_parts, a, a, a, a, out, out, out, scalars, 0);
+};
+
+/// The call scope of a backend whose glue has none: every check already ran at its place.
+struct NoCallScope {
+    explicit NoCallScope(bool = true) {}
+    [[nodiscard]] bool flagged() const { return false; }
+};
+/// G::CallScope where the glue G has one, else NoCallScope.
+template <class G>
+struct CallScopeOf {
+    using type = NoCallScope;
+};
+template <class G>
+    requires requires { typename G::CallScope; }
+struct CallScopeOf<G> {
+    using type = typename G::CallScope;
 };
 
 }  // namespace titans::backend

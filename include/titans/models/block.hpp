@@ -159,7 +159,11 @@ public:
         Matrix<T> y;
         const backend::Upload<Backend, T> in(x);
         backend::Download<Backend, T> out(y, x.rows(), cfg_.d_model);
-        forward_checked(state, in.view(), out.view());
+        Scope scope;  // CUDA: one stream, the checks read back once (model.hpp's run)
+        if (!forward_checked(state, in.view(), out.view(), [&] { return !scope.flagged(); })) {
+            const Scope strict(false);  // rolled back: again, each check throwing at its place
+            forward_checked(state, in.view(), out.view());
+        }
         out.finish();
         return y;
     }
@@ -522,9 +526,18 @@ private:
         bool own_, done_ = false;
     };
 
+    /// A call whose checks all ran at their place.
+    struct AllChecked {
+        bool operator()() const { return true; }
+    };
+    /// What a host-matrix forward call runs in (CUDA: call_scope.cuh), or nothing.
+    using Scope = typename backend::CallScopeOf<Glue>::type;
+
     /// forward on checked views: u = RMSNorm(x), y = x + Mixer(u), y += FFN(RMSNorm(y)), the
-    /// activations in the backend's memory.
-    void forward_checked(State& state, View<const T> x, View<T> y) const {
+    /// activations in the backend's memory. False (the call rolled back) if settled() says a
+    /// check deferred to a CallScope failed.
+    template <class Settled = AllChecked>
+    bool forward_checked(State& state, View<const T> x, View<T> y, Settled settled = {}) const {
         const ThreadScope team(threads_, work_estimate(x.rows));
         Guard guard(*this, state);
         Buffer u = Transfer::allocate(x.rows, x.cols);
@@ -539,8 +552,13 @@ private:
             Glue::add(y, cview(f), y);
         }
         require_finite(View<const T>(y), state, "the output");
+        if (!settled()) {
+            return false;
+        }
         guard.commit();
+        return true;
     }
+
 
     static View<const T> cview(const Buffer& b) { return Transfer::view(b); }
 

@@ -3,6 +3,7 @@
 // a final RMSNorm and an output head.
 
 #include <array>
+#include <optional>
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -449,14 +450,16 @@ public:
     [[nodiscard]] Matrix<T> forward(State& state, const MatrixRef<T>& x) const {
         check_input(state, x.rows(), x.cols(), "Model::forward");
         const backend::Upload<Backend, T> in(x);
-        return run(state, in.view());
+        Scope scope;
+        return run(state, in.view(), scope);
     }
 
     /// Token ids in (B*N of them, sequence-major) -> logits (B*N) x vocab_size. The ids go to
     /// the backend once (the embedding rows are gathered there).
     [[nodiscard]] Matrix<T> forward_tokens(State& state, const std::vector<int>& ids) const {
+        Scope scope;  // the gather joins the call's stream too
         const Buffer x = embedded(state, ids, "Model::forward_tokens");
-        return run(state, Transfer::view(x));
+        return run(state, Transfer::view(x), scope);
     }
 
     /// What the training forward keeps for backward (math §9; models/model_training.hpp).
@@ -596,36 +599,39 @@ private:
         }
     }
 
-    /// forward on checked input x in the backend's memory: the blocks in one transaction (if
-    /// any block or the head throws, all of them roll back and the state is as it was: strong
-    /// guarantee), their activations in two backend buffers taken in turn, the final norm and
-    /// the head on the backend; the output downloaded once.
-    Matrix<T> run(State& state, View<const T> x) const {
+    /// What a forward call runs in: the glue's CallScope (CUDA: call_scope.cuh), or nothing.
+    using Scope = typename backend::CallScopeOf<Glue>::type;
+
+    /// forward on checked input x in the backend's memory (pass), in `scope`. On CUDA every
+    /// layer runs on one stream without waiting and the finiteness checks are deferred to the
+    /// scope's device flag, read at the edge; if it is raised the pass was rolled back, and the
+    /// call runs again with every check at its place, where the first failing one throws its
+    /// NonFiniteError (the same error, the state unchanged).
+    Matrix<T> run(State& state, View<const T> x, Scope& scope) const {
+        std::optional<Matrix<T>> out = pass(state, x, [&] { return !scope.flagged(); });
+        if (out) {
+            return std::move(*out);
+        }
+        const Scope strict(false);
+        return *pass(state, x, [] { return true; });
+    }
+
+    /// The blocks in one transaction (if any block or the head throws, or settled() says a
+    /// deferred check failed, all of them roll back and the state is as it was: strong
+    /// guarantee; nullopt for the latter), their activations in two backend buffers taken in
+    /// turn, the final norm and the head on the backend; the output downloaded once.
+    template <class Settled>
+    std::optional<Matrix<T>> pass(State& state, View<const T> x, Settled settled) const {
         const ThreadScope team(threads_, work_estimate(x.rows));
         std::size_t opened = 0;
         try {
             for (; opened < blocks_.size(); ++opened) {
                 blocks_[opened].begin(state.blocks[opened]);
             }
-            std::array<Buffer, 2> buf{Transfer::allocate(x.rows, x.cols),
-                                      Transfer::allocate(x.rows, x.cols)};
-            View<const T> h = x;
-            for (std::size_t i = 0; i < blocks_.size(); ++i) {
-                const View<T> next = Transfer::view(buf[i % 2]);
-                try {
-                    blocks_[i].forward(state.blocks[i], h, next);
-                } catch (const NonFiniteError& e) {
-                    throw NonFiniteError(detail::concat("Model::forward: block ", i, ": ", e.what()));
-                }
-                h = next;
-            }
-            const View<T> z = Transfer::view(buf[blocks_.size() % 2]);  // not h
-            norm_final_.forward(h, z);
-            Matrix<T> out;
-            {
-                backend::Download<Backend, T> logits(out, x.rows, params_->head.cols());
-                Glue::product(z, edge_view(params_->head, &Edge::head), logits.view());
-                logits.finish();
+            Matrix<T> out = blocks_and_head(state, x);
+            if (!settled()) {
+                rollback_blocks(state, opened);
+                return std::nullopt;
             }
             require_finite_output(out);
             for (std::size_t i = 0; i < blocks_.size(); ++i) {
@@ -634,10 +640,40 @@ private:
             state.position += x.rows / state.batch;
             return out;
         } catch (...) {
-            for (std::size_t i = 0; i < opened; ++i) {
-                blocks_[i].rollback(state.blocks[i]);
-            }
+            rollback_blocks(state, opened);
             throw;
+        }
+    }
+
+    /// Every block on x, the final norm and the head (open transactions); the output
+    /// downloaded.
+    Matrix<T> blocks_and_head(State& state, View<const T> x) const {
+        std::array<Buffer, 2> buf{Transfer::allocate(x.rows, x.cols),
+                                  Transfer::allocate(x.rows, x.cols)};
+        View<const T> h = x;
+        for (std::size_t i = 0; i < blocks_.size(); ++i) {
+            const View<T> next = Transfer::view(buf[i % 2]);
+            try {
+                blocks_[i].forward(state.blocks[i], h, next);
+            } catch (const NonFiniteError& e) {
+                throw NonFiniteError(detail::concat("Model::forward: block ", i, ": ", e.what()));
+            }
+            h = next;
+        }
+        const View<T> z = Transfer::view(buf[blocks_.size() % 2]);  // not h
+        norm_final_.forward(h, z);
+        Matrix<T> out;
+        {
+            backend::Download<Backend, T> logits(out, x.rows, params_->head.cols());
+            Glue::product(z, edge_view(params_->head, &Edge::head), logits.view());
+            logits.finish();
+        }
+        return out;
+    }
+
+    void rollback_blocks(State& state, std::size_t opened) const {
+        for (std::size_t i = 0; i < opened; ++i) {
+            blocks_[i].rollback(state.blocks[i]);
         }
     }
 

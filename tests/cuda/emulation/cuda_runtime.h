@@ -14,7 +14,10 @@
 //   copies, memset  at the call (every stream is synchronous), with the argument checks CUDA
 //                   makes (pitches, directions) and, where CUDA leaves it undefined (an
 //                   overlapping copy), an error and a message on stderr
-//   streams         handles checked at every use (a destroyed stream is an invalid handle)
+//   streams         handles checked at every use (a destroyed stream is an invalid handle);
+//                   the calls that make the host wait on a GPU (stream, event and device
+//                   synchronisations, the blocking cudaMemcpy, cudaMemcpy2D and cudaMemset)
+//                   are counted (host_waits())
 //   errors          CUDA's codes; every failing call also sets the host thread's last error
 //                   (cudaGetLastError / cudaPeekAtLastError), as CUDA does
 //   kernels         emulated_launch.h: blocks one after another, a block's threads as fibers
@@ -161,6 +164,7 @@ struct Registry {
     std::set<std::uintptr_t> pooled;
     std::set<const void*> handles;
     AllocationCalls calls;
+    long waits = 0;  // host waits
     unsigned long long release_threshold = 0;
 };
 inline Registry& registry() {
@@ -173,6 +177,19 @@ inline AllocationCalls allocation_calls() {
     Registry& r = registry();
     std::lock_guard<std::mutex> lock(r.m);
     return r.calls;
+}
+
+/// How many calls so far would make the host wait for the device on a GPU.
+inline long host_waits() {
+    Registry& r = registry();
+    std::lock_guard<std::mutex> lock(r.m);
+    return r.waits;
+}
+/// Counts one host wait.
+inline void count_wait() {
+    Registry& r = registry();
+    std::lock_guard<std::mutex> lock(r.m);
+    ++r.waits;
 }
 
 /// The one device's default pool: a fixed handle.
@@ -452,7 +469,10 @@ inline cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr attr, int devic
     return cuda_emulation::fail(cudaErrorInvalidValue);
 }
 /// Every operation has completed when its call returns.
-inline cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
+inline cudaError_t cudaDeviceSynchronize() {
+    cuda_emulation::count_wait();
+    return cudaSuccess;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Memory
@@ -556,6 +576,7 @@ inline cudaError_t cudaMemPoolTrimTo(cudaMemPool_t pool, std::size_t) {
 }
 
 inline cudaError_t cudaMemcpy(void* dst, const void* src, std::size_t n, cudaMemcpyKind kind) {
+    cuda_emulation::count_wait();
     return cuda_emulation::copy_1d("cudaMemcpy", dst, src, n, kind, nullptr);
 }
 inline cudaError_t cudaMemcpyAsync(void* dst, const void* src, std::size_t n, cudaMemcpyKind kind,
@@ -564,6 +585,7 @@ inline cudaError_t cudaMemcpyAsync(void* dst, const void* src, std::size_t n, cu
 }
 inline cudaError_t cudaMemcpy2D(void* dst, std::size_t dpitch, const void* src, std::size_t spitch,
                                 std::size_t width, std::size_t height, cudaMemcpyKind kind) {
+    cuda_emulation::count_wait();
     return cuda_emulation::copy_2d("cudaMemcpy2D", dst, dpitch, src, spitch, width, height, kind,
                                    nullptr);
 }
@@ -574,6 +596,7 @@ inline cudaError_t cudaMemcpy2DAsync(void* dst, std::size_t dpitch, const void* 
                                    kind, stream);
 }
 inline cudaError_t cudaMemset(void* dst, int value, std::size_t n) {
+    cuda_emulation::count_wait();
     return cuda_emulation::set_bytes("cudaMemset", dst, value, n, nullptr);
 }
 inline cudaError_t cudaMemsetAsync(void* dst, int value, std::size_t n,
@@ -589,6 +612,7 @@ inline cudaError_t cudaStreamDestroy(cudaStream_t s) {
     return cuda_emulation::destroy_handle(s);
 }
 inline cudaError_t cudaStreamSynchronize(cudaStream_t s) {
+    cuda_emulation::count_wait();
     return cuda_emulation::valid_stream(s) ? cudaSuccess
                                            : cuda_emulation::fail(cudaErrorInvalidResourceHandle);
 }
@@ -602,6 +626,7 @@ inline cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s = nullptr) {
     return cudaSuccess;
 }
 inline cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+    cuda_emulation::count_wait();
     return cuda_emulation::is_handle(e) ? cudaSuccess
                                         : cuda_emulation::fail(cudaErrorInvalidResourceHandle);
 }

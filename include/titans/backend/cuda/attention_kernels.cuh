@@ -31,6 +31,7 @@
 #include "attention_state.cuh"
 #include "attention_tiled.cuh"
 #include "blas.cuh"
+#include "call_scope.cuh"
 #include "launch.cuh"
 #include "layer_kernels.cuh"
 #include "transfer.cuh"
@@ -45,6 +46,8 @@ struct AttentionKernels<Cuda, T> {
     using State = CudaAttentionState<T>;
     using Prefix = CudaAttentionPrefix<T>;
     using Buf = cuda::DeviceBuffer<T>;
+    /// The context a state's call runs on (call_scope.cuh): its own, or the open CallScope's.
+    static const cuda::StreamContext& ctx(const State& st) { return cuda::call_context(*st.ctx_); }
     /// The parameters on the device: [W_Q | W_K | W_V] (d x 3D) and W_O (D x d), row-major.
     struct Params {
         Buf w_qkv, w_o;
@@ -165,7 +168,7 @@ struct AttentionKernels<Cuda, T> {
     // Internal (public only because nvcc's device lambdas cannot sit in private members).
     static void run(const AttentionConfig& cfg, const Params& p, State& st, View<const T> x,
                     View<T> y, const PrefixView<T>* prefix, long long N) {
-        const cuda::StreamContext& cx = *st.ctx_;
+        const cuda::StreamContext& cx = ctx(st);
         const long long rows = x.rows, D = p.D;
         auto& w = *st.work_;
         w.qkv.reserve(static_cast<std::size_t>(rows * 3 * D));
@@ -184,7 +187,7 @@ struct AttentionKernels<Cuda, T> {
         cuda::gemm<T>(cx.blas(), false, false, static_cast<int>(rows), p.d, static_cast<int>(D),
                       T(1), {w.o.data(), static_cast<int>(D)}, {p.w_o.data(), p.d}, T(0), y.data,
                       static_cast<int>(y.stride), 0, 1);
-        const long long bad = cuda::first_nonfinite_row<T>(cx.stream(), y, w.flag.data());
+        const long long bad = cuda::checked_row<T>(cx.stream(), y, w.flag.data());
         if (bad >= 0) {
             throw NonFiniteError(detail::concat(
                 "Attention::forward: the output is not finite at sequence ", bad / N,
@@ -217,11 +220,11 @@ struct AttentionKernels<Cuda, T> {
         // Both new buffers filled before the state changes (an allocation or copy may throw).
         Buf k(static_cast<std::size_t>(B * cap * D)), v(static_cast<std::size_t>(B * cap * D));
         if (h > 0) {
-            move_rows(st.ctx_->stream(), k.data(), st.k_.data() + st.off_ * D, B, h * D, cap * D,
+            move_rows(ctx(st).stream(), k.data(), st.k_.data() + st.off_ * D, B, h * D, cap * D,
                       st.cap_ * D);
-            move_rows(st.ctx_->stream(), v.data(), st.v_.data() + st.off_ * D, B, h * D, cap * D,
+            move_rows(ctx(st).stream(), v.data(), st.v_.data() + st.off_ * D, B, h * D, cap * D,
                       st.cap_ * D);
-            st.ctx_->synchronize();  // the old buffers may be freed at the end of this turn
+            cuda::idle(ctx(st));  // (the old buffers are freed stream-ordered after it)
         }
         auto& u = st.undo_;
         if (u.open && !u.saved) {

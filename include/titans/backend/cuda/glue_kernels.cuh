@@ -2,8 +2,9 @@
 // titans/backend/cuda/glue_kernels.cuh: the glue between layers on CUDA (layers/glue.hpp):
 // copies, residual sums, MAG's gate and its adjoint, row blocks, finiteness, the embedding
 // gather and its scatter-add, the head's products, on device views. Stateless: each call runs
-// on the calling host thread's stream and cuBLAS handle (thread_context(), layer_kernels.cuh)
-// and returns with it idle.
+// on the calling host thread's stream and cuBLAS handle (thread_context(), call_scope.cuh)
+// and returns with it idle, unless a CallScope is open (then it returns at once, its work
+// queued in order).
 
 #include <cstddef>
 #include <cmath>
@@ -16,6 +17,7 @@
 #include "../../types.hpp"
 #include "../backend.hpp"
 #include "blas.cuh"
+#include "call_scope.cuh"
 #include "launch.cuh"
 #include "layer_kernels.cuh"
 #include "runtime.cuh"
@@ -94,11 +96,15 @@ struct GlueKernels<Cuda, T> {
         });
     }
     /// A device minimum of the rows holding a NaN or an infinity; the one scalar comes back.
+    /// Inside a CallScope: -1 at once, the check deferred to the scope's flag.
     static std::ptrdiff_t nonfinite_row(View<const T> x) {
         cuda::DeviceBuffer<unsigned> flag(1);
         return static_cast<std::ptrdiff_t>(
-            cuda::first_nonfinite_row<T>(cuda::thread_context().stream(), x, flag.data()));
+            cuda::checked_row<T>(cuda::thread_context().stream(), x, flag.data()));
     }
+    /// What Model::forward runs a call in (call_scope.cuh): one stream, no wait but the
+    /// flag's at the edge (flagged()), and a strict rerun if it is raised.
+    using CallScope = cuda::CallScope;
     /// Token ids in device memory.
     struct Ids {
         cuda::DeviceBuffer<int> ids;
@@ -337,7 +343,7 @@ struct GlueKernels<Cuda, T> {
                       static_cast<int>(k), T(1), {a.data, static_cast<int>(a.stride)},
                       {b.data, static_cast<int>(b.stride)}, T(0), out.data,
                       static_cast<int>(out.stride), 0, 1);
-        cx.synchronize();
+        cuda::idle(cx);
     }
 
     struct Sum {
@@ -365,7 +371,7 @@ struct GlueKernels<Cuda, T> {
     static void run(long long n, F f) {
         const cuda::StreamContext& cx = cuda::thread_context();
         cuda::each(cx.stream(), n, f);
-        cx.synchronize();
+        cuda::idle(cx);
     }
 };
 

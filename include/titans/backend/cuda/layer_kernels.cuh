@@ -15,6 +15,7 @@
 #include "../../types.hpp"
 #include "../backend.hpp"
 #include "blas.cuh"
+#include "call_scope.cuh"
 #include "launch.cuh"
 #include "transfer.cuh"
 #include "../../layers/kernels_decl.hpp"
@@ -24,13 +25,6 @@ namespace titans::backend {
 struct Cuda;
 
 namespace cuda {
-
-/// This host thread's stream and cuBLAS handle (made on first use, with the TF32 setting of
-/// that moment).
-inline const StreamContext& thread_context() {
-    thread_local const StreamContext ctx;
-    return ctx;
-}
 
 #if TITANS_CUDA_DEVICE_CODE
 /// The sum (Max false) or the maximum (Max true) of v over the block's threads (blockDim.x a
@@ -185,7 +179,7 @@ struct NormKernels<Cuda, T> {
             }
             dw[j] += s;
         });
-        cx.synchronize();
+        cuda::idle(cx);
     }
 
     static void run(const Prepared& w, T eps, View<const T> x, View<T> y, T* inv,
@@ -198,7 +192,7 @@ struct NormKernels<Cuda, T> {
                      x.data, x.stride, y.data, y.stride, w->data(), static_cast<int>(x.cols), eps,
                      inv, is);
         cuda::check_launch("the RMSNorm kernel");
-        cx.synchronize();
+        cuda::idle(cx);
     }
 };
 
@@ -264,7 +258,7 @@ struct FeedForwardKernels<Cuda, T> {
         cuda::gemm<T>(cx.blas(), false, false, static_cast<int>(x.rows), p->d, p->h, T(1),
                       {hb.data(), p->h}, {p->w2.data(), p->d}, T(0), y.data,
                       static_cast<int>(y.stride), 0, 1);
-        cx.synchronize();
+        cuda::idle(cx);
     }
 
     /// math §9 (feed-forward): dW2 += h^T dy, da = dh ⊙ act'(a) (⊙ g), dg = dh ⊙ silu(a),
@@ -299,7 +293,7 @@ struct FeedForwardKernels<Cuda, T> {
             cuda::gemm<T>(bl, false, true, rows, d, hd, T(1), {dg.data(), hd},
                           {p->w3.data(), hd}, T(1), dx.data, static_cast<int>(dx.stride), 0, 1);
         }
-        cx.synchronize();
+        cuda::idle(cx);
     }
 
     /// out = x W (rows x cols, W dense d x cols).

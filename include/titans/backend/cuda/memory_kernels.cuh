@@ -30,6 +30,7 @@
 #include "../../view.hpp"
 #include "../backend.hpp"
 #include "blas.cuh"
+#include "call_scope.cuh"
 #include "launch.cuh"
 #include "memory_device.cuh"
 #include "memory_fused.cuh"
@@ -48,6 +49,9 @@ struct MemoryKernels<Cuda, T> {
     using State = CudaMemoryState<T>;
     using Mat = Matrix<T>;
     using Buf = cuda::DeviceBuffer<T>;
+
+    /// The context a state's call runs on (call_scope.cuh): its own, or the open CallScope's.
+    static const cuda::StreamContext& ctx(const State& st) { return cuda::call_context(*st.ctx_); }
 
     /// The outer parameters in device memory, laid out for the kernels.
     struct Params {
@@ -174,7 +178,7 @@ struct MemoryKernels<Cuda, T> {
                               out = static_cast<std::size_t>(cfg.layer_out(l));
             const std::size_t n = static_cast<std::size_t>(P) * in * out;
             st.w_.push_back(Buf(n));
-            replicate_init(st.ctx_->stream(), prepared->init.data() + layer_at, head_size,
+            replicate_init(ctx(st).stream(), prepared->init.data() + layer_at, head_size,
                            static_cast<unsigned>(in * out), static_cast<unsigned>(H),
                            st.w_.back().data(), static_cast<long long>(n));
             layer_at += static_cast<long long>(in * out);
@@ -212,8 +216,8 @@ struct MemoryKernels<Cuda, T> {
         if (st.undo_.open) {
             return false;
         }
-        copy_into(st.undo_.tail, st.tail_, st.ctx_->stream());
-        st.ctx_->synchronize();
+        copy_into(st.undo_.tail, st.tail_, ctx(st).stream());
+        cuda::idle(ctx(st));
         st.undo_.position = st.position_;  // opened only once nothing above can throw
         st.undo_.full = false;
         st.undo_.saved_hi = st.pending();
@@ -225,7 +229,7 @@ struct MemoryKernels<Cuda, T> {
         if (!st.undo_.open) {
             return;
         }
-        const cudaStream_t sm = st.ctx_->stream();
+        const cudaStream_t sm = ctx(st).stream();
         auto& u = st.undo_;
         const int row0 = static_cast<int>(u.position % st.chunk_);
         if (u.full) {
@@ -240,7 +244,7 @@ struct MemoryKernels<Cuda, T> {
         copy_into(st.tail_, u.tail, sm);
         st.position_ = st.undo_.position;
         st.undo_.open = false;
-        st.ctx_->synchronize();
+        ctx(st).synchronize();
     }
     /// Before the first chunk end inside a transaction: the memory and the rows pending at
     /// begin [0, row0) are still as they were then (the rows written since were saved by
@@ -249,7 +253,7 @@ struct MemoryKernels<Cuda, T> {
         if (!st.undo_.open || st.undo_.full) {
             return;
         }
-        const cudaStream_t sm = st.ctx_->stream();
+        const cudaStream_t sm = ctx(st).stream();
         copy_all(st.undo_.w, st.w_, sm);
         copy_all(st.undo_.s, st.s_, sm);
         pending_rows(st, false, 0, static_cast<int>(st.undo_.position % st.chunk_));
@@ -274,7 +278,7 @@ struct MemoryKernels<Cuda, T> {
             return;
         }
         auto& u = st.undo_;
-        const cudaStream_t sm = st.ctx_->stream();
+        const cudaStream_t sm = ctx(st).stream();
         const long long P = static_cast<long long>(st.batch_) * st.cfg_.n_heads;
         const int b = st.chunk_;
         auto one = [&](Buf& live, Buf& saved, long long width) {
@@ -607,7 +611,7 @@ struct MemoryKernels<Cuda, T> {
     /// into pending rows [o, o+m): A_l, Delta_L = M(k) - v, Delta_l = (Delta_{l+1} W^T) . act'.
     static void key_pass(const MemoryConfig& cfg, State& st, long long N, long long t, int o,
                          long long m) {
-        const cuda::StreamContext& cx = *st.ctx_;
+        const cuda::StreamContext& cx = ctx(st);
         const cudaStream_t sm = cx.stream();
         auto& w = *st.work_;
         const int L = cfg.depth, b = st.chunk_;
@@ -655,7 +659,7 @@ struct MemoryKernels<Cuda, T> {
         const T* v = st.work_->v.data();
         T* dL = st.delta_[static_cast<std::size_t>(L - 1)].data();
         const bool residual = cfg.residual;
-        cuda::each(st.ctx_->stream(), P * m * dh, [=] __device__(unsigned i) {
+        cuda::each(ctx(st).stream(), P * m * dh, [=] __device__(unsigned i) {
             const long long p = i / cuda::u32(m * dh), r = (i / cuda::u32(dh)) % cuda::u32(m), c = i % cuda::u32(dh);
             const long long in_row = (p * N + t + r) * dh + c;
             T e = z[(p * b + r) * dh + c] - v[in_row];
@@ -674,7 +678,7 @@ struct MemoryKernels<Cuda, T> {
         const int b = st.chunk_;
         const long long P = static_cast<long long>(st.batch_) * cfg.n_heads;
         T* out = st.work_->diag.data();
-        cuda::each(st.ctx_->stream(), P * m, [=] __device__(unsigned i) {
+        cuda::each(ctx(st).stream(), P * m, [=] __device__(unsigned i) {
             const long long p = i / cuda::u32(m), r = o + i % cuda::u32(m);
             T g2 = T(0), loss = T(0);
             for (int l = 0; l < ly.depth; ++l) {
@@ -705,7 +709,7 @@ struct MemoryKernels<Cuda, T> {
     /// Z_l = diag(beta) H W^s + diag(c) H S^s - (G . (H A_{l-1}^T)) Delta_l, H_l = act(Z_l).
     static void read_in_chunk(const MemoryConfig& cfg, State& st, long long N, long long t, int o,
                               long long m) {
-        const cuda::StreamContext& cx = *st.ctx_;
+        const cuda::StreamContext& cx = ctx(st);
         const cudaStream_t sm = cx.stream();
         auto& w = *st.work_;
         const int L = cfg.depth, b = st.chunk_, n = o + static_cast<int>(m);
@@ -770,7 +774,7 @@ struct MemoryKernels<Cuda, T> {
     static bool scan(const MemoryConfig& cfg, State& st, long long N, bool want_diag) {
         const int b = st.chunk_;
         const long long P = static_cast<long long>(st.batch_) * cfg.n_heads, dh = cfg.head_dim();
-        const cudaStream_t sm = st.ctx_->stream();
+        const cudaStream_t sm = ctx(st).stream();
         auto& w = *st.work_;
         // The state's buffers do not move during a call: their pointers once, not per segment.
         const std::vector<T*> W = pointers(st.w_), S = pointers(st.s_);
@@ -804,14 +808,14 @@ struct MemoryKernels<Cuda, T> {
                 surprise(cfg, st, N, t, o, m);
             }
             if (cfg.retrieval == Retrieval::Lagged) {
-                mlp_read(cfg, *st.ctx_, Wc, w.q.data() + t * dh, N * dh, m, w.hid, b,
+                mlp_read(cfg, ctx(st), Wc, w.q.data() + t * dh, N * dh, m, w.hid, b,
                          w.yp.data() + t * dh, N * dh, static_cast<int>(P));
             } else {
                 read_in_chunk(cfg, st, N, t, o, m);
             }
             if (o + m == b) {
                 save_full(st);
-                chunk_end(cfg, *st.ctx_, w, pending, st.gates_.data(), W, S, P, b, b);
+                chunk_end(cfg, ctx(st), w, pending, st.gates_.data(), W, S, P, b, b);
                 ended = true;
             }
             t += m;
@@ -830,7 +834,7 @@ struct MemoryKernels<Cuda, T> {
     };
     static FusedPlan fused_plan(const MemoryConfig& cfg, const State& st, bool want_diag) {
         const cuda::FusedMemory mode = cuda::fused_memory();
-        const bool tf32 = std::is_same_v<T, float> && st.ctx_->tf32();
+        const bool tf32 = std::is_same_v<T, float> && ctx(st).tf32();
         if (mode == cuda::FusedMemory::Off || (mode == cuda::FusedMemory::Auto && !tf32) ||
             cfg.depth != 2 || cfg.retrieval != Retrieval::Lagged || want_diag) {
             return {};
@@ -876,7 +880,7 @@ struct MemoryKernels<Cuda, T> {
         const auto bytes = static_cast<std::size_t>(f.lay.entries()) * sizeof(T);
         cuda::raise_shared_limit(kernel, bytes);
         cuda::launch_shared(kernel, static_cast<unsigned>(P), cuda::fused_threads, bytes,
-                            st.ctx_->stream(), f);
+                            ctx(st).stream(), f);
         cuda::check_launch("the fused chunk kernel");
         ++cuda::fused_launches();
     }
@@ -892,7 +896,7 @@ struct MemoryKernels<Cuda, T> {
     /// Flags the non-finite entries of a forward call: 0 projections, 1 memory read,
     /// 2 memory state (weights and momentum after a chunk end, pending rows), 3 output.
     static void check_state(const MemoryConfig& cfg, State& st, bool ended, int* flags) {
-        const cudaStream_t sm = st.ctx_->stream();
+        const cudaStream_t sm = ctx(st).stream();
         const long long P = static_cast<long long>(st.batch_) * cfg.n_heads;
         const int b = st.chunk_, n = st.pending();
         const FlagKey pair{1, 1, 0};
@@ -953,7 +957,7 @@ struct MemoryKernels<Cuda, T> {
         const int B = st.batch_;
         const long long N = x.rows / B, P = static_cast<long long>(B) * cfg.n_heads,
                         dh = cfg.head_dim();
-        const cuda::StreamContext& cx = *st.ctx_;
+        const cuda::StreamContext& cx = ctx(st);
         auto& w = *st.work_;
         reserve(cfg, w, B, N, st.chunk_, st.chunk_);
         int* flags = w.flags.data();
@@ -974,6 +978,10 @@ struct MemoryKernels<Cuda, T> {
         output(cfg, p, cx, w, B, N, y);
         flag_nonfinite(cx.stream(), y.data, 1, x.rows, cfg.d_model, y.stride, 0, flags, 3,
                        FlagKey{1, 0, 1});
+        if (cuda::deferring() && diag == nullptr) {  // read once at the call's edge
+            cuda::defer_flags(cx.stream(), flags, 5, unflagged);
+            return;
+        }
         int host[5] = {0, 0, 0, 0, 0};
         cuda::check(cudaMemcpyAsync(host, flags, sizeof(host), cudaMemcpyDeviceToHost, cx.stream()),
                     "cudaMemcpyAsync (flags)");
@@ -1051,10 +1059,10 @@ struct MemoryKernels<Cuda, T> {
             return pointers(weights ? ms.w_ : ms.s_);
         }
         reserve(cfg, w, st.batch_, 1, st.chunk_, st.chunk_);
-        const cudaStream_t sm = st.ctx_->stream();
+        const cudaStream_t sm = ctx(st).stream();
         copy_all(w.w, st.w_, sm);
         copy_all(w.s, st.s_, sm);
-        chunk_end(cfg, *st.ctx_, w, layers(cfg, st.a_, st.delta_), st.gates_.data(),
+        chunk_end(cfg, ctx(st), w, layers(cfg, st.a_, st.delta_), st.gates_.data(),
                   pointers(w.w), pointers(w.s), P, st.chunk_, n);
         return pointers(weights ? w.w : w.s);
     }
@@ -1088,7 +1096,7 @@ struct MemoryKernels<Cuda, T> {
             return;
         }
         const std::vector<T*> W = materialise(cfg, st, true);
-        read_through(cfg, *p, *st.ctx_, *st.work_, x, st.batch_, st.chunk_,
+        read_through(cfg, *p, ctx(st), *st.work_, x, st.batch_, st.chunk_,
                      cfg.use_conv, st.tail_.data(), as_const(W), y);
     }
 
@@ -1119,7 +1127,7 @@ struct MemoryKernels<Cuda, T> {
     static std::vector<Mat> current(const MemoryConfig& cfg, const State& st, int s, int h,
                                     bool weights) {
         const std::vector<T*> src = materialise(cfg, st, weights);
-        st.ctx_->synchronize();
+        ctx(st).synchronize();
         const long long p = static_cast<long long>(s) * cfg.n_heads + h;
         std::vector<Mat> out;
         for (int l = 1; l <= cfg.depth; ++l) {
@@ -1143,7 +1151,7 @@ struct MemoryKernels<Cuda, T> {
     /// Every pair's weights: materialised once, one download per layer.
     static std::vector<std::vector<Mat>> all_weights(const MemoryConfig& cfg, const State& st) {
         const std::vector<T*> src = materialise(cfg, st, true);
-        st.ctx_->synchronize();
+        ctx(st).synchronize();
         const auto P = static_cast<std::size_t>(st.batch_) * static_cast<std::size_t>(cfg.n_heads);
         std::vector<std::vector<Mat>> out(P);
         std::vector<T> layer;

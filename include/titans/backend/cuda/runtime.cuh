@@ -258,20 +258,13 @@ public:
     /// A stream and a handle; TF32 GEMMs in float when `tf32` (default: allow_tf32()).
     explicit StreamContext(bool tf32 = allow_tf32()) : tf32_(tf32) {
         check(cudaStreamCreate(&stream_), "cudaStreamCreate");
-        if (cublasCreate(&blas_) != CUBLAS_STATUS_SUCCESS) {
-            (void)cudaStreamDestroy(stream_);
-            throw CudaError("titans (CUDA backend): cublasCreate failed");
-        }
-        try {
-            check(cublasSetStream(blas_, stream_), "cublasSetStream");
-            check(cublasSetMathMode(blas_,
-                                    tf32_ ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH),
-                  "cublasSetMathMode");
-        } catch (...) {  // no destructor runs for an object whose constructor threw
-            (void)cublasDestroy(blas_);
-            (void)cudaStreamDestroy(stream_);
-            throw;
-        }
+        bind();
+    }
+    /// A handle of math mode `tf32` on `base`'s stream, which stays base's (not owned): work
+    /// through either is ordered on that one stream.
+    StreamContext(const StreamContext& base, bool tf32)
+        : tf32_(tf32), owns_stream_(false), stream_(base.stream_) {
+        bind();
     }
     /// A copy has its own stream and handle, with the same math mode.
     StreamContext(const StreamContext& o) : StreamContext(o.tf32_) {}
@@ -285,7 +278,7 @@ public:
     }
     ~StreamContext() {
         (void)cublasDestroy(blas_);
-        (void)cudaStreamDestroy(stream_);
+        if (owns_stream_) (void)cudaStreamDestroy(stream_);
     }
     [[nodiscard]] cudaStream_t stream() const { return stream_; }
     [[nodiscard]] cublasHandle_t blas() const { return blas_; }
@@ -294,7 +287,26 @@ public:
     void synchronize() const { check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize"); }
 
 private:
+    /// The handle, bound to the stream, in the math mode (the stream released if it fails).
+    void bind() {
+        if (cublasCreate(&blas_) != CUBLAS_STATUS_SUCCESS) {
+            if (owns_stream_) (void)cudaStreamDestroy(stream_);
+            throw CudaError("titans (CUDA backend): cublasCreate failed");
+        }
+        try {
+            check(cublasSetStream(blas_, stream_), "cublasSetStream");
+            check(cublasSetMathMode(blas_,
+                                    tf32_ ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH),
+                  "cublasSetMathMode");
+        } catch (...) {  // no destructor runs for an object whose constructor threw
+            (void)cublasDestroy(blas_);
+            if (owns_stream_) (void)cudaStreamDestroy(stream_);
+            throw;
+        }
+    }
+
     bool tf32_ = false;
+    bool owns_stream_ = true;
     cudaStream_t stream_{};
     cublasHandle_t blas_{};
 };
