@@ -325,6 +325,74 @@ TEST_CASE("cuda model: one wait per call", "[cuda]") {
     }
 }
 
+// A memory that diverges inside a model call on CUDA (block 0's LMM, clipping off, its values
+// scaled up): its checks are deferred to the call's flag like the others, so the call is rolled
+// back and run again strictly, and the error is the memory's, named in block 0 as the CPU names
+// it; the state as it was, and the model continues it. Two ways: its reads diverge (then the
+// block's output is not finite either), and only its weights at the piece's last chunk end (a
+// piece of one chunk: every read of it uses the finite start weights, so the output is finite
+// and the memory's own flag is all that stops the call from committing them).
+TEST_CASE("cuda model: deferred memory error", "[cuda]") {
+    Rng rng(seed_for("cuda deferred memory", 0));
+    const int vocab = 11, d = 8;
+    for (const BlockKind k1 : {BlockKind::MAG, BlockKind::SWA}) {
+        ModelCase mc = make_model_case<double>(BlockKind::LMM, k1, d, vocab, 0, rng);
+        mc.cfg.blocks[0].memory.max_grad_norm = 0;
+        mc.cfg.blocks[0].memory.retrieval = Retrieval::Lagged;  // reads at the chunk start
+        mc.cfg.blocks[0].memory.gates = titans::GateMode::DataDependent;  // theta_max scales
+        mc.params.blocks[0] = random_block_params<double>(mc.cfg.blocks[0], rng);
+        const int B = uniform_int(rng, 1, 2), C = mc.cfg.blocks[0].memory.effective_chunk();
+        const titans::Model<double> cpu(mc.cfg, mc.params);
+        const titans::Model<double, Cuda> gpu(mc.cfg, mc.params);
+        bool weights_only = false;  // a case whose divergence is in the weights alone was met
+        // {scale of w_v, theta_max or 0 for the drawn one}: reads diverging, then steps so
+        // large that only the weights at the chunk end overflow.
+        const std::pair<double, double> cases[] = {
+            {1e200, 0}, {1, 1e306}, {1, 1.7e308}, {1e10, 1.7e308}, {1e100, 1.7e308}};
+        for (const auto& [scale, theta_max] : cases) {
+            const int N = theta_max == 0 ? 3 * C + 1 : C;
+            INFO("LMM+" << titans::to_string(k1) << " B " << B << " N " << N << " scale "
+                        << scale << " theta_max " << theta_max);
+            auto bad_p = mc.params;
+            bad_p.blocks[0].memory.w_v *= scale;
+            titans::ModelConfig bad_cfg = mc.cfg;
+            if (theta_max > 0) bad_cfg.blocks[0].memory.theta_max = theta_max;
+            const titans::Model<double> cbad(bad_cfg, bad_p);
+            const titans::Model<double, Cuda> gbad(bad_cfg, bad_p);
+            auto sc = cbad.make_state(B);
+            auto sg = gbad.make_state(B);
+            if (theta_max == 0) {  // the drawn config: the healthy model's state, to a chunk end
+                const std::vector<int> warm = random_ids(rng, B * C, vocab);
+                (void)cpu.forward_tokens(sc, warm);
+                (void)gpu.forward_tokens(sg, warm);
+            }
+            const auto before = state_tensors(sg);
+            const std::vector<int> ids = random_ids(rng, B * N, vocab);
+            const std::string cwhat =
+                nonfinite_message([&] { (void)cbad.forward_tokens(sc, ids); });
+            const std::string what =
+                nonfinite_message([&] { (void)gbad.forward_tokens(sg, ids); });
+            INFO(what << "\nCPU: " << cwhat);
+            const std::string prefix =
+                "Model::forward: block 0: Block (LMM): NeuralMemory::forward: ";
+            if (cwhat.find(prefix) != 0) {
+                continue;  // this case overflows elsewhere first
+            }
+            const bool weights = cwhat.find("non-finite memory weights") != std::string::npos;
+            weights_only = weights_only || weights;
+            CHECK(what.find(prefix) == 0);
+            CHECK(what.find(weights ? "non-finite memory weights" : "a non-finite memory read") !=
+                  std::string::npos);
+            CHECK(same_tensors(state_tensors(sg), before));
+            if (theta_max == 0) {
+                CHECK(rel_error(gpu.forward_tokens(sg, ids), cpu.forward_tokens(sc, ids)) <=
+                      1e-12);
+            }
+        }
+        CHECK(weights_only);
+    }
+}
+
 #if defined(TITANS_TEST_HAS_NCCL) && TITANS_TEST_HAS_NCCL
 #include <titans/nccl/nccl.cuh>
 

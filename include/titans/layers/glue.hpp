@@ -126,6 +126,10 @@ struct NoCallScope {
     explicit NoCallScope(bool = true) {}
     [[nodiscard]] bool flagged() const { return false; }
 };
+/// The settled() of a call run in no scope or a strict one: its checks all ran at their place.
+struct AllChecked {
+    bool operator()() const { return true; }
+};
 /// G::CallScope where the glue G has one, else NoCallScope.
 template <class G>
 struct CallScopeOf {

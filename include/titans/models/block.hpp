@@ -526,17 +526,13 @@ private:
         bool own_, done_ = false;
     };
 
-    /// A call whose checks all ran at their place.
-    struct AllChecked {
-        bool operator()() const { return true; }
-    };
     /// What a host-matrix forward call runs in (CUDA: call_scope.cuh), or nothing.
     using Scope = typename backend::CallScopeOf<Glue>::type;
 
     /// forward on checked views: u = RMSNorm(x), y = x + Mixer(u), y += FFN(RMSNorm(y)), the
     /// activations in the backend's memory. False (the call rolled back) if settled() says a
     /// check deferred to a CallScope failed.
-    template <class Settled = AllChecked>
+    template <class Settled = backend::AllChecked>
     bool forward_checked(State& state, View<const T> x, View<T> y, Settled settled = {}) const {
         const ThreadScope team(threads_, work_estimate(x.rows));
         Guard guard(*this, state);
@@ -558,7 +554,6 @@ private:
         guard.commit();
         return true;
     }
-
 
     static View<const T> cview(const Buffer& b) { return Transfer::view(b); }
 

@@ -613,7 +613,7 @@ private:
             return std::move(*out);
         }
         const Scope strict(false);
-        return *pass(state, x, [] { return true; });
+        return *pass(state, x, backend::AllChecked{});
     }
 
     /// The blocks in one transaction (if any block or the head throws, or settled() says a

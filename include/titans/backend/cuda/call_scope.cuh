@@ -121,7 +121,7 @@ void defer_nonfinite(cudaStream_t stream, View<const T> y) {
     const unsigned cols = static_cast<unsigned>(y.cols);
     each(stream, y.rows * y.cols, [=] __device__(unsigned i) {
         const T v = yp[(i / cols) * ys + i % cols];
-        if (!(v - v == T(0))) {  // not finite (fast math too)
+        if (not_finite(v)) {
             atomicMax(f, 1u);
         }
     });
