@@ -393,6 +393,98 @@ TEST_CASE("cuda model: deferred memory error", "[cuda]") {
     }
 }
 
+namespace {
+
+/// The host waits so far (the emulator's count; 0 on a GPU, where they are not counted).
+long cuda_emulation_waits() {
+#if TITANS_CUDA_EMULATION
+    return cuda_emulation::host_waits();
+#else
+    return 0;
+#endif
+}
+
+/// A model's tensors by name, as same_tensors compares them.
+std::vector<std::pair<std::string, Matrixd>> listed_params(const titans::ModelParams<double>& p,
+                                                           const titans::ModelConfig& cfg) {
+    std::vector<std::pair<std::string, Matrixd>> l;
+    titans::ModelParams<double>::tensors(p, cfg, [&](const std::string& n, const auto& t) {
+        l.emplace_back(n, Matrixd(t));
+    });
+    return l;
+}
+
+}  // namespace
+
+// A Trainer step on CUDA runs its gradients pass (the training forward, the loss, the
+// backward) in one CallScope: in a scope that pass makes fewer host waits than without one
+// (counted under the emulator) and gives the same loss and gradients, bit for bit; the
+// trainer's steps are the CPU's (test above). A memory diverging inside the pass (block 0's
+// weights at the piece's one chunk end, every read and the loss finite) raises the scope's
+// flag: the trainer runs the pass again strictly and throws the memory's error as the CPU's
+// trainer does (without the rerun it would take the step), the trainer unchanged.
+TEST_CASE("cuda trainer: one scope a step", "[cuda]") {
+    Rng rng(seed_for("cuda trainer scope", 0));
+    const int vocab = 11, B = 2;
+    for (const BlockKind k1 : {BlockKind::MAG, BlockKind::SWA}) {
+        ModelCase m = trainer_model_case<double>(BlockKind::LMM, k1, vocab, rng);
+        const int N = m.cfg.blocks[0].memory.effective_chunk();
+        const TrainerConfig tc = trainer_test_config(1.0);
+        const StepData d = step_data("cuda trainer scope", 0, B, N, vocab);
+        const titans::Model<double, Cuda> model(m.cfg, m.params);
+        const auto pass = [&](titans::ModelGradients<double, Cuda>& g) {
+            auto st = model.make_state(B);
+            typename titans::Model<double, Cuda>::Trace trace;
+            const double loss = model.forward_loss(st, d.ids, d.labels, trace);
+            model.backward_loss(trace, g);
+            return loss;
+        };
+        titans::ModelGradients<double, Cuda> g0(model), g1(model);
+        (void)pass(g0);  // the pools warmed
+        g0.zero();
+        const long w0 = cuda_emulation_waits();
+        const double l0 = pass(g0);
+        const long plain = cuda_emulation_waits() - w0;
+        double l1 = 0;
+        {
+            typename titans::backend::GlueKernels<Cuda, double>::CallScope scope;
+            l1 = pass(g1);
+            CHECK_FALSE(scope.flagged());
+        }
+        const long scoped = cuda_emulation_waits() - w0 - plain;
+        INFO("LMM+" << titans::to_string(k1) << ": " << plain << " waits, in a scope " << scoped);
+#if TITANS_CUDA_EMULATION
+        CHECK(scoped < plain);
+#endif
+        CHECK(l1 == l0);
+        CHECK(same_tensors(listed_params(g1.to_params(), m.cfg),
+                           listed_params(g0.to_params(), m.cfg)));
+
+        // Block 0's memory: clipping off, lagged reads, steps so large that its weights
+        // overflow at the chunk end of a piece of one chunk.
+        m.cfg.blocks[0].memory.max_grad_norm = 0;
+        m.cfg.blocks[0].memory.retrieval = Retrieval::Lagged;
+        m.cfg.blocks[0].memory.gates = titans::GateMode::DataDependent;
+        m.cfg.blocks[0].memory.theta_max = 1.7e308;
+        m.params.blocks[0] = random_block_params<double>(m.cfg.blocks[0], rng);
+        m.params.blocks[0].memory.w_v *= 1e10;
+        Trainer<double> cbad(m.cfg, m.params, tc);
+        Trainer<double, Cuda> gbad(m.cfg, m.params, tc);
+        const std::string cwhat =
+            nonfinite_message([&] { (void)cbad.step(d.ids, d.labels, B); });
+        const std::string what =
+            nonfinite_message([&] { (void)gbad.step(d.ids, d.labels, B); });
+        INFO(what << "\nCPU: " << cwhat);
+        const std::string named =
+            "Model::forward: block 0: Block (LMM): NeuralMemory::forward: non-finite memory "
+            "weights";
+        REQUIRE(cwhat.find(named) == 0);
+        CHECK(what.find(named) == 0);
+        CHECK(gbad.steps() == 0);
+        CHECK(same_tensors(listed_params(gbad.params(), m.cfg), listed_params(m.params, m.cfg)));
+    }
+}
+
 #if defined(TITANS_TEST_HAS_NCCL) && TITANS_TEST_HAS_NCCL
 #include <titans/nccl/nccl.cuh>
 

@@ -401,6 +401,33 @@ private:
     double gradients(const std::vector<int>& ids, std::span<const int> labels, int batch,
                      ModelGradients<T, Backend>& grads,
                      BackendScalars<T, Backend>* into = nullptr, std::size_t slot = 0) const {
+        // In the glue's CallScope (CUDA: one stream, the finiteness checks deferred to one
+        // flag read here). If it is raised, or the pass fails on what a deferred check let
+        // through, the pass runs again strictly, where the first failing check throws at its
+        // place; nothing of the trainer has changed before the step is taken.
+        using Scope = typename backend::CallScopeOf<backend::GlueKernels<Backend, T>>::type;
+        if constexpr (std::is_same_v<Scope, backend::NoCallScope>) {
+            return gradients_pass(ids, labels, batch, grads, into, slot);
+        }
+        {
+            Scope scope;
+            try {
+                const double loss = gradients_pass(ids, labels, batch, grads, into, slot);
+                if (!scope.flagged()) {
+                    return loss;
+                }
+            } catch (const NonFiniteError&) {  // named at its place below
+            }
+        }
+        const Scope strict(false);
+        grads.zero();
+        return gradients_pass(ids, labels, batch, grads, into, slot);
+    }
+
+    /// The training forward, the loss and the backward, as gradients() describes.
+    double gradients_pass(const std::vector<int>& ids, std::span<const int> labels, int batch,
+                          ModelGradients<T, Backend>& grads, BackendScalars<T, Backend>* into,
+                          std::size_t slot) const {
         auto state = model_.make_state(batch);
         typename ModelType::Trace trace;
         double loss = 0.0;
