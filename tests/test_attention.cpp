@@ -682,6 +682,61 @@ TEMPLATE_TEST_CASE("Attention: device functors", "[attention]", float, double) {
     }
 }
 
+// MAC's segment attention as the CUDA backend schedules it (backend/cuda/attention_kernels.cuh:
+// fused QKV of the part, [K | V] of its reads, RoPE, the SegmentAppend and SegmentRows functors
+// run in loops where the GPU launches a thread per element, then W_O) equals the host's
+// (detail::segment_attention, the CPU kernel): outputs and segment buffers, parts at every
+// offset of random segments, with and without RoPE and a prefix, random and hostile rows.
+TEMPLATE_TEST_CASE("Attention: segment functors", "[attention]", float, double) {
+    using T = TestType;
+    const auto launch = [](long long n, const auto& f) {
+        for (long long i = 0; i < n; ++i) f(static_cast<unsigned>(i));
+    };
+    for (int i = 0; i < 16; ++i) {
+        Rng rng(seed_for("attention segment functors", static_cast<std::uint64_t>(i)));
+        const AttentionConfig cfg = random_attention_config(rng, i % 2 == 0, 4);
+        const AttentionParams<T> p = cast_attention_params<T>(random_attention_params<T>(cfg, rng));
+        const int B = uniform_int(rng, 1, 3), C = uniform_int(rng, 1, 6), np = uniform_int(rng, 0, 3);
+        const long long D = cfg.inner_dim(), H = cfg.n_heads;
+        const int dh = cfg.head_dim();
+        const Matrix<T> prefix = to<T>(random_matrix(np, cfg.d_model, rng));
+        const Matrix<T> kp = prefix * p.w_k, vp = prefix * p.w_v;
+        Matrix<T> host_k = to<T>(random_matrix(B * 2 * C, D, rng)), host_v = host_k;
+        Matrix<T> dev_k = host_k, dev_v = host_v;
+        std::int64_t pos = uniform_int(rng, 0, 40);
+        for (int part = 0; part < 4; ++part) {
+            const int off = static_cast<int>(pos % C), m = uniform_int(rng, 1, C - off);
+            INFO("case " << i << " part " << part << " C " << C << " offset " << off << " m " << m);
+            const Matrix<T> u = to<T>(stream_kind(random_matrix(B * m, cfg.d_model, rng, -2.0, 2.0), B, i));
+            const Matrix<T> h = to<T>(random_matrix(B * m, cfg.d_model, rng));
+            const Matrix<T> want = titans::detail::segment_attention<T>(
+                cfg, p, u, h, kp, vp, host_k, host_v, B, C, off, pos);
+            Matrix<T> wqkv(cfg.d_model, 3 * D), wkv(cfg.d_model, 2 * D);
+            wqkv << p.w_q, p.w_k, p.w_v;
+            wkv << p.w_k, p.w_v;
+            Matrix<T> qkv = u * wqkv;
+            const Matrix<T> kvh = h * wkv;
+            if (cfg.rope) {
+                launch(B * m * 2 * H * (dh / 2), titans::detail::RopeQK<T>{qkv.data(), m, D,
+                                                                            cfg.n_heads, dh, pos,
+                                                                            cfg.rope_base});
+            }
+            launch(B * m * D, titans::detail::SegmentAppend<T>{qkv.data(), kvh.data(), dev_k.data(),
+                                                                dev_v.data(), D, 2LL * C, m, off, D});
+            Matrix<T> o(B * m, D);
+            launch(B * m * H, titans::detail::SegmentRows<T>{
+                                  qkv.data(), np > 0 ? kp.data() : qkv.data(),
+                                  np > 0 ? vp.data() : qkv.data(), np, D, D, dev_k.data(),
+                                  dev_v.data(), D, 2LL * C, m, off, D, cfg.n_heads, dh,
+                                  T(1) / std::sqrt(static_cast<T>(dh)), o.data()});
+            CHECK(rel_error(Matrix<T>(o * p.w_o), want) <= tol<T>());
+            CHECK(rel_error(dev_k, host_k) <= tol<T>());
+            CHECK(rel_error(dev_v, host_v) <= tol<T>());
+            pos += m;
+        }
+    }
+}
+
 
 // RMSNorm equals a hand-computed value and the loop reference
 TEMPLATE_LIST_TEST_CASE("RMSNorm: == reference", "[layers]", Both) {

@@ -272,6 +272,30 @@ private:
     std::int64_t position_ = 0;
 };
 
+/// A memory snapshot on the simulated device (MAC's segment-start weights): an arena copy of
+/// the CPU's and its pair count.
+template <class T>
+struct MemorySnapshot {
+    Handle<titans::MemorySnapshot<T>> device_;
+    std::size_t pairs_ = 0;
+    [[nodiscard]] std::size_t pairs() const { return pairs_; }
+    template <class Self, class V>
+    static void tensors(Self& self, V&& v) {
+        transfer<titans::MemorySnapshot<T>>(self, v);
+    }
+};
+
+template <class T>
+MemorySnapshot<T> make_snapshot(titans::MemorySnapshot<T> host) {
+    MemorySnapshot<T> s;
+    s.pairs_ = host.pairs();
+    s.device_ = Handle<titans::MemorySnapshot<T>>(
+        std::move(host), [](titans::MemorySnapshot<T>& x) {
+            titans::MemorySnapshot<T>::tensors(x, PoisonVisitor{});
+        });
+    return s;
+}
+
 /// The attention's state on the simulated device: an arena id and host-readable metadata.
 template <class T>
 class AttentionState {
@@ -441,6 +465,29 @@ struct MemoryKernels<titans_test::SimulatedDevice, T> {
         return Host::all_weights(cfg, st.device_.get());
     }
 
+    using Snapshot = titans_test::sim::MemorySnapshot<T>;
+    static void snapshot(const MemoryConfig& cfg, const State& st, Snapshot& out) {
+        typename Host::Snapshot host;
+        Host::snapshot(cfg, st.device_.get(), host);
+        out = titans_test::sim::make_snapshot(std::move(host));
+    }
+    static void read_snapshot(const MemoryConfig& cfg, const Prepared& p, const Snapshot& s,
+                              View<const T> x, int batch, View<T> y) {
+        titans_test::sim::require_device(x, "x");
+        titans_test::sim::require_device(y, "y");
+        Host::read_snapshot(cfg, p->get(), s.device_.get(), x, batch, y);
+    }
+    /// A snapshot's weights to the host (a download) and host weights to one (an upload).
+    static std::vector<std::vector<Mat>> snapshot_weights(const MemoryConfig& cfg,
+                                                          const Snapshot& s) {
+        ++titans_test::sim::Traffic::instance().downloads;
+        return Host::snapshot_weights(cfg, s.device_.get());
+    }
+    static Snapshot make_snapshot(const MemoryConfig& cfg, std::vector<std::vector<Mat>> w) {
+        ++titans_test::sim::Traffic::instance().uploads;
+        return titans_test::sim::make_snapshot(Host::make_snapshot(cfg, std::move(w)));
+    }
+
     static bool begin(State& st) { return Host::begin(st.device_.get()); }
     static void commit(State& st) { Host::commit(st.device_.get()); }
     static void rollback(State& st) {
@@ -508,6 +555,13 @@ struct AttentionKernels<titans_test::SimulatedDevice, T> {
             throw;
         }
         st.mirror();
+    }
+    static void segment(const AttentionConfig& cfg, const Prepared& p, const SegmentCall<T>& c) {
+        titans_test::sim::require_devices<T, 6>(
+            {c.u, c.h, c.seg_k, c.seg_v, c.prefix.k, c.prefix.v},
+            {"u", "h", "segment keys", "segment values", "prefix keys", "prefix values"});
+        titans_test::sim::require_device(c.y, "y");
+        Host::segment(cfg, p->get(), c);
     }
     static bool begin(State& st) { return Host::begin(st.device_.get()); }
     static void commit(State& st) { Host::commit(st.device_.get()); }

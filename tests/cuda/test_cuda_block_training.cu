@@ -257,8 +257,8 @@ TEST_CASE("cuda memory: pooled device buffers", "[cuda]") {
 }
 
 // A model call on CUDA runs in one CallScope (call_scope.cuh): every layer on the thread's
-// stream, no host wait but its transfers and the call's flag at the edge (counted under the
-// emulator); outputs as the CPU's. A deferred check that fails rolls the call back and runs it
+// stream (MAC's mixer too, pieces cut inside its segments), no host wait but its transfers and
+// the call's flag at the edge (counted under the emulator); outputs as the CPU's. A deferred check that fails rolls the call back and runs it
 // again strictly, which throws the error at its place (block 0 here, not the head's output,
 // which is also non-finite), the state as it was.
 TEST_CASE("cuda model: one wait per call", "[cuda]") {
@@ -266,7 +266,9 @@ TEST_CASE("cuda model: one wait per call", "[cuda]") {
     const int vocab = 11, d = 8;
     const std::pair<BlockKind, BlockKind> stacks[] = {{BlockKind::LMM, BlockKind::MAG},
                                                       {BlockKind::MAL, BlockKind::SWA},
-                                                      {BlockKind::MAG, BlockKind::MAL}};
+                                                      {BlockKind::MAG, BlockKind::MAL},
+                                                      {BlockKind::MAC, BlockKind::LMM},
+                                                      {BlockKind::SWA, BlockKind::MAC}};
     for (const auto& [k0, k1] : stacks) {
         const int B = uniform_int(rng, 1, 3), N = uniform_int(rng, 1, 9);
         INFO(titans::to_string(k0) << "+" << titans::to_string(k1) << " B " << B << " N " << N);

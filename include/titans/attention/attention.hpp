@@ -40,6 +40,7 @@
 #include "../detail/tensor_slots.hpp"
 #include "../types.hpp"
 #include "config.hpp"
+#include "segment.hpp"
 #include "kernel.hpp"
 #include "params.hpp"
 #include "rope.hpp"
@@ -484,6 +485,15 @@ public:
         const ThreadScope team(threads_, work_estimate(x.rows, prefix ? prefix->rows() : 0));
         const PrefixView<T> pv = prefix != nullptr ? prefix->view() : PrefixView<T>{};
         Kernels::forward(cfg_, prepared_, state, x, y, prefix != nullptr ? &pv : nullptr);
+    }
+
+    /// MAC's segment attention (attention/segment.hpp) on views in the backend's memory: the
+    /// part's keys and values written into the call's segment buffers, y = its output. The
+    /// views' shapes are the caller's (a MAC block checks its state); the part's rows, the
+    /// offset and the segment fit the buffers (m <= C - offset). How MAC's mixer runs on
+    /// every backend.
+    void segment(const SegmentCall<T>& call) const {
+        Kernels::segment(cfg_, prepared_, call);
     }
 
 private:

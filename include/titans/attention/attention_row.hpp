@@ -9,6 +9,8 @@
 //   RopeQK          RoPE of the q and k parts of fused [q | k | v] rows, one pair per element
 //   AppendWindow    a piece's keys and values after each sequence's kept window rows
 //   AttendRows      attention_row for every (row, head) of a piece
+//   SegmentAppend   a MAC part's keys and values into its segment buffers, interleaved
+//   SegmentRows     attention_row for every (row, head) of a MAC part (query stride 2)
 
 #include <cmath>
 #include <cstdint>
@@ -144,6 +146,53 @@ struct AttendRows {
             k_prefix_stride, v_prefix_stride,
             k_win + b * cap * D + col, v_win + b * cap * D + col,
             pos - window + 1 > 0 ? pos - window + 1 : 0, pos, D, d_head, scale};
+        attention_row(a, o + static_cast<long long>(r) * D + col);
+    }
+};
+
+/// The keys and values of a MAC part (attention/segment.hpp) into its segment buffers: row
+/// r = b m + i of qkv (B*m x 3D fused [q | k | v] of the part's tokens, RoPE applied) and of
+/// kvh (B*m x 2D: [k | v] of the memory's reads h) goes to sequence b's interleaved rows
+/// 2(o+i) (the read) and 2(o+i)+1 (the token) of seg_k, seg_v (2C rows per sequence, row stride
+/// seg_stride). Elements: B * m * D.
+template <class T>
+struct SegmentAppend {
+    const T *qkv, *kvh;
+    T *seg_k, *seg_v;
+    long long seg_stride, rows_per_sequence, m, offset, D;
+    TITANS_HOST_DEVICE void operator()(unsigned i) const {
+        const long long r = i / static_cast<unsigned>(D), c = i % static_cast<unsigned>(D);
+        const long long b = r / m, t = r % m;
+        const long long at = (b * rows_per_sequence + 2 * (offset + t)) * seg_stride + c;
+        seg_k[at] = kvh[r * 2 * D + c];
+        seg_v[at] = kvh[r * 2 * D + D + c];
+        seg_k[at + seg_stride] = qkv[r * 3 * D + D + c];
+        seg_v[at + seg_stride] = qkv[r * 3 * D + 2 * D + c];
+    }
+};
+
+/// o (B*m rows x D) = MAC's segment attention of every (row, head) of a part: row r = b m + i
+/// is the query of fused row r of qkv, at interleaved row 2(o+i)+1 of sequence b's segment
+/// buffers, seeing every (shared) prefix row and the buffer rows 0 .. 2(o+i)+1 (causal over
+/// the segment, the token's read included). Elements: B * m * H.
+template <class T>
+struct SegmentRows {
+    const T* qkv;
+    const T *k_prefix, *v_prefix;
+    long long p, k_prefix_stride, v_prefix_stride;
+    const T *seg_k, *seg_v;
+    long long seg_stride, rows_per_sequence, m, offset, D;
+    int H, d_head;
+    T scale;
+    T* o;
+    TITANS_HOST_DEVICE void operator()(unsigned i) const {
+        const unsigned r = i / static_cast<unsigned>(H), head = i % static_cast<unsigned>(H);
+        const long long b = r / m, t = r % m, col = static_cast<long long>(head) * d_head;
+        const long long seq = b * rows_per_sequence * seg_stride + col;
+        const AttentionRowOperands<T> a{qkv + static_cast<long long>(r) * 3 * D + col,
+                                        k_prefix + col, v_prefix + col, p, k_prefix_stride,
+                                        v_prefix_stride, seg_k + seq, seg_v + seq, 0,
+                                        2 * (offset + t) + 1, seg_stride, d_head, scale};
         attention_row(a, o + static_cast<long long>(r) * D + col);
     }
 };

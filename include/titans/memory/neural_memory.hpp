@@ -319,6 +319,46 @@ public:
         return Kernels::all_weights(cfg_, state);
     }
 
+    /// The weights of every (sequence, head) now, kept in the backend's memory (math §7: MAC
+    /// reads the memory as it was at its segment's start): into `into`, whose storage is
+    /// reused. On the CPU a MemorySnapshot (host matrices, current_weights()' layout).
+    ///
+    ///     NeuralMemory<double>::Snapshot s;
+    ///     mem.snapshot(state, s);                    // W after the tokens seen so far
+    ///     mem.read_snapshot(s, xv, state.batch(), yv);  // views in the backend's memory
+    using Snapshot = typename Kernels::Snapshot;
+    void snapshot(const State& state, Snapshot& into) const {
+        check_state(state, "NeuralMemory::snapshot");
+        Kernels::snapshot(cfg_, state, into);
+    }
+
+    /// read_weights through a snapshot, on views in the backend's memory: x (batch*N) x
+    /// d_model, y of its shape and distinct; the snapshot holds batch * n_heads pairs
+    /// (ShapeError otherwise). Finiteness of x is the caller's.
+    void read_snapshot(const Snapshot& s, View<const T> x, int batch, View<T> y) const {
+        constexpr const char* where = "NeuralMemory::read_snapshot";
+        detail::require<ConfigError>(batch >= 1, where, "batch", batch, ">= 1");
+        const std::size_t pairs = static_cast<std::size_t>(batch) * static_cast<std::size_t>(cfg_.n_heads);
+        detail::require<ShapeError>(s.pairs() == pairs, where, "snapshot.pairs()", s.pairs(),
+                                    detail::concat("batch * n_heads = ", pairs));
+        check_shape(batch, x.rows, x.cols, where);
+        detail::check_view_call(where, x, y, cfg_.d_model, false);
+        const ThreadScope team(threads_, work_estimate(x.rows));
+        const detail::DenormalFlushScope flush(cfg_.flush_denormals);
+        Kernels::read_snapshot(cfg_, prepared_, s, x, batch, y);
+    }
+
+    /// A snapshot's weights on the host (current_weights()' layout), and a snapshot of host
+    /// weights for `batch` sequences (ShapeError unless they have validate_weights' shapes).
+    [[nodiscard]] std::vector<std::vector<Matrix<T>>> snapshot_weights(const Snapshot& s) const {
+        return Kernels::snapshot_weights(cfg_, s);
+    }
+    [[nodiscard]] Snapshot make_snapshot(std::vector<std::vector<Matrix<T>>> weights,
+                                         int batch) const {
+        validate_weights(weights, batch, "NeuralMemory::make_snapshot");
+        return Kernels::make_snapshot(cfg_, std::move(weights));
+    }
+
     /// The momentum S_t of sequence b, head h after the last token seen.
     [[nodiscard]] std::vector<Matrix<T>> current_momentum(const State& state, int b, int h) const {
         check_index(state, b, h, "NeuralMemory::current_momentum");

@@ -139,11 +139,14 @@ public:
             consume_persistent(st);
         }
         if (cfg_.kind == BlockKind::MAC) {
-            const int D = cfg_.attention.inner_dim();
-            st.seg_k_.assign(static_cast<std::size_t>(batch), Matrix<T>::Zero(2 * cfg_.segment, D));
-            st.seg_v_ = st.seg_k_;
+            const std::ptrdiff_t rows = std::ptrdiff_t{2} * batch * cfg_.segment,
+                                 D = cfg_.attention.inner_dim();
+            st.seg_k_ = Transfer::allocate(rows, D);
+            st.seg_v_ = Transfer::allocate(rows, D);
+            Glue::fill(Transfer::view(st.seg_k_), T(0));
+            Glue::fill(Transfer::view(st.seg_v_), T(0));
             // Filled now (refreshed at every segment start) so every entry has a fixed shape.
-            st.snapshot_ = memory_->current_weights(st.memory_);
+            memory_->snapshot(st.memory_, st.snapshot_);
         }
         return st;
     }
@@ -418,22 +421,26 @@ private:
     friend class Model<T, Backend>;  // set_parameters: derive() again after new values
     friend struct detail::ModelParameters<T, Backend>;  // set_parameters(flat): stage, adopt
 
+    /// MAC: P W_K and P W_V (N_p x D) on the backend, the host products' copies (the same bits
+    /// as its training pass reads); shared by copies of the block.
+    struct MacPrefix {
+        Buffer k, v;
+    };
     /// What the block computes once from its parameters: MAG's and SWA's persistent prefix
-    /// projected on the backend (P W_K, P W_V), MAC's P W_K and P W_V (N_p x D, host), and
+    /// projected on the backend (P W_K, P W_V), MAC's on the host (N_p x D, for its training
+    /// pass, which runs there) and a copy of it on the backend (its mixer's), and
     /// for MAG, MAL and SWA P itself on the backend (the rows a training forward puts before
     /// each sequence's, or keeps as its attention's prefix; shared by copies of the block).
     struct Derived {
         std::optional<typename Attention<T, Backend>::Prefix> prefix;
         Matrix<T> k_prefix, v_prefix;
+        std::shared_ptr<const MacPrefix> mac_prefix;
         std::shared_ptr<const Buffer> persistent;
     };
     /// Derived from the parameters as held now (nothing changes if it throws): P goes to the
     /// backend once.
     Derived derive() const {
         if (!attention_) return {};
-        if (cfg_.kind == BlockKind::MAC) {  // its products are made on the host
-            return derive(attention_->prepared(), View<const T>{}, params_.get());
-        }
         const backend::Upload<Backend, T> rows(params_->persistent);
         return derive(attention_->prepared(), rows.view(), params_.get());
     }
@@ -449,6 +456,9 @@ private:
         if (cfg_.kind == BlockKind::MAC) {
             d.k_prefix = host->persistent * host->attention.w_k;
             d.v_prefix = host->persistent * host->attention.w_v;
+            d.mac_prefix = std::make_shared<const MacPrefix>(
+                MacPrefix{Transfer::upload(view_of(d.k_prefix)),
+                          Transfer::upload(view_of(d.v_prefix))});
         } else if (cfg_.n_persistent > 0) {
             Buffer p = Transfer::allocate(persistent.rows, persistent.cols);
             Glue::copy(persistent, Transfer::view(p));
@@ -502,6 +512,7 @@ private:
         prefix_ = std::move(d.prefix);
         k_prefix_.swap(d.k_prefix);
         v_prefix_.swap(d.v_prefix);
+        mac_prefix_ = std::move(d.mac_prefix);
         persistent_ = std::move(d.persistent);
     }
 
@@ -662,9 +673,9 @@ private:
             (memory_ && state.memory_.batch() != state.batch_) ||
             (uses_attention_state() && state.attention_.batch() != state.batch_) ||
             (cfg_.kind == BlockKind::MAC &&
-             (state.seg_k_.size() != static_cast<std::size_t>(state.batch_) ||
-              state.snapshot_.size() != static_cast<std::size_t>(state.batch_) *
-                                            static_cast<std::size_t>(cfg_.memory.n_heads)))) {
+             (Transfer::view(state.seg_k_).rows != std::ptrdiff_t{2} * state.batch_ * cfg_.segment ||
+              state.snapshot_.pairs() != static_cast<std::size_t>(state.batch_) *
+                                             static_cast<std::size_t>(cfg_.memory.n_heads)))) {
             throw ConfigError(detail::concat(where, ": state was made for a different block (or "
                                                     "default-constructed), expected a state from "
                                                     "make_state() of this block"));
@@ -716,7 +727,8 @@ private:
     std::optional<RMSNorm<T, Backend>> norm_y_, norm_m_;  // MAG
     std::optional<FeedForward<T, Backend>> ffn_;        // if use_ffn
     std::optional<typename Attention<T, Backend>::Prefix> prefix_;  // MAG, SWA: P W_K, P W_V
-    Matrix<T> k_prefix_, v_prefix_;  // MAC: P W_K, P W_V (N_p x D), for the segment attention
+    std::shared_ptr<const MacPrefix> mac_prefix_;  // MAC: its mixer's P W_K, P W_V
+    Matrix<T> k_prefix_, v_prefix_;  // MAC: P W_K, P W_V (N_p x D) on the host, for training
     std::shared_ptr<const Buffer> persistent_;  // MAG, MAL, SWA with N_p > 0: P on the backend
 };
 

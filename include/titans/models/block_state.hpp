@@ -4,11 +4,14 @@
 #include <cstdint>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "../attention/attention.hpp"
 #include "../backend/backend.hpp"
+#include "../detail/check.hpp"
 #include "../detail/visit.hpp"
+#include "../layers/glue.hpp"
 #include "../memory/neural_memory.hpp"
 #include "../types.hpp"
 #include "block_config.hpp"
@@ -43,6 +46,8 @@ class BlockState {
 public:
     using MemoryState = typename backend::MemoryKernels<Backend, T>::State;
     using AttentionState = typename backend::AttentionKernels<Backend, T>::State;
+    /// MAC's memory at its segment's start, in the backend's memory.
+    using Snapshot = typename backend::MemoryKernels<Backend, T>::Snapshot;
 
     BlockState() = default;
     [[nodiscard]] int batch() const { return batch_; }
@@ -72,18 +77,9 @@ public:
             AttentionState::tensors(self.attention_, detail::prefixed("attention", v));
         }
         if (self.kind_ == BlockKind::MAC) {
-            for (std::size_t b = 0; b < self.seg_k_.size(); ++b) {
-                v(detail::visit_name("seg_k", b), self.seg_k_[b]);
-            }
-            for (std::size_t b = 0; b < self.seg_v_.size(); ++b) {
-                v(detail::visit_name("seg_v", b), self.seg_v_[b]);
-            }
-            const auto H = static_cast<std::size_t>(self.memory_.config().n_heads);
-            for (std::size_t i = 0; i < self.snapshot_.size(); ++i) {
-                for (std::size_t l = 0; l < self.snapshot_[i].size(); ++l) {
-                    v(detail::visit_name("snapshot", i / H, i % H, l), self.snapshot_[i][l]);
-                }
-            }
+            visit_segment(self, self.seg_k_, "seg_k", v);
+            visit_segment(self, self.seg_v_, "seg_v", v);
+            Snapshot::tensors(self.snapshot_, detail::prefixed("snapshot", v));
         }
     }
 
@@ -100,19 +96,46 @@ private:
     MemoryState memory_;  // SWA: default-constructed (batch 0), never used
     AttentionState attention_;
     // MAC: per sequence the interleaved keys/values [h_0, s_0, h_1, s_1, ...] of the segment
-    // in progress (2C x D_att), and per (sequence, head) the memory weights M_{t-1} at its start.
-    std::vector<Matrix<T>> seg_k_, seg_v_;
-    std::vector<std::vector<Matrix<T>>> snapshot_;
+    // in progress ((B*2C) x D_att, sequence b at rows b*2C), and per (sequence, head) the
+    // memory weights M_{t-1} at its start, in the backend's memory.
+    using Buffer = typename backend::Transfer<Backend, T>::Buffer;
+    Buffer seg_k_{}, seg_v_{};
+    Snapshot snapshot_{};
     // The open transaction (Block::begin): the position at its start and, for MAC, the segment
     // rows [row0, hi) saved before they were overwritten, all rows once the segment wrapped,
     // and the snapshot before its first refresh. Buffers sized on first use.
     struct Undo {
-        bool open = false, wrapped = false, snap_saved = false;
+        bool open = false, wrapped = false, snap_saved = false, sized = false;
         std::int64_t position = 0;
         int row0 = 0, hi = 0;
-        std::vector<Matrix<T>> seg_k, seg_v;
-        std::vector<std::vector<Matrix<T>>> snapshot;
+        Buffer seg_k{}, seg_v{};
+        Snapshot snapshot{};
     } undo_;
+
+    /// v("{name}.{b}", sequence b's 2C x D_att rows of buf), a host copy (a download off the
+    /// host); when Self is not const what the visitor left goes back (same shape: ShapeError).
+    template <class Self, class Buf, class V>
+    static void visit_segment(Self& self, Buf& buf, const char* name, V& v) {
+        using Transfer = backend::Transfer<Backend, T>;
+        const Eigen::Index rows = 2 * static_cast<Eigen::Index>(self.cfg_.segment),
+                           D = self.cfg_.attention.inner_dim();
+        for (int b = 0; b < self.batch_; ++b) {
+            const auto part = Transfer::view(buf).middle_rows(b * rows, rows);
+            Matrix<T> m(rows, D);
+            Transfer::download(part, view_of(m));
+            if constexpr (std::is_const_v<Self>) {
+                v(detail::visit_name(name, b), std::as_const(m));
+            } else {
+                v(detail::visit_name(name, b), m);
+                detail::require<ShapeError>(m.rows() == rows && m.cols() == D,
+                                            "BlockState::tensors", detail::visit_name(name, b).c_str(),
+                                            detail::concat(m.rows(), " x ", m.cols()),
+                                            detail::concat(rows, " x ", D));
+                const Buffer up = Transfer::upload(view_of(std::as_const(m)));
+                backend::GlueKernels<Backend, T>::copy(Transfer::view(up), part);
+            }
+        }
+    }
 };
 
 }  // namespace titans

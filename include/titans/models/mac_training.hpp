@@ -19,8 +19,10 @@
 
 #include "../attention/kernel_backward.hpp"
 #include "../attention/rope.hpp"
+#include "../attention/segment.hpp"
 #include "../detail/activation.hpp"
 #include "../detail/float_env.hpp"
+#include "../detail/rows.hpp"
 #include "../detail/trace.hpp"
 #include "block.hpp"
 #include "mac_trace.hpp"
@@ -54,16 +56,21 @@ struct MacTraining {
         }
         blk.memory_->begin_trace(next.memory_, N, mem);
         Matrix<T> out(u.rows(), cfg.d_model);
+        using Transfer = backend::Transfer<Backend, T>;
+        Matrix<T> seg_k = to_host(Transfer::view(std::as_const(next.seg_k_))),
+                  seg_v = to_host(Transfer::view(std::as_const(next.seg_v_)));
         for (Eigen::Index t = 0; t < N;) {
             const std::int64_t pos = next.position_ + t;
             MacSegmentTrace<T> sg;
             sg.t0 = t;
             sg.offset = static_cast<int>(pos % C);
             const int m = static_cast<int>(std::min<Eigen::Index>(C - sg.offset, N - t));
-            begin_part(blk, next, sg);
+            begin_part(blk, next, seg_k, seg_v, sg);
             const Matrix<T> U = segment_rows(u, B, t, m);
             sg.h = blk.memory_->read_weights(sg.weights, U, B);
-            sg.y = MacMixer<T, Backend>::attend(blk, next, U, sg.h, sg.offset, m, pos);
+            sg.y = segment_attention<T>(cfg.attention, blk.params_->attention, U, sg.h,
+                                        blk.k_prefix_, blk.v_prefix_, seg_k, seg_v, B, C,
+                                        sg.offset, pos);
             blk.memory_->forward_part(next.memory_, sg.y, sg.r, mem);
             const Matrix<T> o = (sg.y.array() * sg.r.unaryExpr([](T v) { return sigmoid(v); })
                                                      .array())
@@ -74,8 +81,10 @@ struct MacTraining {
             segs.push_back(std::move(sg));
             t += m;
         }
-        if (!segs.empty()) {  // the state keeps the last segment's start weights
-            next.snapshot_ = segs.back().weights;
+        if (!segs.empty()) {  // the state keeps the last segment's start weights and rows
+            next.snapshot_ = blk.memory_->make_snapshot(segs.back().weights, B);
+            to_backend(seg_k, Transfer::view(next.seg_k_));
+            to_backend(seg_v, Transfer::view(next.seg_v_));
         }
         return out;
     }
@@ -207,16 +216,32 @@ struct MacTraining {
                          concat("parts over the ", N, " rows of each stream"));
     }
 
+    /// Rows of the backend's memory on the host, and host rows into a view there (MAC's
+    /// training pass runs on the host).
+    static Matrix<T> to_host(View<const T> v) {
+        Matrix<T> h(v.rows, v.cols);
+        backend::Transfer<Backend, T>::download(v, view_of(h));
+        return h;
+    }
+    static void to_backend(const Matrix<T>& h, View<T> to) {
+        using Transfer = backend::Transfer<Backend, T>;
+        const typename Transfer::Buffer up = Transfer::upload(view_of(h));
+        backend::GlueKernels<Backend, T>::copy(Transfer::view(up), to);
+    }
+
 private:
     /// A part's segment-start weights and, mid-segment (a call's first part continuing an
-    /// earlier call's segment), the state's snapshot and the first 2 offset rows of its buffers.
-    static void begin_part(const Blk& blk, const State& st, MacSegmentTrace<T>& sg) {
+    /// earlier call's segment), the state's snapshot and the first 2 offset rows of its buffers
+    /// (seg_k, seg_v: their host copies, (B*2C) x D).
+    static void begin_part(const Blk& blk, const State& st, const Matrix<T>& seg_k,
+                           const Matrix<T>& seg_v, MacSegmentTrace<T>& sg) {
         const int B = st.batch_;
         if (sg.offset > 0) {
-            sg.weights = st.snapshot_;
+            sg.weights = blk.memory_->snapshot_weights(st.snapshot_);
+            const Eigen::Index rows = 2 * static_cast<Eigen::Index>(blk.cfg_.segment);
             for (int b = 0; b < B; ++b) {
-                sg.kept_k.push_back(st.seg_k_[static_cast<std::size_t>(b)].topRows(2 * sg.offset));
-                sg.kept_v.push_back(st.seg_v_[static_cast<std::size_t>(b)].topRows(2 * sg.offset));
+                sg.kept_k.push_back(seg_k.middleRows(b * rows, 2 * sg.offset));
+                sg.kept_v.push_back(seg_v.middleRows(b * rows, 2 * sg.offset));
             }
             return;
         }

@@ -123,9 +123,9 @@ private:
     static View<T> view(Buffer& b) { return Transfer::view(b); }
     static View<const T> cview(const Buffer& b) { return Transfer::view(b); }
 
-    static Matrix<T> to_host(View<const T> v) { return MacMixer<T, Backend>::to_host(v); }
+    static Matrix<T> to_host(View<const T> v) { return MacTraining<T, Backend>::to_host(v); }
     static void to_backend(const Matrix<T>& h, View<T> to) {
-        MacMixer<T, Backend>::to_backend(h, to);
+        MacTraining<T, Backend>::to_backend(h, to);
     }
 
     /// MAC's backward on the host (its mixer trains there): dout down, du up, the gradients

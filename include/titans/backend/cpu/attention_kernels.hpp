@@ -18,6 +18,7 @@
 #include "../../attention/params.hpp"
 #include "../../attention/rope.hpp"
 #include "../../attention/prefix.hpp"
+#include "../../attention/segment.hpp"
 #include "../../detail/check.hpp"
 #include "../../detail/float_env.hpp"
 #include "../../detail/product.hpp"
@@ -107,6 +108,15 @@ struct AttentionKernels<Cpu, T> {
         if (own) {
             commit(state);
         }
+    }
+
+    /// MAC's segment attention on checked views (attention/segment.hpp).
+    static void segment(const AttentionConfig& cfg, const Prepared& p, const SegmentCall<T>& c) {
+        auto sk = cpu::as_eigen(c.seg_k);
+        auto sv = cpu::as_eigen(c.seg_v);
+        cpu::as_eigen(c.y) = detail::segment_attention<T>(
+            cfg, *p, cpu::as_eigen(c.u), cpu::as_eigen(c.h), cpu::as_eigen(c.prefix.k),
+            cpu::as_eigen(c.prefix.v), sk, sv, c.batch, c.segment, c.offset, c.position);
     }
 
     static bool begin(State& state) {

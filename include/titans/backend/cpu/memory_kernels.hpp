@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "../../detail/tensor_slots.hpp"
@@ -23,6 +24,7 @@
 #include "../../memory/config.hpp"
 #include "../../memory/diagnostics.hpp"
 #include "../../memory/params.hpp"
+#include "../../memory/snapshot.hpp"
 #include "memory_projections.hpp"
 #include "memory_state.hpp"
 #include "memory_undo.hpp"
@@ -157,6 +159,24 @@ public:
                      [&](int s, int h) -> const std::vector<Mat>& {
                          return weights[static_cast<std::size_t>(s * cfg.n_heads + h)];
                      });
+    }
+
+    /// The weights of every pair now (MAC's segment start), and reads through them.
+    using Snapshot = MemorySnapshot<T>;
+    static void snapshot(const MemoryConfig& cfg, const State& st, Snapshot& out) {
+        out.weights = all_weights(cfg, st);
+        out.heads = cfg.n_heads;
+    }
+    static void read_snapshot(const MemoryConfig& cfg, const Prepared& p, const Snapshot& s,
+                              View<const T> x, int batch, View<T> y) {
+        read_weights(cfg, p, s.weights, x, batch, y);
+    }
+    /// A snapshot to and from host weights (the layout all_weights returns).
+    static std::vector<std::vector<Mat>> snapshot_weights(const MemoryConfig&, const Snapshot& s) {
+        return s.weights;
+    }
+    static Snapshot make_snapshot(const MemoryConfig& cfg, std::vector<std::vector<Mat>> w) {
+        return Snapshot{std::move(w), cfg.n_heads};
     }
 
     /// Transactions over several forward calls (MemoryUndo): begin returns true if it opened one.

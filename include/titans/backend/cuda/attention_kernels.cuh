@@ -26,6 +26,7 @@
 #include "../../attention/config.hpp"
 #include "../../attention/params.hpp"
 #include "../../attention/rope.hpp"
+#include "../../attention/segment.hpp"
 #include "../../error.hpp"
 #include "../backend.hpp"
 #include "attention_state.cuh"
@@ -128,6 +129,49 @@ struct AttentionKernels<Cuda, T> {
         if (own) {
             commit(st);
         }
+    }
+
+    /// MAC's segment attention on checked device views (attention/segment.hpp), on this
+    /// thread's stream: one GEMM u [W_Q | W_K | W_V], one h [W_K | W_V], RoPE on q and k, the
+    /// keys and values interleaved into the segment buffers (SegmentAppend), a thread per (row,
+    /// head) over the prefix and the segment so far (SegmentRows), one GEMM with W_O.
+    static void segment(const AttentionConfig& cfg, const Prepared& p, const SegmentCall<T>& c) {
+        const long long rows = static_cast<long long>(c.batch) * c.rows, D = p->D;
+        if (rows == 0) {
+            return;
+        }
+        const cuda::StreamContext& cx = cuda::thread_context();
+        const cudaStream_t sm = cx.stream();
+        Buf qkv(static_cast<std::size_t>(rows * 3 * D)), kvh(static_cast<std::size_t>(rows * 2 * D)),
+            att(static_cast<std::size_t>(rows * D));
+        cuda::gemm<T>(cx.blas(), false, false, static_cast<int>(rows), static_cast<int>(3 * D),
+                      p->d, T(1), {c.u.data, static_cast<int>(c.u.stride)},
+                      {p->w_qkv.data(), static_cast<int>(3 * D)}, T(0), qkv.data(),
+                      static_cast<int>(3 * D), 0, 1);
+        cuda::gemm<T>(cx.blas(), false, false, static_cast<int>(rows), static_cast<int>(2 * D),
+                      p->d, T(1), {c.h.data, static_cast<int>(c.h.stride)},
+                      {p->w_qkv.data() + D, static_cast<int>(3 * D)}, T(0), kvh.data(),
+                      static_cast<int>(2 * D), 0, 1);
+        if (cfg.rope) {
+            rope(cfg, sm, qkv.data(), rows, c.rows, c.position);
+        }
+        const long long C2 = 2LL * c.segment, stride = c.seg_k.stride;
+        cuda::each(sm, rows * D,
+                   detail::SegmentAppend<T>{qkv.data(), kvh.data(), c.seg_k.data, c.seg_v.data,
+                                            stride, C2, c.rows, c.offset, D});
+        const bool has_p = c.prefix.rows() > 0;  // without one its pointers are never read
+        cuda::each(sm, rows * cfg.n_heads,
+                   detail::SegmentRows<T>{qkv.data(), has_p ? c.prefix.k.data : qkv.data(),
+                                          has_p ? c.prefix.v.data : qkv.data(), c.prefix.rows(),
+                                          c.prefix.k.stride, c.prefix.v.stride, c.seg_k.data,
+                                          c.seg_v.data, stride, C2, c.rows, c.offset, D,
+                                          cfg.n_heads, cfg.head_dim(),
+                                          T(1) / std::sqrt(static_cast<T>(cfg.head_dim())),
+                                          att.data()});
+        cuda::gemm<T>(cx.blas(), false, false, static_cast<int>(rows), p->d, static_cast<int>(D),
+                      T(1), {att.data(), static_cast<int>(D)}, {p->w_o.data(), p->d}, T(0),
+                      c.y.data, static_cast<int>(c.y.stride), 0, 1);
+        cuda::idle(cx);  // (the workspaces are freed stream-ordered after it)
     }
 
     static bool begin(State& st) {

@@ -1081,7 +1081,7 @@ struct MemoryKernels<Cuda, T> {
         mlp_read(cfg, cx, W, w.q.data(), N * dh, N, w.hid, N, w.yp.data(),
                  N * dh, B * cfg.n_heads);
         output(cfg, p, cx, w, B, N, y);
-        cx.synchronize();
+        cuda::idle(cx);  // (a local workspace is freed stream-ordered after it)
     }
 
     static std::vector<const T*> as_const(const std::vector<T*>& v) {
@@ -1104,23 +1104,70 @@ struct MemoryKernels<Cuda, T> {
     static void read_weights(const MemoryConfig& cfg, const Prepared& p,
                              const std::vector<std::vector<Mat>>& weights, View<const T> x,
                              int batch, View<T> y) {
+        if (x.rows > 0) {
+            read_snapshot(cfg, p, make_snapshot(cfg, weights), x, batch, y);
+        }
+    }
+
+    /// The weights of every pair now (MAC's segment start), copied on the device.
+    using Snapshot = CudaMemorySnapshot<T>;
+    static void snapshot(const MemoryConfig& cfg, const State& st, Snapshot& out) {
+        const std::vector<T*> src = materialise(cfg, st, true);
+        const auto P = static_cast<std::size_t>(st.batch_) * static_cast<std::size_t>(cfg.n_heads);
+        out.cfg_ = cfg;
+        out.pairs_ = P;
+        out.w_.resize(static_cast<std::size_t>(cfg.depth));
+        for (int l = 1; l <= cfg.depth; ++l) {
+            Buf& to = out.w_[static_cast<std::size_t>(l - 1)];
+            const std::size_t n = P * static_cast<std::size_t>(cfg.layer_in(l) * cfg.layer_out(l));
+            if (to.size() != n) {
+                to = Buf(n);
+            }
+            cuda::check(cudaMemcpyAsync(to.data(), src[static_cast<std::size_t>(l - 1)],
+                                        n * sizeof(T), cudaMemcpyDeviceToDevice,
+                                        ctx(st).stream()),
+                        "cudaMemcpyAsync (memory snapshot)");
+        }
+        cuda::idle(ctx(st));
+    }
+    /// Retrieval through a snapshot (no conv, no state) on this thread's stream.
+    static void read_snapshot(const MemoryConfig& cfg, const Prepared& p, const Snapshot& s,
+                              View<const T> x, int batch, View<T> y) {
         if (x.rows == 0) {
             return;
         }
-        const cuda::StreamContext cx;
         typename State::Work w;
-        std::vector<Buf> dev;
         std::vector<const T*> W;
+        for (const Buf& layer : s.w_) {
+            W.push_back(layer.data());
+        }
+        read_through(cfg, *p, cuda::thread_context(), w, x, batch, 1, false, nullptr, W, y);
+    }
+    /// A snapshot's weights on the host (one download per layer), and host weights on the
+    /// device (one upload per layer).
+    static std::vector<std::vector<Mat>> snapshot_weights(const MemoryConfig& cfg,
+                                                          const Snapshot& s) {
+        std::vector<const T*> src;
+        for (const Buf& layer : s.w_) {
+            src.push_back(layer.data());
+        }
+        cuda::thread_context().synchronize();  // a snapshot taken in a call scope is complete
+        return to_host_pairs(cfg, s.pairs_, src);
+    }
+    static Snapshot make_snapshot(const MemoryConfig& cfg,
+                                  const std::vector<std::vector<Mat>>& weights) {
+        Snapshot s;
+        s.cfg_ = cfg;
+        s.pairs_ = weights.size();
         for (int l = 0; l < cfg.depth; ++l) {
             std::vector<T> host;
             for (const auto& pair : weights) {
                 const Mat& m = pair[static_cast<std::size_t>(l)];
                 host.insert(host.end(), m.data(), m.data() + m.size());
             }
-            dev.push_back(cuda::upload_array(host.data(), host.size()));
-            W.push_back(dev.back().data());
+            s.w_.push_back(cuda::upload_array(host.data(), host.size()));
         }
-        read_through(cfg, *p, cx, w, x, batch, 1, false, nullptr, W, y);
+        return s;
     }
 
     /// The memory (weights or momentum) of sequence s, head h after the last token, on the host.
@@ -1153,6 +1200,11 @@ struct MemoryKernels<Cuda, T> {
         const std::vector<T*> src = materialise(cfg, st, true);
         ctx(st).synchronize();
         const auto P = static_cast<std::size_t>(st.batch_) * static_cast<std::size_t>(cfg.n_heads);
+        return to_host_pairs(cfg, P, as_const(src));
+    }
+    /// P pairs' weights, pair-major per layer at src[l - 1] (device, idle), on the host.
+    static std::vector<std::vector<Mat>> to_host_pairs(const MemoryConfig& cfg, std::size_t P,
+                                                       const std::vector<const T*>& src) {
         std::vector<std::vector<Mat>> out(P);
         std::vector<T> layer;
         for (int l = 1; l <= cfg.depth; ++l) {

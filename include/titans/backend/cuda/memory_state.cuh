@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "../../detail/visit.hpp"
+#include "../../error.hpp"
 #include "../../memory/config.hpp"
 #include "../../types.hpp"
 #include "runtime.cuh"
@@ -23,6 +24,65 @@ template <class, class>
 struct MemoryTraining;
 struct Cuda;
 }  // namespace backend
+
+namespace backend::cuda {
+
+/// v(name, a host copy of rows x cols entries of buf from `offset`); when buf is not const,
+/// the copy (the visitor may have loaded it: same shape, the loader checks) goes back. `where`
+/// names the visited object in the ShapeError of a copy that came back reshaped.
+template <class T, class B, class V>
+void visit_slice(B& buf, long long offset, long long rows, long long cols,
+                 const std::string& name, V& v, const char* where = "CudaMemoryState::tensors") {
+    Matrix<T> m(rows, cols);
+    const auto bytes = static_cast<std::size_t>(rows * cols) * sizeof(T);
+    if (bytes > 0) {
+        check(cudaMemcpy(m.data(), buf.data() + offset, bytes, cudaMemcpyDeviceToHost),
+              "cudaMemcpy (state to host)");
+    }
+    if constexpr (std::is_const_v<B>) {
+        v(name, std::as_const(m));
+    } else {
+        v(name, m);
+        if (m.rows() != rows || m.cols() != cols) {
+            throw ShapeError(detail::concat(where, ": ", name, " came back ", m.rows(), " x ",
+                                            m.cols(), ", expected ", rows, " x ", cols));
+        }
+        if (bytes > 0) {
+            check(cudaMemcpy(buf.data() + offset, m.data(), bytes, cudaMemcpyHostToDevice),
+                  "cudaMemcpy (state from host)");
+        }
+    }
+}
+
+}  // namespace backend::cuda
+
+/// The weights of every (sequence, head) pair of a CUDA memory state at one moment, in device
+/// memory (MAC's segment start, NeuralMemory::snapshot): per layer l a buffer of the pairs'
+/// layer_in x layer_out weights, pair-major as the state's. Copyable (a deep device copy);
+/// tensors() visits "{b}.{h}.{l}" as MemorySnapshot does (host copies, uploaded back when not
+/// const).
+template <class T>
+struct CudaMemorySnapshot {
+    MemoryConfig cfg_{};
+    std::size_t pairs_ = 0;
+    std::vector<backend::cuda::DeviceBuffer<T>> w_;
+
+    [[nodiscard]] std::size_t pairs() const { return pairs_; }
+
+    template <class Self, class V>
+    static void tensors(Self& self, V&& v) {
+        const auto H = static_cast<std::size_t>(self.cfg_.n_heads);
+        for (std::size_t p = 0; p < self.pairs_; ++p) {
+            for (std::size_t l = 0; l < self.w_.size(); ++l) {
+                const long long in = self.cfg_.layer_in(static_cast<int>(l) + 1),
+                                out = self.cfg_.layer_out(static_cast<int>(l) + 1);
+                backend::cuda::visit_slice<T>(self.w_[l], static_cast<long long>(p) * in * out,
+                                              in, out, detail::visit_name(p / H, p % H, l), v,
+                                              "CudaMemorySnapshot::tensors");
+            }
+        }
+    }
+};
 
 /// State of B streams of one NeuralMemory<T, backend::Cuda> (math §3-5), in device memory:
 /// per layer l and (sequence, head) pair p = s * H + h, the chunk-start weights W^s_l and
@@ -67,7 +127,7 @@ public:
                         const long long in = cfg.layer_in(static_cast<int>(l) + 1),
                                         out = cfg.layer_out(static_cast<int>(l) + 1);
                         auto& buf = (part[0] == 'w' ? self.w_ : self.s_)[static_cast<std::size_t>(l)];
-                        visit_slice(buf, p * in * out, in, out,
+                        backend::cuda::visit_slice<T>(buf, p * in * out, in, out,
                                     detail::visit_name("heads", s, h, part, l), v);
                     }
                 }
@@ -80,19 +140,19 @@ public:
                         const long long cols = a ? cfg.layer_in(static_cast<int>(l) + 1)
                                                  : cfg.layer_out(static_cast<int>(l) + 1);
                         auto& buf = (a ? self.a_ : self.delta_)[static_cast<std::size_t>(l)];
-                        visit_slice(buf, p * b * cols, b, cols,
+                        backend::cuda::visit_slice<T>(buf, p * b * cols, b, cols,
                                     detail::visit_name("heads", s, h, part, l), v);
                     }
                 }
                 if (cfg.gates != GateMode::Constant) {
-                    visit_slice(self.gates_, p * b * 3, b, 3, detail::visit_name("heads", s, h, "gates"), v);
+                    backend::cuda::visit_slice<T>(self.gates_, p * b * 3, b, 3, detail::visit_name("heads", s, h, "gates"), v);
                 }
             }
         }
         if (cfg.use_conv && cfg.conv_kernel > 1) {
             const long long rows = cfg.conv_kernel - 1, cols = 3LL * cfg.inner_dim();
             for (long long s = 0; s < self.batch_; ++s) {
-                visit_slice(self.tail_, s * rows * cols, rows, cols, detail::visit_name("conv_tail", s), v);
+                backend::cuda::visit_slice<T>(self.tail_, s * rows * cols, rows, cols, detail::visit_name("conv_tail", s), v);
             }
         }
     }
@@ -126,36 +186,6 @@ private:
     friend struct backend::MemoryKernels;
     template <class, class>
     friend struct backend::MemoryTraining;
-
-    /// v(name, a host copy of rows x cols entries of buf from `offset`); when buf is not const,
-    /// the copy (the visitor may have loaded it: same shape, the loader checks) goes back.
-    template <class B, class V>
-    static void visit_slice(B& buf, long long offset, long long rows, long long cols,
-                            const std::string& name, V& v) {
-        Matrix<T> m(rows, cols);
-        const auto bytes = static_cast<std::size_t>(rows * cols) * sizeof(T);
-        if (bytes > 0) {
-            backend::cuda::check(cudaMemcpy(m.data(), buf.data() + offset, bytes,
-                                            cudaMemcpyDeviceToHost),
-                                 "cudaMemcpy (state to host)");
-        }
-        if constexpr (std::is_const_v<B>) {
-            v(name, std::as_const(m));
-        } else {
-            v(name, m);
-            if (m.rows() != rows || m.cols() != cols) {
-                throw ShapeError(detail::concat("CudaMemoryState::tensors: ", name, " came back ",
-                                                m.rows(), " x ", m.cols(), ", expected ", rows,
-                                                " x ", cols));
-            }
-            if (bytes > 0) {
-                backend::cuda::check(cudaMemcpy(buf.data() + offset, m.data(), bytes,
-                                                cudaMemcpyHostToDevice),
-                                     "cudaMemcpy (state from host)");
-            }
-        }
-    }
-
 
     MemoryConfig cfg_{};
     int batch_ = 0;
