@@ -200,6 +200,35 @@ TEMPLATE_TEST_CASE("read: == memory_forward", "[memorization][read]", float, dou
     weights.back().back().resize(1, 1);
     CHECK_THROWS_AS(mem.read_weights(weights, xq.cast<T>().eval(), B), titans::ShapeError);
     CHECK_THROWS_AS(mem.read_weights(weights, xq.cast<T>().eval(), 0), titans::ConfigError);
+
+    // snapshot / read_snapshot (MAC's segment-start read, kept in the backend's memory): the
+    // same bits as read_weights through current_weights; to and from host weights unchanged.
+    typename NeuralMemory<T>::Snapshot snap;
+    mem.snapshot(st, snap);
+    REQUIRE(snap.pairs() == static_cast<std::size_t>(B * c.cfg.n_heads));
+    const Matrix<T> xqT = xq.cast<T>();
+    Matrix<T> ys(xqT.rows(), c.cfg.d_model);
+    mem.read_snapshot(snap, titans::view_of(xqT), B, titans::view_of(ys));
+    CHECK(identical(ys, yw));
+    const auto host = mem.snapshot_weights(snap);
+    const auto current = mem.current_weights(st);
+    REQUIRE(host.size() == current.size());
+    for (std::size_t i = 0; i < host.size(); ++i) {
+        CHECK(rel_error(host[i], current[i]) == 0.0);
+    }
+    const auto again = mem.make_snapshot(host, B);
+    Matrix<T> ya(xqT.rows(), c.cfg.d_model);
+    mem.read_snapshot(again, titans::view_of(xqT), B, titans::view_of(ya));
+    CHECK(identical(ya, yw));
+    if (B > 1) {  // a snapshot of B streams read as B - 1: refused, naming it
+        Matrix<T> yb(xqT.rows() / B * (B - 1), c.cfg.d_model);
+        const Matrix<T> xb = xqT.topRows(yb.rows());
+        REQUIRE_THROWS_NAMING(mem.read_snapshot(snap, titans::view_of(xb), B - 1, titans::view_of(yb)),
+                              titans::ShapeError, "snapshot.pairs()");
+    }
+    auto bad = host;
+    bad.back().back().resize(1, 1);
+    CHECK_THROWS_AS(mem.make_snapshot(bad, B), titans::ShapeError);
 }
 
 // read() leaves the state unchanged: a later forward gives the same outputs, diagnostics, weights

@@ -183,8 +183,9 @@ std::shared_ptr<const Handle<std::shared_ptr<const P>>> upload(
 }
 
 /// Copies between the host and the device, counted: every Transfer upload and download, and
-/// the token ids a gather takes to the device (what the transfer-count tests read). A state's
-/// tensors crossing for a checkpoint are not counted.
+/// the token ids a gather takes to the device (what the transfer-count tests read). A layer
+/// state's tensors crossing for a checkpoint are not counted (a MAC block state's segment rows
+/// are: they cross through Transfer).
 struct Traffic {
     std::atomic<long> uploads{0}, downloads{0};
     static Traffic& instance() {
