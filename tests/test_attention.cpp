@@ -738,6 +738,102 @@ TEMPLATE_TEST_CASE("Attention: segment functors", "[attention]", float, double) 
 }
 
 
+namespace {
+
+using titans::view_of;
+
+/// The inputs of one MAC part's segment attention (attention/segment_backward.hpp's test).
+struct SegmentInputs {
+    AttentionParams<double> p;
+    Matrixd u, h, kept_k, kept_v, P;
+};
+
+/// L = Σ dy ⊙ y + Σ ak ⊙ (each stream's buffer keys, rows [0, n)) + Σ av ⊙ (its values) of
+/// the library's segment forward on x: the loss whose gradient segment_backward gives.
+double segment_loss(const AttentionConfig& cfg, const SegmentInputs& x, int B, int C, int o,
+                    std::int64_t pos, const Matrixd& dy, const Matrixd& ak, const Matrixd& av) {
+    const Attention<double> attn(cfg, x.p);
+    const Eigen::Index m = x.u.rows() / B, n = 2 * (o + m), D = cfg.inner_dim();
+    const Matrixd kp = x.P * x.p.w_k, vp = x.P * x.p.w_v;
+    Matrixd sk = Matrixd::Zero(B * 2 * C, D), sv = sk, y(B * m, cfg.d_model);
+    for (int b = 0; b < B; ++b) {
+        sk.middleRows(b * 2 * C, 2 * o) = x.kept_k.middleRows(b * 2 * o, 2 * o);
+        sv.middleRows(b * 2 * C, 2 * o) = x.kept_v.middleRows(b * 2 * o, 2 * o);
+    }
+    attn.segment(titans::SegmentCall<double>{view_of(x.u), view_of(x.h), view_of(sk), view_of(sv),
+                                     titans::PrefixView<double>{view_of(kp), view_of(vp)}, view_of(y), B,
+                                     C, o, static_cast<int>(m), pos});
+    double L = (dy.array() * y.array()).sum();
+    for (int b = 0; b < B && ak.rows() > 0; ++b) {
+        L += (ak.middleRows(b * n, n).array() * sk.middleRows(b * 2 * C, n).array()).sum() +
+             (av.middleRows(b * n, n).array() * sv.middleRows(b * 2 * C, n).array()).sum();
+    }
+    return L;
+}
+
+}  // namespace
+
+// Attention::segment_backward (MAC's segment attention reversed, attention/segment_backward.hpp)
+// against central differences of the library's own segment forward in double: each input (u,
+// h, the kept rows, W_Q, W_K, W_V, W_O, P) moved along a random direction, with and without
+// RoPE, a prefix and the later rows' adjoint, at every offset of random segments, batches 1-3,
+// on constant, periodic and tiny rows too (huge ones saturate the softmax past what central
+// differences resolve; the host form's own FD checks are MAC's block tests).
+TEST_CASE("Attention: segment backward vs FD", "[attention][backward]") {
+    for (int i = 0; i < 24; ++i) {
+        Rng rng(seed_for("attention segment backward", static_cast<std::uint64_t>(i)));
+        const AttentionConfig cfg = random_attention_config(rng, i % 2 == 0, 4);
+        const int B = uniform_int(rng, 1, 3), C = uniform_int(rng, 1, 6),
+                  np = i % 3 == 0 ? 0 : uniform_int(rng, 1, 3);
+        const int o = uniform_int(rng, 0, C - 1), m = uniform_int(rng, 1, C - o);
+        const std::int64_t pos = static_cast<std::int64_t>(C) * uniform_int(rng, 0, 5) + o;
+        const Eigen::Index D = cfg.inner_dim(), d = cfg.d_model, n = 2 * (o + m);
+        SegmentInputs x{AttentionParams<double>::random(cfg, rng()),
+                        stream_kind(random_matrix(B * m, d, rng, -2.0, 2.0), B, i % 5 == 3 ? 0 : i),
+                        random_matrix(B * m, d, rng), random_matrix(B * 2 * o, D, rng),
+                        random_matrix(B * 2 * o, D, rng), random_matrix(np, d, rng)};
+        const Matrixd dy = random_matrix(B * m, d, rng);
+        const bool later = i % 4 != 1;
+        const Matrixd ak = later ? random_matrix(B * n, D, rng) : Matrixd(),
+                      av = later ? random_matrix(B * n, D, rng) : Matrixd();
+        INFO("case " << i << " B " << B << " C " << C << " o " << o << " m " << m << " np " << np
+                     << " rope " << cfg.rope);
+        const Attention<double> attn(cfg, x.p);
+        const Matrixd kp = x.P * x.p.w_k, vp = x.P * x.p.w_v;
+        Matrixd du(B * m, d), dh(B * m, d), dkk(B * 2 * o, D), dkv(B * 2 * o, D);
+        Matrixd grads = Matrixd::Constant(1, 4 * d * D, 0.25), dP = Matrixd::Constant(np, d, 0.5);
+        attn.segment_backward(titans::SegmentBackwardCall<double>{
+            view_of(x.u), view_of(x.h), view_of(dy), view_of(x.kept_k), view_of(x.kept_v),
+            view_of(ak), view_of(av), titans::PrefixView<double>{view_of(kp), view_of(vp)}, view_of(x.P),
+            view_of(du), view_of(dh), view_of(dkk), view_of(dkv), view_of(grads), view_of(dP), B,
+            C, o, m, pos});
+        grads.array() -= 0.25;  // added to
+        dP.array() -= 0.5;
+        const auto block = [&](int k, Eigen::Index r, Eigen::Index c) {
+            return Matrixd(Eigen::Map<const Matrixd>(grads.data() + k * d * D, r, c));
+        };
+        const std::vector<std::pair<Matrixd*, Matrixd>> parts = {
+            {&x.u, du},          {&x.h, dh},          {&x.kept_k, dkk},    {&x.kept_v, dkv},
+            {&x.p.w_q, block(0, d, D)}, {&x.p.w_k, block(1, d, D)}, {&x.p.w_v, block(2, d, D)},
+            {&x.p.w_o, block(3, D, d)}, {&x.P, dP}};
+        const double eps = 1e-5;
+        for (std::size_t k = 0; k < parts.size(); ++k) {
+            Matrixd* in = parts[k].first;
+            if (in->size() == 0) continue;
+            const Matrixd dir = random_matrix(in->rows(), in->cols(), rng), saved = *in;
+            *in = saved + eps * dir;
+            const double up = segment_loss(cfg, x, B, C, o, pos, dy, ak, av);
+            *in = saved - eps * dir;
+            const double down = segment_loss(cfg, x, B, C, o, pos, dy, ak, av);
+            *in = saved;
+            const double fd = (up - down) / (2 * eps), an = (parts[k].second.array() * dir.array()).sum();
+            INFO("input " << k);
+            CHECK(std::abs(fd - an) <= 1e-7 * std::max(1.0, std::abs(an)));
+        }
+    }
+}
+
+
 // RMSNorm equals a hand-computed value and the loop reference
 TEMPLATE_LIST_TEST_CASE("RMSNorm: == reference", "[layers]", Both) {
     using T = typename TestType::Scalar;

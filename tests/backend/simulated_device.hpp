@@ -564,6 +564,19 @@ struct AttentionKernels<titans_test::SimulatedDevice, T> {
         titans_test::sim::require_device(c.y, "y");
         Host::segment(cfg, p->get(), c);
     }
+    static void segment_backward(const AttentionConfig& cfg, const Prepared& p,
+                                 const SegmentBackwardCall<T>& c) {
+        titans_test::sim::require_devices<T, 9>(
+            {c.u, c.h, c.dy, c.kept_k, c.kept_v, c.after_k, c.after_v, c.prefix.k, c.prefix.v},
+            {"u", "h", "dy", "kept keys", "kept values", "later keys' adjoint",
+             "later values' adjoint", "prefix keys", "prefix values"});
+        titans_test::sim::require_devices<T, 7>(
+            {c.persistent, View<const T>(c.du), View<const T>(c.dh), View<const T>(c.dkept_k),
+             View<const T>(c.dkept_v), View<const T>(c.grads), View<const T>(c.dpersistent)},
+            {"persistent", "du", "dh", "kept keys' adjoint", "kept values' adjoint", "grads",
+             "dpersistent"});
+        Host::segment_backward(cfg, p->get(), c);
+    }
     static bool begin(State& st) { return Host::begin(st.device_.get()); }
     static void commit(State& st) { Host::commit(st.device_.get()); }
     static void rollback(State& st) {
@@ -638,6 +651,15 @@ struct MemoryTraining<titans_test::SimulatedDevice, T> {
         void finish(MemoryParams<T>& g, MemoryStateGradient<T>* d_in = nullptr) {
             rev_.finish(g, d_in);
         }
+        void down_to(Eigen::Index p, View<T> dx) {
+            titans_test::sim::require_device(dx, "dx");
+            rev_.down_to(p, dx);
+        }
+        void tap(const typename Kernels::Snapshot& dW) { rev_.tap(dW.device_.get()); }
+        bool finish_flat(View<T> grads, MemoryStateGradient<T>* d_in = nullptr) {
+            titans_test::sim::require_device(grads, "grads");
+            return rev_.finish_flat(grads, d_in);
+        }
 
     private:
         static View<const T> checked(View<const T> dy) {
@@ -653,6 +675,18 @@ struct MemoryTraining<titans_test::SimulatedDevice, T> {
                                       Matrix<T>& dx, std::vector<std::vector<Matrix<T>>>& dweights,
                                       MemoryParams<T>& g) {
         Host::read_weights_backward(cfg, p->get(), weights, x, B, dy, dx, dweights, g);
+    }
+    static bool read_snapshot_backward(const MemoryConfig& cfg,
+                                       const typename Kernels::Prepared& p,
+                                       const typename Kernels::Snapshot& s, View<const T> x,
+                                       int B, View<const T> dy, View<T> dx,
+                                       typename Kernels::Snapshot& dW, View<T> grads) {
+        titans_test::sim::require_devices<T>({x, dy, dx, grads}, {"x", "dy", "dx", "grads"});
+        titans::MemorySnapshot<T> host;
+        const bool finite = Host::read_snapshot_backward(cfg, p->get(), s.device_.get(), x, B,
+                                                         dy, dx, host, grads);
+        dW = titans_test::sim::make_snapshot(std::move(host));
+        return finite;
     }
 };
 

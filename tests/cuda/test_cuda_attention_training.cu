@@ -11,6 +11,7 @@
 
 #include "block_cases.hpp"
 #include "cuda_common.hpp"
+#include "segment_backward_case.hpp"
 
 namespace {
 
@@ -343,4 +344,34 @@ TEMPLATE_TEST_CASE("cuda attention train: host functors", "[cuda]", float, doubl
         caught += off > 1e-4 ? 1 : 0;
     }
     CHECK(caught >= offs / 3);
+}
+
+// MAC's segment attention reversed (Attention::segment_backward: attention_segment_backward.cuh,
+// queries at stride 2 over the interleaved segment) against the CPU's (the host form, double):
+// du, dh, the kept rows' adjoint, the attention's flat gradient and P's, added to what they held;
+// every offset, with and without RoPE, a prefix and the later rows' adjoint, batches 1-3; in
+// tiles and with the tiles off (a thread per query row, segment row and prefix row).
+TEMPLATE_TEST_CASE("cuda attention train: segment backward", "[cuda]", float, double) {
+    using T = TestType;
+    for (const auto mode : {titans::backend::cuda::TiledAttentionMode::Auto,
+                            titans::backend::cuda::TiledAttentionMode::Off}) {
+        const TiledModeScope scope(mode);
+        for (int i = 0; i < parity_cases(30); ++i) {
+            Rng rng(seed_for("cuda attention train: segment backward", static_cast<std::uint64_t>(i)));
+            const SegmentBackwardCase c = segment_backward_case(rng, i);
+            INFO("case " << i << " tiles " << (mode == titans::backend::cuda::TiledAttentionMode::Auto)
+                         << " B " << c.B << " C " << c.C << " o " << c.o << " m " << c.m
+                         << " np " << c.P.rows() << " rope " << c.cfg.rope);
+            const SegmentBackwardResult ref = run_segment_backward<double, titans::backend::Cpu>(c);
+            const SegmentBackwardResult got = run_segment_backward<T, Cuda>(c);
+            CHECK(note_error<T>("segment attention backward", segment_backward_error(got, ref, 1e-6)) <=
+                  bound<T>());
+            if (c.after_k.rows() > 0) {  // the comparison sees the later adjoint dropped
+                SegmentBackwardCase off = c;
+                off.after_k.resize(0, c.after_k.cols());
+                off.after_v.resize(0, c.after_v.cols());
+                CHECK(segment_backward_error(run_segment_backward<T, Cuda>(off), ref, 1e-6) > 1e-4);
+            }
+        }
+    }
 }

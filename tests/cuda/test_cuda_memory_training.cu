@@ -11,6 +11,7 @@
 #include <titans/backend/cuda/cuda.cuh>
 
 #include "cuda_common.hpp"
+#include "staged_views_case.hpp"
 #include "training_pass.hpp"
 
 namespace {
@@ -696,4 +697,22 @@ TEMPLATE_TEST_CASE("cuda memory: clip overflow", "[cuda]", float, double) {
     CHECK(rel_error(gg.w_v, gc.w_v) <= tol<T>());
     CHECK(rel_error(gg.w_k, gc.w_k) <= tol<T>());
     CHECK(gc.w_k.cwiseAbs().maxCoeff() > T(0));
+}
+
+// The memory's staged training API on device views (forward_part, read_snapshot_backward,
+// Reverse's down_to / tap / finish into the flat gradient: nothing crosses to the host) against
+// the CPU's host-matrix API in double and CUDA's own host-matrix API: every primary mode, two
+// parts, a read through the snapshot between them tapped into the sweep.
+TEMPLATE_TEST_CASE("cuda memory train: staged views", "[cuda]", float, double) {
+    using T = TestType;
+    for (int i = 0; i < parity_cases(16); ++i) {
+        Rng rng(seed_for("cuda memory train: staged views", static_cast<std::uint64_t>(i)));
+        const StagedCase c = staged_case(rng, i);
+        INFO("case " << i << " B " << c.B << " N " << c.N << " t1 " << c.t1 << " chunk "
+                     << c.cfg.effective_chunk());
+        const StagedResult ref = staged_host<double, titans::backend::Cpu>(c);
+        const StagedResult got = staged_views<T, Cuda>(c);
+        CHECK(note_error<T>("staged views", staged_error(got, ref)) <= bound<T>());
+        CHECK(staged_error(got, staged_host<T, Cuda>(c)) <= bound<T>());
+    }
 }

@@ -41,6 +41,7 @@
 #include "../types.hpp"
 #include "config.hpp"
 #include "segment.hpp"
+#include "segment_backward.hpp"
 #include "kernel.hpp"
 #include "params.hpp"
 #include "rope.hpp"
@@ -494,6 +495,14 @@ public:
     /// every backend.
     void segment(const SegmentCall<T>& call) const {
         Kernels::segment(cfg_, prepared_, call);
+    }
+
+    /// The reverse of segment (attention/segment_backward.hpp) on views in the backend's
+    /// memory: dL/du, dL/dh and the kept rows' adjoint written, the attention's gradient added
+    /// to `call.grads` (its flat layout: W_Q, W_K, W_V, W_O) and P's to `call.dpersistent`. As
+    /// segment, the views' shapes are the caller's (MAC's training pass checks its trace).
+    void segment_backward(const SegmentBackwardCall<T>& call) const {
+        Kernels::segment_backward(cfg_, prepared_, call);
     }
 
 private:

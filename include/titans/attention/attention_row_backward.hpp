@@ -50,7 +50,9 @@ struct RopeQKTranspose {
 /// What the three backward functors share: the forward's operands (as AttendRows: fused qkv
 /// rows B*N x 3D, the prefix's projected keys/values, sequence b's window rows [kept ; new] at
 /// k_win / v_win + b * cap * D) and dout (B*N x D), the softmax statistics per (row, head)
-/// (mx, inv = 1 / sum, delta), row r = b N + t at r * H + head.
+/// (mx, inv = 1 / sum, delta), row r = b N + t at r * H + head. Query t's own key is window row
+/// kept + query_stride t: 1 for the attention layer, 2 for MAC's interleaved segment (kept then
+/// 2 o + 1, the rows before it the segment's earlier ones).
 template <class T>
 struct AttentionBackwardOperands {
     const T* qkv;
@@ -63,6 +65,7 @@ struct AttentionBackwardOperands {
     T scale;
     const T* dout;
     T *mx, *inv, *delta;
+    long long query_stride = 1;
 
     TITANS_HOST_DEVICE static T dot(const T* a, const T* b, int n) {
         T s = T(0);
@@ -71,9 +74,21 @@ struct AttentionBackwardOperands {
         }
         return s;
     }
-    /// The visible window rows of query t: [lo(t), kept + t].
+    /// Query t's own window row, the last it sees.
+    TITANS_HOST_DEVICE long long hi(long long t) const { return kept + query_stride * t; }
+    /// The visible window rows of query t: [lo(t), hi(t)].
     TITANS_HOST_DEVICE long long lo(long long t) const {
-        return kept + t - window + 1 > 0 ? kept + t - window + 1 : 0;
+        return hi(t) - window + 1 > 0 ? hi(t) - window + 1 : 0;
+    }
+    /// The queries that see window row j: [first_query(j), last_query(j)] (empty when first >
+    /// last), from lo(t) <= j <= hi(t).
+    TITANS_HOST_DEVICE long long first_query(long long j) const {
+        return j > kept ? (j - kept + query_stride - 1) / query_stride : 0;
+    }
+    TITANS_HOST_DEVICE long long last_query(long long j) const {
+        const long long reach = j - kept + window - 1;  // hi(t) <= reach
+        const long long t = reach >= 0 ? reach / query_stride : -1;
+        return t < N - 1 ? t : N - 1;
     }
 };
 
@@ -88,7 +103,7 @@ struct QueryRowsBackward {
     TITANS_HOST_DEVICE void operator()(unsigned i) const {
         const unsigned r = i / static_cast<unsigned>(a.H), head = i % static_cast<unsigned>(a.H);
         const long long b = r / static_cast<unsigned>(a.N), t = r % static_cast<unsigned>(a.N);
-        const long long col = static_cast<long long>(head) * a.d_head, hi = a.kept + t;
+        const long long col = static_cast<long long>(head) * a.d_head, hi = a.hi(t);
         const long long lo = a.lo(t), p0 = a.shared ? 0 : b * a.p;
         const int dh = a.d_head;
         const T* q = a.qkv + static_cast<long long>(r) * 3 * a.D + col;
@@ -185,11 +200,8 @@ struct KeyRowsBackward {
             dk[c] = T(0);
             dv[c] = T(0);
         }
-        // query t sees j iff kept + t - window < j <= kept + t
-        const long long t0 = j - a.kept > 0 ? j - a.kept : 0;
-        const long long t1 = j - a.kept + a.window - 1 < a.N - 1 ? j - a.kept + a.window - 1
-                                                                 : a.N - 1;
-        for (long long t = t0; t <= t1; ++t) {
+        const long long t1 = a.last_query(j);  // query t sees j iff lo(t) <= j <= hi(t)
+        for (long long t = a.first_query(j); t <= t1; ++t) {
             key_from_query(a, b * a.N + t, col, head, a.k_win + at, a.v_win + at, dk, dv);
         }
     }
@@ -240,6 +252,31 @@ struct GatherWindowGrad {
         const long long from = (b * cap + at + t) * D + c, to = static_cast<long long>(r) * 3 * D;
         g[to + D + c] = dk_win[from];
         g[to + 2 * D + c] = dv_win[from];
+    }
+};
+
+}  // namespace titans::detail
+
+namespace titans::detail {
+
+/// The reverse of SegmentAppend (attention_row.hpp): a MAC part's segment-row adjoints taken
+/// apart. Sequence b's row 2(o+i)+1 (the token's key, value) of dk_seg / dv_seg (rows_per_sequence
+/// rows per sequence, row stride D) goes to the dk and dv parts of fused row r = b m + i of g
+/// (B*m x [dq | dk | dv]), its row 2(o+i) (the read's) to row r of dkvh (B*m x [dk_h | dv_h]).
+/// Elements: B * m * D.
+template <class T>
+struct SegmentGather {
+    const T *dk_seg, *dv_seg;
+    T *g, *dkvh;
+    long long rows_per_sequence, m, offset, D;
+    TITANS_HOST_DEVICE void operator()(unsigned i) const {
+        const long long r = i / static_cast<unsigned>(D), c = i % static_cast<unsigned>(D);
+        const long long b = r / m, t = r % m;
+        const long long at = (b * rows_per_sequence + 2 * (offset + t)) * D + c;
+        dkvh[r * 2 * D + c] = dk_seg[at];
+        dkvh[r * 2 * D + D + c] = dv_seg[at];
+        g[r * 3 * D + D + c] = dk_seg[at + D];
+        g[r * 3 * D + 2 * D + c] = dv_seg[at + D];
     }
 };
 

@@ -337,11 +337,7 @@ public:
     /// (ShapeError otherwise). Finiteness of x is the caller's.
     void read_snapshot(const Snapshot& s, View<const T> x, int batch, View<T> y) const {
         constexpr const char* where = "NeuralMemory::read_snapshot";
-        detail::require<ConfigError>(batch >= 1, where, "batch", batch, ">= 1");
-        const std::size_t pairs = static_cast<std::size_t>(batch) * static_cast<std::size_t>(cfg_.n_heads);
-        detail::require<ShapeError>(s.pairs() == pairs, where, "snapshot.pairs()", s.pairs(),
-                                    detail::concat("batch * n_heads = ", pairs));
-        check_shape(batch, x.rows, x.cols, where);
+        check_snapshot_read(s, batch, x, where);
         detail::check_view_call(where, x, y, cfg_.d_model, false);
         const ThreadScope team(threads_, work_estimate(x.rows));
         const detail::DenormalFlushScope flush(cfg_.flush_denormals);
@@ -556,9 +552,60 @@ public:
         dweights = std::move(dw_new);
     }
 
+    /// forward_part on views in the backend's memory (x, y (B*m) x d_model, distinct): checks
+    /// as the host call's but x's finiteness (the caller's). How MAC's training pass runs its
+    /// memory without a round trip.
+    void forward_part(State& state, View<const T> x, View<T> y, Trace& trace) const
+        requires(staged)
+    {
+        constexpr const char* where = "NeuralMemory::forward_part";
+        check_view_forward(state, x, y, where);
+        check_part(state, x.rows / state.batch(), trace, where);
+        const ThreadScope team(threads_, 3.0 * work_estimate(x.rows));
+        const detail::DenormalFlushScope flush(cfg_.flush_denormals);
+        backend::MemoryTraining<Backend, T>::forward_part(cfg_, prepared_, state, x, y, trace);
+    }
+
+    /// read_weights_backward through a snapshot, on views in the backend's memory: x, dy
+    /// (batch*N) x d_model, dx of their shape (written, distinct); dW = dL/d(the snapshot's
+    /// weights), a snapshot of batch * n_heads pairs (replaced; tap it into the Reverse of the
+    /// trace whose memory the snapshot was); W_Q's and W_O's gradients added to grads, the
+    /// memory's flat gradient (1 x its parameter count, MemoryParams::tensors order).
+    /// ConfigError, ShapeError as read_snapshot; NonFiniteError if the gradients overflow,
+    /// grads unchanged then. Finiteness of x and dy is the caller's.
+    ///
+    ///     mem.read_snapshot(s, xv, B, hv);
+    ///     mem.read_snapshot_backward(s, xv, B, dhv, dxv, dS, gv);  // then rev.tap(dS)
+    void read_snapshot_backward(const Snapshot& s, View<const T> x, int batch, View<const T> dy,
+                                View<T> dx, Snapshot& dW, View<T> grads) const
+        requires(staged)
+    {
+        constexpr const char* where = "NeuralMemory::read_snapshot_backward";
+        check_snapshot_read(s, batch, x, where);
+        detail::check_view_call(where, x, dx, cfg_.d_model, false);
+        detail::check_view_gradient(where, dy, dx, cfg_.d_model, x.rows);
+        detail::check_flat_gradient(where, grads, parameter_count(), "the memory's tensors");
+        const ThreadScope team(threads_, 2.0 * work_estimate(x.rows));
+        const detail::DenormalFlushScope flush(cfg_.flush_denormals);
+        if (!backend::MemoryTraining<Backend, T>::read_snapshot_backward(cfg_, prepared_, s, x,
+                                                                         batch, dy, dx, dW, grads)) {
+            throw NonFiniteError(detail::concat(where, ": the gradients overflow, expected "
+                                                       "finite values; grads are unchanged"));
+        }
+    }
+
     class Reverse;
 
 private:
+    /// read_snapshot's checks of the batch, the snapshot's pairs and x's shape.
+    void check_snapshot_read(const Snapshot& s, int batch, View<const T> x, const char* where) const {
+        detail::require<ConfigError>(batch >= 1, where, "batch", batch, ">= 1");
+        const std::size_t pairs = static_cast<std::size_t>(batch) * static_cast<std::size_t>(cfg_.n_heads);
+        detail::require<ShapeError>(s.pairs() == pairs, where, "snapshot.pairs()", s.pairs(),
+                                    detail::concat("batch * n_heads = ", pairs));
+        check_shape(batch, x.rows, x.cols, where);
+    }
+
     void require_chunk_start(const State& state, const char* where) const {
         if (!mid_chunk_training && state.pending() != 0) {
             throw ConfigError(detail::concat(

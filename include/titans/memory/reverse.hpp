@@ -118,6 +118,78 @@ public:
         }
     }
 
+    // --- The same on views in the backend's memory (how MAC's training pass drives it on a
+    // device): dy, dx and the gradients stay there. Finiteness of dy and dx is the caller's.
+
+    /// As the host constructor, dy a view ((trace rows) x d_model).
+    Reverse(const NeuralMemory& mem, const Trace& trace, View<const T> dy,
+            const MemoryStateGradient<T>* d_state_out = nullptr)
+        requires(NeuralMemory::staged)
+        : mem_(mem), batch_(trace.batch), rows_(trace.rows()) {
+        constexpr const char* where = "NeuralMemory::Reverse";
+        mem.validate_trace(trace, where);
+        detail::require<ShapeError>(dy.rows == trace.rows() && dy.cols == mem.cfg_.d_model,
+                                    where, "dy", detail::concat(dy.rows, " x ", dy.cols),
+                                    detail::concat(trace.rows(), " x ", mem.cfg_.d_model));
+        if (d_state_out != nullptr && !d_state_out->empty()) {
+            mem.check_state_gradient(*d_state_out, trace);
+        }
+        const ThreadScope team(mem.threads_, mem.work_estimate(rows_));
+        const detail::DenormalFlushScope flush(mem.cfg_.flush_denormals);
+        rev_.emplace(mem.cfg_, mem.prepared_, trace, dy,
+                     d_state_out != nullptr && !d_state_out->empty() ? d_state_out : nullptr);
+    }
+
+    /// down_to with dx a view ((B * (position() - p)) x d_model, written).
+    void down_to(Eigen::Index p, View<T> dx) {
+        constexpr const char* where = "NeuralMemory::Reverse::down_to";
+        require_live(where);
+        detail::require<ShapeError>(p >= 0 && p <= position(), where, "p", p,
+                                    detail::concat("in [0, position() = ", position(), "]"));
+        const Eigen::Index rows = batch_ * (position() - p);
+        detail::require<ShapeError>(dx.rows == rows && dx.cols == mem_.cfg_.d_model, where, "dx",
+                                    detail::concat(dx.rows, " x ", dx.cols),
+                                    detail::concat(rows, " x ", mem_.cfg_.d_model));
+        const ThreadScope team(mem_.threads_, 3.0 * mem_.work_estimate(rows));
+        const detail::DenormalFlushScope flush(mem_.cfg_.flush_denormals);
+        rev_->down_to(p, dx);
+    }
+
+    /// tap with a snapshot in the backend's memory (batch * n_heads pairs, e.g. from
+    /// read_snapshot_backward).
+    void tap(const Snapshot& dW) {
+        constexpr const char* where = "NeuralMemory::Reverse::tap";
+        require_live(where);
+        const std::size_t pairs = static_cast<std::size_t>(batch_) *
+                                  static_cast<std::size_t>(mem_.cfg_.n_heads);
+        detail::require<ShapeError>(dW.pairs() == pairs, where, "dW.pairs()", dW.pairs(),
+                                    detail::concat("batch * n_heads = ", pairs));
+        rev_->tap(dW);
+    }
+
+    /// finish into the memory's flat gradient in the backend's memory (1 x its parameter
+    /// count, MemoryParams::tensors order, added to). ConfigError as finish; NonFiniteError if
+    /// the gradients overflow (grads and d_state_in unchanged).
+    void finish(View<T> grads, MemoryStateGradient<T>* d_state_in = nullptr) {
+        constexpr const char* where = "NeuralMemory::Reverse::finish";
+        require_live(where);
+        if (position() != 0) {
+            throw ConfigError(detail::concat(where, ": position() = ", position(),
+                                             ", expected 0 (down_to(0) first)"));
+        }
+        detail::check_flat_gradient(where, grads, mem_.parameter_count(), "the memory's tensors");
+        const detail::DenormalFlushScope flush(mem_.cfg_.flush_denormals);
+        MemoryStateGradient<T> d_in;
+        spent_ = true;
+        if (!rev_->finish_flat(grads, d_state_in != nullptr ? &d_in : nullptr)) {
+            throw NonFiniteError(detail::concat(where, ": the gradients overflow, expected "
+                                                       "finite values; grads are unchanged"));
+        }
+        if (d_state_in != nullptr) {
+            *d_state_in = std::move(d_in);
+        }
+    }
+
 private:
     void require_live(const char* where) const {
         if (spent_) {

@@ -17,9 +17,8 @@
 #include <utility>
 #include <vector>
 
-#include "../attention/kernel_backward.hpp"
-#include "../attention/rope.hpp"
 #include "../attention/segment.hpp"
+#include "../attention/segment_backward.hpp"
 #include "../detail/activation.hpp"
 #include "../detail/float_env.hpp"
 #include "../detail/rows.hpp"
@@ -298,88 +297,50 @@ private:
         }
     }
 
-    /// The reverse of MacMixer::attend for one part at absolute position pos: dy -> dU, dh and
-    /// the attention's and P's gradients (added to g). dlast (the part that ends the call, or
-    /// null) adds the adjoint of the keys and values the state keeps after the call; a part
-    /// continuing an earlier call's segment writes its kept rows' adjoint into dseg.
+    /// The reverse of MacMixer::attend for one part at absolute position pos
+    /// (detail::segment_attention_backward): dy -> dU, dh and the attention's and P's
+    /// gradients (added to g). dlast (the part that ends the call, or null) adds the adjoint of
+    /// the keys and values the state keeps after the call; a part continuing an earlier call's
+    /// segment writes its kept rows' adjoint into dseg.
     static void attend_backward(const Blk& blk, const MacSegmentTrace<T>& sg, const Matrix<T>& U,
                                 int B, std::int64_t pos, const Matrix<T>& dy,
                                 const MacStateGradient<T>* dlast, Matrix<T>& dU, Matrix<T>& dh,
                                 MacStateGradient<T>& dseg, BlockParams<T>& g) {
-        const BlockConfig& cfg = blk.cfg_;
-        const int Ha = cfg.attention.n_heads, dha = cfg.attention.head_dim();
-        const Eigen::Index D = cfg.attention.inner_dim(), m = U.rows() / B, np = blk.k_prefix_.rows();
-        const Eigen::Index o = sg.offset, n = 2 * (o + m);  // the segment's rows so far
-        const AttentionParams<T>& ap = blk.params_->attention;
+        const Eigen::Index m = U.rows() / B, n = 2 * (sg.offset + m);
+        const bool after = dlast != nullptr && dlast->keys[0].rows() == n;  // ends mid-segment
+        const Matrix<T> kept_k = stack_rows(sg.kept_k), kept_v = stack_rows(sg.kept_v);
+        const Matrix<T> after_k = after ? stack_rows(dlast->keys) : Matrix<T>(),
+                        after_v = after ? stack_rows(dlast->values) : Matrix<T>();
+        const SegmentBackwardOperands<T> a{U,      sg.h,           dy,
+                                           kept_k, kept_v,         after_k,
+                                           after_v, blk.k_prefix_, blk.v_prefix_,
+                                           blk.params_->persistent, B, blk.cfg_.segment,
+                                           sg.offset, pos};
         AttentionParams<T>& ga = g.attention;
-        Matrix<T> qs = U * ap.w_q, ks = U * ap.w_k;
-        const Matrix<T> vs = U * ap.w_v, kh = sg.h * ap.w_k, vh = sg.h * ap.w_v;
-        const RopeTable<T> table(cfg.attention.rope ? m : 0, dha, pos, cfg.attention.rope_base);
-        Matrix<T> att(U.rows(), D), dq(U.rows(), D), dks(U.rows(), D), dvs(U.rows(), D),
-            dkh(U.rows(), D), dvh(U.rows(), D);
-        Matrix<T> dkp = Matrix<T>::Zero(np, D), dvp = Matrix<T>::Zero(np, D);
-        const Matrix<T> datt = dy * ap.w_o.transpose();
-        for (int b = 0; b < B; ++b) {
-            const auto sb = static_cast<std::size_t>(b);
-            const Eigen::Index r0 = b * m;
-            if (cfg.attention.rope) {
-                table.apply(qs.middleRows(r0, m), Ha, dha);
-                table.apply(ks.middleRows(r0, m), Ha, dha);
-            }
-            Matrix<T> sk(n, D), sv(n, D);  // [kept; h_o, s_o, h_{o+1}, s_{o+1}, ...]
-            if (o > 0) {
-                sk.topRows(2 * o) = sg.kept_k[sb];
-                sv.topRows(2 * o) = sg.kept_v[sb];
-            }
-            for (Eigen::Index i = 0; i < m; ++i) {
-                sk.row(2 * (o + i)) = kh.row(r0 + i);
-                sk.row(2 * (o + i) + 1) = ks.row(r0 + i);
-                sv.row(2 * (o + i)) = vh.row(r0 + i);
-                sv.row(2 * (o + i) + 1) = vs.row(r0 + i);
-            }
-            const Eigen::Index q0 = 2 * o + 1;
-            prefix_window_attention<T>(qs.middleRows(r0, m), blk.k_prefix_, blk.v_prefix_, sk, sv,
-                                       Ha, dha, 2 * cfg.segment, q0, att.middleRows(r0, m), 2);
-            Matrix<T> dq_b, dkp_b = Matrix<T>::Zero(np, D), dvp_b = Matrix<T>::Zero(np, D);
-            Matrix<T> dsk = Matrix<T>::Zero(n, D), dsv = Matrix<T>::Zero(n, D);
-            prefix_window_attention_backward<T>(qs.middleRows(r0, m), blk.k_prefix_, blk.v_prefix_,
-                                                sk, sv, Ha, dha, 2 * cfg.segment, q0,
-                                                datt.middleRows(r0, m), dq_b, dkp_b, dvp_b, dsk,
-                                                dsv, 2);
-            if (dlast != nullptr && dlast->keys[sb].rows() == n) {  // the call ends mid-segment
-                dsk += dlast->keys[sb];
-                dsv += dlast->values[sb];
-            }
-            if (o > 0 && !dseg.keys.empty()) {
-                dseg.keys[sb] = dsk.topRows(2 * o);
-                dseg.values[sb] = dsv.topRows(2 * o);
-            }
-            dq.middleRows(r0, m) = dq_b;
-            dkp += dkp_b;
-            dvp += dvp_b;
-            for (Eigen::Index i = 0; i < m; ++i) {
-                dkh.row(r0 + i) = dsk.row(2 * (o + i));
-                dks.row(r0 + i) = dsk.row(2 * (o + i) + 1);
-                dvh.row(r0 + i) = dsv.row(2 * (o + i));
-                dvs.row(r0 + i) = dsv.row(2 * (o + i) + 1);
-            }
-            if (cfg.attention.rope) {
-                table.apply_transpose(dq.middleRows(r0, m), Ha, dha);
-                table.apply_transpose(dks.middleRows(r0, m), Ha, dha);
+        SegmentGradientSink<Matrix<T>&> sink{ga.w_q, ga.w_k, ga.w_v, ga.w_o, g.persistent};
+        Matrix<T> dkept_k, dkept_v;
+        segment_attention_backward<T>(blk.cfg_.attention, blk.params_->attention, a, dU, dh,
+                                      dkept_k, dkept_v, sink);
+        if (sg.offset > 0 && !dseg.keys.empty()) {
+            const Eigen::Index rows = 2 * sg.offset;
+            for (int b = 0; b < B; ++b) {
+                dseg.keys[static_cast<std::size_t>(b)] = dkept_k.middleRows(b * rows, rows);
+                dseg.values[static_cast<std::size_t>(b)] = dkept_v.middleRows(b * rows, rows);
             }
         }
-        ga.w_o.noalias() += att.transpose() * dy;
-        ga.w_q.noalias() += U.transpose() * dq;
-        ga.w_k.noalias() += U.transpose() * dks + sg.h.transpose() * dkh;
-        ga.w_v.noalias() += U.transpose() * dvs + sg.h.transpose() * dvh;
-        dU.noalias() = dq * ap.w_q.transpose() + dks * ap.w_k.transpose() + dvs * ap.w_v.transpose();
-        dh.noalias() = dkh * ap.w_k.transpose() + dvh * ap.w_v.transpose();
-        if (np > 0) {  // k_P = P W_K, v_P = P W_V
-            const Matrix<T>& P = blk.params_->persistent;
-            ga.w_k.noalias() += P.transpose() * dkp;
-            ga.w_v.noalias() += P.transpose() * dvp;
-            g.persistent.noalias() += dkp * ap.w_k.transpose() + dvp * ap.w_v.transpose();
+    }
+
+    /// Per-stream matrices of equal shape stacked (0 x 0 for none).
+    static Matrix<T> stack_rows(const std::vector<Matrix<T>>& parts) {
+        if (parts.empty()) {
+            return Matrix<T>();
         }
+        Matrix<T> out(static_cast<Eigen::Index>(parts.size()) * parts[0].rows(), parts[0].cols());
+        for (std::size_t i = 0; i < parts.size(); ++i) {
+            out.middleRows(static_cast<Eigen::Index>(i) * parts[0].rows(), parts[0].rows()) =
+                parts[i];
+        }
+        return out;
     }
 };
 

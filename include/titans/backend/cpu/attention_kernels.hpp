@@ -19,6 +19,7 @@
 #include "../../attention/rope.hpp"
 #include "../../attention/prefix.hpp"
 #include "../../attention/segment.hpp"
+#include "../../attention/segment_backward.hpp"
 #include "../../detail/check.hpp"
 #include "../../detail/float_env.hpp"
 #include "../../detail/product.hpp"
@@ -117,6 +118,37 @@ struct AttentionKernels<Cpu, T> {
         cpu::as_eigen(c.y) = detail::segment_attention<T>(
             cfg, *p, cpu::as_eigen(c.u), cpu::as_eigen(c.h), cpu::as_eigen(c.prefix.k),
             cpu::as_eigen(c.prefix.v), sk, sv, c.batch, c.segment, c.offset, c.position);
+    }
+
+    /// The reverse of segment (attention/segment_backward.hpp) on checked views.
+    static void segment_backward(const AttentionConfig& cfg, const Prepared& p,
+                                 const SegmentBackwardCall<T>& c) {
+        const Eigen::Index d = cfg.d_model, D = cfg.inner_dim();
+        const Matrix<T> none;
+        const auto or_none = [&](View<const T> v) {
+            return v.empty() ? MatrixRef<T>(none) : MatrixRef<T>(cpu::as_eigen(v));
+        };
+        const detail::SegmentBackwardOperands<T> a{
+            cpu::as_eigen(c.u),        cpu::as_eigen(c.h),        cpu::as_eigen(c.dy),
+            or_none(c.kept_k),         or_none(c.kept_v),         or_none(c.after_k),
+            or_none(c.after_v),        cpu::as_eigen(c.prefix.k), cpu::as_eigen(c.prefix.v),
+            or_none(c.persistent),     c.batch,                   c.segment,
+            c.offset,                  c.position};
+        T* g = c.grads.data;
+        const auto part = [&](int k, Eigen::Index r, Eigen::Index cols) {
+            return cpu::as_eigen(View<T>{g + k * d * D, r, cols, cols});
+        };
+        SegmentGradientSink<cpu::MutableMap<T>> sink{part(0, d, D), part(1, d, D), part(2, d, D),
+                                                     part(3, D, d),
+                                                     cpu::as_eigen(c.dpersistent)};
+        Matrix<T> du, dh, dkept_k, dkept_v;
+        detail::segment_attention_backward<T>(cfg, *p, a, du, dh, dkept_k, dkept_v, sink);
+        cpu::as_eigen(c.du) = du;
+        cpu::as_eigen(c.dh) = dh;
+        if (!c.dkept_k.empty()) {
+            cpu::as_eigen(c.dkept_k) = dkept_k;
+            cpu::as_eigen(c.dkept_v) = dkept_v;
+        }
     }
 
     static bool begin(State& state) {

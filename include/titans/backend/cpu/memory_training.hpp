@@ -811,6 +811,28 @@ public:
             }
         }
 
+        // The same on views in host memory (what a block on views drives, math §9 "MAC").
+
+        /// down_to into dx ((B * (position() - p)) x d, written).
+        void down_to(Eigen::Index p, View<T> dx) {
+            Mat out;
+            down_to(p, out);
+            cpu::as_eigen(dx) = out;
+        }
+        /// tap with a snapshot's weights.
+        void tap(const MemorySnapshot<T>& dW) { tap(dW.weights); }
+        /// finish into the memory's flat gradient (1 x its parameter count, added to) only if
+        /// every gradient and d_in are finite, which it returns.
+        bool finish_flat(View<T> grads, MemoryStateGradient<T>* d_in = nullptr) const {
+            MemoryParams<T> local = MemoryParams<T>::zeros(cfg_);
+            finish(local, d_in);
+            if (!detail::tensors_finite(local, cfg_) || (d_in != nullptr && !d_in->finite())) {
+                return false;
+            }
+            detail::add_flat_host(std::as_const(local), cfg_, grads.data);
+            return true;
+        }
+
     private:
         [[nodiscard]] Slice slice(int bh) const {
             const int H = cfg_.n_heads;
@@ -956,6 +978,29 @@ public:
         }
         g.w_o.noalias() += yh.transpose() * dy;
         pr.queries_backward(cfg, p, x, dq, dx, g);
+    }
+
+    /// read_weights_backward through a snapshot on views (host memory): dx written, dW the
+    /// snapshot's adjoint, W_Q's and W_O's gradients added to the memory's flat gradient grads
+    /// only if they, dx and dW are finite, which it returns.
+    static bool read_snapshot_backward(const MemoryConfig& cfg,
+                                       const typename Kernels::Prepared& prepared,
+                                       const MemorySnapshot<T>& s, View<const T> x, int B,
+                                       View<const T> dy, View<T> dx, MemorySnapshot<T>& dW,
+                                       View<T> grads) {
+        MemoryParams<T> local = MemoryParams<T>::zeros(cfg);
+        Mat dx_new;
+        std::vector<Layers> dw_new;
+        read_weights_backward(cfg, prepared, s.weights, Mat(cpu::as_eigen(x)), B,
+                              Mat(cpu::as_eigen(dy)), dx_new, dw_new, local);
+        cpu::as_eigen(dx) = dx_new;
+        dW = MemorySnapshot<T>{std::move(dw_new), cfg.n_heads};
+        if (!detail::all_finite(dx_new) || !detail::tensors_finite(local, cfg) ||
+            !detail::all_finite_each(dW.weights)) {
+            return false;
+        }
+        detail::add_flat_host(std::as_const(local), cfg, grads.data);
+        return true;
     }
 };
 

@@ -27,8 +27,10 @@
 #include "../../attention/params.hpp"
 #include "../../attention/rope.hpp"
 #include "../../attention/segment.hpp"
+#include "../../attention/segment_backward.hpp"
 #include "../../error.hpp"
 #include "../backend.hpp"
+#include "attention_segment_backward.cuh"
 #include "attention_state.cuh"
 #include "attention_tiled.cuh"
 #include "blas.cuh"
@@ -172,6 +174,13 @@ struct AttentionKernels<Cuda, T> {
                       T(1), {att.data(), static_cast<int>(D)}, {p->w_o.data(), p->d}, T(0),
                       c.y.data, static_cast<int>(c.y.stride), 0, 1);
         cuda::idle(cx);  // (the workspaces are freed stream-ordered after it)
+    }
+
+    /// The reverse of segment on checked device views (attention_segment_backward.cuh), on
+    /// this thread's stream.
+    static void segment_backward(const AttentionConfig& cfg, const Prepared& p,
+                                 const SegmentBackwardCall<T>& c) {
+        cuda::SegmentBackward<T>::run(cfg, p->w_qkv.data(), p->w_o.data(), p->d, c);
     }
 
     static bool begin(State& st) {

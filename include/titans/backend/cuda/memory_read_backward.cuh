@@ -26,11 +26,13 @@ struct MemoryTraining<Cuda, T>::ReadBackward {
     std::vector<long long> lin, lout, lio;
     Buf xb, dyb, cb, preb, qb, nb, Qb, DYb, dyhb, yhb, dqb, dxb, gq, go, tmpb, dHb;
     std::vector<Buf> W, dW, hin, zr;
+    std::vector<const T*> Wp;  // the weights read, per layer (W's, or a snapshot's)
 
-    ReadBackward(const MemoryConfig& c, const typename Kernels::Prepared& pp, const Mat& x,
+    /// For `rows` rows of `batch` streams.
+    ReadBackward(const MemoryConfig& c, const typename Kernels::Prepared& pp, long long rows,
                  int batch)
         : cfg(c), prm(*pp), cx(cuda::thread_context()), sm(cx.stream()), B(batch),
-          L(c.depth), M(x.rows()), m(x.rows() / batch), d(c.d_model), D(c.inner_dim()),
+          L(c.depth), M(rows), m(rows / batch), d(c.d_model), D(c.inner_dim()),
           H(c.n_heads), dh(c.head_dim()), P(static_cast<long long>(batch) * c.n_heads), wd(dh) {
         for (int l = 1; l <= L; ++l) {
             lin.push_back(c.layer_in(l));
@@ -41,18 +43,19 @@ struct MemoryTraining<Cuda, T>::ReadBackward {
         MW = m * wd;
     }
 
-    /// dx (written), dweights (written) and g.w_q, g.w_o (added) from dy = dL/dy.
+    /// dx (written), dweights (written) and g.w_q, g.w_o (added) from dy = dL/dy (host).
     static void run(ReadBackward& r, const std::vector<Layers>& weights, const Mat& x,
                     const Mat& dy, Mat& dx, std::vector<Layers>& dweights, MemoryParams<T>& g) {
         r.xb = upload_buffer(x);
         r.dyb = upload_buffer(dy);
-        queries(r);
-        pair_major(r);
-        read(r, weights);
-        for (std::size_t l = r.lin.size(); l-- > 0;) {
-            layer_backward(r, l);
+        for (std::size_t l = 0; l < r.lin.size(); ++l) {
+            r.W.push_back(Buf(static_cast<std::size_t>(r.P * r.lio[l])));
+            for (long long p = 0; p < r.P; ++p) {
+                upload_to(r.W[l].data() + p * r.lio[l], weights[static_cast<std::size_t>(p)][l]);
+            }
+            r.Wp.push_back(r.W[l].data());
         }
-        inputs_backward(r);
+        compute(r);
         r.cx.synchronize();
         dx = download_mat(r.dxb.data(), r.M, r.d);
         dweights.assign(static_cast<std::size_t>(r.P), Layers{});
@@ -66,6 +69,59 @@ struct MemoryTraining<Cuda, T>::ReadBackward {
         const Mat go = download_mat(r.go.data(), r.D, r.d);
         g.w_q += gq;
         g.w_o += go;
+    }
+
+    /// The same on device views through a snapshot: dx written, dW the snapshot's adjoint,
+    /// W_Q's and W_O's gradients added to the memory's flat gradient (W_Q first, W_O at
+    /// flat_w_o_offset) only if they, dx and dW are finite, which it returns (one flag read).
+    static bool run(ReadBackward& r, const CudaMemorySnapshot<T>& s, View<const T> x,
+                    View<const T> dy, View<T> dx, CudaMemorySnapshot<T>& dW, View<T> grads) {
+        r.xb = Buf(static_cast<std::size_t>(r.M * r.d));
+        r.dyb = Buf(r.xb.size());
+        copy_2d(r.sm, r.xb.data(), r.d, x.data, x.stride, r.M, r.d);
+        copy_2d(r.sm, r.dyb.data(), r.d, dy.data, dy.stride, r.M, r.d);
+        for (const Buf& b : s.w_) r.Wp.push_back(b.data());
+        compute(r);
+        copy_2d(r.sm, dx.data, dx.stride, r.dxb.data(), r.d, r.M, r.d);
+        Buf flag = zeros(1);
+        T* f = flag.data();
+        Sweep::scan_finite(r.sm, r.dxb.data(), r.M * r.d, f);
+        Sweep::scan_finite(r.sm, r.gq.data(), r.d * r.D, f);
+        Sweep::scan_finite(r.sm, r.go.data(), r.D * r.d, f);
+        for (const Buf& b : r.dW) Sweep::scan_finite(r.sm, b.data(), static_cast<long long>(b.size()), f);
+        r.cx.synchronize();
+        dW.cfg_ = r.cfg;
+        dW.pairs_ = static_cast<std::size_t>(r.P);
+        dW.w_ = std::move(r.dW);
+        if (download_mat(flag.data(), 1, 1)(0, 0) != T(0)) {
+            return false;
+        }
+        cuda::add_entries(r.sm, r.gq.data(), r.d * r.D, grads.data);
+        cuda::add_entries(r.sm, r.go.data(), r.D * r.d, grads.data + flat_w_o_offset(r.cfg));
+        cuda::idle(r.cx);
+        return true;
+    }
+
+    /// The read and its reverse from xb, dyb and the weights Wp: dxb, dW, gq and go.
+    static void compute(ReadBackward& r) {
+        queries(r);
+        pair_major(r);
+        read(r);
+        for (std::size_t l = r.lin.size(); l-- > 0;) {
+            layer_backward(r, l);
+        }
+        inputs_backward(r);
+    }
+
+    /// rows x cols from (row stride lf) to to (row stride lt), device to device.
+    static void copy_2d(cudaStream_t sm, T* to, long long lt, const T* from, long long lf,
+                        long long rows, long long cols) {
+        if (rows * cols == 0) return;
+        cuda::check(cudaMemcpy2DAsync(to, static_cast<std::size_t>(lt) * sizeof(T), from,
+                                      static_cast<std::size_t>(lf) * sizeof(T),
+                                      static_cast<std::size_t>(cols) * sizeof(T),
+                                      static_cast<std::size_t>(rows), cudaMemcpyDeviceToDevice, sm),
+                    "cudaMemcpy2DAsync (read backward)");
     }
 
     static Buf upload_buffer(const Mat& m) {
@@ -121,21 +177,17 @@ struct MemoryTraining<Cuda, T>::ReadBackward {
         });
     }
 
-    /// The weights uploaded (per layer, pairs contiguous), the read z_l = h_l W_l recomputed,
-    /// y = z_L (+ q) row-major in yhb.
-    static void read(ReadBackward& r, const std::vector<Layers>& weights) {
+    /// The read z_l = h_l W_l recomputed through Wp (per layer, pairs contiguous), y = z_L
+    /// (+ q) row-major in yhb.
+    static void read(ReadBackward& r) {
         const long long m = r.m, dh = r.dh, H = r.H, D = r.D, MW = r.MW, P = r.P;
         const Activation act = r.cfg.activation;
         const bool residual = r.cfg.residual;
         for (std::size_t l = 0; l < r.lin.size(); ++l) {
-            r.W.push_back(Buf(static_cast<std::size_t>(P * r.lio[l])));
             r.dW.push_back(zeros(static_cast<std::size_t>(P * r.lio[l])));
-            for (long long p = 0; p < P; ++p) {
-                upload_to(r.W[l].data() + p * r.lio[l], weights[static_cast<std::size_t>(p)][l]);
-            }
             const long long in = r.lin[l], out = r.lout[l];
             T* z = r.zr[l].data();
-            mm(r.cx, false, false, m, out, in, T(1), r.hin[l].data(), in, MW, r.W[l].data(), out,
+            mm(r.cx, false, false, m, out, in, T(1), r.hin[l].data(), in, MW, r.Wp[l], out,
                r.lio[l], T(0), z, out, MW, P);
             T* hn = r.hin[l + 1].data();
             cuda::each(r.sm, P * m * out, [=] __device__(unsigned i) {
@@ -152,7 +204,6 @@ struct MemoryTraining<Cuda, T>::ReadBackward {
                             j = i % cuda::u32(dh), e = p * MW + t * dh + j;
             yh[((p / H) * m + t) * D + (p % H) * dh + j] = z[e] + (residual ? h0[e] : T(0));
         });
-        r.cx.synchronize();  // the host weights' staging is done
     }
 
     /// Layer l reversed: tmp = dz_l (dyh for the last), dW_l = h_l^T tmp, dH = tmp W_l^T, then
@@ -163,7 +214,7 @@ struct MemoryTraining<Cuda, T>::ReadBackward {
         const T* dz = l + 1 == r.lin.size() ? r.DYb.data() : r.tmpb.data();
         mm(r.cx, true, false, in, out, m, T(1), r.hin[l].data(), in, MW, dz, out, MW, T(0),
            r.dW[l].data(), out, r.lio[l], P);
-        mm(r.cx, false, true, m, in, out, T(1), dz, out, MW, r.W[l].data(), out, r.lio[l], T(0),
+        mm(r.cx, false, true, m, in, out, T(1), dz, out, MW, r.Wp[l], out, r.lio[l], T(0),
            r.dHb.data(), in, MW, P);
         if (l > 0) {
             const T* zp = r.zr[l - 1].data();

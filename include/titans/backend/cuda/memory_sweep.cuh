@@ -259,9 +259,25 @@ struct MemoryTraining<Cuda, T>::Sweep {
     }
 
     /// Adds dW (per pair, the weights' shapes, on the host) to the adjoint of the weights after
-    /// cur tokens: at a chunk start or the trace's end to the carried adjoint (dWn), else to
-    /// the tap waiting for the stage that ends there.
+    /// cur tokens (uploaded, then tap_device).
     static void tap(Sweep& w, const std::vector<std::vector<Mat>>& dW) {
+        std::vector<Buf> up(w.Ls);
+        std::vector<const T*> from;
+        for (std::size_t l = 0; l < w.Ls; ++l) {
+            up[l] = Buf(w.dWn[l].size());
+            for (long long p = 0; p < w.P; ++p) {
+                upload_to(up[l].data() + p * w.lio[l], dW[static_cast<std::size_t>(p)][l]);
+            }
+            from.push_back(up[l].data());
+        }
+        tap_device(w, from);
+        w.cx.synchronize();  // before up is freed
+    }
+
+    /// Adds dW (per layer, pairs contiguous as the state's, in device memory) to the adjoint
+    /// of the weights after cur tokens: at a chunk start or the trace's end to the carried
+    /// adjoint (dWn), else to the tap waiting for the stage that ends there.
+    static void tap_device(Sweep& w, const std::vector<const T*>& dW) {
         if (w.cur == 0 && w.off > 0) {
             tap_before(w, dW);
             return;
@@ -272,17 +288,12 @@ struct MemoryTraining<Cuda, T>::Sweep {
             for (std::size_t l = 0; l < w.Ls; ++l) w.tapW[l] = zeros(w.dWn[l].size());
         }
         for (std::size_t l = 0; l < w.Ls; ++l) {
-            Buf up(w.dWn[l].size());
-            for (long long p = 0; p < w.P; ++p) {
-                upload_to(up.data() + p * w.lio[l], dW[static_cast<std::size_t>(p)][l]);
-            }
             T* to = boundary ? w.dWn[l].data() : w.tapW[l].data();
             const bool add = boundary || w.has_tap;
-            const T* from = up.data();
-            cuda::each(w.sm, static_cast<long long>(up.size()), [=] __device__(unsigned i) {
+            const T* from = dW[l];
+            cuda::each(w.sm, static_cast<long long>(w.dWn[l].size()), [=] __device__(unsigned i) {
                 to[i] = add ? to[i] + from[i] : from[i];
             });
-            w.cx.synchronize();  // before up is freed
         }
         w.has_tap = w.has_tap || !boundary;
         w.final_end = w.final_end || last;
@@ -299,14 +310,14 @@ struct MemoryTraining<Cuda, T>::Sweep {
     /// A tap at the trace's row 0 when it starts mid-chunk (the sweep is down): the weights
     /// there are the incoming chunk's partial end f(W^s, S^s, pending rows), reversed as a
     /// stage of those rows alone into the start memory's adjoint (dWn, dSn) and theirs.
-    static void tap_before(Sweep& w, const std::vector<std::vector<Mat>>& dW) {
+    static void tap_before(Sweep& w, const std::vector<const T*>& dW) {
         load_chunk(w, 0);
         std::swap(w.dW, w.dWn);
         std::swap(w.dS, w.dSn);
         for (std::size_t l = 0; l < w.Ls; ++l) {
-            for (long long p = 0; p < w.P; ++p) {
-                upload_to(w.dWn[l].data() + p * w.lio[l], dW[static_cast<std::size_t>(p)][l]);
-            }
+            cuda::check(cudaMemcpyAsync(w.dWn[l].data(), dW[l], w.dWn[l].size() * sizeof(T),
+                                        cudaMemcpyDeviceToDevice, w.sm),
+                        "cudaMemcpyAsync (a tap)");
             clear(w, w.dSn[l]);
         }
         stage(w, 0, w.off, w.off, true);
@@ -1511,6 +1522,29 @@ public:
     /// adjoint of the state before the trace.
     void finish(MemoryParams<T>& g, MemoryStateGradient<T>* d_in = nullptr) {
         Sweep::finish(w_, g, d_in);
+    }
+
+    // The same on views in device memory (what a block on views drives, math §9 "MAC").
+
+    /// down_to into dx ((B * (position() - p)) x d, device, written).
+    void down_to(Index p, View<T> dx) {
+        const long long q = position();
+        Sweep::down(w_, p == 0 ? 0 : p + w_.off);
+        Sweep::rows_backward(w_, p, q);
+        Sweep::input_rows(w_, p, q, dx.data, dx.stride);
+        cuda::idle(w_.cx);
+    }
+    /// tap with a snapshot in device memory.
+    void tap(const CudaMemorySnapshot<T>& dW) {
+        std::vector<const T*> from;
+        for (const auto& b : dW.w_) from.push_back(b.data());
+        Sweep::tap_device(w_, from);
+        cuda::idle(w_.cx);
+    }
+    /// finish into the memory's flat gradient (device, added to) only if every gradient and
+    /// d_in are finite, which it returns.
+    bool finish_flat(View<T> grads, MemoryStateGradient<T>* d_in = nullptr) {
+        return Sweep::finish_flat(w_, grads, d_in);
     }
 
 private:

@@ -403,8 +403,29 @@ struct MemoryTraining<Cuda, T> {
                                       int B, const Mat& dy, Mat& dx,
                                       std::vector<std::vector<Mat>>& dweights,
                                       MemoryParams<T>& g) {
-        ReadBackward r(cfg, prepared, x, B);
+        ReadBackward r(cfg, prepared, x.rows(), B);
         ReadBackward::run(r, weights, x, dy, dx, dweights, g);
+    }
+    /// The same through a snapshot on device views (x, dy, dx (B*m) x d): dW the snapshot's
+    /// adjoint, W_Q's and W_O's gradients added to `grads` (the memory's flat gradient) only
+    /// if they, dx and dW are finite, which it returns.
+    static bool read_snapshot_backward(const MemoryConfig& cfg,
+                                       const typename Kernels::Prepared& prepared,
+                                       const CudaMemorySnapshot<T>& s, View<const T> x, int B,
+                                       View<const T> dy, View<T> dx, CudaMemorySnapshot<T>& dW,
+                                       View<T> grads) {
+        ReadBackward r(cfg, prepared, x.rows, B);
+        return ReadBackward::run(r, s, x, dy, dx, dW, grads);
+    }
+    /// Where W_O sits in the memory's flat gradient (MemoryParams::tensors order: W_Q, W_K,
+    /// W_V, the conv taps, the gates' weights and biases, memory_init, W_O).
+    static long long flat_w_o_offset(const MemoryConfig& cfg) {
+        const long long d = cfg.d_model, D = cfg.inner_dim(), H = cfg.n_heads;
+        long long at = 3 * d * D;
+        if (cfg.use_conv) at += 3LL * cfg.conv_kernel * D;
+        if (cfg.gates != GateMode::Constant) at += 3 * d * H + 3 * H;
+        for (int l = 1; l <= cfg.depth; ++l) at += H * cfg.layer_in(l) * cfg.layer_out(l);
+        return at;
     }
     struct ReadBackward;
 };
