@@ -61,7 +61,7 @@ inline Matrixd stream_rows(const Matrixd& x, int B, int N, int t0, int t1) {
 }
 
 template <class T>
-std::vector<std::vector<Matrixd>> to_double(const std::vector<std::vector<titans::Matrix<T>>>& w) {
+std::vector<std::vector<Matrixd>> layers_to_double(const std::vector<std::vector<titans::Matrix<T>>>& w) {
     std::vector<std::vector<Matrixd>> out;
     for (const auto& pair : w) {
         out.emplace_back();
@@ -108,7 +108,7 @@ StagedResult staged_host(const StagedCase& c) {
     M flat(1, mem.parameter_count());
     titans::detail::flatten_tensors(g, c.cfg, flat.data());
     return {hi.template cast<double>(), lo.template cast<double>(), dxr.template cast<double>(),
-            flat.template cast<double>(), to_double<T>(dW)};
+            flat.template cast<double>(), layers_to_double<T>(dW)};
 }
 
 /// Case c through the staged API on views in Bk's memory (inputs uploaded, outputs downloaded).
@@ -148,7 +148,7 @@ StagedResult staged_views(const StagedCase& c) {
     rev.tap(dS);
     rev.down_to(0, Tr::view(lo));
     rev.finish(Tr::view(g));
-    return {down(hi), down(lo), down(dxr), down(g), to_double<T>(mem.snapshot_weights(dS))};
+    return {down(hi), down(lo), down(dxr), down(g), layers_to_double<T>(mem.snapshot_weights(dS))};
 }
 
 /// The largest rel_error of a's outputs against b's (floor 1e-6).

@@ -785,12 +785,17 @@ TEMPLATE_TEST_CASE("backend: device training", "[backend][train]", float, double
 // forward piece makes one upload (x) and one download (y); a backward piece one upload (dy),
 // one download (dx) and one download of the block's flat gradient (the host call adds it to
 // host tensors): every sub-layer's kernels add their gradients (P's too) to the flat buffer on
-// the device. Outputs, dx and gradients equal the CPU's bit for bit. (MAC's mixer trains on
-// the host, so it is not counted here.)
+// the device. Outputs, dx and gradients equal the CPU's bit for bit. MAC's training pass
+// (segment buffers, snapshots, segment attention and its reverse) stays on the device too; only
+// its segment state's adjoint, host matrices as every state adjoint, crosses where it is given
+// or asked for: down, the kept rows' keys and values and the incoming snapshot's adjoint when the
+// piece starts mid-segment; given, the later snapshot's adjoint down and up (added there), and
+// the kept rows' adjoint up when the piece ends mid-segment.
 TEMPLATE_TEST_CASE("backend: training transfers", "[backend][train]", float, double) {
     using T = TestType;
     auto& traffic = sim::Traffic::instance();
-    for (BlockKind kind : {BlockKind::LMM, BlockKind::MAG, BlockKind::MAL, BlockKind::SWA}) {
+    for (BlockKind kind : {BlockKind::LMM, BlockKind::MAG, BlockKind::MAL, BlockKind::SWA,
+                           BlockKind::MAC}) {
         for (int i = 0; i < 3; ++i) {
             Rng rng(seed_for(std::string("backends/training transfers/") + type_name<T>() +
                                  titans::to_string(kind),
@@ -825,10 +830,20 @@ TEMPLATE_TEST_CASE("backend: training transfers", "[backend][train]", float, dou
                 Matrix<T> dxc, dxd;
                 titans::BlockStateGradient<T> ic, id;
                 cpu.backward(tcpu[k], dyk, dxc, gc, &ic, &nc);
+                long up = 1, down = 2;
+                if (kind == BlockKind::MAC && tc.cuts[k + 1] > tc.cuts[k]) {
+                    const int C = tc.cfg.segment;
+                    down += tc.cuts[k] % C != 0 ? 3 : 0;
+                    if (!nd.mac.empty()) {
+                        ++down;
+                        ++up;
+                        up += tc.cuts[k + 1] % C != 0 ? 2 : 0;
+                    }
+                }
                 const long up0 = traffic.uploads, down0 = traffic.downloads;
                 dev.backward(tdev[k], dyk, dxd, gd, &id, &nd);
-                CHECK(traffic.uploads - up0 == 1);
-                CHECK(traffic.downloads - down0 == 2);
+                CHECK(traffic.uploads - up0 == up);
+                CHECK(traffic.downloads - down0 == down);
                 CHECK(identical(dxc, dxd));
                 nc = std::move(ic);
                 nd = std::move(id);
@@ -852,7 +867,8 @@ TEMPLATE_TEST_CASE("backend: model transfers", "[backend][train]", float, double
     auto& traffic = sim::Traffic::instance();
     const std::pair<BlockKind, BlockKind> stacks[] = {{BlockKind::LMM, BlockKind::MAG},
                                                       {BlockKind::MAL, BlockKind::SWA},
-                                                      {BlockKind::MAG, BlockKind::MAL}};
+                                                      {BlockKind::MAG, BlockKind::MAL},
+                                                      {BlockKind::MAC, BlockKind::LMM}};
     for (std::size_t s = 0; s < std::size(stacks); ++s) {
         for (const bool tokens : {true, false}) {
             Rng rng(seed_for(std::string("backends/model transfers/") + type_name<T>(),
@@ -993,7 +1009,7 @@ TEMPLATE_TEST_CASE("backend: trainer steps", "[backend][train]", float, double) 
             std::vector<int> labels = random_ids(rng, B * N, vocab);
             labels[static_cast<std::size_t>(step)] = -1;
             // What the forward, the loss, the backward and the clipping download (a probe
-            // model: MAC's mixer still crosses to the host), then the step's.
+            // model), then the step's.
             auto& traffic = sim::Traffic::instance();
             const titans::Model<T, SimulatedDevice> probe(mc.cfg, dev.params());
             titans::ModelGradients<T, SimulatedDevice> pg(probe);
@@ -1010,16 +1026,14 @@ TEMPLATE_TEST_CASE("backend: trainer steps", "[backend][train]", float, double) 
             CHECK(dev.step(ids, labels, B) == lc);
             // The step leaves the loss, the norm and AdamW's verdict on the device and brings
             // the three back at once: the probe's two scalars become one download. The
-            // gradients stay on the device, AdamW steps there (ModelAdamW) and the model takes
-            // the new values there; a model with a MAC block takes them on the host (one
-            // download more). Without MAC: the ids and labels up, one download.
+            // gradients stay on the device (MAC's training pass too), AdamW steps there
+            // (ModelAdamW) and the model takes the new values there: the ids and labels up,
+            // one download. A model with a MAC block takes the new values down once more and
+            // puts its mixer's P W_K, P W_V up (host products: the CPU's bits).
             const bool mac = stacks[s].first == BlockKind::MAC || stacks[s].second == BlockKind::MAC;
-            CHECK(traffic.downloads - down0 == gradients - 1 + (mac ? 1 : 0));
-            if (!mac) {
-                CHECK(gradients == 2);  // the probe's loss and norm
-                CHECK(traffic.downloads - down0 == 1);
-                CHECK(traffic.uploads - up0 == 2);
-            }
+            CHECK(gradients == 2);  // the probe's loss and norm
+            CHECK(traffic.downloads - down0 == 1 + (mac ? 1 : 0));
+            CHECK(traffic.uploads - up0 == 2 + (mac ? 2 : 0));
             CHECK(cpu.last_gradient_norm() == dev.last_gradient_norm());
         }
         CHECK(same_param_bits(cast_model<double>(cpu.params()), cast_model<double>(dev.params()),

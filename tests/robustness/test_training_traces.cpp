@@ -456,12 +456,12 @@ std::vector<Tampering<typename titans::Block<T>::Trace>> block_tamperings(
                          [](Trace& t) { t.segments[0].offset = 0; });
         out.emplace_back("trace.segments[1].h, y, r",
                          [](Trace& t) { t.segments[1].r.conservativeResize(1, 8); });
-        out.emplace_back("trace.segments[0].kept_k, kept_v size",
-                         [](Trace& t) { t.segments[0].kept_v.pop_back(); });
-        out.emplace_back("trace.segments[0].kept_k, kept_v",
-                         [](Trace& t) { t.segments[0].kept_k[1].resize(1, 8); });
-        out.emplace_back("(trace.segments[1].weights)",
-                         [](Trace& t) { t.segments[1].weights.pop_back(); });
+        out.emplace_back("trace.segments[0].kept_k, kept_v shape",
+                         [](Trace& t) { t.segments[0].kept_v.conservativeResize(3, 8); });
+        out.emplace_back("trace.segments[0].kept_k, kept_v shape",
+                         [](Trace& t) { t.segments[0].kept_k.resize(1, 8); });
+        out.emplace_back("trace.segments[1].weights.pairs()",
+                         [](Trace& t) { t.segments[1].weights.weights.pop_back(); });
     }
     return out;
 }

@@ -15,6 +15,7 @@
 #include <Eigen/Core>
 
 #include "../error.hpp"
+#include "../view.hpp"
 
 namespace titans::detail {
 
@@ -120,6 +121,14 @@ void check_trace_shape(const M& m, Eigen::Index rows, Eigen::Index cols, const c
                        const std::string& part) {
     check_trace_part(m.rows() == rows && m.cols() == cols, where, part + " shape",
                      concat(m.rows(), " x ", m.cols()), concat(rows, " x ", cols));
+}
+
+/// check_trace_shape of a view (a buffer in a backend's memory).
+template <class X>
+void check_trace_shape(View<X> v, Eigen::Index rows, Eigen::Index cols, const char* where,
+                       const std::string& part) {
+    check_trace_part(v.rows == rows && v.cols == cols, where, part + " shape",
+                     concat(v.rows, " x ", v.cols), concat(rows, " x ", cols));
 }
 
 /// The batch, rows and start position of a trace of B sequences of rows / B tokens each from

@@ -427,13 +427,13 @@ private:
         Buffer k, v;
     };
     /// What the block computes once from its parameters: MAG's and SWA's persistent prefix
-    /// projected on the backend (P W_K, P W_V), MAC's on the host (N_p x D, for its training
-    /// pass, which runs there) and a copy of it on the backend (its mixer's), and
-    /// for MAG, MAL and SWA P itself on the backend (the rows a training forward puts before
-    /// each sequence's, or keeps as its attention's prefix; shared by copies of the block).
+    /// projected on the backend (P W_K, P W_V), MAC's as host products (N_p x D) put on the
+    /// backend (its mixer's and training pass's: the CPU's bits), and P itself
+    /// on the backend (the rows a training forward puts before each sequence's, keeps as its
+    /// attention's prefix, or, for MAC, multiplies for P's gradient; shared by copies of the
+    /// block).
     struct Derived {
         std::optional<typename Attention<T, Backend>::Prefix> prefix;
-        Matrix<T> k_prefix, v_prefix;
         std::shared_ptr<const MacPrefix> mac_prefix;
         std::shared_ptr<const Buffer> persistent;
     };
@@ -454,12 +454,15 @@ private:
             d.prefix.emplace(attention_->project_prefix(att, persistent));
         }
         if (cfg_.kind == BlockKind::MAC) {
-            d.k_prefix = host->persistent * host->attention.w_k;
-            d.v_prefix = host->persistent * host->attention.w_v;
+            // Assigned, not constructed: Eigen evaluates the two forms differently and they
+            // round differently in float; this form keeps the bits MAC always had.
+            Matrix<T> k, v;
+            k = host->persistent * host->attention.w_k;
+            v = host->persistent * host->attention.w_v;
             d.mac_prefix = std::make_shared<const MacPrefix>(
-                MacPrefix{Transfer::upload(view_of(d.k_prefix)),
-                          Transfer::upload(view_of(d.v_prefix))});
-        } else if (cfg_.n_persistent > 0) {
+                MacPrefix{Transfer::upload(view_of(k)), Transfer::upload(view_of(v))});
+        }
+        if (cfg_.n_persistent > 0) {  // MAC: for P's gradient in its training pass
             Buffer p = Transfer::allocate(persistent.rows, persistent.cols);
             Glue::copy(persistent, Transfer::view(p));
             d.persistent = std::make_shared<const Buffer>(std::move(p));
@@ -510,8 +513,6 @@ private:
 
     void install(Derived&& d) noexcept {
         prefix_ = std::move(d.prefix);
-        k_prefix_.swap(d.k_prefix);
-        v_prefix_.swap(d.v_prefix);
         mac_prefix_ = std::move(d.mac_prefix);
         persistent_ = std::move(d.persistent);
     }
@@ -728,8 +729,7 @@ private:
     std::optional<FeedForward<T, Backend>> ffn_;        // if use_ffn
     std::optional<typename Attention<T, Backend>::Prefix> prefix_;  // MAG, SWA: P W_K, P W_V
     std::shared_ptr<const MacPrefix> mac_prefix_;  // MAC: its mixer's P W_K, P W_V
-    Matrix<T> k_prefix_, v_prefix_;  // MAC: P W_K, P W_V (N_p x D) on the host, for training
-    std::shared_ptr<const Buffer> persistent_;  // MAG, MAL, SWA with N_p > 0: P on the backend
+    std::shared_ptr<const Buffer> persistent_;  // N_p > 0: P on the backend
 };
 
 }  // namespace titans

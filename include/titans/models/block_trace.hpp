@@ -34,8 +34,8 @@ struct BlockTrace {
     /// MAG, in the backend's memory: a = RMSNorm_y(attention output) and the gate's argument
     /// RMSNorm_m(memory output) (the gate is σ of it).
     typename backend::Transfer<Backend, T>::Buffer a, gate;
-    Matrix<T> u;  // MAC: RMSNorm_mix(x), on the host (MAC's mixer trains there)
-    std::vector<MacSegmentTrace<T>> segments;  // MAC
+    typename backend::Transfer<Backend, T>::Buffer u;  // MAC: RMSNorm_mix(x)
+    std::vector<MacSegmentTrace<T, Backend>> segments;  // MAC
 
     [[nodiscard]] bool empty() const { return !filled; }
 };

@@ -137,7 +137,7 @@ struct BlockTraining {
             check_sub_trace(*blk.ffn_, tr.ffn, rows, where, "ffn");
         }
         if (cfg.kind == BlockKind::MAC) {
-            check_trace_shape(tr.u, rows, cfg.d_model, where, "u");
+            check_trace_shape(Transfer::view(tr.u), rows, cfg.d_model, where, "u");
             check_sub_trace(*blk.memory_, tr.memory, rows, where, "memory", B);
             if constexpr (mac_trains) {
                 MacTraining<T, Backend>::check_segments(blk, tr.segments, B, tr.start, rows / B,

@@ -1,16 +1,18 @@
 #pragma once
-// titans/models/mac_training.hpp: the training pass of MAC's mixer (math §9, "MAC"). Per
-// segment S of C tokens (u's rows [t0, t0 + m) of every stream):
+// titans/models/mac_training.hpp: the training pass of MAC's mixer (math §9, "MAC"), on views
+// in the backend's memory. Per segment S of C tokens (u's rows [t0, t0 + m) of every stream):
 //     h = M*_{W(t0)}(S)       the memory as it was after t0 tokens, read through W_Q (no conv)
 //     y = Attn(q_S; P ‖ h ‖ S) W_O   (keys and values of h_i and s_i interleaved, causal)
 //     r = M(y)                the memory written with y (in-chunk read), one stream over all y
 //     o = y ⊙ σ(r)
-// The forward keeps per segment the weights read, h, y and r, and grows one memory trace over
-// the whole stream of y. The backward runs the memory's reverse sweep in stages
-// (MemoryTraining::Reverse): last segment first, it reverses the memory rows of the segment
-// (their dL/dy final, since every later use of y is already reversed), then the gate, the
-// attention and the read of h, whose weights' adjoint it adds to the sweep at t0, the memory
-// after t0 tokens, before going below t0.
+// The forward keeps per segment the memory's snapshot read, h, y and r (MacSegmentTrace), and
+// grows one memory trace over the whole stream of y. The backward runs the memory's reverse
+// sweep in stages (NeuralMemory::Reverse on views): last segment first, it reverses the memory
+// rows of the segment (their dL/dy final, since every later use of y is already reversed),
+// then the gate, the segment attention (Attention::segment_backward) and the read of h
+// (read_snapshot_backward), whose snapshot's adjoint it taps into the sweep at t0, the memory
+// after t0 tokens, before going below t0. Only the state's adjoints (host structs) cross to the
+// host, when asked for.
 
 #include <cstddef>
 #include <string>
@@ -19,124 +21,103 @@
 
 #include "../attention/segment.hpp"
 #include "../attention/segment_backward.hpp"
-#include "../detail/activation.hpp"
+#include "../backend/backend.hpp"
 #include "../detail/float_env.hpp"
-#include "../detail/rows.hpp"
 #include "../detail/trace.hpp"
+#include "../layers/glue.hpp"
 #include "block.hpp"
+#include "block_gradient.hpp"
 #include "mac_trace.hpp"
 
 namespace titans {
 
 namespace detail {
 
-/// MAC's training forward and backward (a friend of Block and BlockState; the memory's part
-/// through NeuralMemory's public staged API: begin_trace, forward_part, Reverse,
-/// read_weights_backward).
+/// MAC's training forward and backward on views (a friend of Block and BlockState; the memory's
+/// part through NeuralMemory's public staged API on views: begin_trace, forward_part, Reverse,
+/// read_snapshot_backward; the attention's through Attention::segment and segment_backward).
 template <class T, class Backend>
 struct MacTraining {
     using Blk = Block<T, Backend>;
     using State = BlockState<T, Backend>;
-    using MemoryTrace = typename NeuralMemory<T, Backend>::Trace;
+    using Memory = NeuralMemory<T, Backend>;
+    using MemoryTrace = typename Memory::Trace;
+    using Snapshot = typename Memory::Snapshot;
     using Layers = std::vector<Matrix<T>>;
-    using Segments = std::vector<MacSegmentTrace<T>>;
+    using Part = MacSegmentTrace<T, Backend>;
+    using Segments = std::vector<Part>;
+    using Transfer = backend::Transfer<Backend, T>;
+    using Buffer = typename Transfer::Buffer;
+    using Glue = backend::GlueKernels<Backend, T>;
+    using Grads = BlockGradientViews<T>;
 
-    /// The mixer on u ((B*N) x d) from next (fresh, or any state the memory trains from), as
-    /// MacMixer::mix computes it, segment part by segment part; fills mem (one trace over all
-    /// y) and segs.
-    static Matrix<T> forward(const Blk& blk, State& next, const Matrix<T>& u, MemoryTrace& mem,
-                             Segments& segs) {
+    /// o = the mixer of u ((B*N) x d views), as MacMixer::mix computes it, segment part by
+    /// segment part from next (fresh, or any state the memory trains from); fills mem (one
+    /// trace over all y) and segs.
+    static void forward(const Blk& blk, State& next, View<const T> u, View<T> o, MemoryTrace& mem,
+                        Segments& segs) {
         const BlockConfig& cfg = blk.cfg_;
         const int B = next.batch_, C = cfg.segment;
-        const Eigen::Index N = u.rows() / B;
+        const Eigen::Index N = u.rows / B, d = cfg.d_model;
         const DenormalFlushScope flush(cfg.memory.flush_denormals);
         if (next.position_ == 0) {
             next.memory_ = blk.memory_->make_state(B);
         }
         blk.memory_->begin_trace(next.memory_, N, mem);
-        Matrix<T> out(u.rows(), cfg.d_model);
-        using Transfer = backend::Transfer<Backend, T>;
-        Matrix<T> seg_k = to_host(Transfer::view(std::as_const(next.seg_k_))),
-                  seg_v = to_host(Transfer::view(std::as_const(next.seg_v_)));
         for (Eigen::Index t = 0; t < N;) {
             const std::int64_t pos = next.position_ + t;
-            MacSegmentTrace<T> sg;
+            Part sg;
             sg.t0 = t;
             sg.offset = static_cast<int>(pos % C);
             const int m = static_cast<int>(std::min<Eigen::Index>(C - sg.offset, N - t));
-            begin_part(blk, next, seg_k, seg_v, sg);
-            const Matrix<T> U = segment_rows(u, B, t, m);
-            sg.h = blk.memory_->read_weights(sg.weights, U, B);
-            sg.y = segment_attention<T>(cfg.attention, blk.params_->attention, U, sg.h,
-                                        blk.k_prefix_, blk.v_prefix_, seg_k, seg_v, B, C,
-                                        sg.offset, pos);
-            blk.memory_->forward_part(next.memory_, sg.y, sg.r, mem);
-            const Matrix<T> o = (sg.y.array() * sg.r.unaryExpr([](T v) { return sigmoid(v); })
-                                                     .array())
-                                    .matrix();
-            for (int b = 0; b < B; ++b) {
-                out.middleRows(b * N + t, m) = o.middleRows(b * m, m);
-            }
+            begin_part(blk, next, sg);
+            const Buffer U = rows_of(u, B, t, m);
+            sg.h = Transfer::allocate(B * m, d);
+            sg.y = Transfer::allocate(B * m, d);
+            sg.r = Transfer::allocate(B * m, d);
+            blk.memory_->read_snapshot(sg.weights, cv(U), B, Transfer::view(sg.h));
+            attend(blk, next, U, sg, m, pos);
+            blk.memory_->forward_part(next.memory_, cv(sg.y), Transfer::view(sg.r), mem);
+            Buffer op = Transfer::allocate(B * m, d);
+            Glue::gate(cv(sg.y), cv(sg.r), Transfer::view(op));
+            Glue::copy_rows(cv(op), o, backend::RowBlocks{B, m, m, 0, N, t});
             segs.push_back(std::move(sg));
             t += m;
         }
-        if (!segs.empty()) {  // the state keeps the last segment's start weights and rows
-            next.snapshot_ = blk.memory_->make_snapshot(segs.back().weights, B);
-            to_backend(seg_k, Transfer::view(next.seg_k_));
-            to_backend(seg_v, Transfer::view(next.seg_v_));
+        if (!segs.empty()) {  // the state keeps the last segment's start weights
+            next.snapshot_ = segs.back().weights;
         }
-        return out;
     }
 
-    /// The mixer's backward: dout (B*N x d) -> du; parameter gradients added to g. The trace
-    /// began at position `start`; d_out (checked by check_state_gradient, or null) is the
-    /// adjoint of the state after it and d_in, if given, gets the adjoint of the state before
-    /// it (memory and segment parts).
-    static Matrix<T> backward(const Blk& blk, const MemoryTrace& mem, const Segments& segs,
-                              const Matrix<T>& u, int B, std::int64_t start, const Matrix<T>& dout,
-                              BlockParams<T>& g, const BlockStateGradient<T>* d_out,
-                              BlockStateGradient<T>* d_in) {
+    /// The mixer's backward: dout ((B*N) x d) -> du (written); the parameters' gradients added
+    /// to g's parts. The trace began at position `start`; d_out (checked by
+    /// check_state_gradient, or null) is the adjoint of the state after it and d_in, if
+    /// given, gets the adjoint of the state before it (memory and segment parts).
+    static void backward(const Blk& blk, const MemoryTrace& mem, const Segments& segs,
+                         View<const T> u, int B, std::int64_t start, View<const T> dout,
+                         View<T> du, const Grads& g, const BlockStateGradient<T>* d_out,
+                         BlockStateGradient<T>* d_in) {
         const BlockConfig& cfg = blk.cfg_;
-        const Eigen::Index N = u.rows() / B;
+        const Eigen::Index N = u.rows / B;
         const bool given = d_out != nullptr && !d_out->empty();
         if (N == 0) {  // an empty piece: no rows, no gradient; the state passes through
             if (d_in != nullptr) {
                 *d_in = given ? *d_out : BlockStateGradient<T>{};
             }
-            return Matrix<T>(0, cfg.d_model);
+            return;
         }
         const DenormalFlushScope flush(cfg.memory.flush_denormals);
-        Matrix<T> dr, dy_gate;
-        gate_backward(segs, B, N, dout, dr, dy_gate);
+        Buffer dr = Transfer::allocate(u.rows, cfg.d_model);
+        std::vector<Buffer> dy_gate = gate_backward(segs, B, N, dout, dr);
         const auto* dm_out = given && !d_out->memory.empty() ? &d_out->memory : nullptr;
         const auto* dseg_out = given && !d_out->mac.empty() ? &d_out->mac : nullptr;
-        typename NeuralMemory<T, Backend>::Reverse rev(*blk.memory_, mem, dr, dm_out);
+        typename Memory::Reverse rev(*blk.memory_, mem, cv(dr), dm_out);
         // The incoming segment state's adjoint, built only when asked for (d_in).
         MacStateGradient<T> dseg = d_in != nullptr ? zero_segment_state(blk, B, start % cfg.segment)
                                                    : MacStateGradient<T>{};
-        Matrix<T> du = Matrix<T>::Zero(u.rows(), cfg.d_model);
         for (std::size_t k = segs.size(); k-- > 0;) {
-            const MacSegmentTrace<T>& sg = segs[k];
-            const Eigen::Index m = sg.y.rows() / B;
-            const auto* dlast = k + 1 == segs.size() ? dseg_out : nullptr;
-            Matrix<T> dy;
-            rev.down_to(sg.t0, dy);
-            dy += segment_rows(dy_gate, B, sg.t0, m);
-            const Matrix<T> U = segment_rows(u, B, sg.t0, m);
-            Matrix<T> dU, dh, dU_read;
-            attend_backward(blk, sg, U, B, start + sg.t0, dy, dlast, dU, dh, dseg, g);
-            std::vector<Layers> dW;
-            blk.memory_->read_weights_backward(sg.weights, U, B, dh, dU_read, dW, g.memory);
-            if (dlast != nullptr) {  // the state after the call keeps this segment's snapshot
-                add_layers(dlast->snapshot, dW);
-            }
-            if (sg.offset == 0) {
-                rev.tap(dW);  // the weights after t0 tokens
-            } else {
-                dseg.snapshot = std::move(dW);  // the snapshot the call started with
-            }
-            dU += dU_read;
-            add_segment_rows(dU, B, sg.t0, du);
+            part_backward(blk, segs[k], rev, u, B, start, cv(dy_gate[k]),
+                          k + 1 == segs.size() ? dseg_out : nullptr, du, g, dseg);
         }
         rev.finish(g.memory, d_in != nullptr ? &d_in->memory : nullptr);
         if (d_in != nullptr) {
@@ -146,7 +127,6 @@ struct MacTraining {
             }
             d_in->mac = std::move(dseg);
         }
-        return du;
     }
 
     /// d (a MAC block's d_state_out for a trace of B streams from `start` over N tokens): the
@@ -188,26 +168,23 @@ struct MacTraining {
         const int C = cfg.segment;
         Eigen::Index t = 0;
         for (std::size_t k = 0; k < segs.size(); ++k) {
-            const MacSegmentTrace<T>& sg = segs[k];
+            const Part& sg = segs[k];
             const auto offset = static_cast<int>((start + t) % C);
             const Eigen::Index m = std::min<Eigen::Index>(C - offset, N - t);
             const std::string part = concat("segments[", k, "]");
             check_trace_part(sg.t0 == t && sg.offset == offset && m > 0, where,
                              part + ".t0, offset", concat(sg.t0, ", ", sg.offset),
                              concat(t, ", ", offset, " (the parts cover rows 0 to ", N, ")"));
-            for (const Matrix<T>* x : {&sg.h, &sg.y, &sg.r}) {
-                check_trace_shape(*x, B * m, cfg.d_model, where, part + ".h, y, r");
+            for (const Buffer* x : {&sg.h, &sg.y, &sg.r}) {
+                check_trace_shape(cv(*x), B * m, cfg.d_model, where, part + ".h, y, r");
             }
-            blk.memory_->validate_weights(sg.weights, B, concat(where, " (trace.", part,
-                                                            ".weights)").c_str());
-            const std::size_t kept = offset > 0 ? static_cast<std::size_t>(B) : 0;
-            for (const std::vector<Matrix<T>>* kv : {&sg.kept_k, &sg.kept_v}) {
-                check_trace_part(kv->size() == kept, where, part + ".kept_k, kept_v size",
-                                 kv->size(), concat(kept));
-                for (const Matrix<T>& x : *kv) {
-                    check_trace_shape(x, 2 * offset, cfg.attention.inner_dim(), where,
-                                      part + ".kept_k, kept_v");
-                }
+            const std::size_t pairs = static_cast<std::size_t>(B) *
+                                      static_cast<std::size_t>(cfg.memory.n_heads);
+            check_trace_part(sg.weights.pairs() == pairs, where, part + ".weights.pairs()",
+                             sg.weights.pairs(), concat("batch * n_heads = ", pairs));
+            for (const Buffer* kv : {&sg.kept_k, &sg.kept_v}) {
+                check_trace_shape(cv(*kv), B * 2 * offset, cfg.attention.inner_dim(), where,
+                                  part + ".kept_k, kept_v");
             }
             t += m;
         }
@@ -215,54 +192,170 @@ struct MacTraining {
                          concat("parts over the ", N, " rows of each stream"));
     }
 
-    /// Rows of the backend's memory on the host, and host rows into a view there (MAC's
-    /// training pass runs on the host).
-    static Matrix<T> to_host(View<const T> v) {
-        Matrix<T> h(v.rows, v.cols);
-        backend::Transfer<Backend, T>::download(v, view_of(h));
-        return h;
-    }
-    static void to_backend(const Matrix<T>& h, View<T> to) {
-        using Transfer = backend::Transfer<Backend, T>;
-        const typename Transfer::Buffer up = Transfer::upload(view_of(h));
-        backend::GlueKernels<Backend, T>::copy(Transfer::view(up), to);
-    }
+    /// A segment trace's buffer as a view (its shape for the checks).
+    static View<const T> cv(const Buffer& b) { return Transfer::view(b); }
 
 private:
-    /// A part's segment-start weights and, mid-segment (a call's first part continuing an
-    /// earlier call's segment), the state's snapshot and the first 2 offset rows of its buffers
-    /// (seg_k, seg_v: their host copies, (B*2C) x D).
-    static void begin_part(const Blk& blk, const State& st, const Matrix<T>& seg_k,
-                           const Matrix<T>& seg_v, MacSegmentTrace<T>& sg) {
-        const int B = st.batch_;
-        if (sg.offset > 0) {
-            sg.weights = blk.memory_->snapshot_weights(st.snapshot_);
-            const Eigen::Index rows = 2 * static_cast<Eigen::Index>(blk.cfg_.segment);
-            for (int b = 0; b < B; ++b) {
-                sg.kept_k.push_back(seg_k.middleRows(b * rows, 2 * sg.offset));
-                sg.kept_v.push_back(seg_v.middleRows(b * rows, 2 * sg.offset));
-            }
-            return;
-        }
-        sg.weights = blk.memory_->current_weights(st.memory_);
+    /// Rows [t, t + m) of each of the B streams of x ((B*N) x cols), stacked stream-major.
+    static Buffer rows_of(View<const T> x, int B, Eigen::Index t, int m) {
+        Buffer out = Transfer::allocate(static_cast<Eigen::Index>(B) * m, x.cols);
+        Glue::copy_rows(x, Transfer::view(out), backend::RowBlocks{B, m, x.rows / B, t, m, 0});
+        return out;
     }
 
-    /// o = y ⊙ σ(r): dr = dout ⊙ y ⊙ σ'(r) for the memory, dy_gate = dout ⊙ σ(r), y's direct
-    /// part (both B*N x d, the call's rows).
-    static void gate_backward(const Segments& segs, int B, Eigen::Index N, const Matrix<T>& dout,
-                              Matrix<T>& dr, Matrix<T>& dy_gate) {
-        dr.resize(dout.rows(), dout.cols());
-        dy_gate.resize(dout.rows(), dout.cols());
-        for (const MacSegmentTrace<T>& sg : segs) {
-            const Eigen::Index m = sg.y.rows() / B;
-            const Matrix<T> s = sg.r.unaryExpr([](T v) { return sigmoid(v); });
-            for (int b = 0; b < B; ++b) {
-                const auto d = dout.middleRows(b * N + sg.t0, m).array();
-                const auto y = sg.y.middleRows(b * m, m).array();
-                const auto sb = s.middleRows(b * m, m).array();
-                dr.middleRows(b * N + sg.t0, m) = (d * y * sb * (T(1) - sb)).matrix();
-                dy_gate.middleRows(b * N + sg.t0, m) = (d * sb).matrix();
-            }
+    /// A part's segment-start weights (mid-segment, a call's first part continuing an earlier
+    /// call's segment: the state's snapshot; else the memory now) and the state's first
+    /// 2 offset rows of each stream's segment buffers (none at offset 0).
+    static void begin_part(const Blk& blk, const State& st, Part& sg) {
+        const int B = st.batch_, C = blk.cfg_.segment, kept = 2 * sg.offset;
+        const Eigen::Index D = blk.cfg_.attention.inner_dim();
+        sg.kept_k = Transfer::allocate(static_cast<Eigen::Index>(B) * kept, D);
+        sg.kept_v = Transfer::allocate(static_cast<Eigen::Index>(B) * kept, D);
+        if (sg.offset == 0) {
+            blk.memory_->snapshot(st.memory_, sg.weights);
+            return;
+        }
+        sg.weights = st.snapshot_;
+        const backend::RowBlocks rows{B, kept, 2 * C, 0, kept, 0};
+        Glue::copy_rows(cv(st.seg_k_), Transfer::view(sg.kept_k), rows);
+        Glue::copy_rows(cv(st.seg_v_), Transfer::view(sg.kept_v), rows);
+    }
+
+    /// y = the segment attention of the part's rows U (with sg.h), its keys and values written
+    /// into the state's segment buffers (MacMixer::attend's call).
+    static void attend(const Blk& blk, State& st, const Buffer& U, Part& sg, int m,
+                       std::int64_t pos) {
+        SegmentCall<T> c;
+        c.u = cv(U);
+        c.h = cv(sg.h);
+        c.seg_k = Transfer::view(st.seg_k_);
+        c.seg_v = Transfer::view(st.seg_v_);
+        c.prefix = PrefixView<T>{cv(blk.mac_prefix_->k), cv(blk.mac_prefix_->v)};
+        c.y = Transfer::view(sg.y);
+        c.batch = st.batch_;
+        c.segment = blk.cfg_.segment;
+        c.offset = sg.offset;
+        c.rows = m;
+        c.position = pos;
+        blk.attention_->segment(c);
+    }
+
+    /// o = y ⊙ σ(r) reversed per part: dr (the memory's output adjoint, the call's rows
+    /// (B*N) x d) written, and per part dy_gate = dout ⊙ σ(r), y's direct adjoint ((B*m) x d).
+    static std::vector<Buffer> gate_backward(const Segments& segs, int B, Eigen::Index N,
+                                             View<const T> dout, Buffer& dr) {
+        std::vector<Buffer> dy_gate;
+        for (const Part& sg : segs) {
+            const int m = static_cast<int>(cv(sg.y).rows / B);
+            const Buffer dp = rows_of(dout, B, sg.t0, m);
+            Buffer drp = Transfer::allocate(cv(dp).rows, cv(dp).cols);
+            dy_gate.push_back(Transfer::allocate(cv(dp).rows, cv(dp).cols));
+            Glue::gate_backward(cv(dp), cv(sg.y), cv(sg.r), Transfer::view(dy_gate.back()),
+                                Transfer::view(drp));
+            Glue::copy_rows(cv(drp), Transfer::view(dr), backend::RowBlocks{B, m, m, 0, N, sg.t0});
+        }
+        return dy_gate;
+    }
+
+    /// One part reversed: the memory's rows of the part (their dL/dy final), y's two adjoints
+    /// summed, the segment attention and the read of h reversed; the read's snapshot adjoint
+    /// tapped into the sweep (offset 0) or kept as the incoming snapshot's (dseg); du's rows
+    /// of the part written.
+    static void part_backward(const Blk& blk, const Part& sg, typename Memory::Reverse& rev,
+                              View<const T> u, int B, std::int64_t start, View<const T> dy_gate,
+                              const MacStateGradient<T>* dlast, View<T> du, const Grads& g,
+                              MacStateGradient<T>& dseg) {
+        const Eigen::Index N = u.rows / B, d = u.cols;
+        const int m = static_cast<int>(dy_gate.rows / B);
+        Buffer dy = Transfer::allocate(dy_gate.rows, d), dU = Transfer::allocate(dy_gate.rows, d),
+               dh = Transfer::allocate(dy_gate.rows, d), dU_read = Transfer::allocate(dy_gate.rows, d);
+        rev.down_to(sg.t0, Transfer::view(dy));
+        Glue::add(cv(dy), dy_gate, Transfer::view(dy));
+        const Buffer U = rows_of(u, B, sg.t0, m);
+        attend_backward(blk, sg, U, B, start + sg.t0, dy, dlast, dU, dh, dseg, g);
+        Snapshot dW;
+        blk.memory_->read_snapshot_backward(sg.weights, cv(U), B, cv(dh), Transfer::view(dU_read),
+                                            dW, g.memory);
+        if (dlast != nullptr) {  // the state after the call keeps this segment's snapshot
+            std::vector<Layers> w = blk.memory_->snapshot_weights(dW);
+            add_layers(dlast->snapshot, w);
+            dW = blk.memory_->make_snapshot(std::move(w), B);
+        }
+        if (sg.offset == 0) {
+            rev.tap(dW);  // the weights after t0 tokens
+        } else if (!dseg.keys.empty()) {
+            dseg.snapshot = blk.memory_->snapshot_weights(dW);  // the snapshot the call started with
+        }
+        Glue::add(cv(dU), cv(dU_read), Transfer::view(dU));
+        Glue::copy_rows(cv(dU), du, backend::RowBlocks{B, m, m, 0, N, sg.t0});
+    }
+
+    /// The reverse of attend (Attention::segment_backward) at absolute position pos: dy -> dU,
+    /// dh, the attention's and P's gradients added to g. dlast (the part that ends the call,
+    /// or null) adds the adjoint of the keys and values the state keeps after the call; a part
+    /// continuing an earlier call's segment writes its kept rows' adjoint into dseg (if asked).
+    static void attend_backward(const Blk& blk, const Part& sg, const Buffer& U, int B,
+                                std::int64_t pos, const Buffer& dy, const MacStateGradient<T>* dlast,
+                                Buffer& dU, Buffer& dh, MacStateGradient<T>& dseg, const Grads& g) {
+        const int m = static_cast<int>(cv(U).rows / B), o = sg.offset;
+        const Eigen::Index D = blk.cfg_.attention.inner_dim(), n = 2 * (o + m);
+        const bool after = dlast != nullptr && dlast->keys[0].rows() == n;  // ends mid-segment
+        const Buffer ak = after ? upload_rows(dlast->keys) : Buffer{},
+                     av = after ? upload_rows(dlast->values) : Buffer{};
+        const bool kept = o > 0 && !dseg.keys.empty();
+        Buffer dk = kept ? Transfer::allocate(static_cast<Eigen::Index>(B) * 2 * o, D) : Buffer{},
+               dv = kept ? Transfer::allocate(static_cast<Eigen::Index>(B) * 2 * o, D) : Buffer{};
+        SegmentBackwardCall<T> c;
+        c.u = cv(U);
+        c.h = cv(sg.h);
+        c.dy = cv(dy);
+        c.kept_k = cv(sg.kept_k);
+        c.kept_v = cv(sg.kept_v);
+        if (after) {
+            c.after_k = cv(ak);
+            c.after_v = cv(av);
+        }
+        c.prefix = PrefixView<T>{cv(blk.mac_prefix_->k), cv(blk.mac_prefix_->v)};
+        if (blk.cfg_.n_persistent > 0) {
+            c.persistent = cv(*blk.persistent_);
+        }
+        c.du = Transfer::view(dU);
+        c.dh = Transfer::view(dh);
+        if (kept) {
+            c.dkept_k = Transfer::view(dk);
+            c.dkept_v = Transfer::view(dv);
+        }
+        c.grads = g.attention;
+        c.dpersistent = g.persistent;
+        c.batch = B;
+        c.segment = blk.cfg_.segment;
+        c.offset = o;
+        c.rows = m;
+        c.position = pos;
+        blk.attention_->segment_backward(c);
+        if (kept) {
+            split_rows(cv(dk), B, dseg.keys);
+            split_rows(cv(dv), B, dseg.values);
+        }
+    }
+
+    /// Per-stream host matrices of equal shape stacked into one buffer in the backend's memory.
+    static Buffer upload_rows(const std::vector<Matrix<T>>& parts) {
+        Matrix<T> all(static_cast<Eigen::Index>(parts.size()) * parts[0].rows(), parts[0].cols());
+        for (std::size_t i = 0; i < parts.size(); ++i) {
+            all.middleRows(static_cast<Eigen::Index>(i) * parts[0].rows(), parts[0].rows()) =
+                parts[i];
+        }
+        return Transfer::upload(view_of(std::as_const(all)));
+    }
+
+    /// A buffer of B streams' rows stacked, brought to the host, one matrix per stream.
+    static void split_rows(View<const T> from, int B, std::vector<Matrix<T>>& to) {
+        Matrix<T> all(from.rows, from.cols);
+        Transfer::download(from, view_of(all));
+        const Eigen::Index rows = from.rows / B;
+        for (int b = 0; b < B; ++b) {
+            to[static_cast<std::size_t>(b)] = all.middleRows(b * rows, rows);
         }
     }
 
@@ -295,52 +388,6 @@ private:
                 to[i][l] += from[i][l];
             }
         }
-    }
-
-    /// The reverse of MacMixer::attend for one part at absolute position pos
-    /// (detail::segment_attention_backward): dy -> dU, dh and the attention's and P's
-    /// gradients (added to g). dlast (the part that ends the call, or null) adds the adjoint of
-    /// the keys and values the state keeps after the call; a part continuing an earlier call's
-    /// segment writes its kept rows' adjoint into dseg.
-    static void attend_backward(const Blk& blk, const MacSegmentTrace<T>& sg, const Matrix<T>& U,
-                                int B, std::int64_t pos, const Matrix<T>& dy,
-                                const MacStateGradient<T>* dlast, Matrix<T>& dU, Matrix<T>& dh,
-                                MacStateGradient<T>& dseg, BlockParams<T>& g) {
-        const Eigen::Index m = U.rows() / B, n = 2 * (sg.offset + m);
-        const bool after = dlast != nullptr && dlast->keys[0].rows() == n;  // ends mid-segment
-        const Matrix<T> kept_k = stack_rows(sg.kept_k), kept_v = stack_rows(sg.kept_v);
-        const Matrix<T> after_k = after ? stack_rows(dlast->keys) : Matrix<T>(),
-                        after_v = after ? stack_rows(dlast->values) : Matrix<T>();
-        const SegmentBackwardOperands<T> a{U,      sg.h,           dy,
-                                           kept_k, kept_v,         after_k,
-                                           after_v, blk.k_prefix_, blk.v_prefix_,
-                                           blk.params_->persistent, B, blk.cfg_.segment,
-                                           sg.offset, pos};
-        AttentionParams<T>& ga = g.attention;
-        SegmentGradientSink<Matrix<T>&> sink{ga.w_q, ga.w_k, ga.w_v, ga.w_o, g.persistent};
-        Matrix<T> dkept_k, dkept_v;
-        segment_attention_backward<T>(blk.cfg_.attention, blk.params_->attention, a, dU, dh,
-                                      dkept_k, dkept_v, sink);
-        if (sg.offset > 0 && !dseg.keys.empty()) {
-            const Eigen::Index rows = 2 * sg.offset;
-            for (int b = 0; b < B; ++b) {
-                dseg.keys[static_cast<std::size_t>(b)] = dkept_k.middleRows(b * rows, rows);
-                dseg.values[static_cast<std::size_t>(b)] = dkept_v.middleRows(b * rows, rows);
-            }
-        }
-    }
-
-    /// Per-stream matrices of equal shape stacked (0 x 0 for none).
-    static Matrix<T> stack_rows(const std::vector<Matrix<T>>& parts) {
-        if (parts.empty()) {
-            return Matrix<T>();
-        }
-        Matrix<T> out(static_cast<Eigen::Index>(parts.size()) * parts[0].rows(), parts[0].cols());
-        for (std::size_t i = 0; i < parts.size(); ++i) {
-            out.middleRows(static_cast<Eigen::Index>(i) * parts[0].rows(), parts[0].rows()) =
-                parts[i];
-        }
-        return out;
     }
 };
 

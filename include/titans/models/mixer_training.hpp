@@ -5,7 +5,7 @@
 //     MAG  o = RMSNorm_y(SWA*(P ‖ u)) ⊙ σ(RMSNorm_m(M(P ‖ u)))
 //     MAL  o = SWA(M(P ‖ u))
 //     SWA  o = SWA*(P ‖ u)
-//     MAC  mac_training.hpp (on the host: u downloaded, o uploaded)
+//     MAC  o = y ⊙ σ(M(y)), y the segment attention over P ‖ h ‖ u (mac_training.hpp)
 // From a fresh state each sequence's memory input (and MAL's window) is [P; u]: the rows are
 // assembled, taken apart and their adjoints summed into P's gradient by glue kernels
 // (copy_rows, add_rows). The gradients are added to views of the block's flat gradient
@@ -47,9 +47,9 @@ struct MixerTraining {
         const BlockConfig& cfg = blk.cfg_;
         if constexpr (mac_trains) {
             if (cfg.kind == BlockKind::MAC) {
-                t.u = to_host(u);
-                to_backend(MacTraining<T, Backend>::forward(blk, next, t.u, t.memory, t.segments),
-                           o);
+                t.u = Transfer::allocate(u.rows, u.cols);
+                Glue::copy(u, view(t.u));
+                MacTraining<T, Backend>::forward(blk, next, u, o, t.memory, t.segments);
                 return;
             }
         }
@@ -123,27 +123,12 @@ private:
     static View<T> view(Buffer& b) { return Transfer::view(b); }
     static View<const T> cview(const Buffer& b) { return Transfer::view(b); }
 
-    static Matrix<T> to_host(View<const T> v) { return MacTraining<T, Backend>::to_host(v); }
-    static void to_backend(const Matrix<T>& h, View<T> to) {
-        MacTraining<T, Backend>::to_backend(h, to);
-    }
-
-    /// MAC's backward on the host (its mixer trains there): dout down, du up, the gradients
-    /// of the memory, the attention and P (host structs) added to g's parts.
+    /// MAC's backward (mac_training.hpp), on views.
     static void mac_backward(const Blk& blk, const Trace& tr, View<const T> dout, View<T> du,
                              const Grads& g, const BlockStateGradient<T>* d_out,
                              BlockStateGradient<T>* d_in) {
-        const BlockConfig& cfg = blk.cfg_;
-        BlockParams<T> local;
-        local.memory = MemoryParams<T>::zeros(cfg.memory);
-        local.attention = AttentionParams<T>::zeros(cfg.attention);
-        local.persistent = Matrix<T>::Zero(cfg.n_persistent, cfg.d_model);
-        to_backend(MacTraining<T, Backend>::backward(blk, tr.memory, tr.segments, tr.u, tr.batch,
-                                                     tr.start, to_host(dout), local, d_out, d_in),
-                   du);
-        backend::add_flat<Backend>(local.memory, cfg.memory, g.memory);
-        backend::add_flat<Backend>(local.attention, cfg.attention, g.attention);
-        Transfer::accumulate(view_of(std::as_const(local.persistent)), g.persistent);
+        MacTraining<T, Backend>::backward(blk, tr.memory, tr.segments, cview(tr.u), tr.batch,
+                                          tr.start, dout, du, g, d_out, d_in);
     }
 
     /// Each sequence's N rows after its p prefix rows of a (B*(p+N))-row matrix, as B*N rows.
