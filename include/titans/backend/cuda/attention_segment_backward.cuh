@@ -38,6 +38,12 @@ struct SegmentBackward {
 
     /// What the stages share: the sizes and the device workspaces.
     struct Pass {
+        Pass(const AttentionConfig& cfg, const T* wqkv, const T* wo, int width,
+             const SegmentBackwardCall<T>& call)
+            : c(call), w_qkv(wqkv), w_o(wo), B(call.batch), m(call.rows), o(call.offset),
+              n(2 * (o + m)), rows(B * m), d(width), D(cfg.inner_dim()), H(cfg.n_heads),
+              dh(cfg.head_dim()), np(call.prefix.rows()),
+              scale(T(1) / std::sqrt(static_cast<T>(cfg.head_dim()))) {}
         const SegmentBackwardCall<T>& c;
         const T *w_qkv, *w_o;
         long long B, m, o, n, rows, d, D, H, dh, np;
@@ -51,13 +57,10 @@ struct SegmentBackward {
         if (rows == 0) {
             return;
         }
-        const long long m = c.rows, o = c.offset, D = cfg.inner_dim();
-        Pass ps{c, w_qkv, w_o, c.batch, m, o, 2 * (o + m), rows, d, D, cfg.n_heads,
-                cfg.head_dim(), c.prefix.rows(),
-                T(1) / std::sqrt(static_cast<T>(cfg.head_dim()))};
+        Pass ps(cfg, w_qkv, w_o, d, c);
         recompute(cfg, ps);
         output_backward(ps);
-        attend_backward(cfg, ps);
+        attend_backward(ps);
         rows_backward(cfg, ps);
         projections_backward(ps);
         idle(thread_context());  // (the workspaces are freed stream-ordered after it)
@@ -129,7 +132,7 @@ struct SegmentBackward {
 
     /// Stage 3: dq (into dqkv's q columns), the buffer rows' dk, dv (dkw, dvw) and the prefix
     /// rows' (dkvp: N_p x [dk | dv]).
-    static void attend_backward(const AttentionConfig& cfg, Pass& ps) {
+    static void attend_backward(Pass& ps) {
         const cudaStream_t sm = thread_context().stream();
         const long long rows = ps.rows, D = ps.D, H = ps.H;
         const SegmentBackwardCall<T>& c = ps.c;
@@ -142,7 +145,7 @@ struct SegmentBackward {
         const T* vp = ps.np > 0 ? c.prefix.v.data : ps.qkv.data();
         T* mx = ps.stats.data();
         const long long kept = 2 * ps.o + 1, window = 2LL * c.segment;
-        if (tiled(cfg, ps, kp, vp, kept, window)) {
+        if (tiled(ps, kp, vp, kept, window)) {
             return;
         }
         const detail::AttentionBackwardOperands<T> a{
@@ -155,7 +158,7 @@ struct SegmentBackward {
     }
 
     /// Stage 3 in tiles when they are on and fit; false (nothing done) otherwise.
-    static bool tiled(const AttentionConfig& cfg, Pass& ps, const T* kp, const T* vp,
+    static bool tiled(Pass& ps, const T* kp, const T* vp,
                       long long kept, long long window) {
         const TiledShape shape = tiled_attention() == TiledAttentionMode::Off
                                      ? TiledShape{}
