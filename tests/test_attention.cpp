@@ -8,6 +8,10 @@
 #include "reference/reference_attention.hpp"
 
 #include <climits>
+#include <functional>
+#include <string>
+#include <tuple>
+#include <vector>
 
 using namespace titans_test;
 using titans::Attention;
@@ -833,6 +837,105 @@ TEST_CASE("Attention: segment backward vs FD", "[attention][backward]") {
     }
 }
 
+
+// Attention::segment and segment_backward refuse a call they cannot run (each count out of
+// range, each view of the wrong shape, with a null pointer or a short stride, an output
+// sharing storage with an input or another output, a per-sequence prefix), naming the field
+// and leaving every output as it was; the same calls well formed run.
+TEST_CASE("Attention: segment calls refused", "[attention][errors]") {
+    using titans::SegmentBackwardCall;
+    using titans::SegmentCall;
+    using titans::View;
+    Rng rng(seed_for("attention segment calls refused"));
+    const AttentionConfig cfg = random_attention_config(rng, true, 4);
+    const Attention<double> attn(cfg, AttentionParams<double>::random(cfg, rng()));
+    const int B = 2, C = 4, o = 1, m = 2, np = 2;
+    const Eigen::Index d = cfg.d_model, D = cfg.inner_dim();
+    const Matrixd u = random_matrix(B * m, d, rng), h = random_matrix(B * m, d, rng),
+                  dy = random_matrix(B * m, d, rng), P = random_matrix(np, d, rng),
+                  kp = random_matrix(np, D, rng), vp = random_matrix(np, D, rng),
+                  kk = random_matrix(B * 2 * o, D, rng), kv = random_matrix(B * 2 * o, D, rng),
+                  ak = random_matrix(B * 2 * (o + m), D, rng), av = ak;
+    Matrixd y = random_matrix(B * m, d, rng), sk = random_matrix(B * 2 * C, D, rng),
+            sv = random_matrix(B * 2 * C, D, rng), du = y, dh = y, dkk = kk, dkv = kv,
+            g = random_matrix(1, attn.parameter_count(), rng), dP = P;
+    const titans::PrefixView<double> pre{view_of(kp), view_of(vp)};
+    const SegmentCall<double> fwd{view_of(u), view_of(h), view_of(sk), view_of(sv), pre,
+                                  view_of(y),  B,          C,           o,           m, 5};
+    const SegmentBackwardCall<double> bwd{
+        view_of(u),   view_of(h),   view_of(dy),  view_of(kk),  view_of(kv), view_of(ak),
+        view_of(av),  pre,          view_of(P),   view_of(du),  view_of(dh), view_of(dkk),
+        view_of(dkv), view_of(g),   view_of(dP),  B,            C,           o, m, 5};
+    const std::vector<Matrixd> before = {y, sk, sv, du, dh, dkk, dkv, g, dP};
+    const auto unchanged = [&] {
+        const std::vector<Matrixd> now = {y, sk, sv, du, dh, dkk, dkv, g, dP};
+        for (std::size_t i = 0; i < now.size(); ++i) {
+            if (!identical(now[i], before[i])) return false;
+        }
+        return true;
+    };
+    const auto short_rows = [](View<double> v) { return View<double>{v.data, v.rows - 1, v.cols, v.stride}; };
+    const auto narrow = [](View<const double> v) { return View<const double>{v.data, v.rows, v.cols - 1, v.stride}; };
+    // The forward: counts, shapes, layout, distinctness, sharing.
+    const std::vector<std::tuple<std::function<void(SegmentCall<double>&)>, bool, std::string>> f = {
+        {[](auto& c) { c.batch = 0; }, false, "batch = 0"},
+        {[](auto& c) { c.segment = 0; }, false, "segment = 0"},
+        {[](auto& c) { c.rows = 0; }, false, "rows = 0"},
+        {[](auto& c) { c.offset = -1; }, false, "offset = -1"},
+        {[](auto& c) { c.offset = 3; }, false, "offset = 3"},
+        {[](auto& c) { c.position = -1; }, false, "position = -1"},
+        {[&](auto& c) { c.u = narrow(c.u); }, true, "u is"},
+        {[&](auto& c) { c.h = View<const double>{c.h.data, c.h.rows + 1, c.h.cols, c.h.stride}; }, true, "h is"},
+        {[&](auto& c) { c.y = short_rows(c.y); }, true, "y is"},
+        {[&](auto& c) { c.seg_k = short_rows(c.seg_k); }, true, "seg_k is"},
+        {[&](auto& c) { c.seg_v.data = nullptr; }, true, "seg_v has a null pointer"},
+        {[&](auto& c) { c.seg_k.stride = 1; }, true, "seg_k has a null pointer or a row stride of 1"},
+        {[&](auto& c) { c.prefix.v = narrow(c.prefix.v); }, true, "prefix.v is"},
+        {[&](auto& c) { c.prefix.sharing = PrefixSharing::PerSequence; }, false, "prefix.sharing"},
+        {[&](auto& c) { c.y = View<double>{const_cast<double*>(c.u.data), c.y.rows, c.y.cols, c.y.stride}; }, true, "y shares storage with u"},
+        {[&](auto& c) { c.seg_v = c.seg_k; }, true, "seg_k shares storage with seg_v"},
+    };
+    // Each case: the well-formed call changed, then refused (ShapeError or ConfigError).
+    const auto refused = [&](const auto& base, const auto& cases, const auto& call) {
+        for (const auto& [mutate, shape, text] : cases) {
+            INFO(text);
+            auto c = base;
+            mutate(c);
+            if (shape) {
+                REQUIRE_THROWS_NAMING(call(c), ShapeError, text);
+            } else {
+                REQUIRE_THROWS_NAMING(call(c), ConfigError, text);
+            }
+            CHECK(unchanged());
+        }
+    };
+    refused(fwd, f, [&](const SegmentCall<double>& c) { attn.segment(c); });
+    // The backward: the optional views, grads, the outputs' distinctness.
+    const std::vector<std::tuple<std::function<void(SegmentBackwardCall<double>&)>, bool, std::string>> b = {
+        {[](auto& c) { c.offset = 3; }, false, "offset = 3"},
+        {[&](auto& c) { c.dy = narrow(c.dy); }, true, "dy is"},
+        {[&](auto& c) { c.kept_k = View<const double>{}; }, true, "kept_k is 0 x 0"},
+        {[&](auto& c) { c.after_v = View<const double>{}; }, true, "after_v is 0 x 0"},
+        {[&](auto& c) { c.after_k = narrow(c.after_k); }, true, "after_k is"},
+        {[&](auto& c) { c.persistent = narrow(c.persistent); }, true, "persistent is"},
+        {[&](auto& c) { c.dkept_v = View<double>{}; }, true, "dkept_v is 0 x 0"},
+        {[&](auto& c) { c.grads = View<double>{c.grads.data, 1, c.grads.cols - 1, c.grads.cols}; }, true, "grads is"},
+        {[&](auto& c) { c.dpersistent = View<double>{}; }, true, "dpersistent is 0 x 0"},
+        {[&](auto& c) { c.du = View<double>{const_cast<double*>(c.dy.data), c.du.rows, c.du.cols, c.du.stride}; }, true, "du shares storage with dy"},
+        {[&](auto& c) { c.dh = c.du; }, true, "du shares storage with dh"},
+        {[&](auto& c) { c.dpersistent = View<double>{const_cast<double*>(c.persistent.data), np, d, d}; }, true, "dpersistent shares storage with persistent"},
+    };
+    refused(bwd, b, [&](const SegmentBackwardCall<double>& c) { attn.segment_backward(c); });
+    // Well formed: both run; without the later rows' adjoint and the kept rows' too.
+    attn.segment(fwd);
+    CHECK_FALSE(identical(y, before[0]));
+    attn.segment_backward(bwd);
+    SegmentBackwardCall<double> lean = bwd;
+    lean.after_k = lean.after_v = View<const double>{};
+    lean.dkept_k = lean.dkept_v = View<double>{};
+    attn.segment_backward(lean);
+    CHECK(g.allFinite());
+}
 
 // RMSNorm equals a hand-computed value and the loop reference
 TEMPLATE_LIST_TEST_CASE("RMSNorm: == reference", "[layers]", Both) {

@@ -10,6 +10,7 @@
 
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 using namespace titans_test;
@@ -691,4 +692,30 @@ TEST_CASE("mem bwd: staged API refusals", "[train][memory]") {
                           titans::ShapeError, "weights");
     CHECK(identical(g.w_q, before.w_q));
     CHECK(dWr.empty());
+    // The Reverse on views: dy and dx of the wrong shape, without storage or with a short row
+    // stride are refused naming them; a refused down_to leaves the Reverse where it was.
+    using titans::View;
+    const Eigen::Index d = c.cfg.d_model;
+    const View<const double> dyv = titans::view_of(std::as_const(c.dy));
+    REQUIRE_THROWS_NAMING(Mem::Reverse(mem, tr, View<const double>{dyv.data, dyv.rows - 1, d, d}),
+                          titans::ShapeError, "dy is");
+    REQUIRE_THROWS_NAMING(Mem::Reverse(mem, tr, View<const double>{nullptr, dyv.rows, d, d}),
+                          titans::ShapeError, "dy has a null pointer");
+    if (d > 1) {
+        REQUIRE_THROWS_NAMING(Mem::Reverse(mem, tr, View<const double>{dyv.data, dyv.rows, d, 1}),
+                              titans::ShapeError, "dy has a null pointer or a row stride of 1");
+    }
+    Mem::Reverse vrev(mem, tr, dyv);
+    Matrixd dxv = Matrixd::Constant(B * (N - 3), d, 7.0);
+    REQUIRE_THROWS_NAMING(vrev.down_to(3, View<double>{dxv.data(), B * (N - 3) - 1, d, d}),
+                          titans::ShapeError, "dx is");
+    REQUIRE_THROWS_NAMING(vrev.down_to(3, View<double>{nullptr, B * (N - 3), d, d}),
+                          titans::ShapeError, "dx has a null pointer");
+    CHECK(vrev.position() == N);
+    CHECK((dxv.array() == 7.0).all());
+    vrev.down_to(3, titans::view_of(dxv));
+    Mem::Reverse hrev(mem, tr, c.dy);
+    Matrixd dxh;
+    hrev.down_to(3, dxh);
+    CHECK(identical(dxv, dxh));
 }

@@ -21,7 +21,9 @@
 #   tools/gpu_check.sh lease [DIR]
 #                                 one lent machine's call, each step under a time limit: the
 #                                 tests, the fused kernel's tests under memcheck and racecheck
-#                                 (fused_memcheck.txt, fused_racecheck.txt), then the memory,
+#                                 (fused_memcheck.txt, fused_racecheck.txt), the block,
+#                                 model and trainer tests under memcheck
+#                                 (training_memcheck.txt), then the memory,
 #                                 decode and Trainer-step benchmarks (BENCH_FILTER overrides
 #                                 which); a table last
 #   tools/gpu_check.sh peers [DIR]
@@ -103,6 +105,13 @@ do_lease() {
       || echo "fused ${tool}: exit $?"
     echo "fused ${tool}: $(grep 'ERROR SUMMARY\|RACECHECK SUMMARY' "${out}/fused_${tool}.txt" || echo 'no summary')"
   done
+  # Every block kind's and the model's training (MAC's staged reverse, the segment attention's
+  # backward, the glue, AdamW) under memcheck: issue 30's device check.
+  TITANS_CUDA_PARITY_CASES=1 timeout 180 compute-sanitizer --tool memcheck --error-exitcode 9 \
+    "${build}/tests/titans_cuda_tests" \
+    "cuda blocks*,cuda model*,cuda trainer*,cuda attention train*,cuda memory train*" \
+    > "${out}/training_memcheck.txt" 2>&1 || echo "training memcheck: exit $?"
+  echo "training memcheck: $(grep 'ERROR SUMMARY' "${out}/training_memcheck.txt" || echo 'no summary')"
   timeout 300 "${build}/bench/bench_cuda" --benchmark_counters_tabular=true \
     --benchmark_filter="${BENCH_FILTER:-BM_CublasSgemm|BM_CudaMemory|BM_CudaDecode|BM_CudaAttention|BM_CudaTrainStep|BM_CudaModelDecode}" \
     --benchmark_out="${out}/cuda_bench.json" --benchmark_out_format=json \

@@ -850,6 +850,10 @@ struct GlueKernels<titans_test::SimulatedDevice, T> {
         titans_test::sim::require_devices<T>({x, w, out}, {"x", "w", "out"});
         Host::product(x, w, out);
     }
+    static void product_plain(View<const T> x, View<const T> w, View<T> out) {
+        titans_test::sim::require_devices<T>({x, w, out}, {"x", "w", "out"});
+        Host::product_plain(x, w, out);
+    }
     static void product_at(View<const T> a, View<const T> b, View<T> out) {
         titans_test::sim::require_devices<T>({a, b, out}, {"a", "b", "out"});
         Host::product_at(a, b, out);

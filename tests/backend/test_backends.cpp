@@ -1027,13 +1027,11 @@ TEMPLATE_TEST_CASE("backend: trainer steps", "[backend][train]", float, double) 
             // The step leaves the loss, the norm and AdamW's verdict on the device and brings
             // the three back at once: the probe's two scalars become one download. The
             // gradients stay on the device (MAC's training pass too), AdamW steps there
-            // (ModelAdamW) and the model takes the new values there: the ids and labels up,
-            // one download. A model with a MAC block takes the new values down once more and
-            // puts its mixer's P W_K, P W_V up (host products: the CPU's bits).
-            const bool mac = stacks[s].first == BlockKind::MAC || stacks[s].second == BlockKind::MAC;
+            // (ModelAdamW) and the model takes the new values there (MAC's P W_K, P W_V
+            // too): the ids and labels up, one download, whatever the blocks.
             CHECK(gradients == 2);  // the probe's loss and norm
-            CHECK(traffic.downloads - down0 == 1 + (mac ? 1 : 0));
-            CHECK(traffic.uploads - up0 == 2 + (mac ? 2 : 0));
+            CHECK(traffic.downloads - down0 == 1);
+            CHECK(traffic.uploads - up0 == 2);
             CHECK(cpu.last_gradient_norm() == dev.last_gradient_norm());
         }
         CHECK(same_param_bits(cast_model<double>(cpu.params()), cast_model<double>(dev.params()),
@@ -1045,10 +1043,9 @@ TEMPLATE_TEST_CASE("backend: trainer steps", "[backend][train]", float, double) 
 // Model::set_parameters(flat): values in a device buffer taken there (no transfer) by a model
 // that alone holds its parameters, with the outputs and the training of a model built from
 // them, bit for bit; params() brings them back once (one download); a copy made before keeps
-// its values; a wrong shape or a NaN is refused naming the tensor, nothing changing. A MAC
-// block's model brings them to the host at once (one download) and puts its mixer's P W_K and
-// P W_V, products made there, back on the device (two uploads); shared parameters
-// are taken on the host, the same bits.
+// its values; a wrong shape or a NaN is refused naming the tensor, nothing changing. Every
+// block kind takes them without a transfer (MAC's P W_K and P W_V made on the device by the
+// glue); shared parameters are taken on the host, the same bits.
 TEMPLATE_TEST_CASE("backend: flat parameters", "[backend][train]", float, double) {
     using T = TestType;
     using DevModel = titans::Model<T, SimulatedDevice>;
@@ -1064,7 +1061,6 @@ TEMPLATE_TEST_CASE("backend: flat parameters", "[backend][train]", float, double
         const auto pa = cast_model<T>(a.params);
         const auto pb = cast_model<T>(
             titans::ModelParams<double>::random(a.cfg, static_cast<unsigned>(uniform_int(rng, 1, 1 << 30))));
-        const bool mac = s == 2;
         INFO(titans::to_string(stacks[s].first) << " + " << titans::to_string(stacks[s].second));
         DevModel dev(a.cfg, pa);
         const DevModel built(a.cfg, pb);  // what dev must compute after taking pb
@@ -1090,8 +1086,8 @@ TEMPLATE_TEST_CASE("backend: flat parameters", "[backend][train]", float, double
         DevModel own(a.cfg, pa);
         const long up0 = traffic.uploads, down0 = traffic.downloads;
         own.set_parameters(fv, DevModel::ValueCheck::known_finite);
-        CHECK(traffic.uploads - up0 == (mac ? 2 : 0));
-        CHECK(traffic.downloads - down0 == (mac ? 1 : 0));
+        CHECK(traffic.uploads - up0 == 0);
+        CHECK(traffic.downloads - down0 == 0);
         const std::vector<int> ids = random_ids(rng, B * N, vocab);
         std::vector<int> labels = random_ids(rng, B * N, vocab);
         auto so = own.make_state(B), sb = built.make_state(B);
@@ -1102,7 +1098,7 @@ TEMPLATE_TEST_CASE("backend: flat parameters", "[backend][train]", float, double
         const long down1 = traffic.downloads;
         CHECK(same_param_bits(own.params(), pb, a.cfg));
         CHECK(same_param_bits(own.blocks()[0].params(), pb.blocks[0], a.cfg.blocks[0]));
-        CHECK(traffic.downloads - down1 == (mac ? 0 : 1));
+        CHECK(traffic.downloads - down1 == 1);
     }
 }
 

@@ -127,13 +127,15 @@ TEST_CASE("cuda trainer: the CPU's steps", "[cuda]") {
 // (prepare_flat: the projections, gates and conv taps laid out by device copies, memory_init
 // kept on the device) give the logits and the gradients of a model built from them, bit for
 // bit, over random configurations (conv or not, constant or data-dependent gates, SwiGLU or
-// GELU); the host tensors come back on first read; a NaN is refused naming its tensor.
+// GELU; MAC's P W_K, P W_V made on the device); the host tensors come back on first read; a
+// NaN is refused naming its tensor.
 TEMPLATE_TEST_CASE("cuda model: flat parameters", "[cuda]", float, double) {
     using T = TestType;
     using M = titans::Model<T, Cuda>;
     const std::pair<BlockKind, BlockKind> stacks[] = {
         {BlockKind::LMM, BlockKind::MAG}, {BlockKind::MAL, BlockKind::SWA},
-        {BlockKind::MAG, BlockKind::LMM}, {BlockKind::SWA, BlockKind::MAL}};
+        {BlockKind::MAG, BlockKind::LMM}, {BlockKind::SWA, BlockKind::MAL},
+        {BlockKind::MAC, BlockKind::LMM}};
     for (std::size_t s = 0; s < std::size(stacks); ++s) {
         Rng rng(seed_for(std::string("cuda model: parameters on device/") + type_name<T>(), s));
         const int vocab = 11, B = uniform_int(rng, 1, 2), N = uniform_int(rng, 3, 9);

@@ -234,6 +234,13 @@ void training_glue_case(int B, Eigen::Index n, Eigen::Index p, Eigen::Index cols
     Gpu::product_bt(gdo.view, gw_.view, gdz.view);
     CHECK(rel_error(ggw.host(), gw) <= tol<T>());
     CHECK(rel_error(gdz.host(), dz) <= tol<T>());
+    // MAC's prefix product (P W, P few rows) against the host product in double.
+    const Matrix<T> pw = random_t<T>(cols, V, rng);
+    const Strided<T> gpw(pw, 3);
+    Strided<T> gpp(Matrix<T>::Zero(p, V), 2);
+    Gpu::product_plain(gP.view, gpw.view, gpp.view);
+    const Matrix<double> want_pp = P.template cast<double>() * pw.template cast<double>();
+    CHECK(rel_error(gpp.host(), want_pp) <= tol<T>());
     std::vector<int> ids(static_cast<std::size_t>(rows));
     for (int& id : ids) id = uniform_int(rng, 0, 2);  // repeats
     Matrix<T> table = random_t<T>(3, cols, rng);

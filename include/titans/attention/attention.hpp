@@ -42,6 +42,7 @@
 #include "config.hpp"
 #include "segment.hpp"
 #include "segment_backward.hpp"
+#include "segment_check.hpp"
 #include "kernel.hpp"
 #include "params.hpp"
 #include "rope.hpp"
@@ -489,19 +490,26 @@ public:
     }
 
     /// MAC's segment attention (attention/segment.hpp) on views in the backend's memory: the
-    /// part's keys and values written into the call's segment buffers, y = its output. The
-    /// views' shapes are the caller's (a MAC block checks its state); the part's rows, the
-    /// offset and the segment fit the buffers (m <= C - offset). How MAC's mixer runs on
-    /// every backend.
+    /// part's keys and values written into the call's segment buffers, y = its output. How
+    /// MAC's mixer runs on every backend. Checked first (detail::check_segment_call):
+    /// ConfigError unless batch, segment, rows >= 1, 0 <= offset <= segment - rows and
+    /// position >= 0; ShapeError unless every view has the shape SegmentCall gives, y and the
+    /// buffers share no storage with the inputs or each other, and the prefix is shared.
+    /// Finiteness of the inputs is the caller's.
     void segment(const SegmentCall<T>& call) const {
+        detail::check_segment_call(cfg_, call, "Attention::segment");
         Kernels::segment(cfg_, prepared_, call);
     }
 
     /// The reverse of segment (attention/segment_backward.hpp) on views in the backend's
     /// memory: dL/du, dL/dh and the kept rows' adjoint written, the attention's gradient added
-    /// to `call.grads` (its flat layout: W_Q, W_K, W_V, W_O) and P's to `call.dpersistent`. As
-    /// segment, the views' shapes are the caller's (MAC's training pass checks its trace).
+    /// to `call.grads` (its flat layout: W_Q, W_K, W_V, W_O) and P's to `call.dpersistent`.
+    /// Checked as segment (detail::check_segment_backward_call: the counts, every view's
+    /// shape as SegmentBackwardCall gives it, grads 1 x parameter_count(), the outputs distinct
+    /// from the inputs and each other); finiteness of the inputs is the caller's.
     void segment_backward(const SegmentBackwardCall<T>& call) const {
+        detail::check_segment_backward_call(cfg_, call, parameter_count(),
+                                            "Attention::segment_backward");
         Kernels::segment_backward(cfg_, prepared_, call);
     }
 

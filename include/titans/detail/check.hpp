@@ -89,6 +89,34 @@ template <class X, class Y>
     return x0 < y1 && y0 < x1;
 }
 
+/// Whether the storage spans of two views (first entry to last, strides included) meet; an
+/// empty view meets nothing.
+template <class T>
+[[nodiscard]] bool views_overlap(View<const T> a, View<const T> b) {
+    if (a.rows * a.cols == 0 || b.rows * b.cols == 0) return false;
+    const T* a1 = a.data + (a.rows - 1) * a.stride + a.cols;
+    const T* b1 = b.data + (b.rows - 1) * b.stride + b.cols;
+    return a.data < b1 && b.data < a1;
+}
+
+/// View `name` is rows x cols, row-major (stride >= cols) with storage when not empty
+/// (ShapeError). With `optional`, an empty view (no entries) also passes: an input the call
+/// does without, or an output not asked for.
+template <class X>
+void check_view_shape(const char* where, const char* name, View<X> v, std::ptrdiff_t rows,
+                      std::ptrdiff_t cols, bool optional = false) {
+    if (optional && v.rows * v.cols == 0) return;
+    if (v.rows != rows || v.cols != cols) {
+        throw ShapeError(concat(where, ": ", name, " is ", v.rows, " x ", v.cols, ", expected ",
+                                rows, " x ", cols, optional ? " or empty" : ""));
+    }
+    if (rows * cols > 0 && (v.data == nullptr || (rows > 1 && v.stride < cols))) {
+        throw ShapeError(concat(where, ": ", name, " has a null pointer or a row stride of ",
+                                v.stride, ", expected an allocated row-major matrix (stride >= ",
+                                cols, ")"));
+    }
+}
+
 /// The checks of a layer's call on views in the backend's memory (its backend-level forward),
 /// ShapeError naming `where` otherwise: x is `d` wide with a stride >= d, and y has x's shape
 /// and a stride >= its width; y is x itself (allowed only when `in_place`) or shares none of
@@ -108,15 +136,8 @@ void check_view_call(const char* where, View<const T> x, View<T> y, std::ptrdiff
         throw ShapeError(concat(where, ": a view with a null pointer or a row stride below its "
                                        "width, expected views of allocated row-major matrices"));
     }
-    if (x.rows == 0 || x.cols == 0) {
-        return;
-    }
-    const T* x0 = x.data;
-    const T* x1 = x.data + (x.rows - 1) * x.stride + x.cols;
-    const T* y0 = y.data;
-    const T* y1 = y.data + (y.rows - 1) * y.stride + y.cols;
-    const bool same = x0 == y0 && x.stride == y.stride;
-    if (!(same && in_place) && x0 < y1 && y0 < x1) {
+    const bool same = x.data == y.data && x.stride == y.stride;
+    if (!(same && in_place) && views_overlap(x, View<const T>(y))) {
         throw ShapeError(concat(where, in_place ? ": y shares part of x's storage, expected x "
                                                   "itself or a distinct matrix"
                                                 : ": y shares storage with x, expected a "

@@ -41,6 +41,9 @@ namespace titans::backend {
 ///                              [0, table.rows)): the embedding of token ids
 ///   product(x, w, out)         out = x w (x rows x k, w k x n, out rows x n, out distinct from
 ///                              x and w): the model's head
+///   product_plain(x, w, out)   out = x w as product does, rounded as a whole-matrix product
+///                              on the CPU (Eigen's, not the few-row kernel): MAC's P W_K,
+///                              P W_V, computed once per parameter set
 ///   product_at(a, b, out)      out = aᵀ b (a k x m, b k x n, out m x n, distinct): the head's
 ///                              gradient
 ///   product_bt(a, b, out)      out = a bᵀ (a m x k, b n x k, out m x n, distinct): the head's
@@ -108,6 +111,7 @@ concept GlueBackend = requires(View<const T> a, View<T> out, std::span<const int
     { device_ids.size() } -> std::convertible_to<std::size_t>;
     GlueKernels<B, T>::gather(a, device_ids, out);
     GlueKernels<B, T>::product(a, a, out);
+    GlueKernels<B, T>::product_plain(a, a, out);
     GlueKernels<B, T>::product_at(a, a, out);
     GlueKernels<B, T>::product_bt(a, a, out);
     GlueKernels<B, T>::scatter_add(a, device_ids, out);

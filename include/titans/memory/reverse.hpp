@@ -121,16 +121,15 @@ public:
     // --- The same on views in the backend's memory (how MAC's training pass drives it on a
     // device): dy, dx and the gradients stay there. Finiteness of dy and dx is the caller's.
 
-    /// As the host constructor, dy a view ((trace rows) x d_model).
+    /// As the host constructor, dy a view ((trace rows) x d_model, allocated, row-major:
+    /// ShapeError naming dy otherwise).
     Reverse(const NeuralMemory& mem, const Trace& trace, View<const T> dy,
             const MemoryStateGradient<T>* d_state_out = nullptr)
         requires(NeuralMemory::staged)
         : mem_(mem), batch_(trace.batch), rows_(trace.rows()) {
         constexpr const char* where = "NeuralMemory::Reverse";
         mem.validate_trace(trace, where);
-        detail::require<ShapeError>(dy.rows == trace.rows() && dy.cols == mem.cfg_.d_model,
-                                    where, "dy", detail::concat(dy.rows, " x ", dy.cols),
-                                    detail::concat(trace.rows(), " x ", mem.cfg_.d_model));
+        detail::check_view_shape(where, "dy", dy, trace.rows(), mem.cfg_.d_model);
         if (d_state_out != nullptr && !d_state_out->empty()) {
             mem.check_state_gradient(*d_state_out, trace);
         }
@@ -140,16 +139,15 @@ public:
                      d_state_out != nullptr && !d_state_out->empty() ? d_state_out : nullptr);
     }
 
-    /// down_to with dx a view ((B * (position() - p)) x d_model, written).
+    /// down_to with dx a view ((B * (position() - p)) x d_model, written; allocated and
+    /// row-major: ShapeError naming dx otherwise, the Reverse unchanged).
     void down_to(Eigen::Index p, View<T> dx) {
         constexpr const char* where = "NeuralMemory::Reverse::down_to";
         require_live(where);
         detail::require<ShapeError>(p >= 0 && p <= position(), where, "p", p,
                                     detail::concat("in [0, position() = ", position(), "]"));
         const Eigen::Index rows = batch_ * (position() - p);
-        detail::require<ShapeError>(dx.rows == rows && dx.cols == mem_.cfg_.d_model, where, "dx",
-                                    detail::concat(dx.rows, " x ", dx.cols),
-                                    detail::concat(rows, " x ", mem_.cfg_.d_model));
+        detail::check_view_shape(where, "dx", dx, rows, mem_.cfg_.d_model);
         const ThreadScope team(mem_.threads_, 3.0 * mem_.work_estimate(rows));
         const detail::DenormalFlushScope flush(mem_.cfg_.flush_denormals);
         rev_->down_to(p, dx);

@@ -5,6 +5,7 @@
 //     h = x + Mixer(RMSNorm(x)),   out = h + FFN(RMSNorm(h))
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -421,46 +422,47 @@ private:
     friend class Model<T, Backend>;  // set_parameters: derive() again after new values
     friend struct detail::ModelParameters<T, Backend>;  // set_parameters(flat): stage, adopt
 
-    /// MAC: P W_K and P W_V (N_p x D) on the backend, the host products' copies (the same bits
-    /// as its training pass reads); shared by copies of the block.
+    /// MAC: P W_K and P W_V (N_p x D) on the backend, made by Glue::product_plain (on the
+    /// CPU the bits its training pass and mixer have always read); shared by copies of the
+    /// block.
     struct MacPrefix {
         Buffer k, v;
     };
     /// What the block computes once from its parameters: MAG's and SWA's persistent prefix
-    /// projected on the backend (P W_K, P W_V), MAC's as host products (N_p x D) put on the
-    /// backend (its mixer's and training pass's: the CPU's bits), and P itself
+    /// projected by the attention (P W_K, P W_V), MAC's by the glue (N_p x D), and P itself
     /// on the backend (the rows a training forward puts before each sequence's, keeps as its
     /// attention's prefix, or, for MAC, multiplies for P's gradient; shared by copies of the
-    /// block).
+    /// block). Everything in the backend's memory, made there.
     struct Derived {
         std::optional<typename Attention<T, Backend>::Prefix> prefix;
         std::shared_ptr<const MacPrefix> mac_prefix;
         std::shared_ptr<const Buffer> persistent;
     };
-    /// Derived from the parameters as held now (nothing changes if it throws): P goes to the
-    /// backend once.
+    /// Derived from the parameters as held now (nothing changes if it throws): P (and, for
+    /// MAC, W_K and W_V) go to the backend once.
     Derived derive() const {
         if (!attention_) return {};
         const backend::Upload<Backend, T> rows(params_->persistent);
-        return derive(attention_->prepared(), rows.view(), params_.get());
+        if (cfg_.kind != BlockKind::MAC) return derive(attention_->prepared(), rows.view(), {});
+        const backend::Upload<Backend, T> w_k(params_->attention.w_k), w_v(params_->attention.w_v);
+        return derive(attention_->prepared(), rows.view(), {w_k.view(), w_v.view()});
     }
     /// Derived from the attention's parameters `att` and P's rows `persistent` (p x d_model),
-    /// both in the backend's memory; MAC's products from `host`, the same values on the host
-    /// (required for MAC, not read otherwise).
+    /// both in the backend's memory; for MAC, `kv` holds W_K and W_V there (d x D each).
     Derived derive(const typename Attention<T, Backend>::Prepared& att, View<const T> persistent,
-                   const BlockParams<T>* host) const {
+                   std::array<View<const T>, 2> kv) const {
         Derived d;
         if (cfg_.kind == BlockKind::MAG || cfg_.kind == BlockKind::SWA) {
             d.prefix.emplace(attention_->project_prefix(att, persistent));
         }
         if (cfg_.kind == BlockKind::MAC) {
-            // Assigned, not constructed: Eigen evaluates the two forms differently and they
-            // round differently in float; this form keeps the bits MAC always had.
-            Matrix<T> k, v;
-            k = host->persistent * host->attention.w_k;
-            v = host->persistent * host->attention.w_v;
-            d.mac_prefix = std::make_shared<const MacPrefix>(
-                MacPrefix{Transfer::upload(view_of(k)), Transfer::upload(view_of(v))});
+            const Eigen::Index D = cfg_.attention.inner_dim();
+            MacPrefix m{Transfer::allocate(persistent.rows, D), Transfer::allocate(persistent.rows, D)};
+            if (persistent.rows > 0) {
+                Glue::product_plain(persistent, kv[0], Transfer::view(m.k));
+                Glue::product_plain(persistent, kv[1], Transfer::view(m.v));
+            }
+            d.mac_prefix = std::make_shared<const MacPrefix>(std::move(m));
         }
         if (cfg_.n_persistent > 0) {  // MAC: for P's gradient in its training pass
             Buffer p = Transfer::allocate(persistent.rows, persistent.cols);
@@ -481,9 +483,8 @@ private:
         Derived derived;
     };
     /// Staged from the block's parameters flat in the backend's memory (1 x parameter_count(),
-    /// BlockParams::tensors order): nothing crosses to the host. MAC's P W_K, P W_V are host
-    /// matrices: a MAC block takes `host`, the same values on the host (required for MAC).
-    Staged stage(View<const T> flat, const BlockParams<T>* host) const {
+    /// BlockParams::tensors order): nothing crosses to the host.
+    Staged stage(View<const T> flat) const {
         const auto v = detail::BlockGradientViews<T, const T>::cut(flat, *params_, cfg_);
         Staged s;
         s.norm_mix = norm_mix_.prepare_flat(v.norm_mix);
@@ -494,9 +495,15 @@ private:
         if (ffn_) s.ffn = ffn_->prepare_flat(v.ffn);
         if (attention_) {
             s.attention = attention_->prepare_flat(v.attention);
-            s.derived = derive(*s.attention, v.persistent, host);
+            s.derived = derive(*s.attention, v.persistent, attention_kv(v.attention));
         }
         return s;
+    }
+    /// W_K and W_V in the attention's flat parameters (W_Q, W_K, W_V, W_O in order).
+    std::array<View<const T>, 2> attention_kv(View<const T> att) const {
+        const Eigen::Index d = cfg_.d_model, D = cfg_.attention.inner_dim();
+        return {View<const T>{att.data + d * D, d, D, D},
+                View<const T>{att.data + 2 * d * D, d, D, D}};
     }
     /// The kernels use what `s` holds from now on (params() keeps its host values: the model
     /// refreshes them).

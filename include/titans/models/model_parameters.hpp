@@ -6,7 +6,6 @@
 
 #include <memory>
 #include <mutex>
-#include <optional>
 #include <utility>
 #include <vector>
 
@@ -50,35 +49,21 @@ struct ModelParameters {
         };
 
     /// set_parameters(flat) on the backend, where this model alone holds its parameters:
-    /// everything new is made first (a throw changes nothing), then taken. A model with a MAC
-    /// block brings the values to the host at once (one download: MAC's mixer reads them
-    /// there) and swaps them into its host tensors; any other leaves the host tensors to
-    /// sync_host().
+    /// everything new is made first (a throw changes nothing), then taken; nothing crosses to
+    /// the host (the host tensors are brought back by sync_host() when read).
     static void take(Mdl& m, View<const T> flat) {
         const ModelConfig& cfg = m.cfg_;
         const Eigen::Index d = cfg.d_model, vocab = cfg.vocab_size, out = cfg.output_dim();
-        std::optional<ModelParams<T>> host;
-        for (const BlockConfig& b : cfg.blocks) {
-            if (b.kind == BlockKind::MAC && !host) {
-                host.emplace(ModelParams<T>::zeros(cfg));
-                backend::copy_to_host<Backend>(flat, *host, cfg);
-            }
-        }
-        // Without MAC the host tensors are brought back later from a copy of the values the
-        // model keeps (the caller's buffer may change); with MAC they are on the host already.
-        std::shared_ptr<ParameterMirror<T, Backend>> mirror;
-        if (!host) {
-            mirror = std::make_shared<ParameterMirror<T, Backend>>();
-            mirror->flat = copy_on_backend(flat);
-        }
-        const View<const T> v = mirror ? Transfer::view(std::as_const(mirror->flat)) : flat;
+        // A copy of the values the model keeps (the caller's buffer may change).
+        auto mirror = std::make_shared<ParameterMirror<T, Backend>>();
+        mirror->flat = copy_on_backend(flat);
+        const View<const T> v = Transfer::view(std::as_const(mirror->flat));
         Eigen::Index at = vocab * d;
         std::vector<typename Block<T, Backend>::Staged> staged;
         staged.reserve(m.blocks_.size());
         for (std::size_t i = 0; i < m.blocks_.size(); ++i) {
             const auto& b = m.blocks_[i];
-            staged.push_back(b.stage(detail::flat_range(v, at, b.parameter_count()),
-                                     host ? &host->blocks[i] : nullptr));
+            staged.push_back(b.stage(detail::flat_range(v, at, b.parameter_count())));
             at += b.parameter_count();
         }
         auto norm = m.norm_final_.prepare_flat(detail::flat_range(v, at, d));
@@ -90,10 +75,7 @@ struct ModelParameters {
         }
         m.norm_final_.adopt(std::move(norm));
         m.edge_ = std::move(edge);
-        if (host) {  // made non-const by the by-value constructor, held by nothing else
-            Mdl::swap_tensors(const_cast<ModelParams<T>&>(*m.params_), *host, cfg);
-        }
-        m.mirror_ = std::move(mirror);  // null with MAC: the host tensors are current
+        m.mirror_ = std::move(mirror);
     }
 
     /// A copy of `from` in a buffer of its own, on the backend.

@@ -138,10 +138,9 @@ struct TrainerProgress {
 /// staged reverse a model with a MAC block is refused (ConfigError; Block::trains). The
 /// optimiser's parameters and moments live in the backend's memory (ModelAdamW), and the model
 /// takes each step's values from there (Model::set_parameters(flat)): on a device each layer
-/// copies its part there, nothing crossing to the host (with a MAC block the values also come
-/// down once a step, for MAC's mixer on the host). The loss, the norm and AdamW's verdict wait
-/// there too (BackendScalars) and come back together: besides the ids and labels going up, a
-/// step on a device without MAC makes one download.
+/// copies its part there, nothing crossing to the host (MAC's P W_K, P W_V are made there
+/// too). The loss, the norm and AdamW's verdict wait there too (BackendScalars) and come back
+/// together: besides the ids and labels going up, a step on a device makes one download.
 template <class T, class Backend>
 class Trainer {
     static_assert(Model<T, Backend>::trainable,

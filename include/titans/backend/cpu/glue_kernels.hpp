@@ -84,6 +84,13 @@ struct GlueKernels<Cpu, T> {
     static void product(View<const T> x, View<const T> w, View<T> out) {
         detail::multiply(cpu::as_eigen(out), cpu::as_eigen(x), cpu::as_eigen(w));
     }
+    /// Eigen's product assigned to a matrix of its own, then copied: not multiply()'s row
+    /// kernel, which sums a few rows in another order (MAC's P W_K, P W_V: the bits they had).
+    static void product_plain(View<const T> x, View<const T> w, View<T> out) {
+        Matrix<T> t;
+        t = cpu::as_eigen(x) * cpu::as_eigen(w);
+        cpu::as_eigen(out) = t;
+    }
     static void product_at(View<const T> a, View<const T> b, View<T> out) {
         cpu::as_eigen(out).noalias() = cpu::as_eigen(a).transpose() * cpu::as_eigen(b);
     }

@@ -114,6 +114,59 @@ __device__ void tiled_key_tiles(const TiledAttentionArgs<T>& a, TiledShape shape
     }
 }
 
+/// Pass 1 of the query pass on one key tile's scores s (nq x tk, -inf where unseen, nk
+/// columns used): each row's running maximum mx and sum of exp(s - mx), updated online.
+template <class T>
+__device__ void tiled_online_stats(const T* s, int tk, int nq, int nk, T* mx, T* sum) {
+    const T none = -static_cast<T>(INFINITY);
+    for (int r = threadIdx.x; r < nq; r += blockDim.x) {
+        const T* row = s + r * tk;
+        T m = mx[r];
+        for (int c = 0; c < nk; ++c) {
+            m = row[c] > m ? row[c] : m;
+        }
+        T l = m == mx[r] ? sum[r] : sum[r] * std::exp(mx[r] - m);
+        for (int c = 0; c < nk; ++c) {
+            l += row[c] == none ? T(0) : std::exp(row[c] - m);
+        }
+        mx[r] = m;
+        sum[r] = l;
+    }
+}
+
+/// Pass 2 of the query pass: a key tile's scores s (nq x tk) become their adjoints in place,
+/// dS = scale P (dout . v - delta), P = exp(s - mx) inv (0 where unseen); g holds dout's rows
+/// and v the tile's values (leading dimension ld, dh columns).
+template <class T>
+__device__ void tiled_score_adjoints(T* s, int tk, int nq, const T* g, const T* v, int ld,
+                                     int dh, const T* mx, const T* inv, const T* delta,
+                                     T scale) {
+    const T none = -static_cast<T>(INFINITY);
+    for (int i = threadIdx.x; i < nq * tk; i += blockDim.x) {
+        const int r = i / tk, c = i % tk;
+        T ds = T(0);
+        if (s[i] != none) {
+            const T p = std::exp(s[i] - mx[r]) * inv[r];
+            ds = scale * p * (tiled_dot(g + r * ld, v + c * ld, dh) - delta[r]);
+        }
+        s[i] = ds;
+    }
+}
+
+/// dq (nq x dh, leading dimension ld) += dS K over the key tile's nk columns (dS: nq x tk).
+template <class T>
+__device__ void tiled_add_dq(T* gq, const T* ds, int tk, const T* k, int ld, int nq, int nk,
+                             int dh) {
+    for (int i = threadIdx.x; i < nq * dh; i += blockDim.x) {
+        const int r = i / dh, e = i % dh;
+        T acc = gq[r * ld + e];
+        for (int c = 0; c < nk; ++c) {
+            acc += ds[r * tk + c] * k[c * ld + e];
+        }
+        gq[r * ld + e] = acc;
+    }
+}
+
 /// The query pass: one query tile of one head of one sequence (blockIdx x, y, z).
 template <class T>
 __global__ void __launch_bounds__(tiled_threads)
@@ -169,19 +222,7 @@ __global__ void __launch_bounds__(tiled_threads)
     // Pass 1: each row's maximum and sum, online.
     tiled_key_tiles(f, shape, b, t0, nq, [&](long long kr, bool pre, int nk, long long key0) {
         scores(kr, pre, nk, key0, false);
-        for (int r = threadIdx.x; r < nq; r += blockDim.x) {
-            const T* row = s + r * shape.tk;
-            T m = mx[r];
-            for (int c = 0; c < nk; ++c) {
-                m = row[c] > m ? row[c] : m;
-            }
-            T l = m == mx[r] ? sum[r] : sum[r] * std::exp(mx[r] - m);
-            for (int c = 0; c < nk; ++c) {
-                l += row[c] == none ? T(0) : std::exp(row[c] - m);
-            }
-            mx[r] = m;
-            sum[r] = l;
-        }
+        tiled_online_stats(s, shape.tk, nq, nk, mx, sum);
         __syncthreads();
     });
     for (int r = threadIdx.x; r < nq; r += blockDim.x) {
@@ -191,24 +232,9 @@ __global__ void __launch_bounds__(tiled_threads)
     // Pass 2: dS per key tile, dq += dS K.
     tiled_key_tiles(f, shape, b, t0, nq, [&](long long kr, bool pre, int nk, long long key0) {
         scores(kr, pre, nk, key0, true);
-        for (int i = threadIdx.x; i < nq * shape.tk; i += blockDim.x) {
-            const int r = i / shape.tk, c = i % shape.tk;
-            T ds = T(0);
-            if (s[i] != none) {
-                const T p = std::exp(s[i] - mx[r]) * sum[r];
-                ds = f.scale * p * (tiled_dot(g + r * ld, v + c * ld, dh) - delta[r]);
-            }
-            s[i] = ds;
-        }
+        tiled_score_adjoints(s, shape.tk, nq, g, v, ld, dh, mx, sum, delta, f.scale);
         __syncthreads();
-        for (int i = threadIdx.x; i < nq * dh; i += blockDim.x) {
-            const int r = i / dh, e = i % dh;
-            T acc = gq[r * ld + e];
-            for (int c = 0; c < nk; ++c) {
-                acc += s[r * shape.tk + c] * k[c * ld + e];
-            }
-            gq[r * ld + e] = acc;
-        }
+        tiled_add_dq(gq, s, shape.tk, k, ld, nq, nk, dh);
         __syncthreads();
     });
     for (int i = threadIdx.x; i < nq * dh; i += blockDim.x) {
