@@ -341,6 +341,44 @@ TEST_CASE("cuda memory: real streams", "[cuda]") {
     }
 }
 
+// The non-finite checks of a forward call run as one launch per stage (the projections and
+// gates; the memory's reads and state; the output) where a launch per checked buffer ran
+// before (3 + 1 + 2 depth a one-token call, 10 at depth 2): one token at a time, a chunk
+// ending inside some calls, 3 launches of flag_rows_kernel a call; a memory deep enough that
+// its state's sets fill one launch (12 sets) takes a second for them. Outputs as the CPU's;
+// the overflow messages are the CPU's ("cuda memory: errors leave the state"). Counted by the
+// emulator (its launches per kernel): a GPU run skips the counts.
+TEST_CASE("cuda memory: one check launch per stage", "[cuda]") {
+    for (const int depth : {2, 6}) {
+        Rng rng(seed_for("cuda check launches", static_cast<std::uint64_t>(depth)));
+        Fixture f(rng(), Retrieval::Lagged, 3);
+        f.cfg.depth = depth;
+        f.cfg.gates = titans::GateMode::DataDependent;
+        f.p = random_params(f.cfg, rng);
+        NeuralMemory<double> cpu(f.cfg, f.p);
+        CudaMemory<double> gpu(f.cfg, f.p);
+        auto cs = cpu.make_state(2);
+        auto gs = gpu.make_state(2);
+        for (int t = 0; t < 5; ++t) {  // the call at t = 2 ends a chunk
+            const Matrixd x = random_matrix(2, f.cfg.d_model, rng);
+#if TITANS_CUDA_EMULATION
+            const void* kernel =
+                reinterpret_cast<const void*>(&titans::backend::cuda::flag_rows_kernel<double>);
+            const long before = cuda_emulation::launches(kernel);
+#endif
+            const Matrixd yg = gpu.forward(gs, x);
+            INFO("depth " << depth << ", token " << t);
+#if TITANS_CUDA_EMULATION
+            // Stage 2: the read and two sets per layer (the pending rows' a and delta, or,
+            // after a chunk end, W and S).
+            const long stage2 = 1 + 2L * depth;
+            CHECK(cuda_emulation::launches(kernel) - before == 2 + (stage2 + 11) / 12);
+#endif
+            CHECK(rel_error(yg, cpu.forward(cs, x)) <= 1e-12);
+        }
+    }
+}
+
 TEST_CASE("cuda memory: errors leave the state", "[cuda]") {
     Rng rng(seed_for("cuda errors"));
     const Fixture f(rng(), Retrieval::Lagged, 4);

@@ -472,6 +472,21 @@ inline void run_grid(dim3 grid, dim3 block, void (*run)(const void*), const void
     }
 }
 
+/// Kernel launches so far, per kernel (its address): what a test counts to see how many
+/// launches a call makes.
+inline std::mutex launch_counts_mutex;
+inline std::map<const void*, long> launch_counts;
+inline void count_launch(const void* kernel) {
+    const std::lock_guard<std::mutex> lock(launch_counts_mutex);
+    ++launch_counts[kernel];
+}
+/// How many launches of `kernel` ran so far.
+inline long launches(const void* kernel) {
+    const std::lock_guard<std::mutex> lock(launch_counts_mutex);
+    const auto it = launch_counts.find(kernel);
+    return it == launch_counts.end() ? 0 : it->second;
+}
+
 /// kernel<<<grid, block, shmem, stream>>>(args...): checks the configuration and the stream
 /// (an error is left for cudaGetLastError, as a failed launch is), then runs the kernel.
 /// The arguments are converted to the kernel's parameter types once, as a launch does, and
@@ -488,6 +503,7 @@ void launch(void (*kernel)(P...), dim3 grid, dim3 block, std::size_t shmem, cuda
         fail(cudaErrorInvalidResourceHandle);
         return;
     }
+    count_launch(reinterpret_cast<const void*>(kernel));
     struct Call {
         void (*kernel)(P...);
         std::tuple<std::decay_t<P>...> args;

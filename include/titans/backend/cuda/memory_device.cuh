@@ -45,7 +45,8 @@ __device__ inline void conv_step(const T* taps, T x, T (&win)[held], int C3, int
             }
             TITANS_UNROLL
             for (int i = 0; i < held; ++i) {  // slide: the newest input last
-                win[i] = i + 1 < K - 1 ? win[i + 1] : (i + 1 == K - 1 ? x : win[i]);
+                win[i] = i + 1 < K - 1 ? win[i + 1 < held ? i + 1 : i]
+                                       : (i + 1 == K - 1 ? x : win[i]);
             }
         } else {
             for (int i = 0; i < K - 1; ++i) {
@@ -128,27 +129,54 @@ __device__ T warp_max(T x) {
     return x;
 }
 
-/// flags[slot] = the smallest key of the rows holding a NaN or an infinity, if any
-/// (atomicMin; the slot starts above every key): rows r < `rows` of P matrices (`cols` wide,
-/// row stride ld, pair stride ps), row r of matrix p keyed (p / div) a + r b. One warp per row.
+/// One set of rows a non-finite check covers: rows r < `rows` of P matrices (`cols` wide, row
+/// stride ld, pair stride ps) from x, row r of matrix p keyed (p / div) a + r b into
+/// flags[slot].
 template <class T>
-__global__ void flag_rows_kernel(const T* x, long long P, long long rows, int cols, long long ld,
-                                 long long ps, int* flags, int slot, long long div, long long a,
-                                 long long b, int cap) {
+struct FlagRows {
+    const T* x;
+    long long P, rows;
+    int cols;
+    long long ld, ps;
+    int slot;
+    long long div, a, b;
+};
+
+/// How many row sets one flag_rows_kernel launch takes (its parameters stay under 1.5 KB).
+inline constexpr int flag_sets_max = 12;
+
+/// The row sets of one flag_rows_kernel launch: set i's warps are [first[i], first[i + 1]).
+template <class T>
+struct FlagSets {
+    FlagRows<T> set[flag_sets_max];
+    long long first[flag_sets_max + 1];
+    int count;
+};
+
+/// flags[slot] = the smallest key of the rows holding a NaN or an infinity, if any
+/// (atomicMin; the slot starts above every key, keys capped below `cap`), for every row of
+/// every set in `sets`. One warp per row; the checks of a call's stage go in one launch.
+template <class T>
+__global__ void flag_rows_kernel(FlagSets<T> sets, int* flags, int cap) {
     const long long w = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
     const int lane = static_cast<int>(threadIdx.x % 32);
-    if (w >= P * rows) {
+    if (w >= sets.first[sets.count]) {
         return;  // the whole warp
     }
-    const long long p = w / rows, r = w % rows;
-    const T* row = x + p * ps + r * ld;
+    int i = 0;
+    while (w >= sets.first[i + 1]) {
+        ++i;
+    }
+    const FlagRows<T>& f = sets.set[i];
+    const long long k = w - sets.first[i], p = k / f.rows, r = k % f.rows;
+    const T* row = f.x + p * f.ps + r * f.ld;
     int bad = 0;
-    for (int col = lane; col < cols; col += 32) {
+    for (int col = lane; col < f.cols; col += 32) {
         bad |= not_finite(row[col]) ? 1 : 0;
     }
     if (warp_max(bad) != 0 && lane == 0) {
-        const long long key = (p / div) * a + r * b;
-        atomicMin(flags + slot, static_cast<int>(key < cap ? key : cap - 1));
+        const long long key = (p / f.div) * f.a + r * f.b;
+        atomicMin(flags + f.slot, static_cast<int>(key < cap ? key : cap - 1));
     }
 }
 

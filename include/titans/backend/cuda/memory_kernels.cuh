@@ -353,19 +353,43 @@ struct MemoryKernels<Cuda, T> {
     /// No entry flagged (cudaMemset with byte 0x7f: larger than every key).
     static constexpr int unflagged = 0x7f7f7f7f;
 
-    /// flags[slot] = the smallest key of the rows of P matrices (rows x cols, row stride ld,
-    /// pair stride ps) holding a non-finite entry, if any (cuda::flag_rows_kernel; the slot
-    /// starts at `unflagged`).
-    static void flag_nonfinite(cudaStream_t sm, const T* x, long long P, long long rows,
-                               long long cols, long long ld, long long ps, int* flags, int slot,
-                               FlagKey key) {
-        if (P * rows * cols == 0) {
-            return;
+    /// The non-finite checks of one stage of a forward call, launched together
+    /// (cuda::flag_rows_kernel): add(x, P, rows, cols, ld, ps, slot, key) queues the rows of
+    /// P matrices (rows x cols, row stride ld, pair stride ps), flags[slot] getting the
+    /// smallest key of a row with a NaN or an infinity (the slot starts at `unflagged`);
+    /// launch() runs what is queued (a full queue launches by itself).
+    class FlagStage {
+    public:
+        FlagStage(cudaStream_t sm, int* flags) : sm_(sm), flags_(flags) { sets_.first[0] = 0; }
+        void add(const T* x, long long P, long long rows, long long cols, long long ld,
+                 long long ps, int slot, FlagKey key) {
+            if (P * rows * cols == 0) {
+                return;
+            }
+            if (sets_.count == cuda::flag_sets_max) {
+                launch();
+            }
+            sets_.set[sets_.count] = cuda::FlagRows<T>{x,  P,   rows,    static_cast<int>(cols),
+                                                       ld, ps,  slot,    key.div,
+                                                       key.a, key.b};
+            sets_.first[sets_.count + 1] = sets_.first[sets_.count] + P * rows;
+            ++sets_.count;
         }
-        cuda::launch(cuda::flag_rows_kernel<T>, cuda::warp_blocks(P * rows), 256, sm, x, P, rows,
-                     static_cast<int>(cols), ld, ps, flags, slot, key.div, key.a, key.b, unflagged);
-        cuda::check_launch("the non-finite check");
-    }
+        void launch() {
+            if (sets_.count == 0) {
+                return;
+            }
+            cuda::launch(cuda::flag_rows_kernel<T>, cuda::warp_blocks(sets_.first[sets_.count]),
+                         256, sm_, sets_, flags_, unflagged);
+            cuda::check_launch("the non-finite check");
+            sets_.count = 0;
+        }
+
+    private:
+        cudaStream_t sm_;
+        int* flags_;
+        cuda::FlagSets<T> sets_{};
+    };
 
     static Layers layers(const MemoryConfig& cfg, const std::vector<Buf>& a,
                          const std::vector<Buf>& d) {
@@ -895,8 +919,8 @@ struct MemoryKernels<Cuda, T> {
 
     /// Flags the non-finite entries of a forward call: 0 projections, 1 memory read,
     /// 2 memory state (weights and momentum after a chunk end, pending rows), 3 output.
-    static void check_state(const MemoryConfig& cfg, State& st, bool ended, int* flags) {
-        const cudaStream_t sm = ctx(st).stream();
+    static void check_state(const MemoryConfig& cfg, const State& st, bool ended,
+                            FlagStage& checks) {
         const long long P = static_cast<long long>(st.batch_) * cfg.n_heads;
         const int b = st.chunk_, n = st.pending();
         const FlagKey pair{1, 1, 0};
@@ -904,11 +928,11 @@ struct MemoryKernels<Cuda, T> {
             const auto li = static_cast<std::size_t>(l - 1);
             const long long in = cfg.layer_in(l), out = cfg.layer_out(l);
             if (ended) {
-                flag_nonfinite(sm, st.w_[li].data(), P, in, out, out, in * out, flags, 2, pair);
-                flag_nonfinite(sm, st.s_[li].data(), P, in, out, out, in * out, flags, 2, pair);
+                checks.add(st.w_[li].data(), P, in, out, out, in * out, 2, pair);
+                checks.add(st.s_[li].data(), P, in, out, out, in * out, 2, pair);
             }
-            flag_nonfinite(sm, st.a_[li].data(), P, n, in, in, b * in, flags, 2, pair);
-            flag_nonfinite(sm, st.delta_[li].data(), P, n, out, out, b * out, flags, 2, pair);
+            checks.add(st.a_[li].data(), P, n, in, in, b * in, 2, pair);
+            checks.add(st.delta_[li].data(), P, n, out, out, b * out, 2, pair);
         }
     }
 
@@ -964,20 +988,23 @@ struct MemoryKernels<Cuda, T> {
         const FlagKey by_row{cfg.n_heads, N, 1};
         cuda::check(cudaMemsetAsync(flags, 0x7f, 5 * sizeof(int), cx.stream()), "cudaMemsetAsync");
         project(cfg, p, cx, w, x, B, N, cfg.use_conv, st.tail_.data(), true, false);
+        FlagStage checks(cx.stream(), flags);  // one launch per stage
         for (const Buf* b : {&w.q, &w.k, &w.v}) {
-            flag_nonfinite(cx.stream(), b->data(), P, N, dh, dh, N * dh, flags, 0, by_row);
+            checks.add(b->data(), P, N, dh, dh, N * dh, 0, by_row);
         }
         if (cfg.gates != GateMode::Constant) {
-            flag_nonfinite(cx.stream(), w.lp.data(), P, N, 3, 3, N * 3, flags, 4, by_row);
+            checks.add(w.lp.data(), P, N, 3, 3, N * 3, 4, by_row);
         }
+        checks.launch();
         const bool ended = scan(cfg, st, N, diag != nullptr);
-        flag_nonfinite(cx.stream(), w.yp.data(), P, N, dh, dh, N * dh, flags, 1, FlagKey{1, 1, P});
+        checks.add(w.yp.data(), P, N, dh, dh, N * dh, 1, FlagKey{1, 1, P});
         const std::int64_t pos0 = st.position_;
         st.position_ += N;  // rolled back with the rest if a check fails below
-        check_state(cfg, st, ended, flags);
+        check_state(cfg, st, ended, checks);
+        checks.launch();
         output(cfg, p, cx, w, B, N, y);
-        flag_nonfinite(cx.stream(), y.data, 1, x.rows, cfg.d_model, y.stride, 0, flags, 3,
-                       FlagKey{1, 0, 1});
+        checks.add(y.data, 1, x.rows, cfg.d_model, y.stride, 0, 3, FlagKey{1, 0, 1});
+        checks.launch();
         if (cuda::deferring() && diag == nullptr) {  // read once at the call's edge
             cuda::defer_flags(cx.stream(), flags, 5, unflagged);
             return;
