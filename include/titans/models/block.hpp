@@ -495,15 +495,11 @@ private:
         if (ffn_) s.ffn = ffn_->prepare_flat(v.ffn);
         if (attention_) {
             s.attention = attention_->prepare_flat(v.attention);
-            s.derived = derive(*s.attention, v.persistent, attention_kv(v.attention));
+            // W_K and W_V: the attention's second and third tensors (W_Q, W_K, W_V, W_O).
+            const auto w = detail::flat_views(v.attention, params_->attention, cfg_.attention);
+            s.derived = derive(*s.attention, v.persistent, {w[1], w[2]});
         }
         return s;
-    }
-    /// W_K and W_V in the attention's flat parameters (W_Q, W_K, W_V, W_O in order).
-    std::array<View<const T>, 2> attention_kv(View<const T> att) const {
-        const Eigen::Index d = cfg_.d_model, D = cfg_.attention.inner_dim();
-        return {View<const T>{att.data + d * D, d, D, D},
-                View<const T>{att.data + 2 * d * D, d, D, D}};
     }
     /// The kernels use what `s` holds from now on (params() keeps its host values: the model
     /// refreshes them).
