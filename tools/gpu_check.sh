@@ -20,7 +20,8 @@
 #                                 memcheck.txt, initcheck.txt
 #   tools/gpu_check.sh lease [DIR]
 #                                 one lent machine's call, each step under a time limit: the
-#                                 tests, the fused kernel's tests under memcheck and racecheck
+#                                 tests, the fused and decode kernels' tests and the per-pair
+#                                 launches' under memcheck and racecheck
 #                                 (fused_memcheck.txt, fused_racecheck.txt), the block,
 #                                 model and trainer tests under memcheck
 #                                 (training_memcheck.txt), then the memory,
@@ -30,6 +31,10 @@
 #                                 titans-pytorch's NeuralMemory against bench_cuda on the same GPU
 #                                 (tools/compare_pytorch_gpu.py): needs the wheels that
 #                                 tools/peer_wheels.py puts in .whl here, carried with the build
+#   tools/gpu_check.sh profile [DIR]
+#                                 each kernel's device time in one memory training step
+#                                 (BM_CudaMemoryTrain) at B = 1 and B = 256 (Nsight Compute):
+#                                 ncu_train_B1.txt, ncu_train_B256.txt and the top 25 of each
 #
 # The figures in docs/performance.md ("CUDA backend") come from `run`.
 set -euo pipefail
@@ -101,7 +106,8 @@ do_lease() {
   local tool
   for tool in memcheck racecheck; do
     TITANS_CUDA_PARITY_CASES=1 timeout 120 compute-sanitizer --tool "${tool}" --error-exitcode 9 \
-      "${build}/tests/titans_cuda_tests" "cuda memory: fused*" > "${out}/fused_${tool}.txt" 2>&1 \
+      "${build}/tests/titans_cuda_tests" "cuda memory: fused*,cuda memory: decode*,cuda launch*" \
+      > "${out}/fused_${tool}.txt" 2>&1 \
       || echo "fused ${tool}: exit $?"
     echo "fused ${tool}: $(grep 'ERROR SUMMARY\|RACECHECK SUMMARY' "${out}/fused_${tool}.txt" || echo 'no summary')"
   done
@@ -129,6 +135,25 @@ do_lease() {
   return "${rc}"
 }
 
+# Where a memory training step's time goes, per kernel (Nsight Compute, one step each at
+# B = 1 and B = 256; the backward's kernels were never profiled at B = 256).
+do_profile() {
+  local out="${1:-${build}/results}" b
+  mkdir -p "${out}"
+  export LD_LIBRARY_PATH="${build}/bench${LD_LIBRARY_PATH:+:${LD_LIBRARY_PATH}}"
+  command -v ncu > /dev/null || { echo "profile: no ncu here"; return 1; }
+  for b in "1/N:2048" "256/N:512"; do
+    local tag="train_B${b%%/*}"
+    timeout 240 ncu --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
+      "${build}/bench/bench_cuda" --benchmark_min_time=0.001 --benchmark_repetitions=1 \
+      --benchmark_filter="BM_CudaMemoryTrain/B:${b}\$" > "${out}/ncu_${tag}.txt" 2>&1 \
+      || echo "ncu ${tag}: exit $?"
+    echo "${tag}: the 25 kernels of most device time (ms, launches, name)"
+    awk '/\)x\(/ { name = substr($0, 1, 110) } /gpu__time_duration.sum/ { print $NF, $(NF-3), name }' \
+      "${out}/ncu_${tag}.txt" | sort -rn | head -n 25
+  done
+}
+
 do_peers() {
   local out="${1:-${build}/results}"
   mkdir -p "${out}"
@@ -145,7 +170,8 @@ case "${1:-all}" in
   sanitize) do_sanitize "${2:-}" ;;
   lease) do_lease "${2:-}" ;;
   peers) do_peers "${2:-}" ;;
+  profile) do_profile "${2:-}" ;;
   all) do_build && do_run ;;
-  *) echo "usage: tools/gpu_check.sh [build | run [DIR] | sanitize [DIR] | lease [DIR] | peers [DIR]]" >&2
+  *) echo "usage: tools/gpu_check.sh [build | run [DIR] | sanitize [DIR] | lease [DIR] | peers [DIR] | profile [DIR]]" >&2
      exit 2 ;;
 esac

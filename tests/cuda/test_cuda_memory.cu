@@ -341,14 +341,14 @@ TEST_CASE("cuda memory: real streams", "[cuda]") {
     }
 }
 
-// The non-finite checks of a forward call run as one launch per stage (the projections and
-// gates; the memory's reads and state; the output) where a launch per checked buffer ran
-// before (3 + 1 + 2 depth a one-token call, 10 at depth 2): one token at a time, a chunk
-// ending inside some calls, 3 launches of flag_rows_kernel a call; a memory deep enough that
-// its state's sets fill one launch (12 sets) takes a second for them. Outputs as the CPU's;
-// the overflow messages are the CPU's ("cuda memory: errors leave the state"). Counted by the
-// emulator (its launches per kernel): a GPU run skips the counts.
-TEST_CASE("cuda memory: one check launch per stage", "[cuda]") {
+// The non-finite checks of a forward call run together at its end, 12 row sets a launch,
+// where a launch per checked buffer ran once (3 + 1 + 2 depth a one-token call, 10 at depth
+// 2), then one per stage (3): one token at a time, a chunk ending inside some calls, one
+// launch of flag_rows_kernel a call at depth 2; a deeper memory's sets take more (2 at depth
+// 6). Outputs as the CPU's; the overflow messages are the CPU's ("cuda memory:
+// errors leave the state"). Counted by the emulator (its launches per kernel): a GPU run
+// skips the counts.
+TEST_CASE("cuda memory: the checks in one launch", "[cuda]") {
     for (const int depth : {2, 6}) {
         Rng rng(seed_for("cuda check launches", static_cast<std::uint64_t>(depth)));
         Fixture f(rng(), Retrieval::Lagged, 3);
@@ -369,12 +369,148 @@ TEST_CASE("cuda memory: one check launch per stage", "[cuda]") {
             const Matrixd yg = gpu.forward(gs, x);
             INFO("depth " << depth << ", token " << t);
 #if TITANS_CUDA_EMULATION
-            // Stage 2: the read and two sets per layer (the pending rows' a and delta, or,
-            // after a chunk end, W and S).
-            const long stage2 = 1 + 2L * depth;
-            CHECK(cuda_emulation::launches(kernel) - before == 2 + (stage2 + 11) / 12);
+            // Every check at the call's end, 12 row sets a launch: q, k, v and the gate
+            // logits, the read, two sets per layer (the pending rows' a and delta, or, after
+            // a chunk end, W and S), the output.
+            const long sets = 4 + 1 + 2L * depth + 1;
+            CHECK(cuda_emulation::launches(kernel) - before == (sets + 11) / 12);
 #endif
             CHECK(rel_error(yg, cpu.forward(cs, x)) <= 1e-12);
+        }
+    }
+}
+
+/// A chunk's end coefficients (math §4) over the pair's row cf (the forward's layout).
+template <class T>
+struct EndCoefficients {
+    int n;
+    __device__ void operator()(T* cf) const {
+        titans::chunk_end_coefficients<T>(n, cf, cf + n, cf + 2 * n, cf + 5 * n, cf + 6 * n,
+                                          cf + 7 * n, cf + 7 * n + 1, cf + 7 * n + 2);
+    }
+};
+
+/// The host copy of a device buffer.
+template <class T>
+std::vector<T> host_copy(const titans::backend::cuda::DeviceBuffer<T>& b) {
+    std::vector<T> out(b.size());
+    titans::backend::cuda::check(cudaMemcpy(out.data(), b.data(), b.size() * sizeof(T),
+                                            cudaMemcpyDeviceToHost),
+                                 "cudaMemcpy");
+    return out;
+}
+
+// pair_local runs a pair's serial recurrence against a shared-memory copy of the pair's
+// first `head` entries: the same bits as a thread per pair on device memory, for heads in
+// shared memory and past its 48 KB (then in place), and entries past the head untouched.
+TEMPLATE_TEST_CASE("cuda launch: per-pair recurrences", "[cuda]", float, double) {
+    using T = TestType;
+    namespace cu = titans::backend::cuda;
+    Rng rng(seed_for("cuda pair_local", sizeof(T)));
+    const long long big = 48 * 1024 / static_cast<long long>(sizeof(T)) + 5;
+    for (const auto& [P, b, head] : std::vector<std::array<long long, 3>>{
+             {1, 1, 10}, {7, 16, 7 * 16 + 3}, {33, 64, 7 * 64 + 3}, {3, 8, big}}) {
+        const long long stride = head + 11;
+        std::vector<T> v(static_cast<std::size_t>(P * stride));
+        for (T& x : v) x = static_cast<T>(uniform(rng, 0.05, 0.95));
+        auto fast = cu::upload_array(v.data(), v.size());
+        auto plain = cu::upload_array(v.data(), v.size());
+        const EndCoefficients<T> coefficients{static_cast<int>(b)};
+        // the last entry of the head and one past it: the first is written back, the second
+        // never seen (nor written) by the local copy
+        const long long last = head - 1;
+        cu::pair_local(cudaStream_t{}, fast.data(), P, stride, head,
+                       [=] __device__(unsigned, T* local, T* dev) {
+                           coefficients(local);
+                           local[last] += T(1);
+                           dev[last + 1] += T(2);
+                       });
+        T* pp = plain.data();
+        cu::each(cudaStream_t{}, P, [=] __device__(unsigned p) {
+            T* cf = pp + p * stride;
+            coefficients(cf);
+            cf[last] += T(1);
+            cf[last + 1] += T(2);
+        });
+        INFO("P " << P << " b " << b << " head " << head);
+        const std::vector<T> a = host_copy(fast), e = host_copy(plain);
+        CHECK(a == e);
+        CHECK(a != v);
+    }
+}
+
+// sum_rows against a plain sum in long double, for row counts around its slices.
+TEMPLATE_TEST_CASE("cuda launch: row sums", "[cuda]", float, double) {
+    using T = TestType;
+    namespace cu = titans::backend::cuda;
+    Rng rng(seed_for("cuda sum_rows", sizeof(T)));
+    for (const auto& [rows, cols] : std::vector<std::array<long long, 2>>{
+             {0, 3}, {1, 1}, {5, 24}, {17, 7}, {1000, 3}, {4097, 24}}) {
+        std::vector<T> x(static_cast<std::size_t>(std::max(rows * cols, 1LL)));
+        for (T& e : x) {
+            e = static_cast<T>(uniform(rng, -1.0, 1.0) * (uniform_int(rng, 0, 9) == 0 ? 1e3 : 1.0));
+        }
+        auto xb = cu::upload_array(x.data(), x.size());
+        cu::DeviceBuffer<T> out(static_cast<std::size_t>(cols));
+        const T* xp = xb.data();
+        const long long c = cols;
+        cu::sum_rows(cudaStream_t{}, rows, cols,
+                     [=] __device__(unsigned r, unsigned j) { return T(2) * xp[r * c + j]; },
+                     out.data());
+        const std::vector<T> got = host_copy(out);
+        for (long long j = 0; j < cols; ++j) {
+            long double sum = 0, mag = 0;
+            for (long long r = 0; r < rows; ++r) {
+                sum += 2.0L * x[static_cast<std::size_t>(r * cols + j)];
+                mag += std::fabs(2.0L * x[static_cast<std::size_t>(r * cols + j)]);
+            }
+            INFO("rows " << rows << " cols " << cols << " column " << j);
+            const double eps = std::numeric_limits<T>::epsilon();
+            CHECK(std::fabs(static_cast<double>(got[static_cast<std::size_t>(j)] - sum)) <=
+                  4 * eps * std::sqrt(static_cast<double>(rows) + 1) * static_cast<double>(mag) + 1e-300);
+        }
+    }
+}
+
+// Segments of at most 4 rows of a depth-2 memory with lagged retrieval (decode) run the read
+// and the key pass in one launch of decode_rows_kernel (memory_decode.cuh): against the CPU
+// in both precisions, both activations the memory takes, with and without the residual, one token a call and
+// pieces of 2-4 rows, and the same cases with the kernel off (FusedMemory::Off: the batched
+// products). Under the emulator: one launch a segment, none when off.
+TEMPLATE_TEST_CASE("cuda memory: decode kernel", "[cuda]", float, double) {
+    using T = TestType;
+    const double bound = std::is_same_v<T, double> ? 1e-12 : 1e-5;
+    int index = 0;
+    for (const Activation act : {Activation::SiLU, Activation::GELU}) {
+        for (const bool residual : {false, true}) {
+            for (const tcu::FusedMemory mode : {tcu::FusedMemory::Auto, tcu::FusedMemory::Off}) {
+                Rng rng(seed_for("cuda decode kernel", static_cast<std::uint64_t>(index++)));
+                Fixture f(rng(), Retrieval::Lagged, 5);
+                f.cfg.activation = act;
+                f.cfg.residual = residual;
+                f.cfg.gates = titans::GateMode::DataDependent;
+                f.p = random_params(f.cfg, rng);
+                const int B = 2, N = 17;
+                const Matrixd x = random_matrix(B * N, f.cfg.d_model, rng);
+                std::vector<int> pieces(7, 1);  // 7 single tokens, then 2, 4, 3 and one
+                for (const int n : {2, 4, 3, 1}) pieces.push_back(n);
+                tcu::set_fused_memory(mode);
+#if TITANS_CUDA_EMULATION
+                const void* kernel =
+                    reinterpret_cast<const void*>(&tcu::decode_rows_kernel<T>);
+                const long before = cuda_emulation::launches(kernel);
+#endif
+                INFO(to_string(act) << " residual " << residual << " kernel "
+                                    << (mode == tcu::FusedMemory::Off ? "off" : "on"));
+                const double e = compare_case<T>(f.cfg, f.p, x, B, N, rng, bound, pieces);
+                tcu::set_fused_memory(tcu::FusedMemory::Auto);
+                CHECK(e <= bound);
+#if TITANS_CUDA_EMULATION
+                // a segment per piece, or two where a piece crosses a chunk end (at 5, 10, 15)
+                const long launched = cuda_emulation::launches(kernel) - before;
+                CHECK(launched == (mode == tcu::FusedMemory::Off ? 0 : 7 + 4 + 2));
+#endif
+            }
         }
     }
 }

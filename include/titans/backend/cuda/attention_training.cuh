@@ -106,12 +106,12 @@ struct AttentionTraining<Cuda, T> {
         t.kept_k = Buf(static_cast<std::size_t>(t.batch * h * D));
         t.kept_v = Buf(static_cast<std::size_t>(t.batch * h * D));
         if (h > 0) {
-            const cudaStream_t sm = st.ctx_->stream();
+            const cudaStream_t sm = Kernels::ctx(st).stream();
             Kernels::move_rows(sm, t.kept_k.data(), st.k_.data() + st.off_ * D, t.batch, h * D,
                                h * D, st.cap_ * D);
             Kernels::move_rows(sm, t.kept_v.data(), st.v_.data() + st.off_ * D, t.batch, h * D,
                                h * D, st.cap_ * D);
-            st.ctx_->synchronize();  // before the forward may move the window
+            cuda::idle(Kernels::ctx(st));  // before the forward may move the window
         }
         if (t.prefix.rows() > 0) {
             const auto projected = Kernels::project_prefix(cfg, p, t.prefix.view(), sharing);

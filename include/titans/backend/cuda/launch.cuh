@@ -8,6 +8,7 @@
 // (nvcc --extended-lambda, which the titans::cuda target adds) or functor.
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <limits>
 #include <utility>
@@ -152,6 +153,80 @@ void add_column_blocks(cudaStream_t stream, const T* src, long long rows, long l
 template <class T>
 void add_entries(cudaStream_t stream, const T* from, long long n, T* to) {
     each(stream, n, [=] __device__(unsigned i) { to[i] += from[i]; });
+}
+
+template <class T, class F>
+__global__ void pair_local_kernel(T* vec, long long stride, int head, F f) {
+    T* v = vec + static_cast<long long>(blockIdx.x) * stride;
+    T* local = head > 0 ? dynamic_shared<T>() : v;
+    for (int i = threadIdx.x; i < head; i += blockDim.x) {
+        local[i] = v[i];
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        f(blockIdx.x, local, v);
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < head; i += blockDim.x) {
+        v[i] = local[i];
+    }
+}
+
+/// f(p, local, v) for every pair p < pairs, on one thread of a block per pair: v = vec + p *
+/// stride is the pair's row in device memory, `local` a copy of its first `head` entries in
+/// shared memory, written back after f. A serial recurrence over a chunk's coefficients (a
+/// thread per pair: math §4-5's running products) then waits for shared memory, not for
+/// device memory, at each step: the same arithmetic in the same order, so the same bits.
+/// Where head entries pass 48 KB, local = v (device memory, as a plain thread per pair).
+template <class T, class F>
+void pair_local(cudaStream_t stream, T* vec, long long pairs, long long stride, long long head,
+                F f) {
+    if (pairs <= 0) {
+        return;
+    }
+    if (pairs > static_cast<long long>(std::numeric_limits<int>::max())) {
+        throw CudaError(detail::concat("titans (CUDA backend): a kernel over ", pairs,
+                                       " (sequence, head) pairs, expected at most 2^31 - 1"));
+    }
+    const bool fits = head * static_cast<long long>(sizeof(T)) <= 48 * 1024;
+    const int h = fits ? static_cast<int>(head) : 0;
+    launch_shared(pair_local_kernel<T, F>, static_cast<unsigned>(pairs), 64,
+                  static_cast<std::size_t>(h) * sizeof(T), stream, vec, stride, h, f);
+    check_launch("a titans CUDA kernel launch (per pair)");
+}
+
+/// out[c] = Σ_{r < rows} f(r, c) for every c < cols (f a __device__ functor of two unsigned
+/// indices; rows below 2^32), in two launches: about sqrt(rows) partial sums over
+/// consecutive row ranges, a thread per (range, column), then each column's partials summed
+/// in range order. A thread per column walking every row (a bias's gradient over B * N rows:
+/// 24 threads on the whole GPU) waits for one load after another; this takes
+/// O(sqrt(rows)) steps a thread. The partials live in a buffer of the pool, per call.
+template <class T, class F>
+void sum_rows(cudaStream_t stream, long long rows, long long cols, F f, T* out) {
+    if (cols <= 0) {
+        return;
+    }
+    long long slices = static_cast<long long>(std::ceil(std::sqrt(static_cast<double>(rows))));
+    slices = slices < 1 ? 1 : slices;
+    const long long span = rows > 0 ? (rows + slices - 1) / slices : 0;
+    DeviceBuffer<T> partial(static_cast<std::size_t>(slices * cols));
+    T* pp = partial.data();
+    each(stream, slices * cols, [=] __device__(unsigned i) {
+        const long long s = i / u32(cols), c = i % u32(cols);
+        const long long r1 = (s + 1) * span < rows ? (s + 1) * span : rows;
+        T acc = T(0);
+        for (long long r = s * span; r < r1; ++r) {
+            acc += f(static_cast<unsigned>(r), static_cast<unsigned>(c));
+        }
+        pp[i] = acc;
+    });
+    each(stream, cols, [=] __device__(unsigned c) {
+        T acc = T(0);
+        for (long long s = 0; s < slices; ++s) {
+            acc += pp[s * cols + c];
+        }
+        out[c] = acc;
+    });
 }
 #endif
 

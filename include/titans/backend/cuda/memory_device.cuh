@@ -62,11 +62,13 @@ __device__ inline void conv_step(const T* taps, T x, T (&win)[held], int C3, int
 /// `tail`, (K-1) x 3D per sequence), phi, and the pair-major layout [s*H + h][t][d_h] of q
 /// (and k, v). The thread walks the column down the rows with the last K - 1 inputs in
 /// registers (K <= 8; longer kernels read them again), so each entry of u is read once, in
-/// batches of 8 rows whose loads are in flight together.
+/// batches of 8 rows whose loads are in flight together. `advance` (one thread walks the whole
+/// sequence, t0 = 0 and t1 = N): the thread then writes the column's new tail, the last K - 1
+/// inputs of [tail; u], over the old one it alone read.
 template <class T>
-__device__ void conv_column(const T* u, const T* taps, const T* tail, T* q, T* k, T* v,
-                            long long N, int C, int C3, int K, int D, int dh, int H, bool conv,
-                            bool silu, long long s, long long t0, long long t1, int c) {
+__device__ void conv_column(const T* u, const T* taps, T* tail, T* q, T* k, T* v, long long N,
+                            int C, int C3, int K, int D, int dh, int H, bool conv, bool silu,
+                            long long s, long long t0, long long t1, int c, bool advance) {
     constexpr int held = 7;  // inputs kept in registers: K - 1 <= held
     const int which = c / D, h = (c - which * D) / dh, j = c - which * D - h * dh;
     T* out = (which == 0 ? q : (which == 1 ? k : v)) + (s * H + h) * N * dh + j;
@@ -94,19 +96,35 @@ __device__ void conv_column(const T* u, const T* taps, const T* tail, T* q, T* k
             }
         }
     }
+    if (advance) {  // ascending: row r reads row r + N > r (advance_tail's order)
+        for (int r = 0; r < K - 1; ++r) {
+            T x = T(0);
+            if (in_registers) {
+                TITANS_UNROLL
+                for (int i = 0; i < held; ++i) {
+                    x = i == r ? win[i] : x;
+                }
+            } else {
+                x = input(N - (K - 1) + r);
+            }
+            tail[(s * (K - 1) + r) * C3 + c] = x;
+        }
+    }
 }
 
 /// conv_column over tiles of `rows` token rows: blockIdx.x = s * tiles + tile, the columns
 /// strided over blockIdx.y (a warp's 32 columns make its reads and writes coalesce).
+/// `advance` (one tile a sequence only): the conv tails advanced too.
 template <class T>
-__global__ void conv_tile_kernel(const T* u, const T* taps, const T* tail, T* q, T* k, T* v,
+__global__ void conv_tile_kernel(const T* u, const T* taps, T* tail, T* q, T* k, T* v,
                                  long long N, int C, int C3, int K, int D, int dh, int H,
-                                 bool conv, bool silu, int rows, long long tiles) {
+                                 bool conv, bool silu, int rows, long long tiles, bool advance) {
     const long long s = blockIdx.x / tiles, t0 = blockIdx.x % tiles * rows;
     const long long t1 = t0 + rows < N ? t0 + rows : N;
     for (int c = static_cast<int>(blockIdx.y * blockDim.x + threadIdx.x); c < C;
          c += static_cast<int>(gridDim.y * blockDim.x)) {
-        conv_column(u, taps, tail, q, k, v, N, C, C3, K, D, dh, H, conv, silu, s, t0, t1, c);
+        conv_column(u, taps, tail, q, k, v, N, C, C3, K, D, dh, H, conv, silu, s, t0, t1, c,
+                    advance);
     }
 }
 
@@ -177,6 +195,46 @@ __global__ void flag_rows_kernel(FlagSets<T> sets, int* flags, int cap) {
     if (warp_max(bad) != 0 && lane == 0) {
         const long long key = (p / f.div) * f.a + r * f.b;
         atomicMin(flags + f.slot, static_cast<int>(key < cap ? key : cap - 1));
+    }
+}
+
+/// One run of rows copied per pair: run entries of each of P pairs, pair p's from
+/// src + p ss to dst + p ds.
+template <class T>
+struct RowCopy {
+    T* dst;
+    const T* src;
+    unsigned run;
+    long long ds, ss;
+};
+
+/// How many row copies one copy_rows_kernel launch takes.
+inline constexpr int row_copies_max = 8;
+
+/// The copies of one copy_rows_kernel launch: copy i's entries are [first[i], first[i + 1]).
+template <class T>
+struct RowCopies {
+    RowCopy<T> set[row_copies_max];
+    unsigned first[row_copies_max + 1];
+    int count;
+};
+
+/// Every copy of `c` (disjoint destinations, none a source of another), a thread per entry
+/// (grid-stride): the pending rows a call saves, or writes, in one launch instead of one each.
+template <class T>
+__global__ void copy_rows_kernel(RowCopies<T> c) {
+    const unsigned total = c.first[c.count], step = gridDim.x * blockDim.x;
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += step) {
+        int k = 0;
+        while (i >= c.first[k + 1]) {
+            ++k;
+        }
+        const RowCopy<T>& r = c.set[k];
+        const unsigned j = i - c.first[k], p = j / r.run, e = j % r.run;
+        r.dst[p * r.ds + e] = r.src[p * r.ss + e];
+        if (total - i <= step) {
+            break;  // i + step would wrap
+        }
     }
 }
 
@@ -306,46 +364,70 @@ struct GateValues {
     T theta, eta, alpha;
 };
 
-/// theta, eta, alpha of one pending row r of a chunk, theta clipped by math §10, computed by
-/// one warp (every lane returns them). `gates`: the chunk's gate logits (rows of 3, the row r
-/// at gates + 3 r; PerChunk averages the first n); rows(l): the row's GradRows<T> of layer l
-/// (a_{l-1} and delta_l), for the clipping norm.
-template <class T, class Rows>
-__device__ GateValues<T> gate_row(const GateParams<T>& gp, int depth, const T* gates, int r,
-                                  int n, Rows rows, int lane) {
-    GateValues<T> v{gp.ct, gp.ce, gp.ca};
+/// theta, eta, alpha of row r of a chunk before clipping (math §1), computed by one warp
+/// (every lane returns them). `gates`: the chunk's gate logits (rows of 3, the row r at
+/// gates + 3 r; PerChunk averages the first n).
+template <class T>
+__device__ GateValues<T> gate_logits_row(const GateParams<T>& gp, const T* gates, int r, int n,
+                                         int lane) {
     if (gp.mode == GateMode::DataDependent) {
         const T* g = gates + 3LL * r;
-        v = {gp.tmax * detail::sigmoid(g[0]), gp.se * detail::sigmoid(g[1]),
-             gp.sa * detail::sigmoid(g[2])};
-    } else if (gp.mode == GateMode::PerChunk) {
+        return {gp.tmax * detail::sigmoid(g[0]), gp.se * detail::sigmoid(g[1]),
+                gp.sa * detail::sigmoid(g[2])};
+    }
+    if (gp.mode == GateMode::PerChunk) {
         T s0 = T(0), s1 = T(0), s2 = T(0);
         for (int j = lane; j < n; j += 32) {
             s0 += gates[3LL * j];
             s1 += gates[3LL * j + 1];
             s2 += gates[3LL * j + 2];
         }
-        v = {gp.tmax * detail::sigmoid(warp_sum(s0) / T(n)),
-             gp.se * detail::sigmoid(warp_sum(s1) / T(n)),
-             gp.sa * detail::sigmoid(warp_sum(s2) / T(n))};
+        return {gp.tmax * detail::sigmoid(warp_sum(s0) / T(n)),
+                gp.se * detail::sigmoid(warp_sum(s1) / T(n)),
+                gp.sa * detail::sigmoid(warp_sum(s2) / T(n))};
     }
-    if (gp.clip > T(0)) {
-        T g2 = T(0);
-        for (int l = 0; l < depth; ++l) {
-            const detail::GradRows<T> row = rows(l);
-            T sa = T(0), sd = T(0);
-            for (long long c = lane; c < row.na; c += 32) {
-                sa += row.a[c] * row.a[c];
-            }
-            for (long long c = lane; c < row.nd; c += 32) {
-                sd += row.d[c] * row.d[c];
-            }
-            g2 += warp_sum(sa) * warp_sum(sd);
+    return {gp.ct, gp.ce, gp.ca};
+}
+
+/// The squared norm of a row's surprise gradient (math §10), Σ_l |a_{l-1}|^2 |delta_l|^2,
+/// each norm a warp's sum (every lane returns it); rows(l): the row's GradRows<T> of layer l.
+template <class T, class Rows>
+__device__ T gate_grad_norm2(int depth, Rows rows, int lane) {
+    T g2 = T(0);
+    for (int l = 0; l < depth; ++l) {
+        const detail::GradRows<T> row = rows(l);
+        T sa = T(0), sd = T(0);
+        for (long long c = lane; c < row.na; c += 32) {
+            sa += row.a[c] * row.a[c];
         }
+        for (long long c = lane; c < row.nd; c += 32) {
+            sd += row.d[c] * row.d[c];
+        }
+        g2 += warp_sum(sa) * warp_sum(sd);
+    }
+    return g2;
+}
+
+/// The factor math §10 puts on theta for a row of squared gradient norm g2 > clip^2:
+/// clip / sqrt(g2) where g2 is finite, else from the scaled norm.
+template <class T, class Rows>
+__device__ T gate_clip_factor(T clip, int depth, Rows rows, T g2) {
+    return g2 <= detail::largest_finite<T>()
+               ? clip / sqrt(g2)
+               : detail::scaled_grad_norm<T>(depth, rows).clip_factor(clip);
+}
+
+/// theta, eta, alpha of one pending row r of a chunk, theta clipped by math §10, computed by
+/// one warp (every lane returns them): gate_logits_row, then the clip where
+/// gate_grad_norm2 passes clip^2.
+template <class T, class Rows>
+__device__ GateValues<T> gate_row(const GateParams<T>& gp, int depth, const T* gates, int r,
+                                  int n, Rows rows, int lane) {
+    GateValues<T> v = gate_logits_row<T>(gp, gates, r, n, lane);
+    if (gp.clip > T(0)) {
+        const T g2 = gate_grad_norm2<T>(depth, rows, lane);
         if (g2 > gp.clip * gp.clip) {  // the plain sum where finite, else the scaled norm
-            v.theta *= g2 <= detail::largest_finite<T>()
-                           ? gp.clip / sqrt(g2)
-                           : detail::scaled_grad_norm<T>(depth, rows).clip_factor(gp.clip);
+            v.theta *= gate_clip_factor<T>(gp.clip, depth, rows, g2);
         }
     }
     return v;

@@ -9,11 +9,13 @@
 // forward and backward through the memory MLP, the lagged read, the dual form of §5, the
 // closed-form chunk end of §4) are strided-batched GEMMs over the B*H pairs. The chunk
 // coefficients are the shared TITANS_HOST_DEVICE functions of memory/chunk_coefficients.hpp,
-// one thread per pair. UpdateMode::PerToken runs as the chunked form with b = 1 (the same
+// run for each pair by one thread on the pair's row copied into shared memory
+// (cuda::pair_local). UpdateMode::PerToken runs as the chunked form with b = 1 (the same
 // recurrence, math §4). Every call ends with its stream idle.
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <memory>
 #include <type_traits>
 #include <vector>
@@ -32,6 +34,7 @@
 #include "blas.cuh"
 #include "call_scope.cuh"
 #include "launch.cuh"
+#include "memory_decode.cuh"
 #include "memory_device.cuh"
 #include "memory_fused.cuh"
 #include "memory_state.cuh"
@@ -278,14 +281,14 @@ struct MemoryKernels<Cuda, T> {
             return;
         }
         auto& u = st.undo_;
-        const cudaStream_t sm = ctx(st).stream();
         const long long P = static_cast<long long>(st.batch_) * st.cfg_.n_heads;
         const int b = st.chunk_;
+        CopyStage copies(ctx(st).stream());  // every layer's rows in one launch
         auto one = [&](Buf& live, Buf& saved, long long width) {
             saved.reserve(live.size());
             T* dst = restore ? live.data() : saved.data();
             const T* src = restore ? saved.data() : live.data();
-            copy_rows(sm, dst, src, P, b, b, lo, lo, n, width);
+            copies.add(dst, src, P, b, b, lo, lo, n, width);
         };
         u.a.resize(st.a_.size());
         u.delta.resize(st.delta_.size());
@@ -297,6 +300,7 @@ struct MemoryKernels<Cuda, T> {
         if (st.gates_.size() > 0) {
             one(st.gates_, u.gates, 3);
         }
+        copies.launch();
     }
 
     // ---------------------------------------------------------------------------------------
@@ -353,7 +357,7 @@ struct MemoryKernels<Cuda, T> {
     /// No entry flagged (cudaMemset with byte 0x7f: larger than every key).
     static constexpr int unflagged = 0x7f7f7f7f;
 
-    /// The non-finite checks of one stage of a forward call, launched together
+    /// The non-finite checks of a forward call, launched together at its end
     /// (cuda::flag_rows_kernel): add(x, P, rows, cols, ld, ps, slot, key) queues the rows of
     /// P matrices (rows x cols, row stride ld, pair stride ps), flags[slot] getting the
     /// smallest key of a row with a NaN or an infinity (the slot starts at `unflagged`);
@@ -391,6 +395,51 @@ struct MemoryKernels<Cuda, T> {
         cuda::FlagSets<T> sets_{};
     };
 
+    /// Row copies queued and run in one launch of copy_rows_kernel (up to row_copies_max,
+    /// whose destinations are distinct and none of them another's source): add() takes
+    /// copy_rows' arguments, launch() runs what is queued (add launches when full, or when
+    /// the entries would pass 2^32 - 1).
+    class CopyStage {
+    public:
+        explicit CopyStage(cudaStream_t sm) : sm_(sm) { c_.first[0] = 0; }
+        CopyStage(const CopyStage&) = delete;
+        CopyStage& operator=(const CopyStage&) = delete;
+        void add(T* dst, const T* src, long long P, int b, long long N, long long t, int o,
+                 long long m, long long width) {
+            const long long run = m * width, n = P * run;
+            if (n == 0) {
+                return;
+            }
+            constexpr long long most = std::numeric_limits<unsigned>::max();
+            if (c_.count == cuda::row_copies_max || c_.first[c_.count] + n > most) {
+                launch();
+            }
+            if (n > most) {  // alone past 32-bit indices: copy_rows splits nothing either
+                copy_rows(sm_, dst, src, P, b, N, t, o, m, width);
+                return;
+            }
+            c_.set[c_.count] = cuda::RowCopy<T>{dst + o * width, src + t * width,
+                                                static_cast<unsigned>(run), b * width,
+                                                N * width};
+            c_.first[c_.count + 1] = c_.first[c_.count] + static_cast<unsigned>(n);
+            ++c_.count;
+        }
+        void launch() {
+            if (c_.count == 0) {
+                return;
+            }
+            const long long total = c_.first[c_.count];
+            const long long blocks = std::min<long long>((total + 255) / 256, 1LL << 16);
+            cuda::launch(cuda::copy_rows_kernel<T>, static_cast<unsigned>(blocks), 256, sm_, c_);
+            c_.count = 0;
+            cuda::check_launch("the row copies");
+        }
+
+    private:
+        cudaStream_t sm_;
+        cuda::RowCopies<T> c_{};
+    };
+
     static Layers layers(const MemoryConfig& cfg, const std::vector<Buf>& a,
                          const std::vector<Buf>& d) {
         Layers ly{};
@@ -426,18 +475,23 @@ struct MemoryKernels<Cuda, T> {
         T* q = w.q.data();
         T* k = w.k.data();
         T* v = w.v.data();
+        constexpr int rows = 32, threads = 128;
+        const long long tiles = (N + rows - 1) / rows;
+        // With one tile a sequence (N <= 32: decode) the thread of each column walks the whole
+        // sequence, so it advances the tail itself: one launch fewer.
+        const bool advancing = conv && advance && K > 1,
+                   in_conv = advancing && tiles == 1 && C == C3;
         if (M > 0) {
-            constexpr int rows = 32, threads = 128;
-            const long long tiles = (N + rows - 1) / rows;
             const dim3 grid(static_cast<unsigned>(B * tiles),
                             static_cast<unsigned>(std::min<long long>((C + threads - 1) / threads,
                                                                       65535)));
             cuda::launch(cuda::conv_tile_kernel<T>, grid, threads, sm, u, taps, tail, q, k, v, N,
                          static_cast<int>(C), static_cast<int>(C3), K, static_cast<int>(D),
-                         static_cast<int>(dh), static_cast<int>(H), conv, silu, rows, tiles);
+                         static_cast<int>(dh), static_cast<int>(H), conv, silu, rows, tiles,
+                         in_conv);
             cuda::check_launch("the conv kernel");
         }
-        if (conv && advance && K > 1) {
+        if (advancing && !(M > 0 && in_conv)) {
             advance_tail(sm, u, tail, B, N, K, C3);
         }
         if (cfg.normalize_qk) {
@@ -549,8 +603,7 @@ struct MemoryKernels<Cuda, T> {
     static void row_coefficients(cudaStream_t sm, T* coef, T* G, long long P, int b, int n,
                                  int row0) {
         const long long CS = coef_stride(b);
-        cuda::each(sm, P, [=] __device__(unsigned p) {
-            T* cf = coef + p * CS;
+        cuda::pair_local(sm, coef, P, CS, CS, [=] __device__(unsigned p, T* cf, T*) {
             chunk_row_coefficients<T>(n, row0, cf, cf + b, cf + 2 * b, cf + 3 * b, cf + 4 * b,
                                       G + p * b * b);
         });
@@ -559,8 +612,7 @@ struct MemoryKernels<Cuda, T> {
     /// Chunk-end coefficients (math §4) over n rows: g, s and beta_end, c_end, p_end.
     static void end_coefficients(cudaStream_t sm, T* coef, long long P, int b, int n) {
         const long long CS = coef_stride(b);
-        cuda::each(sm, P, [=] __device__(unsigned p) {
-            T* cf = coef + p * CS;
+        cuda::pair_local(sm, coef, P, CS, CS, [=] __device__(unsigned, T* cf, T*) {
             chunk_end_coefficients<T>(n, cf, cf + b, cf + 2 * b, cf + 5 * b, cf + 6 * b,
                                       cf + 7 * b, cf + 7 * b + 1, cf + 7 * b + 2);
         });
@@ -633,14 +685,14 @@ struct MemoryKernels<Cuda, T> {
 
     /// Keys of tokens [t, t+m) forward through W^s and backward through the loss (math §2)
     /// into pending rows [o, o+m): A_l, Delta_L = M(k) - v, Delta_l = (Delta_{l+1} W^T) . act'.
+    /// The keys are already in A_0's rows (scan copies them there with the gate logits).
     static void key_pass(const MemoryConfig& cfg, State& st, long long N, long long t, int o,
                          long long m) {
         const cuda::StreamContext& cx = ctx(st);
         const cudaStream_t sm = cx.stream();
         auto& w = *st.work_;
         const int L = cfg.depth, b = st.chunk_;
-        const long long P = static_cast<long long>(st.batch_) * cfg.n_heads, dh = cfg.head_dim();
-        copy_rows(sm, st.a_[0].data(), w.k.data(), P, b, N, t, o, m, dh);
+        const long long P = static_cast<long long>(st.batch_) * cfg.n_heads;
         for (int l = 0; l < L; ++l) {
             const auto li = static_cast<std::size_t>(l);
             const int in = cfg.layer_in(l + 1), out = cfg.layer_out(l + 1);
@@ -671,6 +723,35 @@ struct MemoryKernels<Cuda, T> {
                 dl[p * bi + rc] *= zg[p * bi + rc];
             });
         }
+    }
+
+    /// The most rows a segment may have for decode_rows (a block per pair walks them).
+    static constexpr long long decode_rows_max = 4;
+
+    /// The lagged read and the key pass of tokens [t, t+m) (pending rows [o, o+m)) in one
+    /// launch of decode_rows_kernel (memory_decode.cuh), where it applies: depth 2, lagged
+    /// retrieval, at most decode_rows_max rows, its shared memory within 48 KB, and
+    /// cuda::fused_memory() not Off. Returns whether it ran (else key_pass and mlp_read do).
+    static bool decode_rows(const MemoryConfig& cfg, State& st, long long N, long long t, int o,
+                            long long m) {
+        constexpr int threads = 256;
+        const int dh = cfg.head_dim(), h = cfg.layer_out(1);
+        const std::size_t shared = cuda::decode_shared_bytes<T>(dh, h, threads);
+        if (cfg.depth != 2 || cfg.retrieval != Retrieval::Lagged || m > decode_rows_max ||
+            shared > 48 * 1024 || cuda::fused_memory() == cuda::FusedMemory::Off) {
+            return false;
+        }
+        auto& w = *st.work_;
+        const long long P = static_cast<long long>(st.batch_) * cfg.n_heads;
+        const cuda::DecodeRows<T> d{w.q.data() + t * dh, w.k.data() + t * dh,
+                                    w.v.data() + t * dh, w.yp.data() + t * dh, N * dh,
+                                    st.w_[0].data(), st.w_[1].data(), st.a_[1].data(),
+                                    st.delta_[0].data(), st.delta_[1].data(), st.chunk_, o,
+                                    static_cast<int>(m), dh, h, cfg.activation, cfg.residual};
+        cuda::launch_shared(cuda::decode_rows_kernel<T>, static_cast<unsigned>(P), threads, shared,
+                            ctx(st).stream(), d);
+        cuda::check_launch("the decode kernel");
+        return true;
     }
 
     /// Delta_L rows [o, o+m) = M(k) - v (+ k when residual), from the last layer's z.
@@ -824,17 +905,23 @@ struct MemoryKernels<Cuda, T> {
             }
             const long long m = std::min<long long>(b - o, N - t);
             save_rows(st, o, m);
-            key_pass(cfg, st, N, t, o, m);
+            CopyStage rows(sm);  // the keys (A_0) and the gate logits into the pending rows
+            rows.add(st.a_[0].data(), w.k.data(), P, b, N, t, o, m, dh);
             if (cfg.gates != GateMode::Constant) {
-                copy_rows(sm, st.gates_.data(), w.lp.data(), P, b, N, t, o, m, 3);
+                rows.add(st.gates_.data(), w.lp.data(), P, b, N, t, o, m, 3);
+            }
+            rows.launch();
+            const bool decoded = decode_rows(cfg, st, N, t, o, m);  // the read and keys at once
+            if (!decoded) {
+                key_pass(cfg, st, N, t, o, m);
             }
             if (want_diag) {
                 surprise(cfg, st, N, t, o, m);
             }
-            if (cfg.retrieval == Retrieval::Lagged) {
+            if (!decoded && cfg.retrieval == Retrieval::Lagged) {
                 mlp_read(cfg, ctx(st), Wc, w.q.data() + t * dh, N * dh, m, w.hid, b,
                          w.yp.data() + t * dh, N * dh, static_cast<int>(P));
-            } else {
+            } else if (!decoded) {
                 read_in_chunk(cfg, st, N, t, o, m);
             }
             if (o + m == b) {
@@ -988,20 +1075,21 @@ struct MemoryKernels<Cuda, T> {
         const FlagKey by_row{cfg.n_heads, N, 1};
         cuda::check(cudaMemsetAsync(flags, 0x7f, 5 * sizeof(int), cx.stream()), "cudaMemsetAsync");
         project(cfg, p, cx, w, x, B, N, cfg.use_conv, st.tail_.data(), true, false);
-        FlagStage checks(cx.stream(), flags);  // one launch per stage
+        // Every check of the call at its end, up to 12 row sets a launch: the buffers they
+        // read stay as they are until then, and which error is named depends on the slots,
+        // not on the order the checks ran in.
+        FlagStage checks(cx.stream(), flags);
         for (const Buf* b : {&w.q, &w.k, &w.v}) {
             checks.add(b->data(), P, N, dh, dh, N * dh, 0, by_row);
         }
         if (cfg.gates != GateMode::Constant) {
             checks.add(w.lp.data(), P, N, 3, 3, N * 3, 4, by_row);
         }
-        checks.launch();
         const bool ended = scan(cfg, st, N, diag != nullptr);
         checks.add(w.yp.data(), P, N, dh, dh, N * dh, 1, FlagKey{1, 1, P});
         const std::int64_t pos0 = st.position_;
         st.position_ += N;  // rolled back with the rest if a check fails below
         check_state(cfg, st, ended, checks);
-        checks.launch();
         output(cfg, p, cx, w, B, N, y);
         checks.add(y.data, 1, x.rows, cfg.d_model, y.stride, 0, 3, FlagKey{1, 0, 1});
         checks.launch();

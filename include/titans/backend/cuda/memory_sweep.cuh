@@ -20,6 +20,101 @@
 
 #include "memory_training.cuh"
 
+namespace titans::backend::cuda {
+
+/// The backward's gates of a chunk's n rows (math §1, §10), a warp per (pair, row), with the
+/// forward's gate_logits_row, gate_grad_norm2 and gate_clip_factor (theta is the forward's, bit
+/// for bit): theta0 (before the clip), theta, eta, alpha and g2 (0 without clipping) into the
+/// pair's vector (offsets vo, pairs VS apart). lg: the chunk's logits, pairs N rows apart.
+template <class T, class Vec>
+__global__ void sweep_gates_kernel(GateParams<T> gp, PendingLayers<T> ly, const T* lg, long long N,
+                                   T* vec, Vec vo, long long VS, long long BW, long long P, int n) {
+    const long long w = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+    const int lane = static_cast<int>(threadIdx.x % 32);
+    if (w >= P * n) {
+        return;
+    }
+    const long long p = w / n, r = w % n;
+    const auto row = [&](int l) {
+        return detail::GradRows<T>{ly.a[l] + p * BW + r * ly.in[l], ly.in[l],
+                                   ly.d[l] + p * BW + r * ly.out[l], ly.out[l]};
+    };
+    const GateValues<T> g = gate_logits_row<T>(gp, lg + p * N * 3, static_cast<int>(r), n, lane);
+    const bool clipping = gp.clip > T(0);
+    const T g2 = clipping ? gate_grad_norm2<T>(ly.depth, row, lane) : T(0);
+    const T theta = clipping && g2 > gp.clip * gp.clip
+                        ? g.theta * gate_clip_factor<T>(gp.clip, ly.depth, row, g2)
+                        : g.theta;
+    if (lane == 0) {
+        T* v = vec + p * VS;
+        v[vo.theta0() + r] = g.theta;
+        v[vo.theta() + r] = theta;
+        v[vo.eta() + r] = g.eta;
+        v[vo.alpha() + r] = g.alpha;
+        v[vo.g2() + r] = g2;
+    }
+}
+
+/// theta = theta0 min(1, clip / sqrt(g2)) reversed for a chunk's n rows, a warp per (pair,
+/// row) (only rows whose g2 passed clip^2 work): dtheta becomes theta0's adjoint, g2's goes
+/// into the tape's adjoints adj.a[l], adj.d[l] (scaled where g2 overflowed). The norms are
+/// the forward's warp sums.
+template <class T, class Vec, class Adj>
+__global__ void sweep_clip_backward_kernel(T clip, PendingLayers<T> ly, Adj adj, T* vec, Vec vo,
+                                           long long VS, long long BW, long long P, int n) {
+    const long long w = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+    const int lane = static_cast<int>(threadIdx.x % 32);
+    if (w >= P * n) {
+        return;
+    }
+    const long long p = w / n, r = w % n;
+    T* v = vec + p * VS;
+    const T g2 = v[vo.g2() + r];
+    if (!(g2 > clip * clip)) {
+        return;
+    }
+    const auto row = [&](int l) {
+        return detail::GradRows<T>{ly.a[l] + p * BW + r * ly.in[l], ly.in[l],
+                                   ly.d[l] + p * BW + r * ly.out[l], ly.out[l]};
+    };
+    const T dtheta = v[vo.dtheta() + r], theta0 = v[vo.theta0() + r];
+    T f;
+    if (!(g2 <= detail::largest_finite<T>())) {  // g2 overflowed: scaled
+        const detail::GradNorm<T> g = detail::scaled_grad_norm<T>(ly.depth, row);
+        f = g.clip_factor(clip);
+        const T scale = -dtheta * theta0 * f;
+        for (int l = 0; l < ly.depth; ++l) {
+            const detail::GradRows<T> x = row(l);
+            const T ra = g.ratio(x.a, x.na), rd = g.ratio(x.d, x.nd);
+            T* ea = adj.a[l] + p * BW + r * x.na;
+            T* ed = adj.d[l] + p * BW + r * x.nd;
+            for (long long c = lane; c < x.na; c += 32) ea[c] += (scale * rd) * (rd * x.a[c]);
+            for (long long c = lane; c < x.nd; c += 32) ed[c] += (scale * ra) * (ra * x.d[c]);
+        }
+    } else {
+        f = clip / sqrt(g2);
+        const T dg2 = T(-0.5) * dtheta * theta0 * f / g2;
+        for (int l = 0; l < ly.depth; ++l) {
+            const detail::GradRows<T> x = row(l);
+            T na = T(0), nd = T(0);
+            for (long long c = lane; c < x.na; c += 32) na += x.a[c] * x.a[c];
+            for (long long c = lane; c < x.nd; c += 32) nd += x.d[c] * x.d[c];
+            na = warp_sum(na);
+            nd = warp_sum(nd);
+            T* ea = adj.a[l] + p * BW + r * x.na;
+            T* ed = adj.d[l] + p * BW + r * x.nd;
+            for (long long c = lane; c < x.na; c += 32) ea[c] += (T(2) * dg2 * nd) * x.a[c];
+            for (long long c = lane; c < x.nd; c += 32) ed[c] += (T(2) * dg2 * na) * x.d[c];
+        }
+    }
+    __syncwarp();  // every lane has read dtheta
+    if (lane == 0) {
+        v[vo.dtheta() + r] = dtheta * f;
+    }
+}
+
+}  // namespace titans::backend::cuda
+
 namespace titans::backend {
 
 template <class T>
@@ -747,70 +842,12 @@ struct MemoryTraining<Cuda, T>::Sweep {
         }
     }
 
-    /// The gates of the chunk's rows (theta0, eta, alpha), each row's squared gradient norm
-    /// Σ_c x[c]^2 over n entries, in order (a row of the key tape: its squared norm).
-    static TITANS_HOST_DEVICE T sum_squares(const T* x, int n) {
-        T s = T(0);
-        for (int c = 0; c < n; ++c) {
-            s += x[c] * x[c];
-        }
-        return s;
-    }
-
-    /// g2 and theta after clipping, into the pair's vectors.
+    /// theta0, theta (clipped), eta, alpha and g2 of the chunk's rows into the pair's vectors.
     static void gates(Sweep& w, long long c0, long long n) {
-        const long long N = w.NV, BW = w.BW, VS = w.VS;
-        const GateMode gmode = w.gmode;
-        const T tmax = w.tmax, se = w.se, sa = w.sa, ct = w.ct, ce = w.ce, ca = w.ca,
-                clip = w.clip;
-        const bool clipping = w.clipping;
-        const Vec vo = w.vo;
-        const typename Kernels::Layers ly = tape_layers(w);
-        T* vec = w.vecb.data();
-        const T* LG = w.LGb.data() + c0 * 3;
-        cuda::each(w.sm, w.P * n, [=] __device__(unsigned i) {
-            const long long p = i / cuda::u32(n), r = i % cuda::u32(n);
-            T* v = vec + p * VS;
-            const T* lg = LG + p * N * 3;
-            T th, et, al;
-            if (gmode == GateMode::Constant) {
-                th = ct;
-                et = ce;
-                al = ca;
-            } else if (gmode == GateMode::PerChunk) {
-                T m0 = T(0), m1 = T(0), m2 = T(0);
-                for (long long q = 0; q < n; ++q) {
-                    m0 += lg[q * 3];
-                    m1 += lg[q * 3 + 1];
-                    m2 += lg[q * 3 + 2];
-                }
-                th = tmax * detail::sigmoid(m0 / static_cast<T>(n));
-                et = se * detail::sigmoid(m1 / static_cast<T>(n));
-                al = sa * detail::sigmoid(m2 / static_cast<T>(n));
-            } else {
-                th = tmax * detail::sigmoid(lg[r * 3]);
-                et = se * detail::sigmoid(lg[r * 3 + 1]);
-                al = sa * detail::sigmoid(lg[r * 3 + 2]);
-            }
-            T g2 = T(0);
-            for (int l = 0; l < ly.depth; ++l) {
-                g2 += sum_squares(ly.a[l] + p * BW + r * ly.in[l], ly.in[l]) *
-                      sum_squares(ly.d[l] + p * BW + r * ly.out[l], ly.out[l]);
-            }
-            v[vo.theta0() + r] = th;
-            v[vo.eta() + r] = et;
-            v[vo.alpha() + r] = al;
-            v[vo.g2() + r] = g2;
-            const T f = !(clipping && g2 > clip * clip) ? T(1)
-                        : g2 <= detail::largest_finite<T>()
-                            ? clip / sqrt(g2)
-                            : detail::scaled_grad_norm<T>(ly.depth, [&](int l) {
-                                  return detail::GradRows<T>{
-                                      ly.a[l] + p * BW + r * ly.in[l], ly.in[l],
-                                      ly.d[l] + p * BW + r * ly.out[l], ly.out[l]};
-                              }).clip_factor(clip);
-            v[vo.theta() + r] = clipping && g2 > clip * clip ? th * f : th;
-        });
+        cuda::launch(cuda::sweep_gates_kernel<T, Vec>, cuda::warp_blocks(w.P * n), 256, w.sm,
+                     cuda::GateParams<T>::of(w.cfg), tape_layers(w), w.LGb.data() + c0 * 3,
+                     w.NV, w.vecb.data(), w.vo, w.VS, w.BW, w.P, static_cast<int>(n));
+        cuda::check_launch("the backward's gates");
     }
 
     /// The read of rows [o, n) of a chunk prefix of n rows recomputed (lagged: z_l = h_l W_l;
@@ -832,11 +869,10 @@ struct MemoryTraining<Cuda, T>::Sweep {
             tm[p * BW + rc] = DY[p * N * dh + rc];
         });
         if (w.inchunk) {
-            cuda::each(w.sm, P, [=] __device__(unsigned p) {
-                T* v = vec + p * VS;
+            cuda::pair_local(w.sm, vec, P, VS, vo.G(), [=] __device__(unsigned, T* v, T* g) {
                 chunk_row_coefficients<T>(static_cast<int>(n), static_cast<int>(o), v + vo.theta(),
                                           v + vo.eta(), v + vo.alpha(), v + vo.beta(), v + vo.c(),
-                                          v + vo.G());
+                                          g + vo.G());
             });
         }
         for (std::size_t l = 0; l < w.Ls; ++l) {
@@ -995,8 +1031,7 @@ struct MemoryTraining<Cuda, T>::Sweep {
         const long long VS = w.VS, BW = w.BW, P = w.P;
         const Vec vo = w.vo;
         T* vec = w.vecb.data();
-        cuda::each(w.sm, P, [=] __device__(unsigned p) {
-            T* v = vec + p * VS;
+        cuda::pair_local(w.sm, vec, P, VS, vo.G(), [=] __device__(unsigned, T* v, T*) {
             chunk_end_coefficients<T>(static_cast<int>(n), v + vo.theta(), v + vo.eta(),
                                       v + vo.alpha(), v + vo.g(), v + vo.s(), v + vo.ends(),
                                       v + vo.ends() + 1, v + vo.ends() + 2);
@@ -1046,8 +1081,7 @@ struct MemoryTraining<Cuda, T>::Sweep {
         const Vec vo = w.vo;
         const bool inchunk = w.inchunk;
         T* vec = w.vecb.data();
-        cuda::each(w.sm, w.P, [=] __device__(unsigned p) {
-            T* v = vec + p * VS;
+        cuda::pair_local(w.sm, vec, w.P, VS, vo.G(), [=] __device__(unsigned, T* v, T* g) {
             const int nn = static_cast<int>(n);
             if (end) {
                 v[vo.dbeta() + nn - 1] += v[vo.ends() + 3];
@@ -1055,7 +1089,7 @@ struct MemoryTraining<Cuda, T>::Sweep {
             }
             chunk_coefficients_backward<T>(nn, v + vo.theta(), v + vo.eta(), v + vo.alpha(),
                                            v + vo.dbeta(), v + vo.dc(),
-                                           inchunk ? v + vo.dG() : nullptr,
+                                           inchunk ? g + vo.dG() : nullptr,
                                            end ? v + vo.dg() : nullptr,
                                            end ? v + vo.ds() : nullptr,
                                            end ? v[vo.ends() + 5] : T(0), v + vo.dtheta(),
@@ -1066,56 +1100,15 @@ struct MemoryTraining<Cuda, T>::Sweep {
     /// theta = theta0 min(1, c / sqrt(g2)) reversed: dtheta becomes theta0's adjoint, g2's
     /// goes into the tape's abar and dbar (scaled where g2 overflowed).
     static void clip_backward(Sweep& w, long long n) {
-        const long long BW = w.BW, VS = w.VS;
-        const Vec vo = w.vo;
-        const T clip = w.clip;
-        const typename Kernels::Layers ly = tape_layers(w);
         Adjoints lb{};
         for (std::size_t l = 0; l < w.Ls; ++l) {
             lb.a[l] = w.tabar[l].data();
             lb.d[l] = w.tdbar[l].data();
         }
-        T* vec = w.vecb.data();
-        cuda::each(w.sm, w.P * n, [=] __device__(unsigned i) {
-            const long long p = i / cuda::u32(n), r = i % cuda::u32(n);
-            T* v = vec + p * VS;
-            const T g2 = v[vo.g2() + r];
-            if (!(g2 > clip * clip)) return;
-            if (!(g2 <= detail::largest_finite<T>())) {  // g2 overflowed: scaled
-                const detail::GradNorm<T> g = detail::scaled_grad_norm<T>(ly.depth, [&](int l) {
-                    return detail::GradRows<T>{ly.a[l] + p * BW + r * ly.in[l], ly.in[l],
-                                               ly.d[l] + p * BW + r * ly.out[l], ly.out[l]};
-                });
-                const T fs = g.clip_factor(clip);
-                const T scale = -v[vo.dtheta() + r] * v[vo.theta0() + r] * fs;
-                v[vo.dtheta() + r] *= fs;
-                for (int l = 0; l < ly.depth; ++l) {
-                    const T* a = ly.a[l] + p * BW + r * ly.in[l];
-                    const T* e = ly.d[l] + p * BW + r * ly.out[l];
-                    const T ra = g.ratio(a, ly.in[l]), rd = g.ratio(e, ly.out[l]);
-                    for (int c = 0; c < ly.in[l]; ++c) {
-                        lb.a[l][p * BW + r * ly.in[l] + c] += (scale * rd) * (rd * a[c]);
-                    }
-                    for (int c = 0; c < ly.out[l]; ++c) {
-                        lb.d[l][p * BW + r * ly.out[l] + c] += (scale * ra) * (ra * e[c]);
-                    }
-                }
-                return;
-            }
-            const T f = clip / sqrt(g2);
-            const T dg2 = T(-0.5) * v[vo.dtheta() + r] * v[vo.theta0() + r] * f / g2;
-            v[vo.dtheta() + r] *= f;
-            for (int l = 0; l < ly.depth; ++l) {
-                const T na = sum_squares(ly.a[l] + p * BW + r * ly.in[l], ly.in[l]);
-                const T nd = sum_squares(ly.d[l] + p * BW + r * ly.out[l], ly.out[l]);
-                for (int c = 0; c < ly.in[l]; ++c) {
-                    lb.a[l][p * BW + r * ly.in[l] + c] += (T(2) * dg2 * nd) * ly.a[l][p * BW + r * ly.in[l] + c];
-                }
-                for (int c = 0; c < ly.out[l]; ++c) {
-                    lb.d[l][p * BW + r * ly.out[l] + c] += (T(2) * dg2 * na) * ly.d[l][p * BW + r * ly.out[l] + c];
-                }
-            }
-        });
+        cuda::launch(cuda::sweep_clip_backward_kernel<T, Vec, Adjoints>,
+                     cuda::warp_blocks(w.P * n), 256, w.sm, w.clip, tape_layers(w), lb,
+                     w.vecb.data(), w.vo, w.VS, w.BW, w.P, static_cast<int>(n));
+        cuda::check_launch("the clipping reversed");
     }
 
     /// detail::KeyTape::backward on the device: the deltas' adjoints back through the layers
@@ -1185,8 +1178,10 @@ struct MemoryTraining<Cuda, T>::Sweep {
         const T* vec = w.vecb.data();
         const T* LG = w.LGb.data() + c0 * 3;
         T* dLG = w.dLGb.data() + c0 * 3;
-        cuda::each(w.sm, w.P * 3, [=] __device__(unsigned i) {
-            const long long p = i / 3, which = i % 3;
+        // A thread per (pair, row, gate): no thread walks the chunk's rows storing as it goes
+        // (the chunk's mean, PerChunk, is summed by each of its rows' threads, in row order).
+        cuda::each(w.sm, w.P * n * 3, [=] __device__(unsigned i) {
+            const long long p = i / cuda::u32(n * 3), r = (i / 3) % cuda::u32(n), which = i % 3;
             const T* v = vec + p * VS;
             const T* adj = v + (which == 0 ? vo.dtheta() : which == 1 ? vo.deta() : vo.dalpha());
             const T scale = which == 0 ? tmax : which == 1 ? se : sa;
@@ -1194,19 +1189,16 @@ struct MemoryTraining<Cuda, T>::Sweep {
             T* dl = dLG + p * N * 3;
             if (gmode == GateMode::PerChunk) {
                 T m = T(0), dd = T(0);
-                for (long long r = 0; r < n; ++r) {
-                    m += lg[r * 3 + which];
-                    dd += adj[r];
+                for (long long q = 0; q < n; ++q) {
+                    m += lg[q * 3 + which];
+                    dd += adj[q];
                 }
                 m /= static_cast<T>(n);
                 const T sg = detail::sigmoid(m);
-                const T dl0 = dd * scale * (sg * (T(1) - sg)) / static_cast<T>(n);
-                for (long long r = 0; r < n; ++r) dl[r * 3 + which] += dl0;
+                dl[r * 3 + which] += dd * scale * (sg * (T(1) - sg)) / static_cast<T>(n);
             } else {
-                for (long long r = 0; r < n; ++r) {
-                    const T sg = detail::sigmoid(lg[r * 3 + which]);
-                    dl[r * 3 + which] += adj[r] * scale * (sg * (T(1) - sg));
-                }
+                const T sg = detail::sigmoid(lg[r * 3 + which]);
+                dl[r * 3 + which] += adj[r] * scale * (sg * (T(1) - sg));
             }
         });
     }
@@ -1342,28 +1334,23 @@ struct MemoryTraining<Cuda, T>::Sweep {
             mm(w.cx, true, false, d, G3, M, T(1), x, d, 0, w.dlgb.data(), G3, 0, T(0),
                w.gg.data(), G3, 0, 1);
             const T* dl = w.dlgb.data();
-            T* gbp = w.gb.data();
-            cuda::each(w.sm, G3, [=] __device__(unsigned c) {
-                T acc = T(0);
-                for (long long r = 0; r < M; ++r) acc += dl[r * G3 + c];
-                gbp[c] = acc;
-            });
+            cuda::sum_rows(w.sm, M, G3, [=] __device__(unsigned r, unsigned c) {
+                return dl[r * G3 + c];
+            }, w.gb.data());
         }
         if (w.conv) {
             T* gtp = w.gt.data();
             const T* dc = w.dqb.data();
             const T* u = w.tr.u.data();
             const T* tail = w.tr.tail_in.data();
-            cuda::each(w.sm, K * C3, [=] __device__(unsigned i) {
+            // Tap j at lag K - 1 - j: row t of a sequence meets its input t - lag, or the
+            // incoming tail's row t + j where t < lag.
+            cuda::sum_rows(w.sm, B * N, K * C3, [=] __device__(unsigned r, unsigned i) {
                 const long long j = i / cuda::u32(C3), col = i % cuda::u32(C3), lag = K - 1 - j;
-                T acc = T(0);
-                for (long long s = 0; s < B; ++s) {
-                    for (long long t = lag; t < N; ++t) acc += dc[(s * N + t) * C3 + col] * u[(s * N + t - lag) * C3 + col];
-                    for (long long t = 0; t < (lag < N ? lag : N); ++t)
-                        acc += dc[(s * N + t) * C3 + col] * tail[(s * K1 + t + j) * C3 + col];
-                }
-                gtp[i] = acc;
-            });
+                const long long s = r / cuda::u32(N), t = r % cuda::u32(N);
+                const T in = t >= lag ? u[(r - lag) * C3 + col] : tail[(s * K1 + t + j) * C3 + col];
+                return dc[r * C3 + col] * in;
+            }, gtp);
         }
     }
 

@@ -3,7 +3,8 @@
 // giving the CPU's results (cpu/memory_training.hpp), every update, retrieval and gate mode.
 //
 // forward runs Kernels::forward a chunk at a time (from a chunk boundary; one transaction over
-// the call, so an error leaves the state as it was), keeping in device memory what the CPU's
+// the call, so an error leaves the state as it was; the pieces' finiteness checks deferred to
+// one wait at the call's end, and run again strictly only if one failed), keeping in device memory what the CPU's
 // Trace keeps: the input, the incoming conv tails, the pre-conv products u = x [W_Q | W_K |
 // W_V], the gate logits (bias added) and the memory (W, S) at every chunk start, laid out as
 // the state's (per layer, pairs contiguous) so that it feeds batched GEMMs as is.
@@ -14,7 +15,8 @@
 //   2. per chunk, from its start memory: the key pass with its intermediates (batched GEMMs),
 //      gates with clipping, the read recomputed and reversed (lagged, or the dual form with G
 //      from chunk_row_coefficients), the chunk end reversed, the coefficients by the shared
-//      TITANS_HOST_DEVICE chunk_coefficients_backward (a thread per pair), clipping, the key
+//      TITANS_HOST_DEVICE chunk_coefficients_backward (a thread per pair on its vector in
+//      shared memory, cuda::pair_local), clipping (a warp per row), the key
 //      pass's second-order terms (detail::KeyTape::backward as batched GEMMs), the gates; the
 //      start memory's adjoint carried to the chunk before.
 //   3. the projections reversed (norm, phi, conv transposed, tails), dx and the gradients.
@@ -30,11 +32,13 @@
 #include "../../detail/activation.hpp"
 #include "../../detail/norm_scale.hpp"
 #include "../../detail/trace.hpp"
+#include "../../error.hpp"
 #include "../../memory/chunk_coefficients.hpp"
 #include "../../memory/chunk_coefficients_backward.hpp"
 #include "../../memory/state_gradient.hpp"
 #include "../backend.hpp"
 #include "blas.cuh"
+#include "call_scope.cuh"
 #include "layer_kernels.cuh"
 #include "launch.cuh"
 #include "memory_kernels.cuh"
@@ -145,42 +149,29 @@ struct MemoryTraining<Cuda, T> {
                              typename Kernels::State& st, View<const T> x, View<T> y, Trace& t,
                              Diagnostics<T>* diag = nullptr) {
         const int B = t.batch;
-        const long long N = t.rows() / B, m = x.rows / B, t0 = st.position() - t.start,
-                        d = cfg.d_model, b = cfg.effective_chunk();
+        const long long m = x.rows / B, t0 = st.position() - t.start;
         if (diag != nullptr) {
             diag->loss.setZero(x.rows, cfg.n_heads);
             diag->grad_norm.setZero(x.rows, cfg.n_heads);
         }
-        const long long most = std::min(b, m);
-        Buf xs(static_cast<std::size_t>(B * most * d)), ys(xs.size());
-        Diagnostics<T> part;
-        const cudaStream_t sm = st.ctx_->stream();
         const bool own = Kernels::begin(st);
         try {
-            for (long long q = t0; q < t0 + m;) {
-                const long long at = t.offset + q;  // from the first chunk's start
-                const long long len = std::min(b - at % b, t0 + m - q);
-                if (at % b == 0) {
-                    keep_chunk_start(cfg, st, t, at / b);
+            // Outside a call scope each chunk's forward would wait for its checks: with a
+            // transaction of its own, the pieces run in one deferring scope instead (one wait
+            // at its end); if its flag is raised they run again strictly from the state as it
+            // was, where the first failing check throws at its place.
+            bool strict = !own || cuda::deferring() || diag != nullptr;
+            if (!strict) {
+                strict = deferred_pieces(cfg, pp, st, x, y, t);
+                if (strict) {
+                    Kernels::rollback(st);
+                    Kernels::begin(st);
                 }
-                const ChunkRows piece{B, m, q - t0, len}, rows{B, N, q, len};
-                piece.gather(sm, x.data, x.stride, xs.data(), d);
-                rows.scatter(sm, xs.data(), t.x.mem.data(), d, d, nullptr);
-                if (diag != nullptr) {  // forward_piece writes into a sized one
-                    part.loss.setZero(B * len, cfg.n_heads);
-                    part.grad_norm.setZero(B * len, cfg.n_heads);
-                }
-                Kernels::forward_piece(cfg, *pp, st, View<const T>{xs.data(), B * len, d, d},
-                                       View<T>{ys.data(), B * len, d, d},
-                                       diag != nullptr ? &part : nullptr);
-                piece.scatter(sm, ys.data(), y.data, y.stride, d, nullptr);
-                keep_products(cfg, pp, st, t, rows);
-                if (diag != nullptr) {
-                    piece.place(part, *diag);
-                }
-                q += len;
             }
-            st.ctx_->synchronize();
+            if (strict) {
+                record_pieces(cfg, pp, st, x, y, t, diag);
+            }
+            cuda::idle(Kernels::ctx(st));
         } catch (...) {
             Kernels::rollback(st);
             throw;
@@ -189,7 +180,62 @@ struct MemoryTraining<Cuda, T> {
             Kernels::commit(st);
         }
         t.recorded = t0 + m;
-        t.filled = t0 + m == N;
+        t.filled = t0 + m == t.rows() / B;
+    }
+
+    /// record_pieces in a deferring CallScope: whether a check found a NaN or an infinity
+    /// (the scope's flag, or a NonFiniteError). The scope's stream is idle on return.
+    static bool deferred_pieces(const MemoryConfig& cfg, const typename Kernels::Prepared& pp,
+                                typename Kernels::State& st, View<const T> x, View<T> y,
+                                Trace& t) {
+        const cuda::CallScope scope;
+        bool raised = false;
+        try {
+            record_pieces(cfg, pp, st, x, y, t, nullptr);
+        } catch (const NonFiniteError&) {
+            raised = true;
+        } catch (...) {
+            (void)cudaStreamSynchronize(cuda::thread_context().stream());  // then the rollback
+            throw;
+        }
+        return scope.flagged() || raised;  // flagged() waits for the scope's stream
+    }
+
+    /// forward_part's pieces: Kernels::forward_piece a chunk segment at a time, x's rows
+    /// gathered, y's scattered, the trace's rows recorded (chunk starts, products).
+    static void record_pieces(const MemoryConfig& cfg, const typename Kernels::Prepared& pp,
+                              typename Kernels::State& st, View<const T> x, View<T> y, Trace& t,
+                              Diagnostics<T>* diag) {
+        const int B = t.batch;
+        const long long N = t.rows() / B, m = x.rows / B, t0 = st.position() - t.start,
+                        d = cfg.d_model, b = cfg.effective_chunk();
+        const long long most = std::min(b, m);
+        Buf xs(static_cast<std::size_t>(B * most * d)), ys(xs.size());
+        Diagnostics<T> part;
+        const cudaStream_t sm = Kernels::ctx(st).stream();
+        for (long long q = t0; q < t0 + m;) {
+            const long long at = t.offset + q;  // from the first chunk's start
+            const long long len = std::min(b - at % b, t0 + m - q);
+            if (at % b == 0) {
+                keep_chunk_start(cfg, st, t, at / b);
+            }
+            const ChunkRows piece{B, m, q - t0, len}, rows{B, N, q, len};
+            piece.gather(sm, x.data, x.stride, xs.data(), d);
+            rows.scatter(sm, xs.data(), t.x.mem.data(), d, d, nullptr);
+            if (diag != nullptr) {  // forward_piece writes into a sized one
+                part.loss.setZero(B * len, cfg.n_heads);
+                part.grad_norm.setZero(B * len, cfg.n_heads);
+            }
+            Kernels::forward_piece(cfg, *pp, st, View<const T>{xs.data(), B * len, d, d},
+                                   View<T>{ys.data(), B * len, d, d},
+                                   diag != nullptr ? &part : nullptr);
+            piece.scatter(sm, ys.data(), y.data, y.stride, d, nullptr);
+            keep_products(cfg, pp, st, t, rows);
+            if (diag != nullptr) {
+                piece.place(part, *diag);
+            }
+            q += len;
+        }
     }
 
     // The forward's parts (public: nvcc's extended lambdas may not sit in private members).
@@ -244,7 +290,7 @@ struct MemoryTraining<Cuda, T> {
         t.x.mem = Buf(static_cast<std::size_t>(B * N * d));
         t.tail_in = Buf(static_cast<std::size_t>(B * K1 * 3 * D));
         if (K1 > 0) {
-            Kernels::copy_into(t.tail_in, st.tail_, st.ctx_->stream());
+            Kernels::copy_into(t.tail_in, st.tail_, Kernels::ctx(st).stream());
         }
         t.u = Buf(static_cast<std::size_t>(B * N * 3 * D));
         const bool gated = cfg.gates != GateMode::Constant;
@@ -253,7 +299,7 @@ struct MemoryTraining<Cuda, T> {
         t.chunks = (t.offset + N + b - 1) / b;
         t.memory.resize(static_cast<std::size_t>(t.chunks * 2 * cfg.depth));
         if (t.offset > 0) {
-            const cudaStream_t sm = st.ctx_->stream();
+            const cudaStream_t sm = Kernels::ctx(st).stream();
             for (std::size_t l = 0; l < st.a_.size(); ++l) {
                 t.pend_a.push_back(Buf(st.a_[l].size()));
                 t.pend_delta.push_back(Buf(st.delta_[l].size()));
@@ -273,7 +319,7 @@ struct MemoryTraining<Cuda, T> {
     static void keep_chunk_start(const MemoryConfig& cfg, const typename Kernels::State& st,
                                  Trace& t, long long ch) {
         const long long L = cfg.depth;
-        const cudaStream_t sm = st.ctx_->stream();
+        const cudaStream_t sm = Kernels::ctx(st).stream();
         for (long long l = 0; l < L; ++l) {
             const auto li = static_cast<std::size_t>(l);
             const auto at = static_cast<std::size_t>(ch * 2 * L + l);
@@ -287,7 +333,7 @@ struct MemoryTraining<Cuda, T> {
     /// The chunk's products u and gate logits (bias added), from the state's workspace.
     static void keep_products(const MemoryConfig& cfg, const typename Kernels::Prepared& pp,
                               const typename Kernels::State& st, Trace& t, const ChunkRows& rows) {
-        const cudaStream_t sm = st.ctx_->stream();
+        const cudaStream_t sm = Kernels::ctx(st).stream();
         const auto& w = *st.work_;
         rows.scatter(sm, w.u.data(), t.u.data(), 3 * cfg.inner_dim(), 3 * cfg.inner_dim(),
                      nullptr);

@@ -1,0 +1,135 @@
+#pragma once
+// titans/backend/cuda/memory_decode.cuh: a few rows of a depth-2 memory with lagged retrieval
+// in one launch (issue 33's decode): per (sequence, head) pair and row, the read through the
+// chunk's start memory and the key pass of math §2, with W1 read once for both.
+//
+// A decoded token ran them as five batched cuBLAS products (the read's two, the keys' two
+// forward and one back) and four element-wise kernels, each of them a pass over the pairs'
+// memory: at B = 1024 the weights (128 KB a pair in float at d_h 64, e 4) were streamed from
+// device memory three times a token, and at B = 1 the nine launches were a third of a token's.
+// Here a block per pair streams W1 once (the row's query and key through it together) and W2
+// twice (the forward products, then the error back through it, mostly from L2):
+//   hq = act(q W1), y = hq W2 (+ q);
+//   z1 = k W1, A_1 = act(z1), Delta_2 = A_1 W2 (+ k) - v, Delta_1 = (Delta_2 W2^T) . act'(z1).
+// Sums in T by FMAs in a fixed order (no atomics): deterministic, not the order of cuBLAS.
+
+#include <cstddef>
+
+#include "../../activation.hpp"
+#include "../../config.hpp"
+#include "../../detail/activation.hpp"
+#include "launch.cuh"
+#include "memory_device.cuh"
+
+namespace titans::backend::cuda {
+
+/// Where decode_rows_kernel reads and writes: row r of pair p of q, k, v and y at
+/// x + p * ps + r * dh (ps: the pair stride of the call's pair-major rows), the pending rows
+/// A_1 (width h), Delta_1 (h) and Delta_2 (d_h) at their row o + r of the pair's b rows, W1
+/// (d_h x h) and W2 (h x d_h) of each pair, row-major.
+template <class T>
+struct DecodeRows {
+    const T *q, *k, *v;
+    T* y;
+    long long ps;
+    const T *w1, *w2;
+    T *a1, *d1, *d2;
+    int b, o, m, dh, h;
+    Activation act;
+    bool residual;
+};
+
+/// Shared memory decode_rows_kernel takes with `threads` threads: q, k, the error (d_h each),
+/// hq, A_1, act'(z1) (h each) and the second products' partial sums.
+template <class T>
+std::size_t decode_shared_bytes(int dh, int h, int threads) {
+    const int slices = dh <= threads ? threads / dh : 1;
+    return static_cast<std::size_t>(3 * dh + 3 * h + 2 * slices * dh) * sizeof(T);
+}
+
+#if TITANS_CUDA_DEVICE_CODE
+/// Row r of pair p: the second layer's products hq W2 and A_1 W2 into y's row and Delta_2's
+/// (column c by `slices` threads over consecutive slices of the h rows of W2, then their sums
+/// in slice order), then Delta_1 = (Delta_2 W2^T) . act'(z1) (a warp per row of W2, its reads
+/// coalesced). blockDim.x: a multiple of 32.
+template <class T>
+__device__ void decode_second_layer(const DecodeRows<T>& d, long long p, int r, T* sh) {
+    const int dh = d.dh, h = d.h, threads = static_cast<int>(blockDim.x);
+    const int slices = dh <= threads ? threads / dh : 1, span = (h + slices - 1) / slices;
+    T *qs = sh, *ks = sh + dh, *es = sh + 2 * dh, *hq = sh + 3 * dh, *a1 = hq + h, *g1 = a1 + h;
+    T* part = g1 + h;  // [2][slices][dh]
+    const T* w2 = d.w2 + p * h * dh;
+    for (int i = static_cast<int>(threadIdx.x); i < slices * dh; i += threads) {
+        const int c = i % dh, s = i / dh, j1 = (s + 1) * span < h ? (s + 1) * span : h;
+        T sy = T(0), sz = T(0);
+        for (int j = s * span; j < j1; ++j) {
+            sy += hq[j] * w2[static_cast<long long>(j) * dh + c];
+            sz += a1[j] * w2[static_cast<long long>(j) * dh + c];
+        }
+        part[s * dh + c] = sy;
+        part[(slices + s) * dh + c] = sz;
+    }
+    __syncthreads();
+    const long long row = p * d.ps + static_cast<long long>(r) * dh;
+    for (int c = static_cast<int>(threadIdx.x); c < dh; c += threads) {
+        T y = T(0), z = T(0);
+        for (int s = 0; s < slices; ++s) {
+            y += part[s * dh + c];
+            z += part[(slices + s) * dh + c];
+        }
+        d.y[row + c] = d.residual ? y + qs[c] : y;
+        const T e = d.residual ? (z - d.v[row + c]) + ks[c] : z - d.v[row + c];
+        es[c] = e;
+        d.d2[(p * d.b + d.o + r) * dh + c] = e;
+    }
+    __syncthreads();
+    const int lane = static_cast<int>(threadIdx.x % 32), warps = threads / 32;
+    for (int j = static_cast<int>(threadIdx.x / 32); j < h; j += warps) {  // a warp per row
+        T s = T(0);
+        for (int c = lane; c < dh; c += 32) {
+            s += es[c] * w2[static_cast<long long>(j) * dh + c];
+        }
+        s = warp_sum(s);
+        if (lane == 0) {
+            d.d1[(p * d.b + d.o + r) * h + j] = s * g1[j];
+        }
+    }
+}
+
+/// A block per pair (blockIdx.x), its m rows one after the other: the read and the key pass
+/// of the file comment. Dynamic shared memory: decode_shared_bytes.
+template <class T>
+__global__ void decode_rows_kernel(DecodeRows<T> d) {
+    const long long p = blockIdx.x;
+    const int dh = d.dh, h = d.h, threads = static_cast<int>(blockDim.x);
+    T* sh = dynamic_shared<T>();
+    T *qs = sh, *ks = sh + dh, *hq = sh + 3 * dh, *a1 = hq + h, *g1 = a1 + h;
+    const T* w1 = d.w1 + p * dh * h;
+    for (int r = 0; r < d.m; ++r) {
+        const long long row = p * d.ps + static_cast<long long>(r) * dh;
+        for (int c = static_cast<int>(threadIdx.x); c < dh; c += threads) {
+            qs[c] = d.q[row + c];
+            ks[c] = d.k[row + c];
+        }
+        __syncthreads();
+        for (int j = static_cast<int>(threadIdx.x); j < h; j += threads) {
+            T zq = T(0), zk = T(0);
+            for (int i = 0; i < dh; ++i) {
+                const T w = w1[static_cast<long long>(i) * h + j];
+                zq += qs[i] * w;
+                zk += ks[i] * w;
+            }
+            const detail::ValueGrad<T> a = detail::activate_with_grad(d.act, zk);
+            hq[j] = detail::activate(d.act, zq);
+            a1[j] = a.value;
+            g1[j] = a.grad;
+            d.a1[(p * d.b + d.o + r) * h + j] = a.value;
+        }
+        __syncthreads();
+        decode_second_layer(d, p, r, sh);
+        __syncthreads();  // before the next row overwrites q, k and the vectors
+    }
+}
+#endif
+
+}  // namespace titans::backend::cuda
