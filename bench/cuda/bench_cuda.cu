@@ -14,7 +14,9 @@
 //                             frac_sgemm and frac_tf32 (GFLOPS over BM_CublasSgemm/4096's)
 //   BM_CudaMemoryTrain/B/N    the same memory's training step: training forward with its trace
 //                             and backward, device x, dy and dx, gradients to the host, TF32
-//   BM_CudaDecode/B           the same memory fed one token per sequence per call (serving)
+//   BM_CudaDecode/B/decode    the same memory fed one token per sequence per call (serving);
+//                             decode 1: the read and the key pass in decode_rows_kernel
+//                             (memory_decode.cuh), 0: as batched cuBLAS products
 //   BM_CudaBlock/kind/B/N     one Block<float, Cuda> of each kind, SWA (4) too (d 512, H 8,
 //                             L 2, window = segment 512, b 64, SwiGLU FFN, 4 persistent
 //                             tokens; SWA none) over B
@@ -230,12 +232,15 @@ void BM_CudaMemoryTrain(benchmark::State& state) {
 
 void BM_CudaDecode(benchmark::State& state) {
     const int B = static_cast<int>(state.range(0));
+    // decode 1: the read and key pass in decode_rows_kernel; 0: the batched products
+    tc::set_fused_memory(state.range(1) != 0 ? tc::FusedMemory::Auto : tc::FusedMemory::Off);
     Setup s(B, 1);
     Kernels::State st = Kernels::make_state(s.cfg, s.prepared, B);
     s.forward(st);
     for (auto _ : state) {
         s.forward(st);
     }
+    tc::set_fused_memory(tc::FusedMemory::Auto);
     counters(state, s.cfg, B, 1);
 }
 
@@ -409,7 +414,7 @@ BENCHMARK(BM_CudaMemoryTrain)
     ->ArgNames({"B", "N"})
     ->Args({1, 2048})->Args({64, 1024})->Args({256, 512})
     ->Unit(benchmark::kMillisecond)->UseManualTime();
-BENCHMARK(BM_CudaDecode)->ArgNames({"B"})->Arg(1)->Arg(64)->Arg(1024)->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK(BM_CudaDecode)->ArgNames({"B", "decode"})->ArgsProduct({{1, 64, 1024}, {0, 1}})->Unit(benchmark::kMicrosecond)->UseRealTime();
 BENCHMARK(BM_CudaBlock)
     ->ArgNames({"kind", "B", "N"})
     ->ArgsProduct({{0, 1, 2, 3, 4}, {1, 16}, {2048}})

@@ -30,7 +30,8 @@ namespace titans::backend::cuda {
 /// Which forward calls run their full chunks in the fused kernel (when the configuration
 /// allows it: fused_applies): Auto where it runs on the tensor cores (float, with TF32 allowed
 /// on the state's stream), On always (plain FMAs in double, and in float without TF32), Off
-/// never. Process-wide, read at every forward call.
+/// never. Off also turns off the decode kernel (memory_decode.cuh), which Auto and On run
+/// wherever it applies. Process-wide, read at every forward call.
 enum class FusedMemory { Auto, On, Off };
 
 inline std::atomic<FusedMemory>& fused_memory_flag() {

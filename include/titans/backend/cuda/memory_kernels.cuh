@@ -1023,19 +1023,24 @@ struct MemoryKernels<Cuda, T> {
         }
     }
 
-    /// The pair-major rows yp ([p][N][d_h]) back to (B*N) x D, then y = yh W_O.
+    /// The pair-major rows yp ([p][N][d_h]) back to (B*N) x D, then y = yh W_O. With one
+    /// token a sequence (decode) the pair-major rows are that layout already: no kernel.
     static void output(const MemoryConfig& cfg, const Params& p, const cuda::StreamContext& cx,
                        typename State::Work& w, int B, long long N, View<T> y) {
         const long long H = cfg.n_heads, dh = cfg.head_dim(), D = cfg.inner_dim(), M = B * N;
         const T* yp = w.yp.data();
-        T* yh = w.yh.data();
-        cuda::each(cx.stream(), M * D, [=] __device__(unsigned i) {
-            const long long r = i / cuda::u32(D), c = i % cuda::u32(D), s = cuda::u32(r) / cuda::u32(N), t = cuda::u32(r) % cuda::u32(N),
-                            h = cuda::u32(c) / cuda::u32(dh), j = cuda::u32(c) % cuda::u32(dh);
-            yh[i] = yp[((s * H + h) * N + t) * dh + j];
-        });
+        const T* rows = yp;
+        if (N != 1) {
+            T* yh = w.yh.data();
+            cuda::each(cx.stream(), M * D, [=] __device__(unsigned i) {
+                const long long r = i / cuda::u32(D), c = i % cuda::u32(D), s = cuda::u32(r) / cuda::u32(N), t = cuda::u32(r) % cuda::u32(N),
+                                h = cuda::u32(c) / cuda::u32(dh), j = cuda::u32(c) % cuda::u32(dh);
+                yh[i] = yp[((s * H + h) * N + t) * dh + j];
+            });
+            rows = yh;
+        }
         cuda::gemm<T>(cx.blas(), false, false, static_cast<int>(M), cfg.d_model,
-                      static_cast<int>(D), T(1), {yh, static_cast<int>(D)},
+                      static_cast<int>(D), T(1), {rows, static_cast<int>(D)},
                       {p.w_o.data(), cfg.d_model}, T(0), y.data, static_cast<int>(y.stride), 0, 1);
     }
 
