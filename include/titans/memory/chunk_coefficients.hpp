@@ -47,13 +47,10 @@ TITANS_HOST_DEVICE void chunk_end_coefficients(int n, const T* theta, const T* e
     }
 }
 
-/// Per-row coefficients of the in-chunk (dual form) retrieval, math §5: for rows
-/// i = row0..n-1 of a chunk prefix of n tokens, beta[i - row0], c[i - row0] and the
-/// lower-triangular G (row-major, (n - row0) x n, entries with k > i set to 0).
+/// beta[i - row0] and c[i - row0] of chunk_row_coefficients, rows i = row0..n-1.
 template <class T>
-TITANS_HOST_DEVICE void chunk_row_coefficients(int n, int row0, const T* theta, const T* eta,
-                                               const T* alpha, T* beta, T* c, T* G) {
-    const int rows = n - row0;
+TITANS_HOST_DEVICE void chunk_row_prefix(int n, int row0, const T* eta, const T* alpha, T* beta,
+                                         T* c) {
     T b = T(1), p = T(1), cc = T(0);
     for (int i = 0; i < n; ++i) {
         b *= (T(1) - alpha[i]);
@@ -64,20 +61,37 @@ TITANS_HOST_DEVICE void chunk_row_coefficients(int n, int row0, const T* theta, 
             c[i - row0] = cc;
         }
     }
-    for (int i = 0; i < rows * n; ++i) {
-        G[i] = T(0);
+}
+
+/// Column k of chunk_row_coefficients' G (rows i = row0..n-1; 0 where i < k): its own
+/// recurrence gamma_ik, independent of the other columns (device code runs them in parallel).
+template <class T>
+TITANS_HOST_DEVICE void chunk_row_column(int n, int row0, int k, const T* theta, const T* eta,
+                                         const T* alpha, T* G) {
+    for (int i = row0; i < k && i < n; ++i) {
+        G[(i - row0) * n + k] = T(0);
     }
-    for (int k = 0; k < n; ++k) {
-        T gamma = T(1), pi = T(1);
-        for (int i = k; i < n; ++i) {
-            if (i > k) {
-                pi *= eta[i];
-                gamma = (T(1) - alpha[i]) * gamma + pi;
-            }
-            if (i >= row0) {
-                G[(i - row0) * n + k] = theta[k] * gamma;
-            }
+    T gamma = T(1), pi = T(1);
+    for (int i = k; i < n; ++i) {
+        if (i > k) {
+            pi *= eta[i];
+            gamma = (T(1) - alpha[i]) * gamma + pi;
         }
+        if (i >= row0) {
+            G[(i - row0) * n + k] = theta[k] * gamma;
+        }
+    }
+}
+
+/// Per-row coefficients of the in-chunk (dual form) retrieval, math §5: for rows
+/// i = row0..n-1 of a chunk prefix of n tokens, beta[i - row0], c[i - row0] and the
+/// lower-triangular G (row-major, (n - row0) x n, entries with k > i set to 0).
+template <class T>
+TITANS_HOST_DEVICE void chunk_row_coefficients(int n, int row0, const T* theta, const T* eta,
+                                               const T* alpha, T* beta, T* c, T* G) {
+    chunk_row_prefix(n, row0, eta, alpha, beta, c);
+    for (int k = 0; k < n; ++k) {
+        chunk_row_column(n, row0, k, theta, eta, alpha, G);
     }
 }
 

@@ -155,7 +155,7 @@ void add_entries(cudaStream_t stream, const T* from, long long n, T* to) {
     each(stream, n, [=] __device__(unsigned i) { to[i] += from[i]; });
 }
 
-template <class T, class F>
+template <class T, class F, bool every>
 __global__ void pair_local_kernel(T* vec, long long stride, int head, F f) {
     T* v = vec + static_cast<long long>(blockIdx.x) * stride;
     T* local = head > 0 ? dynamic_shared<T>() : v;
@@ -163,7 +163,9 @@ __global__ void pair_local_kernel(T* vec, long long stride, int head, F f) {
         local[i] = v[i];
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
+    if constexpr (every) {
+        f(blockIdx.x, local, v, threadIdx.x, blockDim.x);
+    } else if (threadIdx.x == 0) {
         f(blockIdx.x, local, v);
     }
     __syncthreads();
@@ -178,7 +180,9 @@ __global__ void pair_local_kernel(T* vec, long long stride, int head, F f) {
 /// thread per pair: math §4-5's running products) then waits for shared memory, not for
 /// device memory, at each step: the same arithmetic in the same order, so the same bits.
 /// Where head entries pass 48 KB, local = v (device memory, as a plain thread per pair).
-template <class T, class F>
+/// every: f(p, local, v, thread, threads) on each of the block's threads instead (work
+/// independent across them, such as the columns of a chunk's G).
+template <bool every = false, class T, class F>
 void pair_local(cudaStream_t stream, T* vec, long long pairs, long long stride, long long head,
                 F f) {
     if (pairs <= 0) {
@@ -190,7 +194,7 @@ void pair_local(cudaStream_t stream, T* vec, long long pairs, long long stride, 
     }
     const bool fits = head * static_cast<long long>(sizeof(T)) <= 48 * 1024;
     const int h = fits ? static_cast<int>(head) : 0;
-    launch_shared(pair_local_kernel<T, F>, static_cast<unsigned>(pairs), 64,
+    launch_shared(pair_local_kernel<T, F, every>, static_cast<unsigned>(pairs), 64,
                   static_cast<std::size_t>(h) * sizeof(T), stream, vec, stride, h, f);
     check_launch("a titans CUDA kernel launch (per pair)");
 }

@@ -603,10 +603,19 @@ struct MemoryKernels<Cuda, T> {
     static void row_coefficients(cudaStream_t sm, T* coef, T* G, long long P, int b, int n,
                                  int row0) {
         const long long CS = coef_stride(b);
-        cuda::pair_local(sm, coef, P, CS, CS, [=] __device__(unsigned p, T* cf, T*) {
-            chunk_row_coefficients<T>(n, row0, cf, cf + b, cf + 2 * b, cf + 3 * b, cf + 4 * b,
-                                      G + p * b * b);
-        });
+        // beta and c on one thread, G's columns on all of them (independent recurrences)
+        cuda::pair_local<true>(sm, coef, P, CS, CS,
+                               [=] __device__(unsigned p, T* cf, T*, unsigned t, unsigned nt) {
+                                   if (t == 0) {
+                                       chunk_row_prefix<T>(n, row0, cf + b, cf + 2 * b,
+                                                           cf + 3 * b, cf + 4 * b);
+                                   }
+                                   for (int k = static_cast<int>(t); k < n;
+                                        k += static_cast<int>(nt)) {
+                                       chunk_row_column<T>(n, row0, k, cf, cf + b, cf + 2 * b,
+                                                           G + p * b * b);
+                                   }
+                               });
     }
 
     /// Chunk-end coefficients (math §4) over n rows: g, s and beta_end, c_end, p_end.

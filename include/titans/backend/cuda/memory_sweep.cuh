@@ -869,11 +869,19 @@ struct MemoryTraining<Cuda, T>::Sweep {
             tm[p * BW + rc] = DY[p * N * dh + rc];
         });
         if (w.inchunk) {
-            cuda::pair_local(w.sm, vec, P, VS, vo.G(), [=] __device__(unsigned, T* v, T* g) {
-                chunk_row_coefficients<T>(static_cast<int>(n), static_cast<int>(o), v + vo.theta(),
-                                          v + vo.eta(), v + vo.alpha(), v + vo.beta(), v + vo.c(),
-                                          g + vo.G());
-            });
+            const int ni = static_cast<int>(n), oi = static_cast<int>(o);
+            cuda::pair_local<true>(
+                w.sm, vec, P, VS, vo.G(),
+                [=] __device__(unsigned, T* v, T* g, unsigned t, unsigned nt) {
+                    if (t == 0) {
+                        chunk_row_prefix<T>(ni, oi, v + vo.eta(), v + vo.alpha(), v + vo.beta(),
+                                            v + vo.c());
+                    }
+                    for (int k = static_cast<int>(t); k < ni; k += static_cast<int>(nt)) {
+                        chunk_row_column<T>(ni, oi, k, v + vo.theta(), v + vo.eta(),
+                                            v + vo.alpha(), g + vo.G());
+                    }
+                });
         }
         for (std::size_t l = 0; l < w.Ls; ++l) {
             const long long in = w.lin[l], out = w.lout[l];
