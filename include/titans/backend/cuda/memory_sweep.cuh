@@ -22,6 +22,16 @@
 
 namespace titans::backend::cuda {
 
+/// Row r of a pair's key tape (its rows at offset `pair`), layer by layer: the GradRows<T> of
+/// a_{l-1} and delta_l that the gates' norms read.
+template <class T>
+__device__ auto tape_row(const PendingLayers<T>& ly, long long pair, long long r) {
+    return [&ly, pair, r](int l) {
+        return detail::GradRows<T>{ly.a[l] + pair + r * ly.in[l], ly.in[l],
+                                   ly.d[l] + pair + r * ly.out[l], ly.out[l]};
+    };
+}
+
 /// The backward's gates of a chunk's n rows (math §1, §10), a warp per (pair, row), with the
 /// forward's gate_logits_row, gate_grad_norm2 and gate_clip_factor (theta is the forward's, bit
 /// for bit): theta0 (before the clip), theta, eta, alpha and g2 (0 without clipping) into the
@@ -35,10 +45,7 @@ __global__ void sweep_gates_kernel(GateParams<T> gp, PendingLayers<T> ly, const 
         return;
     }
     const long long p = w / n, r = w % n;
-    const auto row = [&](int l) {
-        return detail::GradRows<T>{ly.a[l] + p * BW + r * ly.in[l], ly.in[l],
-                                   ly.d[l] + p * BW + r * ly.out[l], ly.out[l]};
-    };
+    const auto row = tape_row(ly, p * BW, r);
     const GateValues<T> g = gate_logits_row<T>(gp, lg + p * N * 3, static_cast<int>(r), n, lane);
     const bool clipping = gp.clip > T(0);
     const T g2 = clipping ? gate_grad_norm2<T>(ly.depth, row, lane) : T(0);
@@ -73,10 +80,7 @@ __global__ void sweep_clip_backward_kernel(T clip, PendingLayers<T> ly, Adj adj,
     if (!(g2 > clip * clip)) {
         return;
     }
-    const auto row = [&](int l) {
-        return detail::GradRows<T>{ly.a[l] + p * BW + r * ly.in[l], ly.in[l],
-                                   ly.d[l] + p * BW + r * ly.out[l], ly.out[l]};
-    };
+    const auto row = tape_row(ly, p * BW, r);
     const T dtheta = v[vo.dtheta() + r], theta0 = v[vo.theta0() + r];
     T f;
     if (!(g2 <= detail::largest_finite<T>())) {  // g2 overflowed: scaled

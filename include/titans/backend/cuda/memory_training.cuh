@@ -4,8 +4,8 @@
 //
 // forward runs Kernels::forward a chunk at a time (from a chunk boundary; one transaction over
 // the call, so an error leaves the state as it was; the pieces' finiteness checks deferred to
-// one wait at the call's end, and run again strictly only if one failed), keeping in device memory what the CPU's
-// Trace keeps: the input, the incoming conv tails, the pre-conv products u = x [W_Q | W_K |
+// one wait at the call's end, and run again strictly only if one failed), keeping in device
+// memory what the CPU's Trace keeps: the input, the incoming conv tails, the pre-conv products u = x [W_Q | W_K |
 // W_V], the gate logits (bias added) and the memory (W, S) at every chunk start, laid out as
 // the state's (per layer, pairs contiguous) so that it feeds batched GEMMs as is.
 //
