@@ -23,7 +23,8 @@ struct SegmentBackwardCase {
 /// Case i, every entry rounded through float (a float run and its double reference see the
 /// same numbers): heads 1-3, head widths 1-6 (even with RoPE), C 1-7, every offset, N_p 0-3,
 /// batches 1-3, the later adjoint in three cases of four, constant or periodic rows in some.
-inline SegmentBackwardCase segment_backward_case(Rng& rng, int i) {
+/// long_parts: C 24-48, offsets 0-6, each part running to the segment's end (18 rows or more).
+inline SegmentBackwardCase segment_backward_case(Rng& rng, int i, bool long_parts = false) {
     const auto r = [](const Matrixd& m) { return round_through<float>(m); };
     SegmentBackwardCase c;
     c.cfg.n_heads = uniform_int(rng, 1, 3);
@@ -39,9 +40,9 @@ inline SegmentBackwardCase segment_backward_case(Rng& rng, int i) {
     c.p.w_v = r(p.w_v);
     c.p.w_o = r(p.w_o);
     c.B = uniform_int(rng, 1, 3);
-    c.C = uniform_int(rng, 1, 7);
-    c.o = uniform_int(rng, 0, c.C - 1);
-    c.m = uniform_int(rng, 1, c.C - c.o);
+    c.C = long_parts ? uniform_int(rng, 24, 48) : uniform_int(rng, 1, 7);
+    c.o = uniform_int(rng, 0, long_parts ? 6 : c.C - 1);
+    c.m = long_parts ? c.C - c.o : uniform_int(rng, 1, c.C - c.o);
     c.pos = static_cast<std::int64_t>(c.C) * uniform_int(rng, 0, 9) + c.o;
     const long long d = c.cfg.d_model, D = c.cfg.inner_dim(), n = 2LL * (c.o + c.m);
     const int np = i % 3 == 0 ? 0 : uniform_int(rng, 1, 3);

@@ -23,13 +23,19 @@
 //                             sequences of N tokens in one call, host input and output (the
 //                             public API); MAC's segment attention runs on the host (docs/cuda.md)
 //   BM_CudaModel/B/N          a 4-block model (MAC, MAG, MAL, LMM) of those blocks, the same way
-//   BM_CudaAttention/B/N/tiled
+//   BM_CudaAttention/B/N/path
 //                             the attention layer (d 512, H 8, d_h 64, window 512, RoPE) over B
 //                             sequences of N tokens from a fresh state, device input and output;
-//                             its attention in tiles (attention_tiled.cuh, 1) or a thread per
-//                             (row, head) (0); counters tokens_per_second, GFLOPS (projections
-//                             and the attention's two products over the keys each query sees),
-//                             frac_sgemm and frac_tf32 (of BM_CublasSgemm/4096's)
+//                             its attention a thread per (row, head) (path 0), in scalar tiles
+//                             (attention_tiled.cuh, 1), in warp tiles (attention_warp_tiles.cuh)
+//                             with FMAs (2) or TF32 (3, the projections TF32 too); counters
+//                             tokens_per_second, GFLOPS (projections and the attention's two
+//                             products over the keys each query sees), frac_sgemm and frac_tf32
+//                             (of BM_CublasSgemm/4096's)
+//   BM_CudaAttentionTiles/B/N/path/backward
+//                             the attention kernels alone (d_h 64, H 8, window 512), forward or
+//                             the backward's passes, paths 1-3 as above; GFLOPS (2 products
+//                             forward, 5 backward) and frac_tf32 (of BM_CublasSgemm/4096/1's)
 //   BM_CudaTrainStep/mac/B/N  a Trainer step of that model with a vocabulary of 512 (mac 0: its
 //                             MAC block an LMM one, so that nothing runs on the host)
 //   BM_CudaModelDecode/B/pooled
@@ -325,11 +331,19 @@ double attention_flops(const titans::AttentionConfig& cfg, int B, long N) {
     return B * (8.0 * N * d * D + 4.0 * keys * D);
 }
 
+/// The attention's path for a benchmark argument: 0 a thread per (row, head), 1 the scalar
+/// tiles, 2 warp tiles with FMAs, 3 warp tiles on the tensor cores (TF32).
+tc::TiledAttentionMode attention_mode(long path) {
+    return path == 0   ? tc::TiledAttentionMode::Off
+           : path == 1 ? tc::TiledAttentionMode::Scalar
+                       : tc::TiledAttentionMode::Auto;
+}
+
 void BM_CudaAttention(benchmark::State& state) {
     using AK = titans::backend::AttentionKernels<Cuda, float>;
     const int B = static_cast<int>(state.range(0));
     const long N = state.range(1);
-    const bool tiled = state.range(2) != 0;
+    const long path = state.range(2);
     const titans::AttentionConfig cfg{.d_model = 512, .n_heads = 8, .window = 512, .rope = true};
     const auto params = std::make_shared<const titans::AttentionParams<float>>(
         titans::AttentionParams<float>::random(cfg, 1));
@@ -337,8 +351,10 @@ void BM_CudaAttention(benchmark::State& state) {
     const titans::Matrixf host = titans::Matrixf::Random(B * N, cfg.d_model);
     const Transfer::Buffer x = Transfer::upload(titans::view_of(host));
     Transfer::Buffer y = Transfer::allocate(B * N, cfg.d_model);
-    tc::set_tiled_attention(tiled ? tc::TiledAttentionMode::Auto : tc::TiledAttentionMode::Off);
+    tc::set_tiled_attention(attention_mode(path));
+    tc::set_allow_tf32(path == 3);
     const AK::State fresh = AK::make_state(cfg, B);
+    tc::set_allow_tf32(false);
     AK::State st = fresh;
     const auto run = [&] {
         AK::forward(cfg, prepared, st, Transfer::view(x), Transfer::view(y), nullptr);
@@ -353,6 +369,75 @@ void BM_CudaAttention(benchmark::State& state) {
         benchmark::Counter::kIsRate);
     state.counters["GFLOPS"] = gflops;
     state.counters["frac_sgemm"] = gflops / sgemm_rate(4096, false);
+    state.counters["frac_tf32"] = gflops / sgemm_rate(4096, true);
+}
+
+/// The attention kernels alone (d_h 64, H 8, window 512, no prefix) over B sequences of N
+/// queries on device buffers: the forward (backward 0) or the backward's three passes
+/// (backward 1), on `path` 1-3 of attention_mode. GFLOPS count the products over the keys
+/// each query sees: 2 in the forward, 5 in the backward (flash-attention's convention: the
+/// query pass's second S and the key pass's P, recomputed, are not counted).
+void BM_CudaAttentionTiles(benchmark::State& state) {
+    const int B = static_cast<int>(state.range(0)), H = 8, dh = 64, w = 512;
+    const long N = state.range(1);
+    const long path = state.range(2);
+    const bool backward = state.range(3) != 0;
+    const long long D = static_cast<long long>(H) * dh, rows = B * N;
+    const titans::Matrixf host = titans::Matrixf::Random(rows, 3 * D);  // q, k, v; dout; out
+    tc::DeviceBuffer<float> q = tc::upload_array(host.data(), static_cast<std::size_t>(host.size()));
+    tc::DeviceBuffer<float> o(static_cast<std::size_t>(rows * D)), dq(o.size()), dk(o.size()),
+        dv(o.size()), stats(static_cast<std::size_t>(3 * rows * H));
+    const tc::TiledAttentionArgs<float> f{
+        q.data(), D, q.data(), q.data(), 0, D, D, true, q.data() + rows * D, q.data() + 2 * rows * D,
+        N, D, N, 0, 1, H, dh, w, 1.0f / std::sqrt(static_cast<float>(dh)), o.data(), D};
+    const tc::TiledBackwardArgs<float> a{f, q.data() + rows * D, D, o.data(), D, stats.data(),
+                                         stats.data() + rows * H, stats.data() + 2 * rows * H};
+    const tc::StreamContext cx;
+    const tc::TiledKeyGrads<float> grads{dk.data(), dv.data(), D};  // (no prefix rows)
+    const auto forward = [&] {
+        if (path == 1) {
+            tc::tiled_attention(cx.stream(), f, B, tc::tiled_shape(dh, N, sizeof(float)));
+        } else {
+            tc::warp_tiled_attention(cx.stream(), f, B, path == 3);
+        }
+    };
+    const auto run = [&] {
+        if (!backward) {
+            forward();
+        } else if (path == 1) {
+            const tc::TiledShape sh = tc::tiled_backward_shape(dh, sizeof(float));
+            tc::tiled_query_backward(cx.stream(), a, B, sh, dq.data(), D);
+            tc::tiled_key_backward(cx.stream(), a, B, sh, false, grads);
+        } else {
+            tc::warp_backward(cx.stream(), a, B, dq.data(), D, grads, grads, path == 3);
+        }
+    };
+    forward();  // the output the backward reads
+    run();
+    cx.synchronize();
+    cudaEvent_t t0, t1;
+    tc::check(cudaEventCreate(&t0), "event");
+    tc::check(cudaEventCreate(&t1), "event");
+    double seconds = 0;
+    for (auto _ : state) {
+        tc::check(cudaEventRecord(t0, cx.stream()), "event");
+        run();
+        tc::check(cudaEventRecord(t1, cx.stream()), "event");
+        tc::check(cudaEventSynchronize(t1), "event");
+        float ms = 0;
+        tc::check(cudaEventElapsedTime(&ms, t0, t1), "event");
+        state.SetIterationTime(ms * 1e-3);
+        seconds += ms * 1e-3;
+    }
+    (void)cudaEventDestroy(t0);
+    (void)cudaEventDestroy(t1);
+    double keys = 0;
+    for (long t = 0; t < N; ++t) {
+        keys += std::min<double>(static_cast<double>(t) + 1, w);
+    }
+    const double flops = (backward ? 10.0 : 4.0) * B * keys * static_cast<double>(D);
+    const double gflops = flops * static_cast<double>(state.iterations()) / seconds / 1e9;
+    state.counters["GFLOPS"] = gflops;
     state.counters["frac_tf32"] = gflops / sgemm_rate(4096, true);
 }
 
@@ -422,8 +507,12 @@ BENCHMARK(BM_CudaBlock)
 BENCHMARK(BM_CudaModel)->ArgNames({"B", "N"})->Args({1, 2048})->Args({16, 2048})
     ->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_CudaAttention)
-    ->ArgNames({"B", "N", "tiled"})
-    ->ArgsProduct({{1, 16}, {2048}, {0, 1}})
+    ->ArgNames({"B", "N", "path"})
+    ->ArgsProduct({{1, 16}, {2048}, {0, 1, 2, 3}})
+    ->Unit(benchmark::kMillisecond)->UseManualTime();
+BENCHMARK(BM_CudaAttentionTiles)
+    ->ArgNames({"B", "N", "path", "backward"})
+    ->ArgsProduct({{16}, {4096}, {1, 2, 3}, {0, 1}})
     ->Unit(benchmark::kMillisecond)->UseManualTime();
 BENCHMARK(BM_CudaTrainStep)->ArgNames({"mac", "B", "N"})->Args({0, 1, 1024})->Args({1, 1, 1024})
     ->Args({0, 8, 1024})->Unit(benchmark::kMillisecond)->UseRealTime();

@@ -7,6 +7,9 @@
 
 #include <titans/backend/cuda/cuda.cuh>
 
+#include <sstream>
+#include <string>
+
 #include "block_cases.hpp"
 #include "cuda_common.hpp"
 
@@ -166,8 +169,17 @@ void attention_sweep(int cases) {
 
 }  // namespace
 
+// The layer's sweep (pieces of 16 queries and more in warp tiles, d_h up to 8 padded to 32).
 TEMPLATE_TEST_CASE("cuda attention: parity", "[cuda]", float, double) {
+#if TITANS_CUDA_EMULATION
+    const void* warp = reinterpret_cast<const void*>(
+        &titans::backend::cuda::warp_tiled_attention_kernel<TestType, false, 32>);
+    const long before = cuda_emulation::launches(warp);
+#endif
     attention_sweep<TestType>(60);
+#if TITANS_CUDA_EMULATION
+    CHECK(cuda_emulation::launches(warp) > before);
+#endif
 }
 
 // A token whose projections overflow: CUDA and the CPU in the same precision (float's 1e30
@@ -345,7 +357,7 @@ TiledCase tiled_case(Rng& rng, int index, bool gradients = false) {
     // shrink the tile (at 160: 16 x 16 in float, 8 x 8 in double).
     c.dh = pick(rng, std::vector<int>{1, 3, 8, 17, 64, 64, 100, 160});
     c.window = pick(rng, std::vector<int>{1, 2, 5, 16, 33, 64, 65, 200});
-    c.n = pick(rng, std::vector<long long>{1, 2, 7, 31, 64, 65, 100});
+    c.n = pick(rng, std::vector<long long>{1, 2, 7, 16, 31, 64, 65, 100, 130});
     c.p = pick(rng, std::vector<long long>{0, 0, 1, 5, 64, 70});
     c.stride = index % 3 == 2 ? 2 : 1;  // MAC's interleaved segment: queries at odd positions
     c.pos0 = c.stride == 2 ? 2 * uniform_int(rng, 0, 20) + 1 : uniform_int(rng, 0, 90);
@@ -369,6 +381,14 @@ TiledCase tiled_case(Rng& rng, int index, bool gradients = false) {
     return c;
 }
 
+/// A TiledCase's shape, for a failing check's message.
+std::string describe(const TiledCase& c) {
+    std::ostringstream o;
+    o << "B " << c.B << " H " << c.H << " d_h " << c.dh << " window " << c.window << " n " << c.n
+      << " p " << c.p << " shared " << c.shared << " pos0 " << c.pos0 << " stride " << c.stride;
+    return o.str();
+}
+
 /// The CPU's prefix_window_attention per sequence, in double.
 Matrixd tiled_reference(const TiledCase& c) {
     const long long D = static_cast<long long>(c.H) * c.dh;
@@ -383,13 +403,18 @@ Matrixd tiled_reference(const TiledCase& c) {
     return out;
 }
 
-/// tiled_attention on the device in the shape tiled_shape picks; the output rows, or an empty
-/// matrix when no tile fits.
+/// Which kernel tiled_device runs: tiled_attention (Scalar) or warp_tiled_attention, its
+/// products in FMAs (Warp) or on the tensor cores (Tf32).
+enum class TileKernel { Scalar, Warp, Tf32 };
+
+/// The kernel `kind` on the device (tiled_attention in the shape tiled_shape picks); the output
+/// rows, or an empty matrix where that kernel does not apply.
 template <class T>
-Matrix<T> tiled_device(const TiledCase& c) {
+Matrix<T> tiled_device(const TiledCase& c, TileKernel kind = TileKernel::Scalar) {
     namespace cu = titans::backend::cuda;
     const cu::TiledShape shape = cu::tiled_shape(c.dh, c.n, sizeof(T));
-    if (!shape.fits()) {
+    if (kind == TileKernel::Scalar ? !shape.fits()
+                                   : !cu::warp_tiles_fit(c.B, c.n, c.H, c.dh, sizeof(T))) {
         return {};
     }
     const long long D = static_cast<long long>(c.H) * c.dh;
@@ -406,7 +431,11 @@ Matrix<T> tiled_device(const TiledCase& c) {
         q.data(), D, kp.data(), vp.data(), c.p, D, D, c.shared, ks.data(), vs.data(), c.m, D,
         c.n, c.pos0, c.stride, c.H, c.dh, c.window,
         T(1) / std::sqrt(static_cast<T>(c.dh)), o.data(), D};
-    cu::tiled_attention(cu::thread_context().stream(), a, c.B, shape);
+    if (kind == TileKernel::Scalar) {
+        cu::tiled_attention(cu::thread_context().stream(), a, c.B, shape);
+    } else {
+        cu::warp_tiled_attention(cu::thread_context().stream(), a, c.B, kind == TileKernel::Tf32);
+    }
     Matrix<T> out(c.B * c.n, D);
     cu::check(cudaMemcpy(out.data(), o.data(), o.size() * sizeof(T), cudaMemcpyDeviceToHost),
               "cudaMemcpy (test)");
@@ -428,9 +457,7 @@ TEMPLATE_TEST_CASE("cuda attention: tiled", "[cuda]", float, double) {
         Rng rng(seed_for(std::string("cuda tiled attention ") + type_name<T>(),
                          static_cast<std::uint64_t>(i)));
         const TiledCase c = tiled_case<T>(rng, i);
-        INFO("case " << i << ": B " << c.B << " H " << c.H << " d_h " << c.dh << " window "
-                     << c.window << " n " << c.n << " p " << c.p << " shared " << c.shared
-                     << " pos0 " << c.pos0 << " stride " << c.stride);
+        INFO("case " << i << ": " << describe(c));
         const Matrix<T> got = tiled_device<T>(c);
         REQUIRE(got.size() > 0);  // every width drawn fits a tile
         const double e = rel_error(got.template cast<double>(), tiled_reference(c));
@@ -442,7 +469,58 @@ TEMPLATE_TEST_CASE("cuda attention: tiled", "[cuda]", float, double) {
                 type_name<T>(), ran, worst, bound<T>());
 }
 
-// The layer with the tiles switched off (a thread per row and head) still matches the CPU,
+// The warp-tiled kernel alone against the CPU on the draws of "cuda attention: tiled" (those of
+// 16 queries or more and d_h up to 128: 1 to 100, padded to 32, 64 or 128; pieces of one to
+// three blocks of 64 queries, the last partial): FMAs within the parity bound, and in float on
+// the tensor cores. TF32 rounds both products' operands to 10-bit mantissas (unit roundoff
+// 2^-11 = 4.9e-4); a score s = scale q . k then moves by up to about 1e-3 scale sum |q_e k_e|,
+// under 0.05 on these draws (|q|, |k| <= 1.5; peaked draws, whose scores reach 100, are left
+// out), and the output by that times its own spread: the bound is 1e-2 (docs/cuda.md).
+TEMPLATE_TEST_CASE("cuda attention: warp tiles", "[cuda]", float, double) {
+    using T = TestType;
+    const int cases = parity_cases(40);
+    double worst = 0, worst_tf32 = 0;
+    int ran = 0;
+    for (int i = 0; i < cases; ++i) {
+        Rng rng(seed_for(std::string("cuda warp-tiled attention ") + type_name<T>(),
+                         static_cast<std::uint64_t>(i)));
+        const TiledCase c = tiled_case<T>(rng, i, /*gradients=*/true);
+        INFO("case " << i << ": " << describe(c));
+        const Matrix<T> got = tiled_device<T>(c, TileKernel::Warp);
+        if (got.size() == 0) {
+            CHECK((c.n < 16 || c.dh > 128));
+            continue;
+        }
+        const Matrixd ref = tiled_reference(c);
+        const double e = rel_error(got.template cast<double>(), ref);
+        CHECK(e <= bound<T>());
+        worst = std::max(worst, e);
+        if constexpr (std::is_same_v<T, float>) {
+            const Matrix<T> tf = tiled_device<T>(c, TileKernel::Tf32);
+            const double et = rel_error(tf.template cast<double>(), ref);
+            CHECK(et <= 1e-2);
+            CHECK((tf.array() != got.array()).any());  // the operands were rounded
+            worst_tf32 = std::max(worst_tf32, et);
+        }
+        ++ran;
+    }
+    CHECK(ran >= cases / 3);
+    std::printf("cuda warp-tiled attention (%s): %d cases, worst relative error %.3g (bound "
+                "%.0e); TF32 %.3g (bound 1e-2)\n", type_name<T>(), ran, worst, bound<T>(),
+                worst_tf32);
+    namespace cu = titans::backend::cuda;
+    CHECK(cu::warp_tile_width(17) == 32);
+    CHECK(cu::warp_tile_width(64) == 64);
+    CHECK(cu::warp_tile_width(129) == 0);
+    CHECK(cu::warp_tiles_fit(1, 16, 1, 64, sizeof(T)));
+    CHECK_FALSE(cu::warp_tiles_fit(1, 15, 1, 64, sizeof(T)));
+    CHECK_FALSE(cu::warp_tiles_fit(1, 1000, 1, 129, sizeof(T)));
+    CHECK_FALSE(cu::warp_tiles_fit(70000, 1000, 1, 64, sizeof(T)));
+    CHECK(cu::warp_tile_bytes(128, sizeof(T)) <= 116 * 1024);
+}
+
+// The layer with the tiles switched off (a thread per row and head), and with the scalar tiles
+// only (no warp tiles), still matches the CPU,
 // and the shapes: at the headline d_h 64, 32 x 32 tiles in float and 16 x 16 in double (48 KB);
 // one query against a longer key tile for decode; none where even 8 x 8 does not fit.
 TEMPLATE_TEST_CASE("cuda attention: per-row", "[cuda]", float, double) {
@@ -450,6 +528,10 @@ TEMPLATE_TEST_CASE("cuda attention: per-row", "[cuda]", float, double) {
     using T = TestType;
     {
         const TiledModeScope off(cu::TiledAttentionMode::Off);
+        attention_sweep<T>(12);
+    }
+    {
+        const TiledModeScope scalar(cu::TiledAttentionMode::Scalar);
         attention_sweep<T>(12);
     }
     CHECK(cu::tiled_attention() == cu::TiledAttentionMode::Auto);
@@ -496,10 +578,12 @@ TiledGrads tiled_reference_backward(const TiledCase& c, const Matrixd& dout) {
 }
 
 /// The tiled forward, then the tiled backward's query pass and both key passes, on the device
-/// in `shape`; the gradients brought back in double.
+/// in `shape`'s scalar tiles, or in warp tiles (kind Warp or Tf32); the gradients brought back
+/// in double.
 template <class T>
 TiledGrads tiled_device_backward(const TiledCase& c, const Matrixd& dout,
-                                 titans::backend::cuda::TiledShape shape) {
+                                 titans::backend::cuda::TiledShape shape,
+                                 TileKernel kind = TileKernel::Scalar) {
     namespace cu = titans::backend::cuda;
     const long long D = static_cast<long long>(c.H) * c.dh;
     const auto up = [](const Matrixd& h) {
@@ -530,11 +614,17 @@ TiledGrads tiled_device_backward(const TiledCase& c, const Matrixd& dout,
     cu::tiled_attention(sm, f, c.B, cu::tiled_shape(c.dh, c.n, sizeof(T)));
     const cu::TiledBackwardArgs<T> a{f, g.data(), D, o.data(), D, stats.data(),
                                      stats.data() + rows * c.H, stats.data() + 2 * rows * c.H};
-    cu::tiled_query_backward(sm, a, c.B, shape, dq.data(), D);
-    cu::tiled_key_backward(sm, a, c.B, shape, false,
-                           cu::TiledKeyGrads<T>{dks.data(), dvs.data(), D});
-    cu::tiled_key_backward(sm, a, c.B, shape, true,
-                           cu::TiledKeyGrads<T>{dkp.data(), dvp.data(), D});
+    if (kind == TileKernel::Scalar) {
+        cu::tiled_query_backward(sm, a, c.B, shape, dq.data(), D);
+        cu::tiled_key_backward(sm, a, c.B, shape, false,
+                               cu::TiledKeyGrads<T>{dks.data(), dvs.data(), D});
+        cu::tiled_key_backward(sm, a, c.B, shape, true,
+                               cu::TiledKeyGrads<T>{dkp.data(), dvp.data(), D});
+    } else {
+        cu::warp_backward(sm, a, c.B, dq.data(), D, cu::TiledKeyGrads<T>{dks.data(), dvs.data(), D},
+                          cu::TiledKeyGrads<T>{dkp.data(), dvp.data(), D},
+                          kind == TileKernel::Tf32);
+    }
     return TiledGrads{down(dq, c.B * c.n, D), down(dkp, c.kp.rows(), D), down(dvp, c.kp.rows(), D),
                       down(dks, c.B * c.m, D), down(dvs, c.B * c.m, D)};
 }
@@ -557,9 +647,7 @@ TEMPLATE_TEST_CASE("cuda attention: tiled backward", "[cuda]", float, double) {
         const TiledCase c = tiled_case<T>(rng, i, /*gradients=*/true);
         const Matrixd dout = round_through<T>(
             random_matrix(c.B * c.n, static_cast<long long>(c.H) * c.dh, rng, -1.0, 1.0));
-        INFO("case " << i << ": B " << c.B << " H " << c.H << " d_h " << c.dh << " window "
-                     << c.window << " n " << c.n << " p " << c.p << " shared " << c.shared
-                     << " pos0 " << c.pos0 << " stride " << c.stride);
+        INFO("case " << i << ": " << describe(c));
         const cu::TiledShape shape = cu::tiled_backward_shape(c.dh, sizeof(T));
         if (!shape.fits()) {  // double at d_h 160: the per-row backward's case
             CHECK(c.dh > 100);
@@ -585,4 +673,64 @@ TEMPLATE_TEST_CASE("cuda attention: tiled backward", "[cuda]", float, double) {
           cu::tiled_shared_limit);
     CHECK(cu::tiled_backward_shape(160, sizeof(T)).fits() == std::is_same_v<T, float>);
     CHECK_FALSE(cu::tiled_backward_shape(1000, sizeof(T)).fits());
+}
+
+// The warp-tiled backward (attention_warp_tiles_backward.cuh) against the CPU on the draws of
+// "cuda attention: tiled backward" that it takes (16 queries or more; d_h up to 128 in float,
+// 64 in double): FMAs within the parity bound, and in float on the tensor cores within 1e-2
+// (the forward's TF32 bound; docs/cuda.md). The sequence rows' gradients come back 0 where no
+// query sees them.
+TEMPLATE_TEST_CASE("cuda attention: warp tiles backward", "[cuda]", float, double) {
+    namespace cu = titans::backend::cuda;
+    using T = TestType;
+    const int cases = parity_cases(40);
+    double worst = 0, worst_tf32 = 0;
+    int ran = 0;
+    for (int i = 0; i < cases; ++i) {
+        Rng rng(seed_for(std::string("cuda warp-tiled attention backward ") + type_name<T>(),
+                         static_cast<std::uint64_t>(i)));
+        const TiledCase c = tiled_case<T>(rng, i, /*gradients=*/true);
+        const long long D = static_cast<long long>(c.H) * c.dh;
+        const Matrixd dout = round_through<T>(random_matrix(c.B * c.n, D, rng, -1.0, 1.0));
+        INFO("case " << i << ": " << describe(c));
+        const cu::TiledAttentionArgs<T> f{nullptr, D, nullptr, nullptr, c.p, D, D, c.shared,
+                                          nullptr, nullptr, c.m, D, c.n, c.pos0, c.stride, c.H,
+                                          c.dh, c.window, T(1), nullptr, D};
+        if (!cu::warp_backward_fits(f, c.B)) {
+            CHECK((c.n < 16 || c.dh > (std::is_same_v<T, float> ? 128 : 64)));
+            continue;
+        }
+        const TiledGrads ref = tiled_reference_backward(c, dout);
+        // With window 1 and no prefix each query sees one key: P = 1, dS = scale (dP - delta)
+        // = 0 exactly, and dq, dk are the rounding of dP - delta, which these kernels sum in
+        // another order than delta (noise on both sides). Those are measured against the
+        // size of the cancelling terms, scale d_h max|dout| max|v| max|q, k| (the floor).
+        const double floor = c.window == 1 && c.p == 0
+                                 ? c.dh * dout.cwiseAbs().maxCoeff() * c.vs.cwiseAbs().maxCoeff() *
+                                       std::max(c.q.cwiseAbs().maxCoeff(),
+                                                c.ks.cwiseAbs().maxCoeff()) /
+                                       std::sqrt(static_cast<double>(c.dh))
+                                 : 1e-30;
+        const auto error = [&](const TiledGrads& got) {
+            return std::max({rel_error(got.dq, ref.dq, floor), rel_error(got.dkp, ref.dkp),
+                             rel_error(got.dvp, ref.dvp), rel_error(got.dks, ref.dks, floor),
+                             rel_error(got.dvs, ref.dvs)});
+        };
+        const double e = error(tiled_device_backward<T>(c, dout, {}, TileKernel::Warp));
+        CHECK(e <= bound<T>());
+        worst = std::max(worst, e);
+        if constexpr (std::is_same_v<T, float>) {
+            const double et = error(tiled_device_backward<T>(c, dout, {}, TileKernel::Tf32));
+            CHECK(et <= 1e-2);
+            CHECK(et > 2 * e);  // the operands were rounded to TF32
+            worst_tf32 = std::max(worst_tf32, et);
+        }
+        ++ran;
+    }
+    CHECK(ran >= cases / 3);
+    std::printf("cuda warp-tiled attention backward (%s): %d cases, worst relative error %.3g "
+                "(bound %.0e); TF32 %.3g (bound 1e-2)\n", type_name<T>(), ran, worst, bound<T>(),
+                worst_tf32);
+    CHECK(cu::warp_backward_bytes(64, sizeof(T)) <= 116 * 1024);
+    CHECK(cu::warp_backward_bytes(128, sizeof(T)) == (std::is_same_v<T, float> ? cu::WarpBackwardLayout<float, 128>::bytes : 0));
 }

@@ -38,8 +38,9 @@ Matrixd rounded(const Matrixd& m) {
     return m.cast<T>().template cast<double>();
 }
 
+/// Pieces of 1-9 tokens (sometimes none), or of 16-80 when `long_pieces` (the warp tiles').
 template <class T>
-TrainCase train_case(Rng& rng, int index, int max_pieces) {
+TrainCase train_case(Rng& rng, int index, int max_pieces, bool long_pieces = false) {
     TrainCase c;
     c.cfg.n_heads = uniform_int(rng, 1, 3);
     c.cfg.rope = index % 2 == 0;
@@ -55,7 +56,9 @@ TrainCase train_case(Rng& rng, int index, int max_pieces) {
     c.B = uniform_int(rng, 1, 3);
     const int pieces = uniform_int(rng, 1, max_pieces);
     for (int k = 0; k < pieces; ++k) {
-        const int n = uniform_int(rng, 0, 4) == 0 ? 0 : uniform_int(rng, 1, 9);
+        const int n = long_pieces                 ? uniform_int(rng, 16, 80)
+                      : uniform_int(rng, 0, 4) == 0 ? 0
+                                                    : uniform_int(rng, 1, 9);
         c.x.push_back(rounded<T>(random_matrix(c.B * n, c.cfg.d_model, rng)));
         c.dy.push_back(rounded<T>(random_matrix(c.B * n, c.cfg.d_model, rng)));
     }
@@ -154,10 +157,11 @@ double worst_error(const TrainResult& a, const TrainResult& b, const AttentionCo
 }
 
 template <class T>
-void parity_sweep(const char* name, int cases, int max_pieces, bool chain) {
+void parity_sweep(const char* name, int cases, int max_pieces, bool chain,
+                  bool long_pieces = false) {
     for (int i = 0; i < parity_cases(cases); ++i) {
         Rng rng(seed_for(name, static_cast<std::uint64_t>(i)));
-        const TrainCase c = train_case<T>(rng, i, max_pieces);
+        const TrainCase c = train_case<T>(rng, i, max_pieces, long_pieces);
         INFO("case " << i << " heads " << c.cfg.n_heads << " d_head " << c.cfg.head_dim()
                      << " window " << c.cfg.window << " rope " << c.cfg.rope << " B " << c.B
                      << " pieces " << c.x.size() << " prefix " << c.prefix.rows());
@@ -176,6 +180,20 @@ TEMPLATE_TEST_CASE("cuda attention train: one piece", "[cuda]", float, double) {
 
 TEMPLATE_TEST_CASE("cuda attention train: chained", "[cuda]", float, double) {
     parity_sweep<TestType>("cuda attention train: chained", 40, 4, true);
+}
+
+// Pieces of 16 tokens and more: the forward and the backward in warp tiles (head widths up
+// to 6, padded to 32), chained, against the CPU.
+TEMPLATE_TEST_CASE("cuda attention train: warp tiles", "[cuda]", float, double) {
+#if TITANS_CUDA_EMULATION
+    const void* query = reinterpret_cast<const void*>(
+        &titans::backend::cuda::warp_query_backward_kernel<TestType, false, 32>);
+    const long before = cuda_emulation::launches(query);
+#endif
+    parity_sweep<TestType>("cuda attention train: warp tiles", 10, 3, true, true);
+#if TITANS_CUDA_EMULATION
+    CHECK(cuda_emulation::launches(query) > before);
+#endif
 }
 
 // The training pass with the tiles off: the per-row backward (a thread per query row, window
@@ -374,4 +392,24 @@ TEMPLATE_TEST_CASE("cuda attention train: segment backward", "[cuda]", float, do
             }
         }
     }
+    // Segments of 24-48 tokens: parts of 18 rows and more in warp tiles (queries at stride 2
+    // over the interleaved segment).
+#if TITANS_CUDA_EMULATION
+    const void* query = reinterpret_cast<const void*>(
+        &titans::backend::cuda::warp_query_backward_kernel<T, false, 32>);
+    const long before = cuda_emulation::launches(query);
+#endif
+    for (int i = 0; i < parity_cases(12); ++i) {
+        Rng rng(seed_for("cuda attention train: long segments", static_cast<std::uint64_t>(i)));
+        const SegmentBackwardCase c = segment_backward_case(rng, i, true);
+        INFO("long case " << i << " B " << c.B << " C " << c.C << " o " << c.o << " m " << c.m
+                          << " np " << c.P.rows() << " rope " << c.cfg.rope);
+        CHECK(note_error<T>("segment attention backward",
+                            segment_backward_error(run_segment_backward<T, Cuda>(c),
+                                                   run_segment_backward<double, titans::backend::Cpu>(c),
+                                                   1e-6)) <= bound<T>());
+    }
+#if TITANS_CUDA_EMULATION
+    CHECK(cuda_emulation::launches(query) > before);
+#endif
 }

@@ -33,6 +33,7 @@
 #include "attention_segment_backward.cuh"
 #include "attention_state.cuh"
 #include "attention_tiled.cuh"
+#include "attention_warp_tiles.cuh"
 #include "blas.cuh"
 #include "call_scope.cuh"
 #include "launch.cuh"
@@ -335,16 +336,21 @@ struct AttentionKernels<Cuda, T> {
                                       cfg.window,
                                       T(1) / std::sqrt(static_cast<T>(cfg.head_dim())),
                                       o};
-        attend_rows(sm, f, st.batch_);
+        attend_rows(sm, f, st.batch_, ctx(st).tf32());
     }
 
-    /// o = what f (AttendRows) computes for B sequences: in tiles (tiled_attention) where a
-    /// tile fits and tiles are on (TiledAttentionMode), else a thread per (row, head).
-    static void attend_rows(cudaStream_t sm, const detail::AttendRows<T>& f, long long B) {
-        const cuda::TiledShape shape = cuda::tiled_attention() == cuda::TiledAttentionMode::Off
+    /// o = what f (AttendRows) computes for B sequences, the way cuda::tiled_attention()
+    /// says (TiledAttentionMode): in warp tiles (on the tensor cores in float when tf32) where
+    /// they apply, else in tiles where one fits, else a thread per (row, head).
+    static void attend_rows(cudaStream_t sm, const detail::AttendRows<T>& f, long long B,
+                            bool tf32) {
+        const cuda::TiledAttentionMode mode = cuda::tiled_attention();
+        const cuda::TiledShape shape = mode == cuda::TiledAttentionMode::Off
                                            ? cuda::TiledShape{}
                                            : cuda::tiled_shape(f.d_head, f.N, sizeof(T));
-        if (!cuda::tiled_grid_fits(B, f.N, f.H, shape)) {
+        const bool warp = mode == cuda::TiledAttentionMode::Auto &&
+                          cuda::warp_tiles_fit(B, f.N, f.H, f.d_head, sizeof(T));
+        if (!warp && !cuda::tiled_grid_fits(B, f.N, f.H, shape)) {
             cuda::each(sm, B * f.N * f.H, f);
             return;
         }
@@ -352,7 +358,11 @@ struct AttentionKernels<Cuda, T> {
             f.qkv, 3 * f.D, f.k_prefix, f.v_prefix, f.p, f.k_prefix_stride, f.v_prefix_stride,
             f.shared, f.k_win, f.v_win, f.cap, f.D, f.N, f.kept, 1, f.H, f.d_head, f.window,
             f.scale, f.o, f.D};
-        cuda::tiled_attention(sm, a, B, shape);
+        if (warp) {
+            cuda::warp_tiled_attention(sm, a, B, tf32);
+        } else {
+            cuda::tiled_attention(sm, a, B, shape);
+        }
     }
 
 };

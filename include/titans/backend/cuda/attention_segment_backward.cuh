@@ -24,6 +24,7 @@
 #include "../../attention/segment_backward.hpp"
 #include "attention_tiled.cuh"
 #include "attention_tiled_backward.cuh"
+#include "attention_warp_tiles_backward.cuh"
 #include "blas.cuh"
 #include "call_scope.cuh"
 #include "launch.cuh"
@@ -157,16 +158,11 @@ struct SegmentBackward {
         each(sm, ps.np * H, detail::PrefixRowsBackward<T>{a, ps.B, ps.dkvp.data(), 2 * D});
     }
 
-    /// Stage 3 in tiles when they are on and fit; false (nothing done) otherwise.
+    /// Stage 3 in tiles (tiled_backward_passes) when they are on and fit; false (nothing done)
+    /// otherwise.
     static bool tiled(Pass& ps, const T* kp, const T* vp,
                       long long kept, long long window) {
-        const TiledShape shape = tiled_attention() == TiledAttentionMode::Off
-                                     ? TiledShape{}
-                                     : tiled_backward_shape(int(ps.dh), sizeof(T));
-        if (!tiled_grid_fits(ps.B, std::max(ps.m, ps.n), int(ps.H), shape)) {
-            return false;
-        }
-        const cudaStream_t sm = thread_context().stream();
+        const StreamContext& cx = thread_context();
         const long long D = ps.D, rows = ps.rows, H = ps.H;
         const SegmentBackwardCall<T>& c = ps.c;
         T* mx = ps.stats.data();
@@ -175,11 +171,10 @@ struct SegmentBackward {
              ps.kw.data(), ps.vw.data(), ps.n, D, ps.m, kept, 2, int(H), int(ps.dh), int(window),
              ps.scale, nullptr, 0},
             ps.datt.data(), D, ps.att.data(), D, mx, mx + rows * H, mx + 2 * rows * H};
-        tiled_query_backward(sm, a, ps.B, shape, ps.dqkv.data(), 3 * D);
-        tiled_key_backward(sm, a, ps.B, shape, false, TiledKeyGrads<T>{ps.dkw.data(), ps.dvw.data(), D});
-        tiled_key_backward(sm, a, ps.B, shape, true,
-                           TiledKeyGrads<T>{ps.dkvp.data(), ps.dkvp.data() + D, 2 * D});
-        return true;
+        return tiled_backward_passes(cx.stream(), a, ps.B, ps.dqkv.data(), 3 * D,
+                                     TiledKeyGrads<T>{ps.dkw.data(), ps.dvw.data(), D},
+                                     TiledKeyGrads<T>{ps.dkvp.data(), ps.dkvp.data() + D, 2 * D},
+                                     cx.tf32());
     }
 
     /// Stage 4: the later adjoint added, the kept rows' copied out, the part's rows taken

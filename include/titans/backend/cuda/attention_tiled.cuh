@@ -26,10 +26,13 @@
 
 namespace titans::backend::cuda {
 
-/// Whether the attention layer runs its attention in tiles (Auto: wherever the tile fits in
-/// 48 KB of shared memory, see tiled_shape) or a thread per (row, head) (Off). Process-wide,
-/// read at every call: tests compare the two paths, benchmarks time them.
-enum class TiledAttentionMode { Auto, Off };
+/// How the attention layer runs its attention. Auto: in warp tiles (attention_warp_tiles.cuh:
+/// the products on the tensor cores in TF32 where the stream allows it, else in registers)
+/// where they apply (warp_tiles_fit), else in these tiles wherever one fits in 48 KB of shared
+/// memory (tiled_shape), else a thread per (row, head). Scalar: never in warp tiles. Off: a
+/// thread per (row, head) always. Process-wide, read at every call: tests compare the paths,
+/// benchmarks time them.
+enum class TiledAttentionMode { Auto, Scalar, Off };
 
 inline std::atomic<TiledAttentionMode>& tiled_attention_flag() {
     static std::atomic<TiledAttentionMode> flag{TiledAttentionMode::Auto};

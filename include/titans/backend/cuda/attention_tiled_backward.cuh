@@ -262,6 +262,20 @@ __device__ void tiled_window_queries(const TiledAttentionArgs<T>& f, long long b
     r1 = b * f.N + t1 + 1;
 }
 
+/// The query rows [r0, r1) (flattened b N + t) a key pass's block may find seeing its keys:
+/// every sequence's rows for a shared prefix (batch sequences), sequence b's for its own
+/// prefix, tiled_window_queries' for keys [j0, j0 + nk) of sequence b's window.
+template <class T>
+__device__ void tiled_key_queries(const TiledAttentionArgs<T>& f, bool prefix, long long batch,
+                                  long long b, long long j0, int nk, long long& r0, long long& r1) {
+    if (prefix) {
+        r0 = f.shared ? 0 : b * f.N;
+        r1 = f.shared ? batch * f.N : r0 + f.N;
+    } else {
+        tiled_window_queries(f, b, j0, nk, r0, r1);
+    }
+}
+
 /// The key pass: one key tile (blockIdx.x) of one head (y) of sequence z's window (prefix
 /// false: its seq_rows rows) or of the prefix (sequence z's p rows, or the shared rows for
 /// every sequence's queries when z = 0 and the prefix is shared).
@@ -297,12 +311,7 @@ __global__ void __launch_bounds__(tiled_threads)
         gv[(i / dh) * ld + i % dh] = T(0);
     }
     long long r0 = 0, r1 = 0;
-    if (prefix) {
-        r0 = f.shared ? 0 : b * f.N;
-        r1 = f.shared ? batch * f.N : r0 + f.N;
-    } else {
-        tiled_window_queries(f, b, j0, nk, r0, r1);
-    }
+    tiled_key_queries(f, prefix, batch, b, j0, nk, r0, r1);
     __syncthreads();
     for (long long q0 = r0; q0 < r1; q0 += shape.tq) {
         const int nq = static_cast<int>(r1 - q0 < shape.tq ? r1 - q0 : shape.tq);

@@ -32,6 +32,7 @@
 #include "../../detail/trace.hpp"
 #include "attention_kernels.cuh"
 #include "attention_tiled_backward.cuh"
+#include "attention_warp_tiles_backward.cuh"
 #include "../../attention/kernels_decl.hpp"
 
 namespace titans::backend {
@@ -211,7 +212,7 @@ struct AttentionTraining<Cuda, T> {
                 sm, detail::AttendRows<T>{ps.qkv.data(), ps.kp, ps.vp, ps.np, D, D, ps.shared,
                                           ps.kw.data(), ps.vw.data(), ps.cap, ps.h, ps.N, D,
                                           ps.H, ps.dh, cfg.window, ps.scale, ps.o.data()},
-                ps.B);
+                ps.B, cx.tf32());
         }
         return ps;
     }
@@ -257,31 +258,23 @@ struct AttentionTraining<Cuda, T> {
                    detail::PrefixRowsBackward<T>{ops, ps.B, ps.dkvp.data(), 2 * D});
     }
 
-    /// Stage 2 in tiles (attention_tiled_backward.cuh: a query pass writing dq and the
-    /// statistics, then the window's and the prefix's key passes) when tiles are on and fit, as
-    /// the forward's; false (nothing done) otherwise. ops: the per-row operands (their
-    /// statistics arrays reused).
+    /// Stage 2 in tiles (cuda::tiled_backward_passes: warp tiles, or the scalar tiles of
+    /// attention_tiled_backward.cuh; a query pass writing dq and the statistics, then the
+    /// window's and the prefix's key passes) when tiles are on and fit, as the forward's; false
+    /// (nothing done) otherwise. ops: the per-row operands (their statistics arrays reused).
     static bool tiled_backward(const AttentionConfig& cfg, Pass& ps,
                                const detail::AttentionBackwardOperands<T>& ops) {
-        const cuda::TiledShape shape = cuda::tiled_attention() == cuda::TiledAttentionMode::Off
-                                           ? cuda::TiledShape{}
-                                           : cuda::tiled_backward_shape(ps.dh, sizeof(T));
-        if (!cuda::tiled_grid_fits(ps.B, std::max(ps.N, ps.cap), ps.H, shape)) {
-            return false;
-        }
-        const cudaStream_t sm = cuda::thread_context().stream();
+        const cuda::StreamContext& cx = cuda::thread_context();
         const long long D = ps.D;
         const cuda::TiledBackwardArgs<T> a{
             {ps.qkv.data(), 3 * D, ps.kp, ps.vp, ps.np, D, D, ps.shared, ps.kw.data(),
              ps.vw.data(), ps.cap, D, ps.N, ps.h, 1, ps.H, ps.dh, cfg.window, ps.scale, nullptr,
              0},
             ps.dout.data(), D, ps.o.data(), D, ops.mx, ops.inv, ops.delta};
-        cuda::tiled_query_backward(sm, a, ps.B, shape, ps.dqkv.data(), 3 * D);
-        cuda::tiled_key_backward(sm, a, ps.B, shape, false,
-                                 cuda::TiledKeyGrads<T>{ps.dkw.data(), ps.dvw.data(), D});
-        cuda::tiled_key_backward(sm, a, ps.B, shape, true,
-                                 cuda::TiledKeyGrads<T>{ps.dkvp.data(), ps.dkvp.data() + D, 2 * D});
-        return true;
+        return cuda::tiled_backward_passes(
+            cx.stream(), a, ps.B, ps.dqkv.data(), 3 * D,
+            cuda::TiledKeyGrads<T>{ps.dkw.data(), ps.dvw.data(), D},
+            cuda::TiledKeyGrads<T>{ps.dkvp.data(), ps.dkvp.data() + D, 2 * D}, cx.tf32());
     }
 
     /// Stage 3a: the adjoint of the window the call left added, the call's rows' window

@@ -1,0 +1,278 @@
+#pragma once
+// titans/backend/cuda/attention_warp_tiles.cuh: tiled_attention with its two products in warp
+// tiles (tile_product.cuh): on the tensor cores in TF32 where the caller allows it (float),
+// else FMAs in T held in registers (math §6-7; the flash-attention 2 scheme).
+//
+// A block of 4 warps per (64 queries, head, sequence); warp w owns queries 16 w .. 16 w + 15,
+// their output rows O (16 x d) and their softmax statistics in registers. The keys and values
+// come through shared memory in tiles of TK rows (the prefix's, then the window's span); per
+// tile each warp computes
+//     S = scale Q K^T (16 x TK, masked as tiled_attention's),
+//     m' = max(m, max_j S), P = exp(S - m'), l = l e^(m - m') + sum_j P,
+//     O = O e^(m - m') + P V,
+// P passing through the warp's own rows of shared memory (a product's result and an operand
+// are laid out differently across the lanes). At the end O / l. Head widths up to 128 are padded
+// with zeros to 32, 64 or 128 (WarpTileLayout); a row's four lanes share its maximum and sum
+// through shuffles. Shared rows are padded so that the fragments' loads hit distinct banks:
+// rows read along k (Q, K, P) by 4 mod 32 entries, rows read across k (V) by 8.
+//
+// The result equals tiled_attention's up to rounding (sums in another order); with TF32 the
+// operands of both products are rounded to 10-bit mantissas (docs/cuda.md has the bound).
+
+#include <cmath>
+#include <cstddef>
+#include <type_traits>
+
+#include "../../config.hpp"
+#include "attention_tiled.cuh"
+#include "launch.cuh"
+#include "tile_product.cuh"
+
+namespace titans::backend::cuda {
+
+/// Queries of a warp-tiled block (16 per warp, tiled_threads / 32 warps).
+inline constexpr int warp_tile_rows = 64;
+
+/// The shared arrays of a warp-tiled block for head width (padded) DHP in T: Q (64 x (DHP +
+/// 4)), K (TK x (DHP + 4)), V (TK x (DHP + 8)), P (64 x (TK + 4)). TK: 64 keys a tile, fewer
+/// where that would pass 116 KB (two blocks to an H100's SM).
+template <class T, int DHP>
+struct WarpTileLayout {
+    static constexpr int tk = DHP * static_cast<int>(sizeof(T)) <= 256   ? 64
+                              : DHP * static_cast<int>(sizeof(T)) <= 512 ? 32
+                                                                          : 16;
+    static constexpr int ldq = DHP + 4, ldv = DHP + 8, ldp = tk + 4;
+    static constexpr long long entries =
+        static_cast<long long>(warp_tile_rows) * ldq + static_cast<long long>(tk) * (ldq + ldv) +
+        static_cast<long long>(warp_tile_rows) * ldp;
+    static constexpr std::size_t bytes = static_cast<std::size_t>(entries) * sizeof(T);
+};
+
+/// The padded head width a warp-tiled block takes for d_h (0: wider than 128, none).
+TITANS_HOST_DEVICE constexpr int warp_tile_width(int dh) {
+    return dh <= 0 ? 0 : dh <= 32 ? 32 : dh <= 64 ? 64 : dh <= 128 ? 128 : 0;
+}
+
+#if TITANS_CUDA_DEVICE_CODE
+
+/// The lane's row r (0: g, 1: g + 8) of its fragment's entry e (0-3: (g, 2q), (g, 2q + 1),
+/// (g + 8, 2q), (g + 8, 2q + 1)).
+TITANS_HOST_DEVICE constexpr int frag_row(int e) { return e >> 1; }
+
+/// x reduced over the four lanes of a quad (the lanes holding one row of a fragment) by op.
+template <class T, class Op>
+__device__ inline T quad_reduce(T x, Op op) {
+    x = op(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return op(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
+/// One warp's running state: its output rows (16 x DHP) and each of the lane's two rows'
+/// maximum m and partial sum l (the lane's own entries; the quad's sum at the end).
+template <class T, int DHP>
+struct WarpRows {
+    T o[1][DHP / 8][4];
+    T m[2], l[2];
+    long long qpos[2];  // the key positions the two rows sit at
+};
+
+/// The masked, scaled scores s of one key tile (nk keys, the first at key0; -1: prefix keys)
+/// become P in the warp's rows pw of shared memory (leading dimension ldp), with the online
+/// softmax's rescaling of o, m and l.
+template <class T, int DHP, int NS>
+__device__ void warp_tile_softmax(WarpRows<T, DHP>& w, T (&s)[1][NS][4], T* pw, int ldp, int nk,
+                                  long long key0, int window, T scale, int g, int q) {
+    const T none = -static_cast<T>(INFINITY);
+    T mx[2] = {none, none};
+    TITANS_UNROLL
+    for (int ni = 0; ni < NS; ++ni) {
+        TITANS_UNROLL
+        for (int e = 0; e < 4; ++e) {
+            const int c = 8 * ni + 2 * q + (e & 1), r = frag_row(e);
+            const long long kp = key0 + c, qp = w.qpos[r];
+            const bool seen = c < nk && (key0 < 0 || (kp <= qp && kp > qp - window));
+            const T v = seen ? s[0][ni][e] * scale : none;
+            s[0][ni][e] = v;
+            mx[r] = v > mx[r] ? v : mx[r];
+        }
+    }
+    T alpha[2];
+    TITANS_UNROLL
+    for (int r = 0; r < 2; ++r) {
+        mx[r] = quad_reduce(mx[r], [](T a, T b) { return a > b ? a : b; });
+        const T m = mx[r] > w.m[r] ? mx[r] : w.m[r];
+        alpha[r] = m == w.m[r] ? T(1) : std::exp(w.m[r] - m);  // -inf to finite: 0
+        w.m[r] = m;
+        w.l[r] *= alpha[r];
+    }
+    TITANS_UNROLL
+    for (int ni = 0; ni < NS; ++ni) {
+        TITANS_UNROLL
+        for (int e = 0; e < 4; ++e) {
+            const int r = frag_row(e);
+            const T p = s[0][ni][e] == none ? T(0) : std::exp(s[0][ni][e] - w.m[r]);
+            w.l[r] += p;
+            pw[(g + 8 * r) * ldp + 8 * ni + 2 * q + (e & 1)] = p;
+        }
+    }
+    TITANS_UNROLL
+    for (int ni = 0; ni < DHP / 8; ++ni) {
+        TITANS_UNROLL
+        for (int e = 0; e < 4; ++e) {
+            w.o[0][ni][e] *= alpha[frag_row(e)];
+        }
+    }
+}
+
+/// nk key and value rows (dh entries each, from k and v at row strides ks, vs) into the block's
+/// K and V tiles, zeros past them (rows up to TK, columns up to DHP); barriers on both sides.
+template <class T, int DHP>
+__device__ void warp_tile_load_kv(T* sk, T* sv, const T* k, long long ks, const T* v,
+                                  long long vs, int nk, int dh) {
+    using L = WarpTileLayout<T, DHP>;
+    __syncthreads();  // the previous tile's reads are done
+    for (int i = threadIdx.x; i < L::tk * DHP; i += blockDim.x) {
+        const int r = i / DHP, c = i % DHP;
+        const bool in = r < nk && c < dh;
+        sk[r * L::ldq + c] = in ? k[r * ks + c] : T(0);
+        sv[r * L::ldv + c] = in ? v[r * vs + c] : T(0);
+    }
+    __syncthreads();
+}
+
+/// The attention of 64 queries of one head of one sequence (blockIdx x, y, z) in warp tiles.
+template <class T, bool TF32, int DHP>
+__global__ void __launch_bounds__(tiled_threads) warp_tiled_attention_kernel(TiledAttentionArgs<T> a) {
+    using L = WarpTileLayout<T, DHP>;
+    constexpr int TK = L::tk, NS = TK / 8;
+    const long long b = blockIdx.z, t0 = static_cast<long long>(blockIdx.x) * warp_tile_rows;
+    const int h = static_cast<int>(blockIdx.y), dh = a.d_head;
+    const int nq = static_cast<int>(a.N - t0 < warp_tile_rows ? a.N - t0 : warp_tile_rows);
+    const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
+    const int g = lane / 4, q = lane % 4;
+    T* sq = dynamic_shared<T>();
+    T* sk = sq + warp_tile_rows * L::ldq;
+    T* sv = sk + TK * L::ldq;
+    T* pw = sv + TK * L::ldv + warp * 16 * L::ldp;
+    const long long col = static_cast<long long>(h) * dh;
+    for (int i = threadIdx.x; i < warp_tile_rows * DHP; i += blockDim.x) {
+        const int r = i / DHP, c = i % DHP;
+        sq[r * L::ldq + c] = r < nq && c < dh ? a.q[(b * a.N + t0 + r) * a.q_stride + col + c] : T(0);
+    }
+    WarpRows<T, DHP> w;
+    tile_zero(w.o);
+    for (int r = 0; r < 2; ++r) {
+        w.m[r] = -static_cast<T>(INFINITY);
+        w.l[r] = T(0);
+        w.qpos[r] = a.pos0 + a.qstride * (t0 + 16 * warp + g + 8 * r);
+    }
+    const bool active = 16 * warp < nq;  // a warp past the piece's last query only loads
+    const RowMajor<T> qa{sq + warp * 16 * L::ldq, L::ldq};
+    auto tile = [&](const T* k, long long ks, const T* v, long long vs, int nk, long long key0) {
+        warp_tile_load_kv<T, DHP>(sk, sv, k + col, ks, v + col, vs, nk, dh);
+        if (!active) {
+            return;
+        }
+        T s[1][NS][4];
+        tile_zero(s);
+        TITANS_UNROLL
+        for (int k0 = 0; k0 < DHP; k0 += 8) {
+            tile_step<T, TF32, 1, NS>(s, qa, Transposed<T>{sk, L::ldq}, g, g, k0, g, q);
+        }
+        warp_tile_softmax<T, DHP, NS>(w, s, pw, L::ldp, nk, key0, a.window, a.scale, g, q);
+        __syncwarp();
+        TITANS_PRAGMA(unroll TITANS_TILE_K_UNROLL)
+        for (int k0 = 0; k0 < TK; k0 += 8) {
+            tile_step<T, TF32, 1, DHP / 8>(w.o, RowMajor<T>{pw, L::ldp}, RowMajor<T>{sv, L::ldv},
+                                           g, g, k0, g, q);
+        }
+        __syncwarp();  // P read before the next tile writes it
+    };
+    const long long pb = a.shared ? 0 : b * a.p;
+    for (long long j0 = 0; j0 < a.p; j0 += TK) {
+        tile(a.k_prefix + (pb + j0) * a.kp_stride, a.kp_stride, a.v_prefix + (pb + j0) * a.vp_stride,
+             a.vp_stride, static_cast<int>(a.p - j0 < TK ? a.p - j0 : TK), -1);
+    }
+    const long long first = a.pos0 + a.qstride * t0, last = first + a.qstride * (nq - 1);
+    const long long seq = b * a.seq_rows;
+    for (long long j0 = first - a.window + 1 > 0 ? first - a.window + 1 : 0; j0 <= last; j0 += TK) {
+        tile(a.k_seq + (seq + j0) * a.seq_stride, a.seq_stride, a.v_seq + (seq + j0) * a.seq_stride,
+             a.seq_stride, static_cast<int>(last + 1 - j0 < TK ? last + 1 - j0 : TK), j0);
+    }
+    if (!active) {
+        return;
+    }
+    T inv[2];
+    for (int r = 0; r < 2; ++r) {
+        inv[r] = T(1) / quad_reduce(w.l[r], [](T x, T y) { return x + y; });
+    }
+    tile_store(w.o, g, 2 * q, [&](int r, int c, T v) {
+        const int row = 16 * warp + r;
+        if (row < nq && c < dh) {
+            a.o[(b * a.N + t0 + row) * a.o_stride + col + c] = v * inv[r >= 8 ? 1 : 0];
+        }
+    });
+}
+
+/// Launches warp_tiled_attention_kernel over B sequences (the caller checks warp_tiles_fit).
+template <class T, bool TF32, int DHP>
+void warp_tiled_attention_launch(cudaStream_t stream, const TiledAttentionArgs<T>& a, long long B) {
+    using L = WarpTileLayout<T, DHP>;
+    void (*kernel)(TiledAttentionArgs<T>) = warp_tiled_attention_kernel<T, TF32, DHP>;
+    raise_shared_limit(kernel, L::bytes);
+    const dim3 grid(static_cast<unsigned>((a.N + warp_tile_rows - 1) / warp_tile_rows),
+                    static_cast<unsigned>(a.H), static_cast<unsigned>(B));
+    launch_shared(kernel, grid, dim3(tiled_threads), L::bytes, stream, a);
+    check_launch("the warp-tiled attention kernel");
+}
+
+/// tiled_attention's result for B sequences in warp tiles, on the tensor cores when tf32 (float
+/// only; ignored in double). The caller checks warp_tiles_fit.
+template <class T>
+void warp_tiled_attention(cudaStream_t stream, const TiledAttentionArgs<T>& a, long long B,
+                          bool tf32) {
+    if (a.N <= 0 || B <= 0) {
+        return;
+    }
+    const int dhp = warp_tile_width(a.d_head);
+    if constexpr (std::is_same_v<T, float>) {
+        if (tf32) {
+            dhp == 32   ? warp_tiled_attention_launch<T, true, 32>(stream, a, B)
+            : dhp == 64 ? warp_tiled_attention_launch<T, true, 64>(stream, a, B)
+                        : warp_tiled_attention_launch<T, true, 128>(stream, a, B);
+            return;
+        }
+    }
+    dhp == 32   ? warp_tiled_attention_launch<T, false, 32>(stream, a, B)
+    : dhp == 64 ? warp_tiled_attention_launch<T, false, 64>(stream, a, B)
+                : warp_tiled_attention_launch<T, false, 128>(stream, a, B);
+}
+
+#endif
+
+/// The shared memory a warp-tiled block takes for head width dh in entries of entry_bytes (0:
+/// none, d_h above 128).
+inline std::size_t warp_tile_bytes(int dh, std::size_t entry_bytes) {
+    const int dhp = warp_tile_width(dh);
+    const bool f = entry_bytes == 4;
+    return dhp == 32    ? (f ? WarpTileLayout<float, 32>::bytes : WarpTileLayout<double, 32>::bytes)
+           : dhp == 64  ? (f ? WarpTileLayout<float, 64>::bytes : WarpTileLayout<double, 64>::bytes)
+           : dhp == 128 ? (f ? WarpTileLayout<float, 128>::bytes
+                             : WarpTileLayout<double, 128>::bytes)
+                        : 0;
+}
+
+#if TITANS_CUDA_DEVICE_CODE
+/// Whether B sequences of N queries over H heads of width dh run in warp tiles: 16 queries a
+/// sequence at least (one warp's rows; fewer, decode's, take tiled_attention's one-query
+/// tiles), d_h at most 128, the grid within its bounds, the block's shared memory within the
+/// device's opt-in limit (asked last, only when the rest holds).
+inline bool warp_tiles_fit(long long B, long long N, int H, int dh, std::size_t entry_bytes) {
+    const std::size_t bytes = warp_tile_bytes(dh, entry_bytes);
+    return N >= 16 && bytes > 0 &&
+           tiled_grid_fits(B, N, H, TiledShape{warp_tile_rows, warp_tile_rows}) &&
+           bytes <= shared_memory_limit();
+}
+
+#endif
+
+}  // namespace titans::backend::cuda
