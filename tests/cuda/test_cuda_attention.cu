@@ -478,10 +478,10 @@ TEMPLATE_TEST_CASE("cuda attention: tiled", "[cuda]", float, double) {
 // out), and the output by that times its own spread: the bound is 1e-2 (docs/cuda.md).
 TEMPLATE_TEST_CASE("cuda attention: warp tiles", "[cuda]", float, double) {
     using T = TestType;
-    const int cases = parity_cases(40);
+    const int cases = parity_cases(24);  // draws the kernel takes; others are drawn past
     double worst = 0, worst_tf32 = 0;
     int ran = 0;
-    for (int i = 0; i < cases; ++i) {
+    for (int i = 0; ran < cases && i < 4 * cases + 8; ++i) {
         Rng rng(seed_for(std::string("cuda warp-tiled attention ") + type_name<T>(),
                          static_cast<std::uint64_t>(i)));
         const TiledCase c = tiled_case<T>(rng, i, /*gradients=*/true);
@@ -504,7 +504,7 @@ TEMPLATE_TEST_CASE("cuda attention: warp tiles", "[cuda]", float, double) {
         }
         ++ran;
     }
-    CHECK(ran >= cases / 3);
+    CHECK(ran == cases);
     std::printf("cuda warp-tiled attention (%s): %d cases, worst relative error %.3g (bound "
                 "%.0e); TF32 %.3g (bound 1e-2)\n", type_name<T>(), ran, worst, bound<T>(),
                 worst_tf32);
@@ -683,10 +683,10 @@ TEMPLATE_TEST_CASE("cuda attention: tiled backward", "[cuda]", float, double) {
 TEMPLATE_TEST_CASE("cuda attention: warp tiles backward", "[cuda]", float, double) {
     namespace cu = titans::backend::cuda;
     using T = TestType;
-    const int cases = parity_cases(40);
+    const int cases = parity_cases(24);  // draws the passes take; others are drawn past
     double worst = 0, worst_tf32 = 0;
     int ran = 0;
-    for (int i = 0; i < cases; ++i) {
+    for (int i = 0; ran < cases && i < 4 * cases + 8; ++i) {
         Rng rng(seed_for(std::string("cuda warp-tiled attention backward ") + type_name<T>(),
                          static_cast<std::uint64_t>(i)));
         const TiledCase c = tiled_case<T>(rng, i, /*gradients=*/true);
@@ -727,7 +727,7 @@ TEMPLATE_TEST_CASE("cuda attention: warp tiles backward", "[cuda]", float, doubl
         }
         ++ran;
     }
-    CHECK(ran >= cases / 3);
+    CHECK(ran == cases);
     std::printf("cuda warp-tiled attention backward (%s): %d cases, worst relative error %.3g "
                 "(bound %.0e); TF32 %.3g (bound 1e-2)\n", type_name<T>(), ran, worst, bound<T>(),
                 worst_tf32);

@@ -40,11 +40,11 @@ template <class T, int DHP>
 struct WarpTileLayout {
     static constexpr int tk = DHP * static_cast<int>(sizeof(T)) <= 256   ? 64
                               : DHP * static_cast<int>(sizeof(T)) <= 512 ? 32
-                                                                          : 16;
+                                                                         : 16;
     static constexpr int ldq = DHP + 4, ldv = DHP + 8, ldp = tk + 4;
-    static constexpr long long entries =
-        static_cast<long long>(warp_tile_rows) * ldq + static_cast<long long>(tk) * (ldq + ldv) +
-        static_cast<long long>(warp_tile_rows) * ldp;
+    static constexpr long long entries = static_cast<long long>(warp_tile_rows) * ldq +
+                                         static_cast<long long>(tk) * (ldq + ldv) +
+                                         static_cast<long long>(warp_tile_rows) * ldp;
     static constexpr std::size_t bytes = static_cast<std::size_t>(entries) * sizeof(T);
 };
 
@@ -57,7 +57,9 @@ TITANS_HOST_DEVICE constexpr int warp_tile_width(int dh) {
 
 /// The lane's row r (0: g, 1: g + 8) of its fragment's entry e (0-3: (g, 2q), (g, 2q + 1),
 /// (g + 8, 2q), (g + 8, 2q + 1)).
-TITANS_HOST_DEVICE constexpr int frag_row(int e) { return e >> 1; }
+TITANS_HOST_DEVICE constexpr int frag_row(int e) {
+    return e >> 1;
+}
 
 /// x reduced over the four lanes of a quad (the lanes holding one row of a fragment) by op.
 template <class T, class Op>
@@ -78,7 +80,7 @@ struct WarpRows {
 /// The masked, scaled scores s of one key tile (nk keys, the first at key0; -1: prefix keys)
 /// become P in the warp's rows pw of shared memory (leading dimension ldp), with the online
 /// softmax's rescaling of o, m and l.
-template <class T, int DHP, int NS>
+template <class T, bool TF32, int DHP, int NS>
 __device__ void warp_tile_softmax(WarpRows<T, DHP>& w, T (&s)[1][NS][4], T* pw, int ldp, int nk,
                                   long long key0, int window, T scale, int g, int q) {
     const T none = -static_cast<T>(INFINITY);
@@ -111,7 +113,7 @@ __device__ void warp_tile_softmax(WarpRows<T, DHP>& w, T (&s)[1][NS][4], T* pw, 
             const int r = frag_row(e);
             const T p = s[0][ni][e] == none ? T(0) : std::exp(s[0][ni][e] - w.m[r]);
             w.l[r] += p;
-            pw[(g + 8 * r) * ldp + 8 * ni + 2 * q + (e & 1)] = p;
+            pw[(g + 8 * r) * ldp + 8 * ni + 2 * q + (e & 1)] = tf32_stored<T, TF32>(p);
         }
     }
     TITANS_UNROLL
@@ -124,24 +126,26 @@ __device__ void warp_tile_softmax(WarpRows<T, DHP>& w, T (&s)[1][NS][4], T* pw, 
 }
 
 /// nk key and value rows (dh entries each, from k and v at row strides ks, vs) into the block's
-/// K and V tiles, zeros past them (rows up to TK, columns up to DHP); barriers on both sides.
-template <class T, int DHP>
-__device__ void warp_tile_load_kv(T* sk, T* sv, const T* k, long long ks, const T* v,
-                                  long long vs, int nk, int dh) {
+/// K and V tiles (rounded to TF32 for TF32 products), zeros past them (rows up to TK, columns up
+/// to DHP); barriers on both sides.
+template <class T, bool TF32, int DHP>
+__device__ void warp_tile_load_kv(T* sk, T* sv, const T* k, long long ks, const T* v, long long vs,
+                                  int nk, int dh) {
     using L = WarpTileLayout<T, DHP>;
     __syncthreads();  // the previous tile's reads are done
     for (int i = threadIdx.x; i < L::tk * DHP; i += blockDim.x) {
         const int r = i / DHP, c = i % DHP;
         const bool in = r < nk && c < dh;
-        sk[r * L::ldq + c] = in ? k[r * ks + c] : T(0);
-        sv[r * L::ldv + c] = in ? v[r * vs + c] : T(0);
+        sk[r * L::ldq + c] = in ? tf32_stored<T, TF32>(k[r * ks + c]) : T(0);
+        sv[r * L::ldv + c] = in ? tf32_stored<T, TF32>(v[r * vs + c]) : T(0);
     }
     __syncthreads();
 }
 
 /// The attention of 64 queries of one head of one sequence (blockIdx x, y, z) in warp tiles.
 template <class T, bool TF32, int DHP>
-__global__ void __launch_bounds__(tiled_threads) warp_tiled_attention_kernel(TiledAttentionArgs<T> a) {
+__global__ void __launch_bounds__(tiled_threads)
+    warp_tiled_attention_kernel(TiledAttentionArgs<T> a) {
     using L = WarpTileLayout<T, DHP>;
     constexpr int TK = L::tk, NS = TK / 8;
     const long long b = blockIdx.z, t0 = static_cast<long long>(blockIdx.x) * warp_tile_rows;
@@ -156,7 +160,9 @@ __global__ void __launch_bounds__(tiled_threads) warp_tiled_attention_kernel(Til
     const long long col = static_cast<long long>(h) * dh;
     for (int i = threadIdx.x; i < warp_tile_rows * DHP; i += blockDim.x) {
         const int r = i / DHP, c = i % DHP;
-        sq[r * L::ldq + c] = r < nq && c < dh ? a.q[(b * a.N + t0 + r) * a.q_stride + col + c] : T(0);
+        sq[r * L::ldq + c] =
+            r < nq && c < dh ? tf32_stored<T, TF32>(a.q[(b * a.N + t0 + r) * a.q_stride + col + c])
+                             : T(0);
     }
     WarpRows<T, DHP> w;
     tile_zero(w.o);
@@ -166,9 +172,10 @@ __global__ void __launch_bounds__(tiled_threads) warp_tiled_attention_kernel(Til
         w.qpos[r] = a.pos0 + a.qstride * (t0 + 16 * warp + g + 8 * r);
     }
     const bool active = 16 * warp < nq;  // a warp past the piece's last query only loads
-    const RowMajor<T> qa{sq + warp * 16 * L::ldq, L::ldq};
+    using Row = RowOperand<T, TF32>;
+    const Row qa = operand_at<Row>(sq + warp * 16 * L::ldq, L::ldq);
     auto tile = [&](const T* k, long long ks, const T* v, long long vs, int nk, long long key0) {
-        warp_tile_load_kv<T, DHP>(sk, sv, k + col, ks, v + col, vs, nk, dh);
+        warp_tile_load_kv<T, TF32, DHP>(sk, sv, k + col, ks, v + col, vs, nk, dh);
         if (!active) {
             return;
         }
@@ -176,21 +183,23 @@ __global__ void __launch_bounds__(tiled_threads) warp_tiled_attention_kernel(Til
         tile_zero(s);
         TITANS_UNROLL
         for (int k0 = 0; k0 < DHP; k0 += 8) {
-            tile_step<T, TF32, 1, NS>(s, qa, Transposed<T>{sk, L::ldq}, g, g, k0, g, q);
+            tile_step<T, TF32, 1, NS>(s, qa, operand_at<TransposedOperand<T, TF32>>(sk, L::ldq), g,
+                                      g, k0, g, q);
         }
-        warp_tile_softmax<T, DHP, NS>(w, s, pw, L::ldp, nk, key0, a.window, a.scale, g, q);
+        warp_tile_softmax<T, TF32, DHP, NS>(w, s, pw, L::ldp, nk, key0, a.window, a.scale, g, q);
         __syncwarp();
         TITANS_PRAGMA(unroll TITANS_TILE_K_UNROLL)
         for (int k0 = 0; k0 < TK; k0 += 8) {
-            tile_step<T, TF32, 1, DHP / 8>(w.o, RowMajor<T>{pw, L::ldp}, RowMajor<T>{sv, L::ldv},
-                                           g, g, k0, g, q);
+            tile_step<T, TF32, 1, DHP / 8>(w.o, operand_at<Row>(pw, L::ldp),
+                                           operand_at<Row>(sv, L::ldv), g, g, k0, g, q);
         }
         __syncwarp();  // P read before the next tile writes it
     };
     const long long pb = a.shared ? 0 : b * a.p;
     for (long long j0 = 0; j0 < a.p; j0 += TK) {
-        tile(a.k_prefix + (pb + j0) * a.kp_stride, a.kp_stride, a.v_prefix + (pb + j0) * a.vp_stride,
-             a.vp_stride, static_cast<int>(a.p - j0 < TK ? a.p - j0 : TK), -1);
+        tile(a.k_prefix + (pb + j0) * a.kp_stride, a.kp_stride,
+             a.v_prefix + (pb + j0) * a.vp_stride, a.vp_stride,
+             static_cast<int>(a.p - j0 < TK ? a.p - j0 : TK), -1);
     }
     const long long first = a.pos0 + a.qstride * t0, last = first + a.qstride * (nq - 1);
     const long long seq = b * a.seq_rows;
@@ -254,11 +263,11 @@ void warp_tiled_attention(cudaStream_t stream, const TiledAttentionArgs<T>& a, l
 inline std::size_t warp_tile_bytes(int dh, std::size_t entry_bytes) {
     const int dhp = warp_tile_width(dh);
     const bool f = entry_bytes == 4;
-    return dhp == 32    ? (f ? WarpTileLayout<float, 32>::bytes : WarpTileLayout<double, 32>::bytes)
-           : dhp == 64  ? (f ? WarpTileLayout<float, 64>::bytes : WarpTileLayout<double, 64>::bytes)
-           : dhp == 128 ? (f ? WarpTileLayout<float, 128>::bytes
-                             : WarpTileLayout<double, 128>::bytes)
-                        : 0;
+    return dhp == 32   ? (f ? WarpTileLayout<float, 32>::bytes : WarpTileLayout<double, 32>::bytes)
+           : dhp == 64 ? (f ? WarpTileLayout<float, 64>::bytes : WarpTileLayout<double, 64>::bytes)
+           : dhp == 128
+               ? (f ? WarpTileLayout<float, 128>::bytes : WarpTileLayout<double, 128>::bytes)
+               : 0;
 }
 
 #if TITANS_CUDA_DEVICE_CODE

@@ -36,8 +36,8 @@ template <class T, int DHP>
 struct WarpBackwardLayout {
     static constexpr int ld = DHP + 4;
     static constexpr long long entries_for(int tb) {
-        return 2LL * warp_tile_rows * ld + 2LL * tb * ld + static_cast<long long>(warp_tile_rows) * (tb + 4) +
-               3LL * tb;
+        return 2LL * warp_tile_rows * ld + 2LL * tb * ld +
+               static_cast<long long>(warp_tile_rows) * (tb + 4) + 3LL * tb;
     }
     static constexpr bool fits(int tb) {
         return static_cast<std::size_t>(entries_for(tb)) * sizeof(T) <= 116 * 1024;
@@ -52,12 +52,16 @@ struct WarpBackwardLayout {
 inline std::size_t warp_backward_bytes(int dh, std::size_t entry_bytes) {
     const int dhp = warp_tile_width(dh);
     const bool f = entry_bytes == 4;
-    const auto of = [](auto layout) { return decltype(layout)::tb > 0 ? decltype(layout)::bytes : std::size_t{0}; };
-    return dhp == 32    ? (f ? of(WarpBackwardLayout<float, 32>{}) : of(WarpBackwardLayout<double, 32>{}))
-           : dhp == 64  ? (f ? of(WarpBackwardLayout<float, 64>{}) : of(WarpBackwardLayout<double, 64>{}))
-           : dhp == 128 ? (f ? of(WarpBackwardLayout<float, 128>{})
-                             : of(WarpBackwardLayout<double, 128>{}))
-                        : 0;
+    const auto of = [](auto layout) {
+        return decltype(layout)::tb > 0 ? decltype(layout)::bytes : std::size_t{0};
+    };
+    return dhp == 32
+               ? (f ? of(WarpBackwardLayout<float, 32>{}) : of(WarpBackwardLayout<double, 32>{}))
+           : dhp == 64
+               ? (f ? of(WarpBackwardLayout<float, 64>{}) : of(WarpBackwardLayout<double, 64>{}))
+           : dhp == 128
+               ? (f ? of(WarpBackwardLayout<float, 128>{}) : of(WarpBackwardLayout<double, 128>{}))
+               : 0;
 }
 
 #if TITANS_CUDA_DEVICE_CODE
@@ -90,13 +94,14 @@ __device__ void warp_rows_delta(const TiledBackwardArgs<T>& a, long long r0, int
     }
 }
 
-/// n rows of dh entries (row stride ss) into DHP-wide shared rows (leading dimension ld), zeros
-/// past them up to `rows` rows; the caller syncs.
-template <class T, int DHP>
-__device__ void warp_rows_load(T* dst, int ld, const T* src, long long ss, int n, int rows, int dh) {
+/// n rows of dh entries (row stride ss) into DHP-wide shared rows (leading dimension ld; rounded
+/// to TF32 for TF32 products), zeros past them up to `rows` rows; the caller syncs.
+template <class T, bool TF32, int DHP>
+__device__ void warp_rows_load(T* dst, int ld, const T* src, long long ss, int n, int rows,
+                               int dh) {
     for (int i = threadIdx.x; i < rows * DHP; i += blockDim.x) {
         const int r = i / DHP, c = i % DHP;
-        dst[r * ld + c] = r < n && c < dh ? src[r * ss + c] : T(0);
+        dst[r * ld + c] = r < n && c < dh ? tf32_stored<T, TF32>(src[r * ss + c]) : T(0);
     }
 }
 
@@ -118,9 +123,10 @@ __global__ void __launch_bounds__(tiled_threads)
     T* sk = sg + warp_tile_rows * ld;
     T* sv = sk + TB * ld;
     T* pw = sv + TB * ld + warp * 16 * L::ldp;
-    warp_rows_load<T, DHP>(sq, ld, f.q + r0 * f.q_stride + col, f.q_stride, nq, warp_tile_rows, dh);
-    warp_rows_load<T, DHP>(sg, ld, a.dout + r0 * a.dout_stride + col, a.dout_stride, nq,
-                           warp_tile_rows, dh);
+    warp_rows_load<T, TF32, DHP>(sq, ld, f.q + r0 * f.q_stride + col, f.q_stride, nq,
+                                 warp_tile_rows, dh);
+    warp_rows_load<T, TF32, DHP>(sg, ld, a.dout + r0 * a.dout_stride + col, a.dout_stride, nq,
+                                 warp_tile_rows, dh);
     T delta[2] = {T(0), T(0)};
     if (wq > 0) {
         warp_rows_delta(a, r0 + 16 * warp, wq, col, dh, g, q, delta);
@@ -132,22 +138,27 @@ __global__ void __launch_bounds__(tiled_threads)
         w.l[r] = T(0);
         w.qpos[r] = f.pos0 + f.qstride * (t0 + 16 * warp + g + 8 * r);
     }
-    const RowMajor<T> qa{sq + warp * 16 * ld, ld}, ga{sg + warp * 16 * ld, ld};
+    using Row = RowOperand<T, TF32>;
+    using Tr = TransposedOperand<T, TF32>;
+    const Row qa = operand_at<Row>(sq + warp * 16 * ld, ld);
+    const Row ga = operand_at<Row>(sg + warp * 16 * ld, ld);
     // The key tile's rows into K (and V), the scores S of the warp's rows into s.
-    auto scores = [&](long long kr, bool pre, int nk, bool values, T (&s)[1][NS][4]) {
+    auto scores = [&](long long kr, bool pre, int nk, bool values, T(&s)[1][NS][4]) {
         __syncthreads();  // the previous tile's reads are done
-        const long long ks = pre ? f.kp_stride : f.seq_stride, vs = pre ? f.vp_stride : f.seq_stride;
-        warp_rows_load<T, DHP>(sk, ld, (pre ? f.k_prefix : f.k_seq) + kr * ks + col, ks, nk, TB, dh);
+        const long long ks = pre ? f.kp_stride : f.seq_stride,
+                        vs = pre ? f.vp_stride : f.seq_stride;
+        warp_rows_load<T, TF32, DHP>(sk, ld, (pre ? f.k_prefix : f.k_seq) + kr * ks + col, ks, nk,
+                                     TB, dh);
         if (values) {
-            warp_rows_load<T, DHP>(sv, ld, (pre ? f.v_prefix : f.v_seq) + kr * vs + col, vs, nk, TB,
-                                   dh);
+            warp_rows_load<T, TF32, DHP>(sv, ld, (pre ? f.v_prefix : f.v_seq) + kr * vs + col, vs,
+                                         nk, TB, dh);
         }
         __syncthreads();
         tile_zero(s);
         if (wq > 0) {
             TITANS_UNROLL
             for (int k0 = 0; k0 < DHP; k0 += 8) {
-                tile_step<T, TF32, 1, NS>(s, qa, Transposed<T>{sk, ld}, g, g, k0, g, q);
+                tile_step<T, TF32, 1, NS>(s, qa, operand_at<Tr>(sk, ld), g, g, k0, g, q);
             }
         }
     };
@@ -157,7 +168,8 @@ __global__ void __launch_bounds__(tiled_threads)
         T s[1][NS][4];
         scores(kr, pre, nk, false, s);
         if (wq > 0) {
-            warp_tile_softmax<T, DHP, NS>(w, s, pw, L::ldp, nk, key0, f.window, f.scale, g, q);
+            warp_tile_softmax<T, TF32, DHP, NS>(w, s, pw, L::ldp, nk, key0, f.window, f.scale, g,
+                                                q);
         }
     });
     T inv[2];
@@ -176,7 +188,7 @@ __global__ void __launch_bounds__(tiled_threads)
         tile_zero(dp);
         TITANS_UNROLL
         for (int k0 = 0; k0 < DHP; k0 += 8) {
-            tile_step<T, TF32, 1, NS>(dp, ga, Transposed<T>{sv, ld}, g, g, k0, g, q);
+            tile_step<T, TF32, 1, NS>(dp, ga, operand_at<Tr>(sv, ld), g, g, k0, g, q);
         }
         TITANS_UNROLL
         for (int ni = 0; ni < NS; ++ni) {
@@ -184,17 +196,19 @@ __global__ void __launch_bounds__(tiled_threads)
             for (int e = 0; e < 4; ++e) {
                 const FragPlace at = frag_place(ni, e, g, q);
                 const int r = e >> 1;
-                const T p = at.row < wq && at.col < nk && tiled_sees(key0 < 0 ? -1 : key0 + at.col, w.qpos[r], f.window)
+                const T p = at.row < wq && at.col < nk &&
+                                    tiled_sees(key0 < 0 ? -1 : key0 + at.col, w.qpos[r], f.window)
                                 ? std::exp(s[0][ni][e] * f.scale - w.m[r]) * inv[r]
                                 : T(0);
-                pw[at.row * L::ldp + at.col] = f.scale * p * (dp[0][ni][e] - delta[r]);
+                pw[at.row * L::ldp + at.col] =
+                    tf32_stored<T, TF32>(f.scale * p * (dp[0][ni][e] - delta[r]));
             }
         }
         __syncwarp();
         TITANS_PRAGMA(unroll TITANS_TILE_K_UNROLL)
         for (int k0 = 0; k0 < TB; k0 += 8) {
-            tile_step<T, TF32, 1, DHP / 8>(w.o, RowMajor<T>{pw, L::ldp}, RowMajor<T>{sk, ld}, g, g,
-                                           k0, g, q);
+            tile_step<T, TF32, 1, DHP / 8>(w.o, operand_at<Row>(pw, L::ldp),
+                                           operand_at<Row>(sk, ld), g, g, k0, g, q);
         }
         __syncwarp();
     });
@@ -223,20 +237,24 @@ template <class T, bool TF32, int DHP>
 struct WarpKeyTile {
     using L = WarpBackwardLayout<T, DHP>;
     static constexpr int TB = L::tb, NS = TB / 8, ld = L::ld;
+    using Row = RowOperand<T, TF32>;
+    using Tr = TransposedOperand<T, TF32>;
     const TiledAttentionArgs<T>& f;
     const T *sk, *sv, *sq, *sg, *st;
     T* pw;
     int g, q;
 
-    __device__ void operator()(T (&dk)[1][DHP / 8][4], T (&dv)[1][DHP / 8][4], long long q0,
-                               int nq, long long key0, int nk) const {
+    __device__ void operator()(T (&dk)[1][DHP / 8][4], T (&dv)[1][DHP / 8][4], long long q0, int nq,
+                               long long key0, int nk) const {
         T s[1][NS][4], dp[1][NS][4];
         tile_zero(s);
         tile_zero(dp);
         TITANS_UNROLL
         for (int k0 = 0; k0 < DHP; k0 += 8) {
-            tile_step<T, TF32, 1, NS>(s, RowMajor<T>{sk, ld}, Transposed<T>{sq, ld}, g, g, k0, g, q);
-            tile_step<T, TF32, 1, NS>(dp, RowMajor<T>{sv, ld}, Transposed<T>{sg, ld}, g, g, k0, g, q);
+            tile_step<T, TF32, 1, NS>(s, operand_at<Row>(sk, ld), operand_at<Tr>(sq, ld), g, g, k0,
+                                      g, q);
+            tile_step<T, TF32, 1, NS>(dp, operand_at<Row>(sv, ld), operand_at<Tr>(sg, ld), g, g, k0,
+                                      g, q);
         }
         TITANS_UNROLL
         for (int ni = 0; ni < NS; ++ni) {
@@ -249,7 +267,7 @@ struct WarpKeyTile {
                 const T* r = st + 3 * at.col;
                 const T p = seen ? std::exp(s[0][ni][e] * f.scale - r[0]) * r[1] : T(0);
                 dp[0][ni][e] = f.scale * p * (dp[0][ni][e] - r[2]);
-                pw[at.row * L::ldp + at.col] = p;
+                pw[at.row * L::ldp + at.col] = tf32_stored<T, TF32>(p);
             }
         }
         __syncwarp();
@@ -259,7 +277,7 @@ struct WarpKeyTile {
             TITANS_UNROLL
             for (int e = 0; e < 4; ++e) {
                 const FragPlace at = frag_place(ni, e, g, q);
-                pw[at.row * L::ldp + at.col] = dp[0][ni][e];
+                pw[at.row * L::ldp + at.col] = tf32_stored<T, TF32>(dp[0][ni][e]);
             }
         }
         __syncwarp();
@@ -270,8 +288,8 @@ struct WarpKeyTile {
     __device__ void product(T (&acc)[1][DHP / 8][4], const T* m) const {
         TITANS_PRAGMA(unroll TITANS_TILE_K_UNROLL)
         for (int k0 = 0; k0 < TB; k0 += 8) {
-            tile_step<T, TF32, 1, DHP / 8>(acc, RowMajor<T>{pw, L::ldp}, RowMajor<T>{m, ld}, g, g,
-                                           k0, g, q);
+            tile_step<T, TF32, 1, DHP / 8>(acc, operand_at<Row>(pw, L::ldp), operand_at<Row>(m, ld),
+                                           g, g, k0, g, q);
         }
         __syncwarp();
     }
@@ -282,7 +300,8 @@ struct WarpKeyTile {
 /// prefix is shared).
 template <class T, bool TF32, int DHP>
 __global__ void __launch_bounds__(tiled_threads)
-    warp_key_backward_kernel(TiledBackwardArgs<T> a, bool prefix, long long batch, TiledKeyGrads<T> out) {
+    warp_key_backward_kernel(TiledBackwardArgs<T> a, bool prefix, long long batch,
+                             TiledKeyGrads<T> out) {
     using L = WarpBackwardLayout<T, DHP>;
     constexpr int TB = L::tb, ld = L::ld;
     const TiledAttentionArgs<T>& f = a.f;
@@ -302,21 +321,23 @@ __global__ void __launch_bounds__(tiled_threads)
     T* pw = st + 3 * TB + warp * 16 * L::ldp;
     const T* k = prefix ? f.k_prefix : f.k_seq;
     const T* v = prefix ? f.v_prefix : f.v_seq;
-    const long long ks = prefix ? f.kp_stride : f.seq_stride, vs = prefix ? f.vp_stride : f.seq_stride;
-    warp_rows_load<T, DHP>(sk, ld, k + kr * ks + col, ks, nk, warp_tile_rows, dh);
-    warp_rows_load<T, DHP>(sv, ld, v + kr * vs + col, vs, nk, warp_tile_rows, dh);
+    const long long ks = prefix ? f.kp_stride : f.seq_stride,
+                    vs = prefix ? f.vp_stride : f.seq_stride;
+    warp_rows_load<T, TF32, DHP>(sk, ld, k + kr * ks + col, ks, nk, warp_tile_rows, dh);
+    warp_rows_load<T, TF32, DHP>(sv, ld, v + kr * vs + col, vs, nk, warp_tile_rows, dh);
     long long r0 = 0, r1 = 0;
     tiled_key_queries(f, prefix, batch, b, j0, nk, r0, r1);
-    const WarpKeyTile<T, TF32, DHP> tile{f, sk + warp * 16 * ld, sv + warp * 16 * ld, sq, sg, st,
-                                         pw, lane / 4, lane % 4};
+    const WarpKeyTile<T, TF32, DHP> tile{
+        f, sk + warp * 16 * ld, sv + warp * 16 * ld, sq, sg, st, pw, lane / 4, lane % 4};
     T dk[1][DHP / 8][4], dv[1][DHP / 8][4];
     tile_zero(dk);
     tile_zero(dv);
     for (long long q0 = r0; q0 < r1; q0 += TB) {
         const int nq = static_cast<int>(r1 - q0 < TB ? r1 - q0 : TB);
         __syncthreads();  // the previous tile's reads are done
-        warp_rows_load<T, DHP>(sq, ld, f.q + q0 * f.q_stride + col, f.q_stride, nq, TB, dh);
-        warp_rows_load<T, DHP>(sg, ld, a.dout + q0 * a.dout_stride + col, a.dout_stride, nq, TB, dh);
+        warp_rows_load<T, TF32, DHP>(sq, ld, f.q + q0 * f.q_stride + col, f.q_stride, nq, TB, dh);
+        warp_rows_load<T, TF32, DHP>(sg, ld, a.dout + q0 * a.dout_stride + col, a.dout_stride, nq,
+                                     TB, dh);
         for (int r = threadIdx.x; r < TB; r += blockDim.x) {
             const long long at = (q0 + r) * f.H + h;
             st[3 * r] = r < nq ? a.mx[at] : T(0);
@@ -378,18 +399,22 @@ void warp_backward_launch(cudaStream_t stream, const TiledBackwardArgs<T>& a, lo
 /// The passes in warp tiles, on the tensor cores when tf32 (float only).
 template <class T>
 void warp_backward(cudaStream_t stream, const TiledBackwardArgs<T>& a, long long B, T* dq,
-                   long long dq_stride, TiledKeyGrads<T> window, TiledKeyGrads<T> prefix, bool tf32) {
+                   long long dq_stride, TiledKeyGrads<T> window, TiledKeyGrads<T> prefix,
+                   bool tf32) {
     const int dhp = warp_tile_width(a.f.d_head);
     if constexpr (std::is_same_v<T, float>) {
         if (tf32) {
-            dhp == 32   ? warp_backward_launch<T, true, 32>(stream, a, B, dq, dq_stride, window, prefix)
-            : dhp == 64 ? warp_backward_launch<T, true, 64>(stream, a, B, dq, dq_stride, window, prefix)
-                        : warp_backward_launch<T, true, 128>(stream, a, B, dq, dq_stride, window, prefix);
+            dhp == 32
+                ? warp_backward_launch<T, true, 32>(stream, a, B, dq, dq_stride, window, prefix)
+            : dhp == 64
+                ? warp_backward_launch<T, true, 64>(stream, a, B, dq, dq_stride, window, prefix)
+                : warp_backward_launch<T, true, 128>(stream, a, B, dq, dq_stride, window, prefix);
             return;
         }
-        dhp == 32   ? warp_backward_launch<T, false, 32>(stream, a, B, dq, dq_stride, window, prefix)
-        : dhp == 64 ? warp_backward_launch<T, false, 64>(stream, a, B, dq, dq_stride, window, prefix)
-                    : warp_backward_launch<T, false, 128>(stream, a, B, dq, dq_stride, window, prefix);
+        dhp == 32 ? warp_backward_launch<T, false, 32>(stream, a, B, dq, dq_stride, window, prefix)
+        : dhp == 64
+            ? warp_backward_launch<T, false, 64>(stream, a, B, dq, dq_stride, window, prefix)
+            : warp_backward_launch<T, false, 128>(stream, a, B, dq, dq_stride, window, prefix);
     } else {  // double: no block fits at d_h above 64 (warp_backward_fits)
         dhp == 32 ? warp_backward_launch<T, false, 32>(stream, a, B, dq, dq_stride, window, prefix)
                   : warp_backward_launch<T, false, 64>(stream, a, B, dq, dq_stride, window, prefix);
@@ -401,7 +426,8 @@ void warp_backward(cudaStream_t stream, const TiledBackwardArgs<T>& a, long long
 template <class T>
 bool warp_backward_fits(const TiledAttentionArgs<T>& f, long long B) {
     const std::size_t bytes = warp_backward_bytes(f.d_head, sizeof(T));
-    const long long most = f.N > f.seq_rows ? (f.N > f.p ? f.N : f.p) : (f.seq_rows > f.p ? f.seq_rows : f.p);
+    const long long most =
+        f.N > f.seq_rows ? (f.N > f.p ? f.N : f.p) : (f.seq_rows > f.p ? f.seq_rows : f.p);
     return f.N >= 16 && bytes > 0 &&
            tiled_grid_fits(B, most, f.H, TiledShape{warp_tile_rows, warp_tile_rows}) &&
            bytes <= shared_memory_limit();

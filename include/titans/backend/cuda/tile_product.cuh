@@ -144,7 +144,61 @@ struct Transposed {
     __device__ EntryPair<T> pair(int k, int c) const { return load_pair(p + c * ld + k); }
 };
 
+/// RowMajor and Transposed over entries the caller stored already rounded to TF32 (a tile
+/// loaded into shared memory once and read by several warps or k-steps): their fragments skip
+/// the conversion, the values the same.
+template <class T>
+struct RoundedRowMajor : RowMajor<T> {
+    static constexpr bool rounded = true;
+};
+template <class T>
+struct RoundedTransposed : Transposed<T> {
+    static constexpr bool rounded = true;
+};
+
+/// Whether operand functor F's entries are already TF32 (F::rounded).
+template <class F>
+inline constexpr bool pre_rounded = requires { F::rounded; };
+
+/// The operand functor a kernel reads a shared tile through: Rounded* where TF32 products read
+/// a tile its loads rounded (tf32_stored), the plain one otherwise.
+template <class T, bool TF32>
+using RowOperand = std::conditional_t<TF32 && sizeof(T) == 4, RoundedRowMajor<T>, RowMajor<T>>;
+template <class T, bool TF32>
+using TransposedOperand =
+    std::conditional_t<TF32 && sizeof(T) == 4, RoundedTransposed<T>, Transposed<T>>;
+
+/// An operand functor Op (RowOperand, TransposedOperand) over p with leading dimension ld.
+template <class Op, class T>
+__device__ inline Op operand_at(const T* p, int ld) {
+    if constexpr (pre_rounded<Op>) {
+        return Op{{p, ld}};
+    } else {
+        return Op{p, ld};
+    }
+}
+
+/// x as a tile of TF32 products stores it: rounded to TF32 (float with TF32), else x.
+template <class T, bool TF32>
+__device__ inline T tf32_stored(T x) {
+    if constexpr (TF32 && sizeof(T) == 4) {
+        return round_tf32(x);
+    } else {
+        return x;
+    }
+}
+
 #if defined(__CUDA_ARCH__)
+
+/// An operand entry's bits for a fragment: converted to TF32 unless F's entries already are.
+template <class F>
+__device__ inline std::uint32_t fragment_bits(float x) {
+    if constexpr (pre_rounded<F>) {
+        return __float_as_uint(x);
+    } else {
+        return __float_as_uint(round_tf32(x));
+    }
+}
 
 /// The A fragments of a warp tile's MT pieces for the k-step at k0 (rows i + 16 mi (+ 8)).
 template <KOrder O, int MT, class FA>
@@ -154,19 +208,19 @@ __device__ inline void fragment_a(std::uint32_t (&af)[MT][4], const FA& a, int i
         TITANS_UNROLL
         for (int mi = 0; mi < MT; ++mi) {
             const EntryPair<float> lo = a.pair(i + 16 * mi, k), hi = a.pair(i + 16 * mi + 8, k);
-            af[mi][0] = __float_as_uint(round_tf32(lo.x));
-            af[mi][1] = __float_as_uint(round_tf32(hi.x));
-            af[mi][2] = __float_as_uint(round_tf32(lo.y));
-            af[mi][3] = __float_as_uint(round_tf32(hi.y));
+            af[mi][0] = fragment_bits<FA>(lo.x);
+            af[mi][1] = fragment_bits<FA>(hi.x);
+            af[mi][2] = fragment_bits<FA>(lo.y);
+            af[mi][3] = fragment_bits<FA>(hi.y);
         }
     } else {
         TITANS_UNROLL
         for (int mi = 0; mi < MT; ++mi) {
             const int r = i + 16 * mi;
-            af[mi][0] = __float_as_uint(round_tf32(a(r, k)));
-            af[mi][1] = __float_as_uint(round_tf32(a(r + 8, k)));
-            af[mi][2] = __float_as_uint(round_tf32(a(r, kh)));
-            af[mi][3] = __float_as_uint(round_tf32(a(r + 8, kh)));
+            af[mi][0] = fragment_bits<FA>(a(r, k));
+            af[mi][1] = fragment_bits<FA>(a(r + 8, k));
+            af[mi][2] = fragment_bits<FA>(a(r, kh));
+            af[mi][3] = fragment_bits<FA>(a(r + 8, kh));
         }
     }
 }
@@ -179,14 +233,14 @@ __device__ inline void fragment_b(std::uint32_t (&bf)[NT][2], const FB& b, int j
         TITANS_UNROLL
         for (int ni = 0; ni < NT; ++ni) {
             const EntryPair<float> v = b.pair(k, j + 8 * ni);
-            bf[ni][0] = __float_as_uint(round_tf32(v.x));
-            bf[ni][1] = __float_as_uint(round_tf32(v.y));
+            bf[ni][0] = fragment_bits<FB>(v.x);
+            bf[ni][1] = fragment_bits<FB>(v.y);
         }
     } else {
         TITANS_UNROLL
         for (int ni = 0; ni < NT; ++ni) {
-            bf[ni][0] = __float_as_uint(round_tf32(b(k, j + 8 * ni)));
-            bf[ni][1] = __float_as_uint(round_tf32(b(kh, j + 8 * ni)));
+            bf[ni][0] = fragment_bits<FB>(b(k, j + 8 * ni));
+            bf[ni][1] = fragment_bits<FB>(b(kh, j + 8 * ni));
         }
     }
 }
