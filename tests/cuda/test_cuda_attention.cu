@@ -552,7 +552,13 @@ namespace {
 /// (kp's rows: a shared prefix sums every sequence's) and the sequence rows' (B m x D).
 struct TiledGrads {
     Matrixd dq, dkp, dvp, dks, dvs;
+    Matrixd stats;  // the query pass's rows' maximum, 1 / sum, delta (B n H x 3)
 };
+
+/// Where the warp-tiled backward's softmax statistics come from: its own first pass
+/// (Recompute), the warp-tiled forward (Forward, stats_ready), or the forward's with every
+/// 1 / sum doubled (Doubled: a backward that reads them must change).
+enum class StatsFrom { Recompute, Forward, Doubled };
 
 /// The CPU's prefix_window_attention_backward per sequence, in double.
 TiledGrads tiled_reference_backward(const TiledCase& c, const Matrixd& dout) {
@@ -583,7 +589,8 @@ TiledGrads tiled_reference_backward(const TiledCase& c, const Matrixd& dout) {
 template <class T>
 TiledGrads tiled_device_backward(const TiledCase& c, const Matrixd& dout,
                                  titans::backend::cuda::TiledShape shape,
-                                 TileKernel kind = TileKernel::Scalar) {
+                                 TileKernel kind = TileKernel::Scalar,
+                                 StatsFrom from = StatsFrom::Recompute) {
     namespace cu = titans::backend::cuda;
     const long long D = static_cast<long long>(c.H) * c.dh;
     const auto up = [](const Matrixd& h) {
@@ -606,14 +613,37 @@ TiledGrads tiled_device_backward(const TiledCase& c, const Matrixd& dout,
     cu::DeviceBuffer<T> o(rows * D), stats(3 * rows * c.H), dq(rows * D),
         dkp(std::max<std::size_t>(1, c.kp.rows() * D)), dvp(dkp.size()),
         dks(static_cast<std::size_t>(c.B * c.m * D)), dvs(dks.size());
-    const cu::TiledAttentionArgs<T> f{
+    cu::TiledAttentionArgs<T> f{
         q.data(), D, kp.data(), vp.data(), c.p, D, D, c.shared, ks.data(), vs.data(), c.m, D,
         c.n, c.pos0, c.stride, c.H, c.dh, c.window,
         T(1) / std::sqrt(static_cast<T>(c.dh)), o.data(), D};
     const cudaStream_t sm = cu::thread_context().stream();
-    cu::tiled_attention(sm, f, c.B, cu::tiled_shape(c.dh, c.n, sizeof(T)));
-    const cu::TiledBackwardArgs<T> a{f, g.data(), D, o.data(), D, stats.data(),
-                                     stats.data() + rows * c.H, stats.data() + 2 * rows * c.H};
+    const long long n_stats = static_cast<long long>(rows) * c.H;
+    if (from == StatsFrom::Recompute) {
+        cu::tiled_attention(sm, f, c.B, cu::tiled_shape(c.dh, c.n, sizeof(T)));
+    } else {
+        f.stat_m = stats.data();
+        f.stat_inv = stats.data() + n_stats;
+        cu::warp_tiled_attention(sm, f, c.B, kind == TileKernel::Tf32);
+        f.stat_m = f.stat_inv = nullptr;
+    }
+    if (from == StatsFrom::Doubled) {
+        Matrixd st = down(stats, n_stats, 3);
+        st.col(1) *= 2.0;
+        const Matrix<T> t = st.cast<T>();
+        cu::check(cudaMemcpy(stats.data(), t.data(), stats.size() * sizeof(T),
+                             cudaMemcpyHostToDevice),
+                  "cudaMemcpy (test)");
+    }
+    const cu::TiledBackwardArgs<T> a{f,
+                                     g.data(),
+                                     D,
+                                     o.data(),
+                                     D,
+                                     stats.data(),
+                                     stats.data() + n_stats,
+                                     stats.data() + 2 * n_stats,
+                                     from != StatsFrom::Recompute};
     if (kind == TileKernel::Scalar) {
         cu::tiled_query_backward(sm, a, c.B, shape, dq.data(), D);
         cu::tiled_key_backward(sm, a, c.B, shape, false,
@@ -625,8 +655,9 @@ TiledGrads tiled_device_backward(const TiledCase& c, const Matrixd& dout,
                           cu::TiledKeyGrads<T>{dkp.data(), dvp.data(), D},
                           kind == TileKernel::Tf32);
     }
-    return TiledGrads{down(dq, c.B * c.n, D), down(dkp, c.kp.rows(), D), down(dvp, c.kp.rows(), D),
-                      down(dks, c.B * c.m, D), down(dvs, c.B * c.m, D)};
+    return TiledGrads{down(dq, c.B * c.n, D),   down(dkp, c.kp.rows(), D),
+                      down(dvp, c.kp.rows(), D), down(dks, c.B * c.m, D),
+                      down(dvs, c.B * c.m, D),   down(stats, n_stats, 3)};
 }
 
 }  // namespace
@@ -716,9 +747,22 @@ TEMPLATE_TEST_CASE("cuda attention: warp tiles backward", "[cuda]", float, doubl
                              rel_error(got.dvp, ref.dvp), rel_error(got.dks, ref.dks, floor),
                              rel_error(got.dvs, ref.dvs)});
         };
-        const double e = error(tiled_device_backward<T>(c, dout, {}, TileKernel::Warp));
+        const TiledGrads own = tiled_device_backward<T>(c, dout, {}, TileKernel::Warp);
+        const double e = error(own);
         CHECK(e <= bound<T>());
         worst = std::max(worst, e);
+        // The forward's statistics (stats_ready): the query pass's own to rounding, and the
+        // backward reads them (doubling every 1 / sum moves dq).
+        const TiledGrads fwd =
+            tiled_device_backward<T>(c, dout, {}, TileKernel::Warp, StatsFrom::Forward);
+        CHECK(rel_error(fwd.stats, own.stats) <= bound<T>());
+        CHECK(error(fwd) <= bound<T>());
+        worst = std::max(worst, error(fwd));
+        if (c.window > 1 || c.p > 0) {  // (with one key a query, dS is 0 whatever 1 / sum is)
+            const TiledGrads doubled =
+                tiled_device_backward<T>(c, dout, {}, TileKernel::Warp, StatsFrom::Doubled);
+            CHECK(rel_error(doubled.dq, fwd.dq) > 0.1);
+        }
         if constexpr (std::is_same_v<T, float>) {
             const double et = error(tiled_device_backward<T>(c, dout, {}, TileKernel::Tf32));
             CHECK(et <= 1e-2);

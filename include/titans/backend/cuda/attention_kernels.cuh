@@ -341,9 +341,11 @@ struct AttentionKernels<Cuda, T> {
 
     /// o = what f (AttendRows) computes for B sequences, the way cuda::tiled_attention()
     /// says (TiledAttentionMode): in warp tiles (on the tensor cores in float when tf32) where
-    /// they apply, else in tiles where one fits, else a thread per (row, head).
-    static void attend_rows(cudaStream_t sm, const detail::AttendRows<T>& f, long long B,
-                            bool tf32) {
+    /// they apply, else in tiles where one fits, else a thread per (row, head). stat_m,
+    /// stat_inv (B N H entries each, or nullptr): where the warp tiles leave each row's softmax
+    /// statistics for the backward (TiledAttentionArgs); true when they did.
+    static bool attend_rows(cudaStream_t sm, const detail::AttendRows<T>& f, long long B,
+                            bool tf32, T* stat_m = nullptr, T* stat_inv = nullptr) {
         const cuda::TiledAttentionMode mode = cuda::tiled_attention();
         const cuda::TiledShape shape = mode == cuda::TiledAttentionMode::Off
                                            ? cuda::TiledShape{}
@@ -352,17 +354,20 @@ struct AttentionKernels<Cuda, T> {
                           cuda::warp_tiles_fit(B, f.N, f.H, f.d_head, sizeof(T));
         if (!warp && !cuda::tiled_grid_fits(B, f.N, f.H, shape)) {
             cuda::each(sm, B * f.N * f.H, f);
-            return;
+            return false;
         }
-        const cuda::TiledAttentionArgs<T> a{
+        cuda::TiledAttentionArgs<T> a{
             f.qkv, 3 * f.D, f.k_prefix, f.v_prefix, f.p, f.k_prefix_stride, f.v_prefix_stride,
             f.shared, f.k_win, f.v_win, f.cap, f.D, f.N, f.kept, 1, f.H, f.d_head, f.window,
             f.scale, f.o, f.D};
-        if (warp) {
-            cuda::warp_tiled_attention(sm, a, B, tf32);
-        } else {
+        if (!warp) {
             cuda::tiled_attention(sm, a, B, shape);
+            return false;
         }
+        a.stat_m = stat_m;
+        a.stat_inv = stat_inv;
+        cuda::warp_tiled_attention(sm, a, B, tf32);
+        return stat_m != nullptr;
     }
 
 };

@@ -57,6 +57,11 @@ struct TiledAttentionArgs {
     T scale;
     T* o;                            ///< output row r at o + r o_stride
     long long o_stride;
+    /// Where the warp-tiled forward writes each (row r, head h)'s softmax statistics, at
+    /// r H + h: the largest scaled score and 1 / the sum of exp(score - largest), the
+    /// backward's mx and inv (nullptr: not written; the scalar tiles never write them).
+    T* stat_m = nullptr;
+    T* stat_inv = nullptr;
 };
 
 /// A tile's shape: TQ queries against TK keys at a time (0: the tile does not fit).

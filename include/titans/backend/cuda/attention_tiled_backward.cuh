@@ -32,6 +32,10 @@ struct TiledBackwardArgs {
     const T* out;
     long long out_stride;
     T *mx, *inv, *delta;
+    /// mx and inv already hold the forward's statistics (the warp-tiled forward's stat_m,
+    /// stat_inv): the warp-tiled query pass reads them instead of recomputing them over every
+    /// key tile (the scalar passes recompute them regardless).
+    bool stats_ready = false;
 };
 
 /// Where a key pass writes: the dk and dv rows (row i at + i * stride, head columns at + h d_h).

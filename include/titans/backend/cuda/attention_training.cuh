@@ -157,6 +157,8 @@ struct AttentionTraining<Cuda, T> {
         const T* kp = nullptr;  // the prefix's keys and values (qkv when none: never read)
         const T* vp = nullptr;
         Buf dout, dqkv, dkw, dvw, dkvp, gqkv, go, dp;
+        Buf stats;                 // each (row, head)'s maximum, 1 / sum and delta
+        bool stats_ready = false;  // the recomputed forward left the first two (warp tiles)
     };
 
     /// Stage 1: qkv = x [W_Q | W_K | W_V], RoPE, the prefix projected, the windows assembled
@@ -207,12 +209,13 @@ struct AttentionTraining<Cuda, T> {
         ps.kp = ps.prows > 0 ? ps.proj.k.data() : ps.qkv.data();
         ps.vp = ps.prows > 0 ? ps.proj.v.data() : ps.qkv.data();
         ps.o = Buf(static_cast<std::size_t>(rows * D));
+        ps.stats = Buf(static_cast<std::size_t>(3 * rows * ps.H));
         if (rows > 0) {
-            Kernels::attend_rows(
+            ps.stats_ready = Kernels::attend_rows(
                 sm, detail::AttendRows<T>{ps.qkv.data(), ps.kp, ps.vp, ps.np, D, D, ps.shared,
                                           ps.kw.data(), ps.vw.data(), ps.cap, ps.h, ps.N, D,
                                           ps.H, ps.dh, cfg.window, ps.scale, ps.o.data()},
-                ps.B, cx.tf32());
+                ps.B, cx.tf32(), ps.stats.data(), ps.stats.data() + rows * ps.H);
         }
         return ps;
     }
@@ -239,12 +242,12 @@ struct AttentionTraining<Cuda, T> {
     static void attend_backward(const AttentionConfig& cfg, Pass& ps) {
         const cudaStream_t sm = cuda::thread_context().stream();
         const long long rows = ps.rows, D = ps.D, H = ps.H;
-        Buf stats(static_cast<std::size_t>(3 * rows * H));
+        T* stats = ps.stats.data();
         ps.dqkv = Buf(static_cast<std::size_t>(rows * 3 * D));
         const detail::AttentionBackwardOperands<T> ops{
             ps.qkv.data(), ps.kp, ps.vp, ps.np, D, D, ps.shared, ps.kw.data(), ps.vw.data(),
             ps.cap, ps.h, ps.N, D, ps.H, ps.dh, cfg.window, ps.scale, ps.dout.data(),
-            stats.data(), stats.data() + rows * H, stats.data() + 2 * rows * H};
+            stats, stats + rows * H, stats + 2 * rows * H};
         ps.dkw = Buf(static_cast<std::size_t>(ps.B * ps.cap * D));
         ps.dvw = Buf(ps.dkw.size());
         ps.dkvp = Buf(static_cast<std::size_t>(ps.prows * 2 * D));
@@ -270,7 +273,7 @@ struct AttentionTraining<Cuda, T> {
             {ps.qkv.data(), 3 * D, ps.kp, ps.vp, ps.np, D, D, ps.shared, ps.kw.data(),
              ps.vw.data(), ps.cap, D, ps.N, ps.h, 1, ps.H, ps.dh, cfg.window, ps.scale, nullptr,
              0},
-            ps.dout.data(), D, ps.o.data(), D, ops.mx, ops.inv, ops.delta};
+            ps.dout.data(), D, ps.o.data(), D, ops.mx, ops.inv, ops.delta, ps.stats_ready};
         return cuda::tiled_backward_passes(
             cx.stream(), a, ps.B, ps.dqkv.data(), 3 * D,
             cuda::TiledKeyGrads<T>{ps.dkw.data(), ps.dvw.data(), D},

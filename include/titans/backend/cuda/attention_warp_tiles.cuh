@@ -25,6 +25,7 @@
 
 #include "../../config.hpp"
 #include "attention_tiled.cuh"
+#include "attention_tiled_backward.cuh"
 #include "launch.cuh"
 #include "tile_product.cuh"
 
@@ -142,6 +143,30 @@ __device__ void warp_tile_load_kv(T* sk, T* sv, const T* k, long long ks, const 
     __syncthreads();
 }
 
+/// The end of a warp's rows (wq of its 16 real, the first at flattened row rw, head h at
+/// columns col): the output rows O / l and, where a.stat_m is set, each row's maximum and
+/// 1 / l.
+template <class T, int DHP>
+__device__ void warp_tile_finish(const TiledAttentionArgs<T>& a, const WarpRows<T, DHP>& w,
+                                 long long rw, int wq, long long col, int h, int g, int q) {
+    T inv[2];
+    for (int r = 0; r < 2; ++r) {
+        inv[r] = T(1) / quad_reduce(w.l[r], [](T x, T y) { return x + y; });
+    }
+    tile_store(w.o, g, 2 * q, [&](int r, int c, T v) {
+        if (r < wq && c < a.d_head) {
+            a.o[(rw + r) * a.o_stride + col + c] = v * inv[r >= 8 ? 1 : 0];
+        }
+    });
+    for (int r = 0; r < 2; ++r) {
+        if (a.stat_m != nullptr && q == 0 && g + 8 * r < wq) {
+            const long long at = (rw + g + 8 * r) * a.H + h;
+            a.stat_m[at] = w.m[r];
+            a.stat_inv[at] = inv[r];
+        }
+    }
+}
+
 /// The attention of 64 queries of one head of one sequence (blockIdx x, y, z) in warp tiles.
 template <class T, bool TF32, int DHP>
 __global__ void __launch_bounds__(tiled_threads)
@@ -195,31 +220,16 @@ __global__ void __launch_bounds__(tiled_threads)
         }
         __syncwarp();  // P read before the next tile writes it
     };
-    const long long pb = a.shared ? 0 : b * a.p;
-    for (long long j0 = 0; j0 < a.p; j0 += TK) {
-        tile(a.k_prefix + (pb + j0) * a.kp_stride, a.kp_stride,
-             a.v_prefix + (pb + j0) * a.vp_stride, a.vp_stride,
-             static_cast<int>(a.p - j0 < TK ? a.p - j0 : TK), -1);
+    tiled_key_tiles(a, TiledShape{warp_tile_rows, TK}, b, t0, nq,
+                    [&](long long kr, bool pre, int nk, long long key0) {
+                        const long long ks = pre ? a.kp_stride : a.seq_stride;
+                        const long long vs = pre ? a.vp_stride : a.seq_stride;
+                        tile((pre ? a.k_prefix : a.k_seq) + kr * ks, ks,
+                             (pre ? a.v_prefix : a.v_seq) + kr * vs, vs, nk, key0);
+                    });
+    if (active) {
+        warp_tile_finish(a, w, b * a.N + t0 + 16 * warp, nq - 16 * warp, col, h, g, q);
     }
-    const long long first = a.pos0 + a.qstride * t0, last = first + a.qstride * (nq - 1);
-    const long long seq = b * a.seq_rows;
-    for (long long j0 = first - a.window + 1 > 0 ? first - a.window + 1 : 0; j0 <= last; j0 += TK) {
-        tile(a.k_seq + (seq + j0) * a.seq_stride, a.seq_stride, a.v_seq + (seq + j0) * a.seq_stride,
-             a.seq_stride, static_cast<int>(last + 1 - j0 < TK ? last + 1 - j0 : TK), j0);
-    }
-    if (!active) {
-        return;
-    }
-    T inv[2];
-    for (int r = 0; r < 2; ++r) {
-        inv[r] = T(1) / quad_reduce(w.l[r], [](T x, T y) { return x + y; });
-    }
-    tile_store(w.o, g, 2 * q, [&](int r, int c, T v) {
-        const int row = 16 * warp + r;
-        if (row < nq && c < dh) {
-            a.o[(b * a.N + t0 + row) * a.o_stride + col + c] = v * inv[r >= 8 ? 1 : 0];
-        }
-    });
 }
 
 /// Launches warp_tiled_attention_kernel over B sequences (the caller checks warp_tiles_fit).

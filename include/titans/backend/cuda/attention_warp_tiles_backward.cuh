@@ -105,48 +105,28 @@ __device__ void warp_rows_load(T* dst, int ld, const T* src, long long ss, int n
     }
 }
 
-/// The query pass: 64 queries of one head of one sequence (blockIdx x, y, z).
+/// The query pass's steps for one warp of a block: its 16 rows (wq of them real) against the
+/// key tiles, in shared memory at sq (Q), sg (dout), sk, sv (the key tile) and pw (the warp's
+/// rows of dS).
 template <class T, bool TF32, int DHP>
-__global__ void __launch_bounds__(tiled_threads)
-    warp_query_backward_kernel(TiledBackwardArgs<T> a, T* dq, long long dq_stride) {
+struct WarpQueryPass {
     using L = WarpBackwardLayout<T, DHP>;
-    constexpr int TB = L::tb, NS = TB / 8, ld = L::ld;
-    const TiledAttentionArgs<T>& f = a.f;
-    const long long b = blockIdx.z, t0 = static_cast<long long>(blockIdx.x) * warp_tile_rows;
-    const int h = static_cast<int>(blockIdx.y), dh = f.d_head;
-    const int nq = static_cast<int>(f.N - t0 < warp_tile_rows ? f.N - t0 : warp_tile_rows);
-    const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
-    const int g = lane / 4, q = lane % 4, wq = nq - 16 * warp;  // the warp's rows (<= 0: none)
-    const long long col = static_cast<long long>(h) * dh, r0 = b * f.N + t0;
-    T* sq = dynamic_shared<T>();
-    T* sg = sq + warp_tile_rows * ld;
-    T* sk = sg + warp_tile_rows * ld;
-    T* sv = sk + TB * ld;
-    T* pw = sv + TB * ld + warp * 16 * L::ldp;
-    warp_rows_load<T, TF32, DHP>(sq, ld, f.q + r0 * f.q_stride + col, f.q_stride, nq,
-                                 warp_tile_rows, dh);
-    warp_rows_load<T, TF32, DHP>(sg, ld, a.dout + r0 * a.dout_stride + col, a.dout_stride, nq,
-                                 warp_tile_rows, dh);
-    T delta[2] = {T(0), T(0)};
-    if (wq > 0) {
-        warp_rows_delta(a, r0 + 16 * warp, wq, col, dh, g, q, delta);
-    }
-    WarpRows<T, DHP> w;  // o: dq's rows; m, l: the softmax statistics
-    tile_zero(w.o);
-    for (int r = 0; r < 2; ++r) {
-        w.m[r] = -static_cast<T>(INFINITY);
-        w.l[r] = T(0);
-        w.qpos[r] = f.pos0 + f.qstride * (t0 + 16 * warp + g + 8 * r);
-    }
+    static constexpr int TB = L::tb, NS = TB / 8, ld = L::ld;
     using Row = RowOperand<T, TF32>;
     using Tr = TransposedOperand<T, TF32>;
-    const Row qa = operand_at<Row>(sq + warp * 16 * ld, ld);
-    const Row ga = operand_at<Row>(sg + warp * 16 * ld, ld);
-    // The key tile's rows into K (and V), the scores S of the warp's rows into s.
-    auto scores = [&](long long kr, bool pre, int nk, bool values, T(&s)[1][NS][4]) {
+    const TiledBackwardArgs<T>& a;
+    T *sk, *sv, *pw;
+    Row qa, ga;  // the warp's rows of Q and dout
+    long long col;
+    int dh, wq, g, q;
+
+    /// The key tile's nk rows (at kr of the prefix's rows or the sequences') into K, and V when
+    /// `values`; then the warp's scores S into s. Every thread of the block calls it.
+    __device__ void scores(long long kr, bool pre, int nk, bool values, T (&s)[1][NS][4]) const {
+        const TiledAttentionArgs<T>& f = a.f;
         __syncthreads();  // the previous tile's reads are done
-        const long long ks = pre ? f.kp_stride : f.seq_stride,
-                        vs = pre ? f.vp_stride : f.seq_stride;
+        const long long ks = pre ? f.kp_stride : f.seq_stride;
+        const long long vs = pre ? f.vp_stride : f.seq_stride;
         warp_rows_load<T, TF32, DHP>(sk, ld, (pre ? f.k_prefix : f.k_seq) + kr * ks + col, ks, nk,
                                      TB, dh);
         if (values) {
@@ -161,29 +141,39 @@ __global__ void __launch_bounds__(tiled_threads)
                 tile_step<T, TF32, 1, NS>(s, qa, operand_at<Tr>(sk, ld), g, g, k0, g, q);
             }
         }
-    };
-    const TiledShape shape{warp_tile_rows, TB};
-    // Pass 1: each row's maximum and sum, online (P into pw, unused).
-    tiled_key_tiles(f, shape, b, t0, nq, [&](long long kr, bool pre, int nk, long long key0) {
-        T s[1][NS][4];
-        scores(kr, pre, nk, false, s);
-        if (wq > 0) {
-            warp_tile_softmax<T, TF32, DHP, NS>(w, s, pw, L::ldp, nk, key0, f.window, f.scale, g,
-                                                q);
-        }
-    });
-    T inv[2];
-    for (int r = 0; r < 2; ++r) {
-        inv[r] = T(1) / quad_reduce(w.l[r], [](T x, T y) { return x + y; });
     }
-    tile_zero(w.o);  // pass 1 rescaled it; dq starts here
-    // Pass 2: dS per key tile, dq += dS K.
-    tiled_key_tiles(f, shape, b, t0, nq, [&](long long kr, bool pre, int nk, long long key0) {
-        T s[1][NS][4];
-        scores(kr, pre, nk, true, s);
-        if (wq <= 0) {
+
+    /// Each row's maximum (w.m) and 1 / sum (inv): the forward's where a.stats_ready (rows at
+    /// r0 of the flattened rows, head h), else over the key tiles (pass 1, online).
+    __device__ void statistics(WarpRows<T, DHP>& w, T (&inv)[2], long long b, long long t0,
+                               int nq, long long r0, int h) const {
+        if (a.stats_ready) {  // block-uniform
+            for (int r = 0; r < 2; ++r) {
+                const long long at = (r0 + g + 8 * r) * a.f.H + h;
+                w.m[r] = g + 8 * r < wq ? a.mx[at] : T(0);
+                inv[r] = g + 8 * r < wq ? a.inv[at] : T(0);
+            }
             return;
         }
+        const TiledShape shape{warp_tile_rows, TB};
+        T* p = pw;  // P goes here, unused
+        tiled_key_tiles(a.f, shape, b, t0, nq, [&](long long kr, bool pre, int nk, long long key0) {
+            T s[1][NS][4];
+            scores(kr, pre, nk, false, s);
+            if (wq > 0) {
+                warp_tile_softmax<T, TF32, DHP, NS>(w, s, p, L::ldp, nk, key0, a.f.window,
+                                                    a.f.scale, g, q);
+            }
+        });
+        for (int r = 0; r < 2; ++r) {
+            inv[r] = T(1) / quad_reduce(w.l[r], [](T x, T y) { return x + y; });
+        }
+        tile_zero(w.o);  // pass 1 rescaled it; dq starts here
+    }
+
+    /// One key tile's dS = scale P (dout V^T - delta) into pw, then dq (w.o) += dS K.
+    __device__ void adjoint(WarpRows<T, DHP>& w, const T (&s)[1][NS][4], const T (&inv)[2],
+                            const T (&delta)[2], int nk, long long key0) const {
         T dp[1][NS][4];
         tile_zero(dp);
         TITANS_UNROLL
@@ -196,12 +186,11 @@ __global__ void __launch_bounds__(tiled_threads)
             for (int e = 0; e < 4; ++e) {
                 const FragPlace at = frag_place(ni, e, g, q);
                 const int r = e >> 1;
-                const T p = at.row < wq && at.col < nk &&
-                                    tiled_sees(key0 < 0 ? -1 : key0 + at.col, w.qpos[r], f.window)
-                                ? std::exp(s[0][ni][e] * f.scale - w.m[r]) * inv[r]
-                                : T(0);
+                const bool seen = at.row < wq && at.col < nk &&
+                                  tiled_sees(key0 < 0 ? -1 : key0 + at.col, w.qpos[r], a.f.window);
+                const T p = seen ? std::exp(s[0][ni][e] * a.f.scale - w.m[r]) * inv[r] : T(0);
                 pw[at.row * L::ldp + at.col] =
-                    tf32_stored<T, TF32>(f.scale * p * (dp[0][ni][e] - delta[r]));
+                    tf32_stored<T, TF32>(a.f.scale * p * (dp[0][ni][e] - delta[r]));
             }
         }
         __syncwarp();
@@ -211,19 +200,75 @@ __global__ void __launch_bounds__(tiled_threads)
                                            operand_at<Row>(sk, ld), g, g, k0, g, q);
         }
         __syncwarp();
-    });
+    }
+};
+
+/// The query pass: 64 queries of one head of one sequence (blockIdx x, y, z).
+template <class T, bool TF32, int DHP>
+__global__ void __launch_bounds__(tiled_threads)
+    warp_query_backward_kernel(TiledBackwardArgs<T> a, T* dq, long long dq_stride) {
+    using Pass = WarpQueryPass<T, TF32, DHP>;
+    constexpr int TB = Pass::TB, NS = Pass::NS, ld = Pass::ld;
+    const TiledAttentionArgs<T>& f = a.f;
+    const long long b = blockIdx.z, t0 = static_cast<long long>(blockIdx.x) * warp_tile_rows;
+    const int h = static_cast<int>(blockIdx.y), dh = f.d_head;
+    const int nq = static_cast<int>(f.N - t0 < warp_tile_rows ? f.N - t0 : warp_tile_rows);
+    const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
+    const int g = lane / 4, q = lane % 4, wq = nq - 16 * warp;  // the warp's rows (<= 0: none)
+    const long long col = static_cast<long long>(h) * dh, r0 = b * f.N + t0;
+    const long long rw = r0 + 16 * warp;  // the warp's first row
+    T* sq = dynamic_shared<T>();
+    T* sg = sq + warp_tile_rows * ld;
+    T* sk = sg + warp_tile_rows * ld;
+    T* sv = sk + TB * ld;
+    warp_rows_load<T, TF32, DHP>(sq, ld, f.q + r0 * f.q_stride + col, f.q_stride, nq,
+                                 warp_tile_rows, dh);
+    warp_rows_load<T, TF32, DHP>(sg, ld, a.dout + r0 * a.dout_stride + col, a.dout_stride, nq,
+                                 warp_tile_rows, dh);
+    T delta[2] = {T(0), T(0)};
+    if (wq > 0) {
+        warp_rows_delta(a, rw, wq, col, dh, g, q, delta);
+    }
+    WarpRows<T, DHP> w;  // o: dq's rows; m, l: the softmax statistics
+    tile_zero(w.o);
+    for (int r = 0; r < 2; ++r) {
+        w.m[r] = -static_cast<T>(INFINITY);
+        w.l[r] = T(0);
+        w.qpos[r] = f.pos0 + f.qstride * (t0 + 16 * warp + g + 8 * r);
+    }
+    const Pass pass{a,
+                    sk,
+                    sv,
+                    sv + TB * ld + warp * 16 * Pass::L::ldp,
+                    operand_at<typename Pass::Row>(sq + warp * 16 * ld, ld),
+                    operand_at<typename Pass::Row>(sg + warp * 16 * ld, ld),
+                    col,
+                    dh,
+                    wq,
+                    g,
+                    q};
+    T inv[2];
+    pass.statistics(w, inv, b, t0, nq, rw, h);
+    // Pass 2: dS per key tile, dq += dS K.
+    tiled_key_tiles(f, TiledShape{warp_tile_rows, TB}, b, t0, nq,
+                    [&](long long kr, bool pre, int nk, long long key0) {
+                        T s[1][NS][4];
+                        pass.scores(kr, pre, nk, true, s);
+                        if (wq > 0) {
+                            pass.adjoint(w, s, inv, delta, nk, key0);
+                        }
+                    });
     if (wq <= 0) {
         return;
     }
     tile_store(w.o, g, 2 * q, [&](int r, int c, T v) {
         if (r < wq && c < dh) {
-            dq[(r0 + 16 * warp + r) * dq_stride + col + c] = v;
+            dq[(rw + r) * dq_stride + col + c] = v;
         }
     });
     for (int r = 0; r < 2; ++r) {
-        const int row = g + 8 * r;
-        if (q == 0 && row < wq) {
-            const long long at = (r0 + 16 * warp + row) * f.H + h;
+        if (q == 0 && g + 8 * r < wq) {
+            const long long at = (rw + g + 8 * r) * f.H + h;
             a.mx[at] = w.m[r];
             a.inv[at] = inv[r];
             a.delta[at] = delta[r];
