@@ -29,7 +29,8 @@
 #                                 decode and Trainer-step benchmarks (BENCH_FILTER overrides
 #                                 which); a table last
 #   tools/gpu_check.sh peers [DIR]
-#                                 titans-pytorch's NeuralMemory against bench_cuda on the same GPU
+#                                 titans-pytorch's NeuralMemory, then its MAC transformer of
+#                                 depth 1 (--mac), against bench_cuda on the same GPU
 #                                 (tools/compare_pytorch_gpu.py): needs the wheels that
 #                                 tools/peer_wheels.py puts in .whl here, carried with the build
 #   tools/gpu_check.sh profile [DIR]
@@ -163,7 +164,10 @@ do_peers() {
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/titans-peers \
     "${repo_root}"/.whl/*.whl
   PYTHONPATH=/tmp/titans-peers timeout 300 python3 "${repo_root}/tools/compare_pytorch_gpu.py" \
-    --bench "${build}/bench/bench_cuda" | tee "${out}/peers.txt"
+    --bench "${build}/bench/bench_cuda" | tee "${out}/peers.txt" || echo "peers: exit $?"
+  # The one-layer MAC model against titans-pytorch's MAC transformer of depth 1.
+  PYTHONPATH=/tmp/titans-peers timeout 300 python3 "${repo_root}/tools/compare_pytorch_gpu.py" \
+    --bench "${build}/bench/bench_cuda" --mac | tee "${out}/peers_mac.txt"
 }
 
 case "${1:-all}" in

@@ -38,6 +38,9 @@
 //                             forward, 5 backward) and frac_tf32 (of BM_CublasSgemm/4096/1's)
 //   BM_CudaTrainStep/mac/B/N  a Trainer step of that model with a vocabulary of 512 (mac 0: its
 //                             MAC block an LMM one, so that nothing runs on the host)
+//   BM_CudaMacLayer/B/N/train a one-block MAC model (that block, an embedding and a head,
+//                             vocabulary 512; titans-pytorch's MAC transformer of depth 1 in
+//                             size): a forward on token ids (train 0) or a Trainer step (1), TF32
 //   BM_CudaModelDecode/B/pooled
 //                             that model with the LMM block for MAC fed one token per sequence
 //                             per call (host vectors in and out: serving), its device buffers
@@ -468,6 +471,47 @@ void BM_CudaTrainStep(benchmark::State& state) {
     state.SetLabel(mac ? "MAC MAG MAL LMM" : "LMM MAG MAL LMM");
 }
 
+/// A one-layer MAC model (bench_block's MAC block between an embedding and a head, vocabulary
+/// 512), titans-pytorch's MemoryAsContextTransformer of depth 1 in size
+/// (tools/compare_pytorch_gpu.py --mac): a forward on B sequences of N token ids from a fresh
+/// state (train 0), or a Trainer step on them (train 1); TF32 products.
+void BM_CudaMacLayer(benchmark::State& state) {
+    const int B = static_cast<int>(state.range(0));
+    const long N = state.range(1);
+    const bool train = state.range(2) != 0;
+    titans::ModelConfig cfg;
+    cfg.d_model = 512;
+    cfg.vocab_size = 512;
+    cfg.blocks.push_back(bench_block(titans::BlockKind::MAC));
+    auto params = titans::ModelParams<float>::random(cfg, 1);
+    params.blocks[0] = bench_block_params(cfg.blocks[0], 1);
+    std::vector<int> ids, labels;
+    for (long i = 0; i < B * N; ++i) {
+        ids.push_back(static_cast<int>((i * 7919) % 512));
+        labels.push_back(static_cast<int>(((i + 1) * 7919) % 512));
+    }
+    tc::set_allow_tf32(true);
+    if (train) {
+        titans::Trainer<float, Cuda> trainer(cfg, params,
+                                             {.schedule = {.peak = 1e-4}, .clip_norm = 1.0});
+        double loss = trainer.step(ids, labels, B);  // warm-up
+        for (auto _ : state) {
+            loss = trainer.step(ids, labels, B);
+        }
+        if (!std::isfinite(loss)) state.SkipWithError("non-finite loss");
+    } else {
+        const titans::Model<float, Cuda> model(cfg, params);
+        stream_timed(state, model.make_state(B), B, N, [&](auto& st) {
+            benchmark::DoNotOptimize(model.forward_tokens(st, ids));
+        });
+    }
+    tc::set_allow_tf32(false);
+    state.counters["tokens_per_second"] = benchmark::Counter(
+        static_cast<double>(state.iterations()) * B * static_cast<double>(N),
+        benchmark::Counter::kIsRate);
+    state.SetLabel(train ? "MAC layer, Trainer step" : "MAC layer, forward");
+}
+
 void BM_CudaModelDecode(benchmark::State& state) {
     const int B = static_cast<int>(state.range(0));
     tc::set_device_memory(state.range(1) != 0 ? tc::DeviceMemory::Pooled
@@ -516,6 +560,8 @@ BENCHMARK(BM_CudaAttentionTiles)
     ->Unit(benchmark::kMillisecond)->UseManualTime();
 BENCHMARK(BM_CudaTrainStep)->ArgNames({"mac", "B", "N"})->Args({0, 1, 1024})->Args({1, 1, 1024})
     ->Args({0, 8, 1024})->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_CudaMacLayer)->ArgNames({"B", "N", "train"})->ArgsProduct({{1, 8}, {2048}, {0, 1}})
+    ->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_CudaModelDecode)->ArgNames({"B", "pooled"})->ArgsProduct({{1, 64}, {0, 1}})
     ->Unit(benchmark::kMicrosecond)->UseRealTime();
 
