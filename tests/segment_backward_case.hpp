@@ -66,6 +66,53 @@ struct SegmentBackwardResult {
     Matrixd du, dh, dkept_k, dkept_v, grads, dP;
 };
 
+/// m in T on backend Bk.
+template <class T, class Bk>
+typename titans::backend::Transfer<Bk, T>::Buffer upload_as(const Matrixd& m) {
+    const titans::Matrix<T> t = m.cast<T>();
+    return titans::backend::Transfer<Bk, T>::upload(titans::view_of(t));
+}
+
+/// A buffer of backend Bk brought back as double.
+template <class T, class Bk>
+Matrixd download_as(const typename titans::backend::Transfer<Bk, T>::Buffer& b) {
+    using Transfer = titans::backend::Transfer<Bk, T>;
+    const titans::View<const T> v = Transfer::view(b);
+    titans::Matrix<T> t(v.rows, v.cols);
+    Transfer::download(v, titans::view_of(t));
+    return Matrixd(t.template cast<double>());
+}
+
+/// What MAC's segment attention forward (Attention::segment) gives for case c's part: y and
+/// the segment buffers after the part's keys and values went in, as double.
+struct SegmentForwardResult {
+    Matrixd y, seg_k, seg_v;
+};
+
+/// Case c's part forward on backend Bk in precision T: u, h, the prefix P W_K, P W_V (host
+/// products in T), each sequence's segment buffers (2C rows) holding the kept rows first.
+template <class T, class Bk>
+SegmentForwardResult run_segment_forward(const SegmentBackwardCase& c) {
+    using Transfer = titans::backend::Transfer<Bk, T>;
+    const titans::Attention<T, Bk> attn(c.cfg, cast_attention<T>(c.p));
+    const long long d = c.cfg.d_model, D = c.cfg.inner_dim(), C2 = 2LL * c.C;
+    Matrixd sk = Matrixd::Zero(c.B * C2, D), sv = Matrixd::Zero(c.B * C2, D);
+    for (int b = 0; b < c.B; ++b) {
+        sk.middleRows(b * C2, 2 * c.o) = c.kept_k.middleRows(2LL * b * c.o, 2 * c.o);
+        sv.middleRows(b * C2, 2 * c.o) = c.kept_v.middleRows(2LL * b * c.o, 2 * c.o);
+    }
+    const Matrixd kp = round_through<T>(c.P * c.p.w_k), vp = round_through<T>(c.P * c.p.w_v);
+    const auto u = upload_as<T, Bk>(c.u), h = upload_as<T, Bk>(c.h), kpb = upload_as<T, Bk>(kp),
+               vpb = upload_as<T, Bk>(vp);
+    auto segk = upload_as<T, Bk>(sk), segv = upload_as<T, Bk>(sv);
+    auto y = Transfer::allocate(static_cast<long long>(c.B) * c.m, d);
+    attn.segment(titans::SegmentCall<T>{
+        Transfer::view(u), Transfer::view(h), Transfer::view(segk), Transfer::view(segv),
+        titans::PrefixView<T>{Transfer::view(kpb), Transfer::view(vpb)}, Transfer::view(y), c.B,
+        c.C, c.o, c.m, c.pos});
+    return {download_as<T, Bk>(y), download_as<T, Bk>(segk), download_as<T, Bk>(segv)};
+}
+
 /// Case c on backend Bk in precision T: the inputs and P W_K, P W_V (host products in T)
 /// uploaded, the outputs downloaded.
 template <class T, class Bk>
@@ -73,16 +120,8 @@ SegmentBackwardResult run_segment_backward(const SegmentBackwardCase& c) {
     using Transfer = titans::backend::Transfer<Bk, T>;
     using Buffer = typename Transfer::Buffer;
     using titans::Matrix;
-    const auto up = [](const Matrixd& m) {
-        const Matrix<T> t = m.cast<T>();
-        return Transfer::upload(titans::view_of(t));
-    };
-    const auto down = [](const Buffer& b) {
-        const titans::View<const T> v = Transfer::view(b);
-        Matrix<T> t(v.rows, v.cols);
-        Transfer::download(v, titans::view_of(t));
-        return Matrixd(t.template cast<double>());
-    };
+    const auto up = [](const Matrixd& m) { return upload_as<T, Bk>(m); };
+    const auto down = [](const Buffer& b) { return download_as<T, Bk>(b); };
     const titans::Attention<T, Bk> attn(c.cfg, cast_attention<T>(c.p));
     const Matrix<T> Pt = c.P.cast<T>();
     const Matrix<T> kp = Pt * c.p.w_k.cast<T>(), vp = Pt * c.p.w_v.cast<T>();

@@ -21,7 +21,7 @@
 //                             L 2, window = segment 512, b 64, SwiGLU FFN, 4 persistent
 //                             tokens; SWA none) over B
 //                             sequences of N tokens in one call, host input and output (the
-//                             public API); MAC's segment attention runs on the host (docs/cuda.md)
+//                             public API); MAC's segment attention in tiles (docs/cuda.md)
 //   BM_CudaModel/B/N          a 4-block model (MAC, MAG, MAL, LMM) of those blocks, the same way
 //   BM_CudaAttention/B/N/path
 //                             the attention layer (d 512, H 8, d_h 64, window 512, RoPE) over B

@@ -196,6 +196,42 @@ TEMPLATE_TEST_CASE("cuda attention train: warp tiles", "[cuda]", float, double) 
 #endif
 }
 
+// MAC's segment attention forward (Attention::segment) against the CPU's: parts of 1-7 rows
+// and of 18-48 (queries at stride 2 over the interleaved segment, the shared prefix, the kept
+// rows), in warp tiles where they apply (Auto), in scalar tiles (Scalar) and a thread per row
+// and head (Off): y and the segment buffers the part wrote.
+TEMPLATE_TEST_CASE("cuda attention: segment forward", "[cuda]", float, double) {
+    namespace tc = titans::backend::cuda;
+    using T = TestType;
+    for (const auto mode : {tc::TiledAttentionMode::Auto, tc::TiledAttentionMode::Scalar,
+                            tc::TiledAttentionMode::Off}) {
+        const TiledModeScope scope(mode);
+#if TITANS_CUDA_EMULATION
+        const void* warp = reinterpret_cast<const void*>(&tc::warp_tiled_attention_kernel<T, false, 32>);
+        const void* scalar = reinterpret_cast<const void*>(&tc::tiled_attention_kernel<T>);
+        const long warp0 = cuda_emulation::launches(warp), scalar0 = cuda_emulation::launches(scalar);
+#endif
+        for (const bool long_parts : {false, true}) {
+            for (int i = 0; i < parity_cases(12); ++i) {
+                Rng rng(seed_for("cuda attention: segment forward", static_cast<std::uint64_t>(i)));
+                const SegmentBackwardCase c = segment_backward_case(rng, i, long_parts);
+                INFO("case " << i << " mode " << static_cast<int>(mode) << " B " << c.B << " C "
+                             << c.C << " o " << c.o << " m " << c.m << " np " << c.P.rows()
+                             << " rope " << c.cfg.rope);
+                const SegmentForwardResult ref = run_segment_forward<double, titans::backend::Cpu>(c);
+                const SegmentForwardResult got = run_segment_forward<T, Cuda>(c);
+                CHECK(std::max({rel_error(got.y, ref.y, 1e-6), rel_error(got.seg_k, ref.seg_k, 1e-6),
+                                rel_error(got.seg_v, ref.seg_v, 1e-6)}) <= bound<T>());
+            }
+        }
+#if TITANS_CUDA_EMULATION
+        CHECK((cuda_emulation::launches(warp) > warp0) == (mode == tc::TiledAttentionMode::Auto));
+        CHECK((cuda_emulation::launches(scalar) > scalar0) ==
+              (mode != tc::TiledAttentionMode::Off));  // (Auto: the short parts)
+#endif
+    }
+}
+
 // The training pass with the tiles off: the per-row backward (a thread per query row, window
 // row and prefix row) still matches the CPU.
 TEMPLATE_TEST_CASE("cuda attention train: per-row", "[cuda]", float, double) {

@@ -136,8 +136,9 @@ struct AttentionKernels<Cuda, T> {
 
     /// MAC's segment attention on checked device views (attention/segment.hpp), on this
     /// thread's stream: one GEMM u [W_Q | W_K | W_V], one h [W_K | W_V], RoPE on q and k, the
-    /// keys and values interleaved into the segment buffers (SegmentAppend), a thread per (row,
-    /// head) over the prefix and the segment so far (SegmentRows), one GEMM with W_O.
+    /// keys and values interleaved into the segment buffers (SegmentAppend), the attention over
+    /// the prefix and the segment so far in tiles with queries at stride 2 (attend_tiled), or a
+    /// thread per (row, head) (SegmentRows) where no tile applies, one GEMM with W_O.
     static void segment(const AttentionConfig& cfg, const Prepared& p, const SegmentCall<T>& c) {
         const long long rows = static_cast<long long>(c.batch) * c.rows, D = p->D;
         if (rows == 0) {
@@ -163,14 +164,22 @@ struct AttentionKernels<Cuda, T> {
                    detail::SegmentAppend<T>{qkv.data(), kvh.data(), c.seg_k.data, c.seg_v.data,
                                             stride, C2, c.rows, c.offset, D});
         const bool has_p = c.prefix.rows() > 0;  // without one its pointers are never read
-        cuda::each(sm, rows * cfg.n_heads,
-                   detail::SegmentRows<T>{qkv.data(), has_p ? c.prefix.k.data : qkv.data(),
-                                          has_p ? c.prefix.v.data : qkv.data(), c.prefix.rows(),
-                                          c.prefix.k.stride, c.prefix.v.stride, c.seg_k.data,
-                                          c.seg_v.data, stride, C2, c.rows, c.offset, D,
-                                          cfg.n_heads, cfg.head_dim(),
-                                          T(1) / std::sqrt(static_cast<T>(cfg.head_dim())),
-                                          att.data()});
+        const T* kp = has_p ? c.prefix.k.data : qkv.data();
+        const T* vp = has_p ? c.prefix.v.data : qkv.data();
+        const T scale = T(1) / std::sqrt(static_cast<T>(cfg.head_dim()));
+        // In tiles: query t at interleaved row 2(o + t) + 1 (stride 2), seeing the shared
+        // prefix and every buffer row up to its own (a window of the whole buffer).
+        const cuda::TiledAttentionArgs<T> a{
+            qkv.data(), 3 * D, kp, vp, c.prefix.rows(), c.prefix.k.stride, c.prefix.v.stride,
+            true, c.seg_k.data, c.seg_v.data, C2, stride, c.rows, 2LL * c.offset + 1, 2,
+            cfg.n_heads, cfg.head_dim(), static_cast<int>(C2), scale, att.data(), D};
+        if (attend_tiled(sm, a, c.batch, cx.tf32()) == Tiles::None) {
+            cuda::each(sm, rows * cfg.n_heads,
+                       detail::SegmentRows<T>{qkv.data(), kp, vp, c.prefix.rows(),
+                                              c.prefix.k.stride, c.prefix.v.stride, c.seg_k.data,
+                                              c.seg_v.data, stride, C2, c.rows, c.offset, D,
+                                              cfg.n_heads, cfg.head_dim(), scale, att.data()});
+        }
         cuda::gemm<T>(cx.blas(), false, false, static_cast<int>(rows), p->d, static_cast<int>(D),
                       T(1), {att.data(), static_cast<int>(D)}, {p->w_o.data(), p->d}, T(0),
                       c.y.data, static_cast<int>(c.y.stride), 0, 1);
@@ -339,35 +348,48 @@ struct AttentionKernels<Cuda, T> {
         attend_rows(sm, f, st.batch_, ctx(st).tf32());
     }
 
-    /// o = what f (AttendRows) computes for B sequences, the way cuda::tiled_attention()
-    /// says (TiledAttentionMode): in warp tiles (on the tensor cores in float when tf32) where
-    /// they apply, else in tiles where one fits, else a thread per (row, head). stat_m,
-    /// stat_inv (B N H entries each, or nullptr): where the warp tiles leave each row's softmax
-    /// statistics for the backward (TiledAttentionArgs); true when they did.
+    /// o = what f (AttendRows) computes for B sequences: in tiles (attend_tiled) where they
+    /// apply, else a thread per (row, head). stat_m, stat_inv (B N H entries each, or nullptr):
+    /// where the warp tiles leave each row's softmax statistics for the backward
+    /// (TiledAttentionArgs); true when they did.
     static bool attend_rows(cudaStream_t sm, const detail::AttendRows<T>& f, long long B,
                             bool tf32, T* stat_m = nullptr, T* stat_inv = nullptr) {
-        const cuda::TiledAttentionMode mode = cuda::tiled_attention();
-        const cuda::TiledShape shape = mode == cuda::TiledAttentionMode::Off
-                                           ? cuda::TiledShape{}
-                                           : cuda::tiled_shape(f.d_head, f.N, sizeof(T));
-        const bool warp = mode == cuda::TiledAttentionMode::Auto &&
-                          cuda::warp_tiles_fit(B, f.N, f.H, f.d_head, sizeof(T));
-        if (!warp && !cuda::tiled_grid_fits(B, f.N, f.H, shape)) {
-            cuda::each(sm, B * f.N * f.H, f);
-            return false;
-        }
         cuda::TiledAttentionArgs<T> a{
             f.qkv, 3 * f.D, f.k_prefix, f.v_prefix, f.p, f.k_prefix_stride, f.v_prefix_stride,
             f.shared, f.k_win, f.v_win, f.cap, f.D, f.N, f.kept, 1, f.H, f.d_head, f.window,
             f.scale, f.o, f.D};
-        if (!warp) {
-            cuda::tiled_attention(sm, a, B, shape);
-            return false;
-        }
         a.stat_m = stat_m;
         a.stat_inv = stat_inv;
-        cuda::warp_tiled_attention(sm, a, B, tf32);
-        return stat_m != nullptr;
+        const Tiles ran = attend_tiled(sm, a, B, tf32);
+        if (ran == Tiles::None) {
+            cuda::each(sm, B * f.N * f.H, f);
+        }
+        return ran == Tiles::Warp && stat_m != nullptr;
+    }
+
+    /// Which tiles attend_tiled ran.
+    enum class Tiles { None, Scalar, Warp };
+
+    /// a's attention for B sequences the way cuda::tiled_attention() says
+    /// (TiledAttentionMode): in warp tiles (on the tensor cores in float when tf32; they write
+    /// a.stat_m, a.stat_inv where set) where they apply, else in scalar tiles where one fits;
+    /// Tiles::None, nothing run, otherwise.
+    static Tiles attend_tiled(cudaStream_t sm, const cuda::TiledAttentionArgs<T>& a,
+                              long long B, bool tf32) {
+        const cuda::TiledAttentionMode mode = cuda::tiled_attention();
+        if (mode == cuda::TiledAttentionMode::Auto &&
+            cuda::warp_tiles_fit(B, a.N, a.H, a.d_head, sizeof(T))) {
+            cuda::warp_tiled_attention(sm, a, B, tf32);
+            return Tiles::Warp;
+        }
+        const cuda::TiledShape shape = mode == cuda::TiledAttentionMode::Off
+                                           ? cuda::TiledShape{}
+                                           : cuda::tiled_shape(a.d_head, a.N, sizeof(T));
+        if (!cuda::tiled_grid_fits(B, a.N, a.H, shape)) {
+            return Tiles::None;
+        }
+        cuda::tiled_attention(sm, a, B, shape);
+        return Tiles::Scalar;
     }
 
 };
