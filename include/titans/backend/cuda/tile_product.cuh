@@ -15,6 +15,9 @@
 //                              compute up to the order of their sums);
 //   TF32 = false:              plain FMAs in T (float or double), in k order.
 // M must be a multiple of 16 MT, N of 8 NT and K of 8 (the callers check their shapes).
+// Operands read through RoundedRowMajor / RoundedTransposed (RowOperand, TransposedOperand)
+// were rounded to TF32 when their tile was stored (tf32_stored): their fragments skip the
+// conversion and see the same values.
 
 #include <cstdint>
 #include <cstring>
