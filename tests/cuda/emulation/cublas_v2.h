@@ -98,26 +98,29 @@ cublasStatus_t gemm(const char* call, cublasHandle_t h, cublasOperation_t ta,
         std::fprintf(stderr, "CUDA emulation: %s: an operand is not (all) device memory\n", call);
         return CUBLAS_STATUS_EXECUTION_FAILED;
     }
-    std::vector<T> acc(static_cast<std::size_t>(m));
-    for (long long i = 0; i < batch; ++i) {
-        const T* Ai = A + i * sa;
-        const T* Bi = B + i * sb;
-        T* Ci = C + i * sc;
-        for (long long j = 0; j < n; ++j) {
-            std::fill(acc.begin(), acc.end(), T(0));
-            for (long long l = 0; reads_ab && l < k; ++l) {
-                const T blj = bt ? Bi[j + l * ldb] : Bi[l + j * ldb];
+    submit(h->stream, [=] {  // now, or when the handle's stream is waited for (lazy mode)
+        std::vector<T> acc(static_cast<std::size_t>(m));
+        for (long long i = 0; i < batch; ++i) {
+            const T* Ai = A + i * sa;
+            const T* Bi = B + i * sb;
+            T* Ci = C + i * sc;
+            for (long long j = 0; j < n; ++j) {
+                std::fill(acc.begin(), acc.end(), T(0));
+                for (long long l = 0; reads_ab && l < k; ++l) {
+                    const T blj = bt ? Bi[j + l * ldb] : Bi[l + j * ldb];
+                    for (long long r = 0; r < m; ++r) {
+                        acc[static_cast<std::size_t>(r)] +=
+                            (at ? Ai[l + r * lda] : Ai[r + l * lda]) * blj;
+                    }
+                }
                 for (long long r = 0; r < m; ++r) {
-                    acc[static_cast<std::size_t>(r)] += (at ? Ai[l + r * lda] : Ai[r + l * lda]) * blj;
+                    T& c = Ci[r + j * ldc];
+                    const T ab = a * acc[static_cast<std::size_t>(r)];
+                    c = b == T(0) ? ab : ab + b * c;
                 }
             }
-            for (long long r = 0; r < m; ++r) {
-                T& c = Ci[r + j * ldc];
-                const T ab = a * acc[static_cast<std::size_t>(r)];
-                c = b == T(0) ? ab : ab + b * c;
-            }
         }
-    }
+    });
     return CUBLAS_STATUS_SUCCESS;
 }
 

@@ -11,7 +11,8 @@
 //                   cudaFreeAsync (the default pool) allocate and free at the call, counted
 //                   apart from cudaMalloc (allocation_calls()), and cudaFreeAsync refuses
 //                   memory that cudaMalloc gave
-//   copies, memset  at the call (every stream is synchronous), with the argument checks CUDA
+//   copies, memset  at the call (every stream is synchronous; see lazy streams below), with
+//                   the argument checks CUDA
 //                   makes (pitches, directions) and, where CUDA leaves it undefined (an
 //                   overlapping copy), an error and a message on stderr
 //   streams         handles checked at every use (a destroyed stream is an invalid handle);
@@ -21,6 +22,10 @@
 //   errors          CUDA's codes; every failing call also sets the host thread's last error
 //                   (cudaGetLastError / cudaPeekAtLastError), as CUDA does
 //   kernels         emulated_launch.h: blocks one after another, a block's threads as fibers
+//
+//   lazy streams    opt-in (TITANS_EMULATION_LAZY=1, set_lazy_streams): a created stream's work
+//                   runs only when something waits for it (emulated_streams.h), so missing
+//                   order between streams shows as stale data
 //
 // One emulated device (cudaGetDeviceCount: 1). Not emulated: events' timing is host time,
 // no unified/managed memory, no graphs.
@@ -242,6 +247,12 @@ inline bool valid_stream(cudaStream_t s) {
     return s == nullptr || s == cudaStreamLegacy || s == cudaStreamPerThread || is_handle(s);
 }
 
+}  // namespace cuda_emulation
+
+#include "emulated_streams.h"
+
+namespace cuda_emulation {
+
 /// Checks a copy's operands against its direction: a device side must be device memory of
 /// `span` bytes, a host side must not be device memory. cudaSuccess or the error.
 inline cudaError_t check_sides(const char* call, void* dst, std::size_t dst_span, const void* src,
@@ -310,9 +321,12 @@ inline cudaError_t copy_2d(const char* call, void* dst, std::size_t dpitch, cons
     if (d < s + sspan && s < d + dspan && rows_overlap(d, dpitch, s, spitch, width, height)) {
         return misuse(call, "source and destination overlap (undefined in CUDA)");
     }
-    for (std::size_t r = 0; r < height; ++r) {
-        std::memcpy(d + r * dpitch, s + r * spitch, width);
-    }
+    submit_copy(stream, d, !is_device_range(d, dspan), s, !is_device_range(s, sspan), sspan,
+                [=](char* to, const char* from) {
+                    for (std::size_t r = 0; r < height; ++r) {
+                        std::memcpy(to + r * dpitch, from + r * spitch, width);
+                    }
+                });
     return cudaSuccess;
 }
 
@@ -332,7 +346,8 @@ inline cudaError_t copy_1d(const char* call, void* dst, const void* src, std::si
     if (d < s + n && s < d + n) {
         return misuse(call, "source and destination overlap (undefined in CUDA)");
     }
-    std::memcpy(d, s, n);
+    submit_copy(stream, d, !is_device_range(d, n), s, !is_device_range(s, n), n,
+                [n](char* to, const char* from) { std::memcpy(to, from, n); });
     return cudaSuccess;
 }
 
@@ -347,7 +362,7 @@ inline cudaError_t set_bytes(const char* call, void* dst, int value, std::size_t
     if (!is_device_range(dst, n)) {
         return misuse(call, "the destination is not (all) device memory");
     }
-    std::memset(dst, value, n);
+    submit(stream, [=] { std::memset(dst, value, n); });
     return cudaSuccess;
 }
 
@@ -385,6 +400,7 @@ struct CUstream_st {
 };
 struct CUevent_st {
     std::chrono::steady_clock::time_point at{};
+    cudaStream_t stream = nullptr;  // where it was last recorded (the lazy mode's waits)
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -471,6 +487,7 @@ inline cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr attr, int devic
 /// Every operation has completed when its call returns.
 inline cudaError_t cudaDeviceSynchronize() {
     cuda_emulation::count_wait();
+    cuda_emulation::flush_all_streams();
     return cudaSuccess;
 }
 
@@ -506,6 +523,19 @@ inline cudaError_t allocate(void** p, std::size_t n, bool pooled) {
     return cudaSuccess;
 }
 
+/// Whether p (not null) may be freed: the base of a live allocation, from cudaMallocAsync when
+/// pooled_only. Called with the registry locked.
+inline cudaError_t releasable(Registry& r, void* p, bool pooled_only, const char* call) {
+    const auto base = reinterpret_cast<std::uintptr_t>(p);
+    if (r.allocations.count(base) == 0) {
+        return fail(cudaErrorInvalidValue);  // not the base of a live allocation
+    }
+    if (pooled_only && r.pooled.count(base) == 0) {
+        return misuse(call, "the memory was not allocated by cudaMallocAsync");
+    }
+    return cudaSuccess;
+}
+
 /// cudaFree (any live allocation), and cudaFreeAsync (only one from cudaMallocAsync).
 inline cudaError_t release(void* p, bool pooled_only, const char* call) {
     if (p == nullptr) {
@@ -514,13 +544,10 @@ inline cudaError_t release(void* p, bool pooled_only, const char* call) {
     {
         Registry& r = registry();
         std::lock_guard<std::mutex> lock(r.m);
+        if (cudaError_t e = releasable(r, p, pooled_only, call); e != cudaSuccess) {
+            return e;
+        }
         const auto base = reinterpret_cast<std::uintptr_t>(p);
-        if (r.allocations.count(base) == 0) {
-            return fail(cudaErrorInvalidValue);  // not the base of a live allocation
-        }
-        if (pooled_only && r.pooled.count(base) == 0) {
-            return misuse(call, "the memory was not allocated by cudaMallocAsync");
-        }
         r.allocations.erase(base);
         r.pooled.erase(base);
     }
@@ -541,13 +568,28 @@ inline cudaError_t cudaMallocAsync(void** p, std::size_t n, cudaStream_t stream)
     return cuda_emulation::allocate(p, n, true);
 }
 
-inline cudaError_t cudaFree(void* p) { return cuda_emulation::release(p, false, "cudaFree"); }
+inline cudaError_t cudaFree(void* p) {
+    cuda_emulation::flush_all_streams();  // (cudaFree waits for the device)
+    return cuda_emulation::release(p, false, "cudaFree");
+}
 
 inline cudaError_t cudaFreeAsync(void* p, cudaStream_t stream) {
-    if (!cuda_emulation::valid_stream(stream)) {
-        return cuda_emulation::fail(cudaErrorInvalidResourceHandle);
+    using namespace cuda_emulation;
+    if (!valid_stream(stream)) {
+        return fail(cudaErrorInvalidResourceHandle);
     }
-    return cuda_emulation::release(p, true, "cudaFreeAsync");
+    if (p == nullptr || !lazy_streams()) {
+        return release(p, true, "cudaFreeAsync");
+    }
+    {  // lazy: checked now, freed in stream order
+        Registry& r = registry();
+        std::lock_guard<std::mutex> lock(r.m);
+        if (cudaError_t e = releasable(r, p, true, "cudaFreeAsync"); e != cudaSuccess) {
+            return e;
+        }
+    }
+    submit(stream, [p] { (void)release(p, true, "cudaFreeAsync"); });
+    return cudaSuccess;
 }
 
 inline cudaError_t cudaDeviceGetDefaultMemPool(cudaMemPool_t* pool, int device) {
@@ -609,26 +651,41 @@ inline cudaError_t cudaMemsetAsync(void* dst, int value, std::size_t n,
 // ---------------------------------------------------------------------------------------------
 inline cudaError_t cudaStreamCreate(cudaStream_t* s) { return cuda_emulation::create_handle(s); }
 inline cudaError_t cudaStreamDestroy(cudaStream_t s) {
+    if (cuda_emulation::is_handle(s)) {
+        cuda_emulation::flush_stream(s);  // (its work completes; nothing waits for it in CUDA)
+    }
     return cuda_emulation::destroy_handle(s);
 }
 inline cudaError_t cudaStreamSynchronize(cudaStream_t s) {
     cuda_emulation::count_wait();
-    return cuda_emulation::valid_stream(s) ? cudaSuccess
-                                           : cuda_emulation::fail(cudaErrorInvalidResourceHandle);
+    if (!cuda_emulation::valid_stream(s)) {
+        return cuda_emulation::fail(cudaErrorInvalidResourceHandle);
+    }
+    cuda_emulation::flush_stream(s);
+    return cudaSuccess;
 }
 inline cudaError_t cudaEventCreate(cudaEvent_t* e) { return cuda_emulation::create_handle(e); }
-inline cudaError_t cudaEventDestroy(cudaEvent_t e) { return cuda_emulation::destroy_handle(e); }
+inline cudaError_t cudaEventDestroy(cudaEvent_t e) {
+    if (cuda_emulation::is_handle(e)) {
+        cuda_emulation::flush_stream(e->stream);  // (a queued record writes into it)
+    }
+    return cuda_emulation::destroy_handle(e);
+}
 inline cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s = nullptr) {
     if (!cuda_emulation::is_handle(e) || !cuda_emulation::valid_stream(s)) {
         return cuda_emulation::fail(cudaErrorInvalidResourceHandle);
     }
-    e->at = std::chrono::steady_clock::now();
+    e->stream = s;
+    cuda_emulation::submit(s, [e] { e->at = std::chrono::steady_clock::now(); });
     return cudaSuccess;
 }
 inline cudaError_t cudaEventSynchronize(cudaEvent_t e) {
     cuda_emulation::count_wait();
-    return cuda_emulation::is_handle(e) ? cudaSuccess
-                                        : cuda_emulation::fail(cudaErrorInvalidResourceHandle);
+    if (!cuda_emulation::is_handle(e)) {
+        return cuda_emulation::fail(cudaErrorInvalidResourceHandle);
+    }
+    cuda_emulation::flush_stream(e->stream);
+    return cudaSuccess;
 }
 inline cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
     if (ms == nullptr || !cuda_emulation::is_handle(start) || !cuda_emulation::is_handle(end)) {

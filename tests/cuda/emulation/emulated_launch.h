@@ -508,18 +508,21 @@ void launch(void (*kernel)(P...), dim3 grid, dim3 block, std::size_t shmem, cuda
         void (*kernel)(P...);
         std::tuple<std::decay_t<P>...> args;
     };
-    const Call call{kernel, std::tuple<std::decay_t<P>...>(std::forward<A>(args)...)};
-    DynamicShared& dyn = dynamic_shared_memory;
-    dyn.size = shmem;
-    if (dyn.bytes.size() < shmem) {
-        dyn.bytes.resize(shmem);
-    }
-    run_grid(grid, block,
-             [](const void* c) {
-                 const Call& k = *static_cast<const Call*>(c);
-                 std::apply(k.kernel, k.args);
-             },
-             &call);
+    auto call = std::make_shared<const Call>(
+        Call{kernel, std::tuple<std::decay_t<P>...>(std::forward<A>(args)...)});
+    submit(stream, [call, grid, block, shmem] {  // now, or when the stream is waited for
+        DynamicShared& dyn = dynamic_shared_memory;
+        dyn.size = shmem;
+        if (dyn.bytes.size() < shmem) {
+            dyn.bytes.resize(shmem);
+        }
+        run_grid(grid, block,
+                 [](const void* c) {
+                     const Call& k = *static_cast<const Call*>(c);
+                     std::apply(k.kernel, k.args);
+                 },
+                 call.get());
+    });
 }
 
 }  // namespace cuda_emulation

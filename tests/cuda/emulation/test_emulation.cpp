@@ -208,3 +208,66 @@ TEST_CASE("emulation: stream-ordered memory", "[cuda]") {
     tc::release_cached_device_memory();
     CHECK(tc::device_memory() == tc::DeviceMemory::Pooled);
 }
+
+namespace {
+
+__global__ void fill_kernel(float* out, int n, float v) {
+    const int i = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+    if (i < n) {
+        out[i] = v;
+    }
+}
+
+/// Sets the lazy mode for a scope (emulated_streams.h), then puts it back.
+struct LazyScope {
+    bool old = cuda_emulation::lazy_streams();
+    LazyScope() { cuda_emulation::set_lazy_streams(true); }
+    LazyScope(const LazyScope&) = delete;
+    LazyScope& operator=(const LazyScope&) = delete;
+    ~LazyScope() { cuda_emulation::set_lazy_streams(old); }
+};
+
+}  // namespace
+
+// The lazy mode: a kernel on stream a, read back on stream b with nothing ordering the two,
+// shows the memory as it was (the race the eager mode hides); a wait for a, the legacy stream,
+// or a device synchronisation runs a's work first. Stream-ordered frees wait for their stream.
+TEST_CASE("emulation: lazy streams", "[cuda]") {
+    const LazyScope lazy;
+    const int n = 64;
+    cudaStream_t a = nullptr, b = nullptr;
+    REQUIRE(cudaStreamCreate(&a) == cudaSuccess);
+    REQUIRE(cudaStreamCreate(&b) == cudaSuccess);
+    float* d = device_alloc<float>(n);
+    std::vector<float> h(n, 0.0f);
+    REQUIRE(cudaMemcpy(d, h.data(), n * sizeof(float), cudaMemcpyHostToDevice) == cudaSuccess);
+    tc::launch(fill_kernel, 1, 64, a, d, n, 3.0f);
+    REQUIRE(cudaMemcpyAsync(h.data(), d, n * sizeof(float), cudaMemcpyDeviceToHost, b) ==
+            cudaSuccess);
+    CHECK(h[5] == 0.0f);  // b's copy ran; a's kernel still waits
+    REQUIRE(cudaStreamSynchronize(a) == cudaSuccess);
+    REQUIRE(cudaMemcpyAsync(h.data(), d, n * sizeof(float), cudaMemcpyDeviceToHost, b) ==
+            cudaSuccess);
+    CHECK(h[5] == 3.0f);
+    tc::launch(fill_kernel, 1, 64, a, d, n, 4.0f);
+    REQUIRE(cudaMemcpy(h.data(), d, n * sizeof(float), cudaMemcpyDeviceToHost) == cudaSuccess);
+    CHECK(h[63] == 4.0f);  // the legacy stream waits for every stream
+    // A host-to-device copy takes its bytes at the call.
+    std::vector<float> src(n, 7.0f);
+    REQUIRE(cudaMemcpyAsync(d, src.data(), n * sizeof(float), cudaMemcpyHostToDevice, a) ==
+            cudaSuccess);
+    src.assign(n, 8.0f);
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+    REQUIRE(cudaMemcpy(h.data(), d, n * sizeof(float), cudaMemcpyDeviceToHost) == cudaSuccess);
+    CHECK(h[0] == 7.0f);
+    // A stream-ordered free waits for its stream: still allocated until then.
+    void* p = nullptr;
+    REQUIRE(cudaMallocAsync(&p, 256, a) == cudaSuccess);
+    REQUIRE(cudaFreeAsync(p, a) == cudaSuccess);
+    CHECK(cuda_emulation::is_device_pointer(p));
+    REQUIRE(cudaStreamSynchronize(a) == cudaSuccess);
+    CHECK_FALSE(cuda_emulation::is_device_pointer(p));
+    CHECK(cudaFree(d) == cudaSuccess);
+    CHECK(cudaStreamDestroy(a) == cudaSuccess);
+    CHECK(cudaStreamDestroy(b) == cudaSuccess);
+}
