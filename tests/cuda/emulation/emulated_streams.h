@@ -40,9 +40,11 @@ struct StreamQueues {
     std::mutex m;
     std::map<cudaStream_t, std::deque<std::function<void()>>> q;
 };
+/// Never destroyed: a stream destroyed by a static's destructor at exit still finds it, and
+/// work still queued then stays reachable (no leak report for its buffers).
 inline StreamQueues& stream_queues() {
-    static StreamQueues s;
-    return s;
+    static StreamQueues* s = new StreamQueues;
+    return *s;
 }
 
 inline std::atomic<bool>& lazy_flag() {
