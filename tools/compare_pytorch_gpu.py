@@ -110,34 +110,33 @@ def time_pytorch_mac(B, N, reps):
     return result, torch.__version__, torch.cuda.get_device_name()
 
 
-def time_titans(bench, shapes):
-    """Milliseconds per forward of BM_CudaMemory (TF32, fused) and per training step of
-    BM_CudaMemoryTrain (TF32) at each (B, N): {"forward": {(B, N): ms}, "step": {...}}."""
-    fwd = "|".join(f"BM_CudaMemory/B:{B}/N:{N}/tf32:1/fused:1" for B, N in shapes)
-    step = "|".join(f"BM_CudaMemoryTrain/B:{B}/N:{N}/" for B, N in shapes)
-    out = subprocess.run([bench, f"--benchmark_filter=({fwd}|{step})", "--benchmark_format=json"],
-                         check=True, capture_output=True, text=True)
-    found = {"forward": {}, "step": {}}
-    for b in json.loads(out.stdout)["benchmarks"]:
-        parts = dict(p.split(":") for p in b["name"].split("/")[1:] if ":" in p)
-        scale = {"ms": 1.0, "us": 1e-3, "ns": 1e-6, "s": 1e3}[b["time_unit"]]
-        kind = "step" if b["name"].startswith("BM_CudaMemoryTrain") else "forward"
-        found[kind][(int(parts["B"]), int(parts["N"]))] = b["real_time"] * scale
-    return found
-
-
-def time_titans_mac(bench, shapes):
-    """Milliseconds per forward and per Trainer step of BM_CudaMacLayer at each (B, N)."""
-    names = "|".join(f"BM_CudaMacLayer/B:{B}/N:{N}/" for B, N in shapes)
+def run_bench(bench, names, is_step):
+    """Milliseconds of each bench_cuda benchmark matching the regex `names`, split by
+    is_step(name, args) into {"forward": {(B, N): ms}, "step": {...}}."""
     out = subprocess.run([bench, f"--benchmark_filter=({names})", "--benchmark_format=json"],
                          check=True, capture_output=True, text=True)
     found = {"forward": {}, "step": {}}
     for b in json.loads(out.stdout)["benchmarks"]:
         parts = dict(p.split(":") for p in b["name"].split("/")[1:] if ":" in p)
         scale = {"ms": 1.0, "us": 1e-3, "ns": 1e-6, "s": 1e3}[b["time_unit"]]
-        kind = "step" if parts["train"] == "1" else "forward"
+        kind = "step" if is_step(b["name"], parts) else "forward"
         found[kind][(int(parts["B"]), int(parts["N"]))] = b["real_time"] * scale
     return found
+
+
+def time_titans(bench, shapes):
+    """Milliseconds per forward of BM_CudaMemory (TF32, fused) and per training step of
+    BM_CudaMemoryTrain (TF32) at each (B, N): {"forward": {(B, N): ms}, "step": {...}}."""
+    fwd = "|".join(f"BM_CudaMemory/B:{B}/N:{N}/tf32:1/fused:1" for B, N in shapes)
+    step = "|".join(f"BM_CudaMemoryTrain/B:{B}/N:{N}/" for B, N in shapes)
+    return run_bench(bench, f"{fwd}|{step}",
+                     lambda name, _: name.startswith("BM_CudaMemoryTrain"))
+
+
+def time_titans_mac(bench, shapes):
+    """Milliseconds per forward and per Trainer step of BM_CudaMacLayer at each (B, N)."""
+    names = "|".join(f"BM_CudaMacLayer/B:{B}/N:{N}/" for B, N in shapes)
+    return run_bench(bench, names, lambda _, parts: parts["train"] == "1")
 
 
 def main():
