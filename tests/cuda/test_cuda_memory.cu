@@ -473,22 +473,30 @@ TEMPLATE_TEST_CASE("cuda launch: row sums", "[cuda]", float, double) {
 }
 
 // Segments of at most 4 rows of a depth-2 memory with lagged retrieval (decode) run the read
-// and the key pass in one launch of decode_rows_kernel (memory_decode.cuh): against the CPU
-// in both precisions, both activations the memory takes, with and without the residual, one token a call and
-// pieces of 2-4 rows, and the same cases with the kernel off (FusedMemory::Off: the batched
-// products). Under the emulator: one launch a segment, none when off.
+// and the key pass in one launch of decode_rows_kernel (memory_decode.cuh), which also copies
+// the keys and gate logits into the pending rows and, in a call of at most 4 rows a
+// sequence, normalises q and k: against the CPU in both precisions, both activations the
+// memory takes, with and without the residual, with and without the q/k norm, each gate mode,
+// one token a call and pieces of 2-4 rows, and the same cases with the kernel off
+// (FusedMemory::Off: the batched products). Under the emulator: one launch a segment, none
+// when off.
 TEMPLATE_TEST_CASE("cuda memory: decode kernel", "[cuda]", float, double) {
     using T = TestType;
     const double bound = std::is_same_v<T, double> ? 1e-12 : 1e-5;
     int index = 0;
     for (const Activation act : {Activation::SiLU, Activation::GELU}) {
         for (const bool residual : {false, true}) {
+            // each (activation, residual) with its own q/k norm and gate mode
+            const int v = (act == Activation::SiLU ? 0 : 2) + (residual ? 1 : 0);
             for (const tcu::FusedMemory mode : {tcu::FusedMemory::Auto, tcu::FusedMemory::Off}) {
                 Rng rng(seed_for("cuda decode kernel", static_cast<std::uint64_t>(index++)));
                 Fixture f(rng(), Retrieval::Lagged, 5);
                 f.cfg.activation = act;
                 f.cfg.residual = residual;
-                f.cfg.gates = titans::GateMode::DataDependent;
+                f.cfg.normalize_qk = v != 1;
+                f.cfg.gates = v == 2   ? titans::GateMode::Constant
+                              : v == 3 ? titans::GateMode::PerChunk
+                                       : titans::GateMode::DataDependent;
                 f.p = random_params(f.cfg, rng);
                 const int B = 2, N = 17;
                 const Matrixd x = random_matrix(B * N, f.cfg.d_model, rng);
@@ -500,7 +508,8 @@ TEMPLATE_TEST_CASE("cuda memory: decode kernel", "[cuda]", float, double) {
                     reinterpret_cast<const void*>(&tcu::decode_rows_kernel<T>);
                 const long before = cuda_emulation::launches(kernel);
 #endif
-                INFO(to_string(act) << " residual " << residual << " kernel "
+                INFO(to_string(act) << " residual " << residual << " norm " << f.cfg.normalize_qk
+                                    << " gates " << to_string(f.cfg.gates) << " kernel "
                                     << (mode == tcu::FusedMemory::Off ? "off" : "on"));
                 const double e = compare_case<T>(f.cfg, f.p, x, B, N, rng, bound, pieces);
                 tcu::set_fused_memory(tcu::FusedMemory::Auto);
@@ -512,6 +521,69 @@ TEMPLATE_TEST_CASE("cuda memory: decode kernel", "[cuda]", float, double) {
 #endif
             }
         }
+    }
+}
+
+// A decode call (one token a sequence, no chunk end) of the headline kind of memory (depth 2,
+// lagged retrieval, conv, q/k norm, data-dependent gates) makes one product for the
+// projections and the gate logits, one kernel for the conv, phi and the gate logits' bias and
+// layout, the decode kernel (the read, the key pass, the q/k norm, the keys' and gates'
+// pending rows), the row save of the call's transaction, the checks and the output product:
+// 4 kernels and 2 GEMMs, inside a CallScope (the checks raise its flag) as outside (the
+// flags cleared by a memset and read back). It made 7 and 3 (2026-11-29). Counted by the
+// emulator; the outputs against the CPU everywhere.
+TEST_CASE("cuda memory: decode in few launches", "[cuda]") {
+    Rng rng(seed_for("cuda decode launches"));
+    Fixture f(rng(), Retrieval::Lagged, 5);
+    f.cfg.gates = titans::GateMode::DataDependent;
+    f.p = random_params(f.cfg, rng);
+    NeuralMemory<double> cpu(f.cfg, f.p);
+    CudaMemory<double> gpu(f.cfg, f.p);
+    auto cs = cpu.make_state(2);
+    auto gs = gpu.make_state(2);
+    for (int t = 0; t < 4; ++t) {  // the chunk ends at the fifth token
+        const Matrixd x = random_matrix(2, f.cfg.d_model, rng);
+        const bool scoped = t % 2 == 1;
+#if TITANS_CUDA_EMULATION
+        const long kernels = cuda_emulation::total_launches(), gemms = cuda_emulation::gemm_calls();
+#endif
+        Matrixd yg;
+        if (scoped) {
+            tcu::CallScope scope;
+            yg = gpu.forward(gs, x);
+            CHECK_FALSE(scope.flagged());
+        } else {
+            yg = gpu.forward(gs, x);
+        }
+        INFO("token " << t << (scoped ? ", in a CallScope" : ""));
+#if TITANS_CUDA_EMULATION
+        CHECK(cuda_emulation::total_launches() - kernels == 4);
+        CHECK(cuda_emulation::gemm_calls() - gemms == 2);
+#endif
+        CHECK(rel_error(yg, cpu.forward(cs, x)) <= 1e-12);
+    }
+}
+
+// Queries and keys whose squares overflow float (W_Q and W_K x 1e22, entries near 1e22): the
+// decode kernel's q/k norm takes the scaled path of the L2 norm kernel (detail/norm_scale.hpp),
+// one token a call and pieces of 2-4 rows, and so does the batched path (FusedMemory::Off);
+// both against the CPU in double.
+TEST_CASE("cuda memory: decode of huge keys", "[cuda]") {
+    int index = 0;
+    for (const tcu::FusedMemory mode : {tcu::FusedMemory::Auto, tcu::FusedMemory::Off}) {
+        Rng rng(seed_for("cuda decode huge keys", static_cast<std::uint64_t>(index++)));
+        Fixture f(rng(), Retrieval::Lagged, 5);
+        f.p.w_q *= 1e22;
+        f.p.w_k *= 1e22;
+        const int B = 2, N = 12;
+        const Matrixd x = random_matrix(B * N, f.cfg.d_model, rng);
+        std::vector<int> pieces(5, 1);
+        for (const int n : {4, 3}) pieces.push_back(n);
+        tcu::set_fused_memory(mode);
+        const double e = compare_case<float>(f.cfg, f.p, x, B, N, rng, 1e-5, pieces);
+        tcu::set_fused_memory(tcu::FusedMemory::Auto);
+        INFO((mode == tcu::FusedMemory::Off ? "batched" : "decode kernel"));
+        CHECK(e <= 1e-5);
     }
 }
 

@@ -14,6 +14,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -70,6 +71,14 @@ inline bool valid_op(cublasOperation_t op) {
 
 /// C_i = alpha op(A_i) op(B_i) + beta C_i for i < batch (column-major; op(A) m x k, op(B)
 /// k x n), with cuBLAS's checks and shortcuts. CUBLAS_OP_C is CUBLAS_OP_T (real types).
+/// How many GEMM calls (batched ones once) were submitted so far: what a test counts to see
+/// how many products a call makes.
+inline std::atomic<long>& gemm_count() {
+    static std::atomic<long> n{0};
+    return n;
+}
+inline long gemm_calls() { return gemm_count().load(); }
+
 template <class T>
 cublasStatus_t gemm(const char* call, cublasHandle_t h, cublasOperation_t ta,
                     cublasOperation_t tb, int m, int n, int k, const T* alpha, const T* A,
@@ -98,6 +107,7 @@ cublasStatus_t gemm(const char* call, cublasHandle_t h, cublasOperation_t ta,
         std::fprintf(stderr, "CUDA emulation: %s: an operand is not (all) device memory\n", call);
         return CUBLAS_STATUS_EXECUTION_FAILED;
     }
+    ++gemm_count();
     submit(h->stream, [=] {  // now, or when the handle's stream is waited for (lazy mode)
         std::vector<T> acc(static_cast<std::size_t>(m));
         for (long long i = 0; i < batch; ++i) {

@@ -487,6 +487,16 @@ inline long launches(const void* kernel) {
     return it == launch_counts.end() ? 0 : it->second;
 }
 
+/// How many launches ran so far, of every kernel.
+inline long total_launches() {
+    const std::lock_guard<std::mutex> lock(launch_counts_mutex);
+    long n = 0;
+    for (const auto& [kernel, count] : launch_counts) {
+        n += count;
+    }
+    return n;
+}
+
 /// kernel<<<grid, block, shmem, stream>>>(args...): checks the configuration and the stream
 /// (an error is left for cudaGetLastError, as a failed launch is), then runs the kernel.
 /// The arguments are converted to the kernel's parameter types once, as a launch does, and

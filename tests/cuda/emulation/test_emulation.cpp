@@ -103,12 +103,18 @@ TEST_CASE("emulation: barriers and shuffles", "[cuda]") {
 
 TEST_CASE("emulation: launch errors", "[cuda]") {
     int* out = device_alloc<int>(1);
+    const long launched = cuda_emulation::total_launches();  // a refused launch is not counted
     tc::launch(min_kernel, 0, 32, nullptr, out);
     CHECK(cudaGetLastError() == cudaErrorInvalidConfiguration);
     CHECK(cudaGetLastError() == cudaSuccess);  // read and cleared
     tc::launch(min_kernel, 1, 1025, nullptr, out);
     CHECK(cudaGetLastError() == cudaErrorInvalidConfiguration);
     CHECK_NOTHROW(tc::check_launch("after the errors were read"));
+    CHECK(cuda_emulation::total_launches() == launched);
+    tc::launch(min_kernel, 1, 32, nullptr, out);
+    tc::launch(min_kernel, 2, 32, nullptr, out);
+    CHECK(cuda_emulation::total_launches() - launched == 2);
+    CHECK(cuda_emulation::launches(reinterpret_cast<const void*>(&min_kernel)) >= 2);
     CHECK(cudaFree(out) == cudaSuccess);
     CHECK(cudaFree(out) == cudaErrorInvalidValue);
     (void)cudaGetLastError();
@@ -133,8 +139,10 @@ TEST_CASE("emulation: copy checks", "[cuda]") {
           CUBLAS_STATUS_INVALID_VALUE);  // lda < m
     float* c = device_alloc<float>(4);
     REQUIRE(cudaMemcpy(d, h.data(), 16 * sizeof(float), cudaMemcpyHostToDevice) == cudaSuccess);
+    const long gemms = cuda_emulation::gemm_calls();  // a refused call is not counted
     CHECK(cublasSgemm(h0, CUBLAS_OP_T, CUBLAS_OP_N, 2, 2, 4, &one, d, 4, d, 4, &zero, c, 2) ==
           CUBLAS_STATUS_SUCCESS);
+    CHECK(cuda_emulation::gemm_calls() - gemms == 1);
     float r[4] = {};
     REQUIRE(cudaMemcpy(r, c, sizeof r, cudaMemcpyDeviceToHost) == cudaSuccess);
     CHECK(r[3] == 4.0f);

@@ -127,16 +127,6 @@ void defer_nonfinite(cudaStream_t stream, View<const T> y) {
     });
 }
 
-/// Raises the active scope's flag if any of the n int flags differs from `clear` (no wait).
-inline void defer_flags(cudaStream_t stream, const int* flags, int n, int clear) {
-    unsigned* f = CallScope::active()->flag();
-    each(stream, n, [=] __device__(unsigned i) {
-        if (flags[i] != clear) {
-            atomicMax(f, 1u);
-        }
-    });
-}
-
 /// The first row of y holding a NaN or an infinity, or -1 (first_nonfinite_row, one wait);
 /// inside a deferring scope -1 at once, the check deferred to the scope's flag.
 template <class T>

@@ -24,19 +24,25 @@
 namespace titans::backend::cuda {
 
 /// Where decode_rows_kernel reads and writes: row r of pair p of q, k, v and y at
-/// x + p * ps + r * dh (ps: the pair stride of the call's pair-major rows), the pending rows
-/// A_1 (width h), Delta_1 (h) and Delta_2 (d_h) at their row o + r of the pair's b rows, W1
-/// (d_h x h) and W2 (h x d_h) of each pair, row-major.
+/// x + p * ps + r * dh (ps: the pair stride of the call's pair-major rows; q and k divided by
+/// their L2 norm in place first when `norm`), the gate logits' row r at lp + p * lps + 3 r,
+/// the pending rows A_0 (the keys, width d_h), A_1 (h), Delta_1 (h), Delta_2 (d_h) and the
+/// gate logits (3, when gates is given) at their row o + r of the pair's b rows, W1 (d_h x h)
+/// and W2 (h x d_h) of each pair, row-major.
 template <class T>
 struct DecodeRows {
-    const T *q, *k, *v;
+    T *q, *k;
+    const T* v;
     T* y;
     long long ps;
     const T *w1, *w2;
-    T *a1, *d1, *d2;
+    T *a0, *a1, *d1, *d2;
+    const T* lp;
+    long long lps;
+    T* gates;
     int b, o, m, dh, h;
     Activation act;
-    bool residual;
+    bool residual, norm;
 };
 
 /// Shared memory decode_rows_kernel takes with `threads` threads: q, k, the error (d_h each),
@@ -107,9 +113,18 @@ __global__ void decode_rows_kernel(DecodeRows<T> d) {
     const T* w1 = d.w1 + p * dh * h;
     for (int r = 0; r < d.m; ++r) {
         const long long row = p * d.ps + static_cast<long long>(r) * dh;
+        if (d.norm && threadIdx.x < 64) {  // warp 0 the query, warp 1 the key
+            l2_row((threadIdx.x < 32 ? d.q : d.k) + row, dh, static_cast<int>(threadIdx.x % 32));
+        }
+        __syncthreads();
+        const long long pending = p * d.b + d.o + r;
         for (int c = static_cast<int>(threadIdx.x); c < dh; c += threads) {
             qs[c] = d.q[row + c];
             ks[c] = d.k[row + c];
+            d.a0[pending * dh + c] = ks[c];
+        }
+        if (d.gates != nullptr && threadIdx.x < 3) {
+            d.gates[pending * 3 + threadIdx.x] = d.lp[p * d.lps + 3 * r + threadIdx.x];
         }
         __syncthreads();
         for (int j = static_cast<int>(threadIdx.x); j < h; j += threads) {

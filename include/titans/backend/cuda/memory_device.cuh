@@ -57,46 +57,74 @@ __device__ inline void conv_step(const T* taps, T x, T (&win)[held], int C3, int
     *out = silu ? detail::silu(val) : val;
 }
 
-/// math §1 for column c of u (M x C, C = D for queries only, else 3D) over token rows
-/// [t0, t1) of sequence s: the causal conv over the sequence (rows before the piece from
-/// `tail`, (K-1) x 3D per sequence), phi, and the pair-major layout [s*H + h][t][d_h] of q
-/// (and k, v). The thread walks the column down the rows with the last K - 1 inputs in
-/// registers (K <= 8; longer kernels read them again), so each entry of u is read once, in
-/// batches of 8 rows whose loads are in flight together. `advance` (one thread walks the whole
-/// sequence, t0 = 0 and t1 = N): the thread then writes the column's new tail, the last K - 1
-/// inputs of [tail; u], over the old one it alone read.
+/// What conv_tile_kernel reads and writes (math §1 after the input product). u: M x ld, the
+/// product x [W_Q | W_K | W_V | w_theta | w_eta | w_alpha] (M = B N rows, sequence-major).
+/// Its columns [0, C) (C = D for queries only, else 3D) go through the causal conv (rows
+/// before the piece from `tail`, (K-1) x 3D per sequence), phi, and into the pair-major
+/// layout [s*H + h][t][d_h] of q (and k, v). Its G columns [C, C + G) (G = 3H, or 0) are the
+/// gate logits: lp[[s*H + h][t][g]] = u + bias (g: theta, eta, alpha). Blocks of `rows` token
+/// rows, `tiles` a sequence; `advance` (one tile a sequence only): the conv tails advanced
+/// too.
 template <class T>
-__device__ void conv_column(const T* u, const T* taps, T* tail, T* q, T* k, T* v, long long N,
-                            int C, int C3, int K, int D, int dh, int H, bool conv, bool silu,
-                            long long s, long long t0, long long t1, int c, bool advance) {
+struct ConvTile {
+    const T* u;
+    long long ld;
+    const T* taps;
+    T* tail;
+    T *q, *k, *v;
+    long long N;
+    int C, C3, K, D, dh, H;
+    bool conv, silu;
+    int rows;
+    long long tiles;
+    bool advance;
+    const T* bias;
+    T* lp;
+    int G;
+};
+
+/// Column c of u (c < C) over token rows [t0, t1) of sequence s (ConvTile). The thread walks
+/// the column down the rows with the last K - 1 inputs in registers (K <= 8; longer kernels
+/// read them again), so each entry of u is read once, in batches of 8 rows whose loads are in
+/// flight together. With `advance` (one thread walks the whole sequence, t0 = 0 and t1 = N)
+/// the thread then writes the column's new tail, the last K - 1 inputs of [tail; u], over the
+/// old one it alone read.
+template <class T>
+__device__ void conv_column(const ConvTile<T>& a, long long s, long long t0, long long t1,
+                            int c) {
     constexpr int held = 7;  // inputs kept in registers: K - 1 <= held
+    const long long N = a.N;
+    const int K = a.K, C3 = a.C3, D = a.D, dh = a.dh;
     const int which = c / D, h = (c - which * D) / dh, j = c - which * D - h * dh;
-    T* out = (which == 0 ? q : (which == 1 ? k : v)) + (s * H + h) * N * dh + j;
+    T* out = (which == 0 ? a.q : (which == 1 ? a.k : a.v)) + (s * a.H + h) * N * dh + j;
+    const T* u = a.u;
+    const T* tail = a.tail;
+    const long long ld = a.ld;
     const auto input = [&](long long tt) {  // pre-conv row tt of the sequence (tt < 0: tail)
-        return tt >= 0 ? u[(s * N + tt) * C + c] : tail[(s * (K - 1) + tt + K - 1) * C3 + c];
+        return tt >= 0 ? u[(s * N + tt) * ld + c] : tail[(s * (K - 1) + tt + K - 1) * C3 + c];
     };
     const bool in_registers = K - 1 <= held;
     T win[held];  // win[i] = input(t - (K - 1) + i)
     TITANS_UNROLL
     for (int i = 0; i < held; ++i) {
-        win[i] = conv && in_registers && i < K - 1 ? input(t0 - (K - 1) + i) : T(0);
+        win[i] = a.conv && in_registers && i < K - 1 ? input(t0 - (K - 1) + i) : T(0);
     }
     constexpr int batch = 8;  // rows whose inputs are loaded before any output is stored
     for (long long tb = t0; tb < t1; tb += batch) {
         T xs[batch];
         TITANS_UNROLL
         for (int r = 0; r < batch; ++r) {
-            xs[r] = tb + r < t1 ? u[(s * N + tb + r) * C + c] : T(0);
+            xs[r] = tb + r < t1 ? u[(s * N + tb + r) * ld + c] : T(0);
         }
         TITANS_UNROLL
         for (int r = 0; r < batch; ++r) {
             if (tb + r < t1) {
-                conv_step(taps, xs[r], win, C3, K, c, conv, silu, in_registers, input, tb + r,
-                          out + (tb + r) * dh);
+                conv_step(a.taps, xs[r], win, C3, K, c, a.conv, a.silu, in_registers, input,
+                          tb + r, out + (tb + r) * dh);
             }
         }
     }
-    if (advance) {  // ascending: row r reads row r + N > r (advance_tail's order)
+    if (a.advance) {  // ascending: row r reads row r + N > r (advance_tail's order)
         for (int r = 0; r < K - 1; ++r) {
             T x = T(0);
             if (in_registers) {
@@ -107,24 +135,38 @@ __device__ void conv_column(const T* u, const T* taps, T* tail, T* q, T* k, T* v
             } else {
                 x = input(N - (K - 1) + r);
             }
-            tail[(s * (K - 1) + r) * C3 + c] = x;
+            a.tail[(s * (K - 1) + r) * C3 + c] = x;
         }
     }
 }
 
-/// conv_column over tiles of `rows` token rows: blockIdx.x = s * tiles + tile, the columns
-/// strided over blockIdx.y (a warp's 32 columns make its reads and writes coalesce).
-/// `advance` (one tile a sequence only): the conv tails advanced too.
+/// Gate column g (< G) of u over token rows [t0, t1) of sequence s: the logits plus their
+/// bias, pair-major (ConvTile).
 template <class T>
-__global__ void conv_tile_kernel(const T* u, const T* taps, T* tail, T* q, T* k, T* v,
-                                 long long N, int C, int C3, int K, int D, int dh, int H,
-                                 bool conv, bool silu, int rows, long long tiles, bool advance) {
-    const long long s = blockIdx.x / tiles, t0 = blockIdx.x % tiles * rows;
-    const long long t1 = t0 + rows < N ? t0 + rows : N;
-    for (int c = static_cast<int>(blockIdx.y * blockDim.x + threadIdx.x); c < C;
+__device__ void gate_column(const ConvTile<T>& a, long long s, long long t0, long long t1,
+                            int g) {
+    const int which = g / a.H, h = g - which * a.H;
+    const T bias = a.bias[g];
+    T* out = a.lp + (s * a.H + h) * a.N * 3 + which;
+    for (long long t = t0; t < t1; ++t) {
+        out[t * 3] = a.u[(s * a.N + t) * a.ld + a.C + g] + bias;
+    }
+}
+
+/// conv_column and gate_column over tiles of `rows` token rows: blockIdx.x = s * tiles + tile,
+/// the C + G columns strided over blockIdx.y (a warp's 32 columns make its reads and writes
+/// coalesce).
+template <class T>
+__global__ void conv_tile_kernel(ConvTile<T> a) {
+    const long long s = blockIdx.x / a.tiles, t0 = blockIdx.x % a.tiles * a.rows;
+    const long long t1 = t0 + a.rows < a.N ? t0 + a.rows : a.N;
+    for (int c = static_cast<int>(blockIdx.y * blockDim.x + threadIdx.x); c < a.C + a.G;
          c += static_cast<int>(gridDim.y * blockDim.x)) {
-        conv_column(u, taps, tail, q, k, v, N, C, C3, K, D, dh, H, conv, silu, s, t0, t1, c,
-                    advance);
+        if (c < a.C) {
+            conv_column(a, s, t0, t1, c);
+        } else {
+            gate_column(a, s, t0, t1, c - a.C);
+        }
     }
 }
 
@@ -173,9 +215,10 @@ struct FlagSets {
 
 /// flags[slot] = the smallest key of the rows holding a NaN or an infinity, if any
 /// (atomicMin; the slot starts above every key, keys capped below `cap`), for every row of
-/// every set in `sets`. One warp per row; the checks of a call's stage go in one launch.
+/// every set in `sets`; with `raise` given, *raise = 1 instead (a deferred check: flags is
+/// not touched). One warp per row; the checks of a call's stage go in one launch.
 template <class T>
-__global__ void flag_rows_kernel(FlagSets<T> sets, int* flags, int cap) {
+__global__ void flag_rows_kernel(FlagSets<T> sets, int* flags, int cap, unsigned* raise) {
     const long long w = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
     const int lane = static_cast<int>(threadIdx.x % 32);
     if (w >= sets.first[sets.count]) {
@@ -194,7 +237,11 @@ __global__ void flag_rows_kernel(FlagSets<T> sets, int* flags, int cap) {
     }
     if (warp_max(bad) != 0 && lane == 0) {
         const long long key = (p / f.div) * f.a + r * f.b;
-        atomicMin(flags + f.slot, static_cast<int>(key < cap ? key : cap - 1));
+        if (raise != nullptr) {
+            atomicMax(raise, 1u);
+        } else {
+            atomicMin(flags + f.slot, static_cast<int>(key < cap ? key : cap - 1));
+        }
     }
 }
 
@@ -301,17 +348,11 @@ __global__ void end_rows_kernel(const T* AW, const T* AS, const T* D, T* dbar, T
     }
 }
 
-/// Rows of d_h entries (`rows` of a, then `rows` of b when b is given) divided by their L2
-/// norm, at least 1e-12. One warp per row. A row whose sum of squares overflows is divided
-/// scaled by 2^-e (detail/norm_scale.hpp), as on the CPU.
+/// A row of d_h entries divided by its L2 norm, at least 1e-12, by the 32 lanes of a warp
+/// (every lane calls it). A row whose sum of squares overflows is divided scaled by 2^-e
+/// (detail/norm_scale.hpp), as on the CPU.
 template <class T>
-__global__ void l2_rows_kernel(T* a, T* b, long long rows, int dh) {
-    const long long w = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-    const int lane = static_cast<int>(threadIdx.x % 32);
-    if (w >= (b != nullptr ? 2 * rows : rows)) {
-        return;  // the whole warp
-    }
-    T* row = (w < rows ? a : b) + (w % rows) * dh;
+__device__ void l2_row(T* row, int dh, int lane) {
     T ss = T(0);
     for (int j = lane; j < dh; j += 32) {
         ss += row[j] * row[j];
@@ -338,6 +379,18 @@ __global__ void l2_rows_kernel(T* a, T* b, long long rows, int dh) {
     for (int j = lane; j < dh; j += 32) {
         row[j] = detail::scale_down(row[j], e) / nrm;
     }
+}
+
+/// Rows of d_h entries (`rows` of a, then `rows` of b when b is given) through l2_row, one
+/// warp per row.
+template <class T>
+__global__ void l2_rows_kernel(T* a, T* b, long long rows, int dh) {
+    const long long w = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+    const int lane = static_cast<int>(threadIdx.x % 32);
+    if (w >= (b != nullptr ? 2 * rows : rows)) {
+        return;  // the whole warp
+    }
+    l2_row((w < rows ? a : b) + (w % rows) * dh, dh, lane);
 }
 
 /// The gate settings of a MemoryConfig (math §1 gates, §10 clipping), as kernels take them:

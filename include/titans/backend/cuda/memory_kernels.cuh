@@ -58,12 +58,24 @@ struct MemoryKernels<Cuda, T> {
 
     /// The outer parameters in device memory, laid out for the kernels.
     struct Params {
-        Buf w_qkv;    // d x 3D: [W_Q | W_K | W_V]
-        Buf w_gates;  // d x 3H: [w_theta | w_eta | w_alpha]
-        Buf b_gates;  // 3H
+        /// d x ld_in: [W_Q | W_K | W_V | w_theta | w_eta | w_alpha], the gates' 3H columns only
+        /// for data-dependent gates: one product makes a call's projections and gate logits.
+        Buf w_in;
+        int ld_in = 0;     // 3D + 3H, or 3D (GateMode::Constant)
+        int gates_at = 0;  // 3D: the gates' first column
+        Buf b_gates;       // 3H
         Buf taps;     // K x 3D: [conv_q | conv_k | conv_v]
         Buf w_o;      // D x d
         Buf init;     // memory_init, head after head, each's layers in order, row-major
+
+        /// W_Q, W_K, W_V (d x 3D, row stride ld_in).
+        const T* w_qkv() const { return w_in.data(); }
+        /// [w_theta | w_eta | w_alpha] (d x 3H, row stride ld_in).
+        const T* w_gates() const { return w_in.data() + gates_at; }
+        void set_widths(const MemoryConfig& cfg) {
+            gates_at = 3 * cfg.inner_dim();
+            ld_in = gates_at + (cfg.gates != GateMode::Constant ? 3 * cfg.n_heads : 0);
+        }
     };
     using Prepared = std::shared_ptr<const Params>;
 
@@ -91,8 +103,10 @@ struct MemoryKernels<Cuda, T> {
                             const std::shared_ptr<const MemoryParams<T>>& hp) {
         const MemoryParams<T>& p = *hp;
         auto out = std::make_shared<Params>();
-        out->w_qkv = upload(concat({&p.w_q, &p.w_k, &p.w_v}));
-        out->w_gates = upload(concat({&p.w_theta, &p.w_eta, &p.w_alpha}));
+        out->w_in = cfg.gates != GateMode::Constant
+                        ? upload(concat({&p.w_q, &p.w_k, &p.w_v, &p.w_theta, &p.w_eta, &p.w_alpha}))
+                        : upload(concat({&p.w_q, &p.w_k, &p.w_v}));
+        out->set_widths(cfg);
         const Mat bt = p.b_theta, be = p.b_eta, ba = p.b_alpha;
         out->b_gates = upload(concat({&bt, &be, &ba}));
         out->taps = upload(concat({&p.conv_q, &p.conv_k, &p.conv_v}));
@@ -124,8 +138,9 @@ struct MemoryKernels<Cuda, T> {
         const auto row = [](View<const T> v) { return View<const T>{v.data, 1, v.rows * v.cols,
                                                                    v.rows * v.cols}; };
         auto out = std::make_shared<Params>();
-        out->w_qkv = cuda::concat_columns({find("w_q"), find("w_k"), find("w_v")});
-        out->w_gates = cuda::concat_columns({find("w_theta"), find("w_eta"), find("w_alpha")});
+        out->w_in = cuda::concat_columns({find("w_q"), find("w_k"), find("w_v"), find("w_theta"),
+                                          find("w_eta"), find("w_alpha")});
+        out->set_widths(cfg);
         out->b_gates =
             cuda::concat_columns({row(find("b_theta")), row(find("b_eta")), row(find("b_alpha"))});
         out->taps = cuda::concat_columns({find("conv_q"), find("conv_k"), find("conv_v")});
@@ -322,8 +337,7 @@ struct MemoryKernels<Cuda, T> {
         const long long H = cfg.n_heads, D = cfg.inner_dim(), P = B * H, M = B * N;
         const long long R = b, wd = widest(cfg);
         auto sz = [](long long n) { return static_cast<std::size_t>(n); };
-        w.u.reserve(sz(M * 3 * D));
-        w.logits.reserve(sz(M * 3 * H));
+        w.u.reserve(sz(M * (3 * D + 3 * H)));
         w.q.reserve(sz(M * D));
         w.k.reserve(sz(M * D));
         w.v.reserve(sz(M * D));
@@ -360,11 +374,15 @@ struct MemoryKernels<Cuda, T> {
     /// The non-finite checks of a forward call, launched together at its end
     /// (cuda::flag_rows_kernel): add(x, P, rows, cols, ld, ps, slot, key) queues the rows of
     /// P matrices (rows x cols, row stride ld, pair stride ps), flags[slot] getting the
-    /// smallest key of a row with a NaN or an infinity (the slot starts at `unflagged`);
+    /// smallest key of a row with a NaN or an infinity (the slot starts at `unflagged`), or
+    /// raising `raise` instead where given (a CallScope's flag: the check deferred);
     /// launch() runs what is queued (a full queue launches by itself).
     class FlagStage {
     public:
-        FlagStage(cudaStream_t sm, int* flags) : sm_(sm), flags_(flags) { sets_.first[0] = 0; }
+        FlagStage(cudaStream_t sm, int* flags, unsigned* raise)
+            : sm_(sm), flags_(flags), raise_(raise) {
+            sets_.first[0] = 0;
+        }
         void add(const T* x, long long P, long long rows, long long cols, long long ld,
                  long long ps, int slot, FlagKey key) {
             if (P * rows * cols == 0) {
@@ -384,7 +402,7 @@ struct MemoryKernels<Cuda, T> {
                 return;
             }
             cuda::launch(cuda::flag_rows_kernel<T>, cuda::warp_blocks(sets_.first[sets_.count]),
-                         256, sm_, sets_, flags_, unflagged);
+                         256, sm_, sets_, flags_, unflagged, raise_);
             cuda::check_launch("the non-finite check");
             sets_.count = 0;
         }
@@ -392,6 +410,7 @@ struct MemoryKernels<Cuda, T> {
     private:
         cudaStream_t sm_;
         int* flags_;
+        unsigned* raise_;
         cuda::FlagSets<T> sets_{};
     };
 
@@ -458,23 +477,20 @@ struct MemoryKernels<Cuda, T> {
     // math §1: projections.
     // ---------------------------------------------------------------------------------------
     /// x (M x d, M = B*N) into the pair-major q (and k, v, gate logits unless queries_only):
-    /// GEMM, conv continuing `tail` (when given; advanced when `advance`), phi, L2 norm.
+    /// one GEMM (x [W_Q | W_K | W_V | gates], Params::w_in), then one kernel for the conv
+    /// continuing `tail` (when given; advanced when `advance`), phi and the gate logits' bias and
+    /// layout; the L2 norm unless `norm_later` (the decode kernel normalises the rows it reads).
     static void project(const MemoryConfig& cfg, const Params& p, const cuda::StreamContext& cx,
                         typename State::Work& w, View<const T> x, int B, long long N, bool conv,
-                        T* tail, bool advance, bool queries_only) {
+                        T* tail, bool advance, bool queries_only, bool norm_later = false) {
         const cudaStream_t sm = cx.stream();
         const long long M = x.rows, H = cfg.n_heads, dh = cfg.head_dim(), D = cfg.inner_dim();
         const long long C = queries_only ? D : 3 * D, C3 = 3 * D;
+        const long long G = queries_only ? 0 : p.ld_in - p.gates_at, ld = C + G;
         const int d = cfg.d_model, K = cfg.conv_kernel;
-        cuda::gemm<T>(cx.blas(), false, false, static_cast<int>(M), static_cast<int>(C), d, T(1),
-                      {x.data, static_cast<int>(x.stride)}, {p.w_qkv.data(), static_cast<int>(C3)},
-                      T(0), w.u.data(), static_cast<int>(C), 0, 1);
-        const T* u = w.u.data();
-        const T* taps = p.taps.data();
-        const bool silu = cfg.qkv_activation == Activation::SiLU;
-        T* q = w.q.data();
-        T* k = w.k.data();
-        T* v = w.v.data();
+        cuda::gemm<T>(cx.blas(), false, false, static_cast<int>(M), static_cast<int>(ld), d, T(1),
+                      {x.data, static_cast<int>(x.stride)}, {p.w_in.data(), p.ld_in}, T(0),
+                      w.u.data(), static_cast<int>(ld), 0, 1);
         constexpr int rows = 32, threads = 128;
         const long long tiles = (N + rows - 1) / rows;
         // With one tile a sequence (N <= 32: decode) the thread of each column walks the whole
@@ -482,60 +498,41 @@ struct MemoryKernels<Cuda, T> {
         const bool advancing = conv && advance && K > 1,
                    in_conv = advancing && tiles == 1 && C == C3;
         if (M > 0) {
+            const cuda::ConvTile<T> a{w.u.data(), ld,   p.taps.data(), tail, w.q.data(), w.k.data(),
+                                      w.v.data(), N,    static_cast<int>(C), static_cast<int>(C3),
+                                      K,          static_cast<int>(D), static_cast<int>(dh),
+                                      static_cast<int>(H), conv, cfg.qkv_activation == Activation::SiLU,
+                                      rows,       tiles, in_conv, p.b_gates.data(), w.lp.data(),
+                                      static_cast<int>(G)};
             const dim3 grid(static_cast<unsigned>(B * tiles),
-                            static_cast<unsigned>(std::min<long long>((C + threads - 1) / threads,
+                            static_cast<unsigned>(std::min<long long>((ld + threads - 1) / threads,
                                                                       65535)));
-            cuda::launch(cuda::conv_tile_kernel<T>, grid, threads, sm, u, taps, tail, q, k, v, N,
-                         static_cast<int>(C), static_cast<int>(C3), K, static_cast<int>(D),
-                         static_cast<int>(dh), static_cast<int>(H), conv, silu, rows, tiles,
-                         in_conv);
+            cuda::launch(cuda::conv_tile_kernel<T>, grid, threads, sm, a);
             cuda::check_launch("the conv kernel");
         }
         if (advancing && !(M > 0 && in_conv)) {
-            advance_tail(sm, u, tail, B, N, K, C3);
+            advance_tail(sm, w.u.data(), ld, tail, B, N, K, C3);
         }
-        if (cfg.normalize_qk) {
-            const long long rows = B * H * N;
-            if (rows > 0) {
-                cuda::launch(cuda::l2_rows_kernel<T>,
-                             cuda::warp_blocks(queries_only ? rows : 2 * rows), 256, sm, q,
-                             queries_only ? nullptr : k, rows, static_cast<int>(dh));
-                cuda::check_launch("the L2 norm kernel");
-            }
-        }
-        if (!queries_only && cfg.gates != GateMode::Constant) {
-            gate_logits(cfg, p, cx, w, x, N);
+        const long long norm_rows = B * H * N;
+        if (cfg.normalize_qk && !norm_later && norm_rows > 0) {
+            cuda::launch(cuda::l2_rows_kernel<T>,
+                         cuda::warp_blocks(queries_only ? norm_rows : 2 * norm_rows), 256, sm,
+                         w.q.data(), queries_only ? nullptr : w.k.data(), norm_rows,
+                         static_cast<int>(dh));
+            cuda::check_launch("the L2 norm kernel");
         }
     }
 
-    /// The conv tails: the last K-1 pre-conv rows of [tail; u] per sequence.
-    static void advance_tail(cudaStream_t sm, const T* u, T* tail, int B, long long N, int K,
-                             long long C3) {
+    /// The conv tails: the last K-1 pre-conv rows of [tail; u] per sequence (u's rows ld apart).
+    static void advance_tail(cudaStream_t sm, const T* u, long long ld, T* tail, int B,
+                             long long N, int K, long long C3) {
         cuda::each(sm, static_cast<long long>(B) * C3, [=] __device__(unsigned i) {
             const long long s = i / cuda::u32(C3), c = i % cuda::u32(C3);
             for (int r = 0; r < K - 1; ++r) {  // ascending: row r reads row r + N > r
                 const long long tt = N - (K - 1) + r;
                 tail[(s * (K - 1) + r) * C3 + c] =
-                    tt >= 0 ? u[(s * N + tt) * C3 + c] : tail[(s * (K - 1) + tt + K - 1) * C3 + c];
+                    tt >= 0 ? u[(s * N + tt) * ld + c] : tail[(s * (K - 1) + tt + K - 1) * C3 + c];
             }
-        });
-    }
-
-    /// Gate logits x [w_theta | w_eta | w_alpha] + b, pair-major ([p][t][3]).
-    static void gate_logits(const MemoryConfig& cfg, const Params& p, const cuda::StreamContext& cx,
-                            typename State::Work& w, View<const T> x, long long N) {
-        const long long M = x.rows, H = cfg.n_heads, C = 3 * H;
-        cuda::gemm<T>(cx.blas(), false, false, static_cast<int>(M), static_cast<int>(C),
-                      cfg.d_model, T(1), {x.data, static_cast<int>(x.stride)},
-                      {p.w_gates.data(), static_cast<int>(C)}, T(0), w.logits.data(),
-                      static_cast<int>(C), 0, 1);
-        const T* lg = w.logits.data();
-        const T* bias = p.b_gates.data();
-        T* lp = w.lp.data();
-        cuda::each(cx.stream(), M * C, [=] __device__(unsigned i) {
-            const long long r = i / cuda::u32(C), c = i % cuda::u32(C), s = cuda::u32(r) / cuda::u32(N), t = cuda::u32(r) % cuda::u32(N),
-                            g = cuda::u32(c) / cuda::u32(H), h = cuda::u32(c) % cuda::u32(H);
-            lp[((s * H + h) * N + t) * 3 + g] = lg[i] + bias[c];
         });
     }
 
@@ -736,28 +733,49 @@ struct MemoryKernels<Cuda, T> {
 
     /// The most rows a segment may have for decode_rows (a block per pair walks them).
     static constexpr long long decode_rows_max = 4;
+    static constexpr int decode_threads = 256;
 
-    /// The lagged read and the key pass of tokens [t, t+m) (pending rows [o, o+m)) in one
-    /// launch of decode_rows_kernel (memory_decode.cuh), where it applies: depth 2, lagged
-    /// retrieval, at most decode_rows_max rows, its shared memory within 48 KB, and
-    /// cuda::fused_memory() not Off. Returns whether it ran (else key_pass and mlp_read do).
+    /// Whether decode_rows_kernel takes a memory's segments of at most decode_rows_max rows:
+    /// depth 2, lagged retrieval, its shared memory within 48 KB, cuda::fused_memory() not Off.
+    static bool decode_applies(const MemoryConfig& cfg) {
+        const std::size_t shared =
+            cuda::decode_shared_bytes<T>(cfg.head_dim(), cfg.layer_out(1), decode_threads);
+        return cfg.depth == 2 && cfg.retrieval == Retrieval::Lagged && shared <= 48 * 1024 &&
+               cuda::fused_memory() != cuda::FusedMemory::Off;
+    }
+    /// Whether every segment of a call of N rows a sequence runs in decode_rows_kernel (a
+    /// decode call): then its q and k rows are normalised there, not by a launch of their own.
+    static bool decodes_whole(const MemoryConfig& cfg, long long N) {
+        return N <= decode_rows_max && decode_applies(cfg);
+    }
+
+    /// The lagged read and the key pass of tokens [t, t+m) (pending rows [o, o+m)), with the
+    /// keys and the gate logits copied into their pending rows and, when `norm`, the L2 norm of
+    /// q and k, in one launch of decode_rows_kernel (memory_decode.cuh), where it applies
+    /// (decode_applies, m <= decode_rows_max). Returns whether it ran (else the caller copies
+    /// the rows and key_pass and mlp_read run).
     static bool decode_rows(const MemoryConfig& cfg, State& st, long long N, long long t, int o,
-                            long long m) {
-        constexpr int threads = 256;
-        const int dh = cfg.head_dim(), h = cfg.layer_out(1);
-        const std::size_t shared = cuda::decode_shared_bytes<T>(dh, h, threads);
-        if (cfg.depth != 2 || cfg.retrieval != Retrieval::Lagged || m > decode_rows_max ||
-            shared > 48 * 1024 || cuda::fused_memory() == cuda::FusedMemory::Off) {
+                            long long m, bool norm) {
+        if (m > decode_rows_max || !decode_applies(cfg)) {
             return false;
         }
+        const int dh = cfg.head_dim(), h = cfg.layer_out(1);
         auto& w = *st.work_;
         const long long P = static_cast<long long>(st.batch_) * cfg.n_heads;
-        const cuda::DecodeRows<T> d{w.q.data() + t * dh, w.k.data() + t * dh,
-                                    w.v.data() + t * dh, w.yp.data() + t * dh, N * dh,
-                                    st.w_[0].data(), st.w_[1].data(), st.a_[1].data(),
-                                    st.delta_[0].data(), st.delta_[1].data(), st.chunk_, o,
-                                    static_cast<int>(m), dh, h, cfg.activation, cfg.residual};
-        cuda::launch_shared(cuda::decode_rows_kernel<T>, static_cast<unsigned>(P), threads, shared,
+        const bool gated = cfg.gates != GateMode::Constant;
+        const cuda::DecodeRows<T> d{w.q.data() + t * dh,     w.k.data() + t * dh,
+                                    w.v.data() + t * dh,     w.yp.data() + t * dh,
+                                    N * dh,                  st.w_[0].data(),
+                                    st.w_[1].data(),         st.a_[0].data(),
+                                    st.a_[1].data(),         st.delta_[0].data(),
+                                    st.delta_[1].data(),     w.lp.data() + t * 3,
+                                    N * 3,                   gated ? st.gates_.data() : nullptr,
+                                    st.chunk_,               o,
+                                    static_cast<int>(m),     dh,
+                                    h,                       cfg.activation,
+                                    cfg.residual,            norm};
+        cuda::launch_shared(cuda::decode_rows_kernel<T>, static_cast<unsigned>(P), decode_threads,
+                            cuda::decode_shared_bytes<T>(dh, h, decode_threads),
                             ctx(st).stream(), d);
         cuda::check_launch("the decode kernel");
         return true;
@@ -883,9 +901,11 @@ struct MemoryKernels<Cuda, T> {
         });
     }
 
-    /// math §3-5 over the piece: chunk segments at absolute positions, all pairs at once.
-    /// Returns true if a chunk ended inside the piece.
-    static bool scan(const MemoryConfig& cfg, State& st, long long N, bool want_diag) {
+    /// math §3-5 over the piece: chunk segments at absolute positions, all pairs at once
+    /// (`decode_norm`: every segment runs in decode_rows, which normalises q and k; project
+    /// left them as they were). Returns true if a chunk ended inside the piece.
+    static bool scan(const MemoryConfig& cfg, State& st, long long N, bool want_diag,
+                     bool decode_norm) {
         const int b = st.chunk_;
         const long long P = static_cast<long long>(st.batch_) * cfg.n_heads, dh = cfg.head_dim();
         const cudaStream_t sm = ctx(st).stream();
@@ -914,14 +934,15 @@ struct MemoryKernels<Cuda, T> {
             }
             const long long m = std::min<long long>(b - o, N - t);
             save_rows(st, o, m);
-            CopyStage rows(sm);  // the keys (A_0) and the gate logits into the pending rows
-            rows.add(st.a_[0].data(), w.k.data(), P, b, N, t, o, m, dh);
-            if (cfg.gates != GateMode::Constant) {
-                rows.add(st.gates_.data(), w.lp.data(), P, b, N, t, o, m, 3);
-            }
-            rows.launch();
-            const bool decoded = decode_rows(cfg, st, N, t, o, m);  // the read and keys at once
+            // the read, the keys and their pending rows at once
+            const bool decoded = decode_rows(cfg, st, N, t, o, m, decode_norm);
             if (!decoded) {
+                CopyStage rows(sm);  // the keys (A_0) and the gate logits into the pending rows
+                rows.add(st.a_[0].data(), w.k.data(), P, b, N, t, o, m, dh);
+                if (cfg.gates != GateMode::Constant) {
+                    rows.add(st.gates_.data(), w.lp.data(), P, b, N, t, o, m, 3);
+                }
+                rows.launch();
                 key_pass(cfg, st, N, t, o, m);
             }
             if (want_diag) {
@@ -1087,19 +1108,27 @@ struct MemoryKernels<Cuda, T> {
         reserve(cfg, w, B, N, st.chunk_, st.chunk_);
         int* flags = w.flags.data();
         const FlagKey by_row{cfg.n_heads, N, 1};
-        cuda::check(cudaMemsetAsync(flags, 0x7f, 5 * sizeof(int), cx.stream()), "cudaMemsetAsync");
-        project(cfg, p, cx, w, x, B, N, cfg.use_conv, st.tail_.data(), true, false);
+        // Deferred (inside a CallScope): the checks raise the scope's flag themselves, and the
+        // five ints are neither cleared nor read.
+        const bool defer = cuda::deferring() && diag == nullptr;
+        if (!defer) {
+            cuda::check(cudaMemsetAsync(flags, 0x7f, 5 * sizeof(int), cx.stream()),
+                        "cudaMemsetAsync");
+        }
+        // a decode call: the L2 norm of q and k in the decode kernel, not a launch of its own
+        const bool decode_norm = cfg.normalize_qk && decodes_whole(cfg, N);
+        project(cfg, p, cx, w, x, B, N, cfg.use_conv, st.tail_.data(), true, false, decode_norm);
         // Every check of the call at its end, up to 12 row sets a launch: the buffers they
         // read stay as they are until then, and which error is named depends on the slots,
         // not on the order the checks ran in.
-        FlagStage checks(cx.stream(), flags);
+        FlagStage checks(cx.stream(), flags, defer ? cuda::CallScope::active()->flag() : nullptr);
         for (const Buf* b : {&w.q, &w.k, &w.v}) {
             checks.add(b->data(), P, N, dh, dh, N * dh, 0, by_row);
         }
         if (cfg.gates != GateMode::Constant) {
             checks.add(w.lp.data(), P, N, 3, 3, N * 3, 4, by_row);
         }
-        const bool ended = scan(cfg, st, N, diag != nullptr);
+        const bool ended = scan(cfg, st, N, diag != nullptr, decode_norm);
         checks.add(w.yp.data(), P, N, dh, dh, N * dh, 1, FlagKey{1, 1, P});
         const std::int64_t pos0 = st.position_;
         st.position_ += N;  // rolled back with the rest if a check fails below
@@ -1107,8 +1136,7 @@ struct MemoryKernels<Cuda, T> {
         output(cfg, p, cx, w, B, N, y);
         checks.add(y.data, 1, x.rows, cfg.d_model, y.stride, 0, 3, FlagKey{1, 0, 1});
         checks.launch();
-        if (cuda::deferring() && diag == nullptr) {  // read once at the call's edge
-            cuda::defer_flags(cx.stream(), flags, 5, unflagged);
+        if (defer) {  // the scope's flag is read once at the call's edge
             return;
         }
         int host[5] = {0, 0, 0, 0, 0};

@@ -137,8 +137,8 @@ struct MemoryTraining<Cuda, T>::ReadBackward {
         r.preb = Buf(MD);
         r.qb = Buf(MD);
         r.nb = Buf(static_cast<std::size_t>(r.M * 2 * r.H));
-        mm(r.cx, false, false, r.M, r.D, r.d, T(1), r.xb.data(), r.d, 0, r.prm.w_qkv.data(),
-           3 * r.D, 0, T(0), r.cb.data(), r.D, 0, 1);
+        mm(r.cx, false, false, r.M, r.D, r.d, T(1), r.xb.data(), r.d, 0, r.prm.w_qkv(),
+           r.prm.ld_in, 0, T(0), r.cb.data(), r.D, 0, 1);
         const bool silu = r.cfg.qkv_activation == Activation::SiLU;
         const T* c = r.cb.data();
         T* pre = r.preb.data();
@@ -245,8 +245,8 @@ struct MemoryTraining<Cuda, T>::ReadBackward {
                                  D, r.H, dh, r.cfg.normalize_qk,
                                  r.cfg.qkv_activation == Activation::SiLU);
         r.dxb = Buf(static_cast<std::size_t>(r.M * r.d));
-        mm(r.cx, false, true, r.M, r.d, D, T(1), dq, D, 0, r.prm.w_qkv.data(), 3 * D, 0, T(0),
-           r.dxb.data(), r.d, 0, 1);
+        mm(r.cx, false, true, r.M, r.d, D, T(1), dq, D, 0, r.prm.w_qkv(), r.prm.ld_in, 0,
+           T(0), r.dxb.data(), r.d, 0, 1);
         r.gq = Buf(static_cast<std::size_t>(r.d * D));
         r.go = Buf(static_cast<std::size_t>(D * r.d));
         mm(r.cx, true, false, r.d, D, r.M, T(1), r.xb.data(), r.d, 0, dq, D, 0, T(0), r.gq.data(),

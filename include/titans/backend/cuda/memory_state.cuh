@@ -176,7 +176,7 @@ public:
     /// Per-call workspaces, grown on demand (a read on a const state uses them too). Scratch:
     /// a copy of a state starts with none, and assigning a state keeps the target's own.
     struct Work {
-        Buf u, logits, q, k, v, lp, yp, yh, t1, scores, g, coef, scratch, diag;
+        Buf u, q, k, v, lp, yp, yh, t1, scores, g, coef, scratch, diag;
         std::vector<Buf> z, hid, w, s;
         backend::cuda::DeviceBuffer<int> flags;
     };

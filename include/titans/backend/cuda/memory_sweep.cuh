@@ -1319,10 +1319,10 @@ struct MemoryTraining<Cuda, T>::Sweep {
                 dl = w.rowsb.data() + rows * C3;
             }
         }
-        mm(w.cx, false, true, rows, w.d, C3, T(1), du, C3, 0, w.prm.w_qkv.data(), C3, 0, T(0),
+        mm(w.cx, false, true, rows, w.d, C3, T(1), du, C3, 0, w.prm.w_qkv(), w.prm.ld_in, 0, T(0),
            dx, ld, 0, 1);
         if (w.gated) {
-            mm(w.cx, false, true, rows, w.d, G3, T(1), dl, G3, 0, w.prm.w_gates.data(), G3, 0,
+            mm(w.cx, false, true, rows, w.d, G3, T(1), dl, G3, 0, w.prm.w_gates(), w.prm.ld_in, 0,
                T(1), dx, ld, 0, 1);
         }
     }

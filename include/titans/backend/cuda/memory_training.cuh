@@ -221,7 +221,7 @@ struct MemoryTraining<Cuda, T> {
             }
             const ChunkRows piece{B, m, q - t0, len}, rows{B, N, q, len};
             piece.gather(sm, x.data, x.stride, xs.data(), d);
-            rows.scatter(sm, xs.data(), t.x.mem.data(), d, d, nullptr);
+            rows.scatter(sm, xs.data(), d, t.x.mem.data(), d, d, nullptr);
             if (diag != nullptr) {  // forward_piece writes into a sized one
                 part.loss.setZero(B * len, cfg.n_heads);
                 part.grad_norm.setZero(B * len, cfg.n_heads);
@@ -229,7 +229,7 @@ struct MemoryTraining<Cuda, T> {
             Kernels::forward_piece(cfg, *pp, st, View<const T>{xs.data(), B * len, d, d},
                                    View<T>{ys.data(), B * len, d, d},
                                    diag != nullptr ? &part : nullptr);
-            piece.scatter(sm, ys.data(), y.data, y.stride, d, nullptr);
+            piece.scatter(sm, ys.data(), d, y.data, y.stride, d, nullptr);
             keep_products(cfg, pp, st, t, rows);
             if (diag != nullptr) {
                 piece.place(part, *diag);
@@ -253,15 +253,16 @@ struct MemoryTraining<Cuda, T> {
                 to[i] = from[(s * n + first + tt) * ld + c];
             });
         }
-        /// The chunk's rows of to (row stride ld) <- from (B*m x cols, contiguous), plus
-        /// bias[c] per column when bias is given.
-        void scatter(cudaStream_t sm, const T* from, T* to, long long ld, long long cols,
-                     const T* bias) const {
+        /// The chunk's rows of to (row stride ld) <- from (B*m x cols, row stride from_ld),
+        /// plus bias[c] per column when bias is given.
+        void scatter(cudaStream_t sm, const T* from, long long from_ld, T* to, long long ld,
+                     long long cols, const T* bias) const {
             const long long n = N, first = t0, rows = m;
             cuda::each(sm, B * m * cols, [=] __device__(unsigned i) {
                 const long long r = i / cuda::u32(cols), c = i % cuda::u32(cols),
                                 s = cuda::u32(r) / cuda::u32(rows), tt = cuda::u32(r) % cuda::u32(rows);
-                to[(s * n + first + tt) * ld + c] = bias != nullptr ? from[i] + bias[c] : from[i];
+                const T x = from[r * from_ld + c];
+                to[(s * n + first + tt) * ld + c] = bias != nullptr ? x + bias[c] : x;
             });
         }
         /// The chunk's diagnostics (B*m rows, on the host) into the call's (B*N rows).
@@ -330,16 +331,17 @@ struct MemoryTraining<Cuda, T> {
         }
     }
 
-    /// The chunk's products u and gate logits (bias added), from the state's workspace.
+    /// The chunk's products u and gate logits (bias added), from the state's workspace (where
+    /// the projection's one product left them side by side, rows ld_in apart).
     static void keep_products(const MemoryConfig& cfg, const typename Kernels::Prepared& pp,
                               const typename Kernels::State& st, Trace& t, const ChunkRows& rows) {
         const cudaStream_t sm = Kernels::ctx(st).stream();
         const auto& w = *st.work_;
-        rows.scatter(sm, w.u.data(), t.u.data(), 3 * cfg.inner_dim(), 3 * cfg.inner_dim(),
-                     nullptr);
+        rows.scatter(sm, w.u.data(), pp->ld_in, t.u.data(), 3 * cfg.inner_dim(),
+                     3 * cfg.inner_dim(), nullptr);
         if (cfg.gates != GateMode::Constant) {
-            rows.scatter(sm, w.logits.data(), t.logits.data(), 3 * cfg.n_heads,
-                         3 * cfg.n_heads, pp->b_gates.data());
+            rows.scatter(sm, w.u.data() + pp->gates_at, pp->ld_in, t.logits.data(),
+                         3 * cfg.n_heads, 3 * cfg.n_heads, pp->b_gates.data());
         }
     }
 
