@@ -397,6 +397,72 @@ TEST_CASE("cuda model: deferred memory error", "[cuda]") {
     }
 }
 
+// Inside a model's CallScope a block checks its output alone: the checks of its input x and of
+// its mixer's residual sum are covered by it (y = x + Mixer(u), y += FFN(RMSNorm(y)) keeps a
+// non-finite entry non-finite), and the strict rerun a raised flag makes names the first
+// failing check. Three ways, each message the CPU's and the state unchanged: the model's input
+// holds a NaN (block 0's x), block 0's residual sum overflows (x near the largest double, its
+// attention's W_O scaled up: the attention's output itself finite), its feed-forward
+// overflows (the output). Counted by the emulator: a one-token call of a two-block model makes
+// 2 deferred block checks where it made 6.
+TEST_CASE("cuda model: one deferred check a block", "[cuda]") {
+    Rng rng(seed_for("cuda deferred block checks", 0));
+    const int d = 8, B = 2;
+    titans::ModelConfig cfg;
+    cfg.d_model = d;
+    for (const BlockKind k : {BlockKind::SWA, BlockKind::LMM}) {
+        cfg.blocks.push_back(titans::BlockConfig::make(k, d, 2, 2, 6, 4));
+    }
+    const auto params = titans::ModelParams<double>::random(cfg, 7);
+    const titans::Model<double> cpu(cfg, params);
+    const titans::Model<double, Cuda> gpu(cfg, params);
+    auto sc = cpu.make_state(B);
+    auto sg = gpu.make_state(B);
+    for (int t = 0; t < 3; ++t) {
+        const Matrixd x = random_matrix(B, d, rng);
+#if TITANS_CUDA_EMULATION
+        const long k0 = cuda_emulation::total_launches();
+#endif
+        const Matrixd yg = gpu.forward(sg, x);
+#if TITANS_CUDA_EMULATION
+        // SWA: 2 norms, RoPE with the window's append, the attention, its output check, 2
+        // adds, the feed-forward's activation, the output check (9); LMM: 2 norms, the
+        // memory's 4 kernels, 2 adds, the activation, the output check (10); the final norm
+        // (1). With x's and the residual sum's checks deferred as well: 24.
+        CHECK(cuda_emulation::total_launches() - k0 == 20);
+#endif
+        CHECK(rel_error(yg, cpu.forward(sc, x)) <= 1e-12);
+    }
+    const auto expect_cpu_error = [&](const titans::Model<double>& c,
+                                      const titans::Model<double, Cuda>& g, const Matrixd& x,
+                                      const char* what) {
+        auto cs = sc;
+        auto gs = sg;
+        const auto before = state_tensors(gs);
+        const std::string cw = nonfinite_message([&] { (void)c.forward(cs, x); });
+        const std::string gw = nonfinite_message([&] { (void)g.forward(gs, x); });
+        INFO("CPU: " << cw << "\nCUDA: " << gw);
+        REQUIRE(cw.find(what) != std::string::npos);  // the case fails where it is meant to
+        CHECK(gw == cw);
+        CHECK(same_tensors(state_tensors(gs), before));
+    };
+    Matrixd xn = random_matrix(B, d, rng);
+    xn(1, 3) = std::numeric_limits<double>::quiet_NaN();
+    expect_cpu_error(cpu, gpu, xn, "block 0: Block::forward: x has a NaN");
+    auto big = params;
+    big.blocks[0].attention.w_o *= 1e307;
+    const titans::Model<double> cbig(cfg, big);
+    const titans::Model<double, Cuda> gbig(cfg, big);
+    const Matrixd xb = Matrixd::Constant(B, d, 1.79e308);
+    expect_cpu_error(cbig, gbig, xb, "the mixer's residual sum is not finite");
+    auto ffn = params;
+    ffn.blocks[0].ffn.w1 *= 1e200;
+    ffn.blocks[0].ffn.w2 *= 1e200;
+    const titans::Model<double> cffn(cfg, ffn);
+    const titans::Model<double, Cuda> gffn(cfg, ffn);
+    expect_cpu_error(cffn, gffn, random_matrix(B, d, rng), "the output is not finite");
+}
+
 namespace {
 
 /// The host waits so far (the emulator's count; 0 on a GPU, where they are not counted).

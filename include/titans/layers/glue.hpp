@@ -134,6 +134,19 @@ struct NoCallScope {
 struct AllChecked {
     bool operator()() const { return true; }
 };
+/// Whether this thread's call runs with its finiteness checks deferred (G::deferring(), where
+/// the glue G has a CallScope; else false). A layer may then skip a check that a later one of
+/// the same call covers (a non-finite entry stays non-finite through the sums after it): the
+/// scope's flag is raised either way, and the strict rerun names the first failing check.
+template <class G>
+bool checks_deferred() {
+    if constexpr (requires { G::deferring(); }) {
+        return G::deferring();
+    } else {
+        return false;
+    }
+}
+
 /// G::CallScope where the glue G has one, else NoCallScope.
 template <class G>
 struct CallScopeOf {

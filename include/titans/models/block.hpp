@@ -183,7 +183,9 @@ public:
         detail::check_position_advance(where, stream_position(state), x.rows, state.batch_);
         check_rows(state, x.rows, x.cols, where);
         detail::check_view_call(where, x, y, cfg_.d_model, false);
-        if (Glue::nonfinite_row(x) >= 0) {
+        // Deferred, the output's check covers x's: y = x + Mixer(u) (+ FFN) keeps a
+        // non-finite entry of x non-finite.
+        if (!backend::checks_deferred<Glue>() && Glue::nonfinite_row(x) >= 0) {
             throw NonFiniteError(detail::concat(where, ": x has a NaN or infinite entry"));
         }
         forward_checked(state, x, y);
@@ -556,7 +558,7 @@ private:
         mix_unchecked(state, cview(u), y);
         Glue::add(x, y, y);
         if (cfg_.use_ffn) {
-            require_finite(View<const T>(y), state, "the mixer's residual sum");
+            require_residual_sum(y, state);
             norm_ffn_.forward(y, Transfer::view(u));
             Buffer f = Transfer::allocate(x.rows, x.cols);
             ffn_->forward(cview(u), Transfer::view(f));
@@ -618,6 +620,15 @@ private:
             case BlockKind::SWA: attention_->forward(state.attention_, u, o, &*prefix_); break;
         }
         state.position_ += u.rows / state.batch_;
+    }
+
+    /// The mixer's residual sum y checked (NonFiniteError naming it), unless the call's checks
+    /// are deferred: then the output's check covers it (y + FFN(RMSNorm(y)) keeps a non-finite
+    /// entry of y non-finite).
+    void require_residual_sum(View<const T> y, const State& state) const {
+        if (!backend::checks_deferred<Glue>()) {
+            require_finite(y, state, "the mixer's residual sum");
+        }
     }
 
     /// NonFiniteError naming the block, `what`, the sequence and the position of the first

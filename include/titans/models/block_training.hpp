@@ -211,7 +211,7 @@ private:
         }
         Glue::add(x, y, y);
         if (blk.cfg_.use_ffn) {  // u's rows are free again: every trace keeps its own input
-            blk.require_finite(View<const T>(y), state, "the mixer's residual sum");
+            blk.require_residual_sum(View<const T>(y), state);
             blk.norm_ffn_.forward(y, view(u), t.norm_ffn);
             Buffer f = Transfer::allocate(x.rows, x.cols);
             blk.ffn_->forward(cview(u), view(f), t.ffn);

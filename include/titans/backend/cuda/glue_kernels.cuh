@@ -105,6 +105,8 @@ struct GlueKernels<Cuda, T> {
     /// What Model::forward runs a call in (call_scope.cuh): one stream, no wait but the
     /// flag's at the edge (flagged()), and a strict rerun if it is raised.
     using CallScope = cuda::CallScope;
+    /// Whether a deferring CallScope is active on this thread.
+    static bool deferring() { return cuda::deferring(); }
     /// Token ids in device memory.
     struct Ids {
         cuda::DeviceBuffer<int> ids;
