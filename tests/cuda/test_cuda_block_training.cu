@@ -463,6 +463,50 @@ TEST_CASE("cuda model: one deferred check a block", "[cuda]") {
     expect_cpu_error(cffn, gffn, random_matrix(B, d, rng), "the output is not finite");
 }
 
+// A model's call and a block's host call take their temporaries (the activations between the
+// blocks, each block's normalised input and feed-forward output, MAG's and MAL's memory
+// output, the feed-forward's hidden rows, the uploaded input, the downloaded output, the
+// call's flag) from the thread's CallArena (call_scope.cuh): once warm, a decode call
+// allocates no device memory (it made 31 pooled allocations a token for the four-block decode
+// benchmark's model, 2026-11-29), and gives the CPU's outputs. Every kind, one token a call,
+// chunk ends included; counted by the emulator.
+TEST_CASE("cuda model: a decode call allocates nothing", "[cuda]") {
+    Rng rng(seed_for("cuda decode allocations", 0));
+    const int vocab = 11, d = 8, B = 2;
+    const std::pair<BlockKind, BlockKind> stacks[] = {
+        {BlockKind::LMM, BlockKind::MAG}, {BlockKind::MAL, BlockKind::SWA},
+        {BlockKind::MAC, BlockKind::LMM}};
+    for (const auto& [k0, k1] : stacks) {
+        INFO(titans::to_string(k0) << "+" << titans::to_string(k1));
+        const ModelCase mc = make_model_case<double>(k0, k1, d, vocab, 0, rng);
+        const titans::Model<double> cpu(mc.cfg, mc.params);
+        const titans::Model<double, Cuda> gpu(mc.cfg, mc.params);
+        const Block<double> cblk(mc.cfg.blocks[0], mc.params.blocks[0]);
+        const Block<double, Cuda> gblk(mc.cfg.blocks[0], mc.params.blocks[0]);
+        auto sc = cpu.make_state(B);
+        auto sg = gpu.make_state(B);
+        auto bc = cblk.make_state(B);
+        auto bg = gblk.make_state(B);
+        for (int t = 0; t < 40; ++t) {  // the first 20 warm up (window moves, chunk ends)
+            const Matrixd x = random_matrix(B, d, rng);
+#if TITANS_CUDA_EMULATION
+            const auto a0 = cuda_emulation::allocation_calls();
+#endif
+            const Matrixd yg = gpu.forward(sg, x);
+            const Matrixd bg_y = gblk.forward(bg, x);
+#if TITANS_CUDA_EMULATION
+            const auto a1 = cuda_emulation::allocation_calls();
+            if (t >= 20) {
+                INFO("token " << t);
+                CHECK(a1.pooled + a1.direct == a0.pooled + a0.direct);
+            }
+#endif
+            CHECK(rel_error(yg, cpu.forward(sc, x)) <= 1e-12);
+            CHECK(rel_error(bg_y, cblk.forward(bc, x)) <= 1e-12);
+        }
+    }
+}
+
 namespace {
 
 /// The host waits so far (the emulator's count; 0 on a GPU, where they are not counted).

@@ -51,6 +51,10 @@ struct Transfer {
 ///   download(from, host)        copies a backend view into a host view of the same shape
 ///   accumulate(host, to)        to += host, entry by entry (to in the backend's memory, the
 ///                               same shape; one upload): how host gradients join a buffer
+/// Optional: scratch(rows, cols) and upload_scratch(host), a Buffer for the call in progress
+/// only (CUDA's: lent by the thread's call arena inside a deferring CallScope,
+/// backend/cuda/call_scope.cuh); call_scratch and call_upload below fall back on allocate and
+/// upload.
 template <class B, class T>
 concept TransferBackend = requires(typename Transfer<B, T>::Buffer& buf,
                                    const typename Transfer<B, T>::Buffer& cbuf,
@@ -63,6 +67,27 @@ concept TransferBackend = requires(typename Transfer<B, T>::Buffer& buf,
     Transfer<B, T>::download(host, out);
     Transfer<B, T>::accumulate(host, out);
 };
+
+/// A rows x cols buffer for a temporary of the call in progress, which no state or trace keeps:
+/// Transfer<B, T>::scratch where B has it (on CUDA, no allocation once a decode call is warm),
+/// else allocate.
+template <class B, class T>
+typename Transfer<B, T>::Buffer call_scratch(std::ptrdiff_t rows, std::ptrdiff_t cols) {
+    if constexpr (requires { Transfer<B, T>::scratch(rows, cols); }) {
+        return Transfer<B, T>::scratch(rows, cols);
+    } else {
+        return Transfer<B, T>::allocate(rows, cols);
+    }
+}
+/// upload(host) into a buffer for the call in progress only, as call_scratch.
+template <class B, class T>
+typename Transfer<B, T>::Buffer call_upload(View<const T> host) {
+    if constexpr (requires { Transfer<B, T>::upload_scratch(host); }) {
+        return Transfer<B, T>::upload_scratch(host);
+    } else {
+        return Transfer<B, T>::upload(host);
+    }
+}
 
 }  // namespace backend
 }  // namespace titans

@@ -25,7 +25,7 @@ public:
         if constexpr (BackendTraits<B>::host_accessible) {
             view_ = view_of<T>(host);
         } else {
-            buffer_.emplace(Transfer<B, T>::upload(view_of<T>(host)));
+            buffer_.emplace(call_upload<B, T>(view_of<T>(host)));
             view_ = Transfer<B, T>::view(*buffer_);
         }
     }
@@ -46,7 +46,7 @@ public:
         if constexpr (BackendTraits<B>::host_accessible) {
             view_ = view_of(y);
         } else {
-            buffer_.emplace(Transfer<B, T>::allocate(rows, cols));
+            buffer_.emplace(call_scratch<B, T>(rows, cols));
             view_ = Transfer<B, T>::view(*buffer_);
         }
     }

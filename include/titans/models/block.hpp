@@ -161,9 +161,9 @@ public:
                                        state.batch_);
         check(state, x, "Block::forward");
         Matrix<T> y;
-        const backend::Upload<Backend, T> in(x);
-        backend::Download<Backend, T> out(y, x.rows(), cfg_.d_model);
         Scope scope;  // CUDA: one stream, the checks read back once (model.hpp's run)
+        const backend::Upload<Backend, T> in(x);  // in the scope: the call's buffers
+        backend::Download<Backend, T> out(y, x.rows(), cfg_.d_model);
         if (!forward_checked(state, in.view(), out.view(), [&] { return !scope.flagged(); })) {
             const Scope strict(false);  // rolled back: again, each check throwing at its place
             forward_checked(state, in.view(), out.view());
@@ -553,14 +553,14 @@ private:
     bool forward_checked(State& state, View<const T> x, View<T> y, Settled settled = {}) const {
         const ThreadScope team(threads_, work_estimate(x.rows));
         Guard guard(*this, state);
-        Buffer u = Transfer::allocate(x.rows, x.cols);
+        Buffer u = backend::call_scratch<Backend, T>(x.rows, x.cols);
         norm_mix_.forward(x, Transfer::view(u));
         mix_unchecked(state, cview(u), y);
         Glue::add(x, y, y);
         if (cfg_.use_ffn) {
             require_residual_sum(y, state);
             norm_ffn_.forward(y, Transfer::view(u));
-            Buffer f = Transfer::allocate(x.rows, x.cols);
+            Buffer f = backend::call_scratch<Backend, T>(x.rows, x.cols);
             ffn_->forward(cview(u), Transfer::view(f));
             Glue::add(y, cview(f), y);
         }
@@ -611,7 +611,7 @@ private:
             case BlockKind::LMM: memory_->forward(state.memory_, u, o); break;
             case BlockKind::MAG: mix_mag(state, u, o); break;
             case BlockKind::MAL: {
-                Buffer m = Transfer::allocate(u.rows, u.cols);
+                Buffer m = backend::call_scratch<Backend, T>(u.rows, u.cols);
                 memory_->forward(state.memory_, u, Transfer::view(m));
                 attention_->forward(state.attention_, cview(m), o, nullptr);
                 break;
@@ -726,7 +726,7 @@ private:
     /// once, at construction; the attention's output is normalised and gated in o.
     void mix_mag(State& st, View<const T> u, View<T> o) const {
         attention_->forward(st.attention_, u, o, &*prefix_);
-        Buffer m = Transfer::allocate(u.rows, u.cols);
+        Buffer m = backend::call_scratch<Backend, T>(u.rows, u.cols);
         memory_->forward(st.memory_, u, Transfer::view(m));
         norm_m_->forward(cview(m), Transfer::view(m));
         norm_y_->forward(o, o);

@@ -49,8 +49,8 @@ struct MacMixer {
             }
             save_segment_rows(st, C, 2 * off, 2 * m);
             const std::ptrdiff_t rows = static_cast<std::ptrdiff_t>(B) * m;
-            Buffer U = Transfer::allocate(rows, d), h = Transfer::allocate(rows, d),
-                   y = Transfer::allocate(rows, d), r = Transfer::allocate(rows, d);
+            auto part = [&] { return backend::call_scratch<Backend, T>(rows, d); };
+            Buffer U = part(), h = part(), y = part(), r = part();
             Glue::copy_rows(u, Transfer::view(U), backend::RowBlocks{B, m, N, t, m, 0});
             // h = M*_{t-1}(S): the memory's query path read through each stream's snapshot.
             blk.memory_->read_snapshot(st.snapshot_, Transfer::view(std::as_const(U)), B,

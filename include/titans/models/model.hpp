@@ -449,8 +449,8 @@ public:
     /// and the head run on the backend in between.
     [[nodiscard]] Matrix<T> forward(State& state, const MatrixRef<T>& x) const {
         check_input(state, x.rows(), x.cols(), "Model::forward");
+        Scope scope;  // first: the input's buffer is the call's too
         const backend::Upload<Backend, T> in(x);
-        Scope scope;
         return run(state, in.view(), scope);
     }
 
@@ -648,8 +648,8 @@ private:
     /// Every block on x, the final norm and the head (open transactions); the output
     /// downloaded.
     Matrix<T> blocks_and_head(State& state, View<const T> x) const {
-        std::array<Buffer, 2> buf{Transfer::allocate(x.rows, x.cols),
-                                  Transfer::allocate(x.rows, x.cols)};
+        std::array<Buffer, 2> buf{backend::call_scratch<Backend, T>(x.rows, x.cols),
+                                  backend::call_scratch<Backend, T>(x.rows, x.cols)};
         View<const T> h = x;
         for (std::size_t i = 0; i < blocks_.size(); ++i) {
             const View<T> next = Transfer::view(buf[i % 2]);

@@ -146,8 +146,10 @@ struct AttentionKernels<Cuda, T> {
         }
         const cuda::StreamContext& cx = cuda::thread_context();
         const cudaStream_t sm = cx.stream();
-        Buf qkv(static_cast<std::size_t>(rows * 3 * D)), kvh(static_cast<std::size_t>(rows * 2 * D)),
-            att(static_cast<std::size_t>(rows * D));
+        auto part = [&](long long width) {  // the call's temporaries (call_scope.cuh)
+            return cuda::call_buffer<T>(static_cast<std::size_t>(rows * width));
+        };
+        Buf qkv = part(3 * D), kvh = part(2 * D), att = part(D);
         cuda::gemm<T>(cx.blas(), false, false, static_cast<int>(rows), static_cast<int>(3 * D),
                       p->d, T(1), {c.u.data, static_cast<int>(c.u.stride)},
                       {p->w_qkv.data(), static_cast<int>(3 * D)}, T(0), qkv.data(),
@@ -209,8 +211,26 @@ struct AttentionKernels<Cuda, T> {
     static void commit(State& st) {
         auto& u = st.undo_;
         u.open = false;
-        Buf().swap(u.k);  // the window before a move: not needed past the transaction
-        Buf().swap(u.v);
+        // the window before a move: not needed past the transaction, the next move's buffers
+        keep_spares(st, u.k, u.v);
+    }
+    /// Old window buffers k, v (emptied) kept for the next move, whose new buffers have the
+    /// same size once the calls' length is steady: a decode stream allocates none.
+    static void keep_spares(State& st, Buf& k, Buf& v) {
+        auto& w = *st.work_;
+        if (k.size() > 0) {
+            w.spare_k.swap(k);
+            w.spare_v.swap(v);
+        }
+        Buf().swap(k);
+        Buf().swap(v);
+    }
+    /// A buffer of n entries: the spare if it has that size (moved out), else a new one.
+    static Buf take_spare(Buf& spare, std::size_t n) {
+        if (spare.size() == n) {
+            return std::move(spare);
+        }
+        return Buf(n);
     }
     static void rollback(State& st) {
         auto& u = st.undo_;
@@ -280,8 +300,12 @@ struct AttentionKernels<Cuda, T> {
             return;
         }
         const long long cap = h + N + std::max<long long>(st.cfg_.window - 1, 1);
-        // Both new buffers filled before the state changes (an allocation or copy may throw).
-        Buf k(static_cast<std::size_t>(B * cap * D)), v(static_cast<std::size_t>(B * cap * D));
+        // Both new buffers filled before the state changes (an allocation or copy may throw);
+        // the spares of the last move where they fit (ordered on the state's stream after
+        // the reads of the calls that used them).
+        const auto n = static_cast<std::size_t>(B * cap * D);
+        auto& w = *st.work_;
+        Buf k = take_spare(w.spare_k, n), v = take_spare(w.spare_v, n);
         if (h > 0) {
             move_rows(ctx(st).stream(), k.data(), st.k_.data() + st.off_ * D, B, h * D, cap * D,
                       st.cap_ * D);
@@ -299,6 +323,7 @@ struct AttentionKernels<Cuda, T> {
         st.v_.swap(v);
         st.cap_ = cap;
         st.off_ = 0;
+        keep_spares(st, k, v);  // outside a transaction: the old buffers, now in k and v
     }
 
     /// B runs of n entries, src + b * ss to dst + b * ds (separate buffers). A kernel, not

@@ -118,6 +118,7 @@ public:
     struct Work {
         Buf qkv, o;
         backend::cuda::DeviceBuffer<unsigned> flag;
+        Buf spare_k, spare_v;  // the window's buffers before its last move, for the next one
     };
 
 private:

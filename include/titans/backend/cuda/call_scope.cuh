@@ -18,8 +18,12 @@
 // Freed buffers stay safe without the waits: device buffers are freed stream-ordered on the
 // legacy stream (runtime.cuh), which runs after the work already queued on every blocking
 // stream, this thread's included.
+//
+// A call's temporaries (call_buffer) come from the thread's CallArena while a deferring scope
+// is open: a decode call, once warm, allocates nothing.
 
 #include <cstddef>
+#include <vector>
 
 #include "../../view.hpp"
 #include "launch.cuh"
@@ -34,6 +38,70 @@ inline const StreamContext& thread_context() {
     return ctx;
 }
 
+/// Device memory lent to the temporaries of the calls that deferring CallScopes run
+/// (call_buffer), one per host thread: a bump allocator over one block kept across calls, so
+/// that a call, once warm, makes no cudaMallocAsync / cudaFreeAsync pair a temporary (each an
+/// operation on the legacy stream, which waits for every blocking stream). What the block
+/// cannot hold during a call is allocated as usual and kept until the outermost deferring
+/// scope closes; the block then grows to the call's whole need (up to block_max) for the next
+/// one. Everything a deferring scope runs is ordered on this thread's stream, so a later
+/// call's use of the same bytes comes after this one's. Requests above request_max (a long
+/// call's few large buffers) take the device's pool as before.
+class CallArena {
+public:
+    static constexpr std::size_t request_max = std::size_t(1) << 20;
+    static constexpr std::size_t block_max = std::size_t(64) << 20;
+    static constexpr std::size_t alignment = 256;
+
+    /// `bytes` for the call in progress (valid until the outermost deferring scope closes).
+    void* take(std::size_t bytes) {
+        const std::size_t b = (bytes + alignment - 1) / alignment * alignment;
+        need_ += b;
+        if (used_ + b <= block_.size()) {
+            void* p = block_.data() + used_;
+            used_ += b;
+            return p;
+        }
+        extra_.emplace_back(b);
+        return extra_.back().data();
+    }
+    void open() { ++open_; }
+    /// The outermost scope's close: the block grown to the call's need, the rest released
+    /// (stream-ordered), everything lent again from the start. Never throws: if the block
+    /// cannot grow it stays as it is.
+    void close() noexcept {
+        if (--open_ > 0) {
+            return;
+        }
+        if (need_ > block_.size() && need_ <= block_max) {
+            try {
+                DeviceBuffer<unsigned char> bigger(need_);
+                block_.swap(bigger);
+            } catch (...) {  // no memory for a bigger block: the calls allocate as they did
+            }
+        }
+        extra_.clear();
+        used_ = need_ = 0;
+    }
+    /// The block's size in bytes.
+    [[nodiscard]] std::size_t capacity() const { return block_.size(); }
+
+private:
+    DeviceBuffer<unsigned char> block_;
+    std::vector<DeviceBuffer<unsigned char>> extra_;
+    std::size_t used_ = 0, need_ = 0;
+    int open_ = 0;
+};
+
+/// This host thread's CallArena.
+inline CallArena& call_arena() {
+    thread_local CallArena arena;
+    return arena;
+}
+
+template <class T>
+DeviceBuffer<T> call_buffer(std::size_t n);
+
 /// A call on this thread's stream with its finiteness checks deferred to one device flag (see
 /// the file comment). Scopes nest (the innermost one is active); a strict scope
 /// (CallScope(false)) suspends the ones around it: inside it every check waits and throws at
@@ -42,15 +110,30 @@ class CallScope {
 public:
     explicit CallScope(bool defer = true) : prev_(active()), defer_(defer) {
         if (defer_) {
-            flag_ = DeviceBuffer<unsigned>(1);
-            check(cudaMemsetAsync(flag_.data(), 0, sizeof(unsigned), thread_context().stream()),
-                  "cudaMemsetAsync (call flag)");
+            call_arena().open();
+            active() = this;
+            try {
+                flag_ = call_buffer<unsigned>(1);
+                check(cudaMemsetAsync(flag_.data(), 0, sizeof(unsigned),
+                                      thread_context().stream()),
+                      "cudaMemsetAsync (call flag)");
+            } catch (...) {
+                active() = prev_;
+                call_arena().close();
+                throw;
+            }
+        } else {
+            active() = nullptr;
         }
-        active() = defer_ ? this : nullptr;
     }
     CallScope(const CallScope&) = delete;
     CallScope& operator=(const CallScope&) = delete;
-    ~CallScope() { active() = prev_; }
+    ~CallScope() {
+        active() = prev_;
+        if (defer_) {
+            call_arena().close();
+        }
+    }
 
     /// Whether a check of the call so far found a NaN or an infinity: the flag read back after
     /// everything queued on this thread's stream (one wait). False for a strict scope.
@@ -84,6 +167,18 @@ private:
 
 /// Whether finiteness checks are deferred (a deferring CallScope is active on this thread).
 inline bool deferring() { return CallScope::active() != nullptr; }
+
+/// n elements for the call in progress: lent by this thread's CallArena inside a deferring
+/// scope (valid until the outermost one closes; n * sizeof(T) up to CallArena::request_max),
+/// else a buffer of their own. Only for temporaries that no state or trace keeps.
+template <class T>
+DeviceBuffer<T> call_buffer(std::size_t n) {
+    const std::size_t bytes = n * sizeof(T);
+    if (!deferring() || bytes == 0 || bytes > CallArena::request_max) {
+        return DeviceBuffer<T>(n);
+    }
+    return DeviceBuffer<T>::borrowed(static_cast<T*>(call_arena().take(bytes)), n);
+}
 
 /// This thread's stream with a handle of the other math mode than thread_context()'s (a
 /// state made under the other TF32 setting keeps its precision inside a scope).

@@ -98,7 +98,7 @@ struct GlueKernels<Cuda, T> {
     /// A device minimum of the rows holding a NaN or an infinity; the one scalar comes back.
     /// Inside a CallScope: -1 at once, the check deferred to the scope's flag.
     static std::ptrdiff_t nonfinite_row(View<const T> x) {
-        cuda::DeviceBuffer<unsigned> flag(1);
+        cuda::DeviceBuffer<unsigned> flag(cuda::deferring() ? 0 : 1);  // deferred: the scope's
         return static_cast<std::ptrdiff_t>(
             cuda::checked_row<T>(cuda::thread_context().stream(), x, flag.data()));
     }

@@ -236,7 +236,8 @@ struct FeedForwardKernels<Cuda, T> {
     static void forward(const FeedForwardConfig& cfg, const Prepared& p, View<const T> x,
                         View<T> y) {
         const auto rows = static_cast<std::size_t>(x.rows), h = static_cast<std::size_t>(p->h);
-        cuda::DeviceBuffer<T> a(rows * h), g(cfg.kind == FeedForwardKind::SwiGLU ? rows * h : 0);
+        cuda::DeviceBuffer<T> a = cuda::call_buffer<T>(rows * h),
+                              g = cuda::call_buffer<T>(cfg.kind == FeedForwardKind::SwiGLU ? rows * h : 0);
         const View<T> av{a.data(), x.rows, p->h, p->h}, gv{g.data(), x.rows, p->h, p->h};
         forward_train(cfg, p, x, y, av, gv);
     }
@@ -253,7 +254,8 @@ struct FeedForwardKernels<Cuda, T> {
         if (swiglu) {
             product(cx, x, p->w3.data(), p->h, g);
         }
-        cuda::DeviceBuffer<T> hb(static_cast<std::size_t>(x.rows) * static_cast<std::size_t>(p->h));
+        cuda::DeviceBuffer<T> hb =
+            cuda::call_buffer<T>(static_cast<std::size_t>(x.rows) * static_cast<std::size_t>(p->h));
         activation(cx, swiglu, a, g, hb.data());
         cuda::gemm<T>(cx.blas(), false, false, static_cast<int>(x.rows), p->d, p->h, T(1),
                       {hb.data(), p->h}, {p->w2.data(), p->d}, T(0), y.data,

@@ -1293,7 +1293,9 @@ struct MemoryKernels<Cuda, T> {
         if (x.rows == 0) {
             return;
         }
-        typename State::Work w;
+        // The thread's own workspaces, kept across calls (MAC reads a snapshot every segment
+        // part: no allocation once they are large enough); used on the thread's stream only.
+        thread_local typename State::Work w;
         std::vector<const T*> W;
         for (const Buf& layer : s.w_) {
             W.push_back(layer.data());

@@ -159,8 +159,9 @@ inline void release_cached_device_memory() {
 }
 
 /// An owning array of n elements of T in device memory (device_allocate: the device's pool by
-/// default, see DeviceMemory). Copies are deep (device to device); a moved-from buffer is
-/// empty.
+/// default, see DeviceMemory). Copies are deep (device to device, and owning); a moved-from
+/// buffer is empty. A borrowed one (borrowed(p, n): memory a CallScope's arena lends for the
+/// call, call_scope.cuh) frees nothing.
 template <class T>
 class DeviceBuffer {
 public:
@@ -170,9 +171,20 @@ public:
             p_ = static_cast<T*>(device_allocate(n_ * sizeof(T), pooled_));
         }
     }
+    /// n elements at p, owned elsewhere (valid while their owner keeps them).
+    static DeviceBuffer borrowed(T* p, std::size_t n) {
+        DeviceBuffer b;
+        b.p_ = p;
+        b.n_ = n;
+        b.borrowed_ = true;
+        return b;
+    }
     DeviceBuffer(const DeviceBuffer& o) : DeviceBuffer(o.n_) { copy_from(o); }
     DeviceBuffer(DeviceBuffer&& o) noexcept
-        : p_(std::exchange(o.p_, nullptr)), n_(std::exchange(o.n_, 0)), pooled_(o.pooled_) {}
+        : p_(std::exchange(o.p_, nullptr)),
+          n_(std::exchange(o.n_, 0)),
+          pooled_(o.pooled_),
+          borrowed_(std::exchange(o.borrowed_, false)) {}
     /// Copies o's elements; reuses this buffer's memory when the sizes agree (no allocation).
     DeviceBuffer& operator=(const DeviceBuffer& o) {
         if (this == &o) {
@@ -191,11 +203,16 @@ public:
         swap(tmp);
         return *this;
     }
-    ~DeviceBuffer() { device_free(p_, pooled_); }
+    ~DeviceBuffer() {
+        if (!borrowed_) {
+            device_free(p_, pooled_);
+        }
+    }
     void swap(DeviceBuffer& o) noexcept {
         std::swap(p_, o.p_);
         std::swap(n_, o.n_);
         std::swap(pooled_, o.pooled_);
+        std::swap(borrowed_, o.borrowed_);
     }
     /// Grows to at least n elements (contents lost when it grows).
     void reserve(std::size_t n) {
@@ -219,6 +236,7 @@ private:
     T* p_ = nullptr;
     std::size_t n_ = 0;
     bool pooled_ = false;
+    bool borrowed_ = false;
 };
 
 /// A state's per-call workspaces W, not part of its value: a copy of the state starts with an

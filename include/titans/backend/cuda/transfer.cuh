@@ -7,6 +7,7 @@
 
 #include "../../view.hpp"
 #include "../backend.hpp"
+#include "call_scope.cuh"
 #include "runtime.cuh"
 
 namespace titans::backend {
@@ -24,6 +25,17 @@ struct Transfer<Cuda, T> {
     };
     static Buffer allocate(std::ptrdiff_t rows, std::ptrdiff_t cols) {
         return Buffer{cuda::DeviceBuffer<T>(static_cast<std::size_t>(rows * cols)), rows, cols};
+    }
+    /// A buffer for the call in progress only (cuda::call_buffer: lent by the thread's
+    /// CallArena inside a deferring CallScope): what backend::call_scratch gives on CUDA.
+    static Buffer scratch(std::ptrdiff_t rows, std::ptrdiff_t cols) {
+        return Buffer{cuda::call_buffer<T>(static_cast<std::size_t>(rows * cols)), rows, cols};
+    }
+    /// upload into a scratch buffer (what backend::call_upload gives on CUDA).
+    static Buffer upload_scratch(View<const T> host) {
+        Buffer b = scratch(host.rows, host.cols);
+        copy(view(b), host, cudaMemcpyHostToDevice, "upload (cudaMemcpy2D host to device)");
+        return b;
     }
     static Buffer upload(View<const T> host) {
         Buffer b = allocate(host.rows, host.cols);
