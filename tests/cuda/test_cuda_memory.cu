@@ -587,6 +587,24 @@ TEST_CASE("cuda memory: decode of huge keys", "[cuda]") {
     }
 }
 
+// A default-constructed state, and one made for another configuration: ConfigError, and the
+// stream's own state untouched.
+TEST_CASE("cuda memory: foreign states", "[cuda]") {
+    Rng rng(seed_for("cuda foreign states"));
+    const Fixture f(rng(), Retrieval::Lagged, 4);
+    CudaMemory<double> gpu(f.cfg, f.p);
+    const Matrixd x1 = random_matrix(2 * 6, f.cfg.d_model, rng);
+    typename CudaMemory<double>::State none;
+    REQUIRE_THROWS_NAMING(gpu.forward(none, x1), titans::ConfigError, "configuration");
+    MemoryConfig other = f.cfg;
+    other.chunk = f.cfg.chunk + 1;
+    CudaMemory<double> gpu3(other, f.p);
+    auto foreign = gpu3.make_state(2);
+    REQUIRE_THROWS_NAMING(gpu.forward(foreign, x1), titans::ConfigError, "configuration");
+    REQUIRE_THROWS_AS(gpu.read(foreign, x1), titans::ConfigError);
+    REQUIRE(foreign.position() == 0);
+}
+
 TEST_CASE("cuda memory: errors leave the state", "[cuda]") {
     Rng rng(seed_for("cuda errors"));
     const Fixture f(rng(), Retrieval::Lagged, 4);
@@ -637,19 +655,6 @@ TEST_CASE("cuda memory: errors leave the state", "[cuda]") {
         REQUIRE(cpu_message.find("sequence 1, position 4") != std::string::npos);
         CHECK(gpu_message == cpu_message);
         CHECK(gs3.position() == 0);
-    }
-    // A default-constructed state, and one made for another configuration: ConfigError, and
-    // the stream's own state untouched.
-    {
-        typename CudaMemory<double>::State none;
-        REQUIRE_THROWS_NAMING(gpu.forward(none, x1), titans::ConfigError, "configuration");
-        MemoryConfig other = f.cfg;
-        other.chunk = f.cfg.chunk + 1;
-        CudaMemory<double> gpu3(other, f.p);
-        auto foreign = gpu3.make_state(2);
-        REQUIRE_THROWS_NAMING(gpu.forward(foreign, x1), titans::ConfigError, "configuration");
-        REQUIRE_THROWS_AS(gpu.read(foreign, x1), titans::ConfigError);
-        REQUIRE(foreign.position() == 0);
     }
     // A transaction over two calls (from mid-chunk, over a chunk end), rolled back: a
     // checkpoint would write what it wrote before, bit for bit.

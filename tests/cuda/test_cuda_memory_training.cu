@@ -574,27 +574,33 @@ TEST_CASE("cuda memory training: wrong dy caught", "[cuda]") {
     CHECK(compare_results(run_chained<double, Cuda>(c), ref, c.cfg) > 1e-12);
 }
 
-TEST_CASE("cuda memory training: refusals", "[cuda]") {
-    // The refusals throw the CPU's exception types and leave grads, dx and d_state_in as they
-    // were (gradients that overflow included); backward of one trace twice gives the same
-    // result (the trace is not consumed).
-    Rng rng(seed_for("cuda memory training: refusals", 0));
-    Modes m;
-    m.update = UpdateMode::Chunked;
-    MemoryConfig cfg = random_config(m, rng);
-    cfg.chunk = 3;
-    const auto p = random_params(cfg, rng);
-    CudaMemory<double> mem(cfg, p);
-    auto st = mem.make_state(2);
-    const Matrixd x = random_matrix(2 * 4, cfg.d_model, rng);
+namespace {
+
+/// The refusal tests' memory (chunk 3), a training forward of 2 x 4 tokens, gradients g (g0
+/// drawn), dx and d_in, and unchanged(): whether g, dx and d_in are as they were.
+struct Refusals {
+    Rng rng{seed_for("cuda memory training: refusals", 0)};
+    MemoryConfig cfg = config(rng);
+    titans::MemoryParamsd p = random_params(cfg, rng);
+    CudaMemory<double> mem{cfg, p};
+    CudaMemory<double>::State st = mem.make_state(2);
+    Matrixd x = random_matrix(2 * 4, cfg.d_model, rng);
     CudaMemory<double>::Trace trace;
-    Matrixd y;
-    mem.forward(st, x, y, trace);
-    const auto g0 = random_params(cfg, rng);
-    auto g = g0;
+    titans::MemoryParamsd g0 = random_params(cfg, rng), g = g0;
     Matrixd dx = Matrixd::Constant(1, 1, 7.0);
     titans::MemoryStateGradient<double> d_in;
-    const auto unchanged = [&] {
+    Refusals() {
+        Matrixd y;
+        mem.forward(st, x, y, trace);
+    }
+    static MemoryConfig config(Rng& rng) {
+        Modes m;
+        m.update = UpdateMode::Chunked;
+        MemoryConfig c = random_config(m, rng);
+        c.chunk = 3;
+        return c;
+    }
+    bool unchanged() const {
         bool same = true;
         titans::MemoryParamsd::tensors(g, cfg, [&](const std::string& name, const auto& t) {
             titans::MemoryParamsd::tensors(g0, cfg, [&](const std::string& n2, const auto& t2) {
@@ -602,14 +608,29 @@ TEST_CASE("cuda memory training: refusals", "[cuda]") {
             });
         });
         return same && dx.rows() == 1 && dx(0, 0) == 7.0 && d_in.empty();
-    };
+    }
+};
+
+}  // namespace
+
+// The refusals throw the CPU's exception types and leave grads, dx and d_state_in as they were
+// (gradients that overflow included: "cuda memory training: overflowing gradients").
+TEST_CASE("cuda memory training: refusals", "[cuda]") {
+    Refusals r;
+    Rng& rng = r.rng;
+    const MemoryConfig& cfg = r.cfg;
+    CudaMemory<double>& mem = r.mem;
+    const CudaMemory<double>::Trace& trace = r.trace;
+    titans::MemoryParamsd& g = r.g;
+    Matrixd& dx = r.dx;
+    titans::MemoryStateGradient<double>& d_in = r.d_in;
     CHECK_THROWS_AS(mem.backward(trace, random_matrix(2 * 4 + 1, cfg.d_model, rng), dx, g, &d_in),
                     titans::ShapeError);
-    CHECK(unchanged());
+    CHECK(r.unchanged());
     CHECK_THROWS_AS(mem.backward(CudaMemory<double>::Trace{}, random_matrix(0, cfg.d_model, rng),
                                  dx, g, &d_in),
                     titans::ShapeError);
-    CHECK(unchanged());
+    CHECK(r.unchanged());
     {  // a moved-from trace reads as empty; a trace whose sizes were changed is refused
         CudaMemory<double>::Trace moved = trace, kept = std::move(moved);
         CHECK(moved.empty());
@@ -627,7 +648,7 @@ TEST_CASE("cuda memory training: refusals", "[cuda]") {
         kept.u = titans::backend::cuda::DeviceBuffer<double>(3);
         REQUIRE_THROWS_NAMING(mem.backward(kept, dy8, dx, g, &d_in), titans::ShapeError,
                               "trace.u.size()");
-        CHECK(unchanged());
+        CHECK(r.unchanged());
     }
     // d_state_out for a trace that ends inside a chunk (4 tokens, chunk 3): pending rows of
     // the wrong count.
@@ -635,16 +656,28 @@ TEST_CASE("cuda memory training: refusals", "[cuda]") {
     d_out.pending_a[0][0].resize(2, d_out.pending_a[0][0].cols());
     CHECK_THROWS_AS(mem.backward(trace, random_matrix(2 * 4, cfg.d_model, rng), dx, g, &d_in, &d_out),
                     titans::ShapeError);
-    CHECK(unchanged());
-    // Gradients that overflow (dy finite, half the largest double): refused by the host call
-    // and by the view call, whose dx is the caller's to check, so the device's finiteness scan
-    // decides; the flat gradient on the device stays as it was.
+    CHECK(r.unchanged());
+}
+
+// Gradients that overflow (dy finite, half the largest double): refused by the host call and
+// by the view call, whose dx is the caller's to check, so the device's finiteness scan
+// decides; the flat gradient on the device stays as it was. Backward of one trace twice gives
+// the same result (the trace is not consumed).
+TEST_CASE("cuda memory training: overflowing gradients", "[cuda]") {
+    Refusals r;
+    Rng& rng = r.rng;
+    const MemoryConfig& cfg = r.cfg;
+    CudaMemory<double>& mem = r.mem;
+    const CudaMemory<double>::Trace& trace = r.trace;
+    titans::MemoryParamsd& g = r.g;
+    Matrixd& dx = r.dx;
+    titans::MemoryStateGradient<double>& d_in = r.d_in;
     const Matrixd huge = Matrixd::Constant(2 * 4, cfg.d_model,
                                            std::numeric_limits<double>::max() / 2);
     REQUIRE_THROWS_AS(mem.backward(trace, huge, dx, g, &d_in), titans::NonFiniteError);
-    CHECK(unchanged());
+    CHECK(r.unchanged());
     Matrixd flat0(1, mem.parameter_count()), flat(1, mem.parameter_count());
-    titans::detail::flatten_tensors(g0, cfg, flat0.data());
+    titans::detail::flatten_tensors(r.g0, cfg, flat0.data());
     using X = Transfer<Cuda, double>;
     auto gb = X::upload(titans::view_of(std::as_const(flat0)));
     const auto hb = X::upload(titans::view_of(huge));
@@ -656,7 +689,7 @@ TEST_CASE("cuda memory training: refusals", "[cuda]") {
     CHECK(d_in.empty());
     const Matrixd dy = random_matrix(2 * 4, cfg.d_model, rng);
     Matrixd dx1, dx2;
-    auto g1 = g0, g2 = g0;
+    auto g1 = r.g0, g2 = r.g0;
     mem.backward(trace, dy, dx1, g1);
     mem.backward(trace, dy, dx2, g2);
     CHECK(identical(dx1, dx2));
