@@ -735,6 +735,18 @@ struct MemoryKernels<Cuda, T> {
     static constexpr long long decode_rows_max = 4;
     static constexpr int decode_threads = 256;
 
+    /// How a call's short segments run: in decode_rows_kernel (`kernel`), and whether that
+    /// kernel normalises q and k (`norm`: a call of at most decode_rows_max rows a sequence,
+    /// whose every segment it runs; project then leaves them). Decided once a call.
+    struct DecodePlan {
+        bool kernel = false;
+        bool norm = false;
+    };
+    static DecodePlan decode_plan(const MemoryConfig& cfg, long long N) {
+        const bool kernel = decode_applies(cfg);
+        return {kernel, kernel && cfg.normalize_qk && N <= decode_rows_max};
+    }
+
     /// Whether decode_rows_kernel takes a memory's segments of at most decode_rows_max rows:
     /// depth 2, lagged retrieval, its shared memory within 48 KB, cuda::fused_memory() not Off.
     static bool decode_applies(const MemoryConfig& cfg) {
@@ -743,22 +755,17 @@ struct MemoryKernels<Cuda, T> {
         return cfg.depth == 2 && cfg.retrieval == Retrieval::Lagged && shared <= 48 * 1024 &&
                cuda::fused_memory() != cuda::FusedMemory::Off;
     }
-    /// Whether every segment of a call of N rows a sequence runs in decode_rows_kernel (a
-    /// decode call): then its q and k rows are normalised there, not by a launch of their own.
-    static bool decodes_whole(const MemoryConfig& cfg, long long N) {
-        return N <= decode_rows_max && decode_applies(cfg);
-    }
-
     /// The lagged read and the key pass of tokens [t, t+m) (pending rows [o, o+m)), with the
     /// keys and the gate logits copied into their pending rows and, when `norm`, the L2 norm of
     /// q and k, in one launch of decode_rows_kernel (memory_decode.cuh), where it applies
-    /// (decode_applies, m <= decode_rows_max). Returns whether it ran (else the caller copies
-    /// the rows and key_pass and mlp_read run).
+    /// (`plan.kernel`: decode_applies at the call's start; m <= decode_rows_max). Returns
+    /// whether it ran (else the caller copies the rows and key_pass and mlp_read run).
     static bool decode_rows(const MemoryConfig& cfg, State& st, long long N, long long t, int o,
-                            long long m, bool norm) {
-        if (m > decode_rows_max || !decode_applies(cfg)) {
+                            long long m, DecodePlan plan) {
+        if (m > decode_rows_max || !plan.kernel) {
             return false;
         }
+        const bool norm = plan.norm;
         const int dh = cfg.head_dim(), h = cfg.layer_out(1);
         auto& w = *st.work_;
         const long long P = static_cast<long long>(st.batch_) * cfg.n_heads;
@@ -902,10 +909,9 @@ struct MemoryKernels<Cuda, T> {
     }
 
     /// math §3-5 over the piece: chunk segments at absolute positions, all pairs at once
-    /// (`decode_norm`: every segment runs in decode_rows, which normalises q and k; project
-    /// left them as they were). Returns true if a chunk ended inside the piece.
+    /// (`decode`: the call's decode_plan). Returns true if a chunk ended inside the piece.
     static bool scan(const MemoryConfig& cfg, State& st, long long N, bool want_diag,
-                     bool decode_norm) {
+                     DecodePlan decode) {
         const int b = st.chunk_;
         const long long P = static_cast<long long>(st.batch_) * cfg.n_heads, dh = cfg.head_dim();
         const cudaStream_t sm = ctx(st).stream();
@@ -935,7 +941,7 @@ struct MemoryKernels<Cuda, T> {
             const long long m = std::min<long long>(b - o, N - t);
             save_rows(st, o, m);
             // the read, the keys and their pending rows at once
-            const bool decoded = decode_rows(cfg, st, N, t, o, m, decode_norm);
+            const bool decoded = decode_rows(cfg, st, N, t, o, m, decode);
             if (!decoded) {
                 CopyStage rows(sm);  // the keys (A_0) and the gate logits into the pending rows
                 rows.add(st.a_[0].data(), w.k.data(), P, b, N, t, o, m, dh);
@@ -1116,8 +1122,8 @@ struct MemoryKernels<Cuda, T> {
                         "cudaMemsetAsync");
         }
         // a decode call: the L2 norm of q and k in the decode kernel, not a launch of its own
-        const bool decode_norm = cfg.normalize_qk && decodes_whole(cfg, N);
-        project(cfg, p, cx, w, x, B, N, cfg.use_conv, st.tail_.data(), true, false, decode_norm);
+        const DecodePlan decode = decode_plan(cfg, N);
+        project(cfg, p, cx, w, x, B, N, cfg.use_conv, st.tail_.data(), true, false, decode.norm);
         // Every check of the call at its end, up to 12 row sets a launch: the buffers they
         // read stay as they are until then, and which error is named depends on the slots,
         // not on the order the checks ran in.
@@ -1128,7 +1134,7 @@ struct MemoryKernels<Cuda, T> {
         if (cfg.gates != GateMode::Constant) {
             checks.add(w.lp.data(), P, N, 3, 3, N * 3, 4, by_row);
         }
-        const bool ended = scan(cfg, st, N, diag != nullptr, decode_norm);
+        const bool ended = scan(cfg, st, N, diag != nullptr, decode);
         checks.add(w.yp.data(), P, N, dh, dh, N * dh, 1, FlagKey{1, 1, P});
         const std::int64_t pos0 = st.position_;
         st.position_ += N;  // rolled back with the rest if a check fails below
