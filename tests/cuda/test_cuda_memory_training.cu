@@ -665,33 +665,26 @@ TEST_CASE("cuda memory training: refusals", "[cuda]") {
 // the same result (the trace is not consumed).
 TEST_CASE("cuda memory training: overflowing gradients", "[cuda]") {
     Refusals r;
-    Rng& rng = r.rng;
-    const MemoryConfig& cfg = r.cfg;
-    CudaMemory<double>& mem = r.mem;
-    const CudaMemory<double>::Trace& trace = r.trace;
-    titans::MemoryParamsd& g = r.g;
-    Matrixd& dx = r.dx;
-    titans::MemoryStateGradient<double>& d_in = r.d_in;
-    const Matrixd huge = Matrixd::Constant(2 * 4, cfg.d_model,
+    const Matrixd huge = Matrixd::Constant(2 * 4, r.cfg.d_model,
                                            std::numeric_limits<double>::max() / 2);
-    REQUIRE_THROWS_AS(mem.backward(trace, huge, dx, g, &d_in), titans::NonFiniteError);
+    REQUIRE_THROWS_AS(r.mem.backward(r.trace, huge, r.dx, r.g, &r.d_in), titans::NonFiniteError);
     CHECK(r.unchanged());
-    Matrixd flat0(1, mem.parameter_count()), flat(1, mem.parameter_count());
-    titans::detail::flatten_tensors(r.g0, cfg, flat0.data());
+    Matrixd flat0(1, r.mem.parameter_count()), flat(1, r.mem.parameter_count());
+    titans::detail::flatten_tensors(r.g0, r.cfg, flat0.data());
     using X = Transfer<Cuda, double>;
     auto gb = X::upload(titans::view_of(std::as_const(flat0)));
     const auto hb = X::upload(titans::view_of(huge));
     auto dxb = X::allocate(huge.rows(), huge.cols());
-    REQUIRE_THROWS_AS(mem.backward(trace, X::view(hb), X::view(dxb), X::view(gb), &d_in),
+    REQUIRE_THROWS_AS(r.mem.backward(r.trace, X::view(hb), X::view(dxb), X::view(gb), &r.d_in),
                       titans::NonFiniteError);
     X::download(X::view(std::as_const(gb)), titans::view_of(flat));
     CHECK(identical(flat, flat0));
-    CHECK(d_in.empty());
-    const Matrixd dy = random_matrix(2 * 4, cfg.d_model, rng);
+    CHECK(r.d_in.empty());
+    const Matrixd dy = random_matrix(2 * 4, r.cfg.d_model, r.rng);
     Matrixd dx1, dx2;
     auto g1 = r.g0, g2 = r.g0;
-    mem.backward(trace, dy, dx1, g1);
-    mem.backward(trace, dy, dx2, g2);
+    r.mem.backward(r.trace, dy, dx1, g1);
+    r.mem.backward(r.trace, dy, dx2, g2);
     CHECK(identical(dx1, dx2));
 }
 

@@ -83,9 +83,6 @@ public:
         extra_.clear();
         used_ = need_ = 0;
     }
-    /// The block's size in bytes.
-    [[nodiscard]] std::size_t capacity() const { return block_.size(); }
-
 private:
     DeviceBuffer<unsigned char> block_;
     std::vector<DeviceBuffer<unsigned char>> extra_;
