@@ -165,6 +165,18 @@ bool identical(const Eigen::MatrixBase<DA>& a, const Eigen::MatrixBase<DB>& b) {
     return true;
 }
 
+/// As identical, but a NaN equals a NaN (any payload): the outputs of the same arithmetic on
+/// rows that overflow.
+template <class DA, class DB>
+bool identical_or_nan(const Eigen::MatrixBase<DA>& a, const Eigen::MatrixBase<DB>& b) {
+    if (a.rows() != b.rows() || a.cols() != b.cols()) return false;
+    for (Eigen::Index i = 0; i < a.rows(); ++i)
+        for (Eigen::Index j = 0; j < a.cols(); ++j)
+            if (!(a(i, j) == b(i, j)) && !(std::isnan(a(i, j)) && std::isnan(b(i, j))))
+                return false;
+    return true;
+}
+
 /// The largest error seen per category; printed at exit when TITANS_TEST_ERRORS is set.
 struct ErrorLog {
     std::mutex mu;

@@ -404,7 +404,7 @@ TEST_CASE("cuda model: deferred memory error", "[cuda]") {
 // holds a NaN (block 0's x), block 0's residual sum overflows (x near the largest double, its
 // attention's W_O scaled up: the attention's output itself finite), its feed-forward
 // overflows (the output). Counted by the emulator: a one-token call of a two-block model makes
-// 2 deferred block checks where it made 6.
+// 2 deferred block checks where it made 6, each in the launch of the block's last sum.
 TEST_CASE("cuda model: one deferred check a block", "[cuda]") {
     Rng rng(seed_for("cuda deferred block checks", 0));
     const int d = 8, B = 2;
@@ -425,11 +425,12 @@ TEST_CASE("cuda model: one deferred check a block", "[cuda]") {
 #endif
         const Matrixd yg = gpu.forward(sg, x);
 #if TITANS_CUDA_EMULATION
-        // SWA: 2 norms, RoPE with the window's append, the attention, its output check, 2
-        // adds, the feed-forward's activation, the output check (9); LMM: 2 norms, the
-        // memory's 4 kernels, 2 adds, the activation, the output check (10); the final norm
-        // (1). With x's and the residual sum's checks deferred as well: 24.
-        CHECK(cuda_emulation::total_launches() - k0 == 20);
+        // SWA: the pre-norm, RoPE with the window's append, the attention, its output check,
+        // the residual sum with the feed-forward's pre-norm, the feed-forward's activation,
+        // its sum with the output check (7); LMM: the same with the memory's 3 kernels for
+        // the attention's 3 (7); the final norm (1). With the sums, the norms and the checks
+        // each a launch of their own: 20; with x's and the residual sum's checks too: 24.
+        CHECK(cuda_emulation::total_launches() - k0 == 15);
 #endif
         CHECK(rel_error(yg, cpu.forward(sc, x)) <= 1e-12);
     }

@@ -135,6 +135,109 @@ struct Strided {
     }
 };
 
+/// RMSNorm::forward_sum (s = a + s, y = RMSNorm(s) in one kernel) on strided views against
+/// the two calls it fuses (Glue::add, then forward), bit for bit: rows of every extreme kind
+/// halved into a and s (their sums the extreme rows, exactly), a sum that overflows to an
+/// infinity, a the same view as s; a y that shares s's storage is refused.
+template <class T>
+void norm_sum_case(int d, Rng& rng) {
+    using Gpu = titans::backend::GlueKernels<Cuda, T>;
+    const titans::RowVector<T> w = random_matrix(1, d, rng, 0.5, 1.5).template cast<T>();
+    const titans::RMSNorm<T, Cuda> gpu(w);
+    Matrix<T> x(13, d);
+    for (Eigen::Index r = 0; r < 12; ++r) extreme_row<T>(static_cast<int>(r % 6), x.row(r), rng);
+    Matrix<T> a = x / T(2), s = x - a;
+    a.row(12).setConstant(std::numeric_limits<T>::max());  // their sum overflows
+    s.row(12) = a.row(12);
+    INFO("d " << d << " " << type_name<T>());
+    Strided<T> ga(a, 1), fused(s, 2), plain(s, 3), yf(Matrix<T>::Zero(13, d), 1),
+        yp(Matrix<T>::Zero(13, d), 2);
+    gpu.forward_sum(ga.view, fused.view, yf.view);
+    Gpu::add(ga.view, plain.view, plain.view);
+    gpu.forward(plain.view, yp.view);
+    CHECK(identical_or_nan(fused.host(), plain.host()));
+    CHECK(identical_or_nan(yf.host(), yp.host()));
+    gpu.forward_sum(fused.view, fused.view, yf.view);  // s = s + s
+    Gpu::add(plain.view, plain.view, plain.view);
+    gpu.forward(plain.view, yp.view);
+    CHECK(identical_or_nan(fused.host(), plain.host()));
+    CHECK(identical_or_nan(yf.host(), yp.host()));
+    titans::View<T> shifted = fused.view;
+    shifted.data += 1;
+    REQUIRE_THROWS_NAMING(gpu.forward_sum(ga.view, fused.view, shifted), titans::ShapeError,
+                          "RMSNorm::forward_sum");
+}
+
+/// RMSNorm::forward_gated (MAG's o = RMSNorm_o(o) ⊙ σ(RMSNorm_m(m)) in one kernel) on strided
+/// views against the three launches it fuses, bit for bit, and against the CPU's norms and
+/// gate: o's and m's rows of every extreme kind (paired crosswise), m left as it was; a gate
+/// norm of another width is refused.
+template <class T>
+void norm_gated_case(int d, Rng& rng) {
+    using Gpu = titans::backend::GlueKernels<Cuda, T>;
+    using Cpu = titans::backend::GlueKernels<titans::backend::Cpu, T>;
+    const titans::RowVector<T> wo = random_matrix(1, d, rng, 0.5, 1.5).template cast<T>(),
+                               wm = random_matrix(1, d, rng, -1.5, 1.5).template cast<T>();
+    const titans::RMSNorm<T, Cuda> no(wo, 1e-6), nm(wm, 1e-5);
+    Matrix<T> o(12, d), m(12, d);
+    for (Eigen::Index r = 0; r < 12; ++r) {
+        extreme_row<T>(static_cast<int>(r % 6), o.row(r), rng);
+        extreme_row<T>(static_cast<int>((r / 2) % 6), m.row(r), rng);
+    }
+    INFO("d " << d << " " << type_name<T>());
+    Strided<T> fo(o, 1), fm(m, 2), po(o, 3), pm(m, 1);
+    no.forward_gated(nm, fo.view, fm.view);
+    nm.forward(pm.view, pm.view);
+    no.forward(po.view, po.view);
+    Gpu::gate(po.view, pm.view, po.view);
+    CHECK(identical_or_nan(fo.host(), po.host()));
+    CHECK(identical(fm.host(), m));
+    Matrix<T> yo = titans::RMSNorm<T>(wo, 1e-6).forward(o), ym = titans::RMSNorm<T>(wm, 1e-5).forward(m);
+    Cpu::gate(titans::view_of(std::as_const(yo)), titans::view_of(std::as_const(ym)),
+              titans::view_of(yo));
+    const double floor = 2.0 * static_cast<double>(std::numeric_limits<T>::denorm_min()) / tol<T>();
+    CHECK(rel_error(fo.host(), yo, floor) <= tol<T>());
+    const titans::RMSNorm<T, Cuda> other(d + 1);
+    REQUIRE_THROWS_NAMING(no.forward_gated(other, fo.view, fm.view), titans::ShapeError,
+                          "gate_norm");
+}
+
+/// The sum and the check in one (backend::add_nonfinite_row: GlueKernels::add_checked) against
+/// Glue::add and the CPU's first non-finite row: a + b, a + bad (its first non-finite row r0),
+/// and a sum of finite entries that overflows; inside a CallScope -1 back and the scope's flag
+/// raised exactly when a sum is not finite. The sums bit for bit the add kernel's.
+template <class T>
+void add_checked_case(const Matrix<T>& a, const Matrix<T>& bad, Eigen::Index r0) {
+    using Gpu = titans::backend::GlueKernels<Cuda, T>;
+    using Cpu = titans::backend::GlueKernels<titans::backend::Cpu, T>;
+    Matrix<T> over = a;
+    over.row(r0).setConstant(std::numeric_limits<T>::max());
+    const Matrix<T>* cases[][2] = {{&a, &a}, {&a, &bad}, {&over, &over}};
+    for (int scoped = 0; scoped < 2; ++scoped) {
+        for (int c = 0; c < 3; ++c) {
+            INFO("case " << c << (scoped ? " in a CallScope" : ""));
+            const Strided<T> da(*cases[c][0], 1), db(*cases[c][1], 2);
+            Strided<T> out(Matrix<T>::Zero(a.rows(), a.cols()), 3), want(out.host(), 1);
+            Gpu::add(da.view, db.view, want.view);
+            Matrix<T> sum = *cases[c][0] + *cases[c][1];
+            const std::ptrdiff_t cpu_row = Cpu::nonfinite_row(titans::view_of(std::as_const(sum)));
+            CHECK(cpu_row == (c == 0 ? -1 : r0));
+            std::ptrdiff_t row = 0;
+            bool flagged = false;
+            if (scoped == 1) {
+                titans::backend::cuda::CallScope scope;
+                row = titans::backend::add_nonfinite_row<Gpu, T>(da.view, db.view, out.view);
+                flagged = scope.flagged();
+            } else {
+                row = titans::backend::add_nonfinite_row<Gpu, T>(da.view, db.view, out.view);
+            }
+            CHECK(row == (scoped == 1 ? -1 : cpu_row));
+            CHECK(flagged == (scoped == 1 && c > 0));
+            CHECK(identical_or_nan(out.host(), want.host()));
+        }
+    }
+}
+
 template <class T>
 void glue_case(Eigen::Index rows, Eigen::Index cols, Rng& rng) {
     using Gpu = titans::backend::GlueKernels<Cuda, T>;
@@ -164,6 +267,7 @@ void glue_case(Eigen::Index rows, Eigen::Index cols, Rng& rng) {
         const Strided<T> dbad(bad, 2);
         CHECK(Gpu::nonfinite_row(dbad.view) == r0);
         CHECK(Cpu::nonfinite_row(titans::view_of(bad)) == r0);
+        add_checked_case<T>(a, bad, r0);
     }
     // The gather of table rows and the head's product.
     const Eigen::Index vocab = 1 + rows % 7;
@@ -380,6 +484,14 @@ TEMPLATE_TEST_CASE("cuda layers: norm extremes", "[cuda]", float, double) {
     Rng rng(seed_for("cuda layers: norm extremes"));
     for (int d : {2, 7, 256, 300}) {
         norm_extreme_case<TestType>(d, rng);
+    }
+}
+
+TEMPLATE_TEST_CASE("cuda layers: fused norms", "[cuda]", float, double) {
+    Rng rng(seed_for("cuda layers: fused norms"));
+    for (int d : {2, 7, 256, 300}) {
+        norm_sum_case<TestType>(d, rng);
+        norm_gated_case<TestType>(d, rng);
     }
 }
 

@@ -147,6 +147,20 @@ bool checks_deferred() {
     }
 }
 
+/// out = a + b (G::add's bits), then the first row of out holding a NaN or an infinity, -1 if
+/// none (G::nonfinite_row: inside a deferring scope -1, the check deferred): in one kernel
+/// where the glue G has it (G::add_checked), else the two calls. How a block takes its last
+/// residual sum and its output's check.
+template <class G, class T>
+std::ptrdiff_t add_nonfinite_row(View<const T> a, View<const T> b, View<T> out) {
+    if constexpr (requires { G::add_checked(a, b, out); }) {
+        return G::add_checked(a, b, out);
+    } else {
+        G::add(a, b, out);
+        return G::nonfinite_row(View<const T>(out));
+    }
+}
+
 /// G::CallScope where the glue G has one, else NoCallScope.
 template <class G>
 struct CallScopeOf {

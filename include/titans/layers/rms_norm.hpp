@@ -167,6 +167,37 @@ public:
         Kernels::forward(prepared_, static_cast<T>(eps_), x, y);
     }
 
+    /// A residual sum and its norm in one pass, where the backend has it (CUDA): s = a + s,
+    /// then y = RMSNorm(s), views in the backend's memory of one shape (a may be s; y distinct
+    /// from both). How a block takes its mixer's residual sum and the feed-forward's pre-norm
+    /// at once; the same bits as Glue::add(a, s, s) followed by forward(s, y).
+    void forward_sum(View<const T> a, View<T> s, View<T> y) const
+        requires requires(const Prepared& p) { Kernels::forward_sum(p, T(0), a, s, y); }
+    {
+        detail::check_view_call("RMSNorm::forward_sum", a, s, weight_->cols(), true);
+        detail::check_view_call("RMSNorm::forward_sum", View<const T>(s), y, weight_->cols(),
+                                false);
+        detail::check_view_call("RMSNorm::forward_sum", a, y, weight_->cols(), false);
+        Kernels::forward_sum(prepared_, static_cast<T>(eps_), a, s, y);
+    }
+
+    /// MAG's output in one pass, where the backend has it (CUDA): o = RMSNorm(o) ⊙
+    /// σ(gate_norm.RMSNorm(m)), views in the backend's memory of one shape (m distinct from o,
+    /// left as it was); the same bits as gate_norm.forward(m, m), forward(o, o) and
+    /// Glue::gate(o, m, o). ShapeError if gate_norm's width is not this norm's.
+    void forward_gated(const RMSNorm& gate_norm, View<T> o, View<const T> m) const
+        requires requires(const Prepared& p) {
+            Kernels::forward_gated(p, T(0), p, T(0), o, m);
+        }
+    {
+        detail::require<ShapeError>(gate_norm.dim() == dim(), "RMSNorm::forward_gated",
+                                    "gate_norm.dim()", gate_norm.dim(),
+                                    detail::concat("this norm's d = ", dim()));
+        detail::check_view_call("RMSNorm::forward_gated", m, o, weight_->cols(), false);
+        Kernels::forward_gated(prepared_, static_cast<T>(eps_), gate_norm.prepared_,
+                               static_cast<T>(gate_norm.eps_), o, m);
+    }
+
     /// The training forward: as forward(x, y), and keeps in `trace` (replacing what it held)
     /// what backward needs. On an error neither y nor trace changes.
     void forward(const MatrixRef<T>& x, Matrix<T>& y, Trace& trace) const {

@@ -556,15 +556,19 @@ private:
         Buffer u = backend::call_scratch<Backend, T>(x.rows, x.cols);
         norm_mix_.forward(x, Transfer::view(u));
         mix_unchecked(state, cview(u), y);
-        Glue::add(x, y, y);
+        std::ptrdiff_t bad = -1;  // the output's first non-finite row
         if (cfg_.use_ffn) {
+            residual_norm(x, y, Transfer::view(u));
             require_residual_sum(y, state);
-            norm_ffn_.forward(y, Transfer::view(u));
             Buffer f = backend::call_scratch<Backend, T>(x.rows, x.cols);
             ffn_->forward(cview(u), Transfer::view(f));
-            Glue::add(y, cview(f), y);
+            bad = backend::add_nonfinite_row<Glue>(View<const T>(y), cview(f), y);
+        } else {
+            bad = backend::add_nonfinite_row<Glue>(x, View<const T>(y), y);
         }
-        require_finite(View<const T>(y), state, "the output");
+        if (bad >= 0) {
+            throw_nonfinite(bad, y.rows, state, "the output");
+        }
         if (!settled()) {
             return false;
         }
@@ -573,6 +577,17 @@ private:
     }
 
     static View<const T> cview(const Buffer& b) { return Transfer::view(b); }
+
+    /// y = x + y, then u = RMSNorm_ffn(y): in one kernel where the backend has it
+    /// (RMSNorm::forward_sum), the same bits either way.
+    void residual_norm(View<const T> x, View<T> y, View<T> u) const {
+        if constexpr (requires { norm_ffn_.forward_sum(x, y, u); }) {
+            norm_ffn_.forward_sum(x, y, u);
+        } else {
+            Glue::add(x, y, y);
+            norm_ffn_.forward(y, u);
+        }
+    }
 
     /// MAG's and MAL's fresh state takes P first, on the backend (nothing crosses to the
     /// host): each sequence's memory reads and writes P's rows, and MAL's window keeps M(P).
@@ -728,9 +743,13 @@ private:
         attention_->forward(st.attention_, u, o, &*prefix_);
         Buffer m = backend::call_scratch<Backend, T>(u.rows, u.cols);
         memory_->forward(st.memory_, u, Transfer::view(m));
-        norm_m_->forward(cview(m), Transfer::view(m));
-        norm_y_->forward(o, o);
-        Glue::gate(o, cview(m), o);
+        if constexpr (requires { norm_y_->forward_gated(*norm_m_, o, cview(m)); }) {
+            norm_y_->forward_gated(*norm_m_, o, cview(m));  // one kernel, the same bits
+        } else {
+            norm_m_->forward(cview(m), Transfer::view(m));
+            norm_y_->forward(o, o);
+            Glue::gate(o, cview(m), o);
+        }
     }
 
     BlockConfig cfg_;

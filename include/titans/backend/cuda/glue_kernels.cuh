@@ -102,6 +102,29 @@ struct GlueKernels<Cuda, T> {
         return static_cast<std::ptrdiff_t>(
             cuda::checked_row<T>(cuda::thread_context().stream(), x, flag.data()));
     }
+    /// out = a + b and out's first non-finite row (backend::add_nonfinite_row): inside a
+    /// deferring scope the sum raises the scope's flag itself, in the same launch (-1 back).
+    static std::ptrdiff_t add_checked(View<const T> a, View<const T> b, View<T> out) {
+        if (!cuda::deferring()) {
+            add(a, b, out);
+            return nonfinite_row(View<const T>(out));
+        }
+        const T* x = a.data;
+        const T* y = b.data;
+        T* o = out.data;
+        unsigned* f = cuda::CallScope::active()->flag();
+        const long long as = a.stride, bs = b.stride, os = out.stride;
+        const unsigned c = cuda::u32(out.cols);
+        run(out.rows * out.cols, [=] __device__(unsigned i) {
+            const unsigned r = i / c, j = i % c;
+            const T v = Sum{}(x[r * as + j], y[r * bs + j]);
+            o[r * os + j] = v;
+            if (cuda::not_finite(v)) {
+                atomicMax(f, 1u);
+            }
+        });
+        return -1;
+    }
     /// What Model::forward runs a call in (call_scope.cuh): one stream, no wait but the
     /// flag's at the edge (flagged()), and a strict rerun if it is raised.
     using CallScope = cuda::CallScope;

@@ -26,6 +26,39 @@ struct Cuda;
 
 namespace cuda {
 
+/// Where rms_rows_kernel reads and writes, rows of ld xs, ys, is, as, ss: x, y (may be x),
+/// the weight w (d entries), eps, each row's 1 / rms into inv (when given); with `add` given,
+/// the row normalised is add + x, written into `sum` first (may be x).
+template <class T>
+struct RmsRows {
+    const T* x;
+    long long xs;
+    T* y;
+    long long ys;
+    const T* w;
+    int d;
+    T eps;
+    T* inv;
+    long long is;
+    const T* add;
+    long long as;
+    T* sum;
+    long long ss;
+};
+
+/// Where gated_norms_kernel reads and writes: o (ld os, overwritten) and m (ld ms), d wide,
+/// the norms' weights wo, wm and their eps.
+template <class T>
+struct GatedNorms {
+    T* o;
+    long long os;
+    const T* m;
+    long long ms;
+    const T *wo, *wm;
+    int d;
+    T eps_o, eps_m;
+};
+
 #if TITANS_CUDA_DEVICE_CODE
 /// The sum (Max false) or the maximum (Max true) of v over the block's threads (blockDim.x a
 /// power of two, <= 256), returned to every thread; part: 256 shared entries, free again on
@@ -65,32 +98,65 @@ __device__ T scaled_row_sum(T* part, const T* x, int d, int& e) {
     return block_reduce<false>(part, ss);
 }
 
-/// RMSNorm of row blockIdx.x: y = x / sqrt(mean(x^2) + eps) ⊙ w (y may be x); inv (when
-/// given) keeps 1 / rms. A block per row, a shared-memory sum; a row whose sum of squares
-/// overflows is taken scaled by 2^-e, as on the CPU: y = (x 2^-e) rr ⊙ w, 1 / rms = rr 2^-e.
+/// 1 / rms of row x (length d) as rr 2^-e, every thread getting both: e = 0 unless the row's
+/// sum of squares overflows, then the row is taken scaled by 2^-e, as on the CPU.
 template <class T>
-__global__ void rms_rows_kernel(const T* x, long long xs, T* y, long long ys, const T* w,
-                                int d, T eps, T* inv, long long is) {
-    __shared__ T part[256];
-    const long long r = blockIdx.x;
+__device__ T row_inv_rms(T* part, const T* x, int d, T eps, int& e) {
     T ss = T(0);
     for (int j = threadIdx.x; j < d; j += blockDim.x) {
-        ss += x[r * xs + j] * x[r * xs + j];
+        ss += x[j] * x[j];
     }
     ss = block_reduce<false>(part, ss);
-    int e = 0;
-    T rr;
+    e = 0;
     if (ss <= detail::largest_finite<T>()) {
-        rr = T(1) / sqrt(ss / static_cast<T>(d) + eps);
-    } else {
-        const T scaled = scaled_row_sum(part, x + r * xs, d, e);
-        rr = detail::scaled_inv_rms(scaled, T(1) / static_cast<T>(d), eps, e);
+        return T(1) / sqrt(ss / static_cast<T>(d) + eps);
     }
-    if (inv != nullptr && threadIdx.x == 0) {
-        inv[r * is] = detail::scale_down(rr, e);
+    const T scaled = scaled_row_sum(part, x, d, e);
+    return detail::scaled_inv_rms(scaled, T(1) / static_cast<T>(d), eps, e);
+}
+
+/// RMSNorm of row blockIdx.x: y = x / sqrt(mean(x^2) + eps) ⊙ w; inv keeps 1 / rms. A block
+/// per row, a shared-memory sum (row_inv_rms: y = (x 2^-e) rr ⊙ w, 1 / rms = rr 2^-e). With
+/// `add`, x is first add + x, into `sum` (a block's residual sum and its next pre-norm in one
+/// pass: each thread reads back the entries it wrote).
+template <class T>
+__global__ void rms_rows_kernel(RmsRows<T> a) {
+    __shared__ T part[256];
+    const long long r = blockIdx.x;
+    const int d = a.d;
+    const T* x = a.x + r * a.xs;
+    if (a.add != nullptr) {
+        for (int j = threadIdx.x; j < d; j += blockDim.x) {
+            a.sum[r * a.ss + j] = a.add[r * a.as + j] + x[j];
+        }
+        x = a.sum + r * a.ss;
+    }
+    int e = 0;
+    const T rr = row_inv_rms(part, x, d, a.eps, e);
+    if (a.inv != nullptr && threadIdx.x == 0) {
+        a.inv[r * a.is] = detail::scale_down(rr, e);
     }
     for (int j = threadIdx.x; j < d; j += blockDim.x) {
-        y[r * ys + j] = detail::scale_down(x[r * xs + j], e) * rr * w[j];
+        a.y[r * a.ys + j] = detail::scale_down(x[j], e) * rr * a.w[j];
+    }
+}
+
+/// MAG's output of row blockIdx.x in one pass: o = RMSNorm_o(o) ⊙ σ(RMSNorm_m(m)), each norm
+/// as rms_rows_kernel takes it, the gate as GlueKernels::gate (the same bits as the three
+/// launches).
+template <class T>
+__global__ void gated_norms_kernel(GatedNorms<T> g) {
+    __shared__ T part[256];
+    const long long r = blockIdx.x;
+    T* o = g.o + r * g.os;
+    const T* m = g.m + r * g.ms;
+    int eo = 0, em = 0;
+    const T ro = row_inv_rms(part, o, g.d, g.eps_o, eo);
+    const T rm = row_inv_rms(part, m, g.d, g.eps_m, em);
+    for (int j = threadIdx.x; j < g.d; j += blockDim.x) {
+        const T mj = detail::scale_down(m[j], em) * rm * g.wm[j];
+        const T yj = detail::scale_down(o[j], eo) * ro * g.wo[j];
+        o[j] = yj * detail::sigmoid(mj);
     }
 }
 
@@ -148,9 +214,28 @@ struct NormKernels<Cuda, T> {
     static void forward(const Prepared& w, T eps, View<const T> x, View<T> y) {
         run(w, eps, x, y, nullptr, 0);
     }
+    /// s = a + s, then y = RMSNorm(s), in one launch (the sum in the order Glue::add takes it).
+    static void forward_sum(const Prepared& w, T eps, View<const T> a, View<T> s, View<T> y) {
+        run(w, eps, View<const T>(s), y, nullptr, 0, a, s.data);
+    }
     static void forward_train(const Prepared& w, T eps, View<const T> x, View<T> y,
                               View<T> inv_rms) {
         run(w, eps, x, y, inv_rms.data, inv_rms.stride);
+    }
+    /// o = RMSNorm_o(o) ⊙ σ(RMSNorm_m(m)) in one launch (MAG's output; m left as it was).
+    static void forward_gated(const Prepared& wo, T eps_o, const Prepared& wm, T eps_m,
+                              View<T> o, View<const T> m) {
+        if (o.rows == 0) {
+            return;
+        }
+        const cuda::StreamContext& cx = cuda::thread_context();
+        const cuda::GatedNorms<T> g{o.data,    o.stride,  m.data,    m.stride,
+                                    wo->data(), wm->data(), static_cast<int>(o.cols),
+                                    eps_o,     eps_m};
+        cuda::launch(cuda::gated_norms_kernel<T>, static_cast<unsigned>(o.rows), 256, cx.stream(),
+                     g);
+        cuda::check_launch("the gated RMSNorm kernel");
+        cuda::idle(cx);
     }
     /// dx from dy; dweight (1 x d) += Σ_rows dy ⊙ xh, xh = x / rms as the row kernel scaled it
     /// (a thread per column, rows in order).
@@ -183,14 +268,15 @@ struct NormKernels<Cuda, T> {
     }
 
     static void run(const Prepared& w, T eps, View<const T> x, View<T> y, T* inv,
-                    std::ptrdiff_t is) {
+                    std::ptrdiff_t is, View<const T> add = {}, T* sum = nullptr) {
         if (x.rows == 0) {
             return;
         }
         const cuda::StreamContext& cx = cuda::thread_context();
-        cuda::launch(cuda::rms_rows_kernel<T>, static_cast<unsigned>(x.rows), 256, cx.stream(),
-                     x.data, x.stride, y.data, y.stride, w->data(), static_cast<int>(x.cols), eps,
-                     inv, is);
+        const cuda::RmsRows<T> a{x.data,   x.stride, y.data, y.stride, w->data(),
+                                 static_cast<int>(x.cols), eps, inv, is, add.data,
+                                 add.stride, sum,   x.stride};
+        cuda::launch(cuda::rms_rows_kernel<T>, static_cast<unsigned>(x.rows), 256, cx.stream(), a);
         cuda::check_launch("the RMSNorm kernel");
         cuda::idle(cx);
     }

@@ -28,18 +28,23 @@ namespace titans::backend::cuda {
 /// their L2 norm in place first when `norm`), the gate logits' row r at lp + p * lps + 3 r,
 /// the pending rows A_0 (the keys, width d_h), A_1 (h), Delta_1 (h), Delta_2 (d_h) and the
 /// gate logits (3, when gates is given) at their row o + r of the pair's b rows, W1 (d_h x h)
-/// and W2 (h x d_h) of each pair, row-major.
+/// and W2 (h x d_h) of each pair, row-major. When `save` is given, each pending entry's old
+/// value goes first to the same place in the matching array of `save` (the transaction's undo
+/// rows, the state's save_rows in the same launch).
 template <class T>
 struct DecodeRows {
+    /// The pending arrays: A_0, A_1, Delta_1, Delta_2 and the gate logits (null: none).
+    struct Pending {
+        T *a0, *a1, *d1, *d2, *gates;
+    };
     T *q, *k;
     const T* v;
     T* y;
     long long ps;
     const T *w1, *w2;
-    T *a0, *a1, *d1, *d2;
+    Pending live, save;
     const T* lp;
     long long lps;
-    T* gates;
     int b, o, m, dh, h;
     Activation act;
     bool residual, norm;
@@ -54,6 +59,15 @@ std::size_t decode_shared_bytes(int dh, int h, int threads) {
 }
 
 #if TITANS_CUDA_DEVICE_CODE
+/// Entry i of a pending array = v, its old value into `saved` first when that is given.
+template <class T>
+__device__ void put_pending(T* live, T* saved, long long i, T v) {
+    if (saved != nullptr) {
+        saved[i] = live[i];
+    }
+    live[i] = v;
+}
+
 /// Row r of pair p: the second layer's products hq W2 and A_1 W2 into y's row and Delta_2's
 /// (column c by `slices` threads over consecutive slices of the h rows of W2, then their sums
 /// in slice order), then Delta_1 = (Delta_2 W2^T) . act'(z1) (a warp per row of W2, its reads
@@ -86,7 +100,7 @@ __device__ void decode_second_layer(const DecodeRows<T>& d, long long p, int r, 
         d.y[row + c] = d.residual ? y + qs[c] : y;
         const T e = d.residual ? (z - d.v[row + c]) + ks[c] : z - d.v[row + c];
         es[c] = e;
-        d.d2[(p * d.b + d.o + r) * dh + c] = e;
+        put_pending(d.live.d2, d.save.d2, (p * d.b + d.o + r) * dh + c, e);
     }
     __syncthreads();
     const int lane = static_cast<int>(threadIdx.x % 32), warps = threads / 32;
@@ -97,7 +111,7 @@ __device__ void decode_second_layer(const DecodeRows<T>& d, long long p, int r, 
         }
         s = warp_sum(s);
         if (lane == 0) {
-            d.d1[(p * d.b + d.o + r) * h + j] = s * g1[j];
+            put_pending(d.live.d1, d.save.d1, (p * d.b + d.o + r) * h + j, s * g1[j]);
         }
     }
 }
@@ -121,10 +135,11 @@ __global__ void decode_rows_kernel(DecodeRows<T> d) {
         for (int c = static_cast<int>(threadIdx.x); c < dh; c += threads) {
             qs[c] = d.q[row + c];
             ks[c] = d.k[row + c];
-            d.a0[pending * dh + c] = ks[c];
+            put_pending(d.live.a0, d.save.a0, pending * dh + c, ks[c]);
         }
-        if (d.gates != nullptr && threadIdx.x < 3) {
-            d.gates[pending * 3 + threadIdx.x] = d.lp[p * d.lps + 3 * r + threadIdx.x];
+        if (d.live.gates != nullptr && threadIdx.x < 3) {
+            put_pending(d.live.gates, d.save.gates, pending * 3 + threadIdx.x,
+                        d.lp[p * d.lps + 3 * r + threadIdx.x]);
         }
         __syncthreads();
         for (int j = static_cast<int>(threadIdx.x); j < h; j += threads) {
@@ -138,7 +153,7 @@ __global__ void decode_rows_kernel(DecodeRows<T> d) {
             hq[j] = detail::activate(d.act, zq);
             a1[j] = a.value;
             g1[j] = a.grad;
-            d.a1[(p * d.b + d.o + r) * h + j] = a.value;
+            put_pending(d.live.a1, d.save.a1, pending * h + j, a.value);
         }
         __syncthreads();
         decode_second_layer(d, p, r, sh);

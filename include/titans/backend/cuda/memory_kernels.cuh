@@ -298,15 +298,13 @@ struct MemoryKernels<Cuda, T> {
         auto& u = st.undo_;
         const long long P = static_cast<long long>(st.batch_) * st.cfg_.n_heads;
         const int b = st.chunk_;
+        reserve_undo(st);
         CopyStage copies(ctx(st).stream());  // every layer's rows in one launch
         auto one = [&](Buf& live, Buf& saved, long long width) {
-            saved.reserve(live.size());
             T* dst = restore ? live.data() : saved.data();
             const T* src = restore ? saved.data() : live.data();
             copies.add(dst, src, P, b, b, lo, lo, n, width);
         };
-        u.a.resize(st.a_.size());
-        u.delta.resize(st.delta_.size());
         for (std::size_t l = 0; l < st.a_.size(); ++l) {
             const auto L = static_cast<int>(l) + 1;
             one(st.a_[l], u.a[l], st.cfg_.layer_in(L));
@@ -316,6 +314,32 @@ struct MemoryKernels<Cuda, T> {
             one(st.gates_, u.gates, 3);
         }
         copies.launch();
+    }
+
+    /// The undo rows sized as the pending arrays (allocated on first use).
+    static void reserve_undo(State& st) {
+        auto& u = st.undo_;
+        u.a.resize(st.a_.size());
+        u.delta.resize(st.delta_.size());
+        for (std::size_t l = 0; l < st.a_.size(); ++l) {
+            u.a[l].reserve(st.a_[l].size());
+            u.delta[l].reserve(st.delta_[l].size());
+        }
+        u.gates.reserve(st.gates_.size());
+    }
+    /// Where decode_rows_kernel saves rows [o, o+m) of the pending arrays before it writes
+    /// them (save_rows in the same launch), or nowhere: nothing to save, or rows saved already
+    /// (then save_rows copies the rest first, as before the key pass).
+    static typename cuda::DecodeRows<T>::Pending undo_rows(State& st, int o, long long m) {
+        auto& u = st.undo_;
+        if (!u.open || u.full || o + m <= u.saved_hi || u.saved_hi != o) {
+            save_rows(st, o, m);
+            return {};
+        }
+        reserve_undo(st);
+        u.saved_hi = static_cast<int>(o + m);
+        return {u.a[0].data(), u.a[1].data(), u.delta[0].data(), u.delta[1].data(),
+                st.gates_.size() > 0 ? u.gates.data() : nullptr};
     }
 
     // ---------------------------------------------------------------------------------------
@@ -759,28 +783,30 @@ struct MemoryKernels<Cuda, T> {
     /// keys and the gate logits copied into their pending rows and, when `norm`, the L2 norm of
     /// q and k, in one launch of decode_rows_kernel (memory_decode.cuh), where it applies
     /// (`plan.kernel`: decode_applies at the call's start; m <= decode_rows_max). Returns
-    /// whether it ran (else the caller copies the rows and key_pass and mlp_read run).
+    /// whether it ran (else the caller saves and copies the rows and key_pass and mlp_read run);
+    /// the rows it overwrites are saved for a rollback in the same launch (undo_rows).
     static bool decode_rows(const MemoryConfig& cfg, State& st, long long N, long long t, int o,
                             long long m, DecodePlan plan) {
         if (m > decode_rows_max || !plan.kernel) {
             return false;
         }
-        const bool norm = plan.norm;
         const int dh = cfg.head_dim(), h = cfg.layer_out(1);
         auto& w = *st.work_;
         const long long P = static_cast<long long>(st.batch_) * cfg.n_heads;
         const bool gated = cfg.gates != GateMode::Constant;
-        const cuda::DecodeRows<T> d{w.q.data() + t * dh,     w.k.data() + t * dh,
-                                    w.v.data() + t * dh,     w.yp.data() + t * dh,
-                                    N * dh,                  st.w_[0].data(),
-                                    st.w_[1].data(),         st.a_[0].data(),
-                                    st.a_[1].data(),         st.delta_[0].data(),
-                                    st.delta_[1].data(),     w.lp.data() + t * 3,
-                                    N * 3,                   gated ? st.gates_.data() : nullptr,
-                                    st.chunk_,               o,
-                                    static_cast<int>(m),     dh,
-                                    h,                       cfg.activation,
-                                    cfg.residual,            norm};
+        const typename cuda::DecodeRows<T>::Pending live{
+            st.a_[0].data(), st.a_[1].data(), st.delta_[0].data(), st.delta_[1].data(),
+            gated ? st.gates_.data() : nullptr};
+        const cuda::DecodeRows<T> d{w.q.data() + t * dh, w.k.data() + t * dh,
+                                    w.v.data() + t * dh, w.yp.data() + t * dh,
+                                    N * dh,              st.w_[0].data(),
+                                    st.w_[1].data(),     live,
+                                    undo_rows(st, o, m), w.lp.data() + t * 3,
+                                    N * 3,               st.chunk_,
+                                    o,                   static_cast<int>(m),
+                                    dh,                  h,
+                                    cfg.activation,      cfg.residual,
+                                    plan.norm};
         cuda::launch_shared(cuda::decode_rows_kernel<T>, static_cast<unsigned>(P), decode_threads,
                             cuda::decode_shared_bytes<T>(dh, h, decode_threads),
                             ctx(st).stream(), d);
@@ -939,10 +965,10 @@ struct MemoryKernels<Cuda, T> {
                 continue;
             }
             const long long m = std::min<long long>(b - o, N - t);
-            save_rows(st, o, m);
-            // the read, the keys and their pending rows at once
+            // the read, the keys and their pending rows at once (saved for a rollback first)
             const bool decoded = decode_rows(cfg, st, N, t, o, m, decode);
             if (!decoded) {
+                save_rows(st, o, m);
                 CopyStage rows(sm);  // the keys (A_0) and the gate logits into the pending rows
                 rows.add(st.a_[0].data(), w.k.data(), P, b, N, t, o, m, dh);
                 if (cfg.gates != GateMode::Constant) {
