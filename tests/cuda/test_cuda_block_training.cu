@@ -403,8 +403,9 @@ TEST_CASE("cuda model: deferred memory error", "[cuda]") {
 // failing check. Three ways, each message the CPU's and the state unchanged: the model's input
 // holds a NaN (block 0's x), block 0's residual sum overflows (x near the largest double, its
 // attention's W_O scaled up: the attention's output itself finite), its feed-forward
-// overflows (the output). Counted by the emulator: a one-token call of a two-block model makes
-// 2 deferred block checks where it made 6, each in the launch of the block's last sum.
+// overflows (the output), and so does block 1's (whose check shares a kernel with the model's
+// final norm). Counted by the emulator: a one-token call of a two-block model makes 2 deferred
+// block checks where it made 6, each in the launch of the block's last sum.
 TEST_CASE("cuda model: one deferred check a block", "[cuda]") {
     Rng rng(seed_for("cuda deferred block checks", 0));
     const int d = 8, B = 2;
@@ -421,16 +422,21 @@ TEST_CASE("cuda model: one deferred check a block", "[cuda]") {
     for (int t = 0; t < 3; ++t) {
         const Matrixd x = random_matrix(B, d, rng);
 #if TITANS_CUDA_EMULATION
-        const long k0 = cuda_emulation::total_launches();
+        const long k0 = cuda_emulation::total_launches(), g0 = cuda_emulation::gemm_calls();
 #endif
         const Matrixd yg = gpu.forward(sg, x);
 #if TITANS_CUDA_EMULATION
         // SWA: the pre-norm, RoPE with the window's append, the attention, its output check,
         // the residual sum with the feed-forward's pre-norm, the feed-forward's activation,
-        // its sum with the output check (7); LMM: the same with the memory's 3 kernels for
-        // the attention's 3 (7); the final norm (1). With the sums, the norms and the checks
-        // each a launch of their own: 20; with x's and the residual sum's checks too: 24.
-        CHECK(cuda_emulation::total_launches() - k0 == 15);
+        // its sum with the output check and LMM's pre-norm (7); LMM: the same with the
+        // memory's 3 kernels for the attention's 3, the final norm in its last sum, its own
+        // pre-norm in SWA's (6). With the sums, the norms and the checks each a launch of
+        // their own: 20; with x's and the residual sum's checks too: 24.
+        CHECK(cuda_emulation::total_launches() - k0 == 13);
+        // GEMMs: the attention's projections and output, the memory's, each feed-forward's
+        // x [W1 | W3] and its W2 (one product for W1 and W3 since 2026-11-29: 11 before), the
+        // head: 9.
+        CHECK(cuda_emulation::gemm_calls() - g0 == 9);
 #endif
         CHECK(rel_error(yg, cpu.forward(sc, x)) <= 1e-12);
     }
@@ -462,6 +468,12 @@ TEST_CASE("cuda model: one deferred check a block", "[cuda]") {
     const titans::Model<double> cffn(cfg, ffn);
     const titans::Model<double, Cuda> gffn(cfg, ffn);
     expect_cpu_error(cffn, gffn, random_matrix(B, d, rng), "the output is not finite");
+    auto last = params;  // the last block's output: its check in the final norm's kernel
+    last.blocks[1].ffn.w1 *= 1e200;
+    last.blocks[1].ffn.w2 *= 1e200;
+    const titans::Model<double> clast(cfg, last);
+    const titans::Model<double, Cuda> glast(cfg, last);
+    expect_cpu_error(clast, glast, random_matrix(B, d, rng), "block 1: Block (LMM): the output");
 }
 
 // A model's call and a block's host call take their temporaries (the activations between the

@@ -170,7 +170,9 @@ public:
     /// A residual sum and its norm in one pass, where the backend has it (CUDA): s = a + s,
     /// then y = RMSNorm(s), views in the backend's memory of one shape (a may be s; y distinct
     /// from both). How a block takes its mixer's residual sum and the feed-forward's pre-norm
-    /// at once; the same bits as Glue::add(a, s, s) followed by forward(s, y).
+    /// at once; the same bits as Glue::add(a, s, s) followed by forward(s, y). Inside a
+    /// deferring call scope (CUDA's) a sum that is not finite raises the scope's flag: s's
+    /// finiteness check, deferred, in the same kernel.
     void forward_sum(View<const T> a, View<T> s, View<T> y) const
         requires requires(const Prepared& p) { Kernels::forward_sum(p, T(0), a, s, y); }
     {

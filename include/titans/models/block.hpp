@@ -179,16 +179,7 @@ public:
     /// its mixer downloads u and uploads its output). Checks and guarantees as forward (x's
     /// finiteness by a glue kernel). What Model::forward chains.
     void forward(State& state, View<const T> x, View<T> y) const {
-        constexpr const char* where = "Block::forward";
-        detail::check_position_advance(where, stream_position(state), x.rows, state.batch_);
-        check_rows(state, x.rows, x.cols, where);
-        detail::check_view_call(where, x, y, cfg_.d_model, false);
-        // Deferred, the output's check covers x's: y = x + Mixer(u) (+ FFN) keeps a
-        // non-finite entry of x non-finite.
-        if (!backend::checks_deferred<Glue>() && Glue::nonfinite_row(x) >= 0) {
-            throw NonFiniteError(detail::concat(where, ": x has a NaN or infinite entry"));
-        }
-        forward_checked(state, x, y);
+        forward_view(state, x, y, {});
     }
 
     /// The mixer alone (math §7) on already-normalised input u: (B*N) x d -> (B*N) x d.
@@ -543,6 +534,32 @@ private:
         bool own_, done_ = false;
     };
 
+    /// A model's call chaining each block's last sum into the norm after it (inside a
+    /// deferring call scope, where the norm has forward_sum: Model::blocks_and_head): `u_in`
+    /// this block's RMSNorm_mix(x), made by the block before (empty: the block makes it);
+    /// `next` the norm after this block (the next block's RMSNorm_mix, or the model's final
+    /// norm) and `u_next` where the block's last sum writes next(y), the output's check
+    /// deferred in that kernel. Null `next`: the plain forward.
+    struct Link {
+        View<const T> u_in{};
+        const RMSNorm<T, Backend>* next = nullptr;
+        View<T> u_next{};
+    };
+
+    /// forward(state, x, y) with its checks, linked to the norms around it (Link).
+    void forward_view(State& state, View<const T> x, View<T> y, const Link& link) const {
+        constexpr const char* where = "Block::forward";
+        detail::check_position_advance(where, stream_position(state), x.rows, state.batch_);
+        check_rows(state, x.rows, x.cols, where);
+        detail::check_view_call(where, x, y, cfg_.d_model, false);
+        // Deferred, the output's check covers x's: y = x + Mixer(u) (+ FFN) keeps a
+        // non-finite entry of x non-finite.
+        if (!backend::checks_deferred<Glue>() && Glue::nonfinite_row(x) >= 0) {
+            throw NonFiniteError(detail::concat(where, ": x has a NaN or infinite entry"));
+        }
+        forward_checked(state, x, y, backend::AllChecked{}, link);
+    }
+
     /// What a host-matrix forward call runs in (CUDA: call_scope.cuh), or nothing.
     using Scope = typename backend::CallScopeOf<Glue>::type;
 
@@ -550,21 +567,24 @@ private:
     /// activations in the backend's memory. False (the call rolled back) if settled() says a
     /// check deferred to a CallScope failed.
     template <class Settled = backend::AllChecked>
-    bool forward_checked(State& state, View<const T> x, View<T> y, Settled settled = {}) const {
+    bool forward_checked(State& state, View<const T> x, View<T> y, Settled settled = {},
+                         const Link& link = {}) const {
         const ThreadScope team(threads_, work_estimate(x.rows));
         Guard guard(*this, state);
         Buffer u = backend::call_scratch<Backend, T>(x.rows, x.cols);
-        norm_mix_.forward(x, Transfer::view(u));
-        mix_unchecked(state, cview(u), y);
+        if (link.u_in.data == nullptr) {
+            norm_mix_.forward(x, Transfer::view(u));
+        }
+        mix_unchecked(state, link.u_in.data == nullptr ? cview(u) : link.u_in, y);
         std::ptrdiff_t bad = -1;  // the output's first non-finite row
         if (cfg_.use_ffn) {
             residual_norm(x, y, Transfer::view(u));
             require_residual_sum(y, state);
             Buffer f = backend::call_scratch<Backend, T>(x.rows, x.cols);
             ffn_->forward(cview(u), Transfer::view(f));
-            bad = backend::add_nonfinite_row<Glue>(View<const T>(y), cview(f), y);
+            bad = last_sum(cview(f), y, link);
         } else {
-            bad = backend::add_nonfinite_row<Glue>(x, View<const T>(y), y);
+            bad = last_sum(x, y, link);
         }
         if (bad >= 0) {
             throw_nonfinite(bad, y.rows, state, "the output");
@@ -577,6 +597,18 @@ private:
     }
 
     static View<const T> cview(const Buffer& b) { return Transfer::view(b); }
+
+    /// y = a + y and its first non-finite row (-1: none, or the check deferred), and with
+    /// link.next, next(y) into link.u_next in the same kernel (its check deferred there).
+    std::ptrdiff_t last_sum(View<const T> a, View<T> y, const Link& link) const {
+        if constexpr (requires { link.next->forward_sum(a, y, link.u_next); }) {
+            if (link.next != nullptr) {
+                link.next->forward_sum(a, y, link.u_next);
+                return -1;
+            }
+        }
+        return backend::add_nonfinite_row<Glue>(a, View<const T>(y), y);
+    }
 
     /// y = x + y, then u = RMSNorm_ffn(y): in one kernel where the backend has it
     /// (RMSNorm::forward_sum), the same bits either way.

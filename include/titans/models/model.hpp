@@ -645,23 +645,54 @@ private:
         }
     }
 
+    /// Whether this call chains each block's last sum into the norm after it (Block::Link):
+    /// inside a deferring call scope, where the norm fuses a sum (RMSNorm::forward_sum).
+    static bool links_norms() {
+        using Norm = RMSNorm<T, Backend>;
+        if constexpr (requires(const Norm& n, View<const T> a, View<T> s) {
+                          n.forward_sum(a, s, s);
+                      }) {
+            return backend::checks_deferred<Glue>();
+        } else {
+            return false;
+        }
+    }
+
     /// Every block on x, the final norm and the head (open transactions); the output
-    /// downloaded.
+    /// downloaded. Linked (links_norms), each block's last sum also writes the next block's
+    /// normalised input (the final norm's after the last), in two more buffers taken in turn.
     Matrix<T> blocks_and_head(State& state, View<const T> x) const {
         std::array<Buffer, 2> buf{backend::call_scratch<Backend, T>(x.rows, x.cols),
                                   backend::call_scratch<Backend, T>(x.rows, x.cols)};
+        const bool linked = links_norms() && !blocks_.empty();
+        std::array<Buffer, 2> normed{};
+        if (linked) {
+            normed = {backend::call_scratch<Backend, T>(x.rows, x.cols),
+                      backend::call_scratch<Backend, T>(x.rows, x.cols)};
+        }
         View<const T> h = x;
         for (std::size_t i = 0; i < blocks_.size(); ++i) {
             const View<T> next = Transfer::view(buf[i % 2]);
+            typename Block<T, Backend>::Link link{};
+            if (linked) {
+                const bool last = i + 1 == blocks_.size();
+                link = {i == 0 ? View<const T>{} : Transfer::view(std::as_const(normed[i % 2])),
+                        last ? &norm_final_ : &blocks_[i + 1].norm_mix_,
+                        Transfer::view(normed[(i + 1) % 2])};
+            }
             try {
-                blocks_[i].forward(state.blocks[i], h, next);
+                blocks_[i].forward_view(state.blocks[i], h, next, link);
             } catch (const NonFiniteError& e) {
                 throw NonFiniteError(detail::concat("Model::forward: block ", i, ": ", e.what()));
             }
             h = next;
         }
-        const View<T> z = Transfer::view(buf[blocks_.size() % 2]);  // not h
-        norm_final_.forward(h, z);
+        View<T> z = Transfer::view(buf[blocks_.size() % 2]);  // not h
+        if (linked) {
+            z = Transfer::view(normed[blocks_.size() % 2]);  // the last block's sum wrote it
+        } else {
+            norm_final_.forward(h, z);
+        }
         Matrix<T> out;
         {
             backend::Download<Backend, T> logits(out, x.rows, params_->head.cols());

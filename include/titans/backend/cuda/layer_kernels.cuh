@@ -28,7 +28,8 @@ namespace cuda {
 
 /// Where rms_rows_kernel reads and writes, rows of ld xs, ys, is, as, ss: x, y (may be x),
 /// the weight w (d entries), eps, each row's 1 / rms into inv (when given); with `add` given,
-/// the row normalised is add + x, written into `sum` first (may be x).
+/// the row normalised is add + x, written into `sum` first (may be x), and a sum that is not
+/// finite raises `raise` (when given: a deferring call scope's flag).
 template <class T>
 struct RmsRows {
     const T* x;
@@ -44,6 +45,7 @@ struct RmsRows {
     long long as;
     T* sum;
     long long ss;
+    unsigned* raise;
 };
 
 /// Where gated_norms_kernel reads and writes: o (ld os, overwritten) and m (ld ms), d wide,
@@ -126,8 +128,14 @@ __global__ void rms_rows_kernel(RmsRows<T> a) {
     const int d = a.d;
     const T* x = a.x + r * a.xs;
     if (a.add != nullptr) {
+        bool bad = false;
         for (int j = threadIdx.x; j < d; j += blockDim.x) {
-            a.sum[r * a.ss + j] = a.add[r * a.as + j] + x[j];
+            const T v = a.add[r * a.as + j] + x[j];
+            a.sum[r * a.ss + j] = v;
+            bad = bad || not_finite(v);
+        }
+        if (bad && a.raise != nullptr) {
+            atomicMax(a.raise, 1u);
         }
         x = a.sum + r * a.ss;
     }
@@ -214,7 +222,8 @@ struct NormKernels<Cuda, T> {
     static void forward(const Prepared& w, T eps, View<const T> x, View<T> y) {
         run(w, eps, x, y, nullptr, 0);
     }
-    /// s = a + s, then y = RMSNorm(s), in one launch (the sum in the order Glue::add takes it).
+    /// s = a + s, then y = RMSNorm(s), in one launch (the sum in the order Glue::add takes it);
+    /// inside a deferring scope a sum that is not finite raises the scope's flag.
     static void forward_sum(const Prepared& w, T eps, View<const T> a, View<T> s, View<T> y) {
         run(w, eps, View<const T>(s), y, nullptr, 0, a, s.data);
     }
@@ -273,35 +282,41 @@ struct NormKernels<Cuda, T> {
             return;
         }
         const cuda::StreamContext& cx = cuda::thread_context();
+        unsigned* raise = sum != nullptr && cuda::deferring() ? cuda::CallScope::active()->flag()
+                                                              : nullptr;
         const cuda::RmsRows<T> a{x.data,   x.stride, y.data, y.stride, w->data(),
                                  static_cast<int>(x.cols), eps, inv, is, add.data,
-                                 add.stride, sum,   x.stride};
+                                 add.stride, sum,   x.stride, raise};
         cuda::launch(cuda::rms_rows_kernel<T>, static_cast<unsigned>(x.rows), 256, cx.stream(), a);
         cuda::check_launch("the RMSNorm kernel");
         cuda::idle(cx);
     }
 };
 
-/// FeedForward on CUDA: the products on cuBLAS, the activations element-wise.
+/// FeedForward on CUDA: the products on cuBLAS, the activations element-wise. SwiGLU's W1 and
+/// W3 are held side by side (w13, d x 2h): a forward takes x [W1 | W3] in one product.
 template <class T>
 struct FeedForwardKernels<Cuda, T> {
     struct Params {
-        cuda::DeviceBuffer<T> w1, w3, w2;
-        int d = 0, h = 0;
+        cuda::DeviceBuffer<T> w13, w2;  // w13: [W1 | W3] (SwiGLU) or W1, row-major
+        int d = 0, h = 0, ld13 = 0;     // ld13: w13's columns (2h or h)
+        [[nodiscard]] const T* w1() const { return w13.data(); }
+        [[nodiscard]] const T* w3() const { return w13.data() + h; }
     };
     using Prepared = std::shared_ptr<const Params>;
 
-    static Prepared prepare(const FeedForwardConfig&,
+    static Prepared prepare(const FeedForwardConfig& cfg,
                             const std::shared_ptr<const FeedForwardParams<T>>& hp) {
+        const bool glu = cfg.kind == FeedForwardKind::SwiGLU;
+        Matrix<T> w13(hp->w1.rows(), hp->w1.cols() * (glu ? 2 : 1));
+        w13.leftCols(hp->w1.cols()) = hp->w1;
+        if (glu) w13.rightCols(hp->w3.cols()) = hp->w3;
         auto p = std::make_shared<Params>();
-        auto up = [](const Matrix<T>& m) {
-            return cuda::upload_array(m.data(), static_cast<std::size_t>(m.size()));
-        };
-        p->w1 = up(hp->w1);
-        p->w3 = up(hp->w3);
-        p->w2 = up(hp->w2);
+        p->w13 = cuda::upload_array(w13.data(), static_cast<std::size_t>(w13.size()));
+        p->w2 = cuda::upload_array(hp->w2.data(), static_cast<std::size_t>(hp->w2.size()));
         p->d = static_cast<int>(hp->w1.rows());
         p->h = static_cast<int>(hp->w1.cols());
+        p->ld13 = static_cast<int>(w13.cols());
         return p;
     }
     /// The parameters from their flat form in device memory (FeedForwardParams::tensors order:
@@ -311,24 +326,27 @@ struct FeedForwardKernels<Cuda, T> {
         const auto v = detail::flat_views(flat, shapes, cfg);
         const bool glu = cfg.kind == FeedForwardKind::SwiGLU;
         auto p = std::make_shared<Params>();
-        p->w1 = cuda::concat_columns({v[0]});
-        if (glu) p->w3 = cuda::concat_columns({v[1]});
+        p->w13 = glu ? cuda::concat_columns({v[0], v[1]}) : cuda::concat_columns({v[0]});
         p->w2 = cuda::concat_columns({v[glu ? 2 : 1]});
         p->d = static_cast<int>(shapes.w1.rows());
         p->h = static_cast<int>(shapes.w1.cols());
+        p->ld13 = glu ? 2 * p->h : p->h;
         return p;
     }
 
+    /// a and g side by side in one buffer (rows x ld13): forward_train's one product.
     static void forward(const FeedForwardConfig& cfg, const Prepared& p, View<const T> x,
                         View<T> y) {
-        const auto rows = static_cast<std::size_t>(x.rows), h = static_cast<std::size_t>(p->h);
-        cuda::DeviceBuffer<T> a = cuda::call_buffer<T>(rows * h),
-                              g = cuda::call_buffer<T>(cfg.kind == FeedForwardKind::SwiGLU ? rows * h : 0);
-        const View<T> av{a.data(), x.rows, p->h, p->h}, gv{g.data(), x.rows, p->h, p->h};
+        const auto rows = static_cast<std::size_t>(x.rows);
+        cuda::DeviceBuffer<T> ag = cuda::call_buffer<T>(rows * static_cast<std::size_t>(p->ld13));
+        const View<T> av{ag.data(), x.rows, p->h, p->ld13},
+            gv{cfg.kind == FeedForwardKind::SwiGLU ? ag.data() + p->h : nullptr, x.rows, p->h,
+               p->ld13};
         forward_train(cfg, p, x, y, av, gv);
     }
 
-    /// forward, keeping a = x W1 and (SwiGLU) g = x W3 for backward.
+    /// forward, keeping a = x W1 and (SwiGLU) g = x W3 for backward: one product x [W1 | W3]
+    /// when g sits right of a in one buffer, else one each.
     static void forward_train(const FeedForwardConfig& cfg, const Prepared& p, View<const T> x,
                               View<T> y, View<T> a, View<T> g) {
         if (x.rows == 0) {
@@ -336,9 +354,13 @@ struct FeedForwardKernels<Cuda, T> {
         }
         const cuda::StreamContext& cx = cuda::thread_context();
         const bool swiglu = cfg.kind == FeedForwardKind::SwiGLU;
-        product(cx, x, p->w1.data(), p->h, a);
-        if (swiglu) {
-            product(cx, x, p->w3.data(), p->h, g);
+        if (swiglu && g.data == a.data + p->h && g.stride == a.stride) {
+            product(cx, x, p->w1(), p->ld13, View<T>{a.data, a.rows, p->ld13, a.stride});
+        } else {
+            product(cx, x, p->w1(), p->ld13, a);
+            if (swiglu) {
+                product(cx, x, p->w3(), p->ld13, g);
+            }
         }
         cuda::DeviceBuffer<T> hb =
             cuda::call_buffer<T>(static_cast<std::size_t>(x.rows) * static_cast<std::size_t>(p->h));
@@ -373,23 +395,24 @@ struct FeedForwardKernels<Cuda, T> {
         const cuda::Operand<T> xo{x.data, static_cast<int>(x.stride)};
         cuda::gemm<T>(bl, true, false, d, hd, rows, T(1), xo, {dh.data(), hd}, T(1), dw1.data,
                       static_cast<int>(dw1.stride), 0, 1);
-        cuda::gemm<T>(bl, false, true, rows, d, hd, T(1), {dh.data(), hd}, {p->w1.data(), hd},
+        cuda::gemm<T>(bl, false, true, rows, d, hd, T(1), {dh.data(), hd}, {p->w1(), p->ld13},
                       T(0), dx.data, static_cast<int>(dx.stride), 0, 1);
         if (swiglu) {
             cuda::gemm<T>(bl, true, false, d, hd, rows, T(1), xo, {dg.data(), hd}, T(1),
                           dw3.data, static_cast<int>(dw3.stride), 0, 1);
             cuda::gemm<T>(bl, false, true, rows, d, hd, T(1), {dg.data(), hd},
-                          {p->w3.data(), hd}, T(1), dx.data, static_cast<int>(dx.stride), 0, 1);
+                          {p->w3(), p->ld13}, T(1), dx.data, static_cast<int>(dx.stride), 0, 1);
         }
         cuda::idle(cx);
     }
 
-    /// out = x W (rows x cols, W dense d x cols).
-    static void product(const cuda::StreamContext& cx, View<const T> x, const T* w, int cols,
+    /// out = x W (rows x out.cols, W d x out.cols of row stride ldw).
+    static void product(const cuda::StreamContext& cx, View<const T> x, const T* w, int ldw,
                         View<T> out) {
-        cuda::gemm<T>(cx.blas(), false, false, static_cast<int>(x.rows), cols,
-                      static_cast<int>(x.cols), T(1), {x.data, static_cast<int>(x.stride)},
-                      {w, cols}, T(0), out.data, static_cast<int>(out.stride), 0, 1);
+        cuda::gemm<T>(cx.blas(), false, false, static_cast<int>(x.rows),
+                      static_cast<int>(out.cols), static_cast<int>(x.cols), T(1),
+                      {x.data, static_cast<int>(x.stride)}, {w, ldw}, T(0), out.data,
+                      static_cast<int>(out.stride), 0, 1);
     }
 
     /// h = silu(a) ⊙ g (SwiGLU) or gelu(a), dense rows x h.
