@@ -21,8 +21,8 @@
 #   tools/gpu_check.sh lease [DIR]
 #                                 one lent machine's call, each step under a time limit: the
 #                                 tests, the fused and decode kernels' tests, the per-pair
-#                                 launches' and the warp-tiled attention's under memcheck and
-#                                 racecheck
+#                                 launches', the warp-tiled attention's and the fused norms'
+#                                 under memcheck and racecheck
 #                                 (fused_memcheck.txt, fused_racecheck.txt), the block,
 #                                 model and trainer tests under memcheck
 #                                 (training_memcheck.txt), then the memory,
@@ -109,7 +109,7 @@ do_lease() {
   for tool in memcheck racecheck; do
     TITANS_CUDA_PARITY_CASES=1 timeout 120 compute-sanitizer --tool "${tool}" --error-exitcode 9 \
       "${build}/tests/titans_cuda_tests" \
-      "cuda memory: fused*,cuda memory: decode*,cuda launch*,cuda attention: warp*" \
+      "cuda memory: fused*,cuda memory: decode*,cuda launch*,cuda attention: warp*,cuda layers: fused*" \
       > "${out}/fused_${tool}.txt" 2>&1 \
       || echo "fused ${tool}: exit $?"
     echo "fused ${tool}: $(grep 'ERROR SUMMARY\|RACECHECK SUMMARY' "${out}/fused_${tool}.txt" || echo 'no summary')"

@@ -426,13 +426,14 @@ TEST_CASE("cuda model: one deferred check a block", "[cuda]") {
 #endif
         const Matrixd yg = gpu.forward(sg, x);
 #if TITANS_CUDA_EMULATION
-        // SWA: the pre-norm, RoPE with the window's append, the attention, its output check,
-        // the residual sum with the feed-forward's pre-norm, the feed-forward's activation,
-        // its sum with the output check and LMM's pre-norm (7); LMM: the same with the
-        // memory's 3 kernels for the attention's 3, the final norm in its last sum, its own
-        // pre-norm in SWA's (6). With the sums, the norms and the checks each a launch of
-        // their own: 20; with x's and the residual sum's checks too: 24.
-        CHECK(cuda_emulation::total_launches() - k0 == 13);
+        // SWA: the pre-norm, RoPE with the window's append, the attention, the residual sum
+        // with the feed-forward's pre-norm, the feed-forward's activation,
+        // its sum with the output check and LMM's pre-norm (6); LMM: the same with the
+        // memory's 3 kernels for the attention's 2, the final norm in its last sum, its own
+        // pre-norm in SWA's (6); the attention's own check is left to the residual sum's
+        // (cuda model: covered attention checks). With the sums, the norms and the checks
+        // each a launch of their own: 20; with x's and the residual sum's checks too: 24.
+        CHECK(cuda_emulation::total_launches() - k0 == 12);
         // GEMMs: the attention's projections and output, the memory's, each feed-forward's
         // x [W1 | W3] and its W2 (one product for W1 and W3 since 2026-11-29: 11 before), the
         // head: 9.
@@ -474,6 +475,53 @@ TEST_CASE("cuda model: one deferred check a block", "[cuda]") {
     const titans::Model<double> clast(cfg, last);
     const titans::Model<double, Cuda> glast(cfg, last);
     expect_cpu_error(clast, glast, random_matrix(B, d, rng), "block 1: Block (LMM): the output");
+}
+
+// Inside a model's deferring call, SWA's attention output (straight into the residual sum)
+// and MAG's (read by the gated norms' kernel, which checks its inputs) leave their own check
+// to that later one (cuda::OutputCovered): an attention whose output overflows (W_V and W_O
+// x 1e200) still fails the call with the CPU's message naming the attention, the state
+// unchanged; one token of SWA + LMM makes 12 kernels where it made 13 with the check.
+TEST_CASE("cuda model: covered attention checks", "[cuda]") {
+    Rng rng(seed_for("cuda covered attention checks", 0));
+    const int d = 8, B = 2;
+    for (const BlockKind kind : {BlockKind::SWA, BlockKind::MAG}) {
+        INFO(titans::to_string(kind));
+        titans::ModelConfig cfg;
+        cfg.d_model = d;
+        for (const BlockKind k : {kind, BlockKind::LMM}) {
+            cfg.blocks.push_back(titans::BlockConfig::make(k, d, 2, 2, 6, 4));
+        }
+        auto params = titans::ModelParams<double>::random(cfg, 11);
+        auto sc = titans::Model<double>(cfg, params).make_state(B);
+        auto sg = titans::Model<double, Cuda>(cfg, params).make_state(B);
+        const Matrixd x0 = random_matrix(B, d, rng);
+        (void)titans::Model<double>(cfg, params).forward(sc, x0);
+        (void)titans::Model<double, Cuda>(cfg, params).forward(sg, x0);
+        if (kind == BlockKind::SWA) {
+            const titans::Model<double, Cuda> gpu(cfg, params);
+            auto st = sg;
+#if TITANS_CUDA_EMULATION
+            const long k0 = cuda_emulation::total_launches();
+#endif
+            (void)gpu.forward(st, random_matrix(B, d, rng));
+#if TITANS_CUDA_EMULATION
+            CHECK(cuda_emulation::total_launches() - k0 == 12);
+#endif
+        }
+        params.blocks[0].attention.w_v *= 1e200;
+        params.blocks[0].attention.w_o *= 1e200;
+        const titans::Model<double> cpu(cfg, params);
+        const titans::Model<double, Cuda> gpu(cfg, params);
+        const Matrixd x = random_matrix(B, d, rng);
+        const auto before = state_tensors(sg);
+        const std::string cw = nonfinite_message([&] { (void)cpu.forward(sc, x); });
+        const std::string gw = nonfinite_message([&] { (void)gpu.forward(sg, x); });
+        INFO("CPU: " << cw << "\nCUDA: " << gw);
+        REQUIRE(cw.find("Attention::forward: the output is not finite") != std::string::npos);
+        CHECK(gw == cw);
+        CHECK(same_tensors(state_tensors(sg), before));
+    }
 }
 
 // A model's call and a block's host call take their temporaries (the activations between the

@@ -200,6 +200,17 @@ void norm_gated_case(int d, Rng& rng) {
     const titans::RMSNorm<T, Cuda> other(d + 1);
     REQUIRE_THROWS_NAMING(no.forward_gated(other, fo.view, fm.view), titans::ShapeError,
                           "gate_norm");
+    // Inside a deferring scope the kernel checks its inputs: finite ones raise nothing, a NaN
+    // in m or an infinity in o raises the scope's flag.
+    for (int c = 0; c < 3; ++c) {
+        Matrix<T> oc = o, mc = m;
+        if (c == 1) mc(7, d - 1) = std::numeric_limits<T>::quiet_NaN();
+        if (c == 2) oc(3, 0) = -std::numeric_limits<T>::infinity();
+        Strided<T> go(oc, 1), gm(mc, 2);
+        titans::backend::cuda::CallScope scope;
+        no.forward_gated(nm, go.view, gm.view);
+        CHECK(scope.flagged() == (c > 0));
+    }
 }
 
 /// The sum and the check in one (backend::add_nonfinite_row: GlueKernels::add_checked) against

@@ -161,6 +161,20 @@ std::ptrdiff_t add_nonfinite_row(View<const T> a, View<const T> b, View<T> out) 
     }
 }
 
+/// What a block holds around a sub-layer whose output a later check of the same call covers:
+/// G::Covered where the glue G has one (CUDA's: inside a deferring scope the attention skips
+/// its output's check), else nothing.
+struct NotCovered {};
+template <class G>
+struct CoveredOf {
+    using type = NotCovered;
+};
+template <class G>
+    requires requires { typename G::Covered; }
+struct CoveredOf<G> {
+    using type = typename G::Covered;
+};
+
 /// G::CallScope where the glue G has one, else NoCallScope.
 template <class G>
 struct CallScopeOf {

@@ -186,7 +186,8 @@ public:
     /// MAG's output in one pass, where the backend has it (CUDA): o = RMSNorm(o) ⊙
     /// σ(gate_norm.RMSNorm(m)), views in the backend's memory of one shape (m distinct from o,
     /// left as it was); the same bits as gate_norm.forward(m, m), forward(o, o) and
-    /// Glue::gate(o, m, o). ShapeError if gate_norm's width is not this norm's.
+    /// Glue::gate(o, m, o). Inside a deferring call scope (CUDA's) an entry of o or m that is
+    /// not finite raises the scope's flag. ShapeError if gate_norm's width is not this norm's.
     void forward_gated(const RMSNorm& gate_norm, View<T> o, View<const T> m) const
         requires requires(const Prepared& p) {
             Kernels::forward_gated(p, T(0), p, T(0), o, m);

@@ -562,6 +562,8 @@ private:
 
     /// What a host-matrix forward call runs in (CUDA: call_scope.cuh), or nothing.
     using Scope = typename backend::CallScopeOf<Glue>::type;
+    /// Held around a sub-layer whose output a later check of the call covers (glue.hpp).
+    using Covered = typename backend::CoveredOf<Glue>::type;
 
     /// forward on checked views: u = RMSNorm(x), y = x + Mixer(u), y += FFN(RMSNorm(y)), the
     /// activations in the backend's memory. False (the call rolled back) if settled() says a
@@ -660,11 +662,16 @@ private:
             case BlockKind::MAL: {
                 Buffer m = backend::call_scratch<Backend, T>(u.rows, u.cols);
                 memory_->forward(state.memory_, u, Transfer::view(m));
+                const Covered by_the_output;  // o goes straight into the residual sum
                 attention_->forward(state.attention_, cview(m), o, nullptr);
                 break;
             }
             case BlockKind::MAC: detail::MacMixer<T, Backend>::mix(*this, state, u, o); break;
-            case BlockKind::SWA: attention_->forward(state.attention_, u, o, &*prefix_); break;
+            case BlockKind::SWA: {
+                const Covered by_the_output;
+                attention_->forward(state.attention_, u, o, &*prefix_);
+                break;
+            }
         }
         state.position_ += u.rows / state.batch_;
     }
@@ -772,12 +779,18 @@ private:
     /// MAG: o = RMSNorm_y(SWA*(P ‖ u)) ⊙ σ(RMSNorm_m(M(P ‖ u))), P W_K and P W_V projected
     /// once, at construction; the attention's output is normalised and gated in o.
     void mix_mag(State& st, View<const T> u, View<T> o) const {
-        attention_->forward(st.attention_, u, o, &*prefix_);
-        Buffer m = backend::call_scratch<Backend, T>(u.rows, u.cols);
-        memory_->forward(st.memory_, u, Transfer::view(m));
-        if constexpr (requires { norm_y_->forward_gated(*norm_m_, o, cview(m)); }) {
+        if constexpr (requires { norm_y_->forward_gated(*norm_m_, o, View<const T>(o)); }) {
+            {
+                const Covered by_the_gate;  // forward_gated checks o (deferred) as it reads it
+                attention_->forward(st.attention_, u, o, &*prefix_);
+            }
+            Buffer m = backend::call_scratch<Backend, T>(u.rows, u.cols);
+            memory_->forward(st.memory_, u, Transfer::view(m));
             norm_y_->forward_gated(*norm_m_, o, cview(m));  // one kernel, the same bits
         } else {
+            attention_->forward(st.attention_, u, o, &*prefix_);
+            Buffer m = backend::call_scratch<Backend, T>(u.rows, u.cols);
+            memory_->forward(st.memory_, u, Transfer::view(m));
             norm_m_->forward(cview(m), Transfer::view(m));
             norm_y_->forward(o, o);
             Glue::gate(o, cview(m), o);

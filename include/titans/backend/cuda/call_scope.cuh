@@ -165,6 +165,30 @@ private:
 /// Whether finiteness checks are deferred (a deferring CallScope is active on this thread).
 inline bool deferring() { return CallScope::active() != nullptr; }
 
+/// Set while an OutputCovered is alive on this thread.
+inline bool& output_covered_flag() {
+    thread_local bool covered = false;
+    return covered;
+}
+/// Whether the layer running now may leave its output's finiteness check to a later check of
+/// the same deferring call (an OutputCovered around it, inside a deferring scope).
+inline bool output_covered() { return deferring() && output_covered_flag(); }
+
+/// Marks the sub-layer called in its lifetime as one whose output a later check of the call
+/// covers (a block's residual sum keeps a non-finite entry non-finite; MAG's gated norms check
+/// their inputs): inside a deferring scope the attention then skips its output's check. A
+/// strict scope's rerun checks at every place again.
+class OutputCovered {
+public:
+    OutputCovered() : prev_(output_covered_flag()) { output_covered_flag() = true; }
+    OutputCovered(const OutputCovered&) = delete;
+    OutputCovered& operator=(const OutputCovered&) = delete;
+    ~OutputCovered() { output_covered_flag() = prev_; }
+
+private:
+    bool prev_;
+};
+
 /// n elements for the call in progress: lent by this thread's CallArena inside a deferring
 /// scope (valid until the outermost one closes; n * sizeof(T) up to CallArena::request_max),
 /// else a buffer of their own. Only for temporaries that no state or trace keeps.

@@ -130,6 +130,9 @@ struct GlueKernels<Cuda, T> {
     using CallScope = cuda::CallScope;
     /// Whether a deferring CallScope is active on this thread.
     static bool deferring() { return cuda::deferring(); }
+    /// What a block holds around a sub-layer whose output a later check covers
+    /// (backend::CoveredOf).
+    using Covered = cuda::OutputCovered;
     /// Token ids in device memory.
     struct Ids {
         cuda::DeviceBuffer<int> ids;

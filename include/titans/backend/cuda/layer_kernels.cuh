@@ -49,7 +49,8 @@ struct RmsRows {
 };
 
 /// Where gated_norms_kernel reads and writes: o (ld os, overwritten) and m (ld ms), d wide,
-/// the norms' weights wo, wm and their eps.
+/// the norms' weights wo, wm and their eps; an entry of o or m that is not finite raises
+/// `raise` (when given: a deferring call scope's flag, the check of both inputs).
 template <class T>
 struct GatedNorms {
     T* o;
@@ -59,6 +60,7 @@ struct GatedNorms {
     const T *wo, *wm;
     int d;
     T eps_o, eps_m;
+    unsigned* raise;
 };
 
 #if TITANS_CUDA_DEVICE_CODE
@@ -161,10 +163,15 @@ __global__ void gated_norms_kernel(GatedNorms<T> g) {
     int eo = 0, em = 0;
     const T ro = row_inv_rms(part, o, g.d, g.eps_o, eo);
     const T rm = row_inv_rms(part, m, g.d, g.eps_m, em);
+    bool bad = false;
     for (int j = threadIdx.x; j < g.d; j += blockDim.x) {
+        bad = bad || not_finite(o[j]) || not_finite(m[j]);
         const T mj = detail::scale_down(m[j], em) * rm * g.wm[j];
         const T yj = detail::scale_down(o[j], eo) * ro * g.wo[j];
         o[j] = yj * detail::sigmoid(mj);
+    }
+    if (bad && g.raise != nullptr) {
+        atomicMax(g.raise, 1u);
     }
 }
 
@@ -231,16 +238,18 @@ struct NormKernels<Cuda, T> {
                               View<T> inv_rms) {
         run(w, eps, x, y, inv_rms.data, inv_rms.stride);
     }
-    /// o = RMSNorm_o(o) ⊙ σ(RMSNorm_m(m)) in one launch (MAG's output; m left as it was).
+    /// o = RMSNorm_o(o) ⊙ σ(RMSNorm_m(m)) in one launch (MAG's output; m left as it was);
+    /// inside a deferring scope an input entry that is not finite raises the scope's flag.
     static void forward_gated(const Prepared& wo, T eps_o, const Prepared& wm, T eps_m,
                               View<T> o, View<const T> m) {
         if (o.rows == 0) {
             return;
         }
         const cuda::StreamContext& cx = cuda::thread_context();
+        unsigned* raise = cuda::deferring() ? cuda::CallScope::active()->flag() : nullptr;
         const cuda::GatedNorms<T> g{o.data,    o.stride,  m.data,    m.stride,
                                     wo->data(), wm->data(), static_cast<int>(o.cols),
-                                    eps_o,     eps_m};
+                                    eps_o,     eps_m,     raise};
         cuda::launch(cuda::gated_norms_kernel<T>, static_cast<unsigned>(o.rows), 256, cx.stream(),
                      g);
         cuda::check_launch("the gated RMSNorm kernel");
