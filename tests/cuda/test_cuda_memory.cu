@@ -565,6 +565,52 @@ TEST_CASE("cuda memory: decode in few launches", "[cuda]") {
     }
 }
 
+// Inside a deferring scope a call decoded whole has its rows checked by the decode kernel
+// itself (q, k, v, the gate logits, the read, the pending rows written), and with its
+// output's check left to a later one (cuda::OutputCovered, as a block holds it around the
+// memory) it launches no check of its own: 2 kernels and 2 GEMMs a token. A query or a value that overflows (W_Q or W_V x
+// 1e300, one token's x x 1e10; the query's norm then NaN) raises the scope's flag; finite
+// tokens do not.
+TEST_CASE("cuda memory: decode checks in the kernel", "[cuda]") {
+    Rng rng(seed_for("cuda decode checks"));
+    Fixture f(rng(), Retrieval::Lagged, 5);
+    f.cfg.gates = titans::GateMode::DataDependent;
+    f.p = random_params(f.cfg, rng);
+    titans::MemoryParamsd big_q = f.p, big_v = f.p;
+    big_q.w_q *= 1e300;
+    big_v.w_v *= 1e300;
+    const CudaMemory<double> gpu(f.cfg, f.p), gq(f.cfg, big_q), gv(f.cfg, big_v);
+    auto gs = gpu.make_state(2);
+    auto sq = gq.make_state(2);
+    auto sv = gv.make_state(2);
+    const auto scoped = [](const CudaMemory<double>& m, auto& st, const Matrixd& x) {
+        tcu::CallScope scope;
+        const tcu::OutputCovered covered;
+        (void)m.forward(st, x);
+        return scope.flagged();
+    };
+    for (int t = 0; t < 4; ++t) {  // the chunk ends at the fifth token
+        INFO("token " << t);
+        const Matrixd x = random_matrix(2, f.cfg.d_model, rng, 0.5, 1.0);
+        Matrixd huge = x;
+        huge.row(t % 2) *= 1e10;
+        auto bad_q = sq;
+        auto bad_v = sv;
+        CHECK(scoped(gq, bad_q, huge));
+        CHECK(scoped(gv, bad_v, huge));
+        CHECK_FALSE(scoped(gq, sq, x));
+        CHECK_FALSE(scoped(gv, sv, x));
+#if TITANS_CUDA_EMULATION
+        const long kernels = cuda_emulation::total_launches(), gemms = cuda_emulation::gemm_calls();
+#endif
+        CHECK_FALSE(scoped(gpu, gs, x));
+#if TITANS_CUDA_EMULATION
+        CHECK(cuda_emulation::total_launches() - kernels == 2);
+        CHECK(cuda_emulation::gemm_calls() - gemms == 2);
+#endif
+    }
+}
+
 // Queries and keys whose squares overflow float (W_Q and W_K x 1e22, entries near 1e22): the
 // decode kernel's q/k norm takes the scaled path of the L2 norm kernel (detail/norm_scale.hpp),
 // one token a call and pieces of 2-4 rows, and so does the batched path (FusedMemory::Off);

@@ -657,7 +657,11 @@ private:
     /// o = Mixer(u) by kind, on the backend (MAC: see mix_mac_views); advances the position.
     void mix_kind(State& state, View<const T> u, View<T> o) const {
         switch (cfg_.kind) {
-            case BlockKind::LMM: memory_->forward(state.memory_, u, o); break;
+            case BlockKind::LMM: {
+                const Covered by_the_output;  // o goes straight into the residual sum
+                memory_->forward(state.memory_, u, o);
+                break;
+            }
             case BlockKind::MAG: mix_mag(state, u, o); break;
             case BlockKind::MAL: {
                 Buffer m = backend::call_scratch<Backend, T>(u.rows, u.cols);
@@ -780,12 +784,12 @@ private:
     /// once, at construction; the attention's output is normalised and gated in o.
     void mix_mag(State& st, View<const T> u, View<T> o) const {
         if constexpr (requires { norm_y_->forward_gated(*norm_m_, o, View<const T>(o)); }) {
-            {
-                const Covered by_the_gate;  // forward_gated checks o (deferred) as it reads it
-                attention_->forward(st.attention_, u, o, &*prefix_);
-            }
             Buffer m = backend::call_scratch<Backend, T>(u.rows, u.cols);
-            memory_->forward(st.memory_, u, Transfer::view(m));
+            {
+                const Covered by_the_gate;  // forward_gated checks o and m (deferred)
+                attention_->forward(st.attention_, u, o, &*prefix_);
+                memory_->forward(st.memory_, u, Transfer::view(m));
+            }
             norm_y_->forward_gated(*norm_m_, o, cview(m));  // one kernel, the same bits
         } else {
             attention_->forward(st.attention_, u, o, &*prefix_);

@@ -174,10 +174,11 @@ inline bool& output_covered_flag() {
 /// the same deferring call (an OutputCovered around it, inside a deferring scope).
 inline bool output_covered() { return deferring() && output_covered_flag(); }
 
-/// Marks the sub-layer called in its lifetime as one whose output a later check of the call
+/// Marks the sub-layers called in its lifetime as ones whose output a later check of the call
 /// covers (a block's residual sum keeps a non-finite entry non-finite; MAG's gated norms check
-/// their inputs): inside a deferring scope the attention then skips its output's check. A
-/// strict scope's rerun checks at every place again.
+/// their inputs): inside a deferring scope the attention then skips its output's check, and
+/// the memory its output's when the decode kernel checked the rest. A strict scope's rerun
+/// checks at every place again.
 class OutputCovered {
 public:
     OutputCovered() : prev_(output_covered_flag()) { output_covered_flag() = true; }

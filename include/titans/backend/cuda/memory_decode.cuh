@@ -30,7 +30,10 @@ namespace titans::backend::cuda {
 /// gate logits (3, when gates is given) at their row o + r of the pair's b rows, W1 (d_h x h)
 /// and W2 (h x d_h) of each pair, row-major. When `save` is given, each pending entry's old
 /// value goes first to the same place in the matching array of `save` (the transaction's undo
-/// rows, the state's save_rows in the same launch).
+/// rows, the state's save_rows in the same launch). When `raise` is given (a deferring call
+/// scope's flag), an entry of the rows' q, k (normalised), v, gate logits or y, or of the
+/// pending rows written, that is not finite raises it: the memory's checks of those rows, in
+/// the same launch.
 template <class T>
 struct DecodeRows {
     /// The pending arrays: A_0, A_1, Delta_1, Delta_2 and the gate logits (null: none).
@@ -48,6 +51,7 @@ struct DecodeRows {
     int b, o, m, dh, h;
     Activation act;
     bool residual, norm;
+    unsigned* raise;
 };
 
 /// Shared memory decode_rows_kernel takes with `threads` threads: q, k, the error (d_h each),
@@ -73,7 +77,7 @@ __device__ void put_pending(T* live, T* saved, long long i, T v) {
 /// in slice order), then Delta_1 = (Delta_2 W2^T) . act'(z1) (a warp per row of W2, its reads
 /// coalesced). blockDim.x: a multiple of 32.
 template <class T>
-__device__ void decode_second_layer(const DecodeRows<T>& d, long long p, int r, T* sh) {
+__device__ bool decode_second_layer(const DecodeRows<T>& d, long long p, int r, T* sh) {
     const int dh = d.dh, h = d.h, threads = static_cast<int>(blockDim.x);
     const int slices = dh <= threads ? threads / dh : 1, span = (h + slices - 1) / slices;
     T *qs = sh, *ks = sh + dh, *es = sh + 2 * dh, *hq = sh + 3 * dh, *a1 = hq + h, *g1 = a1 + h;
@@ -91,6 +95,7 @@ __device__ void decode_second_layer(const DecodeRows<T>& d, long long p, int r, 
     }
     __syncthreads();
     const long long row = p * d.ps + static_cast<long long>(r) * dh;
+    bool bad = false;  // a non-finite v or y entry of this thread's
     for (int c = static_cast<int>(threadIdx.x); c < dh; c += threads) {
         T y = T(0), z = T(0);
         for (int s = 0; s < slices; ++s) {
@@ -99,6 +104,7 @@ __device__ void decode_second_layer(const DecodeRows<T>& d, long long p, int r, 
         }
         d.y[row + c] = d.residual ? y + qs[c] : y;
         const T e = d.residual ? (z - d.v[row + c]) + ks[c] : z - d.v[row + c];
+        bad = bad || not_finite(d.y[row + c]) || not_finite(d.v[row + c]) || not_finite(e);
         es[c] = e;
         put_pending(d.live.d2, d.save.d2, (p * d.b + d.o + r) * dh + c, e);
     }
@@ -112,8 +118,10 @@ __device__ void decode_second_layer(const DecodeRows<T>& d, long long p, int r, 
         s = warp_sum(s);
         if (lane == 0) {
             put_pending(d.live.d1, d.save.d1, (p * d.b + d.o + r) * h + j, s * g1[j]);
+            bad = bad || not_finite(s * g1[j]);
         }
     }
+    return bad;
 }
 
 /// A block per pair (blockIdx.x), its m rows one after the other: the read and the key pass
@@ -125,6 +133,7 @@ __global__ void decode_rows_kernel(DecodeRows<T> d) {
     T* sh = dynamic_shared<T>();
     T *qs = sh, *ks = sh + dh, *hq = sh + 3 * dh, *a1 = hq + h, *g1 = a1 + h;
     const T* w1 = d.w1 + p * dh * h;
+    bool bad = false;  // a non-finite entry among those this thread read or wrote
     for (int r = 0; r < d.m; ++r) {
         const long long row = p * d.ps + static_cast<long long>(r) * dh;
         if (d.norm && threadIdx.x < 64) {  // warp 0 the query, warp 1 the key
@@ -136,10 +145,12 @@ __global__ void decode_rows_kernel(DecodeRows<T> d) {
             qs[c] = d.q[row + c];
             ks[c] = d.k[row + c];
             put_pending(d.live.a0, d.save.a0, pending * dh + c, ks[c]);
+            bad = bad || not_finite(qs[c]) || not_finite(ks[c]);
         }
         if (d.live.gates != nullptr && threadIdx.x < 3) {
-            put_pending(d.live.gates, d.save.gates, pending * 3 + threadIdx.x,
-                        d.lp[p * d.lps + 3 * r + threadIdx.x]);
+            const T g = d.lp[p * d.lps + 3 * r + threadIdx.x];
+            put_pending(d.live.gates, d.save.gates, pending * 3 + threadIdx.x, g);
+            bad = bad || not_finite(g);
         }
         __syncthreads();
         for (int j = static_cast<int>(threadIdx.x); j < h; j += threads) {
@@ -154,10 +165,14 @@ __global__ void decode_rows_kernel(DecodeRows<T> d) {
             a1[j] = a.value;
             g1[j] = a.grad;
             put_pending(d.live.a1, d.save.a1, pending * h + j, a.value);
+            bad = bad || not_finite(a.value);
         }
         __syncthreads();
-        decode_second_layer(d, p, r, sh);
+        bad = decode_second_layer(d, p, r, sh) || bad;
         __syncthreads();  // before the next row overwrites q, k and the vectors
+    }
+    if (bad && d.raise != nullptr) {
+        atomicMax(d.raise, 1u);
     }
 }
 #endif

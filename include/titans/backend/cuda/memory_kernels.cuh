@@ -806,7 +806,9 @@ struct MemoryKernels<Cuda, T> {
                                     o,                   static_cast<int>(m),
                                     dh,                  h,
                                     cfg.activation,      cfg.residual,
-                                    plan.norm};
+                                    plan.norm,           cuda::deferring()
+                                                             ? cuda::CallScope::active()->flag()
+                                                             : nullptr};
         cuda::launch_shared(cuda::decode_rows_kernel<T>, static_cast<unsigned>(P), decode_threads,
                             cuda::decode_shared_bytes<T>(dh, h, decode_threads),
                             ctx(st).stream(), d);
@@ -934,10 +936,16 @@ struct MemoryKernels<Cuda, T> {
         });
     }
 
+    /// What scan did: whether a chunk ended inside the piece, and whether every segment ran
+    /// in the decode kernel (which, inside a deferring scope, checked its rows itself).
+    struct Scanned {
+        bool ended = false;
+        bool decoded = true;
+    };
     /// math §3-5 over the piece: chunk segments at absolute positions, all pairs at once
-    /// (`decode`: the call's decode_plan). Returns true if a chunk ended inside the piece.
-    static bool scan(const MemoryConfig& cfg, State& st, long long N, bool want_diag,
-                     DecodePlan decode) {
+    /// (`decode`: the call's decode_plan).
+    static Scanned scan(const MemoryConfig& cfg, State& st, long long N, bool want_diag,
+                        DecodePlan decode) {
         const int b = st.chunk_;
         const long long P = static_cast<long long>(st.batch_) * cfg.n_heads, dh = cfg.head_dim();
         const cudaStream_t sm = ctx(st).stream();
@@ -947,7 +955,7 @@ struct MemoryKernels<Cuda, T> {
         const std::vector<const T*> Wc = as_const(W);
         const Layers pending = layers(cfg, st.a_, st.delta_);
         const FusedPlan fused = fused_plan(cfg, st, want_diag);
-        bool ended = false;
+        Scanned done;
         long long t = 0;
         while (t < N) {
             const int o = static_cast<int>((st.position_ + t) % b);
@@ -960,13 +968,14 @@ struct MemoryKernels<Cuda, T> {
                     copy_rows(sm, st.gates_.data(), w.lp.data(), P, b, N,
                               t + static_cast<long long>(chunks - 1) * b, 0, b, 3);
                 }
-                ended = true;
+                done = {true, false};
                 t += static_cast<long long>(chunks) * b;
                 continue;
             }
             const long long m = std::min<long long>(b - o, N - t);
             // the read, the keys and their pending rows at once (saved for a rollback first)
             const bool decoded = decode_rows(cfg, st, N, t, o, m, decode);
+            done.decoded = done.decoded && decoded;
             if (!decoded) {
                 save_rows(st, o, m);
                 CopyStage rows(sm);  // the keys (A_0) and the gate logits into the pending rows
@@ -989,11 +998,11 @@ struct MemoryKernels<Cuda, T> {
             if (o + m == b) {
                 save_full(st);
                 chunk_end(cfg, ctx(st), w, pending, st.gates_.data(), W, S, P, b, b);
-                ended = true;
+                done.ended = true;
             }
             t += m;
         }
-        return ended;
+        return done;
     }
 
     /// Whether this call's full chunks run in the fused kernel (memory_fused.cuh), and on the
@@ -1069,7 +1078,7 @@ struct MemoryKernels<Cuda, T> {
     /// Flags the non-finite entries of a forward call: 0 projections, 1 memory read,
     /// 2 memory state (weights and momentum after a chunk end, pending rows), 3 output.
     static void check_state(const MemoryConfig& cfg, const State& st, bool ended,
-                            FlagStage& checks) {
+                            FlagStage& checks, bool rows_checked) {
         const long long P = static_cast<long long>(st.batch_) * cfg.n_heads;
         const int b = st.chunk_, n = st.pending();
         const FlagKey pair{1, 1, 0};
@@ -1080,8 +1089,10 @@ struct MemoryKernels<Cuda, T> {
                 checks.add(st.w_[li].data(), P, in, out, out, in * out, 2, pair);
                 checks.add(st.s_[li].data(), P, in, out, out, in * out, 2, pair);
             }
-            checks.add(st.a_[li].data(), P, n, in, in, b * in, 2, pair);
-            checks.add(st.delta_[li].data(), P, n, out, out, b * out, 2, pair);
+            if (!rows_checked) {  // else the decode kernel checked the rows it wrote
+                checks.add(st.a_[li].data(), P, n, in, in, b * in, 2, pair);
+                checks.add(st.delta_[li].data(), P, n, out, out, b * out, 2, pair);
+            }
         }
     }
 
@@ -1154,19 +1165,26 @@ struct MemoryKernels<Cuda, T> {
         // read stay as they are until then, and which error is named depends on the slots,
         // not on the order the checks ran in.
         FlagStage checks(cx.stream(), flags, defer ? cuda::CallScope::active()->flag() : nullptr);
-        for (const Buf* b : {&w.q, &w.k, &w.v}) {
-            checks.add(b->data(), P, N, dh, dh, N * dh, 0, by_row);
+        const Scanned done = scan(cfg, st, N, diag != nullptr, decode);
+        // Deferred, a call decoded whole had its rows checked by the decode kernel, and its
+        // output's check is left to a later one where that covers it (cuda::OutputCovered).
+        const bool rows_checked = defer && done.decoded;
+        if (!rows_checked) {
+            for (const Buf* b : {&w.q, &w.k, &w.v}) {
+                checks.add(b->data(), P, N, dh, dh, N * dh, 0, by_row);
+            }
+            if (cfg.gates != GateMode::Constant) {
+                checks.add(w.lp.data(), P, N, 3, 3, N * 3, 4, by_row);
+            }
+            checks.add(w.yp.data(), P, N, dh, dh, N * dh, 1, FlagKey{1, 1, P});
         }
-        if (cfg.gates != GateMode::Constant) {
-            checks.add(w.lp.data(), P, N, 3, 3, N * 3, 4, by_row);
-        }
-        const bool ended = scan(cfg, st, N, diag != nullptr, decode);
-        checks.add(w.yp.data(), P, N, dh, dh, N * dh, 1, FlagKey{1, 1, P});
         const std::int64_t pos0 = st.position_;
         st.position_ += N;  // rolled back with the rest if a check fails below
-        check_state(cfg, st, ended, checks);
+        check_state(cfg, st, done.ended, checks, rows_checked);
         output(cfg, p, cx, w, B, N, y);
-        checks.add(y.data, 1, x.rows, cfg.d_model, y.stride, 0, 3, FlagKey{1, 0, 1});
+        if (!(rows_checked && cuda::output_covered())) {
+            checks.add(y.data, 1, x.rows, cfg.d_model, y.stride, 0, 3, FlagKey{1, 0, 1});
+        }
         checks.launch();
         if (defer) {  // the scope's flag is read once at the call's edge
             return;
