@@ -566,11 +566,11 @@ TEST_CASE("cuda memory: decode in few launches", "[cuda]") {
 }
 
 // Inside a deferring scope a call decoded whole has its rows checked by the decode kernel
-// itself (q, k, v, the gate logits, the read, the pending rows written), and with its
-// output's check left to a later one (cuda::OutputCovered, as a block holds it around the
-// memory) it launches no check of its own: 2 kernels and 2 GEMMs a token. A query or a value that overflows (W_Q or W_V x
-// 1e300, one token's x x 1e10; the query's norm then NaN) raises the scope's flag; finite
-// tokens do not.
+// itself (q, k, v, the gate logits, the read, the pending rows written), and with its output's
+// check left to a later one (cuda::OutputCovered, as a block holds it around the memory) it
+// launches no check of its own: 2 kernels and 2 GEMMs a token. A query or a value that
+// overflows (W_Q or W_V x 1e300, one token's x x 1e10; the query's norm then NaN) raises the
+// scope's flag; finite tokens do not.
 TEST_CASE("cuda memory: decode checks in the kernel", "[cuda]") {
     Rng rng(seed_for("cuda decode checks"));
     Fixture f(rng(), Retrieval::Lagged, 5);
