@@ -658,7 +658,8 @@ private:
     void mix_kind(State& state, View<const T> u, View<T> o) const {
         switch (cfg_.kind) {
             case BlockKind::LMM: {
-                const Covered by_the_output;  // o goes straight into the residual sum
+                // o goes straight into the residual sum, whose check covers it
+                [[maybe_unused]] const Covered by_the_output;
                 memory_->forward(state.memory_, u, o);
                 break;
             }
@@ -666,13 +667,14 @@ private:
             case BlockKind::MAL: {
                 Buffer m = backend::call_scratch<Backend, T>(u.rows, u.cols);
                 memory_->forward(state.memory_, u, Transfer::view(m));
-                const Covered by_the_output;  // o goes straight into the residual sum
+                // o goes straight into the residual sum, whose check covers it
+                [[maybe_unused]] const Covered by_the_output;
                 attention_->forward(state.attention_, cview(m), o, nullptr);
                 break;
             }
             case BlockKind::MAC: detail::MacMixer<T, Backend>::mix(*this, state, u, o); break;
             case BlockKind::SWA: {
-                const Covered by_the_output;
+                [[maybe_unused]] const Covered by_the_output;
                 attention_->forward(state.attention_, u, o, &*prefix_);
                 break;
             }
@@ -786,7 +788,8 @@ private:
         if constexpr (requires { norm_y_->forward_gated(*norm_m_, o, View<const T>(o)); }) {
             Buffer m = backend::call_scratch<Backend, T>(u.rows, u.cols);
             {
-                const Covered by_the_gate;  // forward_gated checks o and m (deferred)
+                // forward_gated checks o and m as it reads them (deferred)
+                [[maybe_unused]] const Covered by_the_gate;
                 attention_->forward(st.attention_, u, o, &*prefix_);
                 memory_->forward(st.memory_, u, Transfer::view(m));
             }
