@@ -34,6 +34,9 @@ namespace titans::backend::cuda {
 /// scope's flag), an entry of the rows' q, k (normalised), v, gate logits or y, or of the
 /// pending rows written, that is not finite raises it: the memory's checks of those rows, in
 /// the same launch.
+/// With conv.u given (a call decoded whole, first launch), each pair's block first does the
+/// conv kernel's work on its own columns (conv_column over every row of the call, the tail
+/// advanced; gate_column): the columns of its q, k, v and gate logits are its alone.
 template <class T>
 struct DecodeRows {
     /// The pending arrays: A_0, A_1, Delta_1, Delta_2 and the gate logits (null: none).
@@ -52,6 +55,7 @@ struct DecodeRows {
     Activation act;
     bool residual, norm;
     unsigned* raise;
+    ConvTile<T> conv;
 };
 
 /// Shared memory decode_rows_kernel takes with `threads` threads: q, k, the error (d_h each),
@@ -124,11 +128,33 @@ __device__ bool decode_second_layer(const DecodeRows<T>& d, long long p, int r, 
     return bad;
 }
 
+/// Pair p's columns of the conv kernel's work (d.conv, one tile a sequence): its q, k, v
+/// columns (head p % H of sequence p / H) and its 3 gate logits.
+template <class T>
+__device__ void decode_conv(const DecodeRows<T>& d, long long p) {
+    const ConvTile<T>& a = d.conv;
+    const long long s = p / a.H;
+    const int hd = static_cast<int>(p % a.H), cols = a.C / a.D * a.dh, gates = a.G / a.H;
+    for (int i = static_cast<int>(threadIdx.x); i < cols + gates;
+         i += static_cast<int>(blockDim.x)) {
+        if (i < cols) {  // part i / dh (q, k, v) of the head's columns
+            conv_column(a, s, 0, a.N, i / a.dh * a.D + hd * a.dh + i % a.dh);
+        } else {
+            gate_column(a, s, 0, a.N, (i - cols) * a.H + hd);
+        }
+    }
+    __syncthreads();  // the block's rows of q, k, v and lp written before they are read
+}
+
 /// A block per pair (blockIdx.x), its m rows one after the other: the read and the key pass
-/// of the file comment. Dynamic shared memory: decode_shared_bytes.
+/// of the file comment (the conv first, when d.conv.u is given). Dynamic shared memory:
+/// decode_shared_bytes.
 template <class T>
 __global__ void decode_rows_kernel(DecodeRows<T> d) {
     const long long p = blockIdx.x;
+    if (d.conv.u != nullptr) {
+        decode_conv(d, p);
+    }
     const int dh = d.dh, h = d.h, threads = static_cast<int>(blockDim.x);
     T* sh = dynamic_shared<T>();
     T *qs = sh, *ks = sh + dh, *hq = sh + 3 * dh, *a1 = hq + h, *g1 = a1 + h;

@@ -504,9 +504,12 @@ struct MemoryKernels<Cuda, T> {
     /// one GEMM (x [W_Q | W_K | W_V | gates], Params::w_in), then one kernel for the conv
     /// continuing `tail` (when given; advanced when `advance`), phi and the gate logits' bias and
     /// layout; the L2 norm unless `norm_later` (the decode kernel normalises the rows it reads).
+    /// With `later` given (a call decoded whole: norm_later too), the conv kernel's arguments go
+    /// there instead of into a launch: the decode kernel's first launch runs them.
     static void project(const MemoryConfig& cfg, const Params& p, const cuda::StreamContext& cx,
                         typename State::Work& w, View<const T> x, int B, long long N, bool conv,
-                        T* tail, bool advance, bool queries_only, bool norm_later = false) {
+                        T* tail, bool advance, bool queries_only, bool norm_later = false,
+                        cuda::ConvTile<T>* later = nullptr) {
         const cudaStream_t sm = cx.stream();
         const long long M = x.rows, H = cfg.n_heads, dh = cfg.head_dim(), D = cfg.inner_dim();
         const long long C = queries_only ? D : 3 * D, C3 = 3 * D;
@@ -531,8 +534,15 @@ struct MemoryKernels<Cuda, T> {
             const dim3 grid(static_cast<unsigned>(B * tiles),
                             static_cast<unsigned>(std::min<long long>((ld + threads - 1) / threads,
                                                                       65535)));
-            cuda::launch(cuda::conv_tile_kernel<T>, grid, threads, sm, a);
-            cuda::check_launch("the conv kernel");
+            if (later != nullptr && tiles == 1 && (!advancing || in_conv)) {
+                *later = a;  // one tile a sequence: the whole column in one thread's walk
+            } else {
+                cuda::launch(cuda::conv_tile_kernel<T>, grid, threads, sm, a);
+                cuda::check_launch("the conv kernel");
+                if (later != nullptr) {
+                    later->u = nullptr;  // ran here
+                }
+            }
         }
         if (advancing && !(M > 0 && in_conv)) {
             advance_tail(sm, w.u.data(), ld, tail, B, N, K, C3);
@@ -759,16 +769,19 @@ struct MemoryKernels<Cuda, T> {
     static constexpr long long decode_rows_max = 4;
     static constexpr int decode_threads = 256;
 
-    /// How a call's short segments run: in decode_rows_kernel (`kernel`), and whether that
-    /// kernel normalises q and k (`norm`: a call of at most decode_rows_max rows a sequence,
-    /// whose every segment it runs; project then leaves them). Decided once a call.
+    /// How a call's short segments run: in decode_rows_kernel (`kernel`); whether that kernel
+    /// runs every segment of the call (`whole`: at most decode_rows_max rows a sequence, fewer
+    /// than a fused chunk's), and then also the conv, phi and the gate logits' layout of the
+    /// call's rows (in its first launch) and, with cfg.normalize_qk, the L2 norm of q and k
+    /// (`norm`); project then leaves them. Decided once a call.
     struct DecodePlan {
         bool kernel = false;
+        bool whole = false;
         bool norm = false;
     };
     static DecodePlan decode_plan(const MemoryConfig& cfg, long long N) {
-        const bool kernel = decode_applies(cfg);
-        return {kernel, kernel && cfg.normalize_qk && N <= decode_rows_max};
+        const bool kernel = decode_applies(cfg), whole = kernel && N <= decode_rows_max;
+        return {kernel, whole, whole && cfg.normalize_qk};
     }
 
     /// Whether decode_rows_kernel takes a memory's segments of at most decode_rows_max rows:
@@ -784,9 +797,10 @@ struct MemoryKernels<Cuda, T> {
     /// q and k, in one launch of decode_rows_kernel (memory_decode.cuh), where it applies
     /// (`plan.kernel`: decode_applies at the call's start; m <= decode_rows_max). Returns
     /// whether it ran (else the caller saves and copies the rows and key_pass and mlp_read run);
-    /// the rows it overwrites are saved for a rollback in the same launch (undo_rows).
+    /// the rows it overwrites are saved for a rollback in the same launch (undo_rows). With
+    /// conv.u given, the launch first runs the conv kernel's work for its pair's columns.
     static bool decode_rows(const MemoryConfig& cfg, State& st, long long N, long long t, int o,
-                            long long m, DecodePlan plan) {
+                            long long m, DecodePlan plan, const cuda::ConvTile<T>& conv) {
         if (m > decode_rows_max || !plan.kernel) {
             return false;
         }
@@ -808,7 +822,8 @@ struct MemoryKernels<Cuda, T> {
                                     cfg.activation,      cfg.residual,
                                     plan.norm,           cuda::deferring()
                                                              ? cuda::CallScope::active()->flag()
-                                                             : nullptr};
+                                                             : nullptr,
+                                    conv};
         cuda::launch_shared(cuda::decode_rows_kernel<T>, static_cast<unsigned>(P), decode_threads,
                             cuda::decode_shared_bytes<T>(dh, h, decode_threads),
                             ctx(st).stream(), d);
@@ -945,7 +960,7 @@ struct MemoryKernels<Cuda, T> {
     /// math §3-5 over the piece: chunk segments at absolute positions, all pairs at once
     /// (`decode`: the call's decode_plan).
     static Scanned scan(const MemoryConfig& cfg, State& st, long long N, bool want_diag,
-                        DecodePlan decode) {
+                        DecodePlan decode, cuda::ConvTile<T> conv = {}) {
         const int b = st.chunk_;
         const long long P = static_cast<long long>(st.batch_) * cfg.n_heads, dh = cfg.head_dim();
         const cudaStream_t sm = ctx(st).stream();
@@ -974,7 +989,8 @@ struct MemoryKernels<Cuda, T> {
             }
             const long long m = std::min<long long>(b - o, N - t);
             // the read, the keys and their pending rows at once (saved for a rollback first)
-            const bool decoded = decode_rows(cfg, st, N, t, o, m, decode);
+            const bool decoded = decode_rows(cfg, st, N, t, o, m, decode, conv);
+            conv.u = nullptr;  // the first launch ran the conv of every row
             done.decoded = done.decoded && decoded;
             if (!decoded) {
                 save_rows(st, o, m);
@@ -1160,12 +1176,14 @@ struct MemoryKernels<Cuda, T> {
         }
         // a decode call: the L2 norm of q and k in the decode kernel, not a launch of its own
         const DecodePlan decode = decode_plan(cfg, N);
-        project(cfg, p, cx, w, x, B, N, cfg.use_conv, st.tail_.data(), true, false, decode.norm);
+        cuda::ConvTile<T> tile{};  // the conv's arguments, for the decode kernel (decode.whole)
+        project(cfg, p, cx, w, x, B, N, cfg.use_conv, st.tail_.data(), true, false, decode.norm,
+                decode.whole ? &tile : nullptr);
         // Every check of the call at its end, up to 12 row sets a launch: the buffers they
         // read stay as they are until then, and which error is named depends on the slots,
         // not on the order the checks ran in.
         FlagStage checks(cx.stream(), flags, defer ? cuda::CallScope::active()->flag() : nullptr);
-        const Scanned done = scan(cfg, st, N, diag != nullptr, decode);
+        const Scanned done = scan(cfg, st, N, diag != nullptr, decode, tile);
         // Deferred, a call decoded whole had its rows checked by the decode kernel, and its
         // output's check is left to a later one where that covers it (cuda::OutputCovered).
         const bool rows_checked = defer && done.decoded;
