@@ -84,7 +84,10 @@ namespace titans::backend {
 /// Optional: CallScope, what a model's forward call runs in on B (CUDA's: every layer on one
 /// stream without waiting, the finiteness checks deferred to one device flag, flagged() read
 /// at the call's edge, CallScope(false) a strict scope; backend/cuda/call_scope.cuh). A
-/// backend without one runs every check at its place (CallScopeOf: NoCallScope).
+/// backend without one runs every check at its place (CallScopeOf: NoCallScope). Also
+/// optional: add_checked(a, b, out), a sum and its check in one kernel (add_nonfinite_row
+/// falls back to add and nonfinite_row), and Covered, what a block holds around a sub-layer
+/// whose output a later check covers (CoveredOf: NotCovered).
 /// The CPU's are the plain loops the layers used on host matrices before, so their results are
 /// the same bits; CUDA's are the same operations per entry (the product on cuBLAS).
 /// How many doubles GlueKernels' Scalars hold, and what read() returns.
