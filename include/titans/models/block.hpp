@@ -785,19 +785,17 @@ private:
     /// MAG: o = RMSNorm_y(SWA*(P ‖ u)) ⊙ σ(RMSNorm_m(M(P ‖ u))), P W_K and P W_V projected
     /// once, at construction; the attention's output is normalised and gated in o.
     void mix_mag(State& st, View<const T> u, View<T> o) const {
-        if constexpr (requires { norm_y_->forward_gated(*norm_m_, o, View<const T>(o)); }) {
-            Buffer m = backend::call_scratch<Backend, T>(u.rows, u.cols);
-            {
-                // forward_gated checks o and m as it reads them (deferred)
-                [[maybe_unused]] const Covered by_the_gate;
-                attention_->forward(st.attention_, u, o, &*prefix_);
-                memory_->forward(st.memory_, u, Transfer::view(m));
-            }
+        constexpr bool fused = requires { norm_y_->forward_gated(*norm_m_, o, View<const T>(o)); };
+        Buffer m = backend::call_scratch<Backend, T>(u.rows, u.cols);
+        {
+            // fused: forward_gated checks o and m as it reads them (deferred)
+            [[maybe_unused]] const std::conditional_t<fused, Covered, backend::NotCovered> gate;
+            attention_->forward(st.attention_, u, o, &*prefix_);
+            memory_->forward(st.memory_, u, Transfer::view(m));
+        }
+        if constexpr (fused) {
             norm_y_->forward_gated(*norm_m_, o, cview(m));  // one kernel, the same bits
         } else {
-            attention_->forward(st.attention_, u, o, &*prefix_);
-            Buffer m = backend::call_scratch<Backend, T>(u.rows, u.cols);
-            memory_->forward(st.memory_, u, Transfer::view(m));
             norm_m_->forward(cview(m), Transfer::view(m));
             norm_y_->forward(o, o);
             Glue::gate(o, cview(m), o);
