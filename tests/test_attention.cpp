@@ -627,12 +627,15 @@ struct FunctorAttention {
         Matrix<T> wqkv(cfg.d_model, 3 * D);
         wqkv << p.w_q, p.w_k, p.w_v;
         Matrix<T> qkv = x * wqkv;
-        if (cfg.rope) {
-            launch(x.rows() * 2 * H * (dh / 2),
-                   titans::detail::RopeQK<T>{qkv.data(), N, D, cfg.n_heads, dh, pos, cfg.rope_base});
+        using Append = titans::detail::AppendWindow<T>;
+        const Append append{qkv.data(), k.data(), v.data(), N, D, cap, pos};
+        if (cfg.rope) {  // a thread rotates its pair of q and k, then appends it
+            launch(x.rows() * H * (dh / 2),
+                   titans::detail::RopeThen<T, Append>{
+                       {qkv.data(), N, D, cfg.n_heads, dh, pos, cfg.rope_base}, append});
+        } else {
+            launch(B * N * D, append);
         }
-        launch(B * N * D, titans::detail::AppendWindow<T>{qkv.data(), k.data(), v.data(), N, D,
-                                                           cap, pos});
         const Matrix<T> kp = prefix * p.w_k, vp = prefix * p.w_v;
         const bool shared = sharing == PrefixSharing::Shared;
         const long long np = shared ? prefix.rows() : prefix.rows() / B;
@@ -652,8 +655,8 @@ struct FunctorAttention {
 
 }  // namespace
 
-// The CUDA backend's attention functors (RoPE of the fused rows, the window append, a thread
-// per (row, head)) run in loops equal the CPU layer: random configurations with and without
+// The CUDA backend's attention functors (RoPE of the fused rows with the window append in one
+// pass, a thread per (row, head)) run in loops equal the CPU layer: random configurations with and without
 // RoPE, shared and per-sequence prefixes or none, streams in random pieces; random, constant,
 // periodic, huge and tiny streams
 TEMPLATE_TEST_CASE("Attention: device functors", "[attention]", float, double) {
@@ -720,13 +723,16 @@ TEMPLATE_TEST_CASE("Attention: segment functors", "[attention]", float, double) 
             wkv << p.w_k, p.w_v;
             Matrix<T> qkv = u * wqkv;
             const Matrix<T> kvh = h * wkv;
+            using Append = titans::detail::SegmentAppend<T>;
+            const Append append{qkv.data(), kvh.data(), dev_k.data(), dev_v.data(), D, 2LL * C,
+                                m, off, D};
             if (cfg.rope) {
-                launch(B * m * 2 * H * (dh / 2), titans::detail::RopeQK<T>{qkv.data(), m, D,
-                                                                            cfg.n_heads, dh, pos,
-                                                                            cfg.rope_base});
+                launch(B * m * H * (dh / 2),
+                       titans::detail::RopeThen<T, Append>{
+                           {qkv.data(), m, D, cfg.n_heads, dh, pos, cfg.rope_base}, append});
+            } else {
+                launch(B * m * D, append);
             }
-            launch(B * m * D, titans::detail::SegmentAppend<T>{qkv.data(), kvh.data(), dev_k.data(),
-                                                                dev_v.data(), D, 2LL * C, m, off, D});
             Matrix<T> o(B * m, D);
             launch(B * m * H, titans::detail::SegmentRows<T>{
                                   qkv.data(), np > 0 ? kp.data() : qkv.data(),

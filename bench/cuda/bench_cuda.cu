@@ -9,7 +9,8 @@
 //                             input and output (the kernel seam, no host copies), each call
 //                             timed alone (manual time: the state reset is outside it); TF32
 //                             allowed (1) or not (0); full chunks in the fused kernel
-//                             (memory_fused.cuh, 1) or as batched cuBLAS products (0);
+//                             (memory_fused.cuh, 1; 2 with its products on bfloat16 operands,
+//                             FusedOperands::BF16) or as batched cuBLAS products (0);
 //                             counters tokens_per_second, GFLOPS (bench/memory_flops.hpp),
 //                             frac_sgemm and frac_tf32 (GFLOPS over BM_CublasSgemm/4096's)
 //   BM_CudaMemoryTrain/B/N    the same memory's training step: training forward with its trace
@@ -184,12 +185,14 @@ void BM_CudaMemory(benchmark::State& state) {
     const long N = state.range(1);
     const bool tf32 = state.range(2) != 0;
     const bool fused = state.range(3) != 0;
+    const bool bf16 = state.range(3) == 2;
     const double sgemm = sgemm_rate(4096, false), tf32_rate = sgemm_rate(4096, true);
     Setup s(B, N);
     tc::set_allow_tf32(tf32);
     const Kernels::State fresh = Kernels::make_state(s.cfg, s.prepared, B);
     tc::set_allow_tf32(false);
     tc::set_fused_memory(fused ? tc::FusedMemory::On : tc::FusedMemory::Off);
+    tc::set_fused_operands(bf16 ? tc::FusedOperands::BF16 : tc::FusedOperands::Float);
     Kernels::State st = fresh;
     const long long launches = tc::fused_launches();
     s.forward(st);  // warm-up: workspaces, cuBLAS heuristics
@@ -203,6 +206,7 @@ void BM_CudaMemory(benchmark::State& state) {
     state.counters["frac_sgemm"] = gflops / sgemm;
     state.counters["frac_tf32"] = gflops / tf32_rate;
     tc::set_fused_memory(tc::FusedMemory::Auto);
+    tc::set_fused_operands(tc::FusedOperands::Float);
 }
 
 /// The memory's training step at B x N: the training forward (trace in device memory) and the
@@ -538,6 +542,7 @@ BENCHMARK(BM_CudaMemory)
     ->Args({64, 1024, 1, 0})->Args({256, 512, 1, 0})
     ->Args({1, 2048, 1, 1})->Args({16, 2048, 1, 1})->Args({64, 1024, 1, 1})->Args({256, 512, 1, 1})
     ->Args({256, 512, 0, 1})
+    ->Args({64, 1024, 1, 2})->Args({256, 512, 1, 2})
     ->Unit(benchmark::kMillisecond)->UseManualTime();
 BENCHMARK(BM_CudaMemoryTrain)
     ->ArgNames({"B", "N"})

@@ -217,6 +217,42 @@ TEMPLATE_TEST_CASE("cuda attention: non-finite", "[cuda]", float, double) {
     CHECK(window_error<T>(sc, sg) <= bound<T>());
 }
 
+// RoPE runs in the window append's launch (RopeThen, attention_row.hpp): a forward call with
+// RoPE makes as many launches as the same call without it (counted by the emulator), in a
+// piece of 40 rows and in a decoded token, and both match the CPU.
+TEMPLATE_TEST_CASE("cuda attention: RoPE in the append", "[cuda]", float, double) {
+    using T = TestType;
+    Rng rng(seed_for(std::string("cuda attention rope append ") + type_name<T>()));
+    [[maybe_unused]] long launches[2][2] = {};
+    for (int rope = 0; rope < 2; ++rope) {
+        const AttentionConfig cfg{.d_model = 16, .n_heads = 2, .window = 8, .rope = rope == 1};
+        const auto params = cast_attention<double>(
+            cast_attention<T>(AttentionParams<double>::random(cfg, rng())));
+        const Attention<double> cpu(cfg, params);
+        const Attention<T, Cuda> gpu(cfg, cast_attention<T>(params));
+        const int B = 2;
+        auto sc = cpu.make_state(B);
+        auto sg = gpu.make_state(B);
+        for (int piece = 0; piece < 2; ++piece) {
+            const int N = piece == 0 ? 40 : 1;
+            const Matrixd x = round_through<T>(random_matrix(B * N, cfg.d_model, rng));
+#if TITANS_CUDA_EMULATION
+            const long k0 = cuda_emulation::total_launches();
+#endif
+            const Matrixd yg = gpu.forward(sg, x.cast<T>()).template cast<double>();
+#if TITANS_CUDA_EMULATION
+            launches[rope][piece] = cuda_emulation::total_launches() - k0;
+#endif
+            INFO("rope " << rope << " N " << N);
+            CHECK(rel_error(yg, cpu.forward(sc, x)) <= bound<T>());
+        }
+    }
+#if TITANS_CUDA_EMULATION
+    CHECK(launches[1][0] == launches[0][0]);
+    CHECK(launches[1][1] == launches[0][1]);
+#endif
+}
+
 namespace {
 
 /// The CPU reference run stayed tame (finite, below 100): a diverging test-time memory

@@ -8,6 +8,10 @@
 
 #include "cuda_common.hpp"
 
+#include <cmath>
+#include <cstring>
+#include <limits>
+
 namespace {
 
 using namespace titans_test;
@@ -199,18 +203,22 @@ std::vector<int> chunky_pieces(int N, int b, Rng& rng) {
     return out;
 }
 
-/// Cases of fused_config through compare_case with the fused kernel on (TF32 when `tf32`):
-/// the worst error; every case must have launched the fused kernel.
+/// Cases of fused_config through compare_case with the fused kernel on, its float products on
+/// operands `ops` (TF32: allowed on the states' streams; BF16: FusedOperands::BF16): the worst
+/// error; every case must have launched the fused kernel. The draws depend on T only, so that
+/// the float sweeps on each kind of operands run the same cases.
 template <class T>
-double fused_sweep(const char* name, int cases_per_mode, double bound, bool tf32) {
+double fused_sweep(const char* name, int cases_per_mode, double bound, tcu::Operands ops) {
     cases_per_mode = parity_cases(cases_per_mode);
     tcu::set_fused_memory(tcu::FusedMemory::On);
-    tcu::set_allow_tf32(tf32);
+    tcu::set_allow_tf32(ops == tcu::Operands::TF32);
+    tcu::set_fused_operands(ops == tcu::Operands::BF16 ? tcu::FusedOperands::BF16
+                                                        : tcu::FusedOperands::Float);
     double worst = 0;
     int index = 0;
     for (GateMode g : {GateMode::DataDependent, GateMode::PerChunk, GateMode::Constant}) {
         for (int k = 0; k < cases_per_mode; ++k, ++index) {
-            Rng rng(seed_for(name, static_cast<std::uint64_t>(index)));
+            Rng rng(seed_for(type_name<T>(), static_cast<std::uint64_t>(index)));
             Modes m = with_flags(Modes{}, (k * 7 + index) % 32);
             m.gates = g;
             const MemoryConfig cfg = fused_config<T>(m, rng);
@@ -218,9 +226,10 @@ double fused_sweep(const char* name, int cases_per_mode, double bound, bool tf32
             const int N = uniform_int(rng, 3 * cfg.chunk, 5 * cfg.chunk);
             const auto p = random_params(cfg, rng);
             const Matrixd x = random_matrix(static_cast<Eigen::Index>(B) * N, cfg.d_model, rng);
-            INFO("case " << index << ": " << to_string(g) << " flags " << (k * 7 + index) % 32
-                         << " d_h " << cfg.head_dim() << " e " << cfg.expansion << " chunk "
-                         << cfg.chunk << " clip " << cfg.max_grad_norm << " B " << B << " N " << N);
+            INFO(name << " case " << index << ": " << to_string(g) << " flags "
+                      << (k * 7 + index) % 32 << " d_h " << cfg.head_dim() << " e "
+                      << cfg.expansion << " chunk " << cfg.chunk << " clip " << cfg.max_grad_norm
+                      << " B " << B << " N " << N);
             const long long launches = tcu::fused_launches();
             worst = std::max(worst, compare_case<T>(cfg, p, x, B, N, rng, bound,
                                                     chunky_pieces(N, cfg.chunk, rng)));
@@ -228,6 +237,7 @@ double fused_sweep(const char* name, int cases_per_mode, double bound, bool tf32
         }
     }
     tcu::set_fused_memory(tcu::FusedMemory::Auto);
+    tcu::set_fused_operands(tcu::FusedOperands::Float);
     tcu::set_allow_tf32(false);
     std::printf("%s: %d cases, worst relative error %.3g (bound %.0e)\n", name, index, worst,
                 bound);
@@ -237,12 +247,18 @@ double fused_sweep(const char* name, int cases_per_mode, double bound, bool tf32
 }  // namespace
 
 // The fused chunk kernel (memory_fused.cuh) against the CPU, as the parity sweep: double to
-// rounding, float within 1e-5, TF32 within 1e-2 (operands rounded to 10-bit mantissas, unit
-// roundoff 2^-11 = 4.9e-4, through a stream of chunk updates; docs/cuda.md has the figures).
+// rounding, float within 1e-5; on the tensor cores, TF32 within 1e-2 (operands rounded to
+// 10-bit mantissas, unit roundoff 2^-11 = 4.9e-4, through a stream of chunk updates) and
+// bfloat16 within 8e-2 (7-bit mantissas, unit roundoff 2^-8 = 3.9e-3: each bound about 20
+// unit roundoffs); the same float cases on each, each coarser rounding worse than the finer
+// one (docs/cuda.md has the figures).
 TEST_CASE("cuda memory: fused chunks", "[cuda]") {
-    fused_sweep<double>("cuda fused double", 4, 1e-12, false);
-    fused_sweep<float>("cuda fused float", 3, 1e-5, false);
-    fused_sweep<float>("cuda fused tf32", 3, 1e-2, true);
+    fused_sweep<double>("cuda fused double", 4, 1e-12, tcu::Operands::Exact);
+    const double e = fused_sweep<float>("cuda fused float", 3, 1e-5, tcu::Operands::Exact);
+    const double et = fused_sweep<float>("cuda fused tf32", 3, 1e-2, tcu::Operands::TF32);
+    const double eb = fused_sweep<float>("cuda fused bf16", 3, 8e-2, tcu::Operands::BF16);
+    CHECK(et > 2 * e);
+    CHECK(eb > 2 * et);
 }
 
 // A forward whose fused chunks diverge (values of 1e200, clipping off: the keys overflow after
@@ -722,4 +738,75 @@ TEST_CASE("cuda memory: errors leave the state", "[cuda]") {
     const Matrixd yc = cpu.forward(cs, x2);
     CHECK(rel_error(gpu.forward(snapshot, x2), yc) <= 1e-12);
     CHECK(rel_error(gpu.current_momentum(snapshot, 1, 2), cpu.current_momentum(cs, 1, 2)) <= 1e-12);
+}
+
+namespace {
+
+/// x rounded to bfloat16 independently of round_bf16: scaled to 8 significant bits (the
+/// binade's leading one and 7 below it; the spacing fixed at 2^-133 below the normal range),
+/// rounded to nearest even by nearbyint in double, scaled back; past the largest bfloat16 an
+/// infinity of x's sign.
+float bf16_reference(float x) {
+    if (!std::isfinite(x) || x == 0) {
+        return x;
+    }
+    const int e = std::max(std::ilogb(x), -126);
+    const double r = std::ldexp(std::nearbyint(std::ldexp(static_cast<double>(x), 7 - e)), e - 7);
+    if (std::fabs(r) > std::numeric_limits<float>::max()) {
+        return std::copysign(std::numeric_limits<float>::infinity(), x);
+    }
+    return static_cast<float>(r);
+}
+
+float float_of_bits(std::uint32_t u) {
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+}  // namespace
+
+// The bfloat16 rounding of the CPU emulation's tensor-core products (round_bf16,
+// tile_product.cuh: what cvt.rn.bf16x2.f32 does on the GPU), run in a kernel, against
+// bf16_reference bit for bit: random bit patterns (subnormals, both signs, every binade),
+// exact ties between two bfloat16 values and their neighbours, the edge of overflow; infinities
+// and NaN unchanged.
+TEST_CASE("cuda memory: bfloat16 rounding", "[cuda]") {
+    Rng rng(seed_for("cuda bf16 rounding"));
+    std::vector<float> x;
+    for (int i = 0; i < 4000; ++i) {
+        const auto u = static_cast<std::uint32_t>(rng());
+        const float f = float_of_bits(u);
+        if (std::isfinite(f)) {
+            x.push_back(f);
+        }
+        const std::uint32_t tie = (u & 0xffff0000u) | 0x8000u;  // halfway: to the even one
+        for (std::uint32_t v : {tie, tie - 1, tie + 1}) {
+            if (std::isfinite(float_of_bits(v))) {
+                x.push_back(float_of_bits(v));
+            }
+        }
+    }
+    for (std::uint32_t u : {0x7f7fffffu, 0x7f7f7fffu, 0x7f7f8000u, 0x00000001u, 0x80008000u,
+                            0x00018000u, 0x3f808000u, 0x3f818000u}) {
+        x.push_back(float_of_bits(u));
+    }
+    const std::size_t finite = x.size();
+    x.push_back(std::numeric_limits<float>::infinity());
+    x.push_back(-std::numeric_limits<float>::infinity());
+    x.push_back(std::numeric_limits<float>::quiet_NaN());
+    auto buf = tcu::upload_array(x.data(), x.size());
+    float* d = buf.data();
+    tcu::each(cudaStream_t{}, static_cast<long long>(x.size()),
+              [=] __device__(unsigned i) { d[i] = tcu::round_bf16(d[i]); });
+    const std::vector<float> y = host_copy(buf);
+    int wrong = 0;
+    for (std::size_t i = 0; i < finite + 2; ++i) {
+        const float r = bf16_reference(x[i]);
+        if (std::memcmp(&r, &y[i], sizeof r) != 0 && ++wrong <= 5) {
+            FAIL_CHECK("round_bf16(" << x[i] << ") = " << y[i] << ", expected " << r);
+        }
+    }
+    CHECK(wrong == 0);
+    CHECK(std::isnan(y.back()));
 }

@@ -80,8 +80,8 @@ TITANS_HOST_DEVICE void attention_row(const AttentionRowOperands<T>& a, T* out) 
 }
 
 /// RoPE of rows x [q | k | v] (each D = H d_h wide, row stride 3D): element i rotates pair j
-/// of head h of part (0 q, 1 k) of row r, the row at absolute position pos0 + r mod N.
-/// Elements: rows * 2 * H * (d_h / 2).
+/// of head h of row r in q and in k (one angle for both), the row at absolute position
+/// pos0 + r mod N. Elements: rows * H * (d_h / 2).
 template <class T>
 struct RopeQK {
     T* qkv;
@@ -89,17 +89,38 @@ struct RopeQK {
     int H, d_head;
     std::int64_t pos0;
     double base;
-    TITANS_HOST_DEVICE void operator()(unsigned i) const {
+    TITANS_HOST_DEVICE void operator()(unsigned i) const { (void)rotate(i); }
+    /// Element i's rotation; returns r D + h d_h + 2j, the pair's first entry as an element of
+    /// a rows x D functor (AppendWindow, SegmentAppend).
+    TITANS_HOST_DEVICE unsigned rotate(unsigned i) const {
         const auto half = static_cast<unsigned>(d_head / 2), pairs = static_cast<unsigned>(H) * half;
-        const unsigned r = i / (2 * pairs), rem = i % (2 * pairs);
-        const unsigned part = rem / pairs, h = (rem % pairs) / half, j = (rem % pairs) % half;
+        const unsigned r = i / pairs, h = (i % pairs) / half, j = (i % pairs) % half;
         const double angle = static_cast<double>(pos0 + r % static_cast<unsigned>(N)) *
                              rope_frequency(static_cast<int>(j), d_head, base);
         const T c = static_cast<T>(std::cos(angle)), s = static_cast<T>(std::sin(angle));
-        T* e = qkv + static_cast<long long>(r) * 3 * D + part * D + h * d_head + 2 * j;
-        const T a = e[0], b = e[1];
-        e[0] = a * c - b * s;
-        e[1] = a * s + b * c;
+        const unsigned col = h * static_cast<unsigned>(d_head) + 2 * j;
+        T* e = qkv + static_cast<long long>(r) * 3 * D + col;
+        for (int part = 0; part < 2; ++part, e += D) {  // q, then k
+            const T a = e[0], b = e[1];
+            e[0] = a * c - b * s;
+            e[1] = a * s + b * c;
+        }
+        return r * static_cast<unsigned>(D) + col;
+    }
+};
+
+/// RoPE and a functor A over the rows x D entries of k and v (AppendWindow, SegmentAppend) in
+/// one pass: element i rotates its pair of q and k (RopeQK), then A moves the pair's two
+/// columns, reading the rotated k. The values of RopeQK's pass then A's. Elements:
+/// rows * H * (d_h / 2); rows * D below 2^32.
+template <class T, class A>
+struct RopeThen {
+    RopeQK<T> rope;
+    A then;
+    TITANS_HOST_DEVICE void operator()(unsigned i) const {
+        const unsigned e = rope.rotate(i);
+        then(e);
+        then(e + 1);
     }
 };
 

@@ -4,14 +4,15 @@
 //
 // One forward call over B sequences of N tokens:
 //   1. one GEMM x [W_Q | W_K | W_V] over every token of every sequence;
-//   2. RoPE on q and k (the angles in double, rope_frequency of attention/rope.hpp);
-//   3. the new keys and values appended after each sequence's kept window rows;
+//   2-3. the new keys and values appended after each sequence's kept window rows, in one
+//      launch with RoPE on q and k (the angles in double, rope_frequency of
+//      attention/rope.hpp; a thread rotates a pair of q and of k, then appends it);
 //   4. the attention in tiles (attention_tiled.cuh: a block per query tile and head, the keys
 //      and values through shared memory, an online softmax), or, where a tile does not fit
 //      (d_h in the hundreds) or tiles are switched off, a thread per (row, head) running
 //      attention_row; either sees the prefix and the window only, never an N x N matrix.
-// Steps 2-4 are the functors of attention/attention_row.hpp (RopeQK, AppendWindow,
-// AttendRows), which the CPU tests run in a loop against the CPU layer;
+// Steps 2-4 are the functors of attention/attention_row.hpp (RopeThen of RopeQK and
+// AppendWindow, AttendRows), which the CPU tests run in a loop against the CPU layer;
 //   5. one GEMM with W_O; a kernel finds the first non-finite output row (exact sequence and
 //      position in the NonFiniteError, read with the call's one synchronisation).
 
@@ -30,6 +31,7 @@
 #include "../../attention/segment_backward.hpp"
 #include "../../error.hpp"
 #include "../backend.hpp"
+#include "attention_rope.cuh"
 #include "attention_segment_backward.cuh"
 #include "attention_state.cuh"
 #include "attention_tiled.cuh"
@@ -158,13 +160,10 @@ struct AttentionKernels<Cuda, T> {
                       p->d, T(1), {c.h.data, static_cast<int>(c.h.stride)},
                       {p->w_qkv.data() + D, static_cast<int>(3 * D)}, T(0), kvh.data(),
                       static_cast<int>(2 * D), 0, 1);
-        if (cfg.rope) {
-            rope(cfg, sm, qkv.data(), rows, c.rows, c.position);
-        }
         const long long C2 = 2LL * c.segment, stride = c.seg_k.stride;
-        cuda::each(sm, rows * D,
-                   detail::SegmentAppend<T>{qkv.data(), kvh.data(), c.seg_k.data, c.seg_v.data,
-                                            stride, C2, c.rows, c.offset, D});
+        cuda::rope_then(cfg, sm, qkv.data(), rows, c.rows, c.position,
+                        detail::SegmentAppend<T>{qkv.data(), kvh.data(), c.seg_k.data,
+                                                 c.seg_v.data, stride, C2, c.rows, c.offset, D});
         const bool has_p = c.prefix.rows() > 0;  // without one its pointers are never read
         const T* kp = has_p ? c.prefix.k.data : qkv.data();
         const T* vp = has_p ? c.prefix.v.data : qkv.data();
@@ -261,11 +260,10 @@ struct AttentionKernels<Cuda, T> {
                       p.d, T(1), {x.data, static_cast<int>(x.stride)},
                       {p.w_qkv.data(), static_cast<int>(3 * D)}, T(0), w.qkv.data(),
                       static_cast<int>(3 * D), 0, 1);
-        if (cfg.rope) {
-            rope(cfg, cx.stream(), w.qkv.data(), rows, N, st.position_);
-        }
         reserve_window(st, N);
-        append(cx.stream(), st, w.qkv.data(), N);
+        cuda::rope_then(cfg, cx.stream(), w.qkv.data(), rows, N, st.position_,
+                        detail::AppendWindow<T>{w.qkv.data(), st.k_.data(), st.v_.data(), N, D,
+                                                st.cap_, st.off_ + st.rows_});
         attend(cfg, cx.stream(), st, w.qkv.data(), w.o.data(), prefix, N);
         cuda::gemm<T>(cx.blas(), false, false, static_cast<int>(rows), p.d, static_cast<int>(D),
                       T(1), {w.o.data(), static_cast<int>(D)}, {p.w_o.data(), p.d}, T(0), y.data,
@@ -283,14 +281,6 @@ struct AttentionKernels<Cuda, T> {
         st.off_ += st.rows_ + N - keep;
         st.rows_ = keep;
         st.position_ += N;
-    }
-
-    /// Rotates the q and k parts of qkv (rows x 3D, row r at position pos + r mod N) in place.
-    static void rope(const AttentionConfig& cfg, cudaStream_t sm, T* qkv, long long rows,
-                     long long N, std::int64_t pos) {
-        const int H = cfg.n_heads, dh = cfg.head_dim();
-        cuda::each(sm, rows * 2 * H * (dh / 2),
-                   detail::RopeQK<T>{qkv, N, cfg.inner_dim(), H, dh, pos, cfg.rope_base});
     }
 
     /// Room for N more rows after the kept ones in every window buffer: when the buffers' end
@@ -336,14 +326,6 @@ struct AttentionKernels<Cuda, T> {
             const long long b = i / cuda::u32(n), j = i % cuda::u32(n);
             dst[b * ds + j] = src[b * ss + j];
         });
-    }
-
-    /// The piece's keys and values (rotated) after each sequence's kept rows.
-    static void append(cudaStream_t sm, State& st, const T* qkv, long long N) {
-        const long long D = st.cfg_.inner_dim();
-        cuda::each(sm, st.batch_ * N * D,
-                   detail::AppendWindow<T>{qkv, st.k_.data(), st.v_.data(), N, D, st.cap_,
-                                           st.off_ + st.rows_});
     }
 
     /// o (rows x D) = the attention of every (row, head) (attend_rows).

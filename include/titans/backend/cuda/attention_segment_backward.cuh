@@ -22,6 +22,7 @@
 #include "../../attention/attention_row_backward.hpp"
 #include "../../attention/config.hpp"
 #include "../../attention/segment_backward.hpp"
+#include "attention_rope.cuh"
 #include "attention_tiled.cuh"
 #include "attention_tiled_backward.cuh"
 #include "attention_warp_tiles_backward.cuh"
@@ -83,11 +84,6 @@ struct SegmentBackward {
         gemm<T>(cx.blas(), false, false, int(rows), int(2 * D), int(ps.d), T(1),
                 {c.h.data, int(c.h.stride)}, {ps.w_qkv + D, int(3 * D)}, T(0), ps.kvh.data(),
                 int(2 * D), 0, 1);
-        if (cfg.rope) {
-            each(sm, rows * 2 * ps.H * (ps.dh / 2),
-                 detail::RopeQK<T>{ps.qkv.data(), ps.m, D, int(ps.H), int(ps.dh), c.position,
-                                   cfg.rope_base});
-        }
         ps.kw = buffer(ps.B * ps.n * D);
         ps.vw = buffer(ps.B * ps.n * D);
         if (ps.o > 0) {
@@ -96,9 +92,9 @@ struct SegmentBackward {
             copy_blocks(sm, c.kept_v.data, c.kept_v.stride, 2 * ps.o, ps.vw.data(), D, ps.n, ps.B,
                         D);
         }
-        each(sm, rows * D,
-             detail::SegmentAppend<T>{ps.qkv.data(), ps.kvh.data(), ps.kw.data(), ps.vw.data(), D,
-                                      ps.n, ps.m, ps.o, D});
+        rope_then(cfg, sm, ps.qkv.data(), rows, ps.m, c.position,
+                  detail::SegmentAppend<T>{ps.qkv.data(), ps.kvh.data(), ps.kw.data(),
+                                           ps.vw.data(), D, ps.n, ps.m, ps.o, D});
         ps.att = buffer(rows * D);
         const T* kp = ps.np > 0 ? c.prefix.k.data : ps.qkv.data();  // unread without a prefix
         const T* vp = ps.np > 0 ? c.prefix.v.data : ps.qkv.data();

@@ -184,11 +184,6 @@ struct AttentionTraining<Cuda, T> {
                       static_cast<int>(ps.d), T(1), {tr.x.mem.data(), static_cast<int>(ps.d)},
                       {p.w_qkv.data(), 3 * static_cast<int>(D)}, T(0), ps.qkv.data(),
                       3 * static_cast<int>(D), 0, 1);
-        if (cfg.rope) {
-            cuda::each(sm, rows * 2 * ps.H * (ps.dh / 2),
-                       detail::RopeQK<T>{ps.qkv.data(), ps.N, D, ps.H, ps.dh, tr.start,
-                                         cfg.rope_base});
-        }
         ps.prows = tr.prefix.rows();
         ps.shared = tr.sharing == PrefixSharing::Shared;
         ps.np = ps.prows == 0 ? 0 : ps.shared ? ps.prows : ps.prows / ps.B;
@@ -203,8 +198,9 @@ struct AttentionTraining<Cuda, T> {
             Kernels::move_rows(sm, ps.vw.data(), tr.kept_v.data(), ps.B, ps.h * D, ps.cap * D,
                                ps.h * D);
         }
-        cuda::each(sm, rows * D, detail::AppendWindow<T>{ps.qkv.data(), ps.kw.data(),
-                                                         ps.vw.data(), ps.N, D, ps.cap, ps.h});
+        cuda::rope_then(cfg, sm, ps.qkv.data(), rows, ps.N, tr.start,
+                        detail::AppendWindow<T>{ps.qkv.data(), ps.kw.data(), ps.vw.data(), ps.N,
+                                                D, ps.cap, ps.h});
         ps.scale = T(1) / std::sqrt(static_cast<T>(ps.dh));
         ps.kp = ps.prows > 0 ? ps.proj.k.data() : ps.qkv.data();
         ps.vp = ps.prows > 0 ? ps.proj.v.data() : ps.qkv.data();

@@ -198,6 +198,7 @@ __global__ void __launch_bounds__(tiled_threads)
     }
     const bool active = 16 * warp < nq;  // a warp past the piece's last query only loads
     using Row = RowOperand<T, TF32>;
+    constexpr Operands P = tf32_or_exact<TF32>;
     const Row qa = operand_at<Row>(sq + warp * 16 * L::ldq, L::ldq);
     auto tile = [&](const T* k, long long ks, const T* v, long long vs, int nk, long long key0) {
         warp_tile_load_kv<T, TF32, DHP>(sk, sv, k + col, ks, v + col, vs, nk, dh);
@@ -208,15 +209,15 @@ __global__ void __launch_bounds__(tiled_threads)
         tile_zero(s);
         TITANS_UNROLL
         for (int k0 = 0; k0 < DHP; k0 += 8) {
-            tile_step<T, TF32, 1, NS>(s, qa, operand_at<TransposedOperand<T, TF32>>(sk, L::ldq), g,
-                                      g, k0, g, q);
+            tile_step<T, P, 1, NS>(s, qa, operand_at<TransposedOperand<T, TF32>>(sk, L::ldq), g, g,
+                                   k0, g, q);
         }
         warp_tile_softmax<T, TF32, DHP, NS>(w, s, pw, L::ldp, nk, key0, a.window, a.scale, g, q);
         __syncwarp();
         TITANS_PRAGMA(unroll TITANS_TILE_K_UNROLL)
         for (int k0 = 0; k0 < TK; k0 += 8) {
-            tile_step<T, TF32, 1, DHP / 8>(w.o, operand_at<Row>(pw, L::ldp),
-                                           operand_at<Row>(sv, L::ldv), g, g, k0, g, q);
+            tile_step<T, P, 1, DHP / 8>(w.o, operand_at<Row>(pw, L::ldp),
+                                        operand_at<Row>(sv, L::ldv), g, g, k0, g, q);
         }
         __syncwarp();  // P read before the next tile writes it
     };

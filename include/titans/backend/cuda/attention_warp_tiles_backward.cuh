@@ -113,6 +113,7 @@ struct WarpQueryPass {
     using L = WarpBackwardLayout<T, DHP>;
     static constexpr int TB = L::tb, NS = TB / 8, ld = L::ld;
     using Row = RowOperand<T, TF32>;
+    static constexpr Operands P = tf32_or_exact<TF32>;
     using Tr = TransposedOperand<T, TF32>;
     const TiledBackwardArgs<T>& a;
     T *sk, *sv, *pw;
@@ -138,7 +139,7 @@ struct WarpQueryPass {
         if (wq > 0) {
             TITANS_UNROLL
             for (int k0 = 0; k0 < DHP; k0 += 8) {
-                tile_step<T, TF32, 1, NS>(s, qa, operand_at<Tr>(sk, ld), g, g, k0, g, q);
+                tile_step<T, P, 1, NS>(s, qa, operand_at<Tr>(sk, ld), g, g, k0, g, q);
             }
         }
     }
@@ -178,7 +179,7 @@ struct WarpQueryPass {
         tile_zero(dp);
         TITANS_UNROLL
         for (int k0 = 0; k0 < DHP; k0 += 8) {
-            tile_step<T, TF32, 1, NS>(dp, ga, operand_at<Tr>(sv, ld), g, g, k0, g, q);
+            tile_step<T, P, 1, NS>(dp, ga, operand_at<Tr>(sv, ld), g, g, k0, g, q);
         }
         TITANS_UNROLL
         for (int ni = 0; ni < NS; ++ni) {
@@ -196,8 +197,8 @@ struct WarpQueryPass {
         __syncwarp();
         TITANS_PRAGMA(unroll TITANS_TILE_K_UNROLL)
         for (int k0 = 0; k0 < TB; k0 += 8) {
-            tile_step<T, TF32, 1, DHP / 8>(w.o, operand_at<Row>(pw, L::ldp),
-                                           operand_at<Row>(sk, ld), g, g, k0, g, q);
+            tile_step<T, P, 1, DHP / 8>(w.o, operand_at<Row>(pw, L::ldp), operand_at<Row>(sk, ld),
+                                        g, g, k0, g, q);
         }
         __syncwarp();
     }
@@ -283,6 +284,7 @@ struct WarpKeyTile {
     using L = WarpBackwardLayout<T, DHP>;
     static constexpr int TB = L::tb, NS = TB / 8, ld = L::ld;
     using Row = RowOperand<T, TF32>;
+    static constexpr Operands P = tf32_or_exact<TF32>;
     using Tr = TransposedOperand<T, TF32>;
     const TiledAttentionArgs<T>& f;
     const T *sk, *sv, *sq, *sg, *st;
@@ -296,10 +298,10 @@ struct WarpKeyTile {
         tile_zero(dp);
         TITANS_UNROLL
         for (int k0 = 0; k0 < DHP; k0 += 8) {
-            tile_step<T, TF32, 1, NS>(s, operand_at<Row>(sk, ld), operand_at<Tr>(sq, ld), g, g, k0,
-                                      g, q);
-            tile_step<T, TF32, 1, NS>(dp, operand_at<Row>(sv, ld), operand_at<Tr>(sg, ld), g, g, k0,
-                                      g, q);
+            tile_step<T, P, 1, NS>(s, operand_at<Row>(sk, ld), operand_at<Tr>(sq, ld), g, g, k0, g,
+                                   q);
+            tile_step<T, P, 1, NS>(dp, operand_at<Row>(sv, ld), operand_at<Tr>(sg, ld), g, g, k0, g,
+                                   q);
         }
         TITANS_UNROLL
         for (int ni = 0; ni < NS; ++ni) {
@@ -333,8 +335,8 @@ struct WarpKeyTile {
     __device__ void product(T (&acc)[1][DHP / 8][4], const T* m) const {
         TITANS_PRAGMA(unroll TITANS_TILE_K_UNROLL)
         for (int k0 = 0; k0 < TB; k0 += 8) {
-            tile_step<T, TF32, 1, DHP / 8>(acc, operand_at<Row>(pw, L::ldp), operand_at<Row>(m, ld),
-                                           g, g, k0, g, q);
+            tile_step<T, P, 1, DHP / 8>(acc, operand_at<Row>(pw, L::ldp), operand_at<Row>(m, ld), g,
+                                        g, k0, g, q);
         }
         __syncwarp();
     }

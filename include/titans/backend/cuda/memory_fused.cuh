@@ -10,7 +10,8 @@
 //   end     W1 = beta W1 + c S1 - K^T diag(g) X,   S1 = P S1 - K^T diag(s) X
 //           W2 = beta W2 + c S2 - A1^T diag(g) D2,  S2 = P S2 - A1^T diag(s) D2
 // Nine products of a chunk (b x d_h x h each) go through block_product (tile_product.cuh): on
-// the tensor cores in TF32 where the caller allows it, else plain FMAs in T. The same
+// the tensor cores in float, in TF32 where the caller allows it or on bfloat16 operands where
+// the caller asks for them (FusedOperands), else plain FMAs in T. The same
 // algorithm as MemoryKernels<Cuda, T>::scan's segments; the last chunk's rows of A, Delta
 // are written to the state's pending arrays as the unfused path leaves them.
 
@@ -28,10 +29,11 @@
 namespace titans::backend::cuda {
 
 /// Which forward calls run their full chunks in the fused kernel (when the configuration
-/// allows it: fused_applies): Auto where it runs on the tensor cores (float, with TF32 allowed
-/// on the state's stream), On always (plain FMAs in double, and in float without TF32), Off
-/// never. Off also turns off the decode kernel (memory_decode.cuh), which Auto and On run
-/// wherever it applies. Process-wide, read at every forward call.
+/// allows it: fused_plan): Auto where it runs on the tensor cores (float, with TF32 allowed
+/// on the state's stream or bfloat16 operands asked for: FusedOperands), On always (plain FMAs
+/// in double, and in float without either), Off never. Off also turns off the decode kernel
+/// (memory_decode.cuh), which Auto and On run wherever it applies. Process-wide, read at every
+/// forward call.
 enum class FusedMemory { Auto, On, Off };
 
 inline std::atomic<FusedMemory>& fused_memory_flag() {
@@ -40,6 +42,21 @@ inline std::atomic<FusedMemory>& fused_memory_flag() {
 }
 inline void set_fused_memory(FusedMemory m) { fused_memory_flag().store(m); }
 [[nodiscard]] inline FusedMemory fused_memory() { return fused_memory_flag().load(); }
+
+/// The operands of the fused kernel's products in float: Float (TF32 where the state's stream
+/// allows TF32, else exact FMAs), BF16 (rounded to bfloat16, 8 significant bits, to nearest
+/// even; FP32 sums: mma.sync m16n8k16 on the tensor cores, twice TF32's rate; the error
+/// against the CPU in docs/cuda.md). double ignores it; the chunk, d_h and hidden width are
+/// multiples of 32 wherever the kernel runs, so of its k-step of 16. Process-wide, read at
+/// every forward call.
+enum class FusedOperands { Float, BF16 };
+
+inline std::atomic<FusedOperands>& fused_operands_flag() {
+    static std::atomic<FusedOperands> flag{FusedOperands::Float};
+    return flag;
+}
+inline void set_fused_operands(FusedOperands o) { fused_operands_flag().store(o); }
+[[nodiscard]] inline FusedOperands fused_operands() { return fused_operands_flag().load(); }
 
 /// Launches of the fused kernel in this process (tests and benchmarks read it).
 inline std::atomic<long long>& fused_launches() {
@@ -139,20 +156,20 @@ __device__ void each_shared(int rows, int width, int ld, const F& f) {
 }
 
 /// The lagged read of the chunk's queries (in sh.q): y = act(Q W1) W2 (+ Q).
-template <class T, bool TF32>
+template <class T, Operands P>
 __device__ void fused_read(const FusedArgs<T>& f, const FusedShared<T>& sh, const T* w1,
                            const T* w2, T* y) {
     const FusedLayout& l = f.lay;
     const int ldk = l.ldk(), ldh = l.ldh(), dh = l.dh, h = l.h;
     const Activation act = f.act;
-    block_product<T, TF32, 2, 4, KOrder::Pair>(
+    block_product<T, P, 2, 4, KOrder::Pair>(
         l.b, h, dh, RowMajor<T>{sh.q, ldk}, [&](int k, int j) { return w1[k * h + j]; },
         each_pair([&](int i, int j, T z0, T z1) { store_pair(sh.x + i * ldh + j, z0, z1); }));
     __syncthreads();
     each_shared(l.b, h, ldh, [&](int e) { sh.x[e] = detail::activate(act, sh.x[e]); });
     __syncthreads();
     const bool res = f.residual;
-    block_product<T, TF32, 1, 2, KOrder::Pair>(
+    block_product<T, P, 1, 2, KOrder::Pair>(
         l.b, dh, h, RowMajor<T>{sh.x, ldh}, [&](int k, int j) { return w2[k * dh + j]; },
         each_entry([&](int i, int j, T z) { y[i * dh + j] = res ? z + sh.q[i * ldk + j] : z; }));
     __syncthreads();
@@ -160,13 +177,13 @@ __device__ void fused_read(const FusedArgs<T>& f, const FusedShared<T>& sh, cons
 
 /// The chunk's keys (in sh.k) forward through W^s and back through the loss (math §2):
 /// A1 = act(K W1), D2 = A1 W2 (+ K) - V (into sh.q), X = (D2 W2^T) . act'(K W1).
-template <class T, bool TF32>
+template <class T, Operands P>
 __device__ void fused_keys(const FusedArgs<T>& f, const FusedShared<T>& sh, const T* w1,
                            const T* w2, const T* v) {
     const FusedLayout& l = f.lay;
     const int ldk = l.ldk(), ldh = l.ldh(), dh = l.dh, h = l.h;
     const Activation act = f.act;
-    block_product<T, TF32, 2, 4, KOrder::Pair>(
+    block_product<T, P, 2, 4, KOrder::Pair>(
         l.b, h, dh, RowMajor<T>{sh.k, ldk}, [&](int k, int j) { return w1[k * h + j]; },
         each_pair([&](int i, int j, T z0, T z1) { store_pair(sh.a1 + i * ldh + j, z0, z1); }));
     __syncthreads();
@@ -177,7 +194,7 @@ __device__ void fused_keys(const FusedArgs<T>& f, const FusedShared<T>& sh, cons
     });
     __syncthreads();
     const bool res = f.residual;
-    block_product<T, TF32, 1, 2, KOrder::Pair>(
+    block_product<T, P, 1, 2, KOrder::Pair>(
         l.b, dh, h, RowMajor<T>{sh.a1, ldh}, [&](int k, int j) { return w2[k * dh + j]; },
         [&](const T(&acc)[1][2][4], int i, int j0) {
             T d[1][2][4], kt[1][2][4];  // V's entries first: their loads in flight together
@@ -194,7 +211,7 @@ __device__ void fused_keys(const FusedArgs<T>& f, const FusedShared<T>& sh, cons
                 d, i, j0);
         });
     __syncthreads();
-    block_product<T, TF32, 2, 4, KOrder::Pair>(
+    block_product<T, P, 2, 4, KOrder::Pair>(
         l.b, h, dh, RowMajor<T>{sh.q, ldk}, Transposed<T>{w2, dh},
         each_pair([&](int i, int j, T z0, T z1) {
             T* x = sh.x + i * ldh + j;
@@ -233,46 +250,51 @@ __device__ void fused_gates(const FusedArgs<T>& f, const FusedShared<T>& sh, con
     __syncthreads();
 }
 
-/// One k-step of a layer's chunk end for a warp tile: accg += A^T diag(g) E and
-/// accs += A^T diag(s) E over k in [k0, k0 + 8) (A, E k-major in shared memory, rows padded by
-/// 8: the Split order's lanes hit distinct banks). On the tensor cores both products share the
-/// A fragments and E's loads; elsewhere two tile steps.
-template <class T, bool TF32, int MT, int NT>
+/// One k-step (k_step<P>) of a layer's chunk end for a warp tile: accg += A^T diag(g) E and
+/// accs += A^T diag(s) E over k in [k0, k0 + k_step<P>) (A, E k-major in shared memory, rows
+/// padded by 8: the Split order's lanes hit distinct banks). On the tensor cores both products
+/// share the A fragments and E's loads; elsewhere two tile steps.
+template <class T, Operands P, int MT, int NT>
 __device__ inline void end_step(T (&accg)[MT][NT][4], T (&accs)[MT][NT][4], const T* A, int lda,
                                 const T* E, int lde, const T* g, const T* s, int i, int j, int k0,
                                 int gl, int q) {
     const auto a = [&](int r, int k) { return A[k * lda + r]; };
 #if defined(__CUDA_ARCH__)
-    if constexpr (TF32 && sizeof(T) == 4) {
+    if constexpr (P != Operands::Exact) {
         constexpr KOrder O = KOrder::Split;
-        std::uint32_t af[MT][4], bg[NT][2], bs[NT][2];
-        fragment_a<O>(af, a, i, k0, q);
-        const int k = slot_k<O>(k0, q, 0), kh = slot_k<O>(k0, q, 1);
-        const T g0 = g[k], g1 = g[kh], s0 = s[k], s1 = s[kh];
+        constexpr int S = k_step<P> / 8;
+        std::uint32_t af[S][MT][4], bg[S][NT][2], bs[S][NT][2];
         TITANS_UNROLL
-        for (int ni = 0; ni < NT; ++ni) {
-            const T e0 = E[k * lde + j + 8 * ni], e1 = E[kh * lde + j + 8 * ni];
-            bg[ni][0] = __float_as_uint(round_tf32(e0 * g0));
-            bg[ni][1] = __float_as_uint(round_tf32(e1 * g1));
-            bs[ni][0] = __float_as_uint(round_tf32(e0 * s0));
-            bs[ni][1] = __float_as_uint(round_tf32(e1 * s1));
+        for (int st = 0; st < S; ++st) {
+            const int ks = k0 + 8 * st;
+            fragment_a<O, P>(af[st], a, i, ks, q);
+            const int k = slot_k<O>(ks, q, 0), kh = slot_k<O>(ks, q, 1);
+            const T g0 = g[k], g1 = g[kh], s0 = s[k], s1 = s[kh];
+            TITANS_UNROLL
+            for (int ni = 0; ni < NT; ++ni) {
+                const T e0 = E[k * lde + j + 8 * ni], e1 = E[kh * lde + j + 8 * ni];
+                bg[st][ni][0] = fragment_bits<P, void>(e0 * g0);
+                bg[st][ni][1] = fragment_bits<P, void>(e1 * g1);
+                bs[st][ni][0] = fragment_bits<P, void>(e0 * s0);
+                bs[st][ni][1] = fragment_bits<P, void>(e1 * s1);
+            }
         }
-        fragment_mma(accg, af, bg);
-        fragment_mma(accs, af, bs);
+        fragment_mma<P>(accg, af, bg);
+        fragment_mma<P>(accs, af, bs);
         return;
     }
 #endif
-    tile_step<T, TF32, MT, NT>(accg, a, [&](int k, int c) { return E[k * lde + c] * g[k]; }, i, j,
-                               k0, gl, q);
-    tile_step<T, TF32, MT, NT>(accs, a, [&](int k, int c) { return E[k * lde + c] * s[k]; }, i, j,
-                               k0, gl, q);
+    tile_step<T, P, MT, NT>(accg, a, [&](int k, int c) { return E[k * lde + c] * g[k]; }, i, j, k0,
+                            gl, q);
+    tile_step<T, P, MT, NT>(accs, a, [&](int k, int c) { return E[k * lde + c] * s[k]; }, i, j, k0,
+                            gl, q);
 }
 
 /// One layer's chunk end (math §4): W = beta W + c S - A^T diag(g) E, S = P S - A^T diag(s) E,
 /// A (b x in, ld lda) and E (b x out, ld lde) in shared memory, W and S in device memory. A
 /// warp tile holds both products' accumulators; its W and S entries are loaded together
 /// before any is stored.
-template <class T, bool TF32>
+template <class T, Operands P>
 __device__ void fused_end_layer(const FusedShared<T>& sh, int b, int in, int out, const T* A,
                                 int lda, const T* E, int lde, T* W, T* S) {
     constexpr int MT = 2, NT = 2;
@@ -285,8 +307,8 @@ __device__ void fused_end_layer(const FusedShared<T>& sh, int b, int in, int out
         T accg[MT][NT][4], accs[MT][NT][4], w[MT][NT][4], sv[MT][NT][4];
         tile_zero(accg);
         tile_zero(accs);
-        for (int k0 = 0; k0 < b; k0 += 8) {
-            end_step<T, TF32, MT, NT>(accg, accs, A, lda, E, lde, sh.g, sh.s, i, j, k0, gl, q);
+        for (int k0 = 0; k0 < b; k0 += k_step<P>) {
+            end_step<T, P, MT, NT>(accg, accs, A, lda, E, lde, sh.g, sh.s, i, j, k0, gl, q);
         }
         const int j0 = j - gl + 2 * q;
         tile_gather(w, i, j0, [&](int r, int col) { return W[r * out + col]; });
@@ -308,7 +330,7 @@ __device__ void fused_end_layer(const FusedShared<T>& sh, int b, int in, int out
 }
 
 /// The full chunks of one pair (blockIdx.x): read, keys, gates, chunk end, chunk by chunk.
-template <class T, bool TF32>
+template <class T, Operands P>
 __global__ void __launch_bounds__(fused_threads) fused_chunks_kernel(FusedArgs<T> f) {
     const long long p = blockIdx.x;
     const FusedLayout& l = f.lay;
@@ -323,11 +345,11 @@ __global__ void __launch_bounds__(fused_threads) fused_chunks_kernel(FusedArgs<T
         copy_tile(sh.q, l.ldk(), f.q + row * l.dh, l.dh, l.b, l.dh);
         copy_tile(sh.k, l.ldk(), f.k + row * l.dh, l.dh, l.b, l.dh);
         __syncthreads();
-        fused_read<T, TF32>(f, sh, w1, w2, f.y + row * l.dh);
-        fused_keys<T, TF32>(f, sh, w1, w2, f.v + row * l.dh);
+        fused_read<T, P>(f, sh, w1, w2, f.y + row * l.dh);
+        fused_keys<T, P>(f, sh, w1, w2, f.v + row * l.dh);
         fused_gates<T>(f, sh, f.gates != nullptr ? f.gates + row * 3 : nullptr);
-        fused_end_layer<T, TF32>(sh, l.b, l.dh, l.h, sh.k, l.ldk(), sh.x, l.ldh(), w1, s1);
-        fused_end_layer<T, TF32>(sh, l.b, l.h, l.dh, sh.a1, l.ldh(), sh.q, l.ldk(), w2, s2);
+        fused_end_layer<T, P>(sh, l.b, l.dh, l.h, sh.k, l.ldk(), sh.x, l.ldh(), w1, s1);
+        fused_end_layer<T, P>(sh, l.b, l.h, l.dh, sh.a1, l.ldh(), sh.q, l.ldk(), w2, s2);
         if (c + 1 == f.chunks) {  // the last chunk's rows: the state's pending A, Delta
             const long long pb = p * l.b;
             copy_tile(f.a[0] + pb * l.dh, l.dh, sh.k, l.ldk(), l.b, l.dh);

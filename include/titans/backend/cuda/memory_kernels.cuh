@@ -975,7 +975,7 @@ struct MemoryKernels<Cuda, T> {
                 const int chunks = static_cast<int>(std::min<long long>((N - t) / b, 1 << 20));
                 save_rows(st, 0, b);
                 save_full(st);
-                fused_chunks(cfg, st, N, t, chunks, fused.tf32);
+                fused_chunks(cfg, st, N, t, chunks, fused.operands);
                 if (cfg.gates != GateMode::Constant) {
                     copy_rows(sm, st.gates_.data(), w.lp.data(), P, b, N,
                               t + static_cast<long long>(chunks - 1) * b, 0, b, 3);
@@ -1025,12 +1025,18 @@ struct MemoryKernels<Cuda, T> {
     /// cuda::fused_memory() decides the rest.
     struct FusedPlan {
         bool use = false;
-        bool tf32 = false;
+        cuda::Operands operands = cuda::Operands::Exact;
     };
     static FusedPlan fused_plan(const MemoryConfig& cfg, const State& st, bool want_diag) {
         const cuda::FusedMemory mode = cuda::fused_memory();
-        const bool tf32 = std::is_same_v<T, float> && ctx(st).tf32();
-        if (mode == cuda::FusedMemory::Off || (mode == cuda::FusedMemory::Auto && !tf32) ||
+        cuda::Operands ops = cuda::Operands::Exact;
+        if constexpr (std::is_same_v<T, float>) {
+            ops = cuda::fused_operands() == cuda::FusedOperands::BF16 ? cuda::Operands::BF16
+                  : ctx(st).tf32()                                     ? cuda::Operands::TF32
+                                                                       : cuda::Operands::Exact;
+        }
+        if (mode == cuda::FusedMemory::Off ||
+            (mode == cuda::FusedMemory::Auto && ops == cuda::Operands::Exact) ||
             cfg.depth != 2 || cfg.retrieval != Retrieval::Lagged || want_diag) {
             return {};
         }
@@ -1039,13 +1045,14 @@ struct MemoryKernels<Cuda, T> {
             static_cast<std::size_t>(lay.entries()) * sizeof(T) > cuda::shared_memory_limit()) {
             return {};
         }
-        return {true, tf32};
+        return {true, ops};
     }
 
     /// math §2-5 over `chunks` full chunks of every pair from piece row t (a chunk start), in
-    /// one launch of the fused kernel; the last chunk's rows of A, Delta into the state.
+    /// one launch of the fused kernel on operands `ops`; the last chunk's rows of A, Delta into
+    /// the state.
     static void fused_chunks(const MemoryConfig& cfg, State& st, long long N, long long t,
-                             int chunks, bool tf32) {
+                             int chunks, cuda::Operands ops) {
         auto& w = *st.work_;
         const long long dh = cfg.head_dim(), P = static_cast<long long>(st.batch_) * cfg.n_heads;
         cuda::FusedArgs<T> f{};
@@ -1066,10 +1073,12 @@ struct MemoryKernels<Cuda, T> {
         f.gp = cuda::GateParams<T>::of(cfg);
         f.act = cfg.activation;
         f.residual = cfg.residual;
-        void (*kernel)(cuda::FusedArgs<T>) = cuda::fused_chunks_kernel<T, false>;
+        void (*kernel)(cuda::FusedArgs<T>) = cuda::fused_chunks_kernel<T, cuda::Operands::Exact>;
         if constexpr (std::is_same_v<T, float>) {
-            if (tf32) {
-                kernel = cuda::fused_chunks_kernel<T, true>;
+            if (ops == cuda::Operands::TF32) {
+                kernel = cuda::fused_chunks_kernel<T, cuda::Operands::TF32>;
+            } else if (ops == cuda::Operands::BF16) {
+                kernel = cuda::fused_chunks_kernel<T, cuda::Operands::BF16>;
             }
         }
         const auto bytes = static_cast<std::size_t>(f.lay.entries()) * sizeof(T);

@@ -3,21 +3,24 @@
 // for the fused kernels (memory_fused.cuh).
 //
 // Each warp takes tiles of (16 MT) x (8 NT) entries of C in turn; a tile is MT x NT pieces of
-// 16 x 8, the shape of the tensor cores' TF32 instruction (mma.sync m16n8k8), and a lane owns
-// the same four entries of each piece on every path: rows g and g + 8, columns 2q and 2q + 1
-// (g = lane / 4, q = lane % 4). The operands are read through functors a(i, k) and b(k, j)
-// (shared or device memory, transposed or scaled on the way), and a finished tile's
-// accumulators go to a tile epilogue, which may gather what its stores need first (so that
-// those loads are in flight together) or hand each entry on (each_entry). Paths:
-//   TF32 = true, float, nvcc:  mma.sync on the tensor cores, operands rounded to TF32
-//                              (cvt.rna: 10-bit mantissa, to nearest, ties away), FP32 sums;
-//   TF32 = true, emulation:    the same rounding, FP32 sums in k order (what the tensor cores
-//                              compute up to the order of their sums);
-//   TF32 = false:              plain FMAs in T (float or double), in k order.
-// M must be a multiple of 16 MT, N of 8 NT and K of 8 (the callers check their shapes).
-// Operands read through RoundedRowMajor / RoundedTransposed (RowOperand, TransposedOperand)
-// were rounded to TF32 when their tile was stored (tf32_stored): their fragments skip the
-// conversion and see the same values.
+// 16 x 8, the shape of the tensor cores' instructions (mma.sync m16n8k8 in TF32, m16n8k16 in
+// bf16), and a lane owns the same four entries of each piece on every path: rows g and g + 8,
+// columns 2q and 2q + 1 (g = lane / 4, q = lane % 4). The operands are read through functors
+// a(i, k) and b(k, j) (shared or device memory, transposed or scaled on the way), and a
+// finished tile's accumulators go to a tile epilogue, which may gather what its stores need
+// first (so that those loads are in flight together) or hand each entry on (each_entry). The
+// products' operands (Operands):
+//   TF32, float, nvcc:   mma.sync m16n8k8 on the tensor cores, operands rounded to TF32
+//                        (cvt.rna: 10-bit mantissa, to nearest, ties away), FP32 sums;
+//   BF16, float, nvcc:   mma.sync m16n8k16, operands rounded to bfloat16 (cvt.rn: 7-bit
+//                        mantissa, to nearest even), FP32 sums (their products are exact);
+//   TF32 or BF16, emulation: the same roundings, FP32 sums in k order (what the tensor cores
+//                        compute up to the order of their sums);
+//   Exact:               plain FMAs in T (float or double), in k order.
+// M must be a multiple of 16 MT, N of 8 NT and K of 8 (16 for BF16; the callers check their
+// shapes). Operands read through RoundedRowMajor / RoundedTransposed (RowOperand,
+// TransposedOperand) were rounded to TF32 when their tile was stored (tf32_stored): their
+// fragments skip the conversion and see the same values.
 
 #include <cstdint>
 #include <cstring>
@@ -68,10 +71,37 @@ __device__ inline float round_tf32(float x) {
 #endif
 }
 
-template <class T, bool TF32>
+/// x rounded to bfloat16 as cvt.rn.bf16.f32 does (the low 16 bits of the float cleared, to
+/// nearest, ties to even; infinities and NaN unchanged), as a float.
+__device__ inline float round_bf16(float x) {
+    std::uint32_t u;
+    std::memcpy(&u, &x, sizeof u);
+    if ((u & 0x7f800000u) != 0x7f800000u) {
+        u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    }
+    std::memcpy(&x, &u, sizeof x);
+    return x;
+}
+
+/// The operands of a warp tile's products: Exact (T, plain FMAs), TF32 or BF16 (float on the
+/// tensor cores, operands rounded to TF32 or to bfloat16, FP32 sums).
+enum class Operands { Exact, TF32, BF16 };
+
+/// TF32 where a kernel's products may use the tensor cores (`tf32`), Exact otherwise.
+template <bool TF32>
+inline constexpr Operands tf32_or_exact = TF32 ? Operands::TF32 : Operands::Exact;
+
+/// The k-step of a tile product on operands P: 16 for BF16 (an m16n8k16 instruction), else 8.
+template <Operands P>
+inline constexpr int k_step = P == Operands::BF16 ? 16 : 8;
+
+/// An operand entry as products on operands P see it.
+template <class T, Operands P>
 __device__ inline T operand(T x) {
-    if constexpr (TF32) {
+    if constexpr (P == Operands::TF32) {
         return round_tf32(x);
+    } else if constexpr (P == Operands::BF16) {
+        return round_bf16(x);
     } else {
         return x;
     }
@@ -193,111 +223,161 @@ __device__ inline T tf32_stored(T x) {
 
 #if defined(__CUDA_ARCH__)
 
-/// An operand entry's bits for a fragment: converted to TF32 unless F's entries already are.
-template <class F>
+/// An operand entry's bits for a fragment on operands P: converted to TF32 unless F's
+/// entries already are; for BF16 the float's bits (rounded when a pair is packed: bf16_pair).
+template <Operands P, class F>
 __device__ inline std::uint32_t fragment_bits(float x) {
-    if constexpr (pre_rounded<F>) {
+    if constexpr (P == Operands::BF16 || pre_rounded<F>) {
         return __float_as_uint(x);
     } else {
         return __float_as_uint(round_tf32(x));
     }
 }
 
-/// The A fragments of a warp tile's MT pieces for the k-step at k0 (rows i + 16 mi (+ 8)).
-template <KOrder O, int MT, class FA>
+/// The A fragments of a warp tile's MT pieces for the k-step of 8 at k0 (rows i + 16 mi (+ 8)).
+template <KOrder O, Operands P, int MT, class FA>
 __device__ inline void fragment_a(std::uint32_t (&af)[MT][4], const FA& a, int i, int k0, int q) {
     const int k = slot_k<O>(k0, q, 0), kh = slot_k<O>(k0, q, 1);
     if constexpr (O == KOrder::Pair && requires(const FA& x) { x.pair(0, 0); }) {
         TITANS_UNROLL
         for (int mi = 0; mi < MT; ++mi) {
             const EntryPair<float> lo = a.pair(i + 16 * mi, k), hi = a.pair(i + 16 * mi + 8, k);
-            af[mi][0] = fragment_bits<FA>(lo.x);
-            af[mi][1] = fragment_bits<FA>(hi.x);
-            af[mi][2] = fragment_bits<FA>(lo.y);
-            af[mi][3] = fragment_bits<FA>(hi.y);
+            af[mi][0] = fragment_bits<P, FA>(lo.x);
+            af[mi][1] = fragment_bits<P, FA>(hi.x);
+            af[mi][2] = fragment_bits<P, FA>(lo.y);
+            af[mi][3] = fragment_bits<P, FA>(hi.y);
         }
     } else {
         TITANS_UNROLL
         for (int mi = 0; mi < MT; ++mi) {
             const int r = i + 16 * mi;
-            af[mi][0] = fragment_bits<FA>(a(r, k));
-            af[mi][1] = fragment_bits<FA>(a(r + 8, k));
-            af[mi][2] = fragment_bits<FA>(a(r, kh));
-            af[mi][3] = fragment_bits<FA>(a(r + 8, kh));
+            af[mi][0] = fragment_bits<P, FA>(a(r, k));
+            af[mi][1] = fragment_bits<P, FA>(a(r + 8, k));
+            af[mi][2] = fragment_bits<P, FA>(a(r, kh));
+            af[mi][3] = fragment_bits<P, FA>(a(r + 8, kh));
         }
     }
 }
 
-/// The B fragments of a warp tile's NT pieces for the k-step at k0 (column j + 8 ni).
-template <KOrder O, int NT, class FB>
+/// The B fragments of a warp tile's NT pieces for the k-step of 8 at k0 (column j + 8 ni).
+template <KOrder O, Operands P, int NT, class FB>
 __device__ inline void fragment_b(std::uint32_t (&bf)[NT][2], const FB& b, int j, int k0, int q) {
     const int k = slot_k<O>(k0, q, 0), kh = slot_k<O>(k0, q, 1);
     if constexpr (O == KOrder::Pair && requires(const FB& x) { x.pair(0, 0); }) {
         TITANS_UNROLL
         for (int ni = 0; ni < NT; ++ni) {
             const EntryPair<float> v = b.pair(k, j + 8 * ni);
-            bf[ni][0] = fragment_bits<FB>(v.x);
-            bf[ni][1] = fragment_bits<FB>(v.y);
+            bf[ni][0] = fragment_bits<P, FB>(v.x);
+            bf[ni][1] = fragment_bits<P, FB>(v.y);
         }
     } else {
         TITANS_UNROLL
         for (int ni = 0; ni < NT; ++ni) {
-            bf[ni][0] = fragment_bits<FB>(b(k, j + 8 * ni));
-            bf[ni][1] = fragment_bits<FB>(b(kh, j + 8 * ni));
+            bf[ni][0] = fragment_bits<P, FB>(b(k, j + 8 * ni));
+            bf[ni][1] = fragment_bits<P, FB>(b(kh, j + 8 * ni));
         }
     }
 }
 
-/// acc += A B for the fragments of one k-step (mma.sync m16n8k8, TF32 in, FP32 sums). Not
-/// volatile: the compiler may move the next k-step's loads above these.
-template <int MT, int NT>
-__device__ inline void fragment_mma(float (&acc)[MT][NT][4], const std::uint32_t (&af)[MT][4],
-                                    const std::uint32_t (&bf)[NT][2]) {
-    TITANS_UNROLL
-    for (int mi = 0; mi < MT; ++mi) {
+/// Two floats' bits rounded to bfloat16 and packed into one register, lo in the low half (the
+/// fragment's lower slot): cvt.rn.bf16x2.f32 puts its first source in the high half.
+__device__ inline std::uint32_t bf16_pair(std::uint32_t lo, std::uint32_t hi) {
+    std::uint32_t r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;"
+        : "=r"(r)
+        : "f"(__uint_as_float(hi)), "f"(__uint_as_float(lo)));
+    return r;
+}
+
+/// acc += A B for the fragments of one k-step: S = k_step<P> / 8 steps of 8 (fragment_a,
+/// fragment_b). TF32 (S = 1): mma.sync m16n8k8. BF16 (S = 2): mma.sync m16n8k16, its lane's k
+/// slots 2q, 2q + 1 (+ 8) taken from the two steps' slots q, q + 4 (any k order both operands
+/// share gives the same sum), FP32 sums. Not volatile: the compiler may move the next k-step's
+/// loads above these.
+template <Operands P, int S, int MT, int NT>
+__device__ inline void fragment_mma(float (&acc)[MT][NT][4], const std::uint32_t (&af)[S][MT][4],
+                                    const std::uint32_t (&bf)[S][NT][2]) {
+    static_assert(S == k_step<P> / 8 && P != Operands::Exact, "one instruction's k-steps");
+    if constexpr (P == Operands::TF32) {
+        TITANS_UNROLL
+        for (int mi = 0; mi < MT; ++mi) {
+            TITANS_UNROLL
+            for (int ni = 0; ni < NT; ++ni) {
+                float(&c)[4] = acc[mi][ni];
+                asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, "
+                    "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                    : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                    : "r"(af[0][mi][0]), "r"(af[0][mi][1]), "r"(af[0][mi][2]), "r"(af[0][mi][3]),
+                      "r"(bf[0][ni][0]), "r"(bf[0][ni][1]));
+            }
+        }
+    } else {
+        std::uint32_t pa[MT][4], pb[NT][2];
+        TITANS_UNROLL
+        for (int mi = 0; mi < MT; ++mi) {
+            TITANS_UNROLL
+            for (int s = 0; s < 2; ++s) {  // rows g, g + 8 of k slots 2q, 2q + 1, then + 8
+                pa[mi][2 * s] = bf16_pair(af[s][mi][0], af[s][mi][2]);
+                pa[mi][2 * s + 1] = bf16_pair(af[s][mi][1], af[s][mi][3]);
+            }
+        }
         TITANS_UNROLL
         for (int ni = 0; ni < NT; ++ni) {
-            float(&c)[4] = acc[mi][ni];
-            asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, "
-                "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-                : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                : "r"(af[mi][0]), "r"(af[mi][1]), "r"(af[mi][2]), "r"(af[mi][3]), "r"(bf[ni][0]),
-                  "r"(bf[ni][1]));
+            pb[ni][0] = bf16_pair(bf[0][ni][0], bf[0][ni][1]);
+            pb[ni][1] = bf16_pair(bf[1][ni][0], bf[1][ni][1]);
+        }
+        TITANS_UNROLL
+        for (int mi = 0; mi < MT; ++mi) {
+            TITANS_UNROLL
+            for (int ni = 0; ni < NT; ++ni) {
+                float(&c)[4] = acc[mi][ni];
+                asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+                    "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                    : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                    : "r"(pa[mi][0]), "r"(pa[mi][1]), "r"(pa[mi][2]), "r"(pa[mi][3]),
+                      "r"(pb[ni][0]), "r"(pb[ni][1]));
+            }
         }
     }
 }
 
 #endif
 
-/// One k-step of 8 for a warp's tile: acc[mi][ni][2h + c] += sum_k a(r, k) b(k, col), the lane's
-/// rows r = i + 16 mi + 8 h and columns col = j + 8 ni + 2q + c (i = tile row + g, j = tile
-/// column), k in [k0, k0 + 8) (on the tensor cores, in the order O).
-template <class T, bool TF32, int MT, int NT, KOrder O = KOrder::Split, class FA, class FB>
+/// One k-step (k_step<P>: 8, or 16 for BF16) for a warp's tile: acc[mi][ni][2h + c] +=
+/// sum_k a(r, k) b(k, col), the lane's rows r = i + 16 mi + 8 h and columns
+/// col = j + 8 ni + 2q + c (i = tile row + g, j = tile column), k in [k0, k0 + k_step<P>) (on
+/// the tensor cores, in the order O).
+template <class T, Operands P, int MT, int NT, KOrder O = KOrder::Split, class FA, class FB>
 __device__ inline void tile_step(T (&acc)[MT][NT][4], const FA& a, const FB& b, int i, int j,
                                  int k0, int g, int q) {
+    static_assert(P == Operands::Exact || sizeof(T) == 4, "tensor-core products are for float");
 #if defined(__CUDA_ARCH__)
-    if constexpr (TF32 && sizeof(T) == 4) {
-        std::uint32_t af[MT][4], bf[NT][2];
-        fragment_a<O>(af, a, i, k0, q);
-        fragment_b<O>(bf, b, j, k0, q);
-        fragment_mma(acc, af, bf);
+    if constexpr (P != Operands::Exact) {
+        constexpr int S = k_step<P> / 8;
+        std::uint32_t af[S][MT][4], bf[S][NT][2];
+        TITANS_UNROLL
+        for (int s = 0; s < S; ++s) {
+            fragment_a<O, P>(af[s], a, i, k0 + 8 * s, q);
+            fragment_b<O, P>(bf[s], b, j, k0 + 8 * s, q);
+        }
+        fragment_mma<P>(acc, af, bf);
         return;
     }
 #endif
     const int j0 = j - g + 2 * q;  // the lane's first column of piece 0
     TITANS_UNROLL
-    for (int kk = 0; kk < 8; ++kk) {
+    for (int kk = 0; kk < k_step<P>; ++kk) {
         const int k = k0 + kk;
         T bv[NT][2];
         TITANS_UNROLL
         for (int ni = 0; ni < NT; ++ni) {
-            bv[ni][0] = operand<T, TF32>(b(k, j0 + 8 * ni));
-            bv[ni][1] = operand<T, TF32>(b(k, j0 + 8 * ni + 1));
+            bv[ni][0] = operand<T, P>(b(k, j0 + 8 * ni));
+            bv[ni][1] = operand<T, P>(b(k, j0 + 8 * ni + 1));
         }
         TITANS_UNROLL
         for (int mi = 0; mi < MT; ++mi) {
-            const T a0 = operand<T, TF32>(a(i + 16 * mi, k));
-            const T a1 = operand<T, TF32>(a(i + 16 * mi + 8, k));
+            const T a0 = operand<T, P>(a(i + 16 * mi, k));
+            const T a1 = operand<T, P>(a(i + 16 * mi + 8, k));
             TITANS_UNROLL
             for (int ni = 0; ni < NT; ++ni) {
                 acc[mi][ni][0] += a0 * bv[ni][0];
@@ -359,8 +439,10 @@ __device__ inline void tile_gather(T (&out)[MT][NT][4], int i, int j0, const F& 
 template <class FE>
 __device__ inline auto each_pair(const FE& e) {
     return [&e](const auto& acc, int i, int j0) {
-        constexpr int MT = static_cast<int>(std::extent_v<std::remove_reference_t<decltype(acc)>, 0>);
-        constexpr int NT = static_cast<int>(std::extent_v<std::remove_reference_t<decltype(acc)>, 1>);
+        constexpr int MT =
+            static_cast<int>(std::extent_v<std::remove_reference_t<decltype(acc)>, 0>);
+        constexpr int NT =
+            static_cast<int>(std::extent_v<std::remove_reference_t<decltype(acc)>, 1>);
         TITANS_UNROLL
         for (int mi = 0; mi < MT; ++mi) {
             TITANS_UNROLL
@@ -382,10 +464,9 @@ __device__ inline auto each_entry(const FE& e) {
 /// accumulators go to the tile epilogue ft(acc, i, j0) (the lane's rows i + 16 mi (+ 8),
 /// columns j0 + 8 ni (+ 1); each_entry(e) for an entry-wise one). The block's threads must all
 /// call it (blockDim.x a multiple of 32); it has no barrier.
-template <class T, bool TF32, int MT, int NT, KOrder O = KOrder::Split, class FA, class FB,
+template <class T, Operands P, int MT, int NT, KOrder O = KOrder::Split, class FA, class FB,
           class FT>
 __device__ void block_product(int M, int N, int K, const FA& a, const FB& b, const FT& ft) {
-    static_assert(!TF32 || sizeof(T) == 4, "TF32 products are for float");
     const int warp = static_cast<int>(threadIdx.x / 32), warps = static_cast<int>(blockDim.x / 32);
     const int lane = static_cast<int>(threadIdx.x % 32), g = lane / 4, q = lane % 4;
     const int tiles_n = N / (8 * NT), tiles = (M / (16 * MT)) * tiles_n;
@@ -394,8 +475,8 @@ __device__ void block_product(int M, int N, int K, const FA& a, const FB& b, con
         T acc[MT][NT][4];
         tile_zero(acc);
         TITANS_PRAGMA(unroll TITANS_TILE_K_UNROLL)
-        for (int k0 = 0; k0 < K; k0 += 8) {
-            tile_step<T, TF32, MT, NT, O>(acc, a, b, i, j, k0, g, q);
+        for (int k0 = 0; k0 < K; k0 += k_step<P>) {
+            tile_step<T, P, MT, NT, O>(acc, a, b, i, j, k0, g, q);
         }
         ft(acc, i, j - g + 2 * q);
     }
