@@ -329,18 +329,23 @@ TEST_CASE("cuda model: one wait per call", "[cuda]") {
     }
 }
 
-// A memory that diverges inside a model call on CUDA (block 0's LMM, clipping off, its values
-// scaled up): its checks are deferred to the call's flag like the others, so the call is rolled
-// back and run again strictly, and the error is the memory's, named in block 0 as the CPU names
-// it; the state as it was, and the model continues it. Two ways: its reads diverge (then the
-// block's output is not finite either), and only its weights at the piece's last chunk end (a
-// piece of one chunk: every read of it uses the finite start weights, so the output is finite
-// and the memory's own flag is all that stops the call from committing them).
+// A memory that diverges inside a model call on CUDA (block 0's LMM or MAL, clipping off, its
+// values scaled up): its checks are deferred to the call's flag like the others (its output's
+// left to the block's output: cuda::OutputCovered), so the call is rolled back and run again
+// strictly, and the error is the memory's, named in block 0 as the CPU names it; the state as
+// it was, and the model continues it. Two ways: its reads diverge (then the block's output is
+// not finite either: in MAL through the attention over them), and only its weights at the
+// piece's last chunk end (a piece of one chunk: every read of it uses the finite start
+// weights, so the output is finite and the memory's own flag is all that stops the call from
+// committing them).
 TEST_CASE("cuda model: deferred memory error", "[cuda]") {
     Rng rng(seed_for("cuda deferred memory", 0));
     const int vocab = 11, d = 8;
-    for (const BlockKind k1 : {BlockKind::MAG, BlockKind::SWA}) {
-        ModelCase mc = make_model_case<double>(BlockKind::LMM, k1, d, vocab, 0, rng);
+    const std::pair<BlockKind, BlockKind> stacks[] = {{BlockKind::LMM, BlockKind::MAG},
+                                                      {BlockKind::LMM, BlockKind::SWA},
+                                                      {BlockKind::MAL, BlockKind::LMM}};
+    for (const auto& [k0, k1] : stacks) {
+        ModelCase mc = make_model_case<double>(k0, k1, d, vocab, 0, rng);
         mc.cfg.blocks[0].memory.max_grad_norm = 0;
         mc.cfg.blocks[0].memory.retrieval = Retrieval::Lagged;  // reads at the chunk start
         mc.cfg.blocks[0].memory.gates = titans::GateMode::DataDependent;  // theta_max scales
@@ -353,18 +358,24 @@ TEST_CASE("cuda model: deferred memory error", "[cuda]") {
         // large that only the weights at the chunk end overflow.
         const std::pair<double, double> cases[] = {
             {1e200, 0}, {1, 1e306}, {1, 1.7e308}, {1e10, 1.7e308}, {1e100, 1.7e308}};
+        // MAL's memory counts its persistent tokens first: its one-chunk pieces end at a chunk
+        // end all the same (a later read would see the overflowed weights, which the CPU names
+        // first and the CUDA backend, checking the weights at the piece's end, after the read)
+        const int lead = k0 == BlockKind::LMM ? 0 : mc.cfg.blocks[0].n_persistent % C;
         for (const auto& [scale, theta_max] : cases) {
-            const int N = theta_max == 0 ? 3 * C + 1 : C;
-            INFO("LMM+" << titans::to_string(k1) << " B " << B << " N " << N << " scale "
-                        << scale << " theta_max " << theta_max);
+            const int N = theta_max == 0 ? 3 * C + 1 : C - lead;
+            INFO(titans::to_string(k0) << "+" << titans::to_string(k1) << " B " << B << " N " << N
+                                       << " scale " << scale << " theta_max " << theta_max);
             auto bad_p = mc.params;
             bad_p.blocks[0].memory.w_v *= scale;
             titans::ModelConfig bad_cfg = mc.cfg;
             if (theta_max > 0) bad_cfg.blocks[0].memory.theta_max = theta_max;
             const titans::Model<double> cbad(bad_cfg, bad_p);
             const titans::Model<double, Cuda> gbad(bad_cfg, bad_p);
-            auto sc = cbad.make_state(B);
-            auto sg = gbad.make_state(B);
+            // (MAL's state starts with its persistent tokens through the memory of the model that
+            // makes it: the healthy one's where the healthy model continues it)
+            auto sc = theta_max == 0 ? cpu.make_state(B) : cbad.make_state(B);
+            auto sg = theta_max == 0 ? gpu.make_state(B) : gbad.make_state(B);
             if (theta_max == 0) {  // the drawn config: the healthy model's state, to a chunk end
                 const std::vector<int> warm = random_ids(rng, B * C, vocab);
                 (void)cpu.forward_tokens(sc, warm);
@@ -377,8 +388,8 @@ TEST_CASE("cuda model: deferred memory error", "[cuda]") {
             const std::string what =
                 nonfinite_message([&] { (void)gbad.forward_tokens(sg, ids); });
             INFO(what << "\nCPU: " << cwhat);
-            const std::string prefix =
-                "Model::forward: block 0: Block (LMM): NeuralMemory::forward: ";
+            const std::string prefix = std::string("Model::forward: block 0: Block (") +
+                                       titans::to_string(k0) + "): NeuralMemory::forward: ";
             if (cwhat.find(prefix) != 0) {
                 continue;  // this case overflows elsewhere first
             }
@@ -478,15 +489,16 @@ TEST_CASE("cuda model: one deferred check a block", "[cuda]") {
     expect_cpu_error(clast, glast, random_matrix(B, d, rng), "block 1: Block (LMM): the output");
 }
 
-// Inside a model's deferring call, SWA's attention output (straight into the residual sum)
-// and MAG's (read by the gated norms' kernel, which checks its inputs) leave their own check
-// to that later one (cuda::OutputCovered): an attention whose output overflows (W_V and W_O
-// x 1e200) still fails the call with the CPU's message naming the attention, the state
-// unchanged; one token of SWA + LMM makes 10 kernels, 11 with the check.
+// Inside a model's deferring call, SWA's and MAL's attention output (straight into the
+// residual sum) and MAG's (read by the gated norms' kernel, which checks its inputs) leave
+// their own check to that later one (cuda::OutputCovered; MAL's memory output too, which its
+// attention reads): an attention whose output overflows (W_V and W_O x 1e200) still fails the
+// call with the CPU's message naming the attention, the state unchanged; one token of
+// SWA + LMM makes 10 kernels, 11 with the check; MAL + LMM 11, 13 with the two checks.
 TEST_CASE("cuda model: covered attention checks", "[cuda]") {
     Rng rng(seed_for("cuda covered attention checks", 0));
     const int d = 8, B = 2;
-    for (const BlockKind kind : {BlockKind::SWA, BlockKind::MAG}) {
+    for (const BlockKind kind : {BlockKind::SWA, BlockKind::MAG, BlockKind::MAL}) {
         INFO(titans::to_string(kind));
         titans::ModelConfig cfg;
         cfg.d_model = d;
@@ -499,7 +511,7 @@ TEST_CASE("cuda model: covered attention checks", "[cuda]") {
         const Matrixd x0 = random_matrix(B, d, rng);
         (void)titans::Model<double>(cfg, params).forward(sc, x0);
         (void)titans::Model<double, Cuda>(cfg, params).forward(sg, x0);
-        if (kind == BlockKind::SWA) {
+        if (kind != BlockKind::MAG) {
             const titans::Model<double, Cuda> gpu(cfg, params);
             auto st = sg;
 #if TITANS_CUDA_EMULATION
@@ -507,7 +519,7 @@ TEST_CASE("cuda model: covered attention checks", "[cuda]") {
 #endif
             (void)gpu.forward(st, random_matrix(B, d, rng));
 #if TITANS_CUDA_EMULATION
-            CHECK(cuda_emulation::total_launches() - k0 == 10);
+            CHECK(cuda_emulation::total_launches() - k0 == (kind == BlockKind::SWA ? 10 : 11));
 #endif
         }
         params.blocks[0].attention.w_v *= 1e200;

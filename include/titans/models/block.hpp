@@ -665,10 +665,12 @@ private:
             }
             case BlockKind::MAG: mix_mag(state, u, o); break;
             case BlockKind::MAL: {
+                // o goes straight into the residual sum, whose check covers it, and so does m:
+                // a non-finite entry of m makes its row's q, k and v (m [W_Q | W_K | W_V]),
+                // then that row's output, non-finite
+                [[maybe_unused]] const Covered by_the_output;
                 Buffer m = backend::call_scratch<Backend, T>(u.rows, u.cols);
                 memory_->forward(state.memory_, u, Transfer::view(m));
-                // o goes straight into the residual sum, whose check covers it
-                [[maybe_unused]] const Covered by_the_output;
                 attention_->forward(state.attention_, cview(m), o, nullptr);
                 break;
             }
