@@ -219,7 +219,9 @@ TEMPLATE_TEST_CASE("cuda attention: non-finite", "[cuda]", float, double) {
 
 // RoPE runs in the window append's launch (RopeThen, attention_row.hpp): a forward call with
 // RoPE makes as many launches as the same call without it (counted by the emulator), in a
-// piece of 40 rows and in a decoded token, and both match the CPU.
+// piece of 40 rows and in a decoded token, and both match the CPU. A decoded token's keys and
+// values go into the window from the scalar tiles' kernel itself (TiledAttentionArgs::k_win,
+// RoPE there too): 2 kernels, the attention and the output's check.
 TEMPLATE_TEST_CASE("cuda attention: RoPE in the append", "[cuda]", float, double) {
     using T = TestType;
     Rng rng(seed_for(std::string("cuda attention rope append ") + type_name<T>()));
@@ -250,6 +252,7 @@ TEMPLATE_TEST_CASE("cuda attention: RoPE in the append", "[cuda]", float, double
 #if TITANS_CUDA_EMULATION
     CHECK(launches[1][0] == launches[0][0]);
     CHECK(launches[1][1] == launches[0][1]);
+    CHECK(launches[1][1] == 2);
 #endif
 }
 

@@ -79,6 +79,24 @@ TITANS_HOST_DEVICE void attention_row(const AttentionRowOperands<T>& a, T* out) 
     }
 }
 
+/// The RoPE rotation of pair j (of a head d_head wide) at absolute position pos: the angle
+/// pos omega_j in double (rope_frequency, the CPU table's function), its cosine and sine in T.
+template <class T>
+struct RopePair {
+    T c, s;
+    TITANS_HOST_DEVICE RopePair(std::int64_t pos, int j, int d_head, double base) {
+        const double angle = static_cast<double>(pos) * rope_frequency(j, d_head, base);
+        c = static_cast<T>(std::cos(angle));
+        s = static_cast<T>(std::sin(angle));
+    }
+    /// to[0], to[1] = the pair from[0], from[1] rotated (to may be from).
+    TITANS_HOST_DEVICE void rotate(const T* from, T* to) const {
+        const T a = from[0], b = from[1];
+        to[0] = a * c - b * s;
+        to[1] = a * s + b * c;
+    }
+};
+
 /// RoPE of rows x [q | k | v] (each D = H d_h wide, row stride 3D): element i rotates pair j
 /// of head h of row r in q and in k (one angle for both), the row at absolute position
 /// pos0 + r mod N. Elements: rows * H * (d_h / 2).
@@ -95,16 +113,12 @@ struct RopeQK {
     TITANS_HOST_DEVICE unsigned rotate(unsigned i) const {
         const auto half = static_cast<unsigned>(d_head / 2), pairs = static_cast<unsigned>(H) * half;
         const unsigned r = i / pairs, h = (i % pairs) / half, j = (i % pairs) % half;
-        const double angle = static_cast<double>(pos0 + r % static_cast<unsigned>(N)) *
-                             rope_frequency(static_cast<int>(j), d_head, base);
-        const T c = static_cast<T>(std::cos(angle)), s = static_cast<T>(std::sin(angle));
+        const RopePair<T> turn(pos0 + r % static_cast<unsigned>(N), static_cast<int>(j), d_head,
+                               base);
         const unsigned col = h * static_cast<unsigned>(d_head) + 2 * j;
         T* e = qkv + static_cast<long long>(r) * 3 * D + col;
-        for (int part = 0; part < 2; ++part, e += D) {  // q, then k
-            const T a = e[0], b = e[1];
-            e[0] = a * c - b * s;
-            e[1] = a * s + b * c;
-        }
+        turn.rotate(e, e);          // q
+        turn.rotate(e + D, e + D);  // k
         return r * static_cast<unsigned>(D) + col;
     }
 };

@@ -12,7 +12,9 @@
 //      (d_h in the hundreds) or tiles are switched off, a thread per (row, head) running
 //      attention_row; either sees the prefix and the window only, never an N x N matrix.
 // Steps 2-4 are the functors of attention/attention_row.hpp (RopeThen of RopeQK and
-// AppendWindow, AttendRows), which the CPU tests run in a loop against the CPU layer;
+// AppendWindow, AttendRows), which the CPU tests run in a loop against the CPU layer. Where the
+// scalar tiles run with one query tile per (sequence, head) (a decoded token), their kernel
+// does steps 2-4 in one launch (TiledAttentionArgs::k_win: the same values);
 //   5. one GEMM with W_O; a kernel finds the first non-finite output row (exact sequence and
 //      position in the NonFiniteError, read with the call's one synchronisation).
 
@@ -261,10 +263,13 @@ struct AttentionKernels<Cuda, T> {
                       {p.w_qkv.data(), static_cast<int>(3 * D)}, T(0), w.qkv.data(),
                       static_cast<int>(3 * D), 0, 1);
         reserve_window(st, N);
-        cuda::rope_then(cfg, cx.stream(), w.qkv.data(), rows, N, st.position_,
-                        detail::AppendWindow<T>{w.qkv.data(), st.k_.data(), st.v_.data(), N, D,
-                                                st.cap_, st.off_ + st.rows_});
-        attend(cfg, cx.stream(), st, w.qkv.data(), w.o.data(), prefix, N);
+        const auto f = attend_rows_of(cfg, st, w.qkv.data(), w.o.data(), prefix, N);
+        if (!attend_appending(cfg, cx.stream(), st, f)) {
+            cuda::rope_then(cfg, cx.stream(), w.qkv.data(), rows, N, st.position_,
+                            detail::AppendWindow<T>{w.qkv.data(), st.k_.data(), st.v_.data(), N,
+                                                    D, st.cap_, st.off_ + st.rows_});
+            attend_rows(cx.stream(), f, st.batch_, cx.tf32());
+        }
         cuda::gemm<T>(cx.blas(), false, false, static_cast<int>(rows), p.d, static_cast<int>(D),
                       T(1), {w.o.data(), static_cast<int>(D)}, {p.w_o.data(), p.d}, T(0), y.data,
                       static_cast<int>(y.stride), 0, 1);
@@ -328,33 +333,55 @@ struct AttentionKernels<Cuda, T> {
         });
     }
 
-    /// o (rows x D) = the attention of every (row, head) (attend_rows).
-    static void attend(const AttentionConfig& cfg, cudaStream_t sm, const State& st,
-                       const T* qkv, T* o, const PrefixView<T>* prefix, long long N) {
+    /// The attention of every (row, head) of the call into o (rows x D), over the state's
+    /// window (its kept rows, then the piece's) and the prefix, as attend_rows runs it.
+    static detail::AttendRows<T> attend_rows_of(const AttentionConfig& cfg, const State& st,
+                                                const T* qkv, T* o, const PrefixView<T>* prefix,
+                                                long long N) {
         const long long D = cfg.inner_dim();
         const bool has_p = prefix != nullptr && prefix->rows() > 0;
         const bool shared = !has_p || prefix->sharing == PrefixSharing::Shared;
         const long long p = !has_p ? 0 : shared ? prefix->rows() : prefix->rows() / st.batch_;
         // Without a prefix the prefix pointers are never read: qkv keeps them non-null.
-        const detail::AttendRows<T> f{qkv,
-                                      has_p ? prefix->k.data : qkv,
-                                      has_p ? prefix->v.data : qkv,
-                                      p,
-                                      has_p ? prefix->k.stride : 0,
-                                      has_p ? prefix->v.stride : 0,
-                                      shared,
-                                      st.k_.data() + st.off_ * D,
-                                      st.v_.data() + st.off_ * D,
-                                      st.cap_,
-                                      st.rows_,
-                                      N,
-                                      D,
-                                      cfg.n_heads,
-                                      cfg.head_dim(),
-                                      cfg.window,
-                                      T(1) / std::sqrt(static_cast<T>(cfg.head_dim())),
-                                      o};
-        attend_rows(sm, f, st.batch_, ctx(st).tf32());
+        return detail::AttendRows<T>{qkv,
+                                     has_p ? prefix->k.data : qkv,
+                                     has_p ? prefix->v.data : qkv,
+                                     p,
+                                     has_p ? prefix->k.stride : 0,
+                                     has_p ? prefix->v.stride : 0,
+                                     shared,
+                                     st.k_.data() + st.off_ * D,
+                                     st.v_.data() + st.off_ * D,
+                                     st.cap_,
+                                     st.rows_,
+                                     N,
+                                     D,
+                                     cfg.n_heads,
+                                     cfg.head_dim(),
+                                     cfg.window,
+                                     T(1) / std::sqrt(static_cast<T>(cfg.head_dim())),
+                                     o};
+    }
+
+    /// f's attention in the scalar tiles, which append the piece's keys and values themselves
+    /// (and rotate q and k: TiledAttentionArgs::k_win), where tiles_for picks them with one
+    /// query tile per (sequence, head): a decode call's one launch for steps 2-4. False,
+    /// nothing run, elsewhere.
+    static bool attend_appending(const AttentionConfig& cfg, cudaStream_t sm, State& st,
+                                 const detail::AttendRows<T>& f) {
+        const TilePlan plan = tiles_for(st.batch_, f.N, f.H, f.d_head);
+        if (plan.kind != Tiles::Scalar || f.N > plan.shape.tq) {
+            return false;
+        }
+        cuda::TiledAttentionArgs<T> a = tiled_args(f);
+        a.k_win = st.k_.data() + st.off_ * f.D;
+        a.v_win = st.v_.data() + st.off_ * f.D;
+        a.kv_offset = f.D;
+        a.rope = cfg.rope;
+        a.rope_base = cfg.rope_base;
+        a.rope_pos0 = st.position_;
+        cuda::tiled_attention(sm, a, st.batch_, plan.shape);
+        return true;
     }
 
     /// o = what f (AttendRows) computes for B sequences: in tiles (attend_tiled) where they
@@ -363,10 +390,7 @@ struct AttentionKernels<Cuda, T> {
     /// (TiledAttentionArgs); true when they did.
     static bool attend_rows(cudaStream_t sm, const detail::AttendRows<T>& f, long long B,
                             bool tf32, T* stat_m = nullptr, T* stat_inv = nullptr) {
-        cuda::TiledAttentionArgs<T> a{
-            f.qkv, 3 * f.D, f.k_prefix, f.v_prefix, f.p, f.k_prefix_stride, f.v_prefix_stride,
-            f.shared, f.k_win, f.v_win, f.cap, f.D, f.N, f.kept, 1, f.H, f.d_head, f.window,
-            f.scale, f.o, f.D};
+        cuda::TiledAttentionArgs<T> a = tiled_args(f);
         a.stat_m = stat_m;
         a.stat_inv = stat_inv;
         const Tiles ran = attend_tiled(sm, a, B, tf32);
@@ -376,8 +400,33 @@ struct AttentionKernels<Cuda, T> {
         return ran == Tiles::Warp && stat_m != nullptr;
     }
 
-    /// Which tiles attend_tiled ran.
+    /// f's operands for the tiled kernels (queries at stride 1).
+    static cuda::TiledAttentionArgs<T> tiled_args(const detail::AttendRows<T>& f) {
+        return {f.qkv, 3 * f.D, f.k_prefix, f.v_prefix, f.p, f.k_prefix_stride,
+                f.v_prefix_stride, f.shared, f.k_win, f.v_win, f.cap, f.D, f.N, f.kept, 1, f.H,
+                f.d_head, f.window, f.scale, f.o, f.D};
+    }
+
+    /// Which tiles attend_tiled runs.
     enum class Tiles { None, Scalar, Warp };
+
+    /// Where attend_tiled runs B sequences of N queries over H heads d_h wide, and the scalar
+    /// tiles' shape (cuda::tiled_attention() says how: TiledAttentionMode).
+    struct TilePlan {
+        Tiles kind = Tiles::None;
+        cuda::TiledShape shape;
+    };
+    static TilePlan tiles_for(long long B, long long N, int H, int dh) {
+        const cuda::TiledAttentionMode mode = cuda::tiled_attention();
+        if (mode == cuda::TiledAttentionMode::Auto &&
+            cuda::warp_tiles_fit(B, N, H, dh, sizeof(T))) {
+            return {Tiles::Warp, {}};
+        }
+        const cuda::TiledShape shape = mode == cuda::TiledAttentionMode::Off
+                                           ? cuda::TiledShape{}
+                                           : cuda::tiled_shape(dh, N, sizeof(T));
+        return {cuda::tiled_grid_fits(B, N, H, shape) ? Tiles::Scalar : Tiles::None, shape};
+    }
 
     /// a's attention for B sequences the way cuda::tiled_attention() says
     /// (TiledAttentionMode): in warp tiles (on the tensor cores in float when tf32; they write
@@ -385,20 +434,13 @@ struct AttentionKernels<Cuda, T> {
     /// Tiles::None, nothing run, otherwise.
     static Tiles attend_tiled(cudaStream_t sm, const cuda::TiledAttentionArgs<T>& a,
                               long long B, bool tf32) {
-        const cuda::TiledAttentionMode mode = cuda::tiled_attention();
-        if (mode == cuda::TiledAttentionMode::Auto &&
-            cuda::warp_tiles_fit(B, a.N, a.H, a.d_head, sizeof(T))) {
+        const TilePlan plan = tiles_for(B, a.N, a.H, a.d_head);
+        if (plan.kind == Tiles::Warp) {
             cuda::warp_tiled_attention(sm, a, B, tf32);
-            return Tiles::Warp;
+        } else if (plan.kind == Tiles::Scalar) {
+            cuda::tiled_attention(sm, a, B, plan.shape);
         }
-        const cuda::TiledShape shape = mode == cuda::TiledAttentionMode::Off
-                                           ? cuda::TiledShape{}
-                                           : cuda::tiled_shape(a.d_head, a.N, sizeof(T));
-        if (!cuda::tiled_grid_fits(B, a.N, a.H, shape)) {
-            return Tiles::None;
-        }
-        cuda::tiled_attention(sm, a, B, shape);
-        return Tiles::Scalar;
+        return plan.kind;
     }
 
 };

@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstddef>
 
+#include "../../attention/attention_row.hpp"
 #include "../../config.hpp"
 #include "launch.cuh"
 
@@ -62,6 +63,18 @@ struct TiledAttentionArgs {
     /// backward's mx and inv (nullptr: not written; the scalar tiles never write them).
     T* stat_m = nullptr;
     T* stat_inv = nullptr;
+    /// A piece the scalar tiles append themselves (one query tile per (sequence, head): N <=
+    /// the shape's tq, qstride 1; nullptr: appended before the launch). Each block first
+    /// writes its head's columns of the piece's keys and values (query row r's at
+    /// q + r q_stride + kv_offset and + 2 kv_offset) into window rows pos0 .. pos0 + N - 1
+    /// (k_win, v_win: k_seq, v_seq), RoPE-rotated at absolute positions rope_pos0 + t when
+    /// rope, its queries rotated in its tile.
+    T* k_win = nullptr;
+    T* v_win = nullptr;
+    long long kv_offset = 0;
+    bool rope = false;
+    double rope_base = 0;
+    std::int64_t rope_pos0 = 0;
 };
 
 /// A tile's shape: TQ queries against TK keys at a time (0: the tile does not fit).
@@ -200,6 +213,32 @@ __device__ void tiled_begin(const TiledAttentionArgs<T>& a, const TiledShared<T>
     __syncthreads();
 }
 
+/// The piece's keys and values of head h of sequence b (its nq rows, the block's one query
+/// tile) into the window (TiledAttentionArgs::k_win), rotated by RoPE where a.rope, as are the
+/// queries in Q (tiled_begin's), pair by pair as RopeQK rotates them: the same values.
+template <class T>
+__device__ void tiled_append(const TiledAttentionArgs<T>& a, const TiledShared<T>& sh,
+                             long long b, int h, int nq) {
+    const int dh = a.d_head, step = a.rope ? 2 : 1, per_row = dh / step;
+    const long long col = static_cast<long long>(h) * dh;
+    for (int i = threadIdx.x; i < nq * per_row; i += blockDim.x) {
+        const int r = i / per_row, c = step * (i % per_row);
+        const T* k = a.q + (b * a.N + r) * a.q_stride + a.kv_offset + col + c;
+        const T* v = k + a.kv_offset;
+        const long long to = (b * a.seq_rows + a.pos0 + r) * a.seq_stride + col + c;
+        if (a.rope) {
+            const detail::RopePair<T> turn(a.rope_pos0 + r, c / 2, dh, a.rope_base);
+            turn.rotate(sh.q + r * sh.ld + c, sh.q + r * sh.ld + c);
+            turn.rotate(k, a.k_win + to);
+            a.v_win[to + 1] = v[1];
+        } else {
+            a.k_win[to] = k[0];
+        }
+        a.v_win[to] = v[0];
+    }
+    __syncthreads();
+}
+
 /// The attention of one query tile of one head of one sequence (blockIdx x, y, z).
 template <class T>
 __global__ void __launch_bounds__(tiled_threads)
@@ -209,6 +248,9 @@ __global__ void __launch_bounds__(tiled_threads)
     const int nq = static_cast<int>(a.N - t0 < shape.tq ? a.N - t0 : shape.tq);
     const TiledShared<T> sh(dynamic_shared<T>(), shape, dh);
     tiled_begin(a, sh, shape, b, h, t0, nq);
+    if (a.k_win != nullptr) {
+        tiled_append(a, sh, b, h, nq);
+    }
     const long long col = static_cast<long long>(h) * dh;
     const long long pb = a.shared ? 0 : b * a.p;
     for (long long j0 = 0; j0 < a.p; j0 += shape.tk) {
