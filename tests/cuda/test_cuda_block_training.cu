@@ -674,6 +674,140 @@ TEST_CASE("cuda trainer: one scope a step", "[cuda]") {
     }
 }
 
+namespace {
+
+/// Call graphs on or off for its lifetime (call_graph.cuh), the setting restored after.
+struct CallGraphs {
+    bool was = titans::backend::cuda::call_graphs();
+    explicit CallGraphs(bool on) { titans::backend::cuda::set_call_graphs(on); }
+    CallGraphs(const CallGraphs&) = delete;
+    CallGraphs& operator=(const CallGraphs&) = delete;
+    ~CallGraphs() { titans::backend::cuda::set_call_graphs(was); }
+};
+
+}  // namespace
+
+// The call tape on its own (call_graph.cuh): inside a deferring CallScope, element-wise kernels
+// on this thread's stream are recorded and run at the scope's end. A call's first sighting runs
+// as recorded, its second is built into a graph and launched, the third launches that graph
+// with the kernels whose arguments changed updated (here every one: each call adds its own
+// value), a call of another shape (other grids) runs as recorded again; a call with fewer
+// records than graph_min_records never becomes a graph. Every result is the plain sum.
+TEST_CASE("cuda graphs: the call tape", "[cuda]") {
+    namespace cu = titans::backend::cuda;
+    const CallGraphs on(true);
+    const long long n = 300;
+    cu::DeviceBuffer<double> buf(static_cast<std::size_t>(n));
+    std::vector<double> host(static_cast<std::size_t>(n), 0.0), expect = host;
+    cu::check(cudaMemcpy(buf.data(), host.data(), n * sizeof(double), cudaMemcpyHostToDevice),
+              "upload");
+    const auto call = [&](int kernels, long long len, double base) {
+        cu::CallScope scope;
+        double* p = buf.data();
+        for (int k = 0; k < kernels; ++k) {
+            const double add = base + k;
+            cu::each(cu::thread_context().stream(), len,
+                     [=] __device__(unsigned i) { p[i] = 2 * p[i] + add; });
+            for (long long i = 0; i < len; ++i) {
+                expect[static_cast<std::size_t>(i)] =
+                    2 * expect[static_cast<std::size_t>(i)] + add;
+            }
+        }
+        CHECK_FALSE(scope.flagged());
+    };
+    const cu::CallGraphStats s0 = cu::call_graph_stats();
+    const auto since = [&] {
+        const cu::CallGraphStats& s = cu::call_graph_stats();
+        return std::array<long long, 4>{s.built - s0.built, s.launched - s0.launched,
+                                        s.updated - s0.updated, s.direct - s0.direct};
+    };
+    const int K = static_cast<int>(cu::CallTape::graph_min_records) + 2;
+    call(K, n, 0.25);  // first sighting: as recorded
+    CHECK(since() == std::array<long long, 4>{0, 0, 0, 1});
+    call(K, n, 0.5);  // second: built, launched (its arguments those it was built with)
+    CHECK(since() == std::array<long long, 4>{1, 1, 0, 1});
+    call(K, n, 0.75);  // third: every kernel's value changed
+    CHECK(since() == std::array<long long, 4>{1, 2, K, 1});
+    call(K, 200, 0.75);  // another shape (one block a launch, not two)
+    CHECK(since() == std::array<long long, 4>{1, 2, K, 2});
+    call(K, n, 0.75);  // the graph again, as last launched: nothing to update
+    CHECK(since() == std::array<long long, 4>{1, 3, K, 2});
+    call(2, n, 1.0);  // too short for a graph
+    call(2, n, 1.0);
+    CHECK(since() == std::array<long long, 4>{1, 3, K, 4});
+    cu::check(cudaMemcpy(host.data(), buf.data(), n * sizeof(double), cudaMemcpyDeviceToHost),
+              "download");
+    CHECK(host == expect);
+}
+
+// Model::forward with call graphs (call_graph.cuh) against the same model without them: every
+// block kind among the stacks, batches 1-2, 40 decode tokens (window moves, chunk ends, MAC's
+// segments) then pieces of 2-5 tokens: the same output bits, within 1e-12 of the CPU, graphs
+// built, launched and updated along the way (a decode token's attention position changes
+// every call). A NaN in the input then fails the call with the message of the run without
+// graphs, the state unchanged, and decoding continues identically.
+TEST_CASE("cuda model: call graphs", "[cuda]") {
+    namespace cu = titans::backend::cuda;
+    Rng rng(seed_for("cuda call graphs", 0));
+    const int vocab = 11, d = 8;
+    const std::pair<BlockKind, BlockKind> stacks[] = {
+        {BlockKind::LMM, BlockKind::MAG}, {BlockKind::MAL, BlockKind::SWA},
+        {BlockKind::MAC, BlockKind::LMM}};
+    for (const auto& [k0, k1] : stacks) {
+        const int B = uniform_int(rng, 1, 2);
+        INFO(titans::to_string(k0) << "+" << titans::to_string(k1) << " B " << B);
+        const ModelCase mc = make_model_case<double>(k0, k1, d, vocab, 0, rng);
+        const titans::Model<double> cpu(mc.cfg, mc.params);
+        const titans::Model<double, Cuda> gpu(mc.cfg, mc.params);
+        auto sc = cpu.make_state(B);
+        auto plain = gpu.make_state(B), graphed = gpu.make_state(B);
+        const cu::CallGraphStats s0 = cu::call_graph_stats();
+        const auto step = [&](int N) {
+            const Matrixd x = random_matrix(B * N, d, rng);
+            Matrixd y0, y1;
+            {
+                const CallGraphs off(false);
+                y0 = gpu.forward(plain, x);
+            }
+            {
+                const CallGraphs on(true);
+                y1 = gpu.forward(graphed, x);
+            }
+            CHECK(identical(y1, y0));
+            CHECK(rel_error(y1, cpu.forward(sc, x)) <= 1e-12);
+        };
+        for (int t = 0; t < 40; ++t) {
+            step(1);
+        }
+        const cu::CallGraphStats& s = cu::call_graph_stats();
+        CHECK(s.built > s0.built);
+        CHECK(s.launched - s0.launched >= 20);
+        CHECK(s.updated > s0.updated);
+        for (int t = 0; t < 6; ++t) {
+            step(uniform_int(rng, 2, 5));
+        }
+        Matrixd xn = random_matrix(B, d, rng);
+        xn(B - 1, 2) = std::numeric_limits<double>::quiet_NaN();
+        const auto before = state_tensors(graphed);
+        std::string plain_what, graphed_what;
+        {
+            const CallGraphs off(false);
+            plain_what = nonfinite_message([&] { (void)gpu.forward(plain, xn); });
+        }
+        {
+            const CallGraphs on(true);
+            graphed_what = nonfinite_message([&] { (void)gpu.forward(graphed, xn); });
+        }
+        CHECK(!graphed_what.empty());
+        CHECK(graphed_what == plain_what);
+        CHECK(same_tensors(state_tensors(graphed), before));
+        for (int t = 0; t < 4; ++t) {
+            step(1);
+        }
+        CHECK(same_tensors(state_tensors(graphed), state_tensors(plain)));
+    }
+}
+
 #if defined(TITANS_TEST_HAS_NCCL) && TITANS_TEST_HAS_NCCL
 #include <titans/nccl/nccl.cuh>
 

@@ -107,7 +107,6 @@ struct RopeQK {
     int H, d_head;
     std::int64_t pos0;
     double base;
-    TITANS_HOST_DEVICE void operator()(unsigned i) const { (void)rotate(i); }
     /// Element i's rotation; returns r D + h d_h + 2j, the pair's first entry as an element of
     /// a rows x D functor (AppendWindow, SegmentAppend).
     TITANS_HOST_DEVICE unsigned rotate(unsigned i) const {

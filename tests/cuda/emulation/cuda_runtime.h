@@ -191,7 +191,9 @@ inline long host_waits() {
     return r.waits;
 }
 /// Counts one host wait.
+inline void check_tape(const char* what);
 inline void count_wait() {
+    check_tape("a wait");
     Registry& r = registry();
     std::lock_guard<std::mutex> lock(r.m);
     ++r.waits;
@@ -541,6 +543,7 @@ inline cudaError_t release(void* p, bool pooled_only, const char* call) {
     if (p == nullptr) {
         return cudaSuccess;
     }
+    check_tape(call);
     {
         Registry& r = registry();
         std::lock_guard<std::mutex> lock(r.m);

@@ -20,6 +20,7 @@
 // memory as it was before, where the eager mode hides the race.
 
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -31,6 +32,24 @@
 #include <vector>
 
 namespace cuda_emulation {
+
+/// Set by titans' call tape (call_graph.cuh) while it holds recorded work that has not run:
+/// any stream operation, wait or free issued then would run before that work, out of the
+/// call's order, so it aborts (a call site that should record or settle the tape first).
+inline bool& tape_holds_work() {
+    thread_local bool holds = false;
+    return holds;
+}
+/// Aborts if the tape holds work (see tape_holds_work), naming what was issued.
+inline void check_tape(const char* what) {
+    if (tape_holds_work()) {
+        std::fprintf(stderr,
+                     "cuda emulation: %s issued while titans' call tape holds recorded work "
+                     "(it would run before that work)\n",
+                     what);
+        std::abort();
+    }
+}
 
 /// The legacy default stream (0 or cudaStreamLegacy).
 inline bool is_legacy(cudaStream_t s) { return s == nullptr || s == cudaStreamLegacy; }
@@ -106,6 +125,7 @@ inline void set_lazy_streams(bool on) {
 
 /// Runs f now (eager mode; the legacy stream, after every stream's queue) or queues it on s.
 inline void submit(cudaStream_t s, std::function<void()> f) {
+    check_tape("a stream operation");
     if (!lazy_streams() || is_legacy(s)) {
         if (lazy_streams()) {
             flush_all_streams();

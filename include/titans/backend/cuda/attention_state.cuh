@@ -157,6 +157,7 @@ private:
         const long long D = cfg_.inner_dim();
         Buf fresh(static_cast<std::size_t>(batch_ * cap * D));
         for (std::size_t b = 0; b < src.size() && h > 0; ++b) {
+            backend::cuda::settle_recorded();
             backend::cuda::check(cudaMemcpy(fresh.data() + static_cast<long long>(b) * cap * D,
                                             src[b].data(),
                                             static_cast<std::size_t>(h * D) * sizeof(T),
@@ -170,6 +171,7 @@ private:
         const long long D = cfg_.inner_dim();
         Matrix<T> out(std::max<long long>(rows_, 0), D);  // none in a malformed state
         if (out.size() > 0) {
+            backend::cuda::settle_recorded();
             backend::cuda::check(cudaMemcpy(out.data(), buf.data() + (b * cap_ + off_) * D,
                                             static_cast<std::size_t>(out.size()) * sizeof(T),
                                             cudaMemcpyDeviceToHost),

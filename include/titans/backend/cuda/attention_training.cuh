@@ -376,6 +376,7 @@ struct AttentionTraining<Cuda, T> {
     /// A dense host matrix's entries to device memory at `to` (synchronous).
     static void upload(T* to, const Mat& m) {
         if (m.size() > 0) {
+            cuda::settle_recorded();
             cuda::check(cudaMemcpy(to, m.data(), static_cast<std::size_t>(m.size()) * sizeof(T),
                                    cudaMemcpyHostToDevice),
                         "cudaMemcpy (attention state adjoint to device)");
@@ -385,6 +386,7 @@ struct AttentionTraining<Cuda, T> {
     static Mat download(const T* from, long long rows, long long cols) {
         Mat m = Mat::Zero(rows, cols);  // (GCC's -Wmaybe-uninitialized: the emulator reads it)
         if (m.size() > 0) {
+            cuda::settle_recorded();
             cuda::check(cudaMemcpy(m.data(), from, static_cast<std::size_t>(m.size()) * sizeof(T),
                                    cudaMemcpyDeviceToHost),
                         "cudaMemcpy (attention gradient to host)");

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "../../view.hpp"
+#include "call_graph.cuh"
 #include "launch.cuh"
 #include "runtime.cuh"
 
@@ -111,21 +112,32 @@ public:
             active() = this;
             try {
                 flag_ = call_buffer<unsigned>(1);
-                check(cudaMemsetAsync(flag_.data(), 0, sizeof(unsigned),
-                                      thread_context().stream()),
-                      "cudaMemsetAsync (call flag)");
+                memset_async(flag_.data(), 0, sizeof(unsigned), thread_context().stream(),
+                             "cudaMemsetAsync (call flag)");
+                // Recording from here (the input's upload, next, runs at once either way).
+                taped_ = call_graphs();
+                if (taped_) {
+                    call_tape().open(thread_context().stream());
+                }
             } catch (...) {
+                close_tape();
                 active() = prev_;
                 call_arena().close();
                 throw;
             }
         } else {
+            call_tape().pause();  // what the scopes around it recorded runs first
             active() = nullptr;
         }
     }
     CallScope(const CallScope&) = delete;
     CallScope& operator=(const CallScope&) = delete;
     ~CallScope() {
+        if (defer_) {
+            close_tape();  // before the arena's memory can move
+        } else {
+            call_tape().resume();
+        }
         active() = prev_;
         if (defer_) {
             call_arena().close();
@@ -140,6 +152,7 @@ public:
         }
         unsigned host = 0;
         const StreamContext& cx = thread_context();
+        settle_recorded();
         check(cudaMemcpyAsync(&host, flag_.data(), sizeof(unsigned), cudaMemcpyDeviceToHost,
                               cx.stream()),
               "cudaMemcpyAsync (call flag)");
@@ -157,8 +170,21 @@ public:
     }
 
 private:
+    /// The tape's close, if this scope opened it (a recorded launch's error is lost here: a
+    /// destructor cannot throw it, and the tests find such bugs under the emulator).
+    void close_tape() noexcept {
+        if (taped_) {
+            taped_ = false;
+            try {
+                call_tape().close();
+            } catch (...) {
+            }
+        }
+    }
+
     CallScope* prev_;
     bool defer_;
+    bool taped_ = false;
     DeviceBuffer<unsigned> flag_;
 };
 

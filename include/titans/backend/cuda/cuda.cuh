@@ -49,6 +49,7 @@ struct BackendTraits<Cuda> {
 }  // namespace titans::backend
 
 #include "runtime.cuh"
+#include "call_graph.cuh"
 #include "transfer.cuh"
 #include "memory_kernels.cuh"
 #include "layer_kernels.cuh"

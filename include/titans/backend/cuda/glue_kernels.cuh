@@ -173,12 +173,14 @@ struct GlueKernels<Cuda, T> {
     };
     static Scalars make_scalars() {
         Scalars s{cuda::DeviceBuffer<double>(scalar_slots)};
+        cuda::settle_recorded();
         cuda::check(cudaMemset(s.values.data(), 0, scalar_slots * sizeof(double)),
                     "cudaMemset (scalars)");
         return s;
     }
     static ScalarValues read(const Scalars& s) {
         ScalarValues out{};
+        cuda::settle_recorded();
         cuda::check(cudaMemcpy(out.data(), s.values.data(), scalar_slots * sizeof(double),
                                cudaMemcpyDeviceToHost),
                     "cudaMemcpy (scalars)");

@@ -3,7 +3,8 @@
 //
 // launch(kernel, grid, block, stream, args...) is the one place a kernel is launched:
 // kernel<<<grid, block, 0, stream>>>(args...) under nvcc, the CPU emulator's launch under
-// TITANS_CUDA_EMULATION (tests/cuda/emulation/emulated_launch.h).
+// TITANS_CUDA_EMULATION (tests/cuda/emulation/emulated_launch.h), or a record on this
+// thread's call tape (call_graph.cuh) while it records the stream.
 // each(stream, n, f) runs f(i) for i in [0, n) on the device, f a __device__ lambda
 // (nvcc --extended-lambda, which the titans::cuda target adds) or functor.
 
@@ -11,36 +12,100 @@
 #include <cmath>
 #include <cstddef>
 #include <limits>
+#include <array>
+#include <new>
+#include <type_traits>
 #include <utility>
 
 #include "../../config.hpp"
 #include "../../view.hpp"
+#include "call_graph.cuh"
 #include "runtime.cuh"
 
 namespace titans::backend::cuda {
 
 #if TITANS_CUDA_DEVICE_CODE
-/// kernel<<<grid, block, 0, stream>>>(args...) (no dynamic shared memory). A launch error (a
-/// bad configuration, say) is left for check_launch, as with <<<>>>.
+/// kernel<<<grid, block, shmem, stream>>>(args...) now (no tape).
 template <class... P, class... A>
-void launch(void (*kernel)(P...), dim3 grid, dim3 block, cudaStream_t stream, A&&... args) {
-#if defined(__CUDACC__)
-    kernel<<<grid, block, 0, stream>>>(std::forward<A>(args)...);
-#else
-    ::cuda_emulation::launch(kernel, grid, block, 0, stream, std::forward<A>(args)...);
-#endif
-}
-
-/// kernel<<<grid, block, shmem, stream>>>(args...): `shmem` bytes of dynamic shared memory
-/// (dynamic_shared<T>() in the kernel); above 48 KB after raise_shared_limit(kernel, shmem).
-template <class... P, class... A>
-void launch_shared(void (*kernel)(P...), dim3 grid, dim3 block, std::size_t shmem,
-                   cudaStream_t stream, A&&... args) {
+void launch_now(void (*kernel)(P...), dim3 grid, dim3 block, std::size_t shmem,
+                cudaStream_t stream, A&&... args) {
 #if defined(__CUDACC__)
     kernel<<<grid, block, shmem, stream>>>(std::forward<A>(args)...);
 #else
     ::cuda_emulation::launch(kernel, grid, block, shmem, stream, std::forward<A>(args)...);
 #endif
+}
+
+namespace tape_detail {
+/// Where a kernel's arguments lie in its record's bytes: each at its alignment, in order.
+template <class... P>
+struct KernelArgs {
+    static constexpr std::array<std::size_t, sizeof...(P) + 1> at = [] {
+        std::array<std::size_t, sizeof...(P) + 1> o{};
+        std::size_t end = 0, i = 0;
+        ((end = (end + alignof(P) - 1) / alignof(P) * alignof(P), o[i++] = end, end += sizeof(P)),
+         ...);
+        o[i] = end;
+        return o;
+    }();
+    static constexpr std::size_t size = at[sizeof...(P)];
+    static constexpr bool fits = ((std::is_trivially_copyable_v<P> && alignof(P) <= 16) && ...) &&
+                                 sizeof...(P) <= 64;
+};
+
+template <class... P, std::size_t... I>
+void run_kernel(const unsigned char* bytes, const Record& r, cudaStream_t stream,
+                std::index_sequence<I...>) {
+    auto* kernel = reinterpret_cast<void (*)(P...)>(const_cast<void*>(r.key));
+    launch_now(kernel, r.grid, r.block, r.shmem, stream,
+               *reinterpret_cast<const P*>(bytes + r.at + KernelArgs<P...>::at[I])...);
+}
+template <class... P>
+void run_kernel(const unsigned char* bytes, const Record& r, cudaStream_t stream) {
+    run_kernel<P...>(bytes, r, stream, std::index_sequence_for<P...>{});
+}
+
+template <class... P>
+void kernel_params(unsigned char* bytes, void** out) {
+    for (std::size_t i = 0; i < sizeof...(P); ++i) {
+        out[i] = bytes + KernelArgs<P...>::at[i];
+    }
+}
+
+/// The arguments placed in a record's bytes (converted to the parameters' types).
+template <class... P, class... A, std::size_t... I>
+void place_args(unsigned char* bytes, std::index_sequence<I...>, A&&... args) {
+    ((void)new (bytes + KernelArgs<P...>::at[I]) P(std::forward<A>(args)), ...);
+}
+}  // namespace tape_detail
+
+/// kernel<<<grid, block, shmem, stream>>>(args...), or recorded on this thread's call tape
+/// where it records the stream (call_graph.cuh); launching on another stream first runs what
+/// the tape holds. A launch error (a bad configuration, say) is left for check_launch, as with
+/// <<<>>> (a recorded launch's for the replay).
+template <class... P, class... A>
+void launch_shared(void (*kernel)(P...), dim3 grid, dim3 block, std::size_t shmem,
+                   cudaStream_t stream, A&&... args) {
+    using Args = tape_detail::KernelArgs<P...>;
+    static_assert(Args::fits, "kernel arguments are kept as bytes");
+    CallTape& tape = call_tape();
+    if (tape.records(stream)) {
+        unsigned char* at = tape.add({reinterpret_cast<const void*>(kernel),
+                                      &tape_detail::run_kernel<P...>,
+                                      &tape_detail::kernel_params<P...>, grid, block, shmem, 0,
+                                      Args::size});
+        tape_detail::place_args<P...>(at, std::index_sequence_for<P...>{},
+                                      std::forward<A>(args)...);
+        return;
+    }
+    settle_recorded();
+    launch_now(kernel, grid, block, shmem, stream, std::forward<A>(args)...);
+}
+
+/// launch_shared without dynamic shared memory.
+template <class... P, class... A>
+void launch(void (*kernel)(P...), dim3 grid, dim3 block, cudaStream_t stream, A&&... args) {
+    launch_shared(kernel, grid, block, 0, stream, std::forward<A>(args)...);
 }
 
 /// The block's dynamic shared memory (16-byte aligned) as an array of T.
@@ -109,7 +174,7 @@ void each(cudaStream_t stream, long long n, F f) {
 /// one scalar is read back.
 template <class T>
 long long first_nonfinite_row(cudaStream_t stream, View<const T> y, unsigned* flag) {
-    check(cudaMemsetAsync(flag, 0xff, sizeof(unsigned), stream), "cudaMemsetAsync");
+    memset_async(flag, 0xff, sizeof(unsigned), stream, "cudaMemsetAsync");
     const T* yp = y.data;
     const long long cols = y.cols, ys = y.stride;
     each(stream, y.rows * cols, [=] __device__(unsigned i) {
@@ -119,6 +184,7 @@ long long first_nonfinite_row(cudaStream_t stream, View<const T> y, unsigned* fl
         }
     });
     unsigned host = 0;
+    settle_recorded();
     check(cudaMemcpyAsync(&host, flag, sizeof(host), cudaMemcpyDeviceToHost, stream),
           "cudaMemcpyAsync (non-finite row)");
     check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");

@@ -171,12 +171,14 @@ struct MemoryKernels<Cuda, T> {
             w[i] = init[static_cast<long long>(p % H) * head_stride + i % size];
         });
         cuda::check_launch("the memory's initial weights");
+        cuda::settle_recorded();
         cuda::check(cudaStreamSynchronize(sm), "cudaStreamSynchronize (initial weights)");
     }
 
     static void zero(Buf& b, std::size_t n) {
         b = Buf(n);
         if (n > 0) {
+            cuda::settle_recorded();
             cuda::check(cudaMemset(b.data(), 0, n * sizeof(T)), "cudaMemset");
         }
     }
@@ -219,9 +221,8 @@ struct MemoryKernels<Cuda, T> {
     static void copy_into(Buf& dst, const Buf& src, cudaStream_t sm) {
         dst.reserve(src.size());
         if (src.size() > 0) {
-            cuda::check(cudaMemcpyAsync(dst.data(), src.data(), src.size() * sizeof(T),
-                                        cudaMemcpyDeviceToDevice, sm),
-                        "cudaMemcpyAsync (state snapshot)");
+            cuda::copy_async(dst.data(), src.data(), src.size() * sizeof(T), sm,
+                             "cudaMemcpyAsync (state snapshot)");
         }
     }
     static void copy_all(std::vector<Buf>& dst, const std::vector<Buf>& src, cudaStream_t sm) {
@@ -1177,8 +1178,7 @@ struct MemoryKernels<Cuda, T> {
         // five ints are neither cleared nor read.
         const bool defer = cuda::deferring() && diag == nullptr;
         if (!defer) {
-            cuda::check(cudaMemsetAsync(flags, 0x7f, 5 * sizeof(int), cx.stream()),
-                        "cudaMemsetAsync");
+            cuda::memset_async(flags, 0x7f, 5 * sizeof(int), cx.stream(), "cudaMemsetAsync");
         }
         // a decode call: the L2 norm of q and k in the decode kernel, not a launch of its own
         const DecodePlan decode = decode_plan(cfg, N);
@@ -1214,6 +1214,7 @@ struct MemoryKernels<Cuda, T> {
             return;
         }
         int host[5] = {0, 0, 0, 0, 0};
+        cuda::settle_recorded();
         cuda::check(cudaMemcpyAsync(host, flags, sizeof(host), cudaMemcpyDeviceToHost, cx.stream()),
                     "cudaMemcpyAsync (flags)");
         cx.synchronize();
@@ -1263,6 +1264,7 @@ struct MemoryKernels<Cuda, T> {
                               long long N, Diagnostics<T>& diag) {
         const long long H = cfg.n_heads, P = B * H;
         std::vector<T> host(static_cast<std::size_t>(2 * P * N));
+        cuda::settle_recorded();
         cuda::check(cudaMemcpy(host.data(), w.diag.data(), host.size() * sizeof(T),
                                cudaMemcpyDeviceToHost),
                     "cudaMemcpy (diagnostics)");
@@ -1354,10 +1356,8 @@ struct MemoryKernels<Cuda, T> {
             if (to.size() != n) {
                 to = Buf(n);
             }
-            cuda::check(cudaMemcpyAsync(to.data(), src[static_cast<std::size_t>(l - 1)],
-                                        n * sizeof(T), cudaMemcpyDeviceToDevice,
-                                        ctx(st).stream()),
-                        "cudaMemcpyAsync (memory snapshot)");
+            cuda::copy_async(to.data(), src[static_cast<std::size_t>(l - 1)], n * sizeof(T),
+                             ctx(st).stream(), "cudaMemcpyAsync (memory snapshot)");
         }
         cuda::idle(ctx(st));
     }
@@ -1412,6 +1412,7 @@ struct MemoryKernels<Cuda, T> {
         std::vector<Mat> out;
         for (int l = 1; l <= cfg.depth; ++l) {
             Mat m(cfg.layer_in(l), cfg.layer_out(l));
+            cuda::settle_recorded();
             cuda::check(cudaMemcpy(m.data(), src[static_cast<std::size_t>(l - 1)] + p * m.size(),
                                    static_cast<std::size_t>(m.size()) * sizeof(T),
                                    cudaMemcpyDeviceToHost),
@@ -1444,6 +1445,7 @@ struct MemoryKernels<Cuda, T> {
             const Eigen::Index in = cfg.layer_in(l), o = cfg.layer_out(l);
             const auto size = static_cast<std::size_t>(in * o);
             layer.resize(P * size);
+            cuda::settle_recorded();
             cuda::check(cudaMemcpy(layer.data(), src[static_cast<std::size_t>(l - 1)],
                                    layer.size() * sizeof(T), cudaMemcpyDeviceToHost),
                         "cudaMemcpy (current memory)");

@@ -117,6 +117,7 @@ struct MemoryTraining<Cuda, T>::ReadBackward {
     static void copy_2d(cudaStream_t sm, T* to, long long lt, const T* from, long long lf,
                         long long rows, long long cols) {
         if (rows * cols == 0) return;
+        cuda::settle_recorded();
         cuda::check(cudaMemcpy2DAsync(to, static_cast<std::size_t>(lt) * sizeof(T), from,
                                       static_cast<std::size_t>(lf) * sizeof(T),
                                       static_cast<std::size_t>(cols) * sizeof(T),

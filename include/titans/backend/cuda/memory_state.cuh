@@ -36,6 +36,7 @@ void visit_slice(B& buf, long long offset, long long rows, long long cols,
     Matrix<T> m(rows, cols);
     const auto bytes = static_cast<std::size_t>(rows * cols) * sizeof(T);
     if (bytes > 0) {
+        settle_recorded();
         check(cudaMemcpy(m.data(), buf.data() + offset, bytes, cudaMemcpyDeviceToHost),
               "cudaMemcpy (state to host)");
     }
@@ -48,6 +49,7 @@ void visit_slice(B& buf, long long offset, long long rows, long long cols,
                                             m.cols(), ", expected ", rows, " x ", cols));
         }
         if (bytes > 0) {
+            settle_recorded();
             check(cudaMemcpy(buf.data() + offset, m.data(), bytes, cudaMemcpyHostToDevice),
                   "cudaMemcpy (state from host)");
         }

@@ -414,9 +414,8 @@ struct MemoryTraining<Cuda, T>::Sweep {
         std::swap(w.dW, w.dWn);
         std::swap(w.dS, w.dSn);
         for (std::size_t l = 0; l < w.Ls; ++l) {
-            cuda::check(cudaMemcpyAsync(w.dWn[l].data(), dW[l], w.dWn[l].size() * sizeof(T),
-                                        cudaMemcpyDeviceToDevice, w.sm),
-                        "cudaMemcpyAsync (a tap)");
+            cuda::copy_async(w.dWn[l].data(), dW[l], w.dWn[l].size() * sizeof(T), w.sm,
+                             "cudaMemcpyAsync (a tap)");
             clear(w, w.dSn[l]);
         }
         stage(w, 0, w.off, w.off, true);
@@ -425,8 +424,7 @@ struct MemoryTraining<Cuda, T>::Sweep {
     }
 
     static void copy(Sweep& w, Buf& to, const Buf& from) {
-        cuda::check(cudaMemcpyAsync(to.data(), from.data(), to.size() * sizeof(T),
-                                    cudaMemcpyDeviceToDevice, w.sm), "cudaMemcpyAsync");
+        cuda::copy_async(to.data(), from.data(), to.size() * sizeof(T), w.sm, "cudaMemcpyAsync");
     }
 
     /// The projections of rows [p, q) of every sequence reversed (all their later rows are):
@@ -779,7 +777,7 @@ struct MemoryTraining<Cuda, T>::Sweep {
     }
 
     static void clear(Sweep& w, Buf& x) {
-        cuda::check(cudaMemsetAsync(x.data(), 0, x.size() * sizeof(T), w.sm), "cudaMemsetAsync");
+        cuda::memset_async(x.data(), 0, x.size() * sizeof(T), w.sm, "cudaMemsetAsync");
     }
 
     /// The device view of the key tape's layers (a_l, delta_l and their widths).
@@ -923,8 +921,8 @@ struct MemoryTraining<Cuda, T>::Sweep {
         T* q2 = w.p2[l].data();
         T* s2 = w.sc[l].data();
         T* dM = w.dMb.data();
-        cuda::check(cudaMemcpyAsync(q1, z, static_cast<std::size_t>(P * BW) * sizeof(T),
-                                    cudaMemcpyDeviceToDevice, w.sm), "cudaMemcpyAsync");
+        cuda::copy_async(q1, z, static_cast<std::size_t>(P * BW) * sizeof(T), w.sm,
+                         "cudaMemcpyAsync");
         mm(w.cx, false, false, m, out, in, T(1), w.hin[l].data(), in, BW, w.Sl[l], out, w.lio[l],
            T(0), q2, out, BW, P);
         mm(w.cx, false, true, m, n, in, T(1), w.hin[l].data(), in, BW, w.ta[l].data(), in, BW,

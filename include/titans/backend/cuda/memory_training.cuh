@@ -195,6 +195,10 @@ struct MemoryTraining<Cuda, T> {
         } catch (const NonFiniteError&) {
             raised = true;
         } catch (...) {
+            try {
+                cuda::settle_recorded();
+            } catch (...) {  // the first error is the one to throw
+            }
             (void)cudaStreamSynchronize(cuda::thread_context().stream());  // then the rollback
             throw;
         }
@@ -370,8 +374,8 @@ struct MemoryTraining<Cuda, T> {
     static Buf zeros(std::size_t n) {
         Buf b(n);
         if (n > 0) {
-            cuda::check(cudaMemsetAsync(b.data(), 0, n * sizeof(T), cuda::thread_context().stream()),
-                        "cudaMemsetAsync (memory backward)");
+            cuda::memset_async(b.data(), 0, n * sizeof(T), cuda::thread_context().stream(),
+                               "cudaMemsetAsync (memory backward)");
         }
         return b;
     }
@@ -382,6 +386,7 @@ struct MemoryTraining<Cuda, T> {
     };
     static void upload_to(T* to, const Mat& m) {
         if (m.size() > 0) {
+            cuda::settle_recorded();
             cuda::check(cudaMemcpy(to, m.data(), static_cast<std::size_t>(m.size()) * sizeof(T),
                                    cudaMemcpyHostToDevice),
                         "cudaMemcpy (memory backward to device)");
@@ -390,6 +395,7 @@ struct MemoryTraining<Cuda, T> {
     static Mat download_mat(const T* from, Index rows, Index cols) {
         Mat m(rows, cols);
         if (m.size() > 0) {
+            cuda::settle_recorded();
             cuda::check(cudaMemcpy(m.data(), from, static_cast<std::size_t>(m.size()) * sizeof(T),
                                    cudaMemcpyDeviceToHost),
                         "cudaMemcpy (memory backward to host)");

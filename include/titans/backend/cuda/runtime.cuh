@@ -123,6 +123,24 @@ inline cudaMemPool_t current_pool() {
 
 }  // namespace pool_detail
 
+namespace tape_detail {
+/// Set while this thread's call tape (call_graph.cuh) holds recorded work that has not run:
+/// runs it.
+inline void (*&settle_hook())() {
+    thread_local void (*hook)() = nullptr;
+    return hook;
+}
+}  // namespace tape_detail
+
+/// Runs the work this thread's call tape holds (call_graph.cuh), if any: called before an
+/// operation that must come after it (a copy to or from the host, a wait, a free, a launch on
+/// another stream).
+inline void settle_recorded() {
+    if (auto* settle = tape_detail::settle_hook()) {
+        settle();
+    }
+}
+
 /// `bytes` of device memory as device_memory() says (pooled reports which); CudaError naming
 /// the call when the device has none left.
 inline void* device_allocate(std::size_t bytes, bool& pooled) {
@@ -142,6 +160,10 @@ inline void device_free(void* p, bool pooled) noexcept {
     if (p == nullptr) {
         return;
     }
+    try {
+        settle_recorded();  // the recorded work may read p
+    } catch (...) {  // a destructor cannot throw a recorded launch's error (a bug: tested)
+    }
     if (pooled) {
         (void)cudaFreeAsync(p, cudaStreamLegacy);
     } else {
@@ -153,6 +175,7 @@ inline void device_free(void* p, bool pooled) noexcept {
 /// device): for a program that is done with the GPU for a while. Buffers alive keep theirs.
 inline void release_cached_device_memory() {
     if (cudaMemPool_t pool = pool_detail::current_pool(); pool != nullptr) {
+        settle_recorded();
         check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
         check(cudaMemPoolTrimTo(pool, 0), "cudaMemPoolTrimTo");
     }
@@ -224,6 +247,7 @@ public:
     /// Copies o's elements (same size) into this buffer, on the legacy stream.
     void copy_from(const DeviceBuffer& o) {
         if (n_ > 0) {
+            settle_recorded();
             check(cudaMemcpy(p_, o.p_, n_ * sizeof(T), cudaMemcpyDeviceToDevice),
                   "cudaMemcpy (device to device)");
         }
@@ -262,6 +286,7 @@ template <class T>
 DeviceBuffer<T> upload_array(const T* host, std::size_t n) {
     DeviceBuffer<T> b(n);
     if (n > 0) {
+        settle_recorded();
         check(cudaMemcpy(b.data(), host, n * sizeof(T), cudaMemcpyHostToDevice),
               "cudaMemcpy (host to device)");
     }
@@ -302,7 +327,10 @@ public:
     [[nodiscard]] cublasHandle_t blas() const { return blas_; }
     /// Whether float products on this stream may use TF32 tensor cores.
     [[nodiscard]] bool tf32() const { return tf32_; }
-    void synchronize() const { check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize"); }
+    void synchronize() const {
+        settle_recorded();
+        check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+    }
 
 private:
     /// The handle, bound to the stream, in the math mode (the stream released if it fails).

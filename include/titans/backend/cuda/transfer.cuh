@@ -56,6 +56,7 @@ struct Transfer<Cuda, T> {
         if (to.rows == 0 || to.cols == 0) {
             return;
         }
+        cuda::settle_recorded();
         cuda::check(cudaMemcpy2D(to.data, static_cast<std::size_t>(to.stride) * sizeof(T),
                                  from.data, static_cast<std::size_t>(from.stride) * sizeof(T),
                                  static_cast<std::size_t>(to.cols) * sizeof(T),
