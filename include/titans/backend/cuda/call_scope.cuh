@@ -20,7 +20,8 @@
 // stream, this thread's included.
 //
 // A call's temporaries (call_buffer) come from the thread's CallArena while a deferring scope
-// is open: a decode call, once warm, allocates nothing.
+// is open: a decode call, once warm, allocates nothing. The flag is a device word per nesting
+// depth that stays zero between calls (call_flag): a clean call resets nothing.
 
 #include <cstddef>
 #include <vector>
@@ -100,6 +101,20 @@ inline CallArena& call_arena() {
 template <class T>
 DeviceBuffer<T> call_buffer(std::size_t n);
 
+/// The device flag of this thread's deferring scope at nesting depth `depth` (0 outermost):
+/// one word each, made zero once and kept across calls, so that a call starts without a
+/// memset (a scope that may leave its flag raised clears it as it closes).
+inline unsigned* call_flag(int depth) {
+    thread_local std::vector<DeviceBuffer<unsigned>> flags;
+    while (static_cast<int>(flags.size()) <= depth) {
+        DeviceBuffer<unsigned> f(1);
+        memset_async(f.data(), 0, sizeof(unsigned), thread_context().stream(),
+                     "cudaMemsetAsync (call flag)");
+        flags.push_back(std::move(f));
+    }
+    return flags[static_cast<std::size_t>(depth)].data();
+}
+
 /// A call on this thread's stream with its finiteness checks deferred to one device flag (see
 /// the file comment). Scopes nest (the innermost one is active); a strict scope
 /// (CallScope(false)) suspends the ones around it: inside it every check waits and throws at
@@ -108,22 +123,13 @@ class CallScope {
 public:
     explicit CallScope(bool defer = true) : prev_(active()), defer_(defer) {
         if (defer_) {
+            flag_ = call_flag(depth());  // (may throw: nothing changed yet)
             call_arena().open();
             active() = this;
-            try {
-                flag_ = call_buffer<unsigned>(1);
-                memset_async(flag_.data(), 0, sizeof(unsigned), thread_context().stream(),
-                             "cudaMemsetAsync (call flag)");
-                // Recording from here (the input's upload, next, runs at once either way).
-                taped_ = call_graphs();
-                if (taped_) {
-                    call_tape().open(thread_context().stream());
-                }
-            } catch (...) {
-                close_tape();
-                active() = prev_;
-                call_arena().close();
-                throw;
+            ++depth();
+            taped_ = call_graphs();
+            if (taped_) {
+                call_tape().open(thread_context().stream());
             }
         } else {
             call_tape().pause();  // what the scopes around it recorded runs first
@@ -135,6 +141,8 @@ public:
     ~CallScope() {
         if (defer_) {
             close_tape();  // before the arena's memory can move
+            clear_flag();
+            --depth();
         } else {
             call_tape().resume();
         }
@@ -153,15 +161,19 @@ public:
         unsigned host = 0;
         const StreamContext& cx = thread_context();
         settle_recorded();
-        check(cudaMemcpyAsync(&host, flag_.data(), sizeof(unsigned), cudaMemcpyDeviceToHost,
+        check(cudaMemcpyAsync(&host, flag_, sizeof(unsigned), cudaMemcpyDeviceToHost,
                               cx.stream()),
               "cudaMemcpyAsync (call flag)");
         cx.synchronize();
+        may_be_raised_ = host != 0;  // zero: clean unless a check is issued after this
         return host != 0;
     }
 
-    /// The device flag a deferred check raises.
-    [[nodiscard]] unsigned* flag() { return flag_.data(); }
+    /// The device flag a deferred check raises (asked for as the check is issued).
+    [[nodiscard]] unsigned* flag() {
+        may_be_raised_ = true;
+        return flag_;
+    }
 
     /// The active deferring scope of this thread, or null.
     static CallScope*& active() {
@@ -182,10 +194,28 @@ private:
         }
     }
 
+    /// The flag zeroed for the next call at this depth where a check may have raised it
+    /// (a raised flag, or a call that ended without reading it clean).
+    void clear_flag() noexcept {
+        if (may_be_raised_) {
+            try {  // (recorded where a scope around this one records)
+                memset_async(flag_, 0, sizeof(unsigned), thread_context().stream(),
+                             "cudaMemsetAsync (call flag)");
+            } catch (...) {  // the next call at this depth may then rerun strictly: correct
+            }
+        }
+    }
+    /// This thread's open deferring scopes.
+    static int& depth() {
+        thread_local int d = 0;
+        return d;
+    }
+
     CallScope* prev_;
     bool defer_;
     bool taped_ = false;
-    DeviceBuffer<unsigned> flag_;
+    mutable bool may_be_raised_ = false;
+    unsigned* flag_ = nullptr;
 };
 
 /// Whether finiteness checks are deferred (a deferring CallScope is active on this thread).
