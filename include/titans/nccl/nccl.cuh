@@ -70,6 +70,7 @@ public:
         const auto n = static_cast<std::size_t>(size_);
         backend::cuda::DeviceBuffer<std::uint64_t> all(n + 1);
         std::uint64_t* d = all.data();
+        backend::cuda::settle_recorded();  // work a call graph's tape holds runs first
         backend::cuda::check(cudaMemcpy(d + n, &value, sizeof value, cudaMemcpyHostToDevice),
                              "cudaMemcpy (nccl gather)");
         const cudaStream_t sm = stream();
@@ -87,6 +88,7 @@ private:
     template <class X>
     void reduce(X* data, std::size_t n, ncclDataType_t type) {
         const cudaStream_t sm = stream();
+        backend::cuda::settle_recorded();  // work a call graph's tape holds runs first
         check(ncclReduce(data, data, n, type, ncclSum, 0, comm_, sm), "ncclReduce");
         check(ncclBroadcast(data, data, n, type, 0, comm_, sm), "ncclBroadcast");
         backend::cuda::check(cudaStreamSynchronize(sm), "cudaStreamSynchronize (nccl)");
