@@ -20,7 +20,9 @@
 #                                 memcheck.txt, initcheck.txt
 #   tools/gpu_check.sh lease [DIR]
 #                                 one lent machine's call, each step under a time limit: the
-#                                 tests, the fused and decode kernels' tests, the per-pair
+#                                 tests, the blocks', models' and trainer's tests again with
+#                                 call graphs on (graphs_tests.txt), the fused and decode
+#                                 kernels' tests, the per-pair
 #                                 launches', the warp-tiled attention's and the fused norms'
 #                                 under memcheck and racecheck
 #                                 (fused_memcheck.txt, fused_racecheck.txt), the block,
@@ -105,6 +107,13 @@ do_lease() {
   echo "tests: exit ${rc}"; tail -n 3 "${out}/cuda_tests.txt"
   grep "worst relative error" "${out}/cuda_tests.txt" || true
   grep -B3 -A12 "FAILED" "${out}/cuda_tests.txt" | head -n 60 || true
+  # The blocks', models' and trainer's tests with call graphs on (call_graph.cuh): the real
+  # CUDA graph calls (build, node updates, launches), which the emulator stands in for.
+  TITANS_CALL_GRAPHS=1 timeout 120 "${build}/tests/titans_cuda_tests" --warn NoTests \
+    "cuda graphs*,cuda blocks*,cuda model*,cuda trainer*" > "${out}/graphs_tests.txt" 2>&1 \
+    || echo "graphs tests: exit $?"
+  echo "graphs tests: $(tail -n 2 "${out}/graphs_tests.txt" | tr '\n' ' ')"
+  grep -B3 -A12 "FAILED" "${out}/graphs_tests.txt" | head -n 40 || true
   local tool
   for tool in memcheck racecheck; do
     TITANS_CUDA_PARITY_CASES=1 timeout 120 compute-sanitizer --tool "${tool}" --error-exitcode 9 \
