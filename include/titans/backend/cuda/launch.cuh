@@ -72,10 +72,26 @@ void kernel_params(unsigned char* bytes, void** out) {
     }
 }
 
+/// p's padding bytes zeroed where the compiler can (GCC, and nvcc's host pass): a record's
+/// arguments are compared as bytes, and padding copied from a stack temporary would make a
+/// kernel look changed (a needless node update) where it is not.
+template <class P>
+void clear_padding(P* p) {
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_clear_padding)
+    __builtin_clear_padding(p);
+#else
+    (void)p;
+#endif
+#else
+    (void)p;
+#endif
+}
+
 /// The arguments placed in a record's bytes (converted to the parameters' types).
 template <class... P, class... A, std::size_t... I>
 void place_args(unsigned char* bytes, std::index_sequence<I...>, A&&... args) {
-    ((void)new (bytes + KernelArgs<P...>::at[I]) P(std::forward<A>(args)), ...);
+    (clear_padding(new (bytes + KernelArgs<P...>::at[I]) P(std::forward<A>(args))), ...);
 }
 }  // namespace tape_detail
 
