@@ -22,6 +22,11 @@
 // the updated arguments, and any stream operation issued past the tape while it holds work
 // aborts the test (emulated_streams.h): that is how the tests find a call site that would
 // run out of order.
+//
+//     titans::backend::cuda::set_call_graphs(true);       // process-wide, before decoding
+//     auto st = model.make_state(1);
+//     for (const auto& x : tokens) y = model.forward(st, x);  // once warm: one graph launch
+//     auto s = titans::backend::cuda::call_graph_stats();    // built, launched, updated, direct
 
 #include <array>
 #include <atomic>
