@@ -162,10 +162,10 @@ struct Graph {
     Graph& operator=(const Graph&) = delete;
 
 #if defined(__CUDACC__)
-    /// Kernel record i's node parameters, its arguments read from `bytes`.
-    cudaKernelNodeParams node_params(std::size_t i, std::array<void*, 64>& args) {
-        const Record& r = records[i];
-        r.params(bytes.data() + r.at, args.data());
+    /// A kernel record's node parameters, its arguments read from `from` (a segment's bytes).
+    static cudaKernelNodeParams node_params(const Record& r, unsigned char* from,
+                                            std::array<void*, 64>& args) {
+        r.params(from + r.at, args.data());
         cudaKernelNodeParams p{};
         p.func = const_cast<void*>(r.key);
         p.gridDim = r.grid;
@@ -185,7 +185,7 @@ struct Graph {
             cudaGraphNode_t node = nullptr;
             const std::size_t deps = prev == nullptr ? 0 : 1;
             if (r.params != nullptr) {
-                const cudaKernelNodeParams p = node_params(i, args);
+                const cudaKernelNodeParams p = node_params(r, bytes.data(), args);
                 check(cudaGraphAddKernelNode(&node, graph, &prev, deps, &p),
                       "cudaGraphAddKernelNode");
             } else {
@@ -363,13 +363,14 @@ private:
                 std::memcmp(bytes_.data() + r.at, g.bytes.data() + k.at, r.size) == 0) {
                 continue;
             }
-            std::memcpy(g.bytes.data() + k.at, bytes_.data() + r.at, r.size);
 #if defined(__CUDACC__)
             std::array<void*, 64> args{};
-            const cudaKernelNodeParams p = g.node_params(i, args);
+            const cudaKernelNodeParams p = tape_detail::Graph::node_params(r, bytes_.data(), args);
             check(cudaGraphExecKernelNodeSetParams(g.exec, g.nodes[i], &p),
                   "cudaGraphExecKernelNodeSetParams");
 #endif
+            // (after the node took them: g's bytes say what its nodes hold)
+            std::memcpy(g.bytes.data() + k.at, bytes_.data() + r.at, r.size);
             ++call_graph_stats().updated;
         }
     }
