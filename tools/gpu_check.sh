@@ -18,18 +18,24 @@
 #                                 the tests under compute-sanitizer memcheck (leaks too) and
 #                                 initcheck, with a short parity sweep (2 cases per mode):
 #                                 memcheck.txt, initcheck.txt
+#   tools/gpu_check.sh pack [FROM]
+#                                 the test, benchmark and example binaries of a build made
+#                                 here (default build/release) into build/gpu-carry with
+#                                 libbenchmark and libgomp (about 40 MB): carry that folder to
+#                                 a lent machine and run the steps below there with
+#                                 GPU_CHECK_BUILD=build/gpu-carry, no build on its minutes
 #   tools/gpu_check.sh lease [DIR]
-#                                 one lent machine's call, each step under a time limit: the
-#                                 tests, the blocks', models' and trainer's tests again with
-#                                 call graphs on (graphs_tests.txt), the fused and decode
-#                                 kernels' tests, the per-pair
+#                                 one lent machine's call, all inside LEASE_SECONDS (540), each
+#                                 step under its own limit, in this order: the tests; the
+#                                 blocks', models' and trainer's tests again with call graphs
+#                                 and the fused feed-forward on (graphs_tests.txt); the
+#                                 memory, decode, attention, model decode and Trainer-step
+#                                 benchmarks (BENCH_FILTER overrides which); the headline memory's kernels under Nsight Compute
+#                                 (ncu.txt); the fused and decode kernels', the per-pair
 #                                 launches', the warp-tiled attention's and the fused norms'
-#                                 under memcheck and racecheck
-#                                 (fused_memcheck.txt, fused_racecheck.txt), the block,
-#                                 model and trainer tests under memcheck
-#                                 (training_memcheck.txt), then the memory,
-#                                 decode and Trainer-step benchmarks (BENCH_FILTER overrides
-#                                 which); a table last
+#                                 tests under memcheck and racecheck (fused_memcheck.txt,
+#                                 fused_racecheck.txt); the block, model and trainer tests
+#                                 under memcheck (training_memcheck.txt)
 #   tools/gpu_check.sh peers [DIR]
 #                                 titans-pytorch's NeuralMemory, then its MAC transformer of
 #                                 depth 1 (--mac), against bench_cuda on the same GPU
@@ -44,7 +50,40 @@
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-build="${repo_root}/build/gpu-check"
+# GPU_CHECK_BUILD: the build folder the run steps use (default build/gpu-check; `pack` fills
+# build/gpu-carry, which a lent machine can use without building).
+build="${GPU_CHECK_BUILD:-${repo_root}/build/gpu-check}"
+case "${build}" in /*) ;; *) build="${repo_root}/${build}" ;; esac
+
+# The binaries the run steps need, from a build folder made here (default build/release, as CI's
+# `cmake --build --preset release` leaves it, or build/gpu-check), into build/gpu-carry with
+# the shared libraries a bare GPU machine may lack: about 40 MB, under the device tool's 64 MiB
+# carry, so that a lent machine's minutes go to the checks (run there with
+# GPU_CHECK_BUILD=build/gpu-carry; nvcc 13.0 here and there, sm_90 code).
+do_pack() {
+  local from="${1:-${repo_root}/build/release}" to="${repo_root}/build/gpu-carry" f lib
+  rm -rf "${to}"
+  mkdir -p "${to}/tests" "${to}/bench" "${to}/examples"
+  for f in tests/titans_cuda_tests bench/bench_cuda examples/07_cuda_memory; do
+    [ -x "${from}/${f}" ] || { echo "pack: ${from}/${f} not built" >&2; return 1; }
+    cp "${from}/${f}" "${to}/${f}"
+  done
+  for lib in $(ldd "${to}/bench/bench_cuda" "${to}/tests/titans_cuda_tests" \
+                 | awk '/libbenchmark|libgomp/ {print $3}' | sort -u); do
+    cp -L "${lib}" "${to}/bench/"
+  done
+  if ldd "${to}/tests/titans_cuda_tests" | grep -q libnccl; then
+    echo "pack: this build links NCCL, which does not travel: the lease looks for the device's"
+    echo "      (python3's nvidia-nccl); else pack a build made with -DTITANS_ENABLE_NCCL=OFF"
+  fi
+  du -sh "${to}"
+}
+
+# The device's NCCL for a packed build that links it (the image has it as a Python package).
+nccl_path() {
+  python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' \
+    2> /dev/null || true
+}
 
 do_build() {
   # NCCL (the test "cuda nccl: one rank") only with GPU_CHECK_NCCL=ON: its library (hundreds
@@ -95,56 +134,100 @@ do_sanitize() {
   return "${rc}"
 }
 
+# lease: the steps in order of what a lent machine is for (the tests, the tests with call
+# graphs, the timings, where the time goes, then the sanitizers), each under its own limit and
+# all under LEASE_SECONDS (default 540, inside the device tool's 600 s a command): a step that
+# would start with under 20 s left is skipped and says so.
+lease_left() { echo $(( ${LEASE_SECONDS:-540} - ($(date +%s) - lease_t0) )); }
+lease_step() {  # lease_step <seconds wanted> <name> <command...>: under min(wanted, left)
+  local want=$1 name=$2 left
+  shift 2
+  left=$(lease_left)
+  (( left < want )) && want=${left}
+  if (( want < 20 )); then
+    echo "${name}: skipped (the lease's ${LEASE_SECONDS:-540} s are spent)"
+    return 0
+  fi
+  # (a step is a function here: exported, and run by a bash under timeout)
+  timeout "${want}" bash -c '"$@"' lease_step "$@" || echo "${name}: exit $?"
+}
+
+lease_tests() {
+  "${build}/tests/titans_cuda_tests" --warn NoTests --durations yes > "${out}/cuda_tests.txt" 2>&1
+}
+# The blocks', models' and trainer's tests with call graphs on (call_graph.cuh): the real CUDA
+# graph calls (build, node updates, launches), which the emulator stands in for; and with the
+# feed-forward of few rows in one launch (feed_forward_rows.cuh).
+lease_graphs() {
+  TITANS_CALL_GRAPHS=1 TITANS_FUSED_FFN=1 "${build}/tests/titans_cuda_tests" --warn NoTests \
+    "cuda graphs*,cuda blocks*,cuda model*,cuda trainer*" > "${out}/graphs_tests.txt" 2>&1
+}
+lease_bench() {
+  "${build}/bench/bench_cuda" --benchmark_counters_tabular=true \
+    --benchmark_filter="${BENCH_FILTER:-BM_CublasSgemm|BM_CudaMemory|BM_CudaDecode|BM_CudaAttention|BM_CudaTrainStep|BM_CudaModelDecode}" \
+    --benchmark_out="${out}/cuda_bench.json" --benchmark_out_format=json \
+    > "${out}/cuda_bench.txt" 2>&1
+}
+# Where one forward's time goes: each kernel's device time (Nsight Compute, clocks as found).
+lease_ncu() {
+  ncu --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
+    "${build}/bench/bench_cuda" --benchmark_min_time=0.01 \
+    --benchmark_filter="${NCU_FILTER:-BM_CudaMemory/B:256/N:512/tf32:1/fused:1}" \
+    > "${out}/ncu.txt" 2>&1
+}
+lease_fused_sanitizer() {  # <memcheck | racecheck>
+  TITANS_CUDA_PARITY_CASES=1 compute-sanitizer --tool "$1" --error-exitcode 9 \
+    "${build}/tests/titans_cuda_tests" \
+    "cuda memory: fused*,cuda memory: decode*,cuda launch*,cuda attention: warp*,cuda layers: fused*" \
+    > "${out}/fused_$1.txt" 2>&1
+}
+# Every block kind's and the model's training (MAC's staged reverse, the segment attention's
+# backward, the glue, AdamW) under memcheck: issue 30's device check.
+lease_training_memcheck() {
+  TITANS_CUDA_PARITY_CASES=1 compute-sanitizer --tool memcheck --error-exitcode 9 \
+    "${build}/tests/titans_cuda_tests" \
+    "cuda blocks*,cuda model*,cuda trainer*,cuda attention train*,cuda memory train*" \
+    > "${out}/training_memcheck.txt" 2>&1
+}
+
 do_lease() {
-  local out="${1:-${build}/results}" rc=0
+  out="${1:-${build}/results}"
+  lease_t0=$(date +%s)
+  export out build BENCH_FILTER NCU_FILTER
+  export -f lease_tests lease_graphs lease_bench lease_ncu lease_fused_sanitizer \
+    lease_training_memcheck
+  local tool
   mkdir -p "${out}"
-  export LD_LIBRARY_PATH="${build}/bench${LD_LIBRARY_PATH:+:${LD_LIBRARY_PATH}}"
+  rm -f "${out}"/cuda_tests.txt "${out}"/graphs_tests.txt "${out}"/cuda_bench.* "${out}"/ncu.txt \
+    "${out}"/fused_*.txt "${out}"/training_memcheck.txt
+  local nccl
+  nccl="$(nccl_path)"
+  export LD_LIBRARY_PATH="${build}/bench${nccl:+:${nccl}}${LD_LIBRARY_PATH:+:${LD_LIBRARY_PATH}}"
   { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv || true
     uptime; } > "${out}/device.txt" 2>&1
   cat "${out}/device.txt"
-  timeout 300 "${build}/tests/titans_cuda_tests" --warn NoTests --durations yes \
-    > "${out}/cuda_tests.txt" 2>&1 || rc=$?
-  echo "tests: exit ${rc}"; tail -n 3 "${out}/cuda_tests.txt"
-  grep "worst relative error" "${out}/cuda_tests.txt" || true
-  grep -B3 -A12 "FAILED" "${out}/cuda_tests.txt" | head -n 60 || true
-  # The blocks', models' and trainer's tests with call graphs on (call_graph.cuh): the real
-  # CUDA graph calls (build, node updates, launches), which the emulator stands in for.
-  TITANS_CALL_GRAPHS=1 timeout 120 "${build}/tests/titans_cuda_tests" --warn NoTests \
-    "cuda graphs*,cuda blocks*,cuda model*,cuda trainer*" > "${out}/graphs_tests.txt" 2>&1 \
-    || echo "graphs tests: exit $?"
-  echo "graphs tests: $(tail -n 2 "${out}/graphs_tests.txt" | tr '\n' ' ')"
-  grep -B3 -A12 "FAILED" "${out}/graphs_tests.txt" | head -n 40 || true
-  local tool
-  for tool in memcheck racecheck; do
-    TITANS_CUDA_PARITY_CASES=1 timeout 120 compute-sanitizer --tool "${tool}" --error-exitcode 9 \
-      "${build}/tests/titans_cuda_tests" \
-      "cuda memory: fused*,cuda memory: decode*,cuda launch*,cuda attention: warp*,cuda layers: fused*" \
-      > "${out}/fused_${tool}.txt" 2>&1 \
-      || echo "fused ${tool}: exit $?"
-    echo "fused ${tool}: $(grep 'ERROR SUMMARY\|RACECHECK SUMMARY' "${out}/fused_${tool}.txt" || echo 'no summary')"
-  done
-  # Every block kind's and the model's training (MAC's staged reverse, the segment attention's
-  # backward, the glue, AdamW) under memcheck: issue 30's device check.
-  TITANS_CUDA_PARITY_CASES=1 timeout 180 compute-sanitizer --tool memcheck --error-exitcode 9 \
-    "${build}/tests/titans_cuda_tests" \
-    "cuda blocks*,cuda model*,cuda trainer*,cuda attention train*,cuda memory train*" \
-    > "${out}/training_memcheck.txt" 2>&1 || echo "training memcheck: exit $?"
-  echo "training memcheck: $(grep 'ERROR SUMMARY' "${out}/training_memcheck.txt" || echo 'no summary')"
-  timeout 300 "${build}/bench/bench_cuda" --benchmark_counters_tabular=true \
-    --benchmark_filter="${BENCH_FILTER:-BM_CublasSgemm|BM_CudaMemory|BM_CudaDecode|BM_CudaAttention|BM_CudaTrainStep|BM_CudaModelDecode}" \
-    --benchmark_out="${out}/cuda_bench.json" --benchmark_out_format=json \
-    > "${out}/cuda_bench.txt" 2>&1 || echo "bench: exit $?"
-  grep -v "^\*\*\*\|^-\|^Run on\|^CPU Caches\|^  L[123]\|^Load Average" "${out}/cuda_bench.txt"
-  # Where one forward's time goes: each kernel's device time (Nsight Compute, clocks as found).
+  lease_step 240 tests lease_tests
+  tail -n 3 "${out}/cuda_tests.txt" 2>/dev/null || true
+  grep "worst relative error" "${out}/cuda_tests.txt" 2>/dev/null || true
+  grep -B3 -A12 "FAILED" "${out}/cuda_tests.txt" 2>/dev/null | head -n 60 || true
+  lease_step 90 "graphs tests" lease_graphs
+  echo "graphs tests: $(tail -n 2 "${out}/graphs_tests.txt" 2>/dev/null | tr '\n' ' ')"
+  grep -B3 -A12 "FAILED" "${out}/graphs_tests.txt" 2>/dev/null | head -n 40 || true
+  lease_step 200 bench lease_bench
+  grep -v "^\*\*\*\|^-\|^Run on\|^CPU Caches\|^  L[123]\|^Load Average" "${out}/cuda_bench.txt" \
+    2>/dev/null || true
   if command -v ncu > /dev/null; then
-    timeout 150 ncu --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
-      "${build}/bench/bench_cuda" --benchmark_min_time=0.01 \
-      --benchmark_filter="${NCU_FILTER:-BM_CudaMemory/B:256/N:512/tf32:1/fused:1}" \
-      > "${out}/ncu.txt" 2>&1 || echo "ncu: exit $?"
+    lease_step 100 ncu lease_ncu
     awk '/\)x\(/ { name = substr($0, 1, 110) } /gpu__time_duration.sum/ { print $NF, $(NF-3), name }' \
-      "${out}/ncu.txt" | sort -rn | head -n 25
+      "${out}/ncu.txt" 2>/dev/null | sort -rn | head -n 25
   fi
-  return "${rc}"
+  for tool in memcheck racecheck; do
+    lease_step 90 "fused ${tool}" lease_fused_sanitizer "${tool}"
+    echo "fused ${tool}: $(grep 'ERROR SUMMARY\|RACECHECK SUMMARY' "${out}/fused_${tool}.txt" 2>/dev/null || echo 'no summary')"
+  done
+  lease_step 120 "training memcheck" lease_training_memcheck
+  echo "training memcheck: $(grep 'ERROR SUMMARY' "${out}/training_memcheck.txt" 2>/dev/null || echo 'no summary')"
+  echo "lease: $(( $(date +%s) - lease_t0 )) s"
 }
 
 # Where a memory training step's time goes, per kernel (Nsight Compute, one step each at
@@ -184,9 +267,10 @@ case "${1:-all}" in
   run) do_run "${2:-}" ;;
   sanitize) do_sanitize "${2:-}" ;;
   lease) do_lease "${2:-}" ;;
+  pack) do_pack "${2:-}" ;;
   peers) do_peers "${2:-}" ;;
   profile) do_profile "${2:-}" ;;
   all) do_build && do_run ;;
-  *) echo "usage: tools/gpu_check.sh [build | run [DIR] | sanitize [DIR] | lease [DIR] | peers [DIR] | profile [DIR]]" >&2
+  *) echo "usage: tools/gpu_check.sh [build | pack [FROM] | run [DIR] | sanitize [DIR] | lease [DIR] | peers [DIR] | profile [DIR]]" >&2
      exit 2 ;;
 esac

@@ -42,13 +42,15 @@
 //   BM_CudaMacLayer/B/N/train a one-block MAC model (that block, an embedding and a head,
 //                             vocabulary 512; titans-pytorch's MAC transformer of depth 1 in
 //                             size): a forward on token ids (train 0) or a Trainer step (1), TF32
-//   BM_CudaModelDecode/B/pooled/graphs
+//   BM_CudaModelDecode/B/pooled/graphs/ffn
 //                             that model with the LMM block for MAC fed one token per sequence
 //                             per call (host vectors in and out: serving), its device buffers
 //                             from the stream-ordered pool (1, the default) or from cudaMalloc /
 //                             cudaFree (0, DeviceMemory::Direct), its work launched (graphs 0)
 //                             or as CUDA graphs (1: set_call_graphs, call_graph.cuh; counters
-//                             graph_launches_per_call, graph_updates_per_call); real time per call
+//                             graph_launches_per_call, graph_updates_per_call), its
+//                             feed-forwards of B <= 16 rows on cuBLAS (ffn 0) or in one launch
+//                             (1: set_fused_feed_forward); real time per call
 //
 // Run: build/.../bench_cuda --benchmark_counters_tabular=true (tools/gpu_check.sh does).
 
@@ -524,8 +526,9 @@ void BM_CudaModelDecode(benchmark::State& state) {
     const int B = static_cast<int>(state.range(0));
     tc::set_device_memory(state.range(1) != 0 ? tc::DeviceMemory::Pooled
                                               : tc::DeviceMemory::Direct);
-    const bool graphs_were = tc::call_graphs();
+    const bool graphs_were = tc::call_graphs(), ffn_was = tc::fused_feed_forward();
     tc::set_call_graphs(state.range(2) != 0);
+    tc::set_fused_feed_forward(state.range(3) != 0);
     const auto [cfg, params] = bench_model(false, 0);
     const titans::Model<float, Cuda> model(cfg, params);
     auto st = model.make_state(B);
@@ -542,6 +545,7 @@ void BM_CudaModelDecode(benchmark::State& state) {
     const tc::CallGraphStats& g = tc::call_graph_stats();
     tc::set_device_memory(tc::DeviceMemory::Pooled);
     tc::set_call_graphs(graphs_were);
+    tc::set_fused_feed_forward(ffn_was);
     const auto calls = static_cast<double>(std::max<std::int64_t>(state.iterations(), 1));
     state.counters["tokens_per_second"] = benchmark::Counter(
         static_cast<double>(state.iterations()) * B, benchmark::Counter::kIsRate);
@@ -583,10 +587,11 @@ BENCHMARK(BM_CudaTrainStep)->ArgNames({"mac", "B", "N"})->Args({0, 1, 1024})->Ar
     ->Args({0, 8, 1024})->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_CudaMacLayer)->ArgNames({"B", "N", "train"})->ArgsProduct({{1, 8}, {2048}, {0, 1}})
     ->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_CudaModelDecode)->ArgNames({"B", "pooled", "graphs"})
-    ->Args({1, 0, 0})->Args({64, 0, 0})
-    ->Args({1, 1, 0})->Args({64, 1, 0})->Args({1024, 1, 0})
-    ->Args({1, 1, 1})->Args({64, 1, 1})->Args({1024, 1, 1})
+BENCHMARK(BM_CudaModelDecode)->ArgNames({"B", "pooled", "graphs", "ffn"})
+    ->Args({1, 0, 0, 0})->Args({64, 0, 0, 0})
+    ->Args({1, 1, 0, 0})->Args({64, 1, 0, 0})->Args({1024, 1, 0, 0})
+    ->Args({1, 1, 1, 0})->Args({64, 1, 1, 0})->Args({1024, 1, 1, 0})
+    ->Args({1, 1, 0, 1})->Args({16, 1, 0, 1})->Args({1, 1, 1, 1})->Args({16, 1, 1, 1})
     ->Unit(benchmark::kMicrosecond)->UseRealTime();
 
 BENCHMARK_MAIN();

@@ -7,6 +7,8 @@
 // (float loses more than 1e-5 in some cancelling gradient sums on either backend). The
 // Trainer on CUDA takes the CPU's steps.
 
+#include <thread>
+
 #include <titans/backend/cuda/cuda.cuh>
 
 #include "block_cases.hpp"
@@ -449,8 +451,9 @@ TEST_CASE("cuda model: one deferred check a block", "[cuda]") {
         CHECK(cuda_emulation::total_launches() - k0 == 9);
         // GEMMs: the attention's projections and output, the memory's, each feed-forward's
         // x [W1 | W3] and its W2 (one product for W1 and W3 since 2026-11-29: 11 before), the
-        // head: 9.
-        CHECK(cuda_emulation::gemm_calls() - g0 == 9);
+        // head: 9; 5 with the feed-forward of few rows (its products in its one kernel).
+        CHECK(cuda_emulation::gemm_calls() - g0 ==
+              (titans::backend::cuda::fused_feed_forward() ? 5 : 9));
 #endif
         CHECK(rel_error(yg, cpu.forward(sc, x)) <= 1e-12);
     }
@@ -740,6 +743,40 @@ TEST_CASE("cuda graphs: the call tape", "[cuda]") {
     CHECK(host == expect);
 }
 
+// The handles a call tape records products of (this thread's, in either math mode) run with the
+// thread's own cuBLAS workspace, set after their stream (cublasSetStream resets it): a product
+// captured into a call graph's child graph then allocates nothing (cudaGraphAddChildGraphNode
+// refuses a child holding an allocation node). Another thread has its own; a state's own
+// context keeps cuBLAS's default pool.
+TEST_CASE("cuda graphs: a workspace per thread", "[cuda]") {
+    namespace cu = titans::backend::cuda;
+    const cu::StreamContext& t = cu::thread_context();
+    const cu::StreamContext& o = cu::thread_context_other_mode();
+    REQUIRE(t.stream() == o.stream());
+    CHECK(t.tf32() != o.tf32());
+    const std::size_t bytes = cu::blas_workspace_bytes();
+    CHECK(bytes >= (std::size_t(4) << 20));
+    CHECK(t.workspace() != nullptr);
+    CHECK(t.workspace_bytes() == bytes);
+    CHECK(o.workspace() == t.workspace());
+    CHECK(o.workspace_bytes() == bytes);
+    const cu::StreamContext own;
+    CHECK(own.workspace() == nullptr);
+    const void* other = nullptr;
+    std::thread([&] { other = cu::thread_context().workspace(); }).join();
+    CHECK(other != nullptr);
+    CHECK(other != t.workspace());
+#if TITANS_CUDA_EMULATION
+    // What cuBLAS was told (the emulated handle resets it on cublasSetStream, as cuBLAS does).
+    CHECK(cuda_emulation::blas_workspace(t.blas()) ==
+          std::pair<void*, std::size_t>{const_cast<void*>(t.workspace()), bytes});
+    CHECK(cuda_emulation::blas_workspace(o.blas()) ==
+          std::pair<void*, std::size_t>{const_cast<void*>(t.workspace()), bytes});
+    CHECK(cuda_emulation::blas_workspace(own.blas()).first == nullptr);
+    CHECK(bytes == (std::size_t(32) << 20));  // the emulated device is sm_90
+#endif
+}
+
 // Model::forward with call graphs (call_graph.cuh) against the same model without them: every
 // block kind among the stacks, batches 1-2, 40 decode tokens (window moves, chunk ends, MAC's
 // segments) then pieces of 2-5 tokens: the same output bits, within 1e-12 of the CPU, graphs
@@ -806,6 +843,69 @@ TEST_CASE("cuda model: call graphs", "[cuda]") {
         }
         CHECK(same_tensors(state_tensors(graphed), state_tensors(plain)));
     }
+}
+
+// A model with the one-launch feed-forward of few rows (feed_forward_rows.cuh) in both blocks,
+// hidden widths of one block (GELU, 40) and of four (SwiGLU, 200: partials summed by the last
+// block): 24 decode tokens at B 1-3, then calls of 2-5 tokens, then one of 17 rows (the cuBLAS
+// path), within 1e-12 of the CPU, the same bits with call graphs on and off, and two products
+// fewer a feed-forward where it applies (the activation's kernel becomes the fused one).
+TEST_CASE("cuda model: few-row FFN", "[cuda]") {
+    namespace cu = titans::backend::cuda;
+    struct Fused {
+        bool was = cu::fused_feed_forward();
+        explicit Fused(bool on) { cu::set_fused_feed_forward(on); }
+        ~Fused() { cu::set_fused_feed_forward(was); }
+    };
+    Rng rng(seed_for("cuda model: few-row FFN", 0));
+    const int vocab = 11, d = 8, B = uniform_int(rng, 1, 3);
+    ModelCase mc = make_model_case<double>(BlockKind::MAG, BlockKind::LMM, d, vocab, 0, rng);
+    mc.cfg.blocks[0].use_ffn = mc.cfg.blocks[1].use_ffn = true;
+    mc.cfg.blocks[0].ffn = {.d_model = d, .kind = titans::FeedForwardKind::SwiGLU, .hidden = 200};
+    mc.cfg.blocks[1].ffn = {.d_model = d, .kind = titans::FeedForwardKind::GELU, .hidden = 40};
+    mc.params = titans::ModelParams<double>::random(mc.cfg, rng());
+    const titans::Model<double> cpu(mc.cfg, mc.params);
+    const titans::Model<double, Cuda> gpu(mc.cfg, mc.params);
+    auto sc = cpu.make_state(B);
+    auto plain = gpu.make_state(B), fused = gpu.make_state(B), graphed = gpu.make_state(B);
+    INFO("B " << B);
+    // One call on state st with the fused feed-forward and call graphs as given; gemms: its
+    // products (counted under the emulator).
+    const auto run = [&](auto& st, bool ffn, bool graphs, const Matrixd& x, long& gemms) {
+        const Fused f(ffn);
+        const CallGraphs g(graphs);
+        gemms = 0;
+#if TITANS_CUDA_EMULATION
+        gemms = -cuda_emulation::gemm_calls();
+#endif
+        Matrixd y = gpu.forward(st, x);
+#if TITANS_CUDA_EMULATION
+        gemms += cuda_emulation::gemm_calls();
+#endif
+        return y;
+    };
+    const auto step = [&](int N) {
+        const Matrixd x = random_matrix(B * N, d, rng);
+        long g0 = 0, g1 = 0, g2 = 0;
+        const Matrixd y0 = run(plain, false, false, x, g0), y1 = run(fused, true, false, x, g1),
+                      y2 = run(graphed, true, true, x, g2);
+#if TITANS_CUDA_EMULATION
+        CHECK(g0 - g1 == (B * N <= cu::feed_forward_rows_max ? 4 : 0));
+        CHECK(g2 == g1);
+#endif
+        CHECK(identical(y2, y1));
+        const Matrixd yc = cpu.forward(sc, x);
+        CHECK(rel_error(y1, yc) <= 1e-12);
+        CHECK(rel_error(y0, yc) <= 1e-12);
+    };
+    for (int t = 0; t < 24; ++t) {
+        step(1);
+    }
+    for (int t = 0; t < 4; ++t) {
+        step(uniform_int(rng, 2, 5));
+    }
+    step(17);
+    step(1);
 }
 
 #if defined(TITANS_TEST_HAS_NCCL) && TITANS_TEST_HAS_NCCL

@@ -516,3 +516,50 @@ TEMPLATE_TEST_CASE("cuda layers: FeedForward", "[cuda]", float, double) {
         ffn_case<TestType>(kind, 128, 344, 33, rng);
     }
 }
+
+// The feed-forward of a few rows in one launch (feed_forward_rows.cuh, set_fused_feed_forward)
+// against the CPU: SwiGLU and GELU; hidden widths of one block (5, 40) and of several (200,
+// 344: not multiples of 64, the partials summed by the block that finishes last); 1 to 16 rows
+// (17: the cuBLAS path again); inputs drawn, x 1e3 and x 1e-6; strided views. Where it applies,
+// one kernel and no product a call, and the same bits call after call (the counter is back at
+// zero after each launch, whatever the number of blocks before).
+TEMPLATE_TEST_CASE("cuda layers: few-row FFN", "[cuda]", float, double) {
+    using T = TestType;
+    namespace cu = titans::backend::cuda;
+    struct On {
+        bool was = cu::fused_feed_forward();
+        On() { cu::set_fused_feed_forward(true); }
+        ~On() { cu::set_fused_feed_forward(was); }
+    } on;
+    Rng rng(seed_for("cuda layers: few-row FFN"));
+    const std::pair<int, int> shapes[] = {{7, 5}, {24, 40}, {37, 200}, {64, 344}};
+    for (auto kind : {titans::FeedForwardKind::SwiGLU, titans::FeedForwardKind::GELU}) {
+        for (const auto& [d, h] : shapes) {
+            const titans::FeedForwardConfig cfg{.d_model = d, .kind = kind, .hidden = h};
+            const auto p = titans::FeedForwardParams<T>::random(cfg, rng());
+            const titans::FeedForward<T> cpu(cfg, p);
+            const titans::FeedForward<T, Cuda> gpu(cfg, p);
+            for (int rows : {1, 3, 16, 17}) {
+                const double scale = rows == 3 ? 1e3 : rows == 16 ? 1e-6 : 1.0;
+                const Matrix<T> x = (random_matrix(rows, d, rng) * scale).template cast<T>();
+                INFO("kind " << static_cast<int>(kind) << " d " << d << " h " << h << " rows "
+                              << rows << " " << type_name<T>());
+#if TITANS_CUDA_EMULATION
+                const long k0 = cuda_emulation::total_launches(), g0 = cuda_emulation::gemm_calls();
+#endif
+                const Matrix<T> y = gpu.forward(x);
+#if TITANS_CUDA_EMULATION
+                CHECK(cuda_emulation::gemm_calls() - g0 == (rows <= 16 ? 0 : 2));
+                if (rows <= 16) {
+                    CHECK(cuda_emulation::total_launches() - k0 == 1);
+                }
+#endif
+                CHECK(rel_error(y, cpu.forward(x)) <= tol<T>());
+                CHECK(gpu.forward(x) == y);
+                Strided<T> xs(x, 3), ys(Matrix<T>::Zero(rows, d), 2);
+                gpu.forward(titans::View<const T>(xs.view), ys.view);
+                CHECK(ys.host() == y);
+            }
+        }
+    }
+}

@@ -70,15 +70,14 @@ public:
         const auto n = static_cast<std::size_t>(size_);
         backend::cuda::DeviceBuffer<std::uint64_t> all(n + 1);
         std::uint64_t* d = all.data();
-        backend::cuda::settle_recorded();  // work a call graph's tape holds runs first
-        backend::cuda::check(cudaMemcpy(d + n, &value, sizeof value, cudaMemcpyHostToDevice),
-                             "cudaMemcpy (nccl gather)");
+        backend::cuda::copy_now(d + n, &value, sizeof value, cudaMemcpyHostToDevice,
+                                "cudaMemcpy (nccl gather)");
         const cudaStream_t sm = stream();
         check(ncclAllGather(d + n, d, 1, ncclUint64, comm_, sm), "ncclAllGather");
-        backend::cuda::check(cudaStreamSynchronize(sm), "cudaStreamSynchronize (nccl)");
+        backend::cuda::wait_now(sm, "cudaStreamSynchronize (nccl)");
         std::vector<std::uint64_t> out(n);
-        backend::cuda::check(cudaMemcpy(out.data(), d, n * sizeof value, cudaMemcpyDeviceToHost),
-                             "cudaMemcpy (nccl gather)");
+        backend::cuda::copy_now(out.data(), d, n * sizeof value, cudaMemcpyDeviceToHost,
+                                "cudaMemcpy (nccl gather)");
         return out;
     }
 
@@ -91,7 +90,7 @@ private:
         backend::cuda::settle_recorded();  // work a call graph's tape holds runs first
         check(ncclReduce(data, data, n, type, ncclSum, 0, comm_, sm), "ncclReduce");
         check(ncclBroadcast(data, data, n, type, 0, comm_, sm), "ncclBroadcast");
-        backend::cuda::check(cudaStreamSynchronize(sm), "cudaStreamSynchronize (nccl)");
+        backend::cuda::wait_now(sm, "cudaStreamSynchronize (nccl)");
     }
 
     ncclComm_t comm_ = nullptr;

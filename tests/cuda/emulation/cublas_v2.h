@@ -17,6 +17,7 @@
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
+#include <utility>
 #include <vector>
 
 enum cublasStatus_t {
@@ -43,6 +44,8 @@ enum cublasMath_t {
 struct cublasContext {
     cudaStream_t stream = nullptr;
     cublasMath_t math = CUBLAS_DEFAULT_MATH;
+    void* workspace = nullptr;  // cublasSetWorkspace's (none: the library's default pool)
+    std::size_t workspace_bytes = 0;
 };
 using cublasHandle_t = cublasContext*;
 
@@ -155,6 +158,27 @@ inline cublasStatus_t cublasSetStream(cublasHandle_t h, cudaStream_t s) {
         return CUBLAS_STATUS_NOT_INITIALIZED;
     }
     h->stream = s;
+    h->workspace = nullptr;  // (as cuBLAS: a new stream resets the workspace to the default)
+    h->workspace_bytes = 0;
+    return CUBLAS_STATUS_SUCCESS;
+}
+namespace cuda_emulation {
+/// What cublasSetWorkspace gave handle h since its stream was set (nullptr, 0: none).
+inline std::pair<void*, std::size_t> blas_workspace(cublasHandle_t h) {
+    return {h->workspace, h->workspace_bytes};
+}
+}  // namespace cuda_emulation
+/// The handle's workspace: `bytes` of device memory at w, 256-byte aligned (cuBLAS's rule).
+inline cublasStatus_t cublasSetWorkspace(cublasHandle_t h, void* w, std::size_t bytes) {
+    if (h == nullptr) {
+        return CUBLAS_STATUS_NOT_INITIALIZED;
+    }
+    if (bytes > 0 && (reinterpret_cast<std::uintptr_t>(w) % 256 != 0 ||
+                      !cuda_emulation::is_device_range(w, bytes))) {
+        return CUBLAS_STATUS_INVALID_VALUE;
+    }
+    h->workspace = w;
+    h->workspace_bytes = bytes;
     return CUBLAS_STATUS_SUCCESS;
 }
 inline cublasStatus_t cublasGetStream(cublasHandle_t h, cudaStream_t* s) {

@@ -104,6 +104,7 @@ enum cudaDeviceAttr {
     cudaDevAttrWarpSize = 10,
     cudaDevAttrMaxPitch = 11,
     cudaDevAttrMultiProcessorCount = 16,
+    cudaDevAttrComputeCapabilityMajor = 75,
     cudaDevAttrMaxSharedMemoryPerBlockOptin = 97,
     cudaDevAttrMemoryPoolsSupported = 115,
 };
@@ -481,6 +482,7 @@ inline cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr attr, int devic
     case cudaDevAttrWarpSize: *v = 32; return cudaSuccess;
     case cudaDevAttrMaxPitch: *v = static_cast<int>(cuda_emulation::max_pitch); return cudaSuccess;
     case cudaDevAttrMultiProcessorCount: *v = cuda_emulation::multiprocessors; return cudaSuccess;
+    case cudaDevAttrComputeCapabilityMajor: *v = 9; return cudaSuccess;  // (sm_90, as the device)
     case cudaDevAttrMaxSharedMemoryPerBlockOptin: *v = cuda_emulation::max_shared_optin; return cudaSuccess;
     case cudaDevAttrMemoryPoolsSupported: *v = 1; return cudaSuccess;
     }

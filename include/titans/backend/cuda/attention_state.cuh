@@ -157,12 +157,10 @@ private:
         const long long D = cfg_.inner_dim();
         Buf fresh(static_cast<std::size_t>(batch_ * cap * D));
         for (std::size_t b = 0; b < src.size() && h > 0; ++b) {
-            backend::cuda::settle_recorded();
-            backend::cuda::check(cudaMemcpy(fresh.data() + static_cast<long long>(b) * cap * D,
-                                            src[b].data(),
-                                            static_cast<std::size_t>(h * D) * sizeof(T),
-                                            cudaMemcpyHostToDevice),
-                                 "cudaMemcpy (attention window from host)");
+            backend::cuda::copy_now(fresh.data() + static_cast<long long>(b) * cap * D,
+                                    src[b].data(), static_cast<std::size_t>(h * D) * sizeof(T),
+                                    cudaMemcpyHostToDevice,
+                                    "cudaMemcpy (attention window from host)");
         }
         return fresh;
     }
@@ -170,13 +168,9 @@ private:
     Matrix<T> kept(const Buf& buf, int b) const {
         const long long D = cfg_.inner_dim();
         Matrix<T> out(std::max<long long>(rows_, 0), D);  // none in a malformed state
-        if (out.size() > 0) {
-            backend::cuda::settle_recorded();
-            backend::cuda::check(cudaMemcpy(out.data(), buf.data() + (b * cap_ + off_) * D,
-                                            static_cast<std::size_t>(out.size()) * sizeof(T),
-                                            cudaMemcpyDeviceToHost),
-                                 "cudaMemcpy (attention window to host)");
-        }
+        backend::cuda::copy_now(out.data(), buf.data() + (b * cap_ + off_) * D,
+                                static_cast<std::size_t>(out.size()) * sizeof(T),
+                                cudaMemcpyDeviceToHost, "cudaMemcpy (attention window to host)");
         return out;
     }
 

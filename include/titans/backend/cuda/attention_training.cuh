@@ -375,22 +375,14 @@ struct AttentionTraining<Cuda, T> {
 
     /// A dense host matrix's entries to device memory at `to` (synchronous).
     static void upload(T* to, const Mat& m) {
-        if (m.size() > 0) {
-            cuda::settle_recorded();
-            cuda::check(cudaMemcpy(to, m.data(), static_cast<std::size_t>(m.size()) * sizeof(T),
-                                   cudaMemcpyHostToDevice),
-                        "cudaMemcpy (attention state adjoint to device)");
-        }
+        cuda::copy_now(to, m.data(), static_cast<std::size_t>(m.size()) * sizeof(T),
+                       cudaMemcpyHostToDevice, "cudaMemcpy (attention state adjoint to device)");
     }
     /// rows x cols dense device entries at `from` as a host matrix (synchronous).
     static Mat download(const T* from, long long rows, long long cols) {
         Mat m = Mat::Zero(rows, cols);  // (GCC's -Wmaybe-uninitialized: the emulator reads it)
-        if (m.size() > 0) {
-            cuda::settle_recorded();
-            cuda::check(cudaMemcpy(m.data(), from, static_cast<std::size_t>(m.size()) * sizeof(T),
-                                   cudaMemcpyDeviceToHost),
-                        "cudaMemcpy (attention gradient to host)");
-        }
+        cuda::copy_now(m.data(), from, static_cast<std::size_t>(m.size()) * sizeof(T),
+                       cudaMemcpyDeviceToHost, "cudaMemcpy (attention gradient to host)");
         return m;
     }
     /// The adjoint of the window the call left (per sequence, the last `keep` of its cap

@@ -32,7 +32,6 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <tuple>
@@ -47,10 +46,7 @@ namespace titans::backend::cuda {
 /// Process-wide switch for call graphs: off by default until timed on a GPU (docs/cuda.md),
 /// on from the start when the environment sets TITANS_CALL_GRAPHS=1.
 inline std::atomic<bool>& call_graphs_flag() {
-    static std::atomic<bool> flag{[] {
-        const char* v = std::getenv("TITANS_CALL_GRAPHS");
-        return v != nullptr && std::strcmp(v, "1") == 0;
-    }()};
+    static std::atomic<bool> flag{env_switch("TITANS_CALL_GRAPHS")};
     return flag;
 }
 /// Read when a deferring CallScope opens.
@@ -244,7 +240,7 @@ public:
     /// Room for `size` argument bytes, 16-byte aligned; the record joins the segment.
     unsigned char* add(const tape_detail::Record& r) {
         const std::size_t at = (bytes_.size() + 15) / 16 * 16;
-        bytes_.resize(at + r.size);
+        bytes_.resize(at + r.size);  // zeroed: the gaps between arguments compare equal
         records_.push_back(r);
         records_.back().at = at;
         holding(true);
@@ -418,45 +414,50 @@ bool record_op(cudaStream_t stream, tape_detail::Run run, const Args& args) {
     return true;
 }
 
+namespace tape_detail {
+/// A stream operation's arguments (Args::issue(args, stream) makes the call): recorded on the
+/// tape where it records the stream, else issued now after the recorded work.
+template <class Args>
+void record_or_issue(cudaStream_t stream, const Args& args, const char* what) {
+    constexpr Run run = [](const unsigned char* b, const Record& r, cudaStream_t s) {
+        Args a;
+        std::memcpy(&a, b + r.at, sizeof(a));
+        (void)Args::issue(a, s);  // (checked after the segment)
+    };
+    if (!record_op(stream, run, args)) {
+        settle_recorded();
+        check(Args::issue(args, stream), what);
+    }
+}
+struct MemsetArgs {
+    void* p;
+    long long value;
+    std::size_t bytes;
+    static cudaError_t issue(const MemsetArgs& a, cudaStream_t s) {
+        return cudaMemsetAsync(a.p, static_cast<int>(a.value), a.bytes, s);
+    }
+};
+struct CopyArgs {
+    void* to;
+    const void* from;
+    std::size_t bytes;
+    static cudaError_t issue(const CopyArgs& a, cudaStream_t s) {
+        return cudaMemcpyAsync(a.to, a.from, a.bytes, cudaMemcpyDeviceToDevice, s);
+    }
+};
+}  // namespace tape_detail
+
 /// cudaMemsetAsync(p, value, bytes, stream), recorded where the tape records the stream.
 inline void memset_async(void* p, int value, std::size_t bytes, cudaStream_t stream,
                          const char* what) {
-    struct Args {
-        void* p;
-        long long value;
-        std::size_t bytes;
-    };
-    constexpr tape_detail::Run run = [](const unsigned char* b, const tape_detail::Record& r,
-                                        cudaStream_t s) {
-        Args a;
-        std::memcpy(&a, b + r.at, sizeof(a));
-        (void)cudaMemsetAsync(a.p, static_cast<int>(a.value), a.bytes, s);  // (checked after)
-    };
-    if (!record_op(stream, run, Args{p, value, bytes})) {
-        settle_recorded();
-        check(cudaMemsetAsync(p, value, bytes, stream), what);
-    }
+    tape_detail::record_or_issue(stream, tape_detail::MemsetArgs{p, value, bytes}, what);
 }
 
 /// cudaMemcpyAsync(to, from, bytes, device to device, stream), recorded where the tape
 /// records the stream.
 inline void copy_async(void* to, const void* from, std::size_t bytes, cudaStream_t stream,
                        const char* what) {
-    struct Args {
-        void* to;
-        const void* from;
-        std::size_t bytes;
-    };
-    constexpr tape_detail::Run run = [](const unsigned char* b, const tape_detail::Record& r,
-                                        cudaStream_t s) {
-        Args a;
-        std::memcpy(&a, b + r.at, sizeof(a));
-        (void)cudaMemcpyAsync(a.to, a.from, a.bytes, cudaMemcpyDeviceToDevice, s);
-    };
-    if (!record_op(stream, run, Args{to, from, bytes})) {
-        settle_recorded();
-        check(cudaMemcpyAsync(to, from, bytes, cudaMemcpyDeviceToDevice, stream), what);
-    }
+    tape_detail::record_or_issue(stream, tape_detail::CopyArgs{to, from, bytes}, what);
 }
 
 }  // namespace titans::backend::cuda

@@ -34,9 +34,9 @@
 namespace titans::backend::cuda {
 
 /// This host thread's stream and cuBLAS handle (made on first use, with the TF32 setting of
-/// that moment).
+/// that moment), with a cuBLAS workspace of its own (StreamContext::OwnWorkspace).
 inline const StreamContext& thread_context() {
-    thread_local const StreamContext ctx;
+    thread_local const StreamContext ctx(StreamContext::OwnWorkspace{}, allow_tf32());
     return ctx;
 }
 
@@ -259,7 +259,8 @@ DeviceBuffer<T> call_buffer(std::size_t n) {
 }
 
 /// This thread's stream with a handle of the other math mode than thread_context()'s (a
-/// state made under the other TF32 setting keeps its precision inside a scope).
+/// state made under the other TF32 setting keeps its precision inside a scope), sharing its
+/// workspace (one stream: the two handles' products never overlap).
 inline const StreamContext& thread_context_other_mode() {
     thread_local const StreamContext ctx(thread_context(), !thread_context().tf32());
     return ctx;

@@ -173,17 +173,13 @@ struct GlueKernels<Cuda, T> {
     };
     static Scalars make_scalars() {
         Scalars s{cuda::DeviceBuffer<double>(scalar_slots)};
-        cuda::settle_recorded();
-        cuda::check(cudaMemset(s.values.data(), 0, scalar_slots * sizeof(double)),
-                    "cudaMemset (scalars)");
+        cuda::set_now(s.values.data(), 0, scalar_slots * sizeof(double), "cudaMemset (scalars)");
         return s;
     }
     static ScalarValues read(const Scalars& s) {
         ScalarValues out{};
-        cuda::settle_recorded();
-        cuda::check(cudaMemcpy(out.data(), s.values.data(), scalar_slots * sizeof(double),
-                               cudaMemcpyDeviceToHost),
-                    "cudaMemcpy (scalars)");
+        cuda::copy_now(out.data(), s.values.data(), scalar_slots * sizeof(double),
+                       cudaMemcpyDeviceToHost, "cudaMemcpy (scalars)");
         return out;
     }
     /// One thread per row (log-sum-exp in double, as the CPU's), then the rows' losses summed

@@ -9,10 +9,10 @@
 // (nvcc --extended-lambda, which the titans::cuda target adds) or functor.
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstddef>
 #include <limits>
-#include <array>
 #include <new>
 #include <type_traits>
 #include <utility>
@@ -21,6 +21,19 @@
 #include "../../view.hpp"
 #include "call_graph.cuh"
 #include "runtime.cuh"
+
+// Full unrolling of loops whose bounds are constants (a tile's pieces, a fixed row count), so
+// that their accumulators stay in registers; nothing under the CPU emulation.
+#if defined(__CUDACC__)
+#define TITANS_UNROLL _Pragma("unroll")
+#define TITANS_NO_UNROLL _Pragma("unroll 1")
+#define TITANS_PRAGMA_TEXT(x) _Pragma(#x)
+#define TITANS_PRAGMA(x) TITANS_PRAGMA_TEXT(x)
+#else
+#define TITANS_NO_UNROLL
+#define TITANS_PRAGMA(x)
+#define TITANS_UNROLL
+#endif
 
 namespace titans::backend::cuda {
 

@@ -16,6 +16,7 @@
 #include "../backend.hpp"
 #include "blas.cuh"
 #include "call_scope.cuh"
+#include "feed_forward_rows.cuh"
 #include "launch.cuh"
 #include "transfer.cuh"
 #include "../../layers/kernels_decl.hpp"
@@ -343,9 +344,19 @@ struct FeedForwardKernels<Cuda, T> {
         return p;
     }
 
-    /// a and g side by side in one buffer (rows x ld13): forward_train's one product.
+    /// a and g side by side in one buffer (rows x ld13): forward_train's one product; or, for
+    /// a few rows with set_fused_feed_forward(true), one launch (feed_forward_rows.cuh).
     static void forward(const FeedForwardConfig& cfg, const Prepared& p, View<const T> x,
                         View<T> y) {
+        if (cuda::feed_forward_rows_apply(x.rows)) {
+            const cuda::StreamContext& cx = cuda::thread_context();
+            cuda::feed_forward_rows<T>(
+                cx.stream(), {x.data, x.stride, p->w13.data(), p->ld13, p->w2.data(), y.data,
+                              y.stride, nullptr, nullptr, static_cast<int>(x.rows), p->d, p->h,
+                              cfg.kind == FeedForwardKind::SwiGLU});
+            cuda::idle(cx);
+            return;
+        }
         const auto rows = static_cast<std::size_t>(x.rows);
         cuda::DeviceBuffer<T> ag = cuda::call_buffer<T>(rows * static_cast<std::size_t>(p->ld13));
         const View<T> av{ag.data(), x.rows, p->h, p->ld13},

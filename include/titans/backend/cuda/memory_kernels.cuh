@@ -171,16 +171,12 @@ struct MemoryKernels<Cuda, T> {
             w[i] = init[static_cast<long long>(p % H) * head_stride + i % size];
         });
         cuda::check_launch("the memory's initial weights");
-        cuda::settle_recorded();
-        cuda::check(cudaStreamSynchronize(sm), "cudaStreamSynchronize (initial weights)");
+        cuda::wait_now(sm, "cudaStreamSynchronize (initial weights)");
     }
 
     static void zero(Buf& b, std::size_t n) {
         b = Buf(n);
-        if (n > 0) {
-            cuda::settle_recorded();
-            cuda::check(cudaMemset(b.data(), 0, n * sizeof(T)), "cudaMemset");
-        }
+        cuda::set_now(b.data(), 0, n * sizeof(T), "cudaMemset");
     }
 
     static State make_state(const MemoryConfig& cfg, const Prepared& prepared, int batch) {
@@ -1264,10 +1260,8 @@ struct MemoryKernels<Cuda, T> {
                               long long N, Diagnostics<T>& diag) {
         const long long H = cfg.n_heads, P = B * H;
         std::vector<T> host(static_cast<std::size_t>(2 * P * N));
-        cuda::settle_recorded();
-        cuda::check(cudaMemcpy(host.data(), w.diag.data(), host.size() * sizeof(T),
-                               cudaMemcpyDeviceToHost),
-                    "cudaMemcpy (diagnostics)");
+        cuda::copy_now(host.data(), w.diag.data(), host.size() * sizeof(T), cudaMemcpyDeviceToHost,
+                       "cudaMemcpy (diagnostics)");
         for (long long p = 0; p < P; ++p) {
             for (long long t = 0; t < N; ++t) {
                 const auto r = static_cast<Eigen::Index>((p / H) * N + t);
@@ -1412,11 +1406,9 @@ struct MemoryKernels<Cuda, T> {
         std::vector<Mat> out;
         for (int l = 1; l <= cfg.depth; ++l) {
             Mat m(cfg.layer_in(l), cfg.layer_out(l));
-            cuda::settle_recorded();
-            cuda::check(cudaMemcpy(m.data(), src[static_cast<std::size_t>(l - 1)] + p * m.size(),
-                                   static_cast<std::size_t>(m.size()) * sizeof(T),
-                                   cudaMemcpyDeviceToHost),
-                        "cudaMemcpy (current memory)");
+            cuda::copy_now(m.data(), src[static_cast<std::size_t>(l - 1)] + p * m.size(),
+                           static_cast<std::size_t>(m.size()) * sizeof(T), cudaMemcpyDeviceToHost,
+                           "cudaMemcpy (current memory)");
             out.push_back(std::move(m));
         }
         return out;
@@ -1445,10 +1437,9 @@ struct MemoryKernels<Cuda, T> {
             const Eigen::Index in = cfg.layer_in(l), o = cfg.layer_out(l);
             const auto size = static_cast<std::size_t>(in * o);
             layer.resize(P * size);
-            cuda::settle_recorded();
-            cuda::check(cudaMemcpy(layer.data(), src[static_cast<std::size_t>(l - 1)],
-                                   layer.size() * sizeof(T), cudaMemcpyDeviceToHost),
-                        "cudaMemcpy (current memory)");
+            cuda::copy_now(layer.data(), src[static_cast<std::size_t>(l - 1)],
+                           layer.size() * sizeof(T), cudaMemcpyDeviceToHost,
+                           "cudaMemcpy (current memory)");
             for (std::size_t p = 0; p < P; ++p) {
                 out[p].push_back(Eigen::Map<const Mat>(layer.data() + p * size, in, o));
             }

@@ -35,11 +35,8 @@ void visit_slice(B& buf, long long offset, long long rows, long long cols,
                  const std::string& name, V& v, const char* where = "CudaMemoryState::tensors") {
     Matrix<T> m(rows, cols);
     const auto bytes = static_cast<std::size_t>(rows * cols) * sizeof(T);
-    if (bytes > 0) {
-        settle_recorded();
-        check(cudaMemcpy(m.data(), buf.data() + offset, bytes, cudaMemcpyDeviceToHost),
-              "cudaMemcpy (state to host)");
-    }
+    copy_now(m.data(), buf.data() + offset, bytes, cudaMemcpyDeviceToHost,
+             "cudaMemcpy (state to host)");
     if constexpr (std::is_const_v<B>) {
         v(name, std::as_const(m));
     } else {
@@ -48,11 +45,8 @@ void visit_slice(B& buf, long long offset, long long rows, long long cols,
             throw ShapeError(detail::concat(where, ": ", name, " came back ", m.rows(), " x ",
                                             m.cols(), ", expected ", rows, " x ", cols));
         }
-        if (bytes > 0) {
-            settle_recorded();
-            check(cudaMemcpy(buf.data() + offset, m.data(), bytes, cudaMemcpyHostToDevice),
-                  "cudaMemcpy (state from host)");
-        }
+        copy_now(buf.data() + offset, m.data(), bytes, cudaMemcpyHostToDevice,
+                 "cudaMemcpy (state from host)");
     }
 }
 

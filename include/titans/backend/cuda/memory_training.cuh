@@ -385,21 +385,13 @@ struct MemoryTraining<Cuda, T> {
         T* d[limits::max_depth];
     };
     static void upload_to(T* to, const Mat& m) {
-        if (m.size() > 0) {
-            cuda::settle_recorded();
-            cuda::check(cudaMemcpy(to, m.data(), static_cast<std::size_t>(m.size()) * sizeof(T),
-                                   cudaMemcpyHostToDevice),
-                        "cudaMemcpy (memory backward to device)");
-        }
+        cuda::copy_now(to, m.data(), static_cast<std::size_t>(m.size()) * sizeof(T),
+                       cudaMemcpyHostToDevice, "cudaMemcpy (memory backward to device)");
     }
     static Mat download_mat(const T* from, Index rows, Index cols) {
         Mat m(rows, cols);
-        if (m.size() > 0) {
-            cuda::settle_recorded();
-            cuda::check(cudaMemcpy(m.data(), from, static_cast<std::size_t>(m.size()) * sizeof(T),
-                                   cudaMemcpyDeviceToHost),
-                        "cudaMemcpy (memory backward to host)");
-        }
+        cuda::copy_now(m.data(), from, static_cast<std::size_t>(m.size()) * sizeof(T),
+                       cudaMemcpyDeviceToHost, "cudaMemcpy (memory backward to host)");
         return m;
     }
 

@@ -10,6 +10,8 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <utility>
 
@@ -123,6 +125,13 @@ inline cudaMemPool_t current_pool() {
 
 }  // namespace pool_detail
 
+/// Whether the environment sets `name` to "1": where an opt-in switch (call graphs, the fused
+/// feed-forward) takes its default.
+inline bool env_switch(const char* name) {
+    const char* v = std::getenv(name);
+    return v != nullptr && std::strcmp(v, "1") == 0;
+}
+
 namespace tape_detail {
 /// Set while this thread's call tape (call_graph.cuh) holds recorded work that has not run:
 /// runs it.
@@ -138,6 +147,32 @@ inline void (*&settle_hook())() {
 inline void settle_recorded() {
     if (auto* settle = tape_detail::settle_hook()) {
         settle();
+    }
+}
+
+/// `bytes` from `from` to `to` (host or device, as `kind` says), synchronously and after the
+/// work this thread's call tape holds: every copy the backend makes outside a stream goes
+/// through here, so none can overtake recorded work. Nothing for 0 bytes; CudaError naming
+/// `what` on failure.
+inline void copy_now(void* to, const void* from, std::size_t bytes, cudaMemcpyKind kind,
+                     const char* what) {
+    if (bytes > 0) {
+        settle_recorded();
+        check(cudaMemcpy(to, from, bytes, kind), what);
+    }
+}
+
+/// Waits for stream s, after the recorded work (as copy_now).
+inline void wait_now(cudaStream_t s, const char* what) {
+    settle_recorded();
+    check(cudaStreamSynchronize(s), what);
+}
+
+/// `bytes` of device memory at p set to the byte `value`, as copy_now: after the recorded work.
+inline void set_now(void* p, int value, std::size_t bytes, const char* what) {
+    if (bytes > 0) {
+        settle_recorded();
+        check(cudaMemset(p, value, bytes), what);
     }
 }
 
@@ -246,11 +281,8 @@ public:
     }
     /// Copies o's elements (same size) into this buffer, on the legacy stream.
     void copy_from(const DeviceBuffer& o) {
-        if (n_ > 0) {
-            settle_recorded();
-            check(cudaMemcpy(p_, o.p_, n_ * sizeof(T), cudaMemcpyDeviceToDevice),
-                  "cudaMemcpy (device to device)");
-        }
+        copy_now(p_, o.p_, n_ * sizeof(T), cudaMemcpyDeviceToDevice,
+                 "cudaMemcpy (device to device)");
     }
     [[nodiscard]] T* data() { return p_; }
     [[nodiscard]] const T* data() const { return p_; }
@@ -285,12 +317,19 @@ private:
 template <class T>
 DeviceBuffer<T> upload_array(const T* host, std::size_t n) {
     DeviceBuffer<T> b(n);
-    if (n > 0) {
-        settle_recorded();
-        check(cudaMemcpy(b.data(), host, n * sizeof(T), cudaMemcpyHostToDevice),
-              "cudaMemcpy (host to device)");
-    }
+    copy_now(b.data(), host, n * sizeof(T), cudaMemcpyHostToDevice, "cudaMemcpy (host to device)");
     return b;
+}
+
+/// The cuBLAS workspace a host thread's context owns (StreamContext::OwnWorkspace): 32 MiB
+/// on compute capability 9 and above, 4 MiB before (the sizes of cuBLAS's own default pool,
+/// so that its choice of algorithm is the same).
+inline std::size_t blas_workspace_bytes() {
+    int dev = 0, major = 0;
+    check(cudaGetDevice(&dev), "cudaGetDevice");
+    check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev),
+          "cudaDeviceGetAttribute (compute capability)");
+    return std::size_t(major >= 9 ? 32 : 4) << 20;
 }
 
 /// A CUDA stream and a cuBLAS handle bound to it: each state owns one, so states on different
@@ -298,16 +337,28 @@ DeviceBuffer<T> upload_array(const T* host, std::size_t n) {
 /// default stream that Transfer's copies use).
 class StreamContext {
 public:
+    /// Tag: the context owns its handle's workspace (cublasSetWorkspace, blas_workspace_bytes),
+    /// as a host thread's does: its products, captured into a call graph's child graphs
+    /// (call_graph.cuh), then allocate nothing (a child graph may hold no allocation node).
+    struct OwnWorkspace {};
+
     /// A stream and a handle; TF32 GEMMs in float when `tf32` (default: allow_tf32()).
     explicit StreamContext(bool tf32 = allow_tf32()) : tf32_(tf32) {
         check(cudaStreamCreate(&stream_), "cudaStreamCreate");
         bind();
     }
+    /// As above, with a workspace of its own (OwnWorkspace).
+    StreamContext(OwnWorkspace, bool tf32)
+        : tf32_(tf32), workspace_(blas_workspace_bytes()) {
+        check(cudaStreamCreate(&stream_), "cudaStreamCreate");
+        bind(workspace_.data(), workspace_.size());
+    }
     /// A handle of math mode `tf32` on `base`'s stream, which stays base's (not owned): work
-    /// through either is ordered on that one stream.
+    /// through either is ordered on that one stream, so the handle shares base's workspace
+    /// when base has one (base outlives this context).
     StreamContext(const StreamContext& base, bool tf32)
         : tf32_(tf32), owns_stream_(false), stream_(base.stream_) {
-        bind();
+        bind(static_cast<unsigned char*>(const_cast<void*>(base.ws_)), base.ws_bytes_);
     }
     /// A copy has its own stream and handle, with the same math mode.
     StreamContext(const StreamContext& o) : StreamContext(o.tf32_) {}
@@ -327,14 +378,15 @@ public:
     [[nodiscard]] cublasHandle_t blas() const { return blas_; }
     /// Whether float products on this stream may use TF32 tensor cores.
     [[nodiscard]] bool tf32() const { return tf32_; }
-    void synchronize() const {
-        settle_recorded();
-        check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
-    }
+    /// The handle's workspace (its own or its base's), or nullptr: cuBLAS's default pool.
+    [[nodiscard]] const void* workspace() const { return ws_; }
+    [[nodiscard]] std::size_t workspace_bytes() const { return ws_bytes_; }
+    void synchronize() const { wait_now(stream_, "cudaStreamSynchronize"); }
 
 private:
-    /// The handle, bound to the stream, in the math mode (the stream released if it fails).
-    void bind() {
+    /// The handle, bound to the stream, in the math mode, with `bytes` of workspace at ws when
+    /// given (after the stream: cublasSetStream resets it); the stream released if it fails.
+    void bind(unsigned char* ws = nullptr, std::size_t bytes = 0) {
         if (cublasCreate(&blas_) != CUBLAS_STATUS_SUCCESS) {
             if (owns_stream_) (void)cudaStreamDestroy(stream_);
             throw CudaError("titans (CUDA backend): cublasCreate failed");
@@ -344,6 +396,11 @@ private:
             check(cublasSetMathMode(blas_,
                                     tf32_ ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH),
                   "cublasSetMathMode");
+            if (ws != nullptr) {
+                check(cublasSetWorkspace(blas_, ws, bytes), "cublasSetWorkspace");
+                ws_ = ws;
+                ws_bytes_ = bytes;
+            }
         } catch (...) {  // no destructor runs for an object whose constructor threw
             (void)cublasDestroy(blas_);
             if (owns_stream_) (void)cudaStreamDestroy(stream_);
@@ -355,6 +412,9 @@ private:
     bool owns_stream_ = true;
     cudaStream_t stream_{};
     cublasHandle_t blas_{};
+    DeviceBuffer<unsigned char> workspace_;  // OwnWorkspace's (freed after the handle)
+    const void* ws_ = nullptr;
+    std::size_t ws_bytes_ = 0;
 };
 
 }  // namespace backend::cuda

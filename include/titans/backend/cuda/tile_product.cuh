@@ -29,19 +29,6 @@
 #include "../../config.hpp"
 #include "launch.cuh"
 
-// Full unrolling of the loops over a tile's pieces (their bounds are template constants), so
-// that the accumulators stay in registers; nothing under the CPU emulation.
-#if defined(__CUDACC__)
-#define TITANS_UNROLL _Pragma("unroll")
-#define TITANS_NO_UNROLL _Pragma("unroll 1")
-#define TITANS_PRAGMA_TEXT(x) _Pragma(#x)
-#define TITANS_PRAGMA(x) TITANS_PRAGMA_TEXT(x)
-#else
-#define TITANS_NO_UNROLL
-#define TITANS_PRAGMA(x)
-#define TITANS_UNROLL
-#endif
-
 // How many k-steps of a block product's loop are unrolled (their operand loads in flight
 // together): a build-time tuning knob. 2 by default: 4 fits too (128 registers a thread at 512
 // threads a block, no spills on sm_90) but measured 1% slower on an H200 (docs/performance.md).
