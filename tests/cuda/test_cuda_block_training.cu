@@ -447,8 +447,10 @@ TEST_CASE("cuda model: one deferred check a block", "[cuda]") {
         // the residual sum's (cuda model: covered attention checks, cuda memory: decode
         // checks in the kernel). With the append a launch of its own: 10; with the sums, the
         // norms and the checks each a launch of their own too: 20; with x's and the residual
-        // sum's checks too: 24.
-        CHECK(cuda_emulation::total_launches() - k0 == 9);
+        // sum's checks too: 24. With the feed-forward of few rows, each block's two sums and
+        // the norms after them in the feed-forward's kernel: 5.
+        CHECK(cuda_emulation::total_launches() - k0 ==
+              (titans::backend::cuda::fused_feed_forward() ? 5 : 9));
         // GEMMs: the attention's projections and output, the memory's, each feed-forward's
         // x [W1 | W3] and its W2 (one product for W1 and W3 since 2026-11-29: 11 before), the
         // head: 9; 5 with the feed-forward of few rows (its products in its one kernel).
@@ -498,7 +500,8 @@ TEST_CASE("cuda model: one deferred check a block", "[cuda]") {
 // their own check to that later one (cuda::OutputCovered; MAL's memory output too, which its
 // attention reads): an attention whose output overflows (W_V and W_O x 1e200) still fails the
 // call with the CPU's message naming the attention, the state unchanged; one token of
-// SWA + LMM makes 9 kernels, 10 with the check; MAL + LMM 10, 12 with the two checks.
+// SWA + LMM makes 9 kernels, 10 with the check; MAL + LMM 10, 12 with the two checks (4 fewer
+// with the feed-forward of few rows: each block's two sums and norms in its kernel).
 TEST_CASE("cuda model: covered attention checks", "[cuda]") {
     Rng rng(seed_for("cuda covered attention checks", 0));
     const int d = 8, B = 2;
@@ -523,7 +526,9 @@ TEST_CASE("cuda model: covered attention checks", "[cuda]") {
 #endif
             (void)gpu.forward(st, random_matrix(B, d, rng));
 #if TITANS_CUDA_EMULATION
-            CHECK(cuda_emulation::total_launches() - k0 == (kind == BlockKind::SWA ? 9 : 10));
+            const int fused = titans::backend::cuda::fused_feed_forward() ? 4 : 0;
+            CHECK(cuda_emulation::total_launches() - k0 ==
+                  (kind == BlockKind::SWA ? 9 : 10) - fused);
 #endif
         }
         params.blocks[0].attention.w_v *= 1e200;
@@ -849,7 +854,8 @@ TEST_CASE("cuda model: call graphs", "[cuda]") {
 // hidden widths of one block (GELU, 40) and of four (SwiGLU, 200: partials summed by the last
 // block): 24 decode tokens at B 1-3, then calls of 2-5 tokens, then one of 17 rows (the cuBLAS
 // path), within 1e-12 of the CPU, the same bits with call graphs on and off, and two products
-// fewer a feed-forward where it applies (the activation's kernel becomes the fused one).
+// fewer a feed-forward where it applies (the activation's kernel becomes the fused one) and two
+// launches fewer (the block's two sums and the norms after them run in the fused kernel).
 TEST_CASE("cuda model: few-row FFN", "[cuda]") {
     namespace cu = titans::backend::cuda;
     struct Fused {
@@ -871,27 +877,32 @@ TEST_CASE("cuda model: few-row FFN", "[cuda]") {
     INFO("B " << B);
     // One call on state st with the fused feed-forward and call graphs as given; gemms: its
     // products (counted under the emulator).
-    const auto run = [&](auto& st, bool ffn, bool graphs, const Matrixd& x, long& gemms) {
+    struct Count {
+        long gemms = 0, launches = 0;
+    };
+    const auto run = [&](auto& st, bool ffn, bool graphs, const Matrixd& x, Count& n) {
         const Fused f(ffn);
         const CallGraphs g(graphs);
-        gemms = 0;
 #if TITANS_CUDA_EMULATION
-        gemms = -cuda_emulation::gemm_calls();
+        n = {-cuda_emulation::gemm_calls(), -cuda_emulation::total_launches()};
 #endif
         Matrixd y = gpu.forward(st, x);
 #if TITANS_CUDA_EMULATION
-        gemms += cuda_emulation::gemm_calls();
+        n.gemms += cuda_emulation::gemm_calls();
+        n.launches += cuda_emulation::total_launches();
 #endif
         return y;
     };
     const auto step = [&](int N) {
         const Matrixd x = random_matrix(B * N, d, rng);
-        long g0 = 0, g1 = 0, g2 = 0;
-        const Matrixd y0 = run(plain, false, false, x, g0), y1 = run(fused, true, false, x, g1),
-                      y2 = run(graphed, true, true, x, g2);
+        Count n0, n1, n2;
+        const Matrixd y0 = run(plain, false, false, x, n0), y1 = run(fused, true, false, x, n1),
+                      y2 = run(graphed, true, true, x, n2);
 #if TITANS_CUDA_EMULATION
-        CHECK(g0 - g1 == (B * N <= cu::feed_forward_rows_max ? 4 : 0));
-        CHECK(g2 == g1);
+        const bool applies = B * N <= cu::feed_forward_rows_max;
+        CHECK(n0.gemms - n1.gemms == (applies ? 4 : 0));
+        CHECK(n0.launches - n1.launches == (applies ? 4 : 0));
+        CHECK(n2.gemms == n1.gemms);
 #endif
         CHECK(identical(y2, y1));
         const Matrixd yc = cpu.forward(sc, x);

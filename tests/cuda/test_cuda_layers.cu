@@ -517,6 +517,13 @@ TEMPLATE_TEST_CASE("cuda layers: FeedForward", "[cuda]", float, double) {
     }
 }
 
+/// The feed-forward of few rows switched on for a scope, then back as it was.
+struct FusedFeedForward {
+    bool was = titans::backend::cuda::fused_feed_forward();
+    FusedFeedForward() { titans::backend::cuda::set_fused_feed_forward(true); }
+    ~FusedFeedForward() { titans::backend::cuda::set_fused_feed_forward(was); }
+};
+
 // The feed-forward of a few rows in one launch (feed_forward_rows.cuh, set_fused_feed_forward)
 // against the CPU: SwiGLU and GELU; hidden widths of one block (5, 40) and of several (200,
 // 344: not multiples of 64, the partials summed by the block that finishes last); 1 to 16 rows
@@ -525,12 +532,7 @@ TEMPLATE_TEST_CASE("cuda layers: FeedForward", "[cuda]", float, double) {
 // zero after each launch, whatever the number of blocks before).
 TEMPLATE_TEST_CASE("cuda layers: few-row FFN", "[cuda]", float, double) {
     using T = TestType;
-    namespace cu = titans::backend::cuda;
-    struct On {
-        bool was = cu::fused_feed_forward();
-        On() { cu::set_fused_feed_forward(true); }
-        ~On() { cu::set_fused_feed_forward(was); }
-    } on;
+    const FusedFeedForward on;
     Rng rng(seed_for("cuda layers: few-row FFN"));
     const std::pair<int, int> shapes[] = {{7, 5}, {24, 40}, {37, 200}, {64, 344}};
     for (auto kind : {titans::FeedForwardKind::SwiGLU, titans::FeedForwardKind::GELU}) {
@@ -560,6 +562,70 @@ TEMPLATE_TEST_CASE("cuda layers: few-row FFN", "[cuda]", float, double) {
                 gpu.forward(titans::View<const T>(xs.view), ys.view);
                 CHECK(ys.host() == y);
             }
+        }
+    }
+}
+
+// FeedForward::forward_sums (a block's feed-forward with the sums and norms around it: s = a +
+// s, u = pre(s), y = FFN(u), s = y + s, u' = next(s)) against pre.forward_sum, forward and
+// next.forward_sum, bit for bit, with the feed-forward of few rows on: SwiGLU and GELU; hidden
+// widths of one block and of several; d above the block's 256 threads; 1, 3, 16 rows (one
+// launch: each block takes the first sums and norms itself, the block that writes y the
+// second) and 17 (the three calls); a drawn, x 1e3, x 1e-6; s's rows of every extreme kind and
+// one at the largest value; strided views. A norm of another width and views that share
+// storage are refused, s left as it was.
+TEMPLATE_TEST_CASE("cuda layers: few-row FFN and the sums around it", "[cuda]", float, double) {
+    using T = TestType;
+    const FusedFeedForward on;
+    Rng rng(seed_for("cuda layers: few-row FFN and the sums around it"));
+    const std::pair<int, int> shapes[] = {{7, 5}, {37, 200}, {300, 40}};
+    for (auto kind : {titans::FeedForwardKind::SwiGLU, titans::FeedForwardKind::GELU}) {
+        for (const auto& [d, h] : shapes) {
+            const titans::FeedForwardConfig cfg{.d_model = d, .kind = kind, .hidden = h};
+            const titans::FeedForward<T, Cuda> ffn(cfg,
+                                                   titans::FeedForwardParams<T>::random(cfg, rng()));
+            const titans::RMSNorm<T, Cuda> pre(
+                random_matrix(1, d, rng, 0.5, 1.5).template cast<T>(), 1e-5),
+                next(random_matrix(1, d, rng, -1.5, 1.5).template cast<T>(), 1e-6);
+            for (int rows : {1, 3, 16, 17}) {
+                const double scale = rows == 3 ? 1e3 : rows == 16 ? 1e-6 : 1.0;
+                const Matrix<T> a = (random_matrix(rows, d, rng) * scale).template cast<T>();
+                Matrix<T> s(rows, d);
+                for (int r = 0; r < rows; ++r) extreme_row<T>(r % 6, s.row(r), rng);
+                if (rows >= 3) s.row(1).setConstant(std::numeric_limits<T>::max());
+                INFO("kind " << static_cast<int>(kind) << " d " << d << " h " << h << " rows "
+                              << rows << " " << type_name<T>());
+                const Matrix<T> zero = Matrix<T>::Zero(rows, d);
+                Strided<T> as(a, 2), sf(s, 3), uf(zero, 1), yf(zero, 2), nf(zero, 1), sp(s, 1),
+                    up(zero, 2), yp(zero, 3), np(zero, 2);
+                const titans::View<const T> av(as.view);
+#if TITANS_CUDA_EMULATION
+                const long k0 = cuda_emulation::total_launches();
+#endif
+                ffn.forward_sums(pre, av, sf.view, uf.view, yf.view, next, nf.view);
+#if TITANS_CUDA_EMULATION
+                if (rows <= 16) {
+                    CHECK(cuda_emulation::total_launches() - k0 == 1);
+                }
+#endif
+                pre.forward_sum(av, sp.view, up.view);
+                ffn.forward(titans::View<const T>(up.view), yp.view);
+                next.forward_sum(titans::View<const T>(yp.view), sp.view, np.view);
+                CHECK(identical_or_nan(sf.host(), sp.host()));
+                CHECK(identical_or_nan(uf.host(), up.host()));
+                CHECK(identical_or_nan(yf.host(), yp.host()));
+                CHECK(identical_or_nan(nf.host(), np.host()));
+            }
+            const Matrix<T> a = random_matrix(2, d, rng).template cast<T>(),
+                            s = random_matrix(2, d, rng).template cast<T>();
+            Strided<T> as(a, 1), ss(s, 2), u(a, 1), y(a, 1), n(a, 1);
+            const titans::View<const T> av(as.view);
+            const titans::RMSNorm<T, Cuda> other(Matrix<T>::Ones(1, d + 1));
+            REQUIRE_THROWS_NAMING(ffn.forward_sums(pre, av, ss.view, u.view, y.view, other, n.view),
+                                  titans::ShapeError, "a norm's dim()");
+            REQUIRE_THROWS_NAMING(ffn.forward_sums(pre, av, ss.view, u.view, y.view, next, u.view),
+                                  titans::ShapeError, "FeedForward::forward_sums");
+            CHECK(ss.host() == s);
         }
     }
 }

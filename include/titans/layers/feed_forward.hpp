@@ -29,6 +29,7 @@
 #include "../limits.hpp"
 #include "../types.hpp"
 #include "kernels_decl.hpp"
+#include "rms_norm.hpp"
 
 namespace titans {
 
@@ -304,6 +305,36 @@ public:
     void forward(View<const T> x, View<T> y) const {
         detail::check_view_call("FeedForward::forward", x, y, cfg_.d_model, false);
         Kernels::forward(cfg_, prepared_, x, y);
+    }
+
+    /// A block's feed-forward with the residual sums and norms around it, where the backend
+    /// has it (CUDA): s = a + s, u = pre.RMSNorm(s), y = FFN(u), s = y + s, u_next =
+    /// next.RMSNorm(s); views in the backend's memory of one shape, all distinct. The same bits
+    /// as pre.forward_sum(a, s, u), forward(u, y), next.forward_sum(y, s, u_next); for a decode
+    /// token's few rows with the fused feed-forward (CUDA's set_fused_feed_forward) one launch
+    /// instead of three. Inside a deferring call scope a sum that is not finite raises the
+    /// scope's flag. ShapeError if a width is not d or two views share storage.
+    void forward_sums(const RMSNorm<T, Backend>& pre, View<const T> a, View<T> s, View<T> u,
+                      View<T> y, const RMSNorm<T, Backend>& next, View<T> u_next) const
+        requires requires(const FeedForwardConfig& c, const Prepared& p,
+                          typename Kernels::Norm n) {
+            Kernels::forward_sums(c, p, n, a, s, u, y, n, u_next);
+        }
+    {
+        constexpr const char* where = "FeedForward::forward_sums";
+        for (const auto* n : {&pre, &next}) {
+            detail::require<ShapeError>(n->dim() == cfg_.d_model, where, "a norm's dim()",
+                                        n->dim(), detail::concat("d_model = ", cfg_.d_model));
+        }
+        const View<const T> in[] = {a, s, u, y};
+        const View<T> out[] = {s, u, y, u_next};
+        for (std::size_t i = 0; i < 4; ++i) {
+            for (std::size_t j = i; j < 4; ++j) {
+                detail::check_view_call(where, in[i], out[j], cfg_.d_model, false);
+            }
+        }
+        Kernels::forward_sums(cfg_, prepared_, {pre.prepared(), static_cast<T>(pre.eps())}, a, s,
+                              u, y, {next.prepared(), static_cast<T>(next.eps())}, u_next);
     }
 
     /// The training forward: as forward(x, y), and keeps in `trace` (replacing what it held)

@@ -130,6 +130,9 @@ public:
     }
     /// As NeuralMemory::adopt.
     void adopt(Prepared p) noexcept { prepared_ = std::move(p); }
+    /// The weight as this layer's kernels hold it: for a kernel that ends with this norm
+    /// (FeedForward::forward_sum).
+    [[nodiscard]] const Prepared& prepared() const noexcept { return prepared_; }
     /// Replaces the weight (same width d, finite). A shared weight is not modified: this norm
     /// then holds its own.
     void set_weight(RowVector<T> weight) {

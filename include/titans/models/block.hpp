@@ -580,11 +580,7 @@ private:
         mix_unchecked(state, link.u_in.data == nullptr ? cview(u) : link.u_in, y);
         std::ptrdiff_t bad = -1;  // the output's first non-finite row
         if (cfg_.use_ffn) {
-            residual_norm(x, y, Transfer::view(u));
-            require_residual_sum(y, state);
-            Buffer f = backend::call_scratch<Backend, T>(x.rows, x.cols);
-            ffn_->forward(cview(u), Transfer::view(f));
-            bad = last_sum(cview(f), y, link);
+            bad = ffn_and_sums(x, y, Transfer::view(u), state, link);
         } else {
             bad = last_sum(x, y, link);
         }
@@ -610,6 +606,27 @@ private:
             }
         }
         return backend::add_nonfinite_row<Glue>(a, View<const T>(y), y);
+    }
+
+    /// y = x + y (checked), u = RMSNorm_ffn(y), y = FFN(u) + y, and y's first non-finite row
+    /// as last_sum gives it. With link.next (a deferring call: the sums' checks deferred),
+    /// where the backend has it (FeedForward::forward_sums), all in the feed-forward's own
+    /// kernel (the same bits).
+    std::ptrdiff_t ffn_and_sums(View<const T> x, View<T> y, View<T> u, const State& state,
+                                const Link& link) const {
+        Buffer f = backend::call_scratch<Backend, T>(x.rows, x.cols);
+        if constexpr (requires { ffn_->forward_sums(norm_ffn_, x, y, u, Transfer::view(f),
+                                                    *link.next, link.u_next); }) {
+            if (link.next != nullptr) {
+                ffn_->forward_sums(norm_ffn_, x, y, u, Transfer::view(f), *link.next,
+                                   link.u_next);
+                return -1;
+            }
+        }
+        residual_norm(x, y, u);
+        require_residual_sum(y, state);
+        ffn_->forward(View<const T>(u), Transfer::view(f));
+        return last_sum(cview(f), y, link);
     }
 
     /// y = x + y, then u = RMSNorm_ffn(y): in one kernel where the backend has it

@@ -12,6 +12,13 @@
 // sums the partials in block order into y. The order of every sum is fixed: the same bits
 // every call, with or without call graphs.
 //
+// In a block the feed-forward sits between two residual sums, each followed by a norm:
+// s = a + s, u = RMSNorm_ffn(s), y = FFN(u), s = y + s, u' = RMSNorm_next(s). Given `pre`
+// and `then`, the kernel does all of it: each block first takes the rows' sums and norms
+// itself (rms_row, rms_rows.cuh, into its own slice of the scratch; block 0 writes u), and the
+// block that writes y then writes s = a + s, s = y + s and u', row by row as rms_rows_kernel
+// does: the same bits as the three launches.
+//
 //     titans::backend::cuda::set_fused_feed_forward(true);  // or TITANS_FUSED_FFN=1
 //     y = model.forward(state, x);  // a feed-forward of <= 16 rows: one launch, not three
 
@@ -19,6 +26,7 @@
 
 #include "../../detail/activation.hpp"
 #include "launch.cuh"
+#include "rms_rows.cuh"
 #include "runtime.cuh"
 
 namespace titans::backend::cuda {
@@ -40,7 +48,10 @@ inline constexpr int feed_forward_threads = 256;
 
 /// What feed_forward_rows_kernel reads and writes: x (rows x d, row stride xs), w13 = [W1 | W3]
 /// (SwiGLU) or W1, d x ld13 row-major, w2 (h x d row-major), y (rows x d, row stride ys); with
-/// more than one block, part (blocks x rows x d) and done (zero before and after a launch).
+/// more than one block (or with pre), part (blocks x rows x d) and done (zero before and after
+/// a launch). With pre.w set (then.w too), x is pre's norm of pre.add + pre.x (pre.sum set by
+/// the kernel, pre.y: u); with then.w set, the residual sum and norm after it (then.add = y,
+/// then.x = then.sum = s).
 template <class T>
 struct FeedForwardRows {
     const T* x;
@@ -54,6 +65,7 @@ struct FeedForwardRows {
     unsigned* done;
     int rows, d, h;
     bool swiglu;
+    RmsRows<T> pre, then;
 };
 
 #if TITANS_CUDA_DEVICE_CODE
@@ -80,13 +92,57 @@ __device__ void feed_forward_hidden(const FeedForwardRows<T>& a, T* hid, int j0,
     }
 }
 
+/// With a.pre.w set, before the feed-forward: each row's sum pre.add + pre.x and its norm, by
+/// every block for itself (rms_row; part: 256 shared entries), the sums into the block's slice
+/// of a.part, the norms into pre.y (block 0: u) or the same slice (the others); x then reads
+/// them. The slice takes the block's partial output later, once the hidden units are made.
+template <class T>
+__device__ void feed_forward_before(FeedForwardRows<T>& a, T* part) {
+    if (a.pre.w == nullptr) {
+        return;
+    }
+    RmsRows<T> pre = a.pre;
+    pre.sum = a.part + static_cast<long long>(blockIdx.x) * a.rows * a.d;
+    pre.ss = a.d;
+    if (blockIdx.x != 0) {
+        pre.y = pre.sum;
+        pre.ys = a.d;
+    }
+    for (int r = 0; r < a.rows; ++r) {
+        rms_row(pre, r, part);
+    }
+    __syncthreads();  // the rows, written by this block's threads, visible to all of them
+    a.x = pre.y;
+    a.xs = pre.ys;
+}
+
+/// With a.then.w set, after the block has written y: each row's residual sum and norm
+/// (rms_row with then.add = y; part: 256 shared entries), and first, with a.pre.w set, the
+/// sum before the feed-forward into s (then.sum), as feed_forward_before took it.
+template <class T>
+__device__ void feed_forward_then(const FeedForwardRows<T>& a, T* part) {
+    if (a.then.w == nullptr) {
+        return;
+    }
+    __syncthreads();  // y, written by this block's threads, visible to all of them
+    const RmsRows<T>& pre = a.pre;
+    for (int r = 0; r < a.rows; ++r) {
+        for (int j = threadIdx.x; j < a.d && pre.w != nullptr; j += blockDim.x) {
+            a.then.sum[r * a.then.ss + j] = pre.add[r * pre.as + j] + pre.x[r * pre.xs + j];
+        }
+        rms_row(a.then, r, part);  // reads the entries of s this thread wrote
+    }
+}
+
 /// y = act(x W1 [⊙ x W3]) W2 for rows <= feed_forward_rows_max (see the file comment).
 template <class T>
 __global__ void feed_forward_rows_kernel(FeedForwardRows<T> a) {
     __shared__ T hid[feed_forward_rows_max * feed_forward_slice];
+    __shared__ T part[feed_forward_threads];
     __shared__ bool last;
     const int j0 = static_cast<int>(blockIdx.x) * feed_forward_slice;
     const int S = a.h - j0 < feed_forward_slice ? a.h - j0 : feed_forward_slice;
+    feed_forward_before(a, part);
     feed_forward_hidden(a, hid, j0, S);
     __syncthreads();
     const bool whole = gridDim.x == 1;
@@ -112,6 +168,7 @@ __global__ void feed_forward_rows_kernel(FeedForwardRows<T> a) {
         }
     }
     if (whole) {
+        feed_forward_then(a, part);
         return;
     }
     __threadfence();  // this block's partials visible before it counts itself done
@@ -124,18 +181,20 @@ __global__ void feed_forward_rows_kernel(FeedForwardRows<T> a) {
         return;
     }
     __threadfence();
-    const volatile T* part = a.part;  // (written by other blocks: not through this SM's L1)
-    for (int i = static_cast<int>(threadIdx.x); i < a.rows * a.d; i += static_cast<int>(blockDim.x)) {
+    const volatile T* blocks = a.part;  // (written by other blocks: not through this SM's L1)
+    const int n = a.rows * a.d;
+    for (int i = static_cast<int>(threadIdx.x); i < n; i += static_cast<int>(blockDim.x)) {
         const int r = i / a.d, c = i % a.d;
         T s = T(0);
         for (unsigned b = 0; b < gridDim.x; ++b) {
-            s += part[(static_cast<long long>(b) * a.rows + r) * a.d + c];
+            s += blocks[(static_cast<long long>(b) * a.rows + r) * a.d + c];
         }
         a.y[r * a.ys + c] = s;
     }
     if (threadIdx.x == 0) {
         *a.done = 0;  // for the next launch
     }
+    feed_forward_then(a, part);
 }
 #endif
 
@@ -159,7 +218,7 @@ struct FeedForwardRowsScratch {
         }
         if (part.size() < n) {
             settle_recorded();  // the old buffer may be read by recorded work
-            part = DeviceBuffer<T>(n);
+            part.reserve(n);
         }
     }
 };
@@ -171,12 +230,12 @@ struct FeedForwardRowsScratch {
 }
 
 /// Launches feed_forward_rows_kernel on `stream` for a.rows (1 to feed_forward_rows_max) rows,
-/// its scratch from this thread's FeedForwardRowsScratch.
+/// its scratch from this thread's FeedForwardRowsScratch (a.pre.w set: a.then.w too).
 template <class T>
 void feed_forward_rows(cudaStream_t stream, FeedForwardRows<T> a) {
     const unsigned blocks =
         static_cast<unsigned>((a.h + feed_forward_slice - 1) / feed_forward_slice);
-    if (blocks > 1) {
+    if (blocks > 1 || a.pre.w != nullptr) {
         auto& s = FeedForwardRowsScratch<T>::mine();
         s.reserve(static_cast<std::size_t>(blocks) * static_cast<std::size_t>(a.rows) *
                   static_cast<std::size_t>(a.d));

@@ -18,6 +18,7 @@
 #include "call_scope.cuh"
 #include "feed_forward_rows.cuh"
 #include "launch.cuh"
+#include "rms_rows.cuh"
 #include "transfer.cuh"
 #include "../../layers/kernels_decl.hpp"
 
@@ -26,28 +27,6 @@ namespace titans::backend {
 struct Cuda;
 
 namespace cuda {
-
-/// Where rms_rows_kernel reads and writes, rows of ld xs, ys, is, as, ss: x, y (may be x),
-/// the weight w (d entries), eps, each row's 1 / rms into inv (when given); with `add` given,
-/// the row normalised is add + x, written into `sum` first (may be x), and a sum that is not
-/// finite raises `raise` (when given: a deferring call scope's flag).
-template <class T>
-struct RmsRows {
-    const T* x;
-    long long xs;
-    T* y;
-    long long ys;
-    const T* w;
-    int d;
-    T eps;
-    T* inv;
-    long long is;
-    const T* add;
-    long long as;
-    T* sum;
-    long long ss;
-    unsigned* raise;
-};
 
 /// Where gated_norms_kernel reads and writes: o (ld os, overwritten) and m (ld ms), d wide,
 /// the norms' weights wo, wm and their eps; an entry of o or m that is not finite raises
@@ -65,93 +44,6 @@ struct GatedNorms {
 };
 
 #if TITANS_CUDA_DEVICE_CODE
-/// The sum (Max false) or the maximum (Max true) of v over the block's threads (blockDim.x a
-/// power of two, <= 256), returned to every thread; part: 256 shared entries, free again on
-/// return.
-template <bool Max, class T>
-__device__ T block_reduce(T* part, T v) {
-    part[threadIdx.x] = v;
-    __syncthreads();
-    for (int o = blockDim.x / 2; o > 0; o /= 2) {
-        const int t = static_cast<int>(threadIdx.x);
-        if (t < o) {
-            const T a = part[t], b = part[t + o];
-            part[t] = Max ? (a < b ? b : a) : a + b;
-        }
-        __syncthreads();
-    }
-    const T r = part[0];
-    __syncthreads();
-    return r;
-}
-
-/// e and Σ (x_j 2^-e)^2 of row x (length d, nonzero), e the scale exponent of its largest
-/// magnitude (detail/norm_scale.hpp); every thread gets both.
-template <class T>
-__device__ T scaled_row_sum(T* part, const T* x, int d, int& e) {
-    T m = T(0);
-    for (int j = threadIdx.x; j < d; j += blockDim.x) {
-        const T a = x[j] < T(0) ? -x[j] : x[j];
-        m = a > m ? a : m;
-    }
-    e = detail::scale_exponent(block_reduce<true>(part, m));
-    T ss = T(0);
-    for (int j = threadIdx.x; j < d; j += blockDim.x) {
-        const T z = detail::scale_down(x[j], e);
-        ss += z * z;
-    }
-    return block_reduce<false>(part, ss);
-}
-
-/// 1 / rms of row x (length d) as rr 2^-e, every thread getting both: e = 0 unless the row's
-/// sum of squares overflows, then the row is taken scaled by 2^-e, as on the CPU.
-template <class T>
-__device__ T row_inv_rms(T* part, const T* x, int d, T eps, int& e) {
-    T ss = T(0);
-    for (int j = threadIdx.x; j < d; j += blockDim.x) {
-        ss += x[j] * x[j];
-    }
-    ss = block_reduce<false>(part, ss);
-    e = 0;
-    if (ss <= detail::largest_finite<T>()) {
-        return T(1) / sqrt(ss / static_cast<T>(d) + eps);
-    }
-    const T scaled = scaled_row_sum(part, x, d, e);
-    return detail::scaled_inv_rms(scaled, T(1) / static_cast<T>(d), eps, e);
-}
-
-/// RMSNorm of row blockIdx.x: y = x / sqrt(mean(x^2) + eps) ⊙ w; inv keeps 1 / rms. A block
-/// per row, a shared-memory sum (row_inv_rms: y = (x 2^-e) rr ⊙ w, 1 / rms = rr 2^-e). With
-/// `add`, x is first add + x, into `sum` (a block's residual sum and its next pre-norm in one
-/// pass: each thread reads back the entries it wrote).
-template <class T>
-__global__ void rms_rows_kernel(RmsRows<T> a) {
-    __shared__ T part[256];
-    const long long r = blockIdx.x;
-    const int d = a.d;
-    const T* x = a.x + r * a.xs;
-    if (a.add != nullptr) {
-        bool bad = false;
-        for (int j = threadIdx.x; j < d; j += blockDim.x) {
-            const T v = a.add[r * a.as + j] + x[j];
-            a.sum[r * a.ss + j] = v;
-            bad = bad || not_finite(v);
-        }
-        if (bad && a.raise != nullptr) {
-            atomicMax(a.raise, 1u);
-        }
-        x = a.sum + r * a.ss;
-    }
-    int e = 0;
-    const T rr = row_inv_rms(part, x, d, a.eps, e);
-    if (a.inv != nullptr && threadIdx.x == 0) {
-        a.inv[r * a.is] = detail::scale_down(rr, e);
-    }
-    for (int j = threadIdx.x; j < d; j += blockDim.x) {
-        a.y[r * a.ys + j] = detail::scale_down(x[j], e) * rr * a.w[j];
-    }
-}
-
 /// MAG's output of row blockIdx.x in one pass: o = RMSNorm_o(o) ⊙ σ(RMSNorm_m(m)), each norm
 /// as rms_rows_kernel takes it, the gate as GlueKernels::gate (the same bits as the three
 /// launches).
@@ -349,12 +241,7 @@ struct FeedForwardKernels<Cuda, T> {
     static void forward(const FeedForwardConfig& cfg, const Prepared& p, View<const T> x,
                         View<T> y) {
         if (cuda::feed_forward_rows_apply(x.rows)) {
-            const cuda::StreamContext& cx = cuda::thread_context();
-            cuda::feed_forward_rows<T>(
-                cx.stream(), {x.data, x.stride, p->w13.data(), p->ld13, p->w2.data(), y.data,
-                              y.stride, nullptr, nullptr, static_cast<int>(x.rows), p->d, p->h,
-                              cfg.kind == FeedForwardKind::SwiGLU});
-            cuda::idle(cx);
+            rows_launch(rows_args(cfg, p, x, y));
             return;
         }
         const auto rows = static_cast<std::size_t>(x.rows);
@@ -363,6 +250,48 @@ struct FeedForwardKernels<Cuda, T> {
             gv{cfg.kind == FeedForwardKind::SwiGLU ? ag.data() + p->h : nullptr, x.rows, p->h,
                p->ld13};
         forward_train(cfg, p, x, y, av, gv);
+    }
+
+    /// A norm's weight and eps, as forward_sums takes them.
+    struct Norm {
+        const typename NormKernels<Cuda, T>::Prepared& w;
+        T eps;
+    };
+
+    /// A block's feed-forward with the sums and norms around it: s = a + s, u = pre(s),
+    /// y = FFN(u), s = y + s, u_next = next(s) (inside a deferring scope a sum that is not
+    /// finite raises the scope's flag). For a few rows with set_fused_feed_forward(true), all in
+    /// the feed-forward's one launch (feed_forward_rows.cuh: the same bits as the separate
+    /// launches); otherwise NormKernels::forward_sum, forward, NormKernels::forward_sum.
+    static void forward_sums(const FeedForwardConfig& cfg, const Prepared& p, Norm pre,
+                             View<const T> a, View<T> s, View<T> u, View<T> y, Norm next,
+                             View<T> u_next) {
+        if (!cuda::feed_forward_rows_apply(a.rows)) {
+            NormKernels<Cuda, T>::forward_sum(pre.w, pre.eps, a, s, u);
+            forward(cfg, p, View<const T>(u), y);
+            NormKernels<Cuda, T>::forward_sum(next.w, next.eps, View<const T>(y), s, u_next);
+            return;
+        }
+        cuda::FeedForwardRows<T> f = rows_args(cfg, p, View<const T>(u), y);
+        unsigned* raise = cuda::deferring() ? cuda::CallScope::active()->flag() : nullptr;
+        f.pre = {s.data, s.stride, u.data, u.stride, pre.w->data(), p->d, pre.eps, nullptr, 0,
+                 a.data, a.stride, nullptr, 0, raise};
+        f.then = {s.data, s.stride, u_next.data, u_next.stride, next.w->data(), p->d, next.eps,
+                  nullptr, 0, y.data, y.stride, s.data, s.stride, raise};
+        rows_launch(f);
+    }
+
+    /// feed_forward_rows' arguments for y = FFN(x), nothing after it.
+    static cuda::FeedForwardRows<T> rows_args(const FeedForwardConfig& cfg, const Prepared& p,
+                                              View<const T> x, View<T> y) {
+        return {x.data,   x.stride, p->w13.data(), p->ld13, p->w2.data(),
+                y.data,   y.stride, nullptr,       nullptr, static_cast<int>(x.rows),
+                p->d,     p->h,     cfg.kind == FeedForwardKind::SwiGLU, {}, {}};
+    }
+    static void rows_launch(const cuda::FeedForwardRows<T>& a) {
+        const cuda::StreamContext& cx = cuda::thread_context();
+        cuda::feed_forward_rows<T>(cx.stream(), a);
+        cuda::idle(cx);
     }
 
     /// forward, keeping a = x W1 and (SwiGLU) g = x W3 for backward: one product x [W1 | W3]
