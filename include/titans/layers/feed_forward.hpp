@@ -202,6 +202,16 @@ concept FeedForwardBackend =
     };
 }  // namespace backend
 
+namespace detail {
+/// Whether FeedForward kernels K fuse the feed-forward with the sums and norms around it
+/// (forward_sums, with a Norm of theirs: CUDA's).
+template <class K, class T>
+concept FeedForwardSums = requires(const FeedForwardConfig& c, const typename K::Prepared& p,
+                                   typename K::Norm n, View<const T> a, View<T> v) {
+    K::forward_sums(c, p, n, a, v, v, v, n, v);
+};
+}  // namespace detail
+
 /// The position-wise feed-forward sub-block of a Titans block (math §7), row-wise on tokens:
 ///
 ///     SwiGLU:  y = (silu(x W1) ⊙ (x W3)) W2,     silu(z) = z σ(z)
@@ -316,10 +326,7 @@ public:
     /// scope's flag. ShapeError if a width is not d or two views share storage.
     void forward_sums(const RMSNorm<T, Backend>& pre, View<const T> a, View<T> s, View<T> u,
                       View<T> y, const RMSNorm<T, Backend>& next, View<T> u_next) const
-        requires requires(const FeedForwardConfig& c, const Prepared& p,
-                          typename Kernels::Norm n) {
-            Kernels::forward_sums(c, p, n, a, s, u, y, n, u_next);
-        }
+        requires detail::FeedForwardSums<Kernels, T>
     {
         constexpr const char* where = "FeedForward::forward_sums";
         for (const auto* n : {&pre, &next}) {
