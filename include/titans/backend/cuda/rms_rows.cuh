@@ -1,8 +1,8 @@
 #pragma once
 // titans/backend/cuda/rms_rows.cuh: the RMSNorm of a row by one thread block (math §7), and
-// the block reductions it takes: rms_rows_kernel launches it a block per row; a kernel that
-// ends with a residual sum and the norm after it (feed_forward_rows.cuh) calls rms_row itself,
-// the same bits as the separate launch.
+// the block reductions it takes: rms_rows_kernel launches it a block per row; the feed-forward
+// of few rows (feed_forward_rows.cuh) calls rms_row itself for the residual sums and norms
+// before and after its own work, the same bits as the separate launches.
 
 #include "../../detail/norm_scale.hpp"
 #include "launch.cuh"
