@@ -221,6 +221,10 @@ private:
 /// Whether finiteness checks are deferred (a deferring CallScope is active on this thread).
 inline bool deferring() { return CallScope::active() != nullptr; }
 
+/// The flag a kernel's deferred check raises: the active deferring scope's, or null outside
+/// one (the kernel then leaves the check to the caller's own wait).
+inline unsigned* deferred_flag() { return deferring() ? CallScope::active()->flag() : nullptr; }
+
 /// Set while an OutputCovered is alive on this thread.
 inline bool& output_covered_flag() {
     thread_local bool covered = false;

@@ -127,8 +127,10 @@ __device__ void feed_forward_then(const FeedForwardRows<T>& a, T* part) {
     __syncthreads();  // y, written by this block's threads, visible to all of them
     const RmsRows<T>& pre = a.pre;
     for (int r = 0; r < a.rows; ++r) {
-        for (int j = threadIdx.x; j < a.d && pre.w != nullptr; j += blockDim.x) {
-            a.then.sum[r * a.then.ss + j] = pre.add[r * pre.as + j] + pre.x[r * pre.xs + j];
+        if (pre.w != nullptr) {
+            for (int j = threadIdx.x; j < a.d; j += blockDim.x) {
+                a.then.sum[r * a.then.ss + j] = pre.add[r * pre.as + j] + pre.x[r * pre.xs + j];
+            }
         }
         rms_row(a.then, r, part);  // reads the entries of s this thread wrote
     }

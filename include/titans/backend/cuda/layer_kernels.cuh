@@ -139,7 +139,7 @@ struct NormKernels<Cuda, T> {
             return;
         }
         const cuda::StreamContext& cx = cuda::thread_context();
-        unsigned* raise = cuda::deferring() ? cuda::CallScope::active()->flag() : nullptr;
+        unsigned* raise = cuda::deferred_flag();
         const cuda::GatedNorms<T> g{o.data,    o.stride,  m.data,    m.stride,
                                     wo->data(), wm->data(), static_cast<int>(o.cols),
                                     eps_o,     eps_m,     raise};
@@ -184,8 +184,7 @@ struct NormKernels<Cuda, T> {
             return;
         }
         const cuda::StreamContext& cx = cuda::thread_context();
-        unsigned* raise = sum != nullptr && cuda::deferring() ? cuda::CallScope::active()->flag()
-                                                              : nullptr;
+        unsigned* raise = sum != nullptr ? cuda::deferred_flag() : nullptr;
         const cuda::RmsRows<T> a{x.data,   x.stride, y.data, y.stride, w->data(),
                                  static_cast<int>(x.cols), eps, inv, is, add.data,
                                  add.stride, sum,   x.stride, raise};
@@ -273,25 +272,12 @@ struct FeedForwardKernels<Cuda, T> {
             return;
         }
         cuda::FeedForwardRows<T> f = rows_args(cfg, p, View<const T>(u), y);
-        unsigned* raise = cuda::deferring() ? cuda::CallScope::active()->flag() : nullptr;
+        unsigned* raise = cuda::deferred_flag();
         f.pre = {s.data, s.stride, u.data, u.stride, pre.w->data(), p->d, pre.eps, nullptr, 0,
                  a.data, a.stride, nullptr, 0, raise};
         f.then = {s.data, s.stride, u_next.data, u_next.stride, next.w->data(), p->d, next.eps,
                   nullptr, 0, y.data, y.stride, s.data, s.stride, raise};
         rows_launch(f);
-    }
-
-    /// feed_forward_rows' arguments for y = FFN(x), nothing after it.
-    static cuda::FeedForwardRows<T> rows_args(const FeedForwardConfig& cfg, const Prepared& p,
-                                              View<const T> x, View<T> y) {
-        return {x.data,   x.stride, p->w13.data(), p->ld13, p->w2.data(),
-                y.data,   y.stride, nullptr,       nullptr, static_cast<int>(x.rows),
-                p->d,     p->h,     cfg.kind == FeedForwardKind::SwiGLU, {}, {}};
-    }
-    static void rows_launch(const cuda::FeedForwardRows<T>& a) {
-        const cuda::StreamContext& cx = cuda::thread_context();
-        cuda::feed_forward_rows<T>(cx.stream(), a);
-        cuda::idle(cx);
     }
 
     /// forward, keeping a = x W1 and (SwiGLU) g = x W3 for backward: one product x [W1 | W3]
@@ -394,6 +380,20 @@ struct FeedForwardKernels<Cuda, T> {
                 dh[i] = dh[i] * detail::gelu_grad(z);
             }
         });
+    }
+
+private:  // (no device lambdas below: nvcc refuses them in private members)
+    /// feed_forward_rows' arguments for y = FFN(x), nothing after it.
+    static cuda::FeedForwardRows<T> rows_args(const FeedForwardConfig& cfg, const Prepared& p,
+                                              View<const T> x, View<T> y) {
+        return {x.data,   x.stride, p->w13.data(), p->ld13, p->w2.data(),
+                y.data,   y.stride, nullptr,       nullptr, static_cast<int>(x.rows),
+                p->d,     p->h,     cfg.kind == FeedForwardKind::SwiGLU, {}, {}};
+    }
+    static void rows_launch(const cuda::FeedForwardRows<T>& a) {
+        const cuda::StreamContext& cx = cuda::thread_context();
+        cuda::feed_forward_rows<T>(cx.stream(), a);
+        cuda::idle(cx);
     }
 };
 

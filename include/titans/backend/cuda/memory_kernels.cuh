@@ -814,9 +814,7 @@ struct MemoryKernels<Cuda, T> {
                                     o,                   static_cast<int>(m),
                                     dh,                  h,
                                     cfg.activation,      cfg.residual,
-                                    plan.norm,           cuda::deferring()
-                                                             ? cuda::CallScope::active()->flag()
-                                                             : nullptr,
+                                    plan.norm,           cuda::deferred_flag(),
                                     conv};
         cuda::launch_shared(cuda::decode_rows_kernel<T>, static_cast<unsigned>(P), decode_threads,
                             cuda::decode_shared_bytes<T>(dh, h, decode_threads),
@@ -1184,7 +1182,7 @@ struct MemoryKernels<Cuda, T> {
         // Every check of the call at its end, up to 12 row sets a launch: the buffers they
         // read stay as they are until then, and which error is named depends on the slots,
         // not on the order the checks ran in.
-        FlagStage checks(cx.stream(), flags, defer ? cuda::CallScope::active()->flag() : nullptr);
+        FlagStage checks(cx.stream(), flags, defer ? cuda::deferred_flag() : nullptr);
         const Scanned done = scan(cfg, st, N, diag != nullptr, decode, tile);
         // Deferred, a call decoded whole had its rows checked by the decode kernel, and its
         // output's check is left to a later one where that covers it (cuda::OutputCovered).
