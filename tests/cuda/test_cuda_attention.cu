@@ -604,7 +604,7 @@ TiledGrads tiled_reference_backward(const TiledCase& c, const Matrixd& dout) {
     const long long D = static_cast<long long>(c.H) * c.dh;
     TiledGrads g{Matrixd(c.B * c.n, D), Matrixd::Zero(c.kp.rows(), D),
                  Matrixd::Zero(c.kp.rows(), D), Matrixd::Zero(c.B * c.m, D),
-                 Matrixd::Zero(c.B * c.m, D)};
+                 Matrixd::Zero(c.B * c.m, D), Matrixd()};
     for (int b = 0; b < c.B; ++b) {
         const long long p0 = c.shared ? 0 : b * c.p;
         Matrixd dq, dkp = Matrixd::Zero(c.p, D), dvp = Matrixd::Zero(c.p, D),

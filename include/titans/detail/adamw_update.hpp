@@ -63,7 +63,7 @@ bool adamw_update(const AdamWStep<T>& f, bool shrink, const In& p, const In& g, 
     bool finite = true;
     for (Eigen::Index i = 0; i < p1.size(); ++i) {
         p1[i] -= f.step * m1[i] / (std::sqrt(v1[i]) / f.root2 + f.eps);
-        finite &= finite_entry(m1[i]) & finite_entry(v1[i]) & finite_entry(p1[i]);
+        finite = finite && finite_entry(m1[i]) && finite_entry(v1[i]) && finite_entry(p1[i]);
     }
     return finite;
 }

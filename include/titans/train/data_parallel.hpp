@@ -105,14 +105,15 @@ template <class T, class Backend>
                               : "a device communicator (NCCL's) for a device backend");
     comm.sum(std::span<T>(grads.view().data, static_cast<std::size_t>(grads.size())));
     double total = loss * share;
-    if (!comm.device_memory()) {
+    if constexpr (host) {  // (a host communicator: checked above)
         comm.sum(std::span<double>(&total, 1));
-        return total;
+    } else {
+        using Transfer = backend::Transfer<Backend, double>;
+        auto on_device = Transfer::upload(View<const double>{&total, 1, 1, 1});
+        comm.sum(std::span<double>(Transfer::view(on_device).data, 1));
+        Transfer::download(Transfer::view(std::as_const(on_device)),
+                           View<double>{&total, 1, 1, 1});
     }
-    using Transfer = backend::Transfer<Backend, double>;
-    auto on_device = Transfer::upload(View<const double>{&total, 1, 1, 1});
-    comm.sum(std::span<double>(Transfer::view(on_device).data, 1));
-    Transfer::download(Transfer::view(std::as_const(on_device)), View<double>{&total, 1, 1, 1});
     return total;
 }
 
