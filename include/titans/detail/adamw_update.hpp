@@ -63,7 +63,9 @@ bool adamw_update(const AdamWStep<T>& f, bool shrink, const In& p, const In& g, 
     bool finite = true;
     for (Eigen::Index i = 0; i < p1.size(); ++i) {
         p1[i] -= f.step * m1[i] / (std::sqrt(v1[i]) / f.root2 + f.eps);
-        finite = finite && finite_entry(m1[i]) && finite_entry(v1[i]) && finite_entry(p1[i]);
+        const bool m_ok = finite_entry(m1[i]), v_ok = finite_entry(v1[i]),
+                   p_ok = finite_entry(p1[i]);
+        finite &= m_ok & v_ok & p_ok;  // (no branch in the loop)
     }
     return finite;
 }
