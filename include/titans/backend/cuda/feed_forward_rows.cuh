@@ -5,10 +5,10 @@
 // A decoded token's feed-forward is one row per sequence: two cuBLAS products and the
 // activation between them are three launches (three nodes of a call graph) of a few
 // microseconds' work each. Here one kernel does all of it for up to feed_forward_rows_max
-// rows: block b takes the hidden units [64 b, 64 b + 64): its slice of x [W1 | W3] and the
-// activation into shared memory, then its slice's share of the output, x W2 restricted to
-// those rows of W2. A single block (hidden width <= 64) writes y; otherwise each block writes
-// its partial output, and the block that finishes last (a counter, kept zero across launches)
+// rows: block b takes the hidden units [32 b, 32 b + 32): its slice of x [W1 | W3] (each sum
+// over d split into 8 pieces, a warp each, added in order) and the activation into shared
+// memory, then its slice's share of the output, x W2 restricted to those rows of W2. A single
+// block (hidden width <= 32) writes y; otherwise each block writes its partial output, and the block that finishes last (a counter, kept zero across launches)
 // sums the partials in block order into y. The order of every sum is fixed: the same bits
 // every call, with or without call graphs.
 //
@@ -43,8 +43,10 @@ inline void set_fused_feed_forward(bool on) { fused_feed_forward_flag().store(on
 /// At most this many rows take the one-launch feed-forward; the hidden units a block takes;
 /// its threads.
 inline constexpr int feed_forward_rows_max = 16;
-inline constexpr int feed_forward_slice = 64;
+inline constexpr int feed_forward_slice = 32;
 inline constexpr int feed_forward_threads = 256;
+/// The pieces of [0, d) a block's hidden sums are split into, a warp each.
+inline constexpr int feed_forward_parts = feed_forward_threads / feed_forward_slice;
 
 /// What feed_forward_rows_kernel reads and writes: x (rows x d, row stride xs), w13 = [W1 | W3]
 /// (SwiGLU) or W1, d x ld13 row-major, w2 (h x d row-major), y (rows x d, row stride ys); with
@@ -69,26 +71,52 @@ struct FeedForwardRows {
 };
 
 #if TITANS_CUDA_DEVICE_CODE
-/// Block b's hidden units, each row's act(x W1)(⊙ x W3) for j in [64 b, 64 b + S), into hid
-/// (rows x 64): a thread per unit and row group, each sum in order over d.
+/// Block b's hidden units, each row's act(x W1)(⊙ x W3) for j in [32 b, 32 b + S), into hid
+/// (rows x 32). Warp q sums the q-th of feed_forward_parts contiguous pieces of i in [0, d) for
+/// the 32 units (lane = unit: one coalesced load of W1's and of W3's row piece) and every row
+/// at once (rows <= 16 sums a thread), so that each thread's dependent chain is d / 8 long,
+/// not d; then, row by row, the first warp adds the 8 pieces in order (red: 2 x 256 shared
+/// entries). Every sum's order is fixed by d alone.
 template <class T>
-__device__ void feed_forward_hidden(const FeedForwardRows<T>& a, T* hid, int j0, int S) {
-    const int jj = static_cast<int>(threadIdx.x) % feed_forward_slice;
-    const int lanes = static_cast<int>(blockDim.x) / feed_forward_slice;
-    if (jj >= S) {
-        return;
-    }
-    const T* w1 = a.w13 + j0 + jj;
-    const T* w3 = w1 + a.h;
-    for (int r = static_cast<int>(threadIdx.x) / feed_forward_slice; r < a.rows; r += lanes) {
-        const T* x = a.x + r * a.xs;
-        T s = T(0), g = T(0);
-        for (int i = 0; i < a.d; ++i) {
+__device__ void feed_forward_hidden(const FeedForwardRows<T>& a, T* hid, T* red, int j0, int S) {
+    constexpr int U = feed_forward_slice, R = feed_forward_rows_max;
+    const int jj = static_cast<int>(threadIdx.x) % U, q = static_cast<int>(threadIdx.x) / U;
+    const int piece = (a.d + feed_forward_parts - 1) / feed_forward_parts;
+    const int i0 = q * piece, i1 = i0 + piece < a.d ? i0 + piece : a.d;
+    T s[R], g[R];
+    TITANS_UNROLL
+    for (int r = 0; r < R; ++r) s[r] = g[r] = T(0);
+    if (jj < S) {
+        const T* w1 = a.w13 + j0 + jj;
+        const T* w3 = w1 + a.h;
+        for (int i = i0; i < i1; ++i) {
             const long long at = static_cast<long long>(i) * a.ld13;
-            s += x[i] * w1[at];
-            if (a.swiglu) g += x[i] * w3[at];
+            const T v1 = w1[at], v3 = a.swiglu ? w3[at] : T(0);
+            TITANS_UNROLL
+            for (int r = 0; r < R; ++r) {
+                if (r < a.rows) {
+                    const T xi = a.x[r * a.xs + i];
+                    s[r] += xi * v1;
+                    g[r] += xi * v3;
+                }
+            }
         }
-        hid[r * feed_forward_slice + jj] = a.swiglu ? detail::silu(s) * g : detail::gelu(s);
+    }
+    TITANS_UNROLL
+    for (int r = 0; r < R; ++r) {
+        if (r >= a.rows) break;
+        red[q * U + jj] = s[r];
+        red[feed_forward_threads + q * U + jj] = g[r];
+        __syncthreads();
+        if (q == 0 && jj < S) {
+            T x1 = T(0), x3 = T(0);
+            for (int p = 0; p < feed_forward_parts; ++p) {
+                x1 += red[p * U + jj];
+                x3 += red[feed_forward_threads + p * U + jj];
+            }
+            hid[r * U + jj] = a.swiglu ? detail::silu(x1) * x3 : detail::gelu(x1);
+        }
+        __syncthreads();  // red free for the next row
     }
 }
 
@@ -141,12 +169,12 @@ template <class T>
 __global__ void feed_forward_rows_kernel(FeedForwardRows<T> a) {
     __shared__ T hid[feed_forward_rows_max * feed_forward_slice];
     __shared__ T part[feed_forward_threads];
+    __shared__ T red[2 * feed_forward_threads];
     __shared__ bool last;
     const int j0 = static_cast<int>(blockIdx.x) * feed_forward_slice;
     const int S = a.h - j0 < feed_forward_slice ? a.h - j0 : feed_forward_slice;
     feed_forward_before(a, part);
-    feed_forward_hidden(a, hid, j0, S);
-    __syncthreads();
+    feed_forward_hidden(a, hid, red, j0, S);
     const bool whole = gridDim.x == 1;
     for (int c = static_cast<int>(threadIdx.x); c < a.d; c += static_cast<int>(blockDim.x)) {
         T acc[feed_forward_rows_max];
@@ -185,11 +213,23 @@ __global__ void feed_forward_rows_kernel(FeedForwardRows<T> a) {
     __threadfence();
     const volatile T* blocks = a.part;  // (written by other blocks: not through this SM's L1)
     const int n = a.rows * a.d;
+    const unsigned nb = gridDim.x;
     for (int i = static_cast<int>(threadIdx.x); i < n; i += static_cast<int>(blockDim.x)) {
         const int r = i / a.d, c = i % a.d;
+        const volatile T* at = blocks + i;  // block b's entry: at[b * m]
+        const long long m = n;
         T s = T(0);
-        for (unsigned b = 0; b < gridDim.x; ++b) {
-            s += blocks[(static_cast<long long>(b) * a.rows + r) * a.d + c];
+        unsigned b = 0;
+        for (; b + 4 <= nb; b += 4) {  // four loads in flight, then the sums in block order
+            const T v0 = at[b * m], v1 = at[(b + 1) * m], v2 = at[(b + 2) * m],
+                    v3 = at[(b + 3) * m];
+            s += v0;
+            s += v1;
+            s += v2;
+            s += v3;
+        }
+        for (; b < nb; ++b) {
+            s += at[b * m];
         }
         a.y[r * a.ys + c] = s;
     }
