@@ -45,6 +45,12 @@
 #                                 each kernel's device time in one memory training step
 #                                 (BM_CudaMemoryTrain) at B = 1 and B = 256 (Nsight Compute):
 #                                 ncu_train_B1.txt, ncu_train_B256.txt and the top 25 of each
+#   tools/gpu_check.sh decode [DIR]
+#                                 where a decoded token's time goes: the few-row
+#                                 feed-forward's tests, the decode benchmarks, each kernel's
+#                                 device time at B = 1 (the memory; the model with the
+#                                 feed-forward on cuBLAS, then in one launch), racecheck on
+#                                 the few-row feed-forward (about 5 minutes)
 #
 # The figures in docs/performance.md ("CUDA backend") come from `run`.
 set -euo pipefail
@@ -249,6 +255,51 @@ do_profile() {
   done
 }
 
+# Where a decoded token's time goes (issue 33's decode targets): the few-row feed-forward's
+# tests (with it on, the models' and blocks' too), the decode benchmarks, each kernel's device
+# time over a decode run at B = 1 (the memory alone, the 4-block model with the feed-forward on
+# cuBLAS and in one launch; Nsight Compute, clocks as found), and racecheck on the few-row
+# feed-forward's kernel: ffn_tests.txt, decode_bench.txt, ncu_decode.txt, ncu_model.txt,
+# ncu_model_ffn.txt, ffn_racecheck.txt. About 5 minutes.
+# An Nsight Compute per-kernel summary as one line a kernel: its total device time (mean x
+# launches, microseconds), its mean, its launches and its name; the largest total first.
+ncu_totals() {
+  awk '/\)x\(/ { name = substr($0, 1, 90); match($0, /Invocations [0-9]+/)
+                   n = substr($0, RSTART + 12, RLENGTH - 12) + 0 }
+       /gpu__time_duration.sum/ { v = $NF; u = $(NF - 3)
+         if (u == "ms") v *= 1000; else if (u == "ns") v /= 1000; else if (u == "s") v *= 1e6
+         printf "%11.1f us %9.2f us %7d x %s\n", v * n, v, n, name }' "$1" | sort -rn
+}
+do_decode() {
+  local out="${1:-${build}/results}" t b
+  mkdir -p "${out}"
+  export LD_LIBRARY_PATH="${build}/bench${LD_LIBRARY_PATH:+:${LD_LIBRARY_PATH}}"
+  t="${build}/tests/titans_cuda_tests"
+  b="${build}/bench/bench_cuda"
+  TITANS_FUSED_FFN=1 timeout 50 "${t}" --warn NoTests \
+    "cuda layers: few-row FFN*,cuda model*,cuda blocks*" > "${out}/ffn_tests.txt" 2>&1 \
+    || echo "ffn tests: exit $?"
+  echo "ffn tests: $(tail -n 2 "${out}/ffn_tests.txt" | tr '\n' ' ')"
+  timeout 80 "${b}" --benchmark_counters_tabular=true --benchmark_repetitions=2 \
+    --benchmark_filter='BM_CudaModelDecode|BM_CudaDecode/B:1/' > "${out}/decode_bench.txt" 2>&1 \
+    || echo "decode bench: exit $?"
+  grep "^BM_" "${out}/decode_bench.txt" || true
+  local f filter
+  for f in decode:BM_CudaDecode/B:1/decode:1 model:BM_CudaModelDecode/B:1/pooled:1/graphs:0/ffn:0 \
+           model_ffn:BM_CudaModelDecode/B:1/pooled:1/graphs:0/ffn:1; do
+    filter="${f#*:}"
+    timeout 55 ncu --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
+      "${b}" --benchmark_min_time=0.01 --benchmark_filter="${filter}" \
+      > "${out}/ncu_${f%%:*}.txt" 2>&1 || echo "ncu ${f%%:*}: exit $?"
+    echo "ncu ${f%%:*}: the 20 kernels of most device time (total, mean, launches, name)"
+    ncu_totals "${out}/ncu_${f%%:*}.txt" | head -n 20
+  done
+  TITANS_CUDA_PARITY_CASES=1 timeout 40 compute-sanitizer --tool racecheck --error-exitcode 9 \
+    "${t}" "cuda layers: few-row FFN*" > "${out}/ffn_racecheck.txt" 2>&1 \
+    || echo "ffn racecheck: exit $?"
+  echo "ffn racecheck: $(grep 'RACECHECK SUMMARY' "${out}/ffn_racecheck.txt" || echo 'no summary')"
+}
+
 do_peers() {
   local out="${1:-${build}/results}"
   mkdir -p "${out}"
@@ -270,7 +321,8 @@ case "${1:-all}" in
   pack) do_pack "${2:-}" ;;
   peers) do_peers "${2:-}" ;;
   profile) do_profile "${2:-}" ;;
+  decode) do_decode "${2:-}" ;;
   all) do_build && do_run ;;
-  *) echo "usage: tools/gpu_check.sh [build | pack [FROM] | run [DIR] | sanitize [DIR] | lease [DIR] | peers [DIR] | profile [DIR]]" >&2
+  *) echo "usage: tools/gpu_check.sh [build | pack [FROM] | run [DIR] | sanitize [DIR] | lease [DIR] | peers [DIR] | profile [DIR] | decode [DIR]]" >&2
      exit 2 ;;
 esac

@@ -547,6 +547,41 @@ TEMPLATE_TEST_CASE("cuda memory: decode kernel", "[cuda]", float, double) {
     }
 }
 
+// The decode kernel with heads wider than the fixture's (h 16): h 36 (d_h 12, e 3) and 128 (d_h
+// 32, e 4), so that each of the 8 warps takes several rows of W2 in the error's way back (4 at
+// once, decode_rows_per_warp), some groups cut short by h, and the first layer's and second
+// layer's loops run past their unrolled 16; against the CPU over 17 tokens, chunk ends
+// included (the pending rows Delta_1 enter the updates there).
+TEMPLATE_TEST_CASE("cuda memory: decode kernel, wide heads", "[cuda]", float, double) {
+    using T = TestType;
+    const double bound = std::is_same_v<T, double> ? 1e-12 : 1e-5;
+    const std::pair<int, int> shapes[] = {{12, 3}, {32, 4}};  // (d_h, expansion)
+    int index = 0;
+    for (const auto& [dh, e] : shapes) {
+        Rng rng(seed_for("cuda decode kernel, wide heads", static_cast<std::uint64_t>(index++)));
+        Fixture f(rng(), Retrieval::Lagged, 5);
+        f.cfg.d_model = 2 * dh;
+        f.cfg.n_heads = 2;
+        f.cfg.expansion = e;
+        f.cfg.residual = index == 1;
+        f.cfg.gates = titans::GateMode::DataDependent;
+        f.p = random_params(f.cfg, rng);
+        const int B = 2, N = 17;
+        const Matrixd x = random_matrix(B * N, f.cfg.d_model, rng);
+        std::vector<int> pieces(7, 1);
+        for (const int n : {2, 4, 3, 1}) pieces.push_back(n);
+        INFO("d_h " << dh << " expansion " << e);
+#if TITANS_CUDA_EMULATION
+        const void* kernel = reinterpret_cast<const void*>(&tcu::decode_rows_kernel<T>);
+        const long before = cuda_emulation::launches(kernel);
+#endif
+        CHECK(compare_case<T>(f.cfg, f.p, x, B, N, rng, bound, pieces) <= bound);
+#if TITANS_CUDA_EMULATION
+        CHECK(cuda_emulation::launches(kernel) - before == 7 + 4 + 2);
+#endif
+    }
+}
+
 // A decode call (one token a sequence, no chunk end) of the headline kind of memory (depth 2,
 // lagged retrieval, conv, q/k norm, data-dependent gates) makes one product for the
 // projections and the gate logits, the decode kernel (first the conv, phi and the gate

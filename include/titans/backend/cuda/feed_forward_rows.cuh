@@ -45,8 +45,10 @@ inline void set_fused_feed_forward(bool on) { fused_feed_forward_flag().store(on
 inline constexpr int feed_forward_rows_max = 16;
 inline constexpr int feed_forward_slice = 32;
 inline constexpr int feed_forward_threads = 256;
-/// The pieces of [0, d) a block's hidden sums are split into, a warp each.
+/// The pieces of [0, d) a block's hidden sums are split into, a warp each; the entries of a
+/// weight column a thread loads before it uses them (its loads in flight at once).
 inline constexpr int feed_forward_parts = feed_forward_threads / feed_forward_slice;
+inline constexpr int feed_forward_unroll = 8;
 
 /// What feed_forward_rows_kernel reads and writes: x (rows x d, row stride xs), w13 = [W1 | W3]
 /// (SwiGLU) or W1, d x ld13 row-major, w2 (h x d row-major), y (rows x d, row stride ys); with
@@ -71,15 +73,36 @@ struct FeedForwardRows {
 };
 
 #if TITANS_CUDA_DEVICE_CODE
+/// s[r] += x[r, i + u] v1[u], g[r] += x[r, i + u] v3[u] for u < K and every row, in order of
+/// u: the sums of feed_forward_hidden for K entries of W1's and W3's columns already loaded.
+template <class T, int K>
+__device__ __forceinline__ void feed_forward_accumulate(const FeedForwardRows<T>& a, int i,
+                                                        const T (&v1)[K], const T (&v3)[K],
+                                                        T (&s)[feed_forward_rows_max],
+                                                        T (&g)[feed_forward_rows_max]) {
+    TITANS_UNROLL
+    for (int r = 0; r < feed_forward_rows_max; ++r) {
+        if (r < a.rows) {
+            const T* x = a.x + r * a.xs + i;
+            TITANS_UNROLL
+            for (int u = 0; u < K; ++u) {
+                s[r] += x[u] * v1[u];
+                g[r] += x[u] * v3[u];
+            }
+        }
+    }
+}
+
 /// Block b's hidden units, each row's act(x W1)(⊙ x W3) for j in [32 b, 32 b + S), into hid
 /// (rows x 32). Warp q sums the q-th of feed_forward_parts contiguous pieces of i in [0, d) for
-/// the 32 units (lane = unit: one coalesced load of W1's and of W3's row piece) and every row
-/// at once (rows <= 16 sums a thread), so that each thread's dependent chain is d / 8 long,
-/// not d; then, row by row, the first warp adds the 8 pieces in order (red: 2 x 256 shared
-/// entries). Every sum's order is fixed by d alone.
+/// the 32 units (lane = unit: coalesced loads of W1's and W3's rows) and every row at once
+/// (rows <= 16 sums a thread), feed_forward_unroll entries of W1 and W3 loaded before their
+/// products, so that a thread waits for memory d / 64 times, not d; then, row by row, the
+/// first warp adds the 8 pieces in order (red: 2 x 256 shared entries). Every sum's order is
+/// fixed by d alone.
 template <class T>
 __device__ void feed_forward_hidden(const FeedForwardRows<T>& a, T* hid, T* red, int j0, int S) {
-    constexpr int U = feed_forward_slice, R = feed_forward_rows_max;
+    constexpr int U = feed_forward_slice, R = feed_forward_rows_max, K = feed_forward_unroll;
     const int jj = static_cast<int>(threadIdx.x) % U, q = static_cast<int>(threadIdx.x) / U;
     const int piece = (a.d + feed_forward_parts - 1) / feed_forward_parts;
     const int i0 = q * piece, i1 = i0 + piece < a.d ? i0 + piece : a.d;
@@ -89,17 +112,26 @@ __device__ void feed_forward_hidden(const FeedForwardRows<T>& a, T* hid, T* red,
     if (jj < S) {
         const T* w1 = a.w13 + j0 + jj;
         const T* w3 = w1 + a.h;
-        for (int i = i0; i < i1; ++i) {
-            const long long at = static_cast<long long>(i) * a.ld13;
-            const T v1 = w1[at], v3 = a.swiglu ? w3[at] : T(0);
+        int i = i0;
+        for (; i + K <= i1; i += K) {
+            T v1[K], v3[K];
             TITANS_UNROLL
-            for (int r = 0; r < R; ++r) {
-                if (r < a.rows) {
-                    const T xi = a.x[r * a.xs + i];
-                    s[r] += xi * v1;
-                    g[r] += xi * v3;
-                }
+            for (int u = 0; u < K; ++u) {
+                v1[u] = w1[static_cast<long long>(i + u) * a.ld13];
             }
+            if (a.swiglu) {  // (one branch for the K loads, not one each)
+                TITANS_UNROLL
+                for (int u = 0; u < K; ++u) v3[u] = w3[static_cast<long long>(i + u) * a.ld13];
+            } else {
+                TITANS_UNROLL
+                for (int u = 0; u < K; ++u) v3[u] = T(0);
+            }
+            feed_forward_accumulate(a, i, v1, v3, s, g);
+        }
+        for (; i < i1; ++i) {
+            const long long at = static_cast<long long>(i) * a.ld13;
+            const T v1[1] = {w1[at]}, v3[1] = {a.swiglu ? w3[at] : T(0)};
+            feed_forward_accumulate(a, i, v1, v3, s, g);
         }
     }
     TITANS_UNROLL
@@ -180,8 +212,22 @@ __global__ void feed_forward_rows_kernel(FeedForwardRows<T> a) {
         T acc[feed_forward_rows_max];
         TITANS_UNROLL
         for (int r = 0; r < feed_forward_rows_max; ++r) acc[r] = T(0);
-        for (int k = 0; k < S; ++k) {
-            const T w = a.w2[static_cast<long long>(j0 + k) * a.d + c];
+        const T* w2 = a.w2 + static_cast<long long>(j0) * a.d + c;
+        int k = 0;
+        for (; k + feed_forward_unroll <= S; k += feed_forward_unroll) {  // loads first
+            T w[feed_forward_unroll];
+            TITANS_UNROLL
+            for (int u = 0; u < feed_forward_unroll; ++u) w[u] = w2[static_cast<long long>(k + u) * a.d];
+            TITANS_UNROLL
+            for (int r = 0; r < feed_forward_rows_max; ++r) {
+                TITANS_UNROLL
+                for (int u = 0; u < feed_forward_unroll; ++u) {
+                    if (r < a.rows) acc[r] += hid[r * feed_forward_slice + k + u] * w[u];
+                }
+            }
+        }
+        for (; k < S; ++k) {
+            const T w = w2[static_cast<long long>(k) * a.d];
             TITANS_UNROLL
             for (int r = 0; r < feed_forward_rows_max; ++r) {
                 if (r < a.rows) acc[r] += hid[r * feed_forward_slice + k] * w;

@@ -66,6 +66,9 @@ std::size_t decode_shared_bytes(int dh, int h, int threads) {
     return static_cast<std::size_t>(3 * dh + 3 * h + 2 * slices * dh) * sizeof(T);
 }
 
+/// The rows of W2 a warp of decode_rows_kernel takes at once in the error's way back.
+inline constexpr int decode_rows_per_warp = 4;
+
 #if TITANS_CUDA_DEVICE_CODE
 /// Entry i of a pending array = v, its old value into `saved` first when that is given.
 template <class T>
@@ -79,7 +82,7 @@ __device__ void put_pending(T* live, T* saved, long long i, T v) {
 /// Row r of pair p: the second layer's products hq W2 and A_1 W2 into y's row and Delta_2's
 /// (column c by `slices` threads over consecutive slices of the h rows of W2, then their sums
 /// in slice order), then Delta_1 = (Delta_2 W2^T) . act'(z1) (a warp per row of W2, its reads
-/// coalesced). blockDim.x: a multiple of 32.
+/// coalesced, 4 rows at once). blockDim.x: a multiple of 32.
 template <class T>
 __device__ bool decode_second_layer(const DecodeRows<T>& d, long long p, int r, T* sh) {
     const int dh = d.dh, h = d.h, threads = static_cast<int>(blockDim.x);
@@ -90,6 +93,7 @@ __device__ bool decode_second_layer(const DecodeRows<T>& d, long long p, int r, 
     for (int i = static_cast<int>(threadIdx.x); i < slices * dh; i += threads) {
         const int c = i % dh, s = i / dh, j1 = (s + 1) * span < h ? (s + 1) * span : h;
         T sy = T(0), sz = T(0);
+        TITANS_PRAGMA(unroll 16)  // 16 rows' loads in flight before their products
         for (int j = s * span; j < j1; ++j) {
             sy += hq[j] * w2[static_cast<long long>(j) * dh + c];
             sz += a1[j] * w2[static_cast<long long>(j) * dh + c];
@@ -113,16 +117,30 @@ __device__ bool decode_second_layer(const DecodeRows<T>& d, long long p, int r, 
         put_pending(d.live.d2, d.save.d2, (p * d.b + d.o + r) * dh + c, e);
     }
     __syncthreads();
+    // A warp per row of W2, decode_rows_per_warp rows at once (their loads in flight together):
+    // warp w takes rows w, w + warps, w + 2 warps, ...
+    constexpr int R = decode_rows_per_warp;
     const int lane = static_cast<int>(threadIdx.x % 32), warps = threads / 32;
-    for (int j = static_cast<int>(threadIdx.x / 32); j < h; j += warps) {  // a warp per row
-        T s = T(0);
+    for (int j0 = static_cast<int>(threadIdx.x / 32); j0 < h; j0 += R * warps) {
+        T s[R];
+        TITANS_UNROLL
+        for (int u = 0; u < R; ++u) s[u] = T(0);
         for (int c = lane; c < dh; c += 32) {
-            s += es[c] * w2[static_cast<long long>(j) * dh + c];
+            TITANS_UNROLL
+            for (int u = 0; u < R; ++u) {
+                const int j = j0 + u * warps;
+                if (j < h) s[u] += es[c] * w2[static_cast<long long>(j) * dh + c];
+            }
         }
-        s = warp_sum(s);
-        if (lane == 0) {
-            put_pending(d.live.d1, d.save.d1, (p * d.b + d.o + r) * h + j, s * g1[j]);
-            bad = bad || not_finite(s * g1[j]);
+        TITANS_UNROLL
+        for (int u = 0; u < R; ++u) {
+            const int j = j0 + u * warps;  // the same for the whole warp
+            if (j >= h) break;
+            const T t = warp_sum(s[u]);
+            if (lane == 0) {
+                put_pending(d.live.d1, d.save.d1, (p * d.b + d.o + r) * h + j, t * g1[j]);
+                bad = bad || not_finite(t * g1[j]);
+            }
         }
     }
     return bad;
@@ -181,6 +199,7 @@ __global__ void decode_rows_kernel(DecodeRows<T> d) {
         __syncthreads();
         for (int j = static_cast<int>(threadIdx.x); j < h; j += threads) {
             T zq = T(0), zk = T(0);
+            TITANS_PRAGMA(unroll 16)  // 16 loads of W1 in flight before their products
             for (int i = 0; i < dh; ++i) {
                 const T w = w1[static_cast<long long>(i) * h + j];
                 zq += qs[i] * w;
