@@ -31,8 +31,9 @@
 
 namespace titans::backend::cuda {
 
-/// Process-wide switch for the one-launch feed-forward of few rows: off by default until timed
-/// on a GPU (docs/cuda.md), on from the start when the environment sets TITANS_FUSED_FFN=1.
+/// Process-wide switch for the one-launch feed-forward of few rows: off by default (not yet
+/// faster than cuBLAS's three launches on an H200; docs/cuda.md), on from the start when the
+/// environment sets TITANS_FUSED_FFN=1.
 inline std::atomic<bool>& fused_feed_forward_flag() {
     static std::atomic<bool> flag{env_switch("TITANS_FUSED_FFN")};
     return flag;
