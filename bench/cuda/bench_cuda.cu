@@ -3,6 +3,12 @@
 //
 //   BM_CublasSgemm/n/tf32     n x n x n SGEMM, TF32 tensor cores off (0) or on (1): the GPU's
 //                             dense-product rate in this run
+//   BM_CudaRowsProduct/m/k/n/rows
+//                             C = A B, A m x k, B k x n (a decoded token's product: the decode
+//                             model's output projections, [q k v], [W1 | W3], W2), 20 back to
+//                             back, on cuBLAS (rows 0) or in rows_product_kernel (1); counters
+//                             us_per_product, GBps and frac_copy (of a 256 MB device copy's
+//                             rate in this run)
 //   BM_CudaMemory/B/N/tf32/fused
 //                             the headline memory (d 512, H 8, d_h 64, L 2, e 4, b 64, lagged,
 //                             data-dependent gates, conv) over B sequences of N tokens, device
@@ -15,9 +21,11 @@
 //                             frac_sgemm and frac_tf32 (GFLOPS over BM_CublasSgemm/4096's)
 //   BM_CudaMemoryTrain/B/N    the same memory's training step: training forward with its trace
 //                             and backward, device x, dy and dx, gradients to the host, TF32
-//   BM_CudaDecode/B/decode    the same memory fed one token per sequence per call (serving);
+//   BM_CudaDecode/B/decode/rows
+//                             the same memory fed one token per sequence per call (serving);
 //                             decode 1: the read and the key pass in decode_rows_kernel
-//                             (memory_decode.cuh), 0: as batched cuBLAS products
+//                             (memory_decode.cuh), 0: as batched cuBLAS products; rows 1: the
+//                             products of <= 8 rows in rows_product_kernel (rows_product.cuh)
 //   BM_CudaBlock/kind/B/N     one Block<float, Cuda> of each kind, SWA (4) too (d 512, H 8,
 //                             L 2, window = segment 512, b 64, SwiGLU FFN, 4 persistent
 //                             tokens; SWA none) over B
@@ -42,7 +50,7 @@
 //   BM_CudaMacLayer/B/N/train a one-block MAC model (that block, an embedding and a head,
 //                             vocabulary 512; titans-pytorch's MAC transformer of depth 1 in
 //                             size): a forward on token ids (train 0) or a Trainer step (1), TF32
-//   BM_CudaModelDecode/B/pooled/graphs/ffn
+//   BM_CudaModelDecode/B/pooled/graphs/ffn/rows
 //                             that model with the LMM block for MAC fed one token per sequence
 //                             per call (host vectors in and out: serving), its device buffers
 //                             from the stream-ordered pool (1, the default) or from cudaMalloc /
@@ -50,7 +58,9 @@
 //                             or as CUDA graphs (1: set_call_graphs, call_graph.cuh; counters
 //                             graph_launches_per_call, graph_updates_per_call), its
 //                             feed-forwards of B <= 16 rows on cuBLAS (ffn 0) or in one launch
-//                             (1: set_fused_feed_forward); real time per call. B at most
+//                             (1: set_fused_feed_forward), its products of <= 8 rows on
+//                             cuBLAS (rows 0) or in rows_product_kernel (1: set_rows_product);
+//                             real time per call. B at most
 //                             256: the state of B = 1024 sequences (29.4 GB in float) is over
 //                             the 16 GiB state limit (limits.hpp), and make_state refuses it
 //
@@ -115,6 +125,92 @@ double sgemm_rate(int n, bool tf32) {
     const double rate = 10.0 * 2.0 * n * static_cast<double>(n) * n / (ms * 1e-3) / 1e9;
     cache[key] = rate;
     return rate;
+}
+
+/// The benchmark's loop over run(), each iteration's device time on `stream` (an event pair
+/// around it) set as its manual time. Returns the seconds timed in all.
+template <class F>
+double event_timed(benchmark::State& state, cudaStream_t stream, F&& run) {
+    cudaEvent_t t0, t1;
+    tc::check(cudaEventCreate(&t0), "event");
+    tc::check(cudaEventCreate(&t1), "event");
+    double seconds = 0;
+    for (auto _ : state) {
+        tc::check(cudaEventRecord(t0, stream), "event");
+        run();
+        tc::check(cudaEventRecord(t1, stream), "event");
+        tc::check(cudaEventSynchronize(t1), "event");
+        float ms = 0;
+        tc::check(cudaEventElapsedTime(&ms, t0, t1), "event");
+        state.SetIterationTime(ms * 1e-3);
+        seconds += ms * 1e-3;
+    }
+    (void)cudaEventDestroy(t0);
+    (void)cudaEventDestroy(t1);
+    return seconds;
+}
+
+/// The device's copy rate in GB/s (read + write bytes of a 256 MB device-to-device copy; 2
+/// warm-ups, then 5 timed), cached: what a stream through memory can reach in this run.
+double copy_rate() {
+    static double rate = 0;
+    if (rate > 0) {
+        return rate;
+    }
+    const tc::StreamContext cx;
+    const std::size_t n = std::size_t{64} << 20;  // floats
+    tc::DeviceBuffer<float> a(n), b(n);
+    tc::set_now(a.data(), 1, n * sizeof(float), "cudaMemset");
+    const auto copy = [&] {
+        tc::check(cudaMemcpyAsync(b.data(), a.data(), n * sizeof(float), cudaMemcpyDeviceToDevice,
+                                  cx.stream()),
+                  "cudaMemcpyAsync");
+    };
+    copy();
+    copy();
+    cx.synchronize();
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < 5; ++i) {
+        copy();
+    }
+    cx.synchronize();
+    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    rate = 5.0 * 2.0 * static_cast<double>(n * sizeof(float)) / dt / 1e9;
+    return rate;
+}
+
+/// C = A B for m rows (a decoded token's product), 20 back to back a timed iteration (event
+/// pair: the launches' gaps count, as in a decoded token), on cuBLAS (path 0) or in
+/// rows_product_kernel (1); FP32, TF32 off. Counters: us_per_product, GBps (A, B and C's
+/// bytes once) and frac_copy (of copy_rate's).
+void BM_CudaRowsProduct(benchmark::State& state) {
+    const int m = static_cast<int>(state.range(0)), k = static_cast<int>(state.range(1)),
+              n = static_cast<int>(state.range(2));
+    const bool rows_was = tc::rows_product();
+    tc::set_rows_product(state.range(3) != 0);
+    const double copy = copy_rate();
+    const tc::StreamContext cx;
+    const titans::Matrixf host = titans::Matrixf::Random(k + m, n > k ? n : k);
+    const auto size = static_cast<std::size_t>(host.size());
+    tc::DeviceBuffer<float> ab = tc::upload_array(host.data(), size),
+                            c(static_cast<std::size_t>(m) * static_cast<std::size_t>(n));
+    const float* a = ab.data() + static_cast<std::size_t>(k) * static_cast<std::size_t>(n);
+    constexpr int reps = 20;
+    const auto run = [&] {
+        for (int i = 0; i < reps; ++i) {
+            tc::gemm<float>(cx.blas(), false, false, m, n, k, 1.0f, {a, k}, {ab.data(), n}, 0.0f,
+                            c.data(), n, 0, 1);
+        }
+    };
+    run();
+    cx.synchronize();
+    const double seconds = event_timed(state, cx.stream(), run);
+    tc::set_rows_product(rows_was);
+    const double products = static_cast<double>(state.iterations()) * reps;
+    const double bytes = 4.0 * (static_cast<double>(k) * n + static_cast<double>(m) * (k + n));
+    state.counters["us_per_product"] = seconds / products * 1e6;
+    state.counters["GBps"] = bytes * products / seconds / 1e9;
+    state.counters["frac_copy"] = bytes * products / seconds / 1e9 / copy;
 }
 
 void BM_CublasSgemm(benchmark::State& state) {
@@ -255,6 +351,8 @@ void BM_CudaDecode(benchmark::State& state) {
     const int B = static_cast<int>(state.range(0));
     // decode 1: the read and key pass in decode_rows_kernel; 0: the batched products
     tc::set_fused_memory(state.range(1) != 0 ? tc::FusedMemory::Auto : tc::FusedMemory::Off);
+    const bool rows_was = tc::rows_product();
+    tc::set_rows_product(state.range(2) != 0);  // rows 1: the projections in rows_product
     Setup s(B, 1);
     Kernels::State st = Kernels::make_state(s.cfg, s.prepared, B);
     s.forward(st);
@@ -262,6 +360,7 @@ void BM_CudaDecode(benchmark::State& state) {
         s.forward(st);
     }
     tc::set_fused_memory(tc::FusedMemory::Auto);
+    tc::set_rows_product(rows_was);
     counters(state, s.cfg, B, 1);
 }
 
@@ -430,22 +529,7 @@ void BM_CudaAttentionTiles(benchmark::State& state) {
     forward();  // the output the backward reads
     run();
     cx.synchronize();
-    cudaEvent_t t0, t1;
-    tc::check(cudaEventCreate(&t0), "event");
-    tc::check(cudaEventCreate(&t1), "event");
-    double seconds = 0;
-    for (auto _ : state) {
-        tc::check(cudaEventRecord(t0, cx.stream()), "event");
-        run();
-        tc::check(cudaEventRecord(t1, cx.stream()), "event");
-        tc::check(cudaEventSynchronize(t1), "event");
-        float ms = 0;
-        tc::check(cudaEventElapsedTime(&ms, t0, t1), "event");
-        state.SetIterationTime(ms * 1e-3);
-        seconds += ms * 1e-3;
-    }
-    (void)cudaEventDestroy(t0);
-    (void)cudaEventDestroy(t1);
+    const double seconds = event_timed(state, cx.stream(), run);
     double keys = 0;
     for (long t = 0; t < N; ++t) {
         keys += std::min<double>(static_cast<double>(t) + 1, w);
@@ -528,9 +612,11 @@ void BM_CudaModelDecode(benchmark::State& state) {
     const int B = static_cast<int>(state.range(0));
     tc::set_device_memory(state.range(1) != 0 ? tc::DeviceMemory::Pooled
                                               : tc::DeviceMemory::Direct);
-    const bool graphs_were = tc::call_graphs(), ffn_was = tc::fused_feed_forward();
+    const bool graphs_were = tc::call_graphs(), ffn_was = tc::fused_feed_forward(),
+               rows_was = tc::rows_product();
     tc::set_call_graphs(state.range(2) != 0);
     tc::set_fused_feed_forward(state.range(3) != 0);
+    tc::set_rows_product(state.range(4) != 0);
     const auto [cfg, params] = bench_model(false, 0);
     const titans::Model<float, Cuda> model(cfg, params);
     auto st = model.make_state(B);
@@ -548,6 +634,7 @@ void BM_CudaModelDecode(benchmark::State& state) {
     tc::set_device_memory(tc::DeviceMemory::Pooled);
     tc::set_call_graphs(graphs_were);
     tc::set_fused_feed_forward(ffn_was);
+    tc::set_rows_product(rows_was);
     const auto calls = static_cast<double>(std::max<std::int64_t>(state.iterations(), 1));
     state.counters["tokens_per_second"] = benchmark::Counter(
         static_cast<double>(state.iterations()) * B, benchmark::Counter::kIsRate);
@@ -558,6 +645,9 @@ void BM_CudaModelDecode(benchmark::State& state) {
 }  // namespace
 
 BENCHMARK(BM_CublasSgemm)->Args({4096, 0})->Args({4096, 1})->Iterations(1)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_CudaRowsProduct)->ArgNames({"m", "k", "n", "rows"})
+    ->ArgsProduct({{1, 8}, {512}, {512, 1536, 2736}, {0, 1}})
+    ->ArgsProduct({{1}, {1368}, {512}, {0, 1}})->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_CudaMemory)
     ->ArgNames({"B", "N", "tf32", "fused"})
     ->Args({1, 2048, 0, 0})->Args({16, 2048, 0, 0})->Args({64, 1024, 0, 0})->Args({256, 512, 0, 0})
@@ -570,7 +660,9 @@ BENCHMARK(BM_CudaMemoryTrain)
     ->ArgNames({"B", "N"})
     ->Args({1, 2048})->Args({64, 1024})->Args({256, 512})
     ->Unit(benchmark::kMillisecond)->UseManualTime();
-BENCHMARK(BM_CudaDecode)->ArgNames({"B", "decode"})->ArgsProduct({{1, 64, 1024}, {0, 1}})->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK(BM_CudaDecode)->ArgNames({"B", "decode", "rows"})
+    ->ArgsProduct({{1, 64, 1024}, {0, 1}, {0}})->Args({1, 1, 1})->Args({64, 1, 1})
+    ->Unit(benchmark::kMicrosecond)->UseRealTime();
 BENCHMARK(BM_CudaBlock)
     ->ArgNames({"kind", "B", "N"})
     ->ArgsProduct({{0, 1, 2, 3, 4}, {1, 16}, {2048}})
@@ -589,11 +681,13 @@ BENCHMARK(BM_CudaTrainStep)->ArgNames({"mac", "B", "N"})->Args({0, 1, 1024})->Ar
     ->Args({0, 8, 1024})->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_CudaMacLayer)->ArgNames({"B", "N", "train"})->ArgsProduct({{1, 8}, {2048}, {0, 1}})
     ->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_CudaModelDecode)->ArgNames({"B", "pooled", "graphs", "ffn"})
-    ->Args({1, 0, 0, 0})->Args({64, 0, 0, 0})
-    ->Args({1, 1, 0, 0})->Args({64, 1, 0, 0})->Args({256, 1, 0, 0})
-    ->Args({1, 1, 1, 0})->Args({64, 1, 1, 0})->Args({256, 1, 1, 0})
-    ->Args({1, 1, 0, 1})->Args({16, 1, 0, 1})->Args({1, 1, 1, 1})->Args({16, 1, 1, 1})
+BENCHMARK(BM_CudaModelDecode)->ArgNames({"B", "pooled", "graphs", "ffn", "rows"})
+    ->Args({1, 0, 0, 0, 0})->Args({64, 0, 0, 0, 0})
+    ->Args({1, 1, 0, 0, 0})->Args({64, 1, 0, 0, 0})->Args({256, 1, 0, 0, 0})
+    ->Args({1, 1, 1, 0, 0})->Args({64, 1, 1, 0, 0})->Args({256, 1, 1, 0, 0})
+    ->Args({1, 1, 0, 1, 0})->Args({16, 1, 0, 1, 0})->Args({1, 1, 1, 1, 0})->Args({16, 1, 1, 1, 0})
+    ->Args({1, 1, 0, 0, 1})->Args({8, 1, 0, 0, 1})->Args({1, 1, 1, 0, 1})->Args({1, 1, 0, 1, 1})
+    ->Args({1, 1, 1, 1, 1})
     ->Unit(benchmark::kMicrosecond)->UseRealTime();
 
 BENCHMARK_MAIN();

@@ -919,6 +919,67 @@ TEST_CASE("cuda model: few-row FFN", "[cuda]") {
     step(1);
 }
 
+// Models with the few-row product on (rows_product.cuh: every product of <= 8 rows, the
+// memory's batched ones too), every block kind (MAC and MAL, MAG and LMM; a feed-forward in
+// the first block; a head): 16 decode tokens at B 1-3, calls of 2-5 tokens, one of 9 a
+// sequence; within 1e-12 of the CPU, the same bits with call graphs on and off, and fewer
+// cuBLAS calls than with it off wherever a call has at most 8 rows.
+TEST_CASE("cuda model: few-row product", "[cuda]") {
+    namespace cu = titans::backend::cuda;
+    struct Rows {
+        bool was = cu::rows_product();
+        explicit Rows(bool on) { cu::set_rows_product(on); }
+        ~Rows() { cu::set_rows_product(was); }
+    };
+    Rng rng(seed_for("cuda model: few-row product", 0));
+    for (const auto& [k0, k1] : {std::pair{BlockKind::MAC, BlockKind::MAL},
+                                 std::pair{BlockKind::MAG, BlockKind::LMM}}) {
+        const int vocab = 11, d = 8, B = uniform_int(rng, 1, 3);
+        const ModelCase mc = make_model_case<double>(k0, k1, d, vocab, 0, rng);
+        const titans::Model<double> cpu(mc.cfg, mc.params);
+        const titans::Model<double, Cuda> gpu(mc.cfg, mc.params);
+        auto sc = cpu.make_state(B);
+        auto plain = gpu.make_state(B), rows = gpu.make_state(B), graphed = gpu.make_state(B);
+        INFO("kinds " << static_cast<int>(k0) << " " << static_cast<int>(k1) << " B " << B);
+        const auto run = [&](auto& st, bool on, bool graphs, const Matrixd& x, long& gemms) {
+            const Rows r(on);
+            const CallGraphs g(graphs);
+#if TITANS_CUDA_EMULATION
+            gemms = -cuda_emulation::gemm_calls();
+#endif
+            Matrixd y = gpu.forward(st, x);
+#if TITANS_CUDA_EMULATION
+            gemms += cuda_emulation::gemm_calls();
+#endif
+            return y;
+        };
+        const auto step = [&](int N) {
+            const Matrixd x = random_matrix(B * N, d, rng);
+            long g0 = 0, g1 = 0, g2 = 0;
+            const Matrixd y0 = run(plain, false, false, x, g0), y1 = run(rows, true, false, x, g1),
+                          y2 = run(graphed, true, true, x, g2);
+#if TITANS_CUDA_EMULATION
+            if (B * N <= cu::rows_product_max) {
+                CHECK(g1 < g0);
+            }
+            CHECK(g2 == g1);
+#endif
+            CHECK(identical(y2, y1));
+            const Matrixd yc = cpu.forward(sc, x);
+            CHECK(rel_error(y1, yc) <= 1e-12);
+            CHECK(rel_error(y0, yc) <= 1e-12);
+        };
+        for (int t = 0; t < 16; ++t) {
+            step(1);
+        }
+        for (int t = 0; t < 4; ++t) {
+            step(uniform_int(rng, 2, 5));
+        }
+        step(9);
+        step(1);
+    }
+}
+
 #if defined(TITANS_TEST_HAS_NCCL) && TITANS_TEST_HAS_NCCL
 #include <titans/nccl/nccl.cuh>
 

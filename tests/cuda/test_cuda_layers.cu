@@ -566,6 +566,92 @@ TEMPLATE_TEST_CASE("cuda layers: few-row FFN", "[cuda]", float, double) {
     }
 }
 
+namespace {
+
+/// The few-row product switched on for a scope, then back as it was.
+struct RowsProductOn {
+    bool was = titans::backend::cuda::rows_product();
+    RowsProductOn() { titans::backend::cuda::set_rows_product(true); }
+    ~RowsProductOn() { titans::backend::cuda::set_rows_product(was); }
+};
+
+/// Z products C_z = alpha A_z B_z + beta C_z through cuda::gemm (m x k by k x n; the batch
+/// stacked in strided views padded with NaN) against the products in double on the host; with
+/// the few-row product on, m <= 8 makes no cuBLAS call and one launch, and the same bits a
+/// second time into a fresh C (its counters back at zero).
+template <class T>
+void rows_product_case(int m, int n, int k, int Z, T alpha, T beta, Rng& rng) {
+    namespace cu = titans::backend::cuda;
+    const double scale = m == 3 ? 1e3 : m == 8 ? 1e-6 : 1.0;
+    const Matrix<T> a = (random_matrix(Z * m, k, rng) * scale).template cast<T>(),
+                    b = random_t<T>(Z * k, n, rng);
+    Matrix<T> c0 = random_t<T>(Z * m, n, rng);
+    if (beta == T(0)) c0.setConstant(std::numeric_limits<T>::quiet_NaN());  // never read
+    Matrixd want(Z * m, n);
+    for (int z = 0; z < Z; ++z) {
+        want.middleRows(z * m, m) =
+            double(alpha) * a.middleRows(z * m, m).template cast<double>() *
+            b.middleRows(z * k, k).template cast<double>();
+        if (beta != T(0)) {
+            want.middleRows(z * m, m) +=
+                double(beta) * c0.middleRows(z * m, m).template cast<double>();
+        }
+    }
+    Strided<T> da(a, 3), db(b, 1), dc(c0, 2), again(c0, 2);
+    const auto ld = [](const Strided<T>& x) { return static_cast<int>(x.view.stride); };
+    const auto product = [&](Strided<T>& dc) {
+        const auto& cx = cu::thread_context();
+        cu::gemm<T>(cx.blas(), false, false, m, n, k, alpha,
+                    {da.view.data, ld(da), static_cast<long long>(m) * ld(da)},
+                    {db.view.data, ld(db), static_cast<long long>(k) * ld(db)}, beta,
+                    dc.view.data, ld(dc), static_cast<long long>(m) * ld(dc), Z);
+        cx.synchronize();
+    };
+    INFO("m " << m << " n " << n << " k " << k << " Z " << Z << " beta " << beta << " "
+              << type_name<T>());
+#if TITANS_CUDA_EMULATION
+    const long k0 = cuda_emulation::total_launches(), g0 = cuda_emulation::gemm_calls();
+#endif
+    product(dc);
+#if TITANS_CUDA_EMULATION
+    CHECK(cuda_emulation::gemm_calls() - g0 == (m <= cu::rows_product_max ? 0 : 1));
+    if (m <= cu::rows_product_max) {
+        CHECK(cuda_emulation::total_launches() - k0 == 1);
+    }
+#endif
+    const Matrix<T> got = dc.host();
+    CHECK(rel_error(got, want) <= tol<T>());
+    if (beta == T(0)) {
+        product(again);
+        CHECK(again.host() == got);
+    }
+}
+
+}  // namespace
+
+// The few-row product (rows_product.cuh, set_rows_product) against the product in double:
+// 1 to 8 rows (9: cuBLAS again), widths below, across and not a multiple of the block's 32
+// columns, inner sizes below a warp's 16 loads, at a block's 128 and past it (the partials of
+// several blocks summed by the one that finishes last), past 64 spans (each warp takes several
+// passes); batches of 3 and 7 (each product its own counters); alpha and beta (0: C all NaN,
+// not read; otherwise added); A x 1e3 and x 1e-6.
+TEMPLATE_TEST_CASE("cuda layers: few-row product", "[cuda]", float, double) {
+    using T = TestType;
+    const RowsProductOn on;
+    Rng rng(seed_for("cuda layers: few-row product"));
+    for (int m : {1, 3, 8, 9}) {
+        for (int n : {1, 33, 300}) {
+            for (int k : {1, 15, 128, 129, 2000}) {
+                rows_product_case<T>(m, n, k, 1, T(1), T(0), rng);
+            }
+        }
+    }
+    rows_product_case<T>(2, 45, 9000, 1, T(1), T(0), rng);
+    rows_product_case<T>(5, 70, 300, 3, T(-0.5), T(1.5), rng);
+    rows_product_case<T>(1, 64, 7, 7, T(2), T(-1), rng);
+    rows_product_case<T>(4, 40, 260, 7, T(1), T(0), rng);
+}
+
 // FeedForward::forward_sums (a block's feed-forward with the sums and norms around it: s = a +
 // s, u = pre(s), y = FFN(u), s = y + s, u' = next(s)) against pre.forward_sum, forward and
 // next.forward_sum, bit for bit, with the feed-forward of few rows on: SwiGLU and GELU; hidden

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "call_graph.cuh"
+#include "rows_product.cuh"
 #include "runtime.cuh"
 
 namespace titans::backend::cuda {
@@ -76,11 +77,22 @@ void run_gemm(const unsigned char* bytes, const Record& r, cudaStream_t) {
 /// m x k, op(B_i) k x n, C_i m x n. Row-major C is column-major C^T = op(B)^T op(A)^T, so
 /// the call swaps the operands. cuBLAS picks its own algorithm (TF32 only when the handle's
 /// math mode allows it). Recorded on this thread's call tape where it records the handle's
-/// stream (call_graph.cuh).
+/// stream (call_graph.cuh). With the few-row product switched on (rows_product.cuh), products
+/// of at most rows_product_max rows, neither operand transposed, run in rows_product_kernel
+/// on the handle's stream instead (FP32 or FP64 sums, never TF32).
 template <class T>
 void gemm(cublasHandle_t h, bool trans_a, bool trans_b, int m, int n, int k, T alpha,
           Operand<T> a, Operand<T> b, T beta, T* c, int ldc, long long c_stride, int batch) {
     if (m == 0 || n == 0 || batch == 0) {
+        return;
+    }
+    if (rows_product_applies(trans_a, trans_b, m, batch)) {
+        cudaStream_t stream{};
+        check(cublasGetStream(h, &stream), "cublasGetStream");
+        rows_product<T>(stream,
+                        {a.data, a.ld, a.batch_stride, b.data, b.ld, b.batch_stride, c, ldc,
+                         c_stride, nullptr, nullptr, m, n, k, alpha, beta},
+                        batch);
         return;
     }
     const tape_detail::GemmArgs<T> g{h, a.data, b.data, c, a.batch_stride, b.batch_stride,

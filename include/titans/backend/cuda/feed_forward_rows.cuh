@@ -26,6 +26,7 @@
 
 #include "../../detail/activation.hpp"
 #include "launch.cuh"
+#include "partial_scratch.cuh"
 #include "rms_rows.cuh"
 #include "runtime.cuh"
 
@@ -294,31 +295,6 @@ __global__ void feed_forward_rows_kernel(FeedForwardRows<T> a) {
 }
 #endif
 
-/// This host thread's partial sums and counter for feed_forward_rows (its launches are all on
-/// the thread's stream, one after another): grown, never shrunk; the counter zeroed once.
-template <class T>
-struct FeedForwardRowsScratch {
-    DeviceBuffer<T> part;
-    DeviceBuffer<unsigned> done;
-
-    static FeedForwardRowsScratch& mine() {
-        thread_local FeedForwardRowsScratch s;
-        return s;
-    }
-    /// Room for n partial entries (what the recorded work holds runs first if it grows).
-    void reserve(std::size_t n) {
-        if (done.size() == 0) {
-            settle_recorded();
-            done = DeviceBuffer<unsigned>(1);
-            set_now(done.data(), 0, sizeof(unsigned), "cudaMemset (feed-forward counter)");
-        }
-        if (part.size() < n) {
-            settle_recorded();  // the old buffer may be read by recorded work
-            part.reserve(n);
-        }
-    }
-};
-
 /// Whether a feed-forward of `rows` rows takes feed_forward_rows (the switch on, 1 to
 /// feed_forward_rows_max rows).
 [[nodiscard]] inline bool feed_forward_rows_apply(long long rows) {
@@ -326,15 +302,16 @@ struct FeedForwardRowsScratch {
 }
 
 /// Launches feed_forward_rows_kernel on `stream` for a.rows (1 to feed_forward_rows_max) rows,
-/// its scratch from this thread's FeedForwardRowsScratch (a.pre.w set: a.then.w too).
+/// its scratch from this thread's PartialScratch (a.pre.w set: a.then.w too).
 template <class T>
 void feed_forward_rows(cudaStream_t stream, FeedForwardRows<T> a) {
     const unsigned blocks =
         static_cast<unsigned>((a.h + feed_forward_slice - 1) / feed_forward_slice);
     if (blocks > 1 || a.pre.w != nullptr) {
-        auto& s = FeedForwardRowsScratch<T>::mine();
+        auto& s = PartialScratch<T>::mine();
         s.reserve(static_cast<std::size_t>(blocks) * static_cast<std::size_t>(a.rows) *
-                  static_cast<std::size_t>(a.d));
+                      static_cast<std::size_t>(a.d),
+                  1);
         a.part = s.part.data();
         a.done = s.done.data();
     }
