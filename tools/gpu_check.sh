@@ -47,11 +47,13 @@
 #                                 ncu_train_B1.txt, ncu_train_B256.txt and the top 25 of each
 #   tools/gpu_check.sh decode [DIR]
 #                                 where a decoded token's time goes: the few-row
-#                                 feed-forward's and few-row product's tests, the decode and
-#                                 few-row product benchmarks, each kernel's device time at
-#                                 B = 1 (the memory; the model with its products on cuBLAS,
-#                                 the feed-forward in one launch, the products in
-#                                 rows_product_kernel), racecheck on both (about 6 minutes)
+#                                 feed-forward's, few-row product's and split decode
+#                                 attention's tests, the decode, few-row product and decode
+#                                 attention benchmarks, each kernel's device time at B = 1
+#                                 (the memory; the model with its products on cuBLAS, the
+#                                 feed-forward in one launch, the products in
+#                                 rows_product_kernel, those and the split attention),
+#                                 racecheck on the three kernels (about 7 minutes)
 #
 # The figures in docs/performance.md ("CUDA backend") come from `run`.
 set -euo pipefail
@@ -281,17 +283,17 @@ do_decode() {
     "cuda layers: few-row FFN*,cuda model*,cuda blocks*" > "${out}/ffn_tests.txt" 2>&1 \
     || echo "ffn tests: exit $?"
   echo "ffn tests: $(tail -n 2 "${out}/ffn_tests.txt" | tr '\n' ' ')"
-  TITANS_ROWS_PRODUCT=1 timeout 50 "${t}" --warn NoTests \
-    "cuda layers: few-row product*,cuda model*,cuda blocks*" > "${out}/rows_tests.txt" 2>&1 \
-    || echo "rows tests: exit $?"
-  echo "rows tests: $(tail -n 2 "${out}/rows_tests.txt" | tr '\n' ' ')"
+  TITANS_ROWS_PRODUCT=1 TITANS_SPLIT_DECODE=1 timeout 60 "${t}" --warn NoTests \
+    "cuda layers: few-row product*,cuda attention: split*,cuda model*,cuda blocks*" \
+    > "${out}/rows_tests.txt" 2>&1 || echo "rows and split tests: exit $?"
+  echo "rows and split tests: $(tail -n 2 "${out}/rows_tests.txt" | tr '\n' ' ')"
   timeout 100 "${b}" --benchmark_counters_tabular=true --benchmark_repetitions=2 \
-    --benchmark_filter='BM_CudaModelDecode|BM_CudaDecode/B:1/|BM_CudaRowsProduct' \
+    --benchmark_filter='BM_CudaModelDecode|BM_CudaDecode/B:1/|BM_CudaRowsProduct|BM_CudaDecodeAtt' \
     > "${out}/decode_bench.txt" 2>&1 || echo "decode bench: exit $?"
   grep "^BM_" "${out}/decode_bench.txt" || true
   local f filter m=BM_CudaModelDecode/B:1/pooled:1/graphs:0
-  for f in decode:BM_CudaDecode/B:1/decode:1/rows:0 model:${m}/ffn:0/rows:0 \
-           model_ffn:${m}/ffn:1/rows:0 model_rows:${m}/ffn:0/rows:1; do
+  for f in decode:BM_CudaDecode/B:1/decode:1/rows:0 model:${m}/ffn:0/opt:0 \
+           model_ffn:${m}/ffn:1/opt:0 model_rows:${m}/ffn:0/opt:1 model_opt:${m}/ffn:0/opt:3; do
     filter="${f#*:}"
     timeout 55 ncu --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
       "${b}" --benchmark_min_time=0.01 --benchmark_filter="${filter}" \
@@ -300,7 +302,7 @@ do_decode() {
     ncu_totals "${out}/ncu_${f%%:*}.txt" | head -n 20
   done
   TITANS_CUDA_PARITY_CASES=1 timeout 40 compute-sanitizer --tool racecheck --error-exitcode 9 \
-    "${t}" "cuda layers: few-row FFN*,cuda layers: few-row product*" \
+    "${t}" "cuda layers: few-row FFN*,cuda layers: few-row product*,cuda attention: split decode*" \
     > "${out}/ffn_racecheck.txt" 2>&1 || echo "ffn racecheck: exit $?"
   echo "ffn racecheck: $(grep 'RACECHECK SUMMARY' "${out}/ffn_racecheck.txt" || echo 'no summary')"
 }

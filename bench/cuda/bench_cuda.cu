@@ -45,12 +45,16 @@
 //                             the attention kernels alone (d_h 64, H 8, window 512), forward or
 //                             the backward's passes, paths 1-3 as above; GFLOPS (2 products
 //                             forward, 5 backward) and frac_tf32 (of BM_CublasSgemm/4096/1's)
+//   BM_CudaDecodeAttention/B/split
+//                             a decoded token's attention kernel alone (d_h 64, H 8, a full
+//                             window of 512): the scalar tiles' one-query launch (split 0) or
+//                             decode_split_kernel (1); us_per_call, GBps, frac_copy
 //   BM_CudaTrainStep/mac/B/N  a Trainer step of that model with a vocabulary of 512 (mac 0: its
 //                             MAC block an LMM one, so that nothing runs on the host)
 //   BM_CudaMacLayer/B/N/train a one-block MAC model (that block, an embedding and a head,
 //                             vocabulary 512; titans-pytorch's MAC transformer of depth 1 in
 //                             size): a forward on token ids (train 0) or a Trainer step (1), TF32
-//   BM_CudaModelDecode/B/pooled/graphs/ffn/rows
+//   BM_CudaModelDecode/B/pooled/graphs/ffn/opt
 //                             that model with the LMM block for MAC fed one token per sequence
 //                             per call (host vectors in and out: serving), its device buffers
 //                             from the stream-ordered pool (1, the default) or from cudaMalloc /
@@ -58,8 +62,9 @@
 //                             or as CUDA graphs (1: set_call_graphs, call_graph.cuh; counters
 //                             graph_launches_per_call, graph_updates_per_call), its
 //                             feed-forwards of B <= 16 rows on cuBLAS (ffn 0) or in one launch
-//                             (1: set_fused_feed_forward), its products of <= 8 rows on
-//                             cuBLAS (rows 0) or in rows_product_kernel (1: set_rows_product);
+//                             (1: set_fused_feed_forward); opt 1: its products of <= 8 rows in
+//                             rows_product_kernel (set_rows_product), 2: its attention's keys
+//                             split across blocks (set_split_decode), 3: both, 0: neither;
 //                             real time per call. B at most
 //                             256: the state of B = 1024 sequences (29.4 GB in float) is over
 //                             the 16 GiB state limit (limits.hpp), and make_state refuses it
@@ -540,6 +545,46 @@ void BM_CudaAttentionTiles(benchmark::State& state) {
     state.counters["frac_tf32"] = gflops / sgemm_rate(4096, true);
 }
 
+/// A decoded token's attention alone (d_h 64, H 8, a full window of 512 keys, no prefix): B
+/// sequences' one query each, in the scalar tiles' one-query launch (split 0) or in
+/// decode_split_kernel (1, attention_decode.cuh), 20 back to back a timed iteration. Counters:
+/// us_per_call, GBps (the keys' and values' bytes once) and frac_copy (of copy_rate's).
+void BM_CudaDecodeAttention(benchmark::State& state) {
+    const int B = static_cast<int>(state.range(0)), H = 8, dh = 64, w = 512;
+    const bool split = state.range(1) != 0;
+    const double copy = copy_rate();
+    const long long D = static_cast<long long>(H) * dh, rows = static_cast<long long>(B) * w;
+    const titans::Matrixf host = titans::Matrixf::Random(2 * rows + B, D);  // k, v; q
+    tc::DeviceBuffer<float> kv =
+        tc::upload_array(host.data(), static_cast<std::size_t>(host.size()));
+    tc::DeviceBuffer<float> o(static_cast<std::size_t>(B * D));
+    const float* k = kv.data();
+    const float* v = k + rows * D;
+    const float* q = v + rows * D;
+    const tc::TiledAttentionArgs<float> a{
+        q, D, k, v, 0, D, D, true, k, v, w, D, 1, w - 1, 1, H, dh, w,
+        1.0f / std::sqrt(static_cast<float>(dh)), o.data(), D};
+    const tc::StreamContext cx;
+    constexpr int reps = 20;
+    const auto run = [&] {
+        for (int i = 0; i < reps; ++i) {
+            if (split) {
+                tc::decode_split(cx.stream(), a, B);
+            } else {
+                tc::tiled_attention(cx.stream(), a, B, tc::tiled_shape(dh, 1, sizeof(float)));
+            }
+        }
+    };
+    run();
+    cx.synchronize();
+    const double seconds = event_timed(state, cx.stream(), run);
+    const double calls = static_cast<double>(state.iterations()) * reps;
+    const double bytes = 2.0 * static_cast<double>(rows) * static_cast<double>(D) * 4.0;
+    state.counters["us_per_call"] = seconds / calls * 1e6;
+    state.counters["GBps"] = bytes * calls / seconds / 1e9;
+    state.counters["frac_copy"] = bytes * calls / seconds / 1e9 / copy;
+}
+
 /// One Trainer<float, Cuda> step (forward on token ids, cross-entropy, backward, clipping,
 /// AdamW and the model taking the values, all on the device; the loss, norm and AdamW's
 /// verdict back in one download) of bench_model with a vocabulary of 512, B sequences of N
@@ -616,7 +661,9 @@ void BM_CudaModelDecode(benchmark::State& state) {
                rows_was = tc::rows_product();
     tc::set_call_graphs(state.range(2) != 0);
     tc::set_fused_feed_forward(state.range(3) != 0);
-    tc::set_rows_product(state.range(4) != 0);
+    const bool split_was = tc::split_decode();
+    tc::set_rows_product((state.range(4) & 1) != 0);  // opt: 1 few-row products, 2 split
+    tc::set_split_decode((state.range(4) & 2) != 0);  // decode attention, 3 both
     const auto [cfg, params] = bench_model(false, 0);
     const titans::Model<float, Cuda> model(cfg, params);
     auto st = model.make_state(B);
@@ -635,6 +682,7 @@ void BM_CudaModelDecode(benchmark::State& state) {
     tc::set_call_graphs(graphs_were);
     tc::set_fused_feed_forward(ffn_was);
     tc::set_rows_product(rows_was);
+    tc::set_split_decode(split_was);
     const auto calls = static_cast<double>(std::max<std::int64_t>(state.iterations(), 1));
     state.counters["tokens_per_second"] = benchmark::Counter(
         static_cast<double>(state.iterations()) * B, benchmark::Counter::kIsRate);
@@ -677,17 +725,20 @@ BENCHMARK(BM_CudaAttentionTiles)
     ->ArgNames({"B", "N", "path", "backward"})
     ->ArgsProduct({{16}, {4096}, {1, 2, 3}, {0, 1}})
     ->Unit(benchmark::kMillisecond)->UseManualTime();
+BENCHMARK(BM_CudaDecodeAttention)->ArgNames({"B", "split"})
+    ->ArgsProduct({{1, 16, 256}, {0, 1}})->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_CudaTrainStep)->ArgNames({"mac", "B", "N"})->Args({0, 1, 1024})->Args({1, 1, 1024})
     ->Args({0, 8, 1024})->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_CudaMacLayer)->ArgNames({"B", "N", "train"})->ArgsProduct({{1, 8}, {2048}, {0, 1}})
     ->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_CudaModelDecode)->ArgNames({"B", "pooled", "graphs", "ffn", "rows"})
+BENCHMARK(BM_CudaModelDecode)->ArgNames({"B", "pooled", "graphs", "ffn", "opt"})
     ->Args({1, 0, 0, 0, 0})->Args({64, 0, 0, 0, 0})
     ->Args({1, 1, 0, 0, 0})->Args({64, 1, 0, 0, 0})->Args({256, 1, 0, 0, 0})
     ->Args({1, 1, 1, 0, 0})->Args({64, 1, 1, 0, 0})->Args({256, 1, 1, 0, 0})
     ->Args({1, 1, 0, 1, 0})->Args({16, 1, 0, 1, 0})->Args({1, 1, 1, 1, 0})->Args({16, 1, 1, 1, 0})
     ->Args({1, 1, 0, 0, 1})->Args({8, 1, 0, 0, 1})->Args({1, 1, 1, 0, 1})->Args({1, 1, 0, 1, 1})
-    ->Args({1, 1, 1, 1, 1})
+    ->Args({1, 1, 1, 1, 1})->Args({1, 1, 0, 0, 2})->Args({1, 1, 0, 0, 3})->Args({64, 1, 0, 0, 3})
+    ->Args({1, 1, 1, 0, 3})
     ->Unit(benchmark::kMicrosecond)->UseRealTime();
 
 BENCHMARK_MAIN();

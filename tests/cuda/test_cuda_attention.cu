@@ -442,9 +442,10 @@ Matrixd tiled_reference(const TiledCase& c) {
     return out;
 }
 
-/// Which kernel tiled_device runs: tiled_attention (Scalar) or warp_tiled_attention, its
-/// products in FMAs (Warp) or on the tensor cores (Tf32).
-enum class TileKernel { Scalar, Warp, Tf32 };
+/// Which kernel tiled_device runs: tiled_attention (Scalar), warp_tiled_attention, its
+/// products in FMAs (Warp) or on the tensor cores (Tf32), or decode_split (Split: one query a
+/// sequence at stride 1).
+enum class TileKernel { Scalar, Warp, Tf32, Split };
 
 /// The kernel `kind` on the device (tiled_attention in the shape tiled_shape picks); the output
 /// rows, or an empty matrix where that kernel does not apply.
@@ -452,8 +453,11 @@ template <class T>
 Matrix<T> tiled_device(const TiledCase& c, TileKernel kind = TileKernel::Scalar) {
     namespace cu = titans::backend::cuda;
     const cu::TiledShape shape = cu::tiled_shape(c.dh, c.n, sizeof(T));
-    if (kind == TileKernel::Scalar ? !shape.fits()
-                                   : !cu::warp_tiles_fit(c.B, c.n, c.H, c.dh, sizeof(T))) {
+    const bool fits = kind == TileKernel::Scalar ? shape.fits()
+                      : kind == TileKernel::Split
+                          ? c.n == 1 && c.stride == 1 && c.dh <= cu::decode_split_dh_max
+                          : cu::warp_tiles_fit(c.B, c.n, c.H, c.dh, sizeof(T));
+    if (!fits) {
         return {};
     }
     const long long D = static_cast<long long>(c.H) * c.dh;
@@ -472,6 +476,8 @@ Matrix<T> tiled_device(const TiledCase& c, TileKernel kind = TileKernel::Scalar)
         T(1) / std::sqrt(static_cast<T>(c.dh)), o.data(), D};
     if (kind == TileKernel::Scalar) {
         cu::tiled_attention(cu::thread_context().stream(), a, c.B, shape);
+    } else if (kind == TileKernel::Split) {
+        cu::decode_split(cu::thread_context().stream(), a, c.B);
     } else {
         cu::warp_tiled_attention(cu::thread_context().stream(), a, c.B, kind == TileKernel::Tf32);
     }
@@ -506,6 +512,109 @@ TEMPLATE_TEST_CASE("cuda attention: tiled", "[cuda]", float, double) {
     }
     std::printf("cuda tiled attention (%s): %d cases, worst relative error %.3g (bound %.0e)\n",
                 type_name<T>(), ran, worst, bound<T>());
+}
+
+// The split-keys decode kernel alone (attention_decode.cuh) against the CPU's
+// prefix_window_attention: the draws of "cuda attention: tiled" cut to one query a sequence at
+// stride 1 (head widths 1 to 160, windows 1 to 200, prefixes of 0 to 70 rows shared and per
+// sequence, positions 0 to 90: 1 to 6 spans of keys, merged by the block that finishes last),
+// then a window of 1000 at position 900 (32 spans at B = 1, H = 1; 5 at B 3, H 3) and a head of
+// 256 (8 entries a lane); each twice, the same bits (the counters back at zero).
+TEMPLATE_TEST_CASE("cuda attention: split decode", "[cuda]", float, double) {
+    using T = TestType;
+    const int cases = parity_cases(40);
+    double worst = 0;
+    for (int i = 0; i < cases + 2; ++i) {
+        Rng rng(seed_for(std::string("cuda split decode ") + type_name<T>(),
+                         static_cast<std::uint64_t>(i)));
+        TiledCase c = tiled_case<T>(rng, i);
+        c.n = 1;
+        c.stride = 1;
+        if (i >= cases) {  // the long window, then the wide head
+            c.B = c.H = i == cases ? 1 : 3;
+            c.window = 1000;
+            c.pos0 = 900;
+            c.dh = i == cases ? 64 : 256;
+        }
+        c.m = c.pos0 + 1 + uniform_int(rng, 0, 3);
+        const long long D = static_cast<long long>(c.H) * c.dh, pr = c.shared ? c.p : c.B * c.p;
+        c.q = round_through<T>(random_matrix(c.B, D, rng, -1.5, 1.5));
+        c.kp = round_through<T>(random_matrix(pr, D, rng, -1.5, 1.5));
+        c.vp = round_through<T>(random_matrix(pr, D, rng, -1.0, 1.0));
+        c.ks = round_through<T>(random_matrix(c.B * c.m, D, rng, -1.5, 1.5));
+        c.vs = round_through<T>(random_matrix(c.B * c.m, D, rng, -1.0, 1.0));
+        INFO("case " << i << ": " << describe(c));
+        const Matrix<T> got = tiled_device<T>(c, TileKernel::Split);
+        REQUIRE(got.size() > 0);
+        const double e = rel_error(got.template cast<double>(), tiled_reference(c));
+        CHECK(e <= bound<T>());
+        CHECK(tiled_device<T>(c, TileKernel::Split) == got);
+        worst = std::max(worst, e);
+    }
+    std::printf("cuda split decode (%s): %d cases, worst relative error %.3g (bound %.0e)\n",
+                type_name<T>(), cases + 2, worst, bound<T>());
+}
+
+// The attention layer decoding with the split-keys kernel on (set_split_decode) against the
+// CPU: random configurations (RoPE or not, windows 1 to 64, d_h 1 to 8) and a window of 100
+// (up to 4 spans), the prefix passed every way, B 1-3, 40 to 130 tokens one at a time (the
+// kernel appends each token's rotated key and value itself: the kept window compared too),
+// then a piece of 3 (the tiles again); one launch a token's attention, as with the tiles.
+TEMPLATE_TEST_CASE("cuda attention: split decode layer", "[cuda]", float, double) {
+    using T = TestType;
+    namespace cu = titans::backend::cuda;
+    struct Split {
+        bool was = cu::split_decode();
+        explicit Split(bool on) { cu::set_split_decode(on); }
+        ~Split() { cu::set_split_decode(was); }
+    };
+    for (int index = 0; index < 6; ++index) {
+        Rng rng(seed_for(std::string("cuda split decode layer ") + type_name<T>(),
+                         static_cast<std::uint64_t>(index)));
+        AttentionInputs in = attention_inputs<T>(rng, index % 5 == 3 ? 0 : index);
+        const int tokens = index == 5 ? 130 : 40;
+        if (index == 5) {
+            in.cfg.window = 100;
+        }
+        const Attention<double> cpu(in.cfg, in.params);
+        const Attention<T, Cuda> gpu(in.cfg, cast_attention<T>(in.params));
+        auto sc = cpu.make_state(in.B);
+        auto sg = gpu.make_state(in.B), plain = gpu.make_state(in.B);
+        INFO("case " << index << ": d_h " << in.cfg.head_dim() << " H " << in.cfg.n_heads
+                     << " window " << in.cfg.window << " rope " << in.cfg.rope << " B "
+                     << in.B << " prefix " << in.shared.rows());
+        double worst = 0;
+        for (int t = 0; t <= tokens; ++t) {
+            const int N = t == tokens ? 3 : 1;
+            const Matrixd x = round_through<T>(random_matrix(in.B * N, in.cfg.d_model, rng));
+            Matrixd yc;
+            Matrix<T> yg, yp;
+            const long s0 = cu::decode_split_launches();
+#if TITANS_CUDA_EMULATION
+            const long k0 = cuda_emulation::total_launches();
+#endif
+            {
+                const Split on(true);
+                attention_piece<T>(cpu, sc, gpu, sg, in, x, t % 5, yc, yg);
+            }
+#if TITANS_CUDA_EMULATION
+            const long k1 = cuda_emulation::total_launches();
+#endif
+            {
+                const Split off(false);
+                Matrixd unused;
+                auto scratch = cpu.make_state(in.B);  // (the CPU's output is yc above)
+                attention_piece<T>(cpu, scratch, gpu, plain, in, x, t % 5, unused, yp);
+            }
+#if TITANS_CUDA_EMULATION
+            CHECK(k1 - k0 == cuda_emulation::total_launches() - k1);
+#endif
+            CHECK(cu::decode_split_launches() - s0 == (N == 1 ? 1 : 0));
+            worst = std::max(worst, rel_error(yg.template cast<double>(), yc));
+        }
+        CHECK(worst <= bound<T>());
+        CHECK(window_error<T>(sc, sg) <= bound<T>());
+    }
 }
 
 // The warp-tiled kernel alone against the CPU on the draws of "cuda attention: tiled" (those of

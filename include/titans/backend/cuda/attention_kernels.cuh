@@ -14,7 +14,9 @@
 // Steps 2-4 are the functors of attention/attention_row.hpp (RopeThen of RopeQK and
 // AppendWindow, AttendRows), which the CPU tests run in a loop against the CPU layer. Where the
 // scalar tiles run with one query tile per (sequence, head) (a decoded token), their kernel
-// does steps 2-4 in one launch (TiledAttentionArgs::k_win: the same values);
+// does steps 2-4 in one launch (TiledAttentionArgs::k_win: the same values), or, with
+// set_split_decode on and one query a sequence, decode_split_kernel does, the keys split
+// across blocks (attention_decode.cuh);
 //   5. one GEMM with W_O; a kernel finds the first non-finite output row (exact sequence and
 //      position in the NonFiniteError, read with the call's one synchronisation).
 
@@ -35,6 +37,7 @@
 #include "../backend.hpp"
 #include "attention_rope.cuh"
 #include "attention_segment_backward.cuh"
+#include "attention_decode.cuh"
 #include "attention_state.cuh"
 #include "attention_tiled.cuh"
 #include "attention_warp_tiles.cuh"
@@ -380,7 +383,11 @@ struct AttentionKernels<Cuda, T> {
         a.rope = cfg.rope;
         a.rope_base = cfg.rope_base;
         a.rope_pos0 = st.position_;
-        cuda::tiled_attention(sm, a, st.batch_, plan.shape);
+        if (cuda::decode_split_applies(st.batch_, f.N, 1, f.H, f.d_head, cfg.rope)) {
+            cuda::decode_split(sm, a, st.batch_);  // (attention_decode.cuh: opt-in)
+        } else {
+            cuda::tiled_attention(sm, a, st.batch_, plan.shape);
+        }
         return true;
     }
 
