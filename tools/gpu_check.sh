@@ -50,7 +50,7 @@
 #                                 feed-forward's, few-row product's and split decode
 #                                 attention's tests, the decode, few-row product and decode
 #                                 attention benchmarks, each kernel's device time at B = 1
-#                                 (the memory; the model with its products on cuBLAS, the
+#                                 (the memory, and at B = 1024 too; the model with its products on cuBLAS, the
 #                                 feed-forward in one launch, the products in
 #                                 rows_product_kernel, those and the split attention),
 #                                 racecheck on the three kernels (about 7 minutes)
@@ -288,14 +288,15 @@ do_decode() {
     > "${out}/rows_tests.txt" 2>&1 || echo "rows and split tests: exit $?"
   echo "rows and split tests: $(tail -n 2 "${out}/rows_tests.txt" | tr '\n' ' ')"
   timeout 100 "${b}" --benchmark_counters_tabular=true --benchmark_repetitions=2 \
-    --benchmark_filter='BM_CudaModelDecode|BM_CudaDecode/B:1/|BM_CudaRowsProduct|BM_CudaDecodeAtt' \
+    --benchmark_min_time=0.25 --benchmark_filter='BM_CudaModelDecode|BM_CudaDecode/B:1(024)?/|BM_CudaRowsProduct|BM_CudaDecodeAtt' \
     > "${out}/decode_bench.txt" 2>&1 || echo "decode bench: exit $?"
   grep "^BM_" "${out}/decode_bench.txt" || true
   local f filter m=BM_CudaModelDecode/B:1/pooled:1/graphs:0
-  for f in decode:BM_CudaDecode/B:1/decode:1/rows:0 model:${m}/ffn:0/opt:0 \
+  for f in decode:BM_CudaDecode/B:1/decode:1/rows:0 decode1024:BM_CudaDecode/B:1024/decode:1/rows:0 \
+           model:${m}/ffn:0/opt:0 \
            model_ffn:${m}/ffn:1/opt:0 model_rows:${m}/ffn:0/opt:1 model_opt:${m}/ffn:0/opt:3; do
     filter="${f#*:}"
-    timeout 55 ncu --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
+    timeout 45 ncu --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
       "${b}" --benchmark_min_time=0.01 --benchmark_filter="${filter}" \
       > "${out}/ncu_${f%%:*}.txt" 2>&1 || echo "ncu ${f%%:*}: exit $?"
     echo "ncu ${f%%:*}: the 20 kernels of most device time (total, mean, launches, name)"
