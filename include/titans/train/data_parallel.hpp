@@ -97,12 +97,14 @@ template <class T, class Backend>
                              double loss, std::int64_t mine, std::int64_t all) {
     constexpr bool host = backend::BackendTraits<Backend>::host_accessible;
     const double share = all > 0 ? static_cast<double>(mine) / static_cast<double>(all) : 0.0;
+    if (comm.size() > 1) {  // (checked before the gradients are touched)
+        require<ConfigError>(host != comm.device_memory(), "Trainer::step", "communicator",
+                             comm.device_memory() ? "a device communicator" : "a host communicator",
+                             host ? "a host communicator (MPI's) for a backend the host reads"
+                                  : "a device communicator (NCCL's) for a device backend");
+    }
     if (mine != all) grads.scale(share);
     if (comm.size() == 1) return loss * share;
-    require<ConfigError>(host != comm.device_memory(), "Trainer::step", "communicator",
-                         comm.device_memory() ? "a device communicator" : "a host communicator",
-                         host ? "a host communicator (MPI's) for a backend the host reads"
-                              : "a device communicator (NCCL's) for a device backend");
     comm.sum(std::span<T>(grads.view().data, static_cast<std::size_t>(grads.size())));
     double total = loss * share;
     if constexpr (host) {  // (a host communicator: checked above)

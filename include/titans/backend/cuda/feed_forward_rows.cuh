@@ -8,8 +8,9 @@
 // rows: block b takes the hidden units [32 b, 32 b + 32): its slice of x [W1 | W3] (each sum
 // over d split into 8 pieces, a warp each, added in order) and the activation into shared
 // memory, then its slice's share of the output, x W2 restricted to those rows of W2. A single
-// block (hidden width <= 32) writes y; otherwise each block writes its partial output, and the block that finishes last (a counter, kept zero across launches)
-// sums the partials in block order into y. The order of every sum is fixed: the same bits
+// block (hidden width <= 32) writes y; otherwise each block writes its partial output, and
+// the block that finishes last (a counter, kept zero across launches) sums the partials in
+// block order into y. The order of every sum is fixed: the same bits
 // every call, with or without call graphs.
 //
 // In a block the feed-forward sits between two residual sums, each followed by a norm:
@@ -247,7 +248,9 @@ __global__ void feed_forward_rows_kernel(FeedForwardRows<T> a) {
         for (; k + feed_forward_unroll <= S; k += feed_forward_unroll) {  // loads first
             T w[feed_forward_unroll];
             TITANS_UNROLL
-            for (int u = 0; u < feed_forward_unroll; ++u) w[u] = w2[static_cast<long long>(k + u) * a.d];
+            for (int u = 0; u < feed_forward_unroll; ++u) {
+                w[u] = w2[static_cast<long long>(k + u) * a.d];
+            }
             TITANS_UNROLL
             for (int r = 0; r < feed_forward_rows_max; ++r) {
                 TITANS_UNROLL
