@@ -53,7 +53,8 @@
 #                                 (the memory, and at B = 1024 too; the model with its products on cuBLAS, the
 #                                 feed-forward in one launch, the products in
 #                                 rows_product_kernel, those and the split attention),
-#                                 racecheck on the three kernels (about 7 minutes)
+#                                 the headline forward's kernels (the checks' flat walk),
+#                                 racecheck on the three kernels (about 8 minutes)
 #
 # The figures in docs/performance.md ("CUDA backend") come from `run`.
 set -euo pipefail
@@ -263,7 +264,8 @@ do_profile() {
 # time over a decode run at B = 1 (the memory alone, the 4-block model with the feed-forward on
 # cuBLAS and in one launch; Nsight Compute, clocks as found), and racecheck on the few-row
 # feed-forward's kernel: ffn_tests.txt, decode_bench.txt, ncu_decode.txt, ncu_model.txt,
-# ncu_model_ffn.txt, ffn_racecheck.txt. About 5 minutes.
+# ncu_model_ffn.txt, ffn_racecheck.txt; and the headline forward's kernels (ncu_forward.txt:
+# the non-finite checks' flat walk). About 8 minutes.
 # An Nsight Compute per-kernel summary as one line a kernel: its total device time (mean x
 # launches, microseconds), its mean, its launches and its name; the largest total first.
 ncu_totals() {
@@ -284,7 +286,7 @@ do_decode() {
     || echo "ffn tests: exit $?"
   echo "ffn tests: $(tail -n 2 "${out}/ffn_tests.txt" | tr '\n' ' ')"
   TITANS_ROWS_PRODUCT=1 TITANS_SPLIT_DECODE=1 timeout 60 "${t}" --warn NoTests \
-    "cuda layers: few-row product*,cuda attention: split*,cuda model*,cuda blocks*" \
+    "cuda layers: few-row product*,cuda attention: split*,cuda model*,cuda blocks*,cuda memory: the non-finite*" \
     > "${out}/rows_tests.txt" 2>&1 || echo "rows and split tests: exit $?"
   echo "rows and split tests: $(tail -n 2 "${out}/rows_tests.txt" | tr '\n' ' ')"
   timeout 100 "${b}" --benchmark_counters_tabular=true --benchmark_repetitions=2 \
@@ -294,7 +296,8 @@ do_decode() {
   local f filter m=BM_CudaModelDecode/B:1/pooled:1/graphs:0
   for f in decode:BM_CudaDecode/B:1/decode:1/rows:0 decode1024:BM_CudaDecode/B:1024/decode:1/rows:0 \
            model:${m}/ffn:0/opt:0 \
-           model_ffn:${m}/ffn:1/opt:0 model_rows:${m}/ffn:0/opt:1 model_opt:${m}/ffn:0/opt:3; do
+           model_ffn:${m}/ffn:1/opt:0 model_rows:${m}/ffn:0/opt:1 model_opt:${m}/ffn:0/opt:3 \
+           forward:BM_CudaMemory/B:256/N:512/tf32:1/fused:1; do
     filter="${f#*:}"
     timeout 45 ncu --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
       "${b}" --benchmark_min_time=0.01 --benchmark_filter="${filter}" \

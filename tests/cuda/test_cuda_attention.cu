@@ -387,6 +387,26 @@ struct TiledCase {
     Matrixd q, kp, vp, ks, vs;  // q B n x D; kp, vp (shared ? p : B p) x D; ks, vs B m x D
 };
 
+/// Draws c's queries, keys and values at c's shape, rounded through T: entries within 1.5,
+/// and for some indices peaked softmaxes (entries within 8); in float only at narrow heads
+/// and not for gradients: at d_h 160 entries of 8 give scores near 200, whose own rounding
+/// to float moves the softmax by ~1e-5, and a peaked softmax's dS = P (dP - delta) cancels
+/// (delta ~ the dominant key's dP) to values near float's rounding of dP (the problem's
+/// conditioning, not the kernel's; double takes them all).
+template <class T>
+void tiled_draw(Rng& rng, int index, bool gradients, TiledCase& c) {
+    const long long D = static_cast<long long>(c.H) * c.dh;
+    const bool peaked =
+        index % 7 == 6 && (std::is_same_v<T, double> || (c.dh <= 17 && !gradients));
+    const double big = peaked ? 8.0 : 1.5;
+    c.q = round_through<T>(random_matrix(c.B * c.n, D, rng, -big, big));
+    const long long pr = c.shared ? c.p : c.B * c.p;
+    c.kp = round_through<T>(random_matrix(pr, D, rng, -big, big));
+    c.vp = round_through<T>(random_matrix(pr, D, rng, -1.0, 1.0));
+    c.ks = round_through<T>(random_matrix(c.B * c.m, D, rng, -big, big));
+    c.vs = round_through<T>(random_matrix(c.B * c.m, D, rng, -1.0, 1.0));
+}
+
 template <class T>
 TiledCase tiled_case(Rng& rng, int index, bool gradients = false) {
     TiledCase c;
@@ -402,21 +422,7 @@ TiledCase tiled_case(Rng& rng, int index, bool gradients = false) {
     c.pos0 = c.stride == 2 ? 2 * uniform_int(rng, 0, 20) + 1 : uniform_int(rng, 0, 90);
     c.m = c.pos0 + c.stride * (c.n - 1) + 1 + uniform_int(rng, 0, 3);  // rows past the last unread
     c.shared = uniform_int(rng, 0, 1) == 1;
-    const long long D = static_cast<long long>(c.H) * c.dh;
-    // Some peaked softmaxes; in float only at narrow heads and not for gradients: at d_h 160
-    // entries of 8 give scores near 200, whose own rounding to float moves the softmax by
-    // ~1e-5, and a peaked softmax's dS = P (dP - delta) cancels (delta ~ the dominant key's
-    // dP) to values near float's rounding of dP (the problem's conditioning, not the
-    // kernel's; double takes them all).
-    const bool peaked =
-        index % 7 == 6 && (std::is_same_v<T, double> || (c.dh <= 17 && !gradients));
-    const double big = peaked ? 8.0 : 1.5;
-    c.q = round_through<T>(random_matrix(c.B * c.n, D, rng, -big, big));
-    const long long pr = c.shared ? c.p : c.B * c.p;
-    c.kp = round_through<T>(random_matrix(pr, D, rng, -big, big));
-    c.vp = round_through<T>(random_matrix(pr, D, rng, -1.0, 1.0));
-    c.ks = round_through<T>(random_matrix(c.B * c.m, D, rng, -big, big));
-    c.vs = round_through<T>(random_matrix(c.B * c.m, D, rng, -1.0, 1.0));
+    tiled_draw<T>(rng, index, gradients, c);
     return c;
 }
 
@@ -537,12 +543,7 @@ TEMPLATE_TEST_CASE("cuda attention: split decode", "[cuda]", float, double) {
             c.dh = i == cases ? 64 : 256;
         }
         c.m = c.pos0 + 1 + uniform_int(rng, 0, 3);
-        const long long D = static_cast<long long>(c.H) * c.dh, pr = c.shared ? c.p : c.B * c.p;
-        c.q = round_through<T>(random_matrix(c.B, D, rng, -1.5, 1.5));
-        c.kp = round_through<T>(random_matrix(pr, D, rng, -1.5, 1.5));
-        c.vp = round_through<T>(random_matrix(pr, D, rng, -1.0, 1.0));
-        c.ks = round_through<T>(random_matrix(c.B * c.m, D, rng, -1.5, 1.5));
-        c.vs = round_through<T>(random_matrix(c.B * c.m, D, rng, -1.0, 1.0));
+        tiled_draw<T>(rng, i, /*gradients=*/false, c);  // at the one-query shape, peaked too
         INFO("case " << i << ": " << describe(c));
         const Matrix<T> got = tiled_device<T>(c, TileKernel::Split);
         REQUIRE(got.size() > 0);
@@ -557,9 +558,12 @@ TEMPLATE_TEST_CASE("cuda attention: split decode", "[cuda]", float, double) {
 
 // The attention layer decoding with the split-keys kernel on (set_split_decode) against the
 // CPU: random configurations (RoPE or not, windows 1 to 64, d_h 1 to 8) and a window of 100
-// (up to 4 spans), the prefix passed every way, B 1-3, 40 to 130 tokens one at a time (the
+// (up to 4 spans), the prefix passed every way, B 1-3, streams of every kind (drawn, constant,
+// periodic, x 1e3 in double, x 1e-6), 40 to 130 tokens one at a time (the
 // kernel appends each token's rotated key and value itself: the kept window compared too),
-// then a piece of 3 (the tiles again); one launch a token's attention, as with the tiles.
+// then a piece of 3 (the tiles again); one launch a token's attention, as with the tiles;
+// and heads of 256 with the tiles switched off (the split kernel runs all the same, its one
+// launch where the plain path appends, then attends).
 TEMPLATE_TEST_CASE("cuda attention: split decode layer", "[cuda]", float, double) {
     using T = TestType;
     namespace cu = titans::backend::cuda;
@@ -568,25 +572,52 @@ TEMPLATE_TEST_CASE("cuda attention: split decode layer", "[cuda]", float, double
         explicit Split(bool on) { cu::set_split_decode(on); }
         ~Split() { cu::set_split_decode(was); }
     };
-    for (int index = 0; index < 6; ++index) {
+    for (int index = 0; index < 7; ++index) {
         Rng rng(seed_for(std::string("cuda split decode layer ") + type_name<T>(),
                          static_cast<std::uint64_t>(index)));
         AttentionInputs in = attention_inputs<T>(rng, index % 5 == 3 ? 0 : index);
-        const int tokens = index == 5 ? 130 : 40;
+        const int tokens = index == 5 ? 130 : index == 6 ? 24 : 40;
         if (index == 5) {
             in.cfg.window = 100;
         }
+        if (index == 6) {  // heads of 256, the tiles switched off (below)
+            in.cfg.n_heads = 2;
+            in.cfg.d_head = 256;
+            in.cfg.window = 16;
+            in.params = cast_attention<double>(
+                cast_attention<T>(AttentionParams<double>::random(in.cfg, rng())));
+            in.kp = round_through<T>(in.shared * in.params.w_k);
+            in.vp = round_through<T>(in.shared * in.params.w_v);
+        }
+        struct TileMode {  // the tiles off for case 6: the split kernel runs all the same
+            cu::TiledAttentionMode was = cu::tiled_attention();
+            explicit TileMode(bool off) {
+                if (off) cu::set_tiled_attention(cu::TiledAttentionMode::Off);
+            }
+            ~TileMode() { cu::set_tiled_attention(was); }
+        };
+        const bool tiles = index != 6;
+        const TileMode mode(!tiles);
         const Attention<double> cpu(in.cfg, in.params);
         const Attention<T, Cuda> gpu(in.cfg, cast_attention<T>(in.params));
         auto sc = cpu.make_state(in.B);
         auto sg = gpu.make_state(in.B), plain = gpu.make_state(in.B);
+        // The whole stream drawn at once as the kind index % 5 (drawn, constant, periodic, x 1e3,
+        // x 1e-6; float without the huge one, as in attention_inputs): sequence b's token t is
+        // row b (tokens + 3) + t.
+        const int len = tokens + 3, kind = std::is_same_v<T, float> && index % 5 == 3 ? 0 : index;
+        const Matrixd xs = round_through<T>(stream_kind(
+            random_matrix(in.B * len, in.cfg.d_model, rng, -2.0, 2.0), in.B, kind));
         INFO("case " << index << ": d_h " << in.cfg.head_dim() << " H " << in.cfg.n_heads
                      << " window " << in.cfg.window << " rope " << in.cfg.rope << " B "
                      << in.B << " prefix " << in.shared.rows());
         double worst = 0;
         for (int t = 0; t <= tokens; ++t) {
             const int N = t == tokens ? 3 : 1;
-            const Matrixd x = round_through<T>(random_matrix(in.B * N, in.cfg.d_model, rng));
+            Matrixd x(in.B * N, in.cfg.d_model);
+            for (int b = 0; b < in.B; ++b) {
+                x.middleRows(b * N, N) = xs.middleRows(b * len + t, N);
+            }
             Matrixd yc;
             Matrix<T> yg, yp;
             const long s0 = cu::decode_split_launches();
@@ -607,7 +638,12 @@ TEMPLATE_TEST_CASE("cuda attention: split decode layer", "[cuda]", float, double
                 attention_piece<T>(cpu, scratch, gpu, plain, in, x, t % 5, unused, yp);
             }
 #if TITANS_CUDA_EMULATION
-            CHECK(k1 - k0 == cuda_emulation::total_launches() - k1);
+            if (tiles || N > 1) {
+                CHECK(k1 - k0 == cuda_emulation::total_launches() - k1);
+            } else {  // the split kernel's one launch; without tiles the plain path appends,
+                      // then attends a thread per (row, head)
+                CHECK(k1 - k0 < cuda_emulation::total_launches() - k1);
+            }
 #endif
             CHECK(cu::decode_split_launches() - s0 == (N == 1 ? 1 : 0));
             worst = std::max(worst, rel_error(yg.template cast<double>(), yc));

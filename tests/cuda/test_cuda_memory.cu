@@ -403,6 +403,137 @@ TEST_CASE("cuda memory: the checks in one launch", "[cuda]") {
     }
 }
 
+namespace {
+
+/// Host reference of flag_rows_kernel: per slot, the smallest capped key of the rows (of the
+/// sets' P x rows x cols, strides ld and ps) that hold a non-finite entry.
+template <class T>
+std::vector<int> flags_reference(const std::vector<T>& x,
+                                 const std::vector<titans::backend::cuda::FlagRows<T>>& sets,
+                                 const std::vector<long long>& at, int slots, int cap, int none) {
+    std::vector<int> flags(static_cast<std::size_t>(slots), none);
+    for (std::size_t i = 0; i < sets.size(); ++i) {
+        const auto& f = sets[i];
+        for (long long p = 0; p < f.P; ++p) {
+            for (long long r = 0; r < f.rows; ++r) {
+                bool bad = false;
+                for (int c = 0; c < f.cols; ++c) {
+                    const T v = x[static_cast<std::size_t>(at[i] + p * f.ps + r * f.ld + c)];
+                    bad = bad || !std::isfinite(v);
+                }
+                if (bad) {
+                    const long long key = std::min<long long>((p / f.div) * f.a + r * f.b, cap - 1);
+                    int& slot = flags[static_cast<std::size_t>(f.slot)];
+                    slot = std::min(slot, static_cast<int>(key));
+                }
+            }
+        }
+    }
+    return flags;
+}
+
+}  // namespace
+
+// flag_rows_kernel alone against a host reference: 1 to 12 row sets a launch, flat (rows end
+// to end: a warp per 512 entries) and strided (padding past each row, between matrices, or
+// both: a warp per row, the padding NaN and never flagged), widths 1 to 100 and a set of 197,184
+// entries (386 warps, the last partial), NaN and infinities planted at random entries (none
+// in some sets, several in others), finite extremes elsewhere (the largest finite value,
+// subnormals), keys capped; then the deferred form (raise set, flags untouched).
+TEMPLATE_TEST_CASE("cuda memory: the non-finite check kernel", "[cuda]", float, double) {
+    using T = TestType;
+    namespace cu = titans::backend::cuda;
+    using Lim = std::numeric_limits<T>;
+    constexpr int slots = 5, none = 0x7f7f7f7f;
+    for (int c = 0; c < 16; ++c) {
+        Rng rng(seed_for(std::string("cuda flag rows ") + type_name<T>(), static_cast<std::uint64_t>(c)));
+        const int count = c == 0 ? 1 : uniform_int(rng, 1, cu::flag_sets_max);
+        const int cap = c % 4 == 3 ? 40 : 1 << 30;
+        std::vector<cu::FlagRows<T>> sets;
+        std::vector<long long> at;
+        std::vector<T> x;
+        for (int i = 0; i < count; ++i) {
+            cu::FlagRows<T> f{};
+            const bool big = c == 0 || (c == 5 && i == 0);
+            f.P = big ? 3 : uniform_int(rng, 1, 5);
+            f.rows = big ? 1027 : uniform_int(rng, 1, 40);
+            f.cols = big ? 64 : pick(rng, std::vector<int>{1, 3, 7, 32, 33, 64, 100});
+            const bool flat = big || uniform_int(rng, 0, 1) == 1;
+            // Strided: padding past each row, or only between the matrices (P >= 2).
+            f.ld = flat ? f.cols : f.cols + uniform_int(rng, 0, 3);
+            if (!flat && f.ld == f.cols) {
+                f.P = std::max<long long>(f.P, 2);
+            }
+            f.ps = flat ? f.rows * f.ld
+                        : f.rows * f.ld + uniform_int(rng, f.ld == f.cols ? 1 : 0, 5);
+            if (!flat && f.ld > f.cols && uniform_int(rng, 0, 2) == 0) {
+                f.ps = 0;  // every matrix the same rows (as the output's check, P = 1)
+                f.P = 1;
+            }
+            CHECK(f.flat() == flat);
+            f.slot = uniform_int(rng, 0, slots - 1);
+            f.div = uniform_int(rng, 1, 3);
+            f.a = uniform_int(rng, 0, 1000);
+            f.b = uniform_int(rng, 0, 30);
+            const long long span = (f.P - 1) * f.ps + f.rows * f.ld;
+            at.push_back(static_cast<long long>(x.size()));
+            const std::size_t base = x.size();
+            x.resize(base + static_cast<std::size_t>(span), Lim::quiet_NaN());  // padding: NaN
+            for (long long p = 0; p < f.P; ++p) {
+                for (long long r = 0; r < f.rows; ++r) {
+                    for (int k = 0; k < f.cols; ++k) {
+                        const int kind = uniform_int(rng, 0, 30);
+                        const T v = kind == 0 ? Lim::max() : kind == 1 ? -Lim::denorm_min()
+                                    : static_cast<T>(uniform(rng, -2.0, 2.0));
+                        x[base + static_cast<std::size_t>(p * f.ps + r * f.ld + k)] = v;
+                    }
+                }
+            }
+            const int planted = c == 1 ? 0 : uniform_int(rng, 0, 3);
+            for (int j = 0; j < planted; ++j) {
+                const long long p = uniform_int(rng, 0, static_cast<int>(f.P) - 1),
+                                r = uniform_int(rng, 0, static_cast<int>(f.rows) - 1);
+                const int k = uniform_int(rng, 0, f.cols - 1), kind = uniform_int(rng, 0, 2);
+                x[base + static_cast<std::size_t>(p * f.ps + r * f.ld + k)] =
+                    kind == 0 ? Lim::quiet_NaN() : kind == 1 ? Lim::infinity() : -Lim::infinity();
+            }
+            sets.push_back(f);
+        }
+        const cu::DeviceBuffer<T> dx = cu::upload_array(x.data(), x.size());
+        cu::FlagSets<T> fs{};
+        fs.first[0] = 0;
+        for (int i = 0; i < count; ++i) {
+            fs.set[i] = sets[static_cast<std::size_t>(i)];
+            fs.set[i].x = dx.data() + at[static_cast<std::size_t>(i)];
+            fs.first[i + 1] = fs.first[i] + cu::flag_warps(fs.set[i]);
+        }
+        fs.count = count;
+        const std::vector<int> ref = flags_reference(x, sets, at, slots, cap, none);
+        INFO("case " << c << ": " << count << " sets");
+        const std::vector<int> start(slots, none);
+        cu::DeviceBuffer<int> flags = cu::upload_array(start.data(), start.size());
+        const unsigned zero = 0;
+        cu::DeviceBuffer<unsigned> raise = cu::upload_array(&zero, 1);
+        const cudaStream_t sm = cu::thread_context().stream();
+        for (const bool deferred : {false, true}) {
+            cu::launch(cu::flag_rows_kernel<T>, cu::warp_blocks(fs.first[count]), 256, sm, fs,
+                       flags.data(), cap, deferred ? raise.data() : nullptr);
+            cu::check(cudaStreamSynchronize(sm), "cudaStreamSynchronize (test)");
+            std::vector<int> got(slots);
+            unsigned raised = 0;
+            cu::check(cudaMemcpy(got.data(), flags.data(), slots * sizeof(int),
+                                 cudaMemcpyDeviceToHost), "cudaMemcpy (test)");
+            cu::check(cudaMemcpy(&raised, raise.data(), sizeof(unsigned), cudaMemcpyDeviceToHost),
+                      "cudaMemcpy (test)");
+            CHECK(got == ref);  // the deferred launch leaves the flags as the first one set them
+            CHECK(raised == (deferred && ref != start ? 1u : 0u));
+        }
+        if (c == 1) {
+            CHECK(ref == start);  // nothing planted: nothing flagged
+        }
+    }
+}
+
 /// A chunk's end coefficients (math §4) over the pair's row cf (the forward's layout).
 template <class T>
 struct EndCoefficients {

@@ -14,9 +14,9 @@
 // Steps 2-4 are the functors of attention/attention_row.hpp (RopeThen of RopeQK and
 // AppendWindow, AttendRows), which the CPU tests run in a loop against the CPU layer. Where the
 // scalar tiles run with one query tile per (sequence, head) (a decoded token), their kernel
-// does steps 2-4 in one launch (TiledAttentionArgs::k_win: the same values), or, with
-// set_split_decode on and one query a sequence, decode_split_kernel does, the keys split
-// across blocks (attention_decode.cuh);
+// does steps 2-4 in one launch (TiledAttentionArgs::k_win: the same values); with
+// set_split_decode on and one query a sequence (d_h up to 256, tiles or not),
+// decode_split_kernel does, the keys split across blocks (attention_decode.cuh);
 //   5. one GEMM with W_O; a kernel finds the first non-finite output row (exact sequence and
 //      position in the NonFiniteError, read with the call's one synchronisation).
 
@@ -366,14 +366,16 @@ struct AttentionKernels<Cuda, T> {
                                      o};
     }
 
-    /// f's attention in the scalar tiles, which append the piece's keys and values themselves
-    /// (and rotate q and k: TiledAttentionArgs::k_win), where tiles_for picks them with one
-    /// query tile per (sequence, head): a decode call's one launch for steps 2-4. False,
-    /// nothing run, elsewhere.
+    /// f's attention in a kernel that appends the piece's keys and values itself (and rotates
+    /// q and k: TiledAttentionArgs::k_win): the split-keys decode where it applies (switched
+    /// on, one query a sequence, d_h up to 256), else the scalar tiles where tiles_for picks
+    /// them with one query tile per (sequence, head): a decode call's one launch for steps
+    /// 2-4. False, nothing run, elsewhere.
     static bool attend_appending(const AttentionConfig& cfg, cudaStream_t sm, State& st,
                                  const detail::AttendRows<T>& f) {
+        const bool split = cuda::decode_split_applies(st.batch_, f.N, 1, f.H, f.d_head, cfg.rope);
         const TilePlan plan = tiles_for(st.batch_, f.N, f.H, f.d_head);
-        if (plan.kind != Tiles::Scalar || f.N > plan.shape.tq) {
+        if (!split && (plan.kind != Tiles::Scalar || f.N > plan.shape.tq)) {
             return false;
         }
         cuda::TiledAttentionArgs<T> a = tiled_args(f);
@@ -383,7 +385,7 @@ struct AttentionKernels<Cuda, T> {
         a.rope = cfg.rope;
         a.rope_base = cfg.rope_base;
         a.rope_pos0 = st.position_;
-        if (cuda::decode_split_applies(st.batch_, f.N, 1, f.H, f.d_head, cfg.rope)) {
+        if (split) {
             cuda::decode_split(sm, a, st.batch_);  // (attention_decode.cuh: opt-in)
         } else {
             cuda::tiled_attention(sm, a, st.batch_, plan.shape);

@@ -31,7 +31,8 @@ namespace titans::backend::cuda {
 /// the products on the tensor cores in TF32 where the stream allows it, else in registers)
 /// where they apply (warp_tiles_fit), else in these tiles wherever one fits in 48 KB of shared
 /// memory (tiled_shape), else a thread per (row, head). Scalar: never in warp tiles. Off: a
-/// thread per (row, head) always. Process-wide, read at every call: tests compare the paths,
+/// thread per (row, head) always (a decoded token's attention excepted where set_split_decode
+/// is on: attention_decode.cuh). Process-wide, read at every call: tests compare the paths,
 /// benchmarks time them.
 enum class TiledAttentionMode { Auto, Scalar, Off };
 

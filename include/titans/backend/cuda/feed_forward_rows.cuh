@@ -199,31 +199,12 @@ __device__ void feed_forward_then(const FeedForwardRows<T>& a, T* part) {
     }
 }
 
-/// The last block's work: y = the sum of the blocks' partial outputs, in block order, four
-/// loads in flight a thread.
+/// The last block's work: y = the sum of the blocks' partial outputs, in block order.
 template <class T>
 __device__ void feed_forward_sum_parts(const FeedForwardRows<T>& a) {
-    const volatile T* blocks = a.part;  // (written by other blocks: not through this SM's L1)
-    const int n = a.rows * a.d;
-    const unsigned nb = gridDim.x;
+    const int n = a.rows * a.d;  // block b's entry i: a.part[b * n + i]
     for (int i = static_cast<int>(threadIdx.x); i < n; i += static_cast<int>(blockDim.x)) {
-        const int r = i / a.d, c = i % a.d;
-        const volatile T* at = blocks + i;  // block b's entry: at[b * m]
-        const long long m = n;
-        T s = T(0);
-        unsigned b = 0;
-        for (; b + 4 <= nb; b += 4) {  // four loads in flight, then the sums in block order
-            const T v0 = at[b * m], v1 = at[(b + 1) * m], v2 = at[(b + 2) * m],
-                    v3 = at[(b + 3) * m];
-            s += v0;
-            s += v1;
-            s += v2;
-            s += v3;
-        }
-        for (; b < nb; ++b) {
-            s += at[b * m];
-        }
-        a.y[r * a.ys + c] = s;
+        a.y[(i / a.d) * a.ys + i % a.d] = sum_parts_in_order<T>(a.part + i, n, gridDim.x);
     }
 }
 

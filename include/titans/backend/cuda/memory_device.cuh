@@ -200,12 +200,31 @@ struct FlagRows {
     long long ld, ps;
     int slot;
     long long div, a, b;
+
+    /// Whether the rows lie end to end (ld = cols, ps = rows ld where P > 1): then the check
+    /// walks the entries flat (flag_flat_entries a warp) instead of a warp a row.
+    [[nodiscard]] TITANS_HOST_DEVICE bool flat() const {
+        return ld == cols && (P == 1 || ps == rows * ld);
+    }
 };
+
+/// Entries a warp checks in a flat set (FlagRows::flat): 16 loads in flight a lane.
+inline constexpr int flag_flat_loads = 16;
+inline constexpr long long flag_flat_entries = 32LL * flag_flat_loads;
+
+/// The warps flag_rows_kernel gives set f: one per flag_flat_entries entries of a flat set,
+/// else one per row.
+template <class T>
+long long flag_warps(const FlagRows<T>& f) {
+    const long long rows = f.P * f.rows;
+    return f.flat() ? (rows * f.cols + flag_flat_entries - 1) / flag_flat_entries : rows;
+}
 
 /// How many row sets one flag_rows_kernel launch takes (its parameters stay under 1.5 KB).
 inline constexpr int flag_sets_max = 12;
 
-/// The row sets of one flag_rows_kernel launch: set i's warps are [first[i], first[i + 1]).
+/// The row sets of one flag_rows_kernel launch: set i's warps are [first[i], first[i + 1])
+/// (flag_warps).
 template <class T>
 struct FlagSets {
     FlagRows<T> set[flag_sets_max];
@@ -213,10 +232,75 @@ struct FlagSets {
     int count;
 };
 
+/// The smallest of the lanes' keys (every lane gets it).
+__device__ inline long long warp_min_key(long long x) {
+    for (int o = 16; o > 0; o >>= 1) {
+        const long long y = __shfl_xor_sync(0xffffffffu, x, o);
+        x = y < x ? y : x;
+    }
+    return x;
+}
+
+/// The key of set f's row k (k = p rows + r), capped below cap.
+template <class T>
+__device__ int flag_key(const FlagRows<T>& f, long long k, int cap) {
+    const long long p = k / f.rows, r = k % f.rows;
+    const long long key = (p / f.div) * f.a + r * f.b;
+    return static_cast<int>(key < cap ? key : cap - 1);
+}
+
+/// Warp w of flat set f: entries [w E, (w + 1) E) (E = flag_flat_entries), all loads in
+/// flight before any test; a lane's key is computed only where an entry is not finite. The
+/// smallest key of the warp (cap: none).
+template <class T>
+__device__ int flag_flat_warp(const FlagRows<T>& f, long long w, int lane, int cap) {
+    const long long total = f.P * f.rows * f.cols, e0 = w * flag_flat_entries + lane;
+    T v[flag_flat_loads];
+    if ((w + 1) * flag_flat_entries <= total) {  // every warp but a set's last: no tests
+        TITANS_UNROLL
+        for (int u = 0; u < flag_flat_loads; ++u) {
+            v[u] = f.x[e0 + 32LL * u];
+        }
+    } else {
+        TITANS_UNROLL
+        for (int u = 0; u < flag_flat_loads; ++u) {
+            const long long e = e0 + 32LL * u;
+            v[u] = e < total ? f.x[e] : T(0);
+        }
+    }
+    int bad = 0;
+    TITANS_UNROLL
+    for (int u = 0; u < flag_flat_loads; ++u) {
+        bad |= not_finite(v[u]) ? 1 << u : 0;
+    }
+    long long key = cap;
+    for (int u = 0; bad != 0 && u < flag_flat_loads; ++u) {  // (rare: a non-finite entry)
+        if ((bad >> u & 1) != 0) {
+            const int k = flag_key(f, (e0 + 32LL * u) / f.cols, cap);
+            key = k < key ? k : key;
+        }
+    }
+    return static_cast<int>(warp_min_key(key));
+}
+
+/// Warp w of row set f: row w, its columns strided over the lanes. The row's key if it holds
+/// a non-finite entry, else cap.
+template <class T>
+__device__ int flag_row_warp(const FlagRows<T>& f, long long w, int lane, int cap) {
+    const long long p = w / f.rows, r = w % f.rows;
+    const T* row = f.x + p * f.ps + r * f.ld;
+    int bad = 0;
+    for (int col = lane; col < f.cols; col += 32) {
+        bad |= not_finite(row[col]) ? 1 : 0;
+    }
+    return warp_max(bad) != 0 ? flag_key(f, w, cap) : cap;
+}
+
 /// flags[slot] = the smallest key of the rows holding a NaN or an infinity, if any
 /// (atomicMin; the slot starts above every key, keys capped below `cap`), for every row of
 /// every set in `sets`; with `raise` given, *raise = 1 instead (a deferred check: flags is
-/// not touched). One warp per row; the checks of a call's stage go in one launch.
+/// not touched). A warp per row, or per flag_flat_entries entries of a set whose rows lie end
+/// to end; the checks of a call's stage go in one launch.
 template <class T>
 __global__ void flag_rows_kernel(FlagSets<T> sets, int* flags, int cap, unsigned* raise) {
     const long long w = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
@@ -229,18 +313,13 @@ __global__ void flag_rows_kernel(FlagSets<T> sets, int* flags, int cap, unsigned
         ++i;
     }
     const FlagRows<T>& f = sets.set[i];
-    const long long k = w - sets.first[i], p = k / f.rows, r = k % f.rows;
-    const T* row = f.x + p * f.ps + r * f.ld;
-    int bad = 0;
-    for (int col = lane; col < f.cols; col += 32) {
-        bad |= not_finite(row[col]) ? 1 : 0;
-    }
-    if (warp_max(bad) != 0 && lane == 0) {
-        const long long key = (p / f.div) * f.a + r * f.b;
+    const long long k = w - sets.first[i];
+    const int key = f.flat() ? flag_flat_warp(f, k, lane, cap) : flag_row_warp(f, k, lane, cap);
+    if (key < cap && lane == 0) {
         if (raise != nullptr) {
             atomicMax(raise, 1u);
         } else {
-            atomicMin(flags + f.slot, static_cast<int>(key < cap ? key : cap - 1));
+            atomicMin(flags + f.slot, key);
         }
     }
 }

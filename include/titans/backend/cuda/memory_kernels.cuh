@@ -415,7 +415,8 @@ struct MemoryKernels<Cuda, T> {
             sets_.set[sets_.count] = cuda::FlagRows<T>{x,  P,   rows,    static_cast<int>(cols),
                                                        ld, ps,  slot,    key.div,
                                                        key.a, key.b};
-            sets_.first[sets_.count + 1] = sets_.first[sets_.count] + P * rows;
+            sets_.first[sets_.count + 1] =
+                sets_.first[sets_.count] + cuda::flag_warps(sets_.set[sets_.count]);
             ++sets_.count;
         }
         void launch() {

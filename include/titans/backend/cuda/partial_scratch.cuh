@@ -4,6 +4,7 @@
 // feed-forward, the few-row product).
 
 #include "call_graph.cuh"
+#include "launch.cuh"
 #include "runtime.cuh"
 
 namespace titans::backend::cuda {
@@ -34,5 +35,28 @@ struct PartialScratch {
         }
     }
 };
+
+#if TITANS_CUDA_DEVICE_CODE
+/// The sum of `count` partials at[0], at[stride], at[2 stride], ..., added in that order (the
+/// same bits every launch), four loads in flight a thread. `at` is volatile: other blocks
+/// wrote the partials, so they are not read through this SM's L1.
+template <class T>
+__device__ T sum_parts_in_order(const volatile T* at, long long stride, unsigned count) {
+    T s = T(0);
+    unsigned b = 0;
+    for (; b + 4 <= count; b += 4) {  // four loads first, then the sums in order
+        const T v0 = at[b * stride], v1 = at[(b + 1) * stride], v2 = at[(b + 2) * stride],
+                v3 = at[(b + 3) * stride];
+        s += v0;
+        s += v1;
+        s += v2;
+        s += v3;
+    }
+    for (; b < count; ++b) {
+        s += at[b * stride];
+    }
+    return s;
+}
+#endif
 
 }  // namespace titans::backend::cuda

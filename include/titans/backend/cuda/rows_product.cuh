@@ -112,25 +112,13 @@ __device__ __forceinline__ void rows_product_store(const RowsProduct<T>& p, int 
 }
 
 /// The last block of column tile x: C's entries from the partials of the gridDim.y blocks
-/// (p.part: this block's), added in order of y, four loads in flight a thread.
+/// (p.part: this block's), added in order of y.
 template <class T>
 __device__ void rows_product_sum_parts(const RowsProduct<T>& p, int r, int col) {
     const volatile T* at = p.part - static_cast<long long>(blockIdx.y) * p.m * p.n +
                            static_cast<long long>(r) * p.n + col;  // (other blocks')
     const long long m = static_cast<long long>(p.m) * p.n;  // block y's entry: at[y * m]
-    const unsigned ny = gridDim.y;
-    T s = T(0);
-    unsigned y = 0;
-    for (; y + 4 <= ny; y += 4) {
-        const T v0 = at[y * m], v1 = at[(y + 1) * m], v2 = at[(y + 2) * m],
-                v3 = at[(y + 3) * m];
-        s += v0;
-        s += v1;
-        s += v2;
-        s += v3;
-    }
-    for (; y < ny; ++y) s += at[y * m];
-    rows_product_store(p, r, col, s);
+    rows_product_store(p, r, col, sum_parts_in_order(at, m, gridDim.y));
 }
 
 /// C = alpha A B + beta C for m <= rows_product_max rows (see the file comment); blocks of
