@@ -53,8 +53,9 @@
 #                                 (the memory, and at B = 1024 too; the model with its products on cuBLAS, the
 #                                 feed-forward in one launch, the products in
 #                                 rows_product_kernel, those and the split attention),
-#                                 the headline forward's kernels (the checks' flat walk),
-#                                 racecheck on the three kernels (about 8 minutes)
+#                                 the headline forward's kernels (the checks' flat walk; the
+#                                 row kernels' bandwidth, occupancy, stalls), racecheck on
+#                                 the three kernels (about 9 minutes)
 #
 # The figures in docs/performance.md ("CUDA backend") come from `run`.
 set -euo pipefail
@@ -265,7 +266,8 @@ do_profile() {
 # cuBLAS and in one launch; Nsight Compute, clocks as found), and racecheck on the few-row
 # feed-forward's kernel: ffn_tests.txt, decode_bench.txt, ncu_decode.txt, ncu_model.txt,
 # ncu_model_ffn.txt, ffn_racecheck.txt; and the headline forward's kernels (ncu_forward.txt:
-# the non-finite checks' flat walk). About 8 minutes.
+# the non-finite checks' flat walk; ncu_forward_detail.txt: its row kernels' bandwidth,
+# occupancy and stalls). About 9 minutes.
 # An Nsight Compute per-kernel summary as one line a kernel: its total device time (mean x
 # launches, microseconds), its mean, its launches and its name; the largest total first.
 ncu_totals() {
@@ -299,12 +301,20 @@ do_decode() {
            model_ffn:${m}/ffn:1/opt:0 model_rows:${m}/ffn:0/opt:1 model_opt:${m}/ffn:0/opt:3 \
            forward:BM_CudaMemory/B:256/N:512/tf32:1/fused:1; do
     filter="${f#*:}"
-    timeout 45 ncu --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
+    timeout 40 ncu --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
       "${b}" --benchmark_min_time=0.01 --benchmark_filter="${filter}" \
       > "${out}/ncu_${f%%:*}.txt" 2>&1 || echo "ncu ${f%%:*}: exit $?"
     echo "ncu ${f%%:*}: the 20 kernels of most device time (total, mean, launches, name)"
     ncu_totals "${out}/ncu_${f%%:*}.txt" | head -n 20
   done
+  # Why the headline forward's row kernels run 3-4x their bytes' time (the conv 1.63 ms, the
+  # checks 1.33, 2026-11-30): bandwidth, occupancy and stall reasons, each kernel's first two.
+  timeout 60 ncu --clock-control none -k 'regex:conv_tile|flag_rows|l2_rows|copy_rows' -c 8 \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    "${b}" --benchmark_min_time=0.01 --benchmark_filter='BM_CudaMemory/B:256/N:512/tf32:1/fused:1$' \
+    > "${out}/ncu_forward_detail.txt" 2>&1 || echo "ncu forward detail: exit $?"
+  grep -E "^  [a-z_]+.*\(|Memory Throughput|Achieved Occupancy|Registers Per|Duration|Stall" \
+    "${out}/ncu_forward_detail.txt" | head -n 60 || true
   TITANS_CUDA_PARITY_CASES=1 timeout 40 compute-sanitizer --tool racecheck --error-exitcode 9 \
     "${t}" "cuda layers: few-row FFN*,cuda layers: few-row product*,cuda attention: split decode*" \
     > "${out}/ffn_racecheck.txt" 2>&1 || echo "ffn racecheck: exit $?"

@@ -140,17 +140,42 @@ __device__ void conv_column(const ConvTile<T>& a, long long s, long long t0, lon
     }
 }
 
+/// out[3 t] = col[t ld] + bias for t < n, 8 rows' loads in flight before their stores (a
+/// store may alias col for the compiler: a plain loop waits on each row's load in turn).
+/// Not inlined: its registers stay out of the conv columns' count (conv_tile_kernel's
+/// occupancy).
+template <class T>
+__device__ __noinline__ void gate_rows(const T* col, long long ld, T* out, T bias,
+                                       long long n) {
+    constexpr int batch = 8;
+    for (long long tb = 0; tb < n; tb += batch) {
+        T xs[batch];
+        if (tb + batch <= n) {  // a whole batch: no tests between the loads
+            TITANS_UNROLL
+            for (int r = 0; r < batch; ++r) {
+                xs[r] = col[(tb + r) * ld];
+            }
+        } else {
+            TITANS_UNROLL
+            for (int r = 0; r < batch; ++r) {
+                xs[r] = tb + r < n ? col[(tb + r) * ld] : T(0);
+            }
+        }
+        TITANS_UNROLL
+        for (int r = 0; r < batch; ++r) {
+            if (tb + r < n) out[(tb + r) * 3] = xs[r] + bias;
+        }
+    }
+}
+
 /// Gate column g (< G) of u over token rows [t0, t1) of sequence s: the logits plus their
 /// bias, pair-major (ConvTile).
 template <class T>
 __device__ void gate_column(const ConvTile<T>& a, long long s, long long t0, long long t1,
                             int g) {
     const int which = g / a.H, h = g - which * a.H;
-    const T bias = a.bias[g];
-    T* out = a.lp + (s * a.H + h) * a.N * 3 + which;
-    for (long long t = t0; t < t1; ++t) {
-        out[t * 3] = a.u[(s * a.N + t) * a.ld + a.C + g] + bias;
-    }
+    gate_rows(a.u + (s * a.N + t0) * a.ld + a.C + g, a.ld,
+              a.lp + ((s * a.H + h) * a.N + t0) * 3 + which, a.bias[g], t1 - t0);
 }
 
 /// conv_column and gate_column over tiles of `rows` token rows: blockIdx.x = s * tiles + tile,
