@@ -53,8 +53,9 @@
 #                                 (the memory, and at B = 1024 too; the model with its products on cuBLAS, the
 #                                 feed-forward in one launch, the products in
 #                                 rows_product_kernel, those and the split attention),
-#                                 the headline forward's kernels (the checks' flat walk; the
-#                                 row kernels' bandwidth, occupancy, stalls), racecheck on
+#                                 the headline forward's kernels (the checks' flat walk, also
+#                                 alone: BM_CudaChecks; the row kernels' bandwidth,
+#                                 occupancy, stalls), racecheck on
 #                                 the three kernels (about 9 minutes)
 #
 # The figures in docs/performance.md ("CUDA backend") come from `run`.
@@ -292,7 +293,7 @@ do_decode() {
     > "${out}/rows_tests.txt" 2>&1 || echo "rows and split tests: exit $?"
   echo "rows and split tests: $(tail -n 2 "${out}/rows_tests.txt" | tr '\n' ' ')"
   timeout 100 "${b}" --benchmark_counters_tabular=true --benchmark_repetitions=2 \
-    --benchmark_min_time=0.25 --benchmark_filter='BM_CudaModelDecode|BM_CudaDecode/B:1(024)?/|BM_CudaRowsProduct|BM_CudaDecodeAtt' \
+    --benchmark_min_time=0.25 --benchmark_filter='BM_CudaModelDecode|BM_CudaDecode/B:1(024)?/|BM_CudaRowsProduct|BM_CudaDecodeAtt|BM_CudaChecks' \
     > "${out}/decode_bench.txt" 2>&1 || echo "decode bench: exit $?"
   grep "^BM_" "${out}/decode_bench.txt" || true
   local f filter m=BM_CudaModelDecode/B:1/pooled:1/graphs:0

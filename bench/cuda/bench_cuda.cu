@@ -9,6 +9,11 @@
 //                             back, on cuBLAS (rows 0) or in rows_product_kernel (1); counters
 //                             us_per_product, GBps and frac_copy (of a 256 MB device copy's
 //                             rate in this run)
+//   BM_CudaChecks/rows/cols/flat
+//                             the non-finite check (flag_rows_kernel) over rows x cols floats,
+//                             20 back to back: rows end to end (flat 1, a warp per 512
+//                             entries) or padded by one (0, a warp per row); us_per_check,
+//                             GBps, frac_copy
 //   BM_CudaMemory/B/N/tf32/fused
 //                             the headline memory (d 512, H 8, d_h 64, L 2, e 4, b 64, lagged,
 //                             data-dependent gates, conv) over B sequences of N tokens, device
@@ -216,6 +221,44 @@ void BM_CudaRowsProduct(benchmark::State& state) {
     state.counters["us_per_product"] = seconds / products * 1e6;
     state.counters["GBps"] = bytes * products / seconds / 1e9;
     state.counters["frac_copy"] = bytes * products / seconds / 1e9 / copy;
+}
+
+/// The non-finite check (flag_rows_kernel) over `rows` rows of `cols` floats, 20 launches back
+/// to back a timed iteration: rows end to end (flat 1: a warp per 512 entries) or each row
+/// padded by one entry (flat 0: a warp per row, the path of a strided set). The forward's
+/// shapes at B 256 x N 512: q, k, v and the reads (1 M rows of 64), the gate logits (1 M of 3),
+/// the output (131,072 of 512). Counters: us_per_check, GBps (the checked entries' bytes) and
+/// frac_copy (of copy_rate's).
+void BM_CudaChecks(benchmark::State& state) {
+    const long long rows = state.range(0);
+    const int cols = static_cast<int>(state.range(1));
+    const bool flat = state.range(2) != 0;
+    const double copy = copy_rate();
+    const tc::StreamContext cx;
+    const long long ld = flat ? cols : cols + 1;
+    tc::DeviceBuffer<float> x(static_cast<std::size_t>(rows * ld));
+    tc::set_now(x.data(), 0, x.size() * sizeof(float), "cudaMemset");  // zeros: finite
+    tc::DeviceBuffer<int> flags(1);
+    tc::FlagSets<float> sets{};
+    sets.set[0] = tc::FlagRows<float>{x.data(), 1, rows, cols, ld, 0, 0, 1, 0, 1};
+    sets.first[0] = 0;
+    sets.first[1] = tc::flag_warps(sets.set[0]);
+    sets.count = 1;
+    constexpr int reps = 20;
+    const auto run = [&] {
+        for (int i = 0; i < reps; ++i) {
+            tc::launch(tc::flag_rows_kernel<float>, tc::warp_blocks(sets.first[1]), 256,
+                       cx.stream(), sets, flags.data(), 0x7f7f7f7f, nullptr);
+        }
+    };
+    run();
+    cx.synchronize();
+    const double seconds = event_timed(state, cx.stream(), run);
+    const double checks = static_cast<double>(state.iterations()) * reps;
+    const double bytes = 4.0 * static_cast<double>(rows) * cols;
+    state.counters["us_per_check"] = seconds / checks * 1e6;
+    state.counters["GBps"] = bytes * checks / seconds / 1e9;
+    state.counters["frac_copy"] = bytes * checks / seconds / 1e9 / copy;
 }
 
 void BM_CublasSgemm(benchmark::State& state) {
@@ -696,6 +739,9 @@ BENCHMARK(BM_CublasSgemm)->Args({4096, 0})->Args({4096, 1})->Iterations(1)->Unit
 BENCHMARK(BM_CudaRowsProduct)->ArgNames({"m", "k", "n", "rows"})
     ->ArgsProduct({{1, 8}, {512}, {512, 1536, 2736}, {0, 1}})
     ->ArgsProduct({{1}, {1368}, {512}, {0, 1}})->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_CudaChecks)->ArgNames({"rows", "cols", "flat"})
+    ->ArgsProduct({{1048576}, {64, 3}, {0, 1}})->ArgsProduct({{131072}, {512}, {0, 1}})
+    ->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_CudaMemory)
     ->ArgNames({"B", "N", "tf32", "fused"})
     ->Args({1, 2048, 0, 0})->Args({16, 2048, 0, 0})->Args({64, 1024, 0, 0})->Args({256, 512, 0, 0})
