@@ -289,7 +289,7 @@ do_decode() {
     || echo "ffn tests: exit $?"
   echo "ffn tests: $(tail -n 2 "${out}/ffn_tests.txt" | tr '\n' ' ')"
   TITANS_ROWS_PRODUCT=1 TITANS_SPLIT_DECODE=1 timeout 60 "${t}" --warn NoTests \
-    "cuda layers: few-row product*,cuda attention: split*,cuda model*,cuda blocks*,cuda memory: the non-finite*" \
+    "cuda layers: few-row product*,cuda attention: split*,cuda model*,cuda blocks*,cuda memory: the non-finite*,cuda launch: clusters" \
     > "${out}/rows_tests.txt" 2>&1 || echo "rows and split tests: exit $?"
   echo "rows and split tests: $(tail -n 2 "${out}/rows_tests.txt" | tr '\n' ' ')"
   timeout 100 "${b}" --benchmark_counters_tabular=true --benchmark_repetitions=2 \

@@ -554,6 +554,139 @@ std::vector<T> host_copy(const titans::backend::cuda::DeviceBuffer<T>& b) {
     return out;
 }
 
+namespace {
+
+/// The running block's linear index in the grid (x fastest).
+__device__ unsigned linear_block() {
+    return blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+}
+
+/// Each thread writes lin 1000 + t into its block's dynamic shared memory, then (after the
+/// cluster's barrier) reads entry t of the block ranked after its own in the cluster (n
+/// blocks a cluster) into out[lin blockDim.x + t]; ranks[lin] = its block's rank.
+__global__ void cluster_next_kernel(int* out, int* ranks, unsigned n) {
+    int* mine = titans::backend::cuda::dynamic_shared<int>();
+    const unsigned r = titans::backend::cuda::cluster_rank(), lin = linear_block();
+    mine[threadIdx.x] = static_cast<int>(lin * 1000 + threadIdx.x);
+    if (threadIdx.x == 0) {
+        ranks[lin] = static_cast<int>(r);
+    }
+    titans::backend::cuda::cluster_sync();
+    const int* next = titans::backend::cuda::cluster_shared(static_cast<const int*>(mine),
+                                                            (r + 1) % n);
+    out[lin * blockDim.x + threadIdx.x] = next[threadIdx.x];
+    titans::backend::cuda::cluster_sync();  // no block leaves while another reads its memory
+}
+
+/// Every block of a cluster of n: out[lin][j] = the sum of the cluster's rows in[.][j] in rank
+/// order, each read from its block's shared memory.
+__global__ void cluster_sum_kernel(const double* in, double* out, unsigned n, int width) {
+    double* mine = titans::backend::cuda::dynamic_shared<double>();
+    const unsigned lin = linear_block();
+    for (int j = static_cast<int>(threadIdx.x); j < width; j += static_cast<int>(blockDim.x)) {
+        mine[j] = in[static_cast<long long>(lin) * width + j];
+    }
+    titans::backend::cuda::cluster_sync();
+    for (int j = static_cast<int>(threadIdx.x); j < width; j += static_cast<int>(blockDim.x)) {
+        double sum = 0;
+        for (unsigned q = 0; q < n; ++q) {
+            sum += titans::backend::cuda::cluster_shared(static_cast<const double*>(mine), q)[j];
+        }
+        out[static_cast<long long>(lin) * width + j] = sum;
+    }
+    titans::backend::cuda::cluster_sync();
+}
+
+/// The rank CUDA gives block (x, y, z) in clusters of c: its place in its cluster, x fastest.
+unsigned cluster_rank_of(unsigned x, unsigned y, unsigned z, dim3 c) {
+    return x % c.x + c.x * (y % c.y + c.y * (z % c.z));
+}
+
+}  // namespace
+
+// Thread-block clusters (launch_cluster, cluster_rank, cluster_sync, cluster_shared: the
+// distributed shared memory a cluster kernel will use): 1-D, 2-D and 3-D clusters of 1 to 8
+// blocks; every block's rank as CUDA numbers it, each thread reading the next block's shared
+// memory after the barrier, a sum across the
+// cluster's blocks in rank order (the same bits as on the host); a cluster of 16 (past the
+// portable 8) and a grid that is not a multiple of the cluster refused with CudaError.
+TEST_CASE("cuda launch: clusters", "[cuda]") {
+    namespace cu = titans::backend::cuda;
+    for (const auto& [grid, cluster] : std::vector<std::pair<dim3, dim3>>{
+             {dim3(6), dim3(2)}, {dim3(8), dim3(8)}, {dim3(4, 6), dim3(2, 3)},
+             {dim3(4, 2, 4), dim3(2, 1, 2)}, {dim3(3), dim3(1)}}) {
+        const unsigned n = cluster.x * cluster.y * cluster.z;
+        const unsigned blocks = grid.x * grid.y * grid.z, threads = 96;
+        INFO("grid " << grid.x << " x " << grid.y << " x " << grid.z << ", cluster " << cluster.x
+                     << " x " << cluster.y << " x " << cluster.z);
+        {
+            std::vector<int> start(static_cast<std::size_t>(blocks) * threads, -1);
+            cu::DeviceBuffer<int> out = cu::upload_array(start.data(), start.size());
+            cu::DeviceBuffer<int> ranks = cu::upload_array(start.data(), blocks);
+            cu::launch_cluster(cluster_next_kernel, grid, dim3(threads), threads * sizeof(int),
+                               cluster, cudaStream_t{}, out.data(), ranks.data(), n);
+            const std::vector<int> got = host_copy(out), rank = host_copy(ranks);
+            bool all = true;
+            for (unsigned z = 0; z < grid.z; ++z) {
+                for (unsigned y = 0; y < grid.y; ++y) {
+                    for (unsigned x = 0; x < grid.x; ++x) {
+                        const unsigned lin = x + grid.x * (y + grid.y * z);
+                        const unsigned r = cluster_rank_of(x, y, z, cluster), next = (r + 1) % n;
+                        // the block ranked `next`: the cluster's origin plus next's place
+                        const unsigned nx = x - x % cluster.x + next % cluster.x,
+                                       ny = y - y % cluster.y + next / cluster.x % cluster.y,
+                                       nz = z - z % cluster.z + next / (cluster.x * cluster.y);
+                        const unsigned nlin = nx + grid.x * (ny + grid.y * nz);
+                        all = all && rank[lin] == static_cast<int>(r);
+                        for (unsigned t = 0; t < threads; ++t) {
+                            const int want = static_cast<int>(nlin * 1000 + t);
+                            all = all && got[static_cast<std::size_t>(lin) * threads + t] == want;
+                        }
+                    }
+                }
+            }
+            CHECK(all);
+        }
+        Rng rng(seed_for("cuda clusters", n));
+        const int width = 150;
+        std::vector<double> in(static_cast<std::size_t>(blocks) * width);
+        for (double& v : in) v = uniform(rng, -1.0, 1.0);
+        cu::DeviceBuffer<double> din = cu::upload_array(in.data(), in.size()),
+                                 dout(in.size());
+        cu::launch_cluster(cluster_sum_kernel, grid, dim3(64), width * sizeof(double), cluster,
+                           cudaStream_t{}, din.data(), dout.data(), n, width);
+        const std::vector<double> sums = host_copy(dout);
+        bool same = true;
+        for (unsigned z = 0; z < grid.z; ++z) {
+            for (unsigned y = 0; y < grid.y; ++y) {
+                for (unsigned x = 0; x < grid.x; ++x) {
+                    const unsigned lin = x + grid.x * (y + grid.y * z);
+                    for (int j = 0; j < width; ++j) {
+                        double sum = 0;
+                        for (unsigned q = 0; q < n; ++q) {  // rank q's block, in rank order
+                            const unsigned qx = x - x % cluster.x + q % cluster.x,
+                                           qy = y - y % cluster.y + q / cluster.x % cluster.y,
+                                           qz = z - z % cluster.z + q / (cluster.x * cluster.y);
+                            sum += in[static_cast<std::size_t>(qx + grid.x * (qy + grid.y * qz)) *
+                                          width + static_cast<std::size_t>(j)];
+                        }
+                        same = same && sums[static_cast<std::size_t>(lin) * width +
+                                            static_cast<std::size_t>(j)] == sum;
+                    }
+                }
+            }
+        }
+        CHECK(same);
+    }
+    cu::DeviceBuffer<int> out(16 * 32), ranks(16);
+    CHECK_THROWS_AS(cu::launch_cluster(cluster_next_kernel, dim3(16), dim3(32), 32 * sizeof(int),
+                                       dim3(16), cudaStream_t{}, out.data(), ranks.data(), 16u),
+                    titans::CudaError);
+    CHECK_THROWS_AS(cu::launch_cluster(cluster_next_kernel, dim3(3), dim3(32), 32 * sizeof(int),
+                                       dim3(2), cudaStream_t{}, out.data(), ranks.data(), 2u),
+                    titans::CudaError);
+}
+
 // pair_local runs a pair's serial recurrence against a shared-memory copy of the pair's
 // first `head` entries: the same bits as a thread per pair on device memory, for heads in
 // shared memory and past its 48 KB (then in place), and entries past the head untouched.

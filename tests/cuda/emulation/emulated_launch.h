@@ -13,7 +13,11 @@
 //
 // Shared memory (__shared__ = static thread_local) is per host thread, so the blocks of one
 // launch, which run one at a time, share it as a block's threads do; it is not cleared
-// between blocks. Dynamic shared memory (a launch's `shmem` bytes, dynamic_shared()) is a
+// between blocks. A cluster launch (launch_cluster) runs a cluster's blocks together, on the
+// same scheduler, each with dynamic shared memory of its own that the others reach through
+// cluster_shared (distributed shared memory), and cluster_sync a barrier over all their
+// threads; its kernels keep their shared memory dynamic (static __shared__ would be one for
+// the whole cluster). Dynamic shared memory (a launch's `shmem` bytes, dynamic_shared()) is a
 // buffer of the host thread, filled with 0xFF bytes (NaN in float and double) before each
 // block, so a read of what the block did not write shows; above 48 KB a launch needs the
 // kernel's cudaFuncAttributeMaxDynamicSharedMemorySize raised first (cudaFuncSetAttribute), as
@@ -130,12 +134,15 @@ inline void make_context(Context& c, void* base, std::size_t size, void (*entry)
 }
 #endif
 
+struct Block;
+
 /// A fiber: a stack and a context. `busy` while it is inside a thread of the block (running or
 /// waiting), idle between blocks.
 struct Fiber {
     Context ctx;
     void* stack = nullptr;
     std::size_t stack_size = 0;
+    Block* block = nullptr;               // the block of the thread it runs
     unsigned thread = 0;                  // the block-linear index of the thread it runs
     bool busy = false;
     const unsigned* wait_on = nullptr;    // waiting until *wait_on != wait_seen
@@ -162,10 +169,26 @@ struct Warp {
     unsigned generation = 0;
 };
 
-/// The block being run: how to run a thread, and its counters and barriers.
+/// A thread-block cluster being run (launch_cluster): its blocks, which run together, and the
+/// barrier of cluster_sync over all their threads (those that exited count as arrived).
+struct Cluster {
+    std::vector<Block*> blocks;  // by rank
+    unsigned threads = 0;
+    unsigned finished = 0;
+    unsigned arrived = 0;
+    unsigned generation = 0;
+};
+
+/// A block being run: how to run a thread, its index, its dynamic shared memory, its cluster
+/// (cluster launches), and its counters and barriers.
 struct Block {
     void (*run)(const void*) = nullptr;  // calls the kernel with the launch's arguments
     const void* call = nullptr;
+    uint3 idx{0, 0, 0};
+    unsigned char* shared = nullptr;  // dynamic shared memory, `shared_size` bytes
+    std::size_t shared_size = 0;
+    Cluster* cluster = nullptr;
+    unsigned rank = 0;  // in the cluster
     unsigned threads = 0;
     unsigned next = 0;      // the next thread not started
     unsigned finished = 0;
@@ -174,7 +197,8 @@ struct Block {
     std::vector<Warp> warps;
 };
 
-/// A host thread's emulated device: its fibers and the block they run.
+/// A host thread's emulated device: its fibers and the block they run (the running thread's,
+/// set before each fiber resumes).
 struct Scheduler {
     Context main;
     std::vector<std::unique_ptr<Fiber>> fibers;
@@ -246,6 +270,7 @@ inline void fiber_main() {
     for (;;) {
         Fiber& f = *s.current;
         Block& b = *s.block;
+        f.block = &b;
         while (b.next < b.threads) {
             f.thread = b.next++;
             set_thread(f.thread);
@@ -254,6 +279,11 @@ inline void fiber_main() {
             if (b.arrived > 0 && b.arrived + b.finished == b.threads) {  // the last ones exited
                 b.arrived = 0;
                 ++b.generation;
+            }
+            if (Cluster* c = b.cluster; c != nullptr && ++c->finished + c->arrived == c->threads &&
+                                        c->arrived > 0) {
+                c->arrived = 0;
+                ++c->generation;
             }
         }
         f.busy = false;
@@ -283,9 +313,12 @@ inline Fiber& idle_fiber(Scheduler& s) {
     return *s.fibers.back();
 }
 
-/// Runs fiber f (a new thread or one whose barrier opened) until it waits or goes idle.
+/// Runs fiber f (a new thread of s.block, or one whose barrier opened) until it waits or goes
+/// idle.
 inline void resume(Scheduler& s, Fiber& f) {
     if (f.busy) {
+        s.block = f.block;
+        blockIdx = f.block->idx;
         set_thread(f.thread);
     }
     f.busy = true;
@@ -295,16 +328,23 @@ inline void resume(Scheduler& s, Fiber& f) {
     }
 }
 
-/// Runs every thread of block b to its end.
-inline void run_block(Scheduler& s, Block& b) {
-    s.block = &b;
+/// Runs every thread of the n blocks to its end, the blocks together (a cluster's; one block
+/// otherwise): their threads start in block order, and a waiting thread of any block resumes
+/// once its barrier opens.
+inline void run_blocks(Scheduler& s, Block* const* blocks, std::size_t n) {
     s.waiting.clear();
     for (;;) {
-        while (b.next < b.threads) {  // start the threads not started
-            Fiber& f = idle_fiber(s);
-            resume(s, f);
-            if (f.busy) {
-                s.waiting.push_back(&f);
+        bool started = true;
+        for (std::size_t i = 0; i < n; ++i) {
+            Block& b = *blocks[i];
+            while (b.next < b.threads) {  // start the threads not started
+                s.block = &b;
+                blockIdx = b.idx;
+                Fiber& f = idle_fiber(s);
+                resume(s, f);
+                if (f.busy) {
+                    s.waiting.push_back(&f);
+                }
             }
         }
         if (s.waiting.empty()) {
@@ -323,13 +363,25 @@ inline void run_block(Scheduler& s, Block& b) {
             }
         }
         s.waiting.resize(kept);
-        if (!progress && b.next == b.threads) {
+        for (std::size_t i = 0; i < n; ++i) {
+            started = started && blocks[i]->next == blocks[i]->threads;
+        }
+        if (!progress && started) {
             s.current = s.waiting.front();
+            s.block = s.current->block;
+            blockIdx = s.block->idx;
             fault("deadlock: every live thread of the block waits at a barrier that cannot open "
-                  "(__syncthreads in divergent code, or a shuffle lane that never comes)");
+                  "(__syncthreads or cluster_sync in divergent code, or a shuffle lane that "
+                  "never comes)");
         }
     }
     s.block = nullptr;
+}
+
+/// Runs every thread of block b to its end.
+inline void run_block(Scheduler& s, Block& b) {
+    Block* one = &b;
+    run_blocks(s, &one, 1);
 }
 
 /// The running thread's block, fiber and linear index (device code only).
@@ -360,6 +412,18 @@ inline void barrier(unsigned& arrived, unsigned& gen, unsigned count) {
         return;
     }
     wait_until_moved(gen, seen);
+}
+
+/// Arrival at the barrier of a block or cluster: `threads` threads, of which `finished` have
+/// exited and count as arrived (the last thread to exit opens it too: fiber_main).
+inline void arrive(unsigned& arrived, unsigned& generation, unsigned finished, unsigned threads) {
+    const unsigned seen = generation;
+    if (++arrived + finished == threads) {
+        arrived = 0;
+        ++generation;
+        return;
+    }
+    wait_until_moved(generation, seen);
 }
 
 /// The running thread's warp, checking that `mask` names it and only lanes that exist.
@@ -425,10 +489,7 @@ inline std::size_t shared_limit(const void* kernel) {
 }
 
 /// The running block's dynamic shared memory (16-byte aligned), as `extern __shared__`.
-inline void* dynamic_shared() {
-    (void)this_block();
-    return dynamic_shared_memory.bytes.data();
-}
+inline void* dynamic_shared() { return this_block().shared; }
 
 /// Whether a launch of grid x block threads with `shmem` bytes of dynamic shared memory is
 /// one the device accepts (else cudaErrorInvalidConfiguration, as on an H100).
@@ -442,8 +503,8 @@ inline bool valid_configuration(dim3 grid, dim3 block, std::size_t shmem,
            grid.z <= 65535 && shmem <= limit;
 }
 
-/// Runs every block of the grid: run(call) is one thread's kernel body.
-inline void run_grid(dim3 grid, dim3 block, void (*run)(const void*), const void* call) {
+/// A grid's start: not from device code; gridDim and blockDim set.
+inline Scheduler& start_grid(dim3 grid, dim3 block) {
     Scheduler& s = scheduler;
     if (s.block != nullptr) {
         std::fprintf(stderr, "CUDA emulation: a kernel launch from device code\n");
@@ -451,22 +512,75 @@ inline void run_grid(dim3 grid, dim3 block, void (*run)(const void*), const void
     }
     gridDim = grid;
     blockDim = block;
-    Block b;
+    return s;
+}
+
+/// b set to run blockDim's threads of run(call), one thread's kernel body.
+inline void prepare_block(Block& b, void (*run)(const void*), const void* call) {
     b.run = run;
     b.call = call;
-    b.threads = block.x * block.y * block.z;
+    b.threads = blockDim.x * blockDim.y * blockDim.z;
     b.warps.resize((b.threads + 31) / 32);
     b.warps.back().lanes = b.threads - 32 * (static_cast<unsigned>(b.warps.size()) - 1);
+}
+
+/// Runs every block of the grid: run(call) is one thread's kernel body.
+inline void run_grid(dim3 grid, dim3 block, void (*run)(const void*), const void* call) {
+    Scheduler& s = start_grid(grid, block);
+    Block b;
+    prepare_block(b, run, call);
+    b.shared = dynamic_shared_memory.bytes.data();
+    b.shared_size = dynamic_shared_memory.size;
     for (unsigned z = 0; z < grid.z; ++z) {
         for (unsigned y = 0; y < grid.y; ++y) {
             for (unsigned x = 0; x < grid.x; ++x) {
-                blockIdx = uint3{x, y, z};
+                blockIdx = b.idx = uint3{x, y, z};
                 b.next = b.finished = b.arrived = 0;
                 if (dynamic_shared_memory.size > 0) {  // memset of a null pointer is undefined
                     std::memset(dynamic_shared_memory.bytes.data(), 0xFF,
                                 dynamic_shared_memory.size);
                 }
                 run_block(s, b);
+            }
+        }
+    }
+}
+
+/// Runs every cluster of the grid (`cluster` blocks each, the grid a multiple of it), a
+/// cluster's blocks together, each with dynamic shared memory of its own (`shmem` bytes of
+/// 0xFF). Static __shared__ variables stay one per host thread, so the blocks of a cluster
+/// would share them: a cluster kernel keeps its shared memory dynamic.
+inline void run_cluster_grid(dim3 grid, dim3 block, dim3 cluster, std::size_t shmem,
+                             void (*run)(const void*), const void* call) {
+    Scheduler& s = start_grid(grid, block);
+    const unsigned n = cluster.x * cluster.y * cluster.z;
+    std::vector<Block> blocks(n);
+    std::vector<Block*> order(n);
+    std::vector<unsigned char> shared(std::max<std::size_t>(shmem, 1) * n);
+    Cluster c;
+    for (unsigned i = 0; i < n; ++i) {
+        Block& b = blocks[i];
+        prepare_block(b, run, call);
+        c.threads += b.threads;
+        b.shared = shared.data() + i * std::max<std::size_t>(shmem, 1);
+        b.shared_size = shmem;
+        b.cluster = &c;
+        b.rank = i;
+        order[i] = &b;
+    }
+    c.blocks = order;
+    for (unsigned z = 0; z < grid.z; z += cluster.z) {
+        for (unsigned y = 0; y < grid.y; y += cluster.y) {
+            for (unsigned x = 0; x < grid.x; x += cluster.x) {
+                for (unsigned i = 0; i < n; ++i) {  // rank: x fastest, then y, then z
+                    Block& b = blocks[i];
+                    b.idx = uint3{x + i % cluster.x, y + i / cluster.x % cluster.y,
+                                  z + i / (cluster.x * cluster.y)};
+                    b.next = b.finished = b.arrived = 0;
+                }
+                c.finished = c.arrived = 0;
+                std::memset(shared.data(), 0xFF, shared.size());
+                run_blocks(s, order.data(), n);
             }
         }
     }
@@ -497,15 +611,22 @@ inline long total_launches() {
     return n;
 }
 
-/// kernel<<<grid, block, shmem, stream>>>(args...): checks the configuration and the stream
-/// (an error is left for cudaGetLastError, as a failed launch is), then runs the kernel.
-/// The arguments are converted to the kernel's parameter types once, as a launch does, and
-/// every thread gets its own copy.
+/// Whether clusters of `cluster` blocks tile the grid: at most 8 blocks a cluster (the
+/// portable size) and the grid a multiple of the cluster in each dimension.
+inline bool valid_cluster(dim3 grid, dim3 cluster) {
+    const unsigned long long n =
+        static_cast<unsigned long long>(cluster.x) * cluster.y * cluster.z;
+    return cluster.x >= 1 && cluster.y >= 1 && cluster.z >= 1 && n <= 8 &&
+           grid.x % cluster.x == 0 && grid.y % cluster.y == 0 && grid.z % cluster.z == 0;
+}
+
+/// launch() and launch_cluster() (clustered: in clusters of `cluster` blocks).
 template <class... P, class... A>
-void launch(void (*kernel)(P...), dim3 grid, dim3 block, std::size_t shmem, cudaStream_t stream,
-            A&&... args) {
+void launch_grid(void (*kernel)(P...), dim3 grid, dim3 block, std::size_t shmem, dim3 cluster,
+                 bool clustered, cudaStream_t stream, A&&... args) {
     if (!valid_configuration(grid, block, shmem,
-                             shared_limit(reinterpret_cast<const void*>(kernel)))) {
+                             shared_limit(reinterpret_cast<const void*>(kernel))) ||
+        (clustered && !valid_cluster(grid, cluster))) {
         fail(cudaErrorInvalidConfiguration);
         return;
     }
@@ -520,19 +641,77 @@ void launch(void (*kernel)(P...), dim3 grid, dim3 block, std::size_t shmem, cuda
     };
     auto call = std::make_shared<const Call>(
         Call{kernel, std::tuple<std::decay_t<P>...>(std::forward<A>(args)...)});
-    submit(stream, [call, grid, block, shmem] {  // now, or when the stream is waited for
+    submit(stream, [call, grid, block, shmem, cluster, clustered] {  // now, or when waited for
+        void (*run)(const void*) = [](const void* c) {
+            const Call& k = *static_cast<const Call*>(c);
+            std::apply(k.kernel, k.args);
+        };
+        if (clustered) {
+            run_cluster_grid(grid, block, cluster, shmem, run, call.get());
+            return;
+        }
         DynamicShared& dyn = dynamic_shared_memory;
         dyn.size = shmem;
         if (dyn.bytes.size() < shmem) {
             dyn.bytes.resize(shmem);
         }
-        run_grid(grid, block,
-                 [](const void* c) {
-                     const Call& k = *static_cast<const Call*>(c);
-                     std::apply(k.kernel, k.args);
-                 },
-                 call.get());
+        run_grid(grid, block, run, call.get());
     });
+}
+
+/// kernel<<<grid, block, shmem, stream>>>(args...): checks the configuration and the stream
+/// (an error is left for cudaGetLastError, as a failed launch is), then runs the kernel.
+/// The arguments are converted to the kernel's parameter types once, as a launch does, and
+/// every thread gets its own copy.
+template <class... P, class... A>
+void launch(void (*kernel)(P...), dim3 grid, dim3 block, std::size_t shmem, cudaStream_t stream,
+            A&&... args) {
+    launch_grid(kernel, grid, block, shmem, dim3(1, 1, 1), false, stream,
+                std::forward<A>(args)...);
+}
+
+/// launch() in thread-block clusters of `cluster` blocks (cudaLaunchKernelEx with
+/// cudaLaunchAttributeClusterDimension; valid_cluster, else cudaErrorInvalidConfiguration for
+/// cudaGetLastError). Counted as launch() counts.
+template <class... P, class... A>
+void launch_cluster(void (*kernel)(P...), dim3 grid, dim3 block, std::size_t shmem, dim3 cluster,
+                    cudaStream_t stream, A&&... args) {
+    launch_grid(kernel, grid, block, shmem, cluster, true, stream, std::forward<A>(args)...);
+}
+
+/// The running block's rank in its cluster (0 outside a cluster launch, a cluster of one).
+inline unsigned cluster_rank() { return this_block().rank; }
+
+/// Blocks in the running block's cluster (1 outside a cluster launch).
+inline unsigned cluster_blocks() {
+    const Block& b = this_block();
+    return b.cluster != nullptr ? static_cast<unsigned>(b.cluster->blocks.size()) : 1u;
+}
+
+/// The cluster's barrier: every thread of every block of the cluster arrives (those that
+/// exited count as arrived); outside a cluster launch the block's.
+inline void cluster_sync() {
+    Block& b = this_block();
+    if (b.cluster == nullptr) {
+        arrive(b.arrived, b.generation, b.finished, b.threads);
+    } else {
+        Cluster& c = *b.cluster;
+        arrive(c.arrived, c.generation, c.finished, c.threads);
+    }
+}
+
+/// Where `p`, an address in the running block's dynamic shared memory, lies in block
+/// `rank`'s of the same cluster (distributed shared memory, map_shared_rank).
+inline void* cluster_shared(const void* p, unsigned rank) {
+    Block& b = this_block();
+    auto* at = const_cast<unsigned char*>(static_cast<const unsigned char*>(p));
+    if (at < b.shared || at >= b.shared + b.shared_size) {
+        fault("cluster_shared of an address outside the block's dynamic shared memory");
+    }
+    if (rank >= cluster_blocks()) {
+        fault("cluster_shared of a rank outside the cluster");
+    }
+    return b.cluster == nullptr ? at : b.cluster->blocks[rank]->shared + (at - b.shared);
 }
 
 }  // namespace cuda_emulation
@@ -542,13 +721,7 @@ void launch(void (*kernel)(P...), dim3 grid, dim3 block, std::size_t shmem, cuda
 // ---------------------------------------------------------------------------------------------
 inline void __syncthreads() {
     cuda_emulation::Block& b = cuda_emulation::this_block();
-    const unsigned seen = b.generation;
-    if (++b.arrived + b.finished == b.threads) {
-        b.arrived = 0;
-        ++b.generation;
-        return;
-    }
-    cuda_emulation::wait_until_moved(b.generation, seen);
+    cuda_emulation::arrive(b.arrived, b.generation, b.finished, b.threads);
 }
 
 inline void __syncwarp(unsigned mask = 0xffffffffu) {

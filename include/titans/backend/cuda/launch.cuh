@@ -22,6 +22,10 @@
 #include "call_graph.cuh"
 #include "runtime.cuh"
 
+#if defined(__CUDACC__)
+#include <cooperative_groups.h>
+#endif
+
 // Full unrolling of loops whose bounds are constants (a tile's pieces, a fixed row count), so
 // that their accumulators stay in registers; nothing under the CPU emulation.
 #if defined(__CUDACC__)
@@ -135,6 +139,72 @@ void launch_shared(void (*kernel)(P...), dim3 grid, dim3 block, std::size_t shme
 template <class... P, class... A>
 void launch(void (*kernel)(P...), dim3 grid, dim3 block, cudaStream_t stream, A&&... args) {
     launch_shared(kernel, grid, block, 0, stream, std::forward<A>(args)...);
+}
+
+/// kernel<<<grid, block, shmem, stream>>>(args...) in thread-block clusters of `cluster` blocks
+/// (sm_90 and later: cudaLaunchKernelEx with cudaLaunchAttributeClusterDimension; the grid a
+/// multiple of the cluster in each dimension, at most 8 blocks a cluster), now: not recorded
+/// on a call tape (what the tape holds runs first). The blocks of a cluster run at once and
+/// reach each other's dynamic shared memory (cluster_shared, cluster_sync). Throws CudaError
+/// for a configuration the device refuses.
+template <class... P, class... A>
+void launch_cluster(void (*kernel)(P...), dim3 grid, dim3 block, std::size_t shmem, dim3 cluster,
+                    cudaStream_t stream, A&&... args) {
+    settle_recorded();
+#if defined(__CUDACC__)
+    cudaLaunchConfig_t config{};
+    config.gridDim = grid;
+    config.blockDim = block;
+    config.dynamicSmemBytes = shmem;
+    config.stream = stream;
+    cudaLaunchAttribute attribute{};
+    attribute.id = cudaLaunchAttributeClusterDimension;
+    attribute.val.clusterDim.x = cluster.x;
+    attribute.val.clusterDim.y = cluster.y;
+    attribute.val.clusterDim.z = cluster.z;
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+    const cudaError_t e = cudaLaunchKernelEx(&config, kernel, std::forward<A>(args)...);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();  // the error is thrown here, not left for a later check
+        check(e, "cudaLaunchKernelEx (a cluster launch)");
+    }
+#else
+    ::cuda_emulation::launch_cluster(kernel, grid, block, shmem, cluster, stream,
+                                     std::forward<A>(args)...);
+#endif
+    check_launch("a cluster launch");
+}
+
+/// The running block's rank in its cluster (launch_cluster: x fastest, then y, z; 0 in a
+/// launch without clusters).
+__device__ inline unsigned cluster_rank() {
+#if defined(__CUDACC__)
+    return cooperative_groups::this_cluster().block_rank();
+#else
+    return ::cuda_emulation::cluster_rank();
+#endif
+}
+
+/// Waits until every thread of the running block's cluster has arrived (the block's threads
+/// in a launch without clusters); the shared memory each wrote before is then visible to all.
+__device__ inline void cluster_sync() {
+#if defined(__CUDACC__)
+    cooperative_groups::this_cluster().sync();
+#else
+    ::cuda_emulation::cluster_sync();
+#endif
+}
+
+/// The address in block `rank`'s dynamic shared memory of the cluster that `local` has in the
+/// running block's (distributed shared memory; rank < the cluster's blocks).
+template <class T>
+__device__ T* cluster_shared(T* local, unsigned rank) {
+#if defined(__CUDACC__)
+    return cooperative_groups::this_cluster().map_shared_rank(local, rank);
+#else
+    return static_cast<T*>(::cuda_emulation::cluster_shared(local, rank));
+#endif
 }
 
 /// The block's dynamic shared memory (16-byte aligned) as an array of T.
