@@ -20,7 +20,8 @@
 #                                 memcheck.txt, initcheck.txt
 #   tools/gpu_check.sh pack [FROM]
 #                                 the test, benchmark and example binaries of a build made
-#                                 here (default build/release) into build/gpu-carry with
+#                                 here (default build/release; the GPU test runner built
+#                                 first if that build left it out) into build/gpu-carry with
 #                                 libbenchmark and libgomp (about 40 MB): carry that folder to
 #                                 a lent machine and run the steps below there with
 #                                 GPU_CHECK_BUILD=build/gpu-carry, no build on its minutes
@@ -76,6 +77,12 @@ do_pack() {
   local from="${1:-${repo_root}/build/release}" to="${repo_root}/build/gpu-carry" f lib
   rm -rf "${to}"
   mkdir -p "${to}/tests" "${to}/bench" "${to}/examples"
+  # A build configured where no GPU was seen (CI's) leaves the GPU test runner out
+  # (TITANS_CUDA_TESTS=AUTO): turn it on and build it and the CUDA binaries.
+  if [ ! -x "${from}/tests/titans_cuda_tests" ]; then
+    cmake "${from}" -DTITANS_CUDA_TESTS=ON > /dev/null
+    cmake --build "${from}" -j 2 --target titans_cuda_tests bench_cuda 07_cuda_memory
+  fi
   for f in tests/titans_cuda_tests bench/bench_cuda examples/07_cuda_memory; do
     [ -x "${from}/${f}" ] || { echo "pack: ${from}/${f} not built" >&2; return 1; }
     cp "${from}/${f}" "${to}/${f}"
@@ -102,7 +109,7 @@ do_build() {
   # of MB) does not travel with the build, so the device must have it.
   cmake -S "${repo_root}" -B "${build}" -DCMAKE_BUILD_TYPE=Release -DTITANS_ENABLE_CUDA=ON \
     -DTITANS_BUILD_EXAMPLES=ON -DTITANS_IO=AUTO -DTITANS_HEADER_CHECK=OFF -DTITANS_INSTALL=OFF \
-    -DTITANS_ENABLE_NCCL="${GPU_CHECK_NCCL:-OFF}"
+    -DTITANS_ENABLE_NCCL="${GPU_CHECK_NCCL:-OFF}" -DTITANS_CUDA_TESTS=ON
   cmake --build "${build}" -j "$(nproc)" --target titans_cuda_tests bench_cuda 07_cuda_memory
   local lib
   lib="$(ldd "${build}/bench/bench_cuda" | awk '/libbenchmark/ {print $3}')"
