@@ -58,6 +58,12 @@
 #                                 alone: BM_CudaChecks; the row kernels' bandwidth,
 #                                 occupancy, stalls), racecheck on
 #                                 the three kernels (about 9 minutes)
+#   tools/gpu_check.sh cluster [DIR]
+#                                 the fused kernel as clusters of blocks a pair
+#                                 (memory_cluster.cuh): its tests, the headline forward with
+#                                 one block a pair and as clusters in the same run, each
+#                                 kernel's device time (Nsight Compute), racecheck and memcheck
+#                                 on its test (about 5 minutes)
 #
 # The figures in docs/performance.md ("CUDA backend") come from `run`.
 set -euo pipefail
@@ -285,35 +291,47 @@ ncu_totals() {
          if (u == "ms") v *= 1000; else if (u == "ns") v /= 1000; else if (u == "s") v *= 1e6
          printf "%11.1f us %9.2f us %7d x %s\n", v * n, v, n, name }' "$1" | sort -rn
 }
-do_decode() {
-  local out="${1:-${build}/results}" t b
+# A step's start, for its caller's locals out, t and b: the results folder (argument, default
+# build/results) made, the packed libraries on the library path, the test runner and the
+# benchmark's paths.
+step_start() {
+  out="${1:-${build}/results}"
   mkdir -p "${out}"
   export LD_LIBRARY_PATH="${build}/bench${LD_LIBRARY_PATH:+:${LD_LIBRARY_PATH}}"
   t="${build}/tests/titans_cuda_tests"
   b="${build}/bench/bench_cuda"
-  TITANS_FUSED_FFN=1 timeout 50 "${t}" --warn NoTests \
-    "cuda layers: few-row FFN*,cuda model*,cuda blocks*" > "${out}/ffn_tests.txt" 2>&1 \
-    || echo "ffn tests: exit $?"
-  echo "ffn tests: $(tail -n 2 "${out}/ffn_tests.txt" | tr '\n' ' ')"
-  TITANS_ROWS_PRODUCT=1 TITANS_SPLIT_DECODE=1 timeout 60 "${t}" --warn NoTests \
-    "cuda layers: few-row product*,cuda attention: split*,cuda model*,cuda blocks*,cuda memory: the non-finite*,cuda launch: clusters" \
-    > "${out}/rows_tests.txt" 2>&1 || echo "rows and split tests: exit $?"
-  echo "rows and split tests: $(tail -n 2 "${out}/rows_tests.txt" | tr '\n' ' ')"
+}
+# ncu_kernels <name> <filter> <n>: each kernel's device time in the benchmarks matching filter
+# (Nsight Compute) into ncu_<name>.txt in the results folder, the n of most time echoed.
+ncu_kernels() {
+  timeout 40 ncu --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
+    "${b}" --benchmark_min_time=0.01 --benchmark_filter="$2" > "${out}/ncu_$1.txt" 2>&1 \
+    || echo "ncu $1: exit $?"
+  echo "ncu $1: the $3 kernels of most device time (total, mean, launches, name)"
+  ncu_totals "${out}/ncu_$1.txt" | head -n "$3"
+}
+# tests_to <file> <seconds> <filter>: the test runner's cases matching filter (the caller's
+# environment), the output to <file> in the results folder, its last two lines echoed.
+tests_to() {
+  timeout "$2" "${t}" --warn NoTests "$3" > "${out}/$1" 2>&1 || echo "$1: exit $?"
+  echo "$1: $(tail -n 2 "${out}/$1" | tr '\n' ' ')"
+}
+do_decode() {
+  local out t b
+  step_start "${1:-}"
+  TITANS_FUSED_FFN=1 tests_to ffn_tests.txt 50 "cuda layers: few-row FFN*,cuda model*,cuda blocks*"
+  TITANS_ROWS_PRODUCT=1 TITANS_SPLIT_DECODE=1 tests_to rows_tests.txt 60 \
+    "cuda layers: few-row product*,cuda attention: split*,cuda model*,cuda blocks*,cuda memory: the non-finite*,cuda launch: clusters"
   timeout 100 "${b}" --benchmark_counters_tabular=true --benchmark_repetitions=2 \
     --benchmark_min_time=0.25 --benchmark_filter='BM_CudaModelDecode|BM_CudaDecode/B:1(024)?/|BM_CudaRowsProduct|BM_CudaDecodeAtt|BM_CudaChecks' \
     > "${out}/decode_bench.txt" 2>&1 || echo "decode bench: exit $?"
   grep "^BM_" "${out}/decode_bench.txt" || true
-  local f filter m=BM_CudaModelDecode/B:1/pooled:1/graphs:0
+  local f m=BM_CudaModelDecode/B:1/pooled:1/graphs:0
   for f in decode:BM_CudaDecode/B:1/decode:1/rows:0 decode1024:BM_CudaDecode/B:1024/decode:1/rows:0 \
            model:${m}/ffn:0/opt:0 \
            model_ffn:${m}/ffn:1/opt:0 model_rows:${m}/ffn:0/opt:1 model_opt:${m}/ffn:0/opt:3 \
            forward:BM_CudaMemory/B:256/N:512/tf32:1/fused:1; do
-    filter="${f#*:}"
-    timeout 40 ncu --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
-      "${b}" --benchmark_min_time=0.01 --benchmark_filter="${filter}" \
-      > "${out}/ncu_${f%%:*}.txt" 2>&1 || echo "ncu ${f%%:*}: exit $?"
-    echo "ncu ${f%%:*}: the 20 kernels of most device time (total, mean, launches, name)"
-    ncu_totals "${out}/ncu_${f%%:*}.txt" | head -n 20
+    ncu_kernels "${f%%:*}" "${f#*:}" 20
   done
   # Why the headline forward's row kernels run 3-4x their bytes' time (the conv 1.63 ms, the
   # checks 1.33, 2026-11-30): bandwidth, occupancy and stall reasons, each kernel's first two.
@@ -327,6 +345,31 @@ do_decode() {
     "${t}" "cuda layers: few-row FFN*,cuda layers: few-row product*,cuda attention: split decode*" \
     > "${out}/ffn_racecheck.txt" 2>&1 || echo "ffn racecheck: exit $?"
   echo "ffn racecheck: $(grep 'RACECHECK SUMMARY' "${out}/ffn_racecheck.txt" || echo 'no summary')"
+}
+
+# The fused kernel as clusters of blocks a pair (memory_cluster.cuh): its test on the GPU, under
+# racecheck and memcheck (one case a sweep), the headline forward with one block a pair
+# (fused:1) and as clusters (fused:3) in the same run, and each kernel's device time.
+do_cluster() {
+  local out t b
+  step_start "${1:-}"
+  tests_to cluster_tests.txt 60 \
+    "cuda memory: fused cluster,cuda memory: cluster huge values,cuda memory: fused chunks,cuda launch: clusters"
+  timeout 60 "${b}" --benchmark_counters_tabular=true --benchmark_repetitions=3 \
+    --benchmark_min_time=0.25 --benchmark_filter='BM_CublasSgemm|BM_CudaMemory/B:(64|256)/N:(1024|512)/tf32:1/fused:[13]' \
+    > "${out}/cluster_bench.txt" 2>&1 || echo "cluster bench: exit $?"
+  grep "^BM_" "${out}/cluster_bench.txt" || true
+  local f
+  for f in 1 3; do
+    ncu_kernels "cluster_${f}" "BM_CudaMemory/B:256/N:512/tf32:1/fused:${f}\$" 10
+  done
+  local tool
+  for tool in racecheck memcheck; do
+    TITANS_CUDA_PARITY_CASES=1 timeout 60 compute-sanitizer --tool "${tool}" --error-exitcode 9 \
+      "${t}" "cuda memory: fused cluster" > "${out}/cluster_${tool}.txt" 2>&1 \
+      || echo "cluster ${tool}: exit $?"
+    echo "cluster ${tool}: $(grep -E 'SUMMARY' "${out}/cluster_${tool}.txt" || echo 'no summary')"
+  done
 }
 
 do_peers() {
@@ -351,7 +394,8 @@ case "${1:-all}" in
   peers) do_peers "${2:-}" ;;
   profile) do_profile "${2:-}" ;;
   decode) do_decode "${2:-}" ;;
+  cluster) do_cluster "${2:-}" ;;
   all) do_build && do_run ;;
-  *) echo "usage: tools/gpu_check.sh [build | pack [FROM] | run [DIR] | sanitize [DIR] | lease [DIR] | peers [DIR] | profile [DIR] | decode [DIR]]" >&2
+  *) echo "usage: tools/gpu_check.sh [build | pack [FROM] | run [DIR] | sanitize [DIR] | lease [DIR] | peers [DIR] | profile [DIR] | decode [DIR] | cluster [DIR]]" >&2
      exit 2 ;;
 esac

@@ -21,7 +21,9 @@
 //                             timed alone (manual time: the state reset is outside it); TF32
 //                             allowed (1) or not (0); full chunks in the fused kernel
 //                             (memory_fused.cuh, 1; 2 with its products on bfloat16 operands,
-//                             FusedOperands::BF16) or as batched cuBLAS products (0);
+//                             FusedOperands::BF16; 3 as clusters of blocks a pair, W and S in
+//                             shared memory, memory_cluster.cuh) or as batched cuBLAS
+//                             products (0);
 //                             counters tokens_per_second, GFLOPS (bench/memory_flops.hpp),
 //                             frac_sgemm and frac_tf32 (GFLOPS over BM_CublasSgemm/4096's)
 //   BM_CudaMemoryTrain/B/N    the same memory's training step: training forward with its trace
@@ -338,6 +340,7 @@ void BM_CudaMemory(benchmark::State& state) {
     const bool tf32 = state.range(2) != 0;
     const bool fused = state.range(3) != 0;
     const bool bf16 = state.range(3) == 2;
+    const bool cluster = state.range(3) == 3;
     const double sgemm = sgemm_rate(4096, false), tf32_rate = sgemm_rate(4096, true);
     Setup s(B, N);
     tc::set_allow_tf32(tf32);
@@ -345,10 +348,12 @@ void BM_CudaMemory(benchmark::State& state) {
     tc::set_allow_tf32(false);
     tc::set_fused_memory(fused ? tc::FusedMemory::On : tc::FusedMemory::Off);
     tc::set_fused_operands(bf16 ? tc::FusedOperands::BF16 : tc::FusedOperands::Float);
+    tc::set_fused_cluster(cluster ? -1 : 0);
     Kernels::State st = fresh;
-    const long long launches = tc::fused_launches();
+    const long long launches = tc::fused_launches(), clusters = tc::fused_cluster_launches();
     s.forward(st);  // warm-up: workspaces, cuBLAS heuristics
-    if ((tc::fused_launches() > launches) != fused) {
+    if ((tc::fused_launches() > launches) != fused ||
+        (tc::fused_cluster_launches() > clusters) != cluster) {
         state.SkipWithError("the fused kernel did not run as asked");
     }
     const double seconds = timed_from_fresh(state, fresh, st, [&] { s.forward(st); });
@@ -359,6 +364,7 @@ void BM_CudaMemory(benchmark::State& state) {
     state.counters["frac_tf32"] = gflops / tf32_rate;
     tc::set_fused_memory(tc::FusedMemory::Auto);
     tc::set_fused_operands(tc::FusedOperands::Float);
+    tc::set_fused_cluster(0);
 }
 
 /// The memory's training step at B x N: the training forward (trace in device memory) and the
@@ -749,6 +755,7 @@ BENCHMARK(BM_CudaMemory)
     ->Args({1, 2048, 1, 1})->Args({16, 2048, 1, 1})->Args({64, 1024, 1, 1})->Args({256, 512, 1, 1})
     ->Args({256, 512, 0, 1})
     ->Args({64, 1024, 1, 2})->Args({256, 512, 1, 2})
+    ->Args({64, 1024, 1, 3})->Args({256, 512, 1, 3})
     ->Unit(benchmark::kMillisecond)->UseManualTime();
 BENCHMARK(BM_CudaMemoryTrain)
     ->ArgNames({"B", "N"})

@@ -162,11 +162,22 @@ namespace {
 
 namespace tcu = titans::backend::cuda;
 
-/// A configuration the fused chunk kernel takes in T (depth 2, lagged, chunk 32 or 64, d_h 32
-/// or 64, expansion 1, 2 or 4, its shared memory within an H100's 227 KB), the other options
-/// from m and drawn as in the parity sweep (conv kernels up to 11).
+/// Whether the fused kernel takes (b, d_h, h) in T within an H100's 227 KB of shared memory:
+/// as one block a pair (ranks 0), or as clusters of `ranks` blocks (memory_cluster.cuh).
 template <class T>
-MemoryConfig fused_config(Modes m, Rng& rng) {
+bool fused_fits(int b, int dh, int h, int ranks) {
+    const long long entries =
+        ranks == 0 ? tcu::FusedLayout{b, dh, h}.entries()
+        : tcu::ClusterLayout::covers(b, dh, h, ranks) ? tcu::ClusterLayout::of(b, dh, h, ranks).entries()
+                                                       : 1LL << 40;
+    return static_cast<std::size_t>(entries) * sizeof(T) <= 232448;
+}
+
+/// A configuration the fused chunk kernel takes in T (depth 2, lagged, chunk 32 or 64, d_h 32
+/// or 64, expansion 1, 2 or 4, fused_fits, as clusters of `ranks` blocks where that is not 0),
+/// the other options from m and drawn as in the parity sweep (conv kernels up to 11).
+template <class T>
+MemoryConfig fused_config(Modes m, Rng& rng, int ranks = 0) {
     m.retrieval = Retrieval::Lagged;
     m.update = titans::UpdateMode::Chunked;
     Limits lim;
@@ -180,9 +191,7 @@ MemoryConfig fused_config(Modes m, Rng& rng) {
         c.d_head = pick(rng, std::vector<int>{32, 32, 64});
         c.expansion = pick(rng, std::vector<int>{1, 2, 4});
         c.chunk = pick(rng, std::vector<int>{32, 32, 64});
-    } while (static_cast<std::size_t>(
-                 tcu::FusedLayout{c.chunk, c.d_head, c.expansion * c.d_head}.entries()) *
-                 sizeof(T) > 232448);
+    } while (!fused_fits<T>(c.chunk, c.d_head, c.expansion * c.d_head, ranks));
     c.validate();
     return c;
 }
@@ -204,14 +213,17 @@ std::vector<int> chunky_pieces(int N, int b, Rng& rng) {
 }
 
 /// Cases of fused_config through compare_case with the fused kernel on, its float products on
-/// operands `ops` (TF32: allowed on the states' streams; BF16: FusedOperands::BF16): the worst
-/// error; every case must have launched the fused kernel. The draws depend on T only, so that
-/// the float sweeps on each kind of operands run the same cases; case i's streams are of
-/// stream_kind i (drawn, constant, periodic, huge, tiny).
+/// operands `ops` (TF32: allowed on the states' streams; BF16: FusedOperands::BF16), as
+/// clusters of `ranks` blocks a pair where that is not 0: the worst error; every case must
+/// have launched the kernel (the cluster kernel where ranks is not 0). The draws depend on T
+/// and ranks only, so that the float sweeps on each kind of operands run the same cases; case
+/// i's streams are of stream_kind i (drawn, constant, periodic, huge, tiny).
 template <class T>
-double fused_sweep(const char* name, int cases_per_mode, double bound, tcu::Operands ops) {
+double fused_sweep(const char* name, int cases_per_mode, double bound, tcu::Operands ops,
+                   int ranks = 0) {
     cases_per_mode = parity_cases(cases_per_mode);
     tcu::set_fused_memory(tcu::FusedMemory::On);
+    tcu::set_fused_cluster(ranks);
     tcu::set_allow_tf32(ops == tcu::Operands::TF32);
     tcu::set_fused_operands(ops == tcu::Operands::BF16 ? tcu::FusedOperands::BF16
                                                         : tcu::FusedOperands::Float);
@@ -219,10 +231,10 @@ double fused_sweep(const char* name, int cases_per_mode, double bound, tcu::Oper
     int index = 0;
     for (GateMode g : {GateMode::DataDependent, GateMode::PerChunk, GateMode::Constant}) {
         for (int k = 0; k < cases_per_mode; ++k, ++index) {
-            Rng rng(seed_for(type_name<T>(), static_cast<std::uint64_t>(index)));
+            Rng rng(seed_for(type_name<T>(), static_cast<std::uint64_t>(index + 100 * ranks)));
             Modes m = with_flags(Modes{}, (k * 7 + index) % 32);
             m.gates = g;
-            MemoryConfig cfg = fused_config<T>(m, rng);
+            MemoryConfig cfg = fused_config<T>(m, rng, ranks);
             if (index % 5 == 3 && cfg.max_grad_norm == 0) {
                 cfg.max_grad_norm = 1;  // huge streams diverge an unclipped memory in float
             }
@@ -238,11 +250,14 @@ double fused_sweep(const char* name, int cases_per_mode, double bound, tcu::Oper
                       << cfg.expansion << " chunk " << cfg.chunk << " clip " << cfg.max_grad_norm
                       << " B " << B << " N " << N);
             const long long launches = tcu::fused_launches();
+            const long long clusters = tcu::fused_cluster_launches();
             worst = std::max(worst, compare_case<T>(cfg, p, x, B, N, rng, bound,
                                                     chunky_pieces(N, cfg.chunk, rng)));
             CHECK(tcu::fused_launches() > launches);
+            CHECK((tcu::fused_cluster_launches() > clusters) == (ranks != 0));
         }
     }
+    tcu::set_fused_cluster(0);
     tcu::set_fused_memory(tcu::FusedMemory::Auto);
     tcu::set_fused_operands(tcu::FusedOperands::Float);
     tcu::set_allow_tf32(false);
@@ -266,6 +281,43 @@ TEST_CASE("cuda memory: fused chunks", "[cuda]") {
     const double eb = fused_sweep<float>("cuda fused bf16", 3, 8e-2, tcu::Operands::BF16);
     CHECK(et > 2 * e);
     CHECK(eb > 2 * et);
+}
+
+// The fused kernel as clusters of 2, 4 and 8 blocks a pair (memory_cluster.cuh: W and S split
+// over the ranks' shared memory, the read's and D2's partial sums and the rows' norms summed
+// across the cluster), against the CPU as "fused chunks": double to rounding, float within
+// 1e-5, TF32 and bfloat16 within their bounds there.
+TEST_CASE("cuda memory: fused cluster", "[cuda]") {
+    fused_sweep<double>("cuda cluster double, 2 ranks", 2, 1e-12, tcu::Operands::Exact, 2);
+    fused_sweep<double>("cuda cluster double, 8 ranks", 1, 1e-12, tcu::Operands::Exact, 8);
+    fused_sweep<float>("cuda cluster float, 4 ranks", 1, 1e-5, tcu::Operands::Exact, 4);
+    fused_sweep<float>("cuda cluster tf32, 4 ranks", 1, 1e-2, tcu::Operands::TF32, 4);
+    fused_sweep<float>("cuda cluster bf16, 4 ranks", 1, 8e-2, tcu::Operands::BF16, 4);
+}
+
+// Values near 1e20 in float (W_V scaled up, clipping on): D2's rows and X's have squared norms
+// beyond float's range, so math §10's clip takes the scaled norm, in the cluster kernel from
+// the ranks' shares of each row (mantissa and exponent): against the CPU, with one block a
+// pair and as clusters of 4, both within float's bound.
+TEST_CASE("cuda memory: cluster huge values", "[cuda]") {
+    tcu::set_fused_memory(tcu::FusedMemory::On);
+    for (int ranks : {0, 4}) {
+        tcu::set_fused_cluster(ranks);
+        Rng rng(seed_for("cuda cluster huge", static_cast<std::uint64_t>(ranks)));
+        MemoryConfig cfg = fused_config<float>(Modes{}, rng, 4);
+        cfg.max_grad_norm = 1;
+        auto p = random_params(cfg, rng);
+        p.w_v *= 1e20;
+        const int B = 2, N = 3 * cfg.chunk;
+        const Matrixd x = random_matrix(static_cast<Eigen::Index>(B) * N, cfg.d_model, rng);
+        INFO("ranks " << ranks << " d_h " << cfg.head_dim() << " e " << cfg.expansion << " chunk "
+                      << cfg.chunk);
+        const long long clusters = tcu::fused_cluster_launches();
+        (void)compare_case<float>(cfg, p, x, B, N, rng, 1e-5, {N});
+        CHECK((tcu::fused_cluster_launches() > clusters) == (ranks != 0));
+    }
+    tcu::set_fused_cluster(0);
+    tcu::set_fused_memory(tcu::FusedMemory::Auto);
 }
 
 // A forward whose fused chunks diverge (values of 1e200, clipping off: the keys overflow after

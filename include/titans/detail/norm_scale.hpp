@@ -131,33 +131,53 @@ TITANS_HOST_DEVICE T GradNorm<T>::ratio(const T* x, long long n) const {
     return std::ldexp(m / s, e - k);
 }
 
-/// g of rows(l) (a GradRows<T> per layer l in [0, depth)) as GradNorm: each ||a_l|| ||delta_l||
-/// as q_l 2^k_l (q_l in [1, 4)), k the largest k_l, s = sqrt(sum_l (q_l 2^(k_l - k))^2). Two
-/// passes over the rows (the largest exponent first); for the rows where the plain sum
-/// overflowed, so its cost does not matter.
-template <class T, class Rows>
-TITANS_HOST_DEVICE GradNorm<T> scaled_grad_norm(int depth, const Rows& rows) {
+/// One layer's norms for scaled_grad_norm_of: ||a_l|| = ma 2^ea and ||delta_l|| = md 2^ed, each
+/// mantissa in [1, 2), or 0 for a zero row (row_norm_mantissa's form).
+template <class T>
+struct NormPair {
+    T ma = T(0);
+    int ea = 0;
+    T md = T(0);
+    int ed = 0;
+};
+
+/// g from each layer's norms (parts(l), a NormPair<T> for l in [0, depth)) as GradNorm: each
+/// ||a_l|| ||delta_l|| as q_l 2^k_l (q_l in [1, 4)), k the largest k_l, s = sqrt(sum_l (q_l
+/// 2^(k_l - k))^2). Two passes (the largest exponent first).
+template <class T, class Parts>
+TITANS_HOST_DEVICE GradNorm<T> scaled_grad_norm_of(int depth, const Parts& parts) {
     GradNorm<T> g;
     bool any = false;
     for (int pass = 0; pass < 2; ++pass) {
         T sum = T(0);
         for (int l = 0; l < depth; ++l) {
-            const GradRows<T> r = rows(l);
-            int ea = 0, ed = 0;
-            const T ma = row_norm_mantissa(r.a, r.na, ea);
-            const T md = row_norm_mantissa(r.d, r.nd, ed);
-            if (!(ma > T(0)) || !(md > T(0))) continue;
+            const NormPair<T> n = parts(l);
+            if (!(n.ma > T(0)) || !(n.md > T(0))) continue;
             if (pass == 0) {
-                g.k = any && g.k > ea + ed ? g.k : ea + ed;
+                g.k = any && g.k > n.ea + n.ed ? g.k : n.ea + n.ed;
                 any = true;
             } else {
-                const T q = std::ldexp(ma * md, ea + ed - g.k);
+                const T q = std::ldexp(n.ma * n.md, n.ea + n.ed - g.k);
                 sum += q * q;
             }
         }
         if (pass == 1) g.s = std::sqrt(sum);
     }
     return g;
+}
+
+/// g of rows(l) (a GradRows<T> per layer l in [0, depth)) as GradNorm (scaled_grad_norm_of of
+/// the rows' row_norm_mantissa), for the rows where the plain sum of products overflowed, so
+/// its cost does not matter.
+template <class T, class Rows>
+TITANS_HOST_DEVICE GradNorm<T> scaled_grad_norm(int depth, const Rows& rows) {
+    return scaled_grad_norm_of<T>(depth, [&](int l) {
+        const GradRows<T> r = rows(l);
+        NormPair<T> n;
+        n.ma = row_norm_mantissa(r.a, r.na, n.ea);
+        n.md = row_norm_mantissa(r.d, r.nd, n.ed);
+        return n;
+    });
 }
 
 /// scaled_grad_norm of row i of the layers' tapes a and delta (row-major matrices, one per

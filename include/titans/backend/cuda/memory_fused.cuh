@@ -155,47 +155,88 @@ __device__ void each_shared(int rows, int width, int ld, const F& f) {
     }
 }
 
-/// The lagged read of the chunk's queries (in sh.q): y = act(Q W1) W2 (+ Q).
-template <class T, Operands P>
-__device__ void fused_read(const FusedArgs<T>& f, const FusedShared<T>& sh, const T* w1,
-                           const T* w2, T* y) {
+/// The weights a fused kernel's products read: W1 (d_h x h, leading dimension ld1) and W2
+/// (h x d_h, ld2), h the block's hidden width (FusedLayout::h): the pair's whole W in device
+/// memory (fused_chunks_kernel), or a cluster rank's columns of W1 and rows of W2 in shared
+/// memory (memory_cluster.cuh).
+template <class T>
+struct FusedWeights {
+    const T* w1;
+    int ld1;
+    const T* w2;
+    int ld2;
+    __device__ T at1(int k, int j) const { return w1[k * ld1 + j]; }
+    __device__ T at2(int k, int j) const { return w2[k * ld2 + j]; }
+};
+
+/// The lagged read of the chunk's queries (in sh.q): X = act(Q W1) into sh.x, then X W2 (b x
+/// d_h) to the tile epilogue `out`. Products over the hidden width in warp tiles of HT x 2 HT
+/// pieces (fused_chunks_kernel's 32 x 32; a cluster rank's smaller share takes 16 x 16).
+template <class T, Operands P, int HT, class FT>
+__device__ void fused_read(const FusedArgs<T>& f, const FusedShared<T>& sh,
+                           const FusedWeights<T>& wt, const FT& out) {
     const FusedLayout& l = f.lay;
-    const int ldk = l.ldk(), ldh = l.ldh(), dh = l.dh, h = l.h;
+    const int ldk = l.ldk(), ldh = l.ldh();
     const Activation act = f.act;
-    block_product<T, P, 2, 4, KOrder::Pair>(
-        l.b, h, dh, RowMajor<T>{sh.q, ldk}, [&](int k, int j) { return w1[k * h + j]; },
+    block_product<T, P, HT, 2 * HT, KOrder::Pair>(
+        l.b, l.h, l.dh, RowMajor<T>{sh.q, ldk}, [&](int k, int j) { return wt.at1(k, j); },
         each_pair([&](int i, int j, T z0, T z1) { store_pair(sh.x + i * ldh + j, z0, z1); }));
     __syncthreads();
-    each_shared(l.b, h, ldh, [&](int e) { sh.x[e] = detail::activate(act, sh.x[e]); });
+    each_shared(l.b, l.h, ldh, [&](int e) { sh.x[e] = detail::activate(act, sh.x[e]); });
     __syncthreads();
-    const bool res = f.residual;
-    block_product<T, P, 1, 2, KOrder::Pair>(
-        l.b, dh, h, RowMajor<T>{sh.x, ldh}, [&](int k, int j) { return w2[k * dh + j]; },
-        each_entry([&](int i, int j, T z) { y[i * dh + j] = res ? z + sh.q[i * ldk + j] : z; }));
+    block_product<T, P, 1, 2, KOrder::Pair>(l.b, l.dh, l.h, RowMajor<T>{sh.x, ldh},
+                                            [&](int k, int j) { return wt.at2(k, j); }, out);
+    __syncthreads();
+}
+
+/// The chunk's keys (in sh.k) through W1 (math §2): A1 = act(K W1) into sh.a1, act'(K W1) into
+/// sh.x.
+template <class T, Operands P, int HT>
+__device__ void fused_hidden(const FusedArgs<T>& f, const FusedShared<T>& sh,
+                             const FusedWeights<T>& wt) {
+    const FusedLayout& l = f.lay;
+    const int ldh = l.ldh();
+    const Activation act = f.act;
+    block_product<T, P, HT, 2 * HT, KOrder::Pair>(
+        l.b, l.h, l.dh, RowMajor<T>{sh.k, l.ldk()}, [&](int k, int j) { return wt.at1(k, j); },
+        each_pair([&](int i, int j, T z0, T z1) { store_pair(sh.a1 + i * ldh + j, z0, z1); }));
+    __syncthreads();
+    each_shared(l.b, l.h, ldh, [&](int e) {
+        const detail::ValueGrad<T> vg = detail::activate_with_grad(act, sh.a1[e]);
+        sh.a1[e] = vg.value;
+        sh.x[e] = vg.grad;
+    });
+    __syncthreads();
+}
+
+/// The error's way back to the hidden layer (math §2): X = (D2 W2^T) . act'(K W1), D2 in sh.q,
+/// act'(K W1) in sh.x, overwritten.
+template <class T, Operands P, int HT>
+__device__ void fused_back(const FusedArgs<T>& f, const FusedShared<T>& sh,
+                           const FusedWeights<T>& wt) {
+    const FusedLayout& l = f.lay;
+    const int ldh = l.ldh();
+    block_product<T, P, HT, 2 * HT, KOrder::Pair>(
+        l.b, l.h, l.dh, RowMajor<T>{sh.q, l.ldk()}, Transposed<T>{wt.w2, wt.ld2},
+        each_pair([&](int i, int j, T z0, T z1) {
+            T* x = sh.x + i * ldh + j;
+            const EntryPair<T> g = load_pair(x);
+            store_pair(x, g.x * z0, g.y * z1);
+        }));
     __syncthreads();
 }
 
 /// The chunk's keys (in sh.k) forward through W^s and back through the loss (math §2):
 /// A1 = act(K W1), D2 = A1 W2 (+ K) - V (into sh.q), X = (D2 W2^T) . act'(K W1).
 template <class T, Operands P>
-__device__ void fused_keys(const FusedArgs<T>& f, const FusedShared<T>& sh, const T* w1,
-                           const T* w2, const T* v) {
+__device__ void fused_keys(const FusedArgs<T>& f, const FusedShared<T>& sh,
+                           const FusedWeights<T>& wt, const T* v) {
     const FusedLayout& l = f.lay;
-    const int ldk = l.ldk(), ldh = l.ldh(), dh = l.dh, h = l.h;
-    const Activation act = f.act;
-    block_product<T, P, 2, 4, KOrder::Pair>(
-        l.b, h, dh, RowMajor<T>{sh.k, ldk}, [&](int k, int j) { return w1[k * h + j]; },
-        each_pair([&](int i, int j, T z0, T z1) { store_pair(sh.a1 + i * ldh + j, z0, z1); }));
-    __syncthreads();
-    each_shared(l.b, h, ldh, [&](int e) {
-        const detail::ValueGrad<T> vg = detail::activate_with_grad(act, sh.a1[e]);
-        sh.a1[e] = vg.value;
-        sh.x[e] = vg.grad;
-    });
-    __syncthreads();
+    const int ldk = l.ldk(), dh = l.dh;
+    fused_hidden<T, P, 2>(f, sh, wt);
     const bool res = f.residual;
     block_product<T, P, 1, 2, KOrder::Pair>(
-        l.b, dh, h, RowMajor<T>{sh.a1, ldh}, [&](int k, int j) { return w2[k * dh + j]; },
+        l.b, dh, l.h, RowMajor<T>{sh.a1, l.ldh()}, [&](int k, int j) { return wt.at2(k, j); },
         [&](const T(&acc)[1][2][4], int i, int j0) {
             T d[1][2][4], kt[1][2][4];  // V's entries first: their loads in flight together
             tile_gather(d, i, j0, [&](int r, int c) { return v[r * dh + c]; });
@@ -211,13 +252,28 @@ __device__ void fused_keys(const FusedArgs<T>& f, const FusedShared<T>& sh, cons
                 d, i, j0);
         });
     __syncthreads();
-    block_product<T, P, 2, 4, KOrder::Pair>(
-        l.b, h, dh, RowMajor<T>{sh.q, ldk}, Transposed<T>{w2, dh},
-        each_pair([&](int i, int j, T z0, T z1) {
-            T* x = sh.x + i * ldh + j;
-            const EntryPair<T> g = load_pair(x);
-            store_pair(x, g.x * z0, g.y * z1);
-        }));
+    fused_back<T, P, 2>(f, sh, wt);
+}
+
+/// Row r's theta, eta, alpha into shared memory (by lane 0 of the row's warp).
+template <class T>
+__device__ void store_gates(const FusedShared<T>& sh, int r, const GateValues<T>& v, int lane) {
+    if (lane == 0) {
+        sh.theta[r] = v.theta;
+        sh.eta[r] = v.eta;
+        sh.alpha[r] = v.alpha;
+    }
+}
+
+/// The chunk-end coefficients of the chunk's b rows' gates (math §4), by one thread, between
+/// two block barriers (after every row's store_gates).
+template <class T>
+__device__ void fused_coefficients(const FusedShared<T>& sh, int b) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        chunk_end_coefficients<T>(b, sh.theta, sh.eta, sh.alpha, sh.g, sh.s, sh.ends,
+                                  sh.ends + 1, sh.ends + 2);
+    }
     __syncthreads();
 }
 
@@ -236,18 +292,9 @@ __device__ void fused_gates(const FusedArgs<T>& f, const FusedShared<T>& sh, con
                            : detail::GradRows<T>{sh.a1 + r * ldh, l.h, sh.q + r * ldk, l.dh};
             },
             lane);
-        if (lane == 0) {
-            sh.theta[r] = gv.theta;
-            sh.eta[r] = gv.eta;
-            sh.alpha[r] = gv.alpha;
-        }
+        store_gates(sh, r, gv, lane);
     }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        chunk_end_coefficients<T>(l.b, sh.theta, sh.eta, sh.alpha, sh.g, sh.s, sh.ends,
-                                  sh.ends + 1, sh.ends + 2);
-    }
-    __syncthreads();
+    fused_coefficients(sh, l.b);
 }
 
 /// One k-step (k_step<P>) of a layer's chunk end for a warp tile: accg += A^T diag(g) E and
@@ -291,12 +338,12 @@ __device__ inline void end_step(T (&accg)[MT][NT][4], T (&accs)[MT][NT][4], cons
 }
 
 /// One layer's chunk end (math §4): W = beta W + c S - A^T diag(g) E, S = P S - A^T diag(s) E,
-/// A (b x in, ld lda) and E (b x out, ld lde) in shared memory, W and S in device memory. A
-/// warp tile holds both products' accumulators; its W and S entries are loaded together
-/// before any is stored.
+/// A (b x in, ld lda) and E (b x out, ld lde) in shared memory, W and S (in x out, ld ldw) in
+/// device or shared memory. A warp tile holds both products' accumulators; its W and S
+/// entries are loaded together before any is stored.
 template <class T, Operands P>
 __device__ void fused_end_layer(const FusedShared<T>& sh, int b, int in, int out, const T* A,
-                                int lda, const T* E, int lde, T* W, T* S) {
+                                int lda, const T* E, int lde, T* W, T* S, int ldw) {
     constexpr int MT = 2, NT = 2;
     const T beta = sh.ends[0], c = sh.ends[1], pe = sh.ends[2];
     const int warp = static_cast<int>(threadIdx.x / 32), warps = static_cast<int>(blockDim.x / 32);
@@ -311,8 +358,8 @@ __device__ void fused_end_layer(const FusedShared<T>& sh, int b, int in, int out
             end_step<T, P, MT, NT>(accg, accs, A, lda, E, lde, sh.g, sh.s, i, j, k0, gl, q);
         }
         const int j0 = j - gl + 2 * q;
-        tile_gather(w, i, j0, [&](int r, int col) { return W[r * out + col]; });
-        tile_gather(sv, i, j0, [&](int r, int col) { return S[r * out + col]; });
+        tile_gather(w, i, j0, [&](int r, int col) { return W[r * ldw + col]; });
+        tile_gather(sv, i, j0, [&](int r, int col) { return S[r * ldw + col]; });
         TITANS_UNROLL
         for (int mi = 0; mi < MT; ++mi) {
             TITANS_UNROLL
@@ -324,8 +371,8 @@ __device__ void fused_end_layer(const FusedShared<T>& sh, int b, int in, int out
                 }
             }
         }
-        tile_store(w, i, j0, [&](int r, int col, T z) { W[r * out + col] = z; });
-        tile_store(sv, i, j0, [&](int r, int col, T z) { S[r * out + col] = z; });
+        tile_store(w, i, j0, [&](int r, int col, T z) { W[r * ldw + col] = z; });
+        tile_store(sv, i, j0, [&](int r, int col, T z) { S[r * ldw + col] = z; });
     }
 }
 
@@ -340,16 +387,22 @@ __global__ void __launch_bounds__(fused_threads) fused_chunks_kernel(FusedArgs<T
     T* w2 = f.w[1] + p * io;
     T* s1 = f.s[0] + p * io;
     T* s2 = f.s[1] + p * io;
+    const FusedWeights<T> wt{w1, l.h, w2, l.dh};
     for (int c = 0; c < f.chunks; ++c) {
         const long long row = p * f.N + static_cast<long long>(c) * l.b;  // first row, pair-major
         copy_tile(sh.q, l.ldk(), f.q + row * l.dh, l.dh, l.b, l.dh);
         copy_tile(sh.k, l.ldk(), f.k + row * l.dh, l.dh, l.b, l.dh);
         __syncthreads();
-        fused_read<T, P>(f, sh, w1, w2, f.y + row * l.dh);
-        fused_keys<T, P>(f, sh, w1, w2, f.v + row * l.dh);
+        T* y = f.y + row * l.dh;
+        const bool res = f.residual;
+        const int dh = l.dh, ldk = l.ldk();
+        fused_read<T, P, 2>(f, sh, wt, each_entry([&](int i, int j, T z) {
+                                y[i * dh + j] = res ? z + sh.q[i * ldk + j] : z;
+                            }));
+        fused_keys<T, P>(f, sh, wt, f.v + row * l.dh);
         fused_gates<T>(f, sh, f.gates != nullptr ? f.gates + row * 3 : nullptr);
-        fused_end_layer<T, P>(sh, l.b, l.dh, l.h, sh.k, l.ldk(), sh.x, l.ldh(), w1, s1);
-        fused_end_layer<T, P>(sh, l.b, l.h, l.dh, sh.a1, l.ldh(), sh.q, l.ldk(), w2, s2);
+        fused_end_layer<T, P>(sh, l.b, l.dh, l.h, sh.k, l.ldk(), sh.x, l.ldh(), w1, s1, l.h);
+        fused_end_layer<T, P>(sh, l.b, l.h, l.dh, sh.a1, l.ldh(), sh.q, l.ldk(), w2, s2, l.dh);
         if (c + 1 == f.chunks) {  // the last chunk's rows: the state's pending A, Delta
             const long long pb = p * l.b;
             copy_tile(f.a[0] + pb * l.dh, l.dh, sh.k, l.ldk(), l.b, l.dh);

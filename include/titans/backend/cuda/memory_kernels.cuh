@@ -36,6 +36,7 @@
 #include "launch.cuh"
 #include "memory_decode.cuh"
 #include "memory_device.cuh"
+#include "memory_cluster.cuh"
 #include "memory_fused.cuh"
 #include "memory_state.cuh"
 #include "transfer.cuh"
@@ -971,7 +972,7 @@ struct MemoryKernels<Cuda, T> {
                 const int chunks = static_cast<int>(std::min<long long>((N - t) / b, 1 << 20));
                 save_rows(st, 0, b);
                 save_full(st);
-                fused_chunks(cfg, st, N, t, chunks, fused.operands);
+                fused_chunks(cfg, st, N, t, chunks, fused);
                 if (cfg.gates != GateMode::Constant) {
                     copy_rows(sm, st.gates_.data(), w.lp.data(), P, b, N,
                               t + static_cast<long long>(chunks - 1) * b, 0, b, 3);
@@ -1018,11 +1019,30 @@ struct MemoryKernels<Cuda, T> {
     /// tensor cores: a depth-2 memory with lagged retrieval, no diagnostics, chunk, d_h and
     /// hidden width multiples of 32 (FusedLayout::tiles), the kernel's shared memory within the
     /// device's limit;
-    /// cuda::fused_memory() decides the rest.
+    /// cuda::fused_memory() decides the rest. `ranks`: the cluster kernel's blocks a pair
+    /// (memory_cluster.cuh; cluster_ranks), 0 for fused_chunks_kernel.
     struct FusedPlan {
         bool use = false;
         cuda::Operands operands = cuda::Operands::Exact;
+        int ranks = 0;
     };
+    /// The cluster kernel's ranks for chunk b (cuda::fused_cluster(): 0 none; -1 the fewest
+    /// of 2, 4, 8 that cover the shape with shared memory within the device's limit; else
+    /// that many where they do), 0 where none does.
+    static int cluster_ranks(const MemoryConfig& cfg, int b) {
+        const int want = cuda::fused_cluster();
+        for (int r : {2, 4, 8}) {
+            if (want == 0 || (want > 0 && r != want) ||
+                !cuda::ClusterLayout::covers(b, cfg.head_dim(), cfg.layer_out(1), r)) {
+                continue;
+            }
+            const auto cl = cuda::ClusterLayout::of(b, cfg.head_dim(), cfg.layer_out(1), r);
+            if (static_cast<std::size_t>(cl.entries()) * sizeof(T) <= cuda::shared_memory_limit()) {
+                return r;
+            }
+        }
+        return 0;
+    }
     static FusedPlan fused_plan(const MemoryConfig& cfg, const State& st, bool want_diag) {
         const cuda::FusedMemory mode = cuda::fused_memory();
         cuda::Operands ops = cuda::Operands::Exact;
@@ -1036,19 +1056,21 @@ struct MemoryKernels<Cuda, T> {
             cfg.depth != 2 || cfg.retrieval != Retrieval::Lagged || want_diag) {
             return {};
         }
+        const int ranks = cluster_ranks(cfg, st.chunk_);
         const cuda::FusedLayout lay{st.chunk_, cfg.head_dim(), cfg.layer_out(1)};
-        if (!lay.tiles() ||
-            static_cast<std::size_t>(lay.entries()) * sizeof(T) > cuda::shared_memory_limit()) {
+        if (ranks == 0 && (!lay.tiles() || static_cast<std::size_t>(lay.entries()) * sizeof(T) >
+                                               cuda::shared_memory_limit())) {
             return {};
         }
-        return {true, ops};
+        return {true, ops, ranks};
     }
 
     /// math §2-5 over `chunks` full chunks of every pair from piece row t (a chunk start), in
-    /// one launch of the fused kernel on operands `ops`; the last chunk's rows of A, Delta into
-    /// the state.
+    /// one launch of the fused kernel (plan: its operands, and clusters of plan.ranks blocks
+    /// a pair where that is not 0); the last chunk's rows of A, Delta into the state.
     static void fused_chunks(const MemoryConfig& cfg, State& st, long long N, long long t,
-                             int chunks, cuda::Operands ops) {
+                             int chunks, const FusedPlan& plan) {
+        const cuda::Operands ops = plan.operands;
         auto& w = *st.work_;
         const long long dh = cfg.head_dim(), P = static_cast<long long>(st.batch_) * cfg.n_heads;
         cuda::FusedArgs<T> f{};
@@ -1069,6 +1091,10 @@ struct MemoryKernels<Cuda, T> {
         f.gp = cuda::GateParams<T>::of(cfg);
         f.act = cfg.activation;
         f.residual = cfg.residual;
+        if (plan.ranks > 0) {
+            fused_cluster(st, f, ops, plan.ranks, P);
+            return;
+        }
         void (*kernel)(cuda::FusedArgs<T>) = cuda::fused_chunks_kernel<T, cuda::Operands::Exact>;
         if constexpr (std::is_same_v<T, float>) {
             if (ops == cuda::Operands::TF32) {
@@ -1083,6 +1109,29 @@ struct MemoryKernels<Cuda, T> {
                             ctx(st).stream(), f);
         cuda::check_launch("the fused chunk kernel");
         ++cuda::fused_launches();
+    }
+
+    /// fused_chunks' launch as clusters of `ranks` blocks a pair (memory_cluster.cuh): f.lay's
+    /// hidden width becomes a rank's share.
+    static void fused_cluster(const State& st, cuda::FusedArgs<T> f, cuda::Operands ops,
+                              int ranks, long long P) {
+        const auto cl = cuda::ClusterLayout::of(f.lay.b, f.lay.dh, f.lay.h, ranks);
+        f.lay = cl.lay;
+        void (*kernel)(cuda::FusedArgs<T>, int) = cuda::fused_cluster_kernel<T, cuda::Operands::Exact>;
+        if constexpr (std::is_same_v<T, float>) {
+            if (ops == cuda::Operands::TF32) {
+                kernel = cuda::fused_cluster_kernel<T, cuda::Operands::TF32>;
+            } else if (ops == cuda::Operands::BF16) {
+                kernel = cuda::fused_cluster_kernel<T, cuda::Operands::BF16>;
+            }
+        }
+        const auto bytes = static_cast<std::size_t>(cl.entries()) * sizeof(T);
+        cuda::raise_shared_limit(kernel, bytes);
+        cuda::launch_cluster(kernel, dim3(static_cast<unsigned>(P * ranks)),
+                             dim3(cuda::fused_threads), bytes,
+                             dim3(static_cast<unsigned>(ranks)), ctx(st).stream(), f, ranks);
+        ++cuda::fused_launches();
+        ++cuda::fused_cluster_launches();
     }
 
     static std::vector<T*> pointers(std::vector<Buf>& v) {
