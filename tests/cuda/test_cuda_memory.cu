@@ -321,25 +321,32 @@ TEST_CASE("cuda memory: cluster huge values", "[cuda]") {
 }
 
 // A forward whose fused chunks diverge (values of 1e200, clipping off: the keys overflow after
-// the first chunk end): NonFiniteError, and every tensor of the state as it was, bit for bit.
+// the first chunk end), with one block a pair and as clusters of 2: NonFiniteError, and every
+// tensor of the state as it was, bit for bit.
 TEST_CASE("cuda memory: fused errors keep state", "[cuda]") {
-    Rng rng(seed_for("cuda fused errors"));
     tcu::set_fused_memory(tcu::FusedMemory::On);
-    MemoryConfig cfg = fused_config<double>(Modes{}, rng);
-    cfg.max_grad_norm = 0;
-    auto p = random_params(cfg, rng);
-    p.w_v *= 1e200;
-    CudaMemory<double> gpu(cfg, p);
-    auto gs = gpu.make_state(2);
-    (void)gpu.forward(gs, random_matrix(2 * 5, cfg.d_model, rng));
-    const auto before = state_tensors(gs);
-    const int n = 3 * cfg.chunk;
-    const Matrixd x = random_matrix(2 * n, cfg.d_model, rng);
-    const long long launches = tcu::fused_launches();
-    REQUIRE_THROWS_NAMING(gpu.forward(gs, x), titans::NonFiniteError, "expected finite");
-    CHECK(tcu::fused_launches() > launches);
-    CHECK(gs.position() == 5);
-    CHECK(same_tensors(state_tensors(gs), before));
+    for (int ranks : {0, 2}) {
+        tcu::set_fused_cluster(ranks);
+        Rng rng(seed_for("cuda fused errors", static_cast<std::uint64_t>(ranks)));
+        MemoryConfig cfg = fused_config<double>(Modes{}, rng, ranks);
+        cfg.max_grad_norm = 0;
+        auto p = random_params(cfg, rng);
+        p.w_v *= 1e200;
+        CudaMemory<double> gpu(cfg, p);
+        auto gs = gpu.make_state(2);
+        (void)gpu.forward(gs, random_matrix(2 * 5, cfg.d_model, rng));
+        const auto before = state_tensors(gs);
+        const int n = 3 * cfg.chunk;
+        const Matrixd x = random_matrix(2 * n, cfg.d_model, rng);
+        const long long launches = tcu::fused_launches(), clusters = tcu::fused_cluster_launches();
+        INFO("ranks " << ranks);
+        REQUIRE_THROWS_NAMING(gpu.forward(gs, x), titans::NonFiniteError, "expected finite");
+        CHECK(tcu::fused_launches() > launches);
+        CHECK((tcu::fused_cluster_launches() > clusters) == (ranks != 0));
+        CHECK(gs.position() == 5);
+        CHECK(same_tensors(state_tensors(gs), before));
+    }
+    tcu::set_fused_cluster(0);
     tcu::set_fused_memory(tcu::FusedMemory::Auto);
 }
 
@@ -654,6 +661,26 @@ unsigned cluster_rank_of(unsigned x, unsigned y, unsigned z, dim3 c) {
     return x % c.x + c.x * (y % c.y + c.y * (z % c.z));
 }
 
+/// The linear index in `grid` of the block ranked q in the cluster (of shape c) that holds
+/// block (x, y, z): the cluster's origin plus q's place, x fastest.
+unsigned cluster_member(unsigned x, unsigned y, unsigned z, dim3 grid, dim3 c, unsigned q) {
+    const unsigned qx = x - x % c.x + q % c.x, qy = y - y % c.y + q / c.x % c.y,
+                   qz = z - z % c.z + q / (c.x * c.y);
+    return qx + grid.x * (qy + grid.y * qz);
+}
+
+/// Calls f(x, y, z, linear index) for every block of `grid`, x fastest.
+template <class F>
+void for_blocks(dim3 grid, F&& f) {
+    for (unsigned z = 0; z < grid.z; ++z) {
+        for (unsigned y = 0; y < grid.y; ++y) {
+            for (unsigned x = 0; x < grid.x; ++x) {
+                f(x, y, z, x + grid.x * (y + grid.y * z));
+            }
+        }
+    }
+}
+
 }  // namespace
 
 // Thread-block clusters (launch_cluster, cluster_rank, cluster_sync, cluster_shared: the
@@ -679,24 +706,15 @@ TEST_CASE("cuda launch: clusters", "[cuda]") {
                                cluster, cudaStream_t{}, out.data(), ranks.data(), n);
             const std::vector<int> got = host_copy(out), rank = host_copy(ranks);
             bool all = true;
-            for (unsigned z = 0; z < grid.z; ++z) {
-                for (unsigned y = 0; y < grid.y; ++y) {
-                    for (unsigned x = 0; x < grid.x; ++x) {
-                        const unsigned lin = x + grid.x * (y + grid.y * z);
-                        const unsigned r = cluster_rank_of(x, y, z, cluster), next = (r + 1) % n;
-                        // the block ranked `next`: the cluster's origin plus next's place
-                        const unsigned nx = x - x % cluster.x + next % cluster.x,
-                                       ny = y - y % cluster.y + next / cluster.x % cluster.y,
-                                       nz = z - z % cluster.z + next / (cluster.x * cluster.y);
-                        const unsigned nlin = nx + grid.x * (ny + grid.y * nz);
-                        all = all && rank[lin] == static_cast<int>(r);
-                        for (unsigned t = 0; t < threads; ++t) {
-                            const int want = static_cast<int>(nlin * 1000 + t);
-                            all = all && got[static_cast<std::size_t>(lin) * threads + t] == want;
-                        }
-                    }
+            for_blocks(grid, [&](unsigned x, unsigned y, unsigned z, unsigned lin) {
+                const unsigned r = cluster_rank_of(x, y, z, cluster);
+                const unsigned next = cluster_member(x, y, z, grid, cluster, (r + 1) % n);
+                all = all && rank[lin] == static_cast<int>(r);
+                for (unsigned t = 0; t < threads; ++t) {
+                    const int want = static_cast<int>(next * 1000 + t);
+                    all = all && got[static_cast<std::size_t>(lin) * threads + t] == want;
                 }
-            }
+            });
             CHECK(all);
         }
         Rng rng(seed_for("cuda clusters", n));
@@ -709,25 +727,16 @@ TEST_CASE("cuda launch: clusters", "[cuda]") {
                            cudaStream_t{}, din.data(), dout.data(), n, width);
         const std::vector<double> sums = host_copy(dout);
         bool same = true;
-        for (unsigned z = 0; z < grid.z; ++z) {
-            for (unsigned y = 0; y < grid.y; ++y) {
-                for (unsigned x = 0; x < grid.x; ++x) {
-                    const unsigned lin = x + grid.x * (y + grid.y * z);
-                    for (int j = 0; j < width; ++j) {
-                        double sum = 0;
-                        for (unsigned q = 0; q < n; ++q) {  // rank q's block, in rank order
-                            const unsigned qx = x - x % cluster.x + q % cluster.x,
-                                           qy = y - y % cluster.y + q / cluster.x % cluster.y,
-                                           qz = z - z % cluster.z + q / (cluster.x * cluster.y);
-                            sum += in[static_cast<std::size_t>(qx + grid.x * (qy + grid.y * qz)) *
-                                          width + static_cast<std::size_t>(j)];
-                        }
-                        same = same && sums[static_cast<std::size_t>(lin) * width +
-                                            static_cast<std::size_t>(j)] == sum;
-                    }
+        const auto w = static_cast<std::size_t>(width);
+        for_blocks(grid, [&](unsigned x, unsigned y, unsigned z, unsigned lin) {
+            for (std::size_t j = 0; j < w; ++j) {
+                double sum = 0;
+                for (unsigned q = 0; q < n; ++q) {  // rank q's block, in rank order
+                    sum += in[cluster_member(x, y, z, grid, cluster, q) * w + j];
                 }
+                same = same && sums[lin * w + j] == sum;
             }
-        }
+        });
         CHECK(same);
     }
     cu::DeviceBuffer<int> out(16 * 32), ranks(16);

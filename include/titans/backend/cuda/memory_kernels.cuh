@@ -1065,6 +1065,23 @@ struct MemoryKernels<Cuda, T> {
         return {true, ops, ranks};
     }
 
+    /// Calls pick.template operator()<O>() with O the kernel variant `ops` names: TF32 and
+    /// BF16 exist for float only, so double always takes Exact.
+    template <class Pick>
+    static void with_operands(cuda::Operands ops, Pick&& pick) {
+        if constexpr (std::is_same_v<T, float>) {
+            if (ops == cuda::Operands::TF32) {
+                pick.template operator()<cuda::Operands::TF32>();
+                return;
+            }
+            if (ops == cuda::Operands::BF16) {
+                pick.template operator()<cuda::Operands::BF16>();
+                return;
+            }
+        }
+        pick.template operator()<cuda::Operands::Exact>();
+    }
+
     /// math §2-5 over `chunks` full chunks of every pair from piece row t (a chunk start), in
     /// one launch of the fused kernel (plan: its operands, and clusters of plan.ranks blocks
     /// a pair where that is not 0); the last chunk's rows of A, Delta into the state.
@@ -1095,14 +1112,8 @@ struct MemoryKernels<Cuda, T> {
             fused_cluster(st, f, ops, plan.ranks, P);
             return;
         }
-        void (*kernel)(cuda::FusedArgs<T>) = cuda::fused_chunks_kernel<T, cuda::Operands::Exact>;
-        if constexpr (std::is_same_v<T, float>) {
-            if (ops == cuda::Operands::TF32) {
-                kernel = cuda::fused_chunks_kernel<T, cuda::Operands::TF32>;
-            } else if (ops == cuda::Operands::BF16) {
-                kernel = cuda::fused_chunks_kernel<T, cuda::Operands::BF16>;
-            }
-        }
+        void (*kernel)(cuda::FusedArgs<T>) = nullptr;
+        with_operands(ops, [&]<cuda::Operands O>() { kernel = cuda::fused_chunks_kernel<T, O>; });
         const auto bytes = static_cast<std::size_t>(f.lay.entries()) * sizeof(T);
         cuda::raise_shared_limit(kernel, bytes);
         cuda::launch_shared(kernel, static_cast<unsigned>(P), cuda::fused_threads, bytes,
@@ -1117,14 +1128,8 @@ struct MemoryKernels<Cuda, T> {
                               int ranks, long long P) {
         const auto cl = cuda::ClusterLayout::of(f.lay.b, f.lay.dh, f.lay.h, ranks);
         f.lay = cl.lay;
-        void (*kernel)(cuda::FusedArgs<T>, int) = cuda::fused_cluster_kernel<T, cuda::Operands::Exact>;
-        if constexpr (std::is_same_v<T, float>) {
-            if (ops == cuda::Operands::TF32) {
-                kernel = cuda::fused_cluster_kernel<T, cuda::Operands::TF32>;
-            } else if (ops == cuda::Operands::BF16) {
-                kernel = cuda::fused_cluster_kernel<T, cuda::Operands::BF16>;
-            }
-        }
+        void (*kernel)(cuda::FusedArgs<T>, int) = nullptr;
+        with_operands(ops, [&]<cuda::Operands O>() { kernel = cuda::fused_cluster_kernel<T, O>; });
         const auto bytes = static_cast<std::size_t>(cl.entries()) * sizeof(T);
         cuda::raise_shared_limit(kernel, bytes);
         cuda::launch_cluster(kernel, dim3(static_cast<unsigned>(P * ranks)),
