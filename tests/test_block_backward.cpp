@@ -331,10 +331,9 @@ Matrixd model_out(const TrainModelCase& c) {
     return c.ids.empty() ? model.forward(st, c.x) : model.forward_tokens(st, c.ids);
 }
 
-}  // namespace
-
-TEST_CASE("model bwd: FD, mixed blocks", "[train][model]") {
-    const int i = GENERATE(range(0, 10));
+/// Case i of the model's gradient check against central finite differences (every
+/// parameter and the input or the embedding's rows): two blocks of mixed kinds (draw_model_case).
+void check_model_fd(int i) {
     const std::uint64_t seed = seed_for("model bwd: FD", static_cast<std::uint64_t>(i));
     Rng rng(seed);
     TrainModelCase c = draw_model_case(i, rng);
@@ -362,6 +361,18 @@ TEST_CASE("model bwd: FD, mixed blocks", "[train][model]") {
         CHECK(rel_error(e, g.embedding) <= 1e-14);
     }
     CHECK(note_error<double>("model backward", err) <= 1e-6);
+}
+
+}  // namespace
+
+// Ten cases in two test cases, so that ctest runs them on two cores (about 160 s in all under
+// the sanitizers).
+TEST_CASE("model bwd: FD, cases 0-4", "[train][model]") {
+    check_model_fd(GENERATE(range(0, 5)));
+}
+
+TEST_CASE("model bwd: FD, cases 5-9", "[train][model]") {
+    check_model_fd(GENERATE(range(5, 10)));
 }
 
 TEST_CASE("model bwd: refusals", "[train][model]") {
