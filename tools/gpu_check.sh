@@ -64,6 +64,14 @@
 #                                 one block a pair and as clusters in the same run, each
 #                                 kernel's device time (Nsight Compute), racecheck and memcheck
 #                                 on its test (about 5 minutes)
+#   tools/gpu_check.sh next [DIR]
+#                                 what no GPU has timed yet, in one call of about 7 minutes
+#                                 (LEASE_SECONDS, default 540, bounds it): the newer kernels'
+#                                 tests, racecheck on the cluster kernel, the benchmarks that
+#                                 set their defaults, the cluster forward's and a B = 256
+#                                 training step's kernels (Nsight Compute), then the suite.
+#                                 The one call to make when a session is lent a GPU (15
+#                                 minutes of device time, starts included)
 #
 # The figures in docs/performance.md ("CUDA backend") come from `run`.
 set -euo pipefail
@@ -372,6 +380,54 @@ do_cluster() {
   done
 }
 
+# next: what no GPU has timed yet, in one device call of about 7 minutes (a session is lent 15
+# minutes of device time, starts included): the tests of the kernels written since the last
+# GPU run (the cluster kernel, the flat checks, the decode kernel's loads in flight, the
+# few-row product, the split decode attention, the fused training trace), racecheck on the
+# cluster kernel, then the benchmarks that decide their defaults (the headline forward with
+# one block a pair and as clusters, the training step at B 256, decode at B 1 and 1024, the
+# model's token with each opt-in, the checks; cuBLAS in the same run), each kernel's device
+# time of the cluster forward and of a training step at B = 256 (never profiled), and, with
+# what is left, the whole suite:
+# next_tests.txt, cluster_racecheck.txt, next_bench.txt, ncu_cluster_{1,3}.txt,
+# ncu_train_B256.txt, cuda_tests.txt.
+do_next() {
+  local out t b t0
+  t0=$(date +%s)
+  step_start "${1:-}"
+  { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv || true
+    uptime; } > "${out}/device.txt" 2>&1
+  TITANS_ROWS_PRODUCT=1 TITANS_SPLIT_DECODE=1 tests_to next_tests.txt 90 \
+    "cuda memory: fused*,cuda memory training: fused*,cuda memory: cluster*,cuda launch: clusters,cuda memory: the non-finite*,cuda memory: decode*,cuda layers: few-row product*,cuda attention: split*,cuda model*"
+  grep -B3 -A12 "FAILED" "${out}/next_tests.txt" | head -n 40 || true
+  TITANS_CUDA_PARITY_CASES=1 timeout 50 compute-sanitizer --tool racecheck --error-exitcode 9 \
+    "${t}" "cuda memory: fused cluster" > "${out}/cluster_racecheck.txt" 2>&1 \
+    || echo "cluster racecheck: exit $?"
+  echo "cluster racecheck: $(grep -E 'SUMMARY' "${out}/cluster_racecheck.txt" || echo 'no summary')"
+  timeout 150 "${b}" --benchmark_counters_tabular=true --benchmark_repetitions=2 \
+    --benchmark_min_time=0.2 \
+    --benchmark_filter='BM_CublasSgemm|BM_CudaMemory/B:(64|256)/N:(1024|512)/tf32:1/fused:[13]|BM_CudaMemoryTrain/B:256|BM_CudaDecode/B:1(024)?/decode:1|BM_CudaModelDecode/B:1/pooled:1/graphs:[01]/ffn:0|BM_CudaChecks|BM_CudaDecodeAtt' \
+    > "${out}/next_bench.txt" 2>&1 || echo "next bench: exit $?"
+  grep "^BM_" "${out}/next_bench.txt" | grep -v "_mean\|_stddev\|_cv" || true
+  local f
+  for f in 1 3; do
+    ncu_kernels "cluster_${f}" "BM_CudaMemory/B:256/N:512/tf32:1/fused:${f}\$" 8
+  done
+  timeout 120 ncu --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
+    "${b}" --benchmark_min_time=0.001 --benchmark_repetitions=1 \
+    --benchmark_filter='BM_CudaMemoryTrain/B:256/N:512$' > "${out}/ncu_train_B256.txt" 2>&1 \
+    || echo "ncu train: exit $?"
+  echo "training step, B 256: the 25 kernels of most device time (total, mean, launches, name)"
+  ncu_totals "${out}/ncu_train_B256.txt" | head -n 25
+  local left=$(( ${LEASE_SECONDS:-540} - ($(date +%s) - t0) ))
+  if (( left > 60 )); then
+    timeout "${left}" "${t}" --warn NoTests --durations yes > "${out}/cuda_tests.txt" 2>&1 \
+      || echo "suite: exit $?"
+    echo "suite: $(tail -n 2 "${out}/cuda_tests.txt" | tr '\n' ' ')"
+  fi
+  echo "next: $(( $(date +%s) - t0 )) s"
+}
+
 do_peers() {
   local out="${1:-${build}/results}"
   mkdir -p "${out}"
@@ -395,7 +451,8 @@ case "${1:-all}" in
   profile) do_profile "${2:-}" ;;
   decode) do_decode "${2:-}" ;;
   cluster) do_cluster "${2:-}" ;;
+  next) do_next "${2:-}" ;;
   all) do_build && do_run ;;
-  *) echo "usage: tools/gpu_check.sh [build | pack [FROM] | run [DIR] | sanitize [DIR] | lease [DIR] | peers [DIR] | profile [DIR] | decode [DIR] | cluster [DIR]]" >&2
+  *) echo "usage: tools/gpu_check.sh [build | pack [FROM] | run [DIR] | sanitize [DIR] | lease [DIR] | peers [DIR] | profile [DIR] | decode [DIR] | cluster [DIR] | next [DIR]]" >&2
      exit 2 ;;
 esac

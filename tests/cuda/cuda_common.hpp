@@ -8,8 +8,11 @@
 //                          the position as a 1 x 1 entry: what a checkpoint would write
 //   same_tensors(a, b)     two of those equal: the same names, shapes and bits
 //   TiledModeScope         sets the attention's TiledAttentionMode for a scope
+//   fused_fits<T>(b, dh, h, ranks), fused_config<T>(modes, rng, ranks)
+//                          the shapes the fused chunk kernel takes, and a configuration of them
 
 #include <titans/backend/cuda/attention_tiled.cuh>
+#include <titans/backend/cuda/memory_cluster.cuh>
 
 #include "test_common.hpp"
 
@@ -102,5 +105,40 @@ public:
 private:
     titans::backend::cuda::TiledAttentionMode old_;
 };
+
+/// Whether the fused kernel takes (b, d_h, h) in T within an H100's 227 KB of shared memory:
+/// as one block a pair (ranks 0), or as clusters of `ranks` blocks (memory_cluster.cuh).
+template <class T>
+bool fused_fits(int b, int dh, int h, int ranks) {
+    using titans::backend::cuda::ClusterLayout;
+    const long long entries =
+        ranks == 0 ? titans::backend::cuda::FusedLayout{b, dh, h}.entries()
+        : ClusterLayout::covers(b, dh, h, ranks) ? ClusterLayout::of(b, dh, h, ranks).entries()
+                                                 : 1LL << 40;
+    return static_cast<std::size_t>(entries) * sizeof(T) <= 232448;
+}
+
+/// A configuration the fused chunk kernel takes in T (depth 2, lagged, chunk 32 or 64, d_h 32
+/// or 64, expansion 1, 2 or 4, fused_fits, as clusters of `ranks` blocks where that is not 0),
+/// the other options from m and drawn as in the parity sweep (conv kernels up to 11).
+template <class T>
+MemoryConfig fused_config(Modes m, Rng& rng, int ranks = 0) {
+    m.retrieval = Retrieval::Lagged;
+    m.update = titans::UpdateMode::Chunked;
+    Limits lim;
+    lim.min_head_dim = 3;
+    MemoryConfig c = random_config(m, rng, lim);
+    c.depth = 2;
+    c.n_heads = uniform_int(rng, 1, 2);
+    c.d_model = uniform_int(rng, 8, 48);
+    c.conv_kernel = pick(rng, std::vector<int>{1, 2, 4, 4, 11});  // 11: the conv's long path
+    do {
+        c.d_head = pick(rng, std::vector<int>{32, 32, 64});
+        c.expansion = pick(rng, std::vector<int>{1, 2, 4});
+        c.chunk = pick(rng, std::vector<int>{32, 32, 64});
+    } while (!fused_fits<T>(c.chunk, c.d_head, c.expansion * c.d_head, ranks));
+    c.validate();
+    return c;
+}
 
 }  // namespace titans_test

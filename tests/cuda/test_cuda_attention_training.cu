@@ -23,7 +23,7 @@ using titans::backend::Cuda;
 
 /// A training case: the configuration, parameters, the pieces of a stream (sequence-major,
 /// B x len rows each), their upstream gradients, the prefix, the gradients the call adds to.
-struct TrainCase {
+struct AttnTrainCase {
     AttentionConfig cfg;
     AttentionParams<double> params, g0;
     int B = 1;
@@ -40,8 +40,8 @@ Matrixd rounded(const Matrixd& m) {
 
 /// Pieces of 1-9 tokens (sometimes none), or of 16-80 when `long_pieces` (the warp tiles').
 template <class T>
-TrainCase train_case(Rng& rng, int index, int max_pieces, bool long_pieces = false) {
-    TrainCase c;
+AttnTrainCase attn_train_case(Rng& rng, int index, int max_pieces, bool long_pieces = false) {
+    AttnTrainCase c;
     c.cfg.n_heads = uniform_int(rng, 1, 3);
     c.cfg.rope = index % 2 == 0;
     c.cfg.d_head = c.cfg.rope ? 2 * uniform_int(rng, 1, 3) : uniform_int(rng, 1, 5);
@@ -74,7 +74,7 @@ TrainCase train_case(Rng& rng, int index, int max_pieces, bool long_pieces = fal
 
 /// What a chained training pass returns, in double: each piece's dx and d_state_in, the
 /// gradients (g0 plus the pass's), the prefix's gradient summed over the pieces.
-struct TrainResult {
+struct AttnTrainResult {
     std::vector<Matrixd> dx, dk_in, dv_in;
     AttentionParams<double> g;
     Matrixd dprefix;
@@ -88,7 +88,7 @@ Matrix<T> poisoned(Eigen::Index rows, Eigen::Index cols) {
 /// The pieces forward with traces from a fresh state, then backward last first, each with the
 /// next one's d_state_in as its d_state_out (chain = false: one piece, no state adjoints).
 template <class T, class Backend>
-TrainResult train(const TrainCase& c, bool chain = true) {
+AttnTrainResult train(const AttnTrainCase& c, bool chain = true) {
     Attention<T, Backend> attn(c.cfg, cast_attention<T>(c.params));
     auto st = attn.make_state(c.B);
     const Matrix<T> prefix = c.prefix.cast<T>();
@@ -99,7 +99,7 @@ TrainResult train(const TrainCase& c, bool chain = true) {
         Matrix<T> y = poisoned<T>(1, 1);
         attn.forward(st, Matrix<T>(c.x[k].cast<T>()), y, traces[k], pp, c.sharing);
     }
-    TrainResult r;
+    AttnTrainResult r;
     r.dx.resize(K);
     r.dk_in.resize(K);
     r.dv_in.resize(K);
@@ -139,8 +139,8 @@ TrainResult train(const TrainCase& c, bool chain = true) {
 
 /// The largest rel_error of every output of a against b (each tensor relative to its own
 /// largest entry, at least floor).
-double worst_error(const TrainResult& a, const TrainResult& b, const AttentionConfig& cfg,
-                   double floor) {
+double worst_error(const AttnTrainResult& a, const AttnTrainResult& b,
+                   const AttentionConfig& cfg, double floor) {
     double e = 0.0;
     for (std::size_t k = 0; k < a.dx.size(); ++k) {
         e = std::max(e, rel_error(a.dx[k], b.dx[k], floor));
@@ -157,16 +157,16 @@ double worst_error(const TrainResult& a, const TrainResult& b, const AttentionCo
 }
 
 template <class T>
-void parity_sweep(const char* name, int cases, int max_pieces, bool chain,
+void attn_parity_sweep(const char* name, int cases, int max_pieces, bool chain,
                   bool long_pieces = false) {
     for (int i = 0; i < parity_cases(cases); ++i) {
         Rng rng(seed_for(name, static_cast<std::uint64_t>(i)));
-        const TrainCase c = train_case<T>(rng, i, max_pieces, long_pieces);
+        const AttnTrainCase c = attn_train_case<T>(rng, i, max_pieces, long_pieces);
         INFO("case " << i << " heads " << c.cfg.n_heads << " d_head " << c.cfg.head_dim()
                      << " window " << c.cfg.window << " rope " << c.cfg.rope << " B " << c.B
                      << " pieces " << c.x.size() << " prefix " << c.prefix.rows());
-        const TrainResult ref = train<double, titans::backend::Cpu>(c, chain);
-        const TrainResult got = train<T, Cuda>(c, chain);
+        const AttnTrainResult ref = train<double, titans::backend::Cpu>(c, chain);
+        const AttnTrainResult got = train<T, Cuda>(c, chain);
         CHECK(note_error<T>(std::string("attention training ") + (chain ? "chained" : "single"),
                             worst_error(got, ref, c.cfg, 1e-6)) <= bound<T>());
     }
@@ -175,11 +175,11 @@ void parity_sweep(const char* name, int cases, int max_pieces, bool chain,
 }  // namespace
 
 TEMPLATE_TEST_CASE("cuda attention train: one piece", "[cuda]", float, double) {
-    parity_sweep<TestType>("cuda attention train: one piece", 40, 1, false);
+    attn_parity_sweep<TestType>("cuda attention train: one piece", 40, 1, false);
 }
 
 TEMPLATE_TEST_CASE("cuda attention train: chained", "[cuda]", float, double) {
-    parity_sweep<TestType>("cuda attention train: chained", 40, 4, true);
+    attn_parity_sweep<TestType>("cuda attention train: chained", 40, 4, true);
 }
 
 // Pieces of 16 tokens and more: the forward and the backward in warp tiles (head widths up
@@ -190,7 +190,7 @@ TEMPLATE_TEST_CASE("cuda attention train: warp tiles", "[cuda]", float, double) 
         &titans::backend::cuda::warp_query_backward_kernel<TestType, false, 32>);
     const long before = cuda_emulation::launches(query);
 #endif
-    parity_sweep<TestType>("cuda attention train: warp tiles", 10, 3, true, true);
+    attn_parity_sweep<TestType>("cuda attention train: warp tiles", 10, 3, true, true);
 #if TITANS_CUDA_EMULATION
     CHECK(cuda_emulation::launches(query) > before);
 #endif
@@ -236,7 +236,7 @@ TEMPLATE_TEST_CASE("cuda attention: segment forward", "[cuda]", float, double) {
 // row and prefix row) still matches the CPU.
 TEMPLATE_TEST_CASE("cuda attention train: per-row", "[cuda]", float, double) {
     const TiledModeScope off(titans::backend::cuda::TiledAttentionMode::Off);
-    parity_sweep<TestType>("cuda attention train: per-row", 12, 4, true);
+    attn_parity_sweep<TestType>("cuda attention train: per-row", 12, 4, true);
 }
 
 TEST_CASE("cuda attention train: can fail", "[cuda]") {
@@ -244,11 +244,11 @@ TEST_CASE("cuda attention train: can fail", "[cuda]") {
     int seen = 0;
     for (int i = 0; i < 20 && seen < 3; ++i) {
         Rng rng(seed_for("cuda attention train: can fail", static_cast<std::uint64_t>(i)));
-        TrainCase c = train_case<double>(rng, i, 1);
+        AttnTrainCase c = attn_train_case<double>(rng, i, 1);
         if (c.x[0].rows() / c.B <= c.cfg.window + 1 || c.cfg.window >= 6) continue;
-        const TrainResult ref = train<double, titans::backend::Cpu>(c, false);
+        const AttnTrainResult ref = train<double, titans::backend::Cpu>(c, false);
         c.cfg.window += 1;
-        const TrainResult off = train<double, Cuda>(c, false);
+        const AttnTrainResult off = train<double, Cuda>(c, false);
         c.cfg.window -= 1;
         CHECK(worst_error(off, ref, c.cfg, 1e-6) > 1e-6);
         ++seen;
@@ -259,7 +259,7 @@ TEST_CASE("cuda attention train: can fail", "[cuda]") {
 TEMPLATE_TEST_CASE("cuda attention train: refusals", "[cuda]", float, double) {
     using T = TestType;
     Rng rng(seed_for("cuda attention train: refusals"));
-    TrainCase c = train_case<T>(rng, 2, 1);  // a shared prefix
+    AttnTrainCase c = attn_train_case<T>(rng, 2, 1);  // a shared prefix
     c.x[0] = rounded<T>(random_matrix(c.B * 4, c.cfg.d_model, rng));
     Attention<T, Cuda> gpu(c.cfg, cast_attention<T>(c.params));
     Attention<T> cpu(c.cfg, cast_attention<T>(c.params));

@@ -23,7 +23,7 @@ template <class T>
 using CudaMemory = NeuralMemory<T, Cuda>;
 
 /// Pieces of random lengths (some 0) that add up to N.
-std::vector<int> random_pieces(int N, Rng& rng) {
+std::vector<int> memory_pieces(int N, Rng& rng) {
     std::vector<int> out;
     int left = N;
     while (left > 0) {
@@ -90,7 +90,7 @@ double compare_case(const MemoryConfig& cfg, const titans::MemoryParamsd& p, con
     int t = 0;
     std::string first_bad;
     if (pieces.empty()) {
-        pieces = random_pieces(N, rng);
+        pieces = memory_pieces(N, rng);
     }
     for (std::size_t i = 0; i < pieces.size(); ++i) {
         const Matrix<T> xp = piece_rows(xr, B, N, t, pieces[i]).template cast<T>();
@@ -161,40 +161,6 @@ TEST_CASE("cuda memory: parity, float", "[cuda]") {
 namespace {
 
 namespace tcu = titans::backend::cuda;
-
-/// Whether the fused kernel takes (b, d_h, h) in T within an H100's 227 KB of shared memory:
-/// as one block a pair (ranks 0), or as clusters of `ranks` blocks (memory_cluster.cuh).
-template <class T>
-bool fused_fits(int b, int dh, int h, int ranks) {
-    const long long entries =
-        ranks == 0 ? tcu::FusedLayout{b, dh, h}.entries()
-        : tcu::ClusterLayout::covers(b, dh, h, ranks) ? tcu::ClusterLayout::of(b, dh, h, ranks).entries()
-                                                       : 1LL << 40;
-    return static_cast<std::size_t>(entries) * sizeof(T) <= 232448;
-}
-
-/// A configuration the fused chunk kernel takes in T (depth 2, lagged, chunk 32 or 64, d_h 32
-/// or 64, expansion 1, 2 or 4, fused_fits, as clusters of `ranks` blocks where that is not 0),
-/// the other options from m and drawn as in the parity sweep (conv kernels up to 11).
-template <class T>
-MemoryConfig fused_config(Modes m, Rng& rng, int ranks = 0) {
-    m.retrieval = Retrieval::Lagged;
-    m.update = titans::UpdateMode::Chunked;
-    Limits lim;
-    lim.min_head_dim = 3;
-    MemoryConfig c = random_config(m, rng, lim);
-    c.depth = 2;
-    c.n_heads = uniform_int(rng, 1, 2);
-    c.d_model = uniform_int(rng, 8, 48);
-    c.conv_kernel = pick(rng, std::vector<int>{1, 2, 4, 4, 11});  // 11: the conv's long path
-    do {
-        c.d_head = pick(rng, std::vector<int>{32, 32, 64});
-        c.expansion = pick(rng, std::vector<int>{1, 2, 4});
-        c.chunk = pick(rng, std::vector<int>{32, 32, 64});
-    } while (!fused_fits<T>(c.chunk, c.d_head, c.expansion * c.d_head, ranks));
-    c.validate();
-    return c;
-}
 
 /// Pieces that add up to N: runs of whole chunks from a chunk start (the fused kernel's; the
 /// first piece holds one), and short or ragged ones that leave a chunk pending (the unfused

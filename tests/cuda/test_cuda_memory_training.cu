@@ -77,10 +77,11 @@ double compare_trace(const MemoryConfig& cfg, const typename CudaTraining<T>::Tr
 }
 
 /// One case: a head of h0 tokens (a whole number of chunks) through forward, then the training
-/// forward of N tokens on both backends; y, the state after and the trace compared.
+/// forward of N tokens on both backends; y, the state after and the trace compared, and the
+/// diagnostics where `diagnostics` asks for them (the fused kernel runs only without).
 template <class T>
 double trace_case(const MemoryConfig& cfg, const titans::MemoryParamsd& p, int B, int h0, int N,
-                  Rng& rng, double bound) {
+                  Rng& rng, double bound, bool diagnostics = true) {
     using K = titans::backend::MemoryKernels<Cuda, T>;
     NeuralMemory<double> cpu(cfg, p);
     CudaMemory<T> gpu(cfg, cast_params<T>(p));
@@ -105,7 +106,7 @@ double trace_case(const MemoryConfig& cfg, const titans::MemoryParamsd& p, int B
     }
     const auto prepared = K::prepare(gpu.config(), gpu.shared_params());
     CudaTraining<T>::forward(gpu.config(), prepared, gs, Transfer<Cuda, T>::view(std::as_const(xb)),
-                             Transfer<Cuda, T>::view(yb), gt, &d_gpu);
+                             Transfer<Cuda, T>::view(yb), gt, diagnostics ? &d_gpu : nullptr);
     Matrix<T> y(xt.rows(), xt.cols());
     Transfer<Cuda, T>::download(Transfer<Cuda, T>::view(std::as_const(yb)), titans::view_of(y));
     REQUIRE(gs.position() == cs.position());
@@ -115,9 +116,11 @@ double trace_case(const MemoryConfig& cfg, const titans::MemoryParamsd& p, int B
                                 cpu.current_weights(cs, s, h));
     const double et = compare_trace<T>(cfg, gt, ct);
     // The training forward's diagnostics (per-token surprise), as forward's.
-    REQUIRE(d_gpu.loss.rows() == x.rows());
-    const double ed = std::max(rel_error(d_gpu.loss.template cast<double>(), d_cpu.loss),
-                               rel_error(d_gpu.grad_norm.template cast<double>(), d_cpu.grad_norm));
+    REQUIRE(d_gpu.loss.rows() == (diagnostics ? x.rows() : 0));
+    const double ed =
+        diagnostics ? std::max(rel_error(d_gpu.loss.template cast<double>(), d_cpu.loss),
+                               rel_error(d_gpu.grad_norm.template cast<double>(), d_cpu.grad_norm))
+                    : 0.0;
     INFO("errors: outputs " << ey << ", weights " << ew << ", trace " << et << ", diagnostics " << ed);
     CHECK(std::max({ey, ew, et, ed}) <= bound);
     return std::max({ey, ew, et, ed});
@@ -401,6 +404,47 @@ TEST_CASE("cuda memory training: trace double", "[cuda]") {
 
 TEST_CASE("cuda memory training: trace float", "[cuda]") {
     trace_sweep<float>("cuda memory training: trace float", 2, 1e-5);
+}
+
+// The training forward through the fused chunk kernel (FusedMemory::On; one launch runs a
+// piece's full chunks and keeps each chunk's start memory as it loads it, FusedKeep): the
+// trace, outputs and state against the CPU in double to rounding and in float within 1e-5, with
+// heads that leave the state mid-chunk (the first piece short, then the full chunks, then a
+// ragged tail) and streams longer than one launch's chunks (fused_keep_chunks); the launches
+// counted: one per fused_keep_chunks full chunks, and as clusters of `ranks` blocks (which do
+// not keep) one per chunk.
+template <class T>
+void fused_trace_sweep(const char* name, int cases, double bound, int ranks = 0) {
+    namespace tcu = titans::backend::cuda;
+    tcu::set_fused_memory(tcu::FusedMemory::On);
+    tcu::set_fused_cluster(ranks);
+    double worst = 0.0;
+    for (int i = 0; i < parity_cases(cases); ++i) {
+        Rng rng(seed_for(name, static_cast<std::uint64_t>(i)));
+        const MemoryConfig cfg = fused_config<T>(random_flags(Modes{}, rng), rng, ranks);
+        const int b = cfg.chunk, B = uniform_int(rng, 1, 2);
+        const int h0 = i % 3 == 0 ? 0 : uniform_int(rng, 1, b - 1) + (i % 2) * b;
+        const int chunks = i == 1 && ranks == 0 ? tcu::fused_keep_chunks + 2 : uniform_int(rng, 1, 4);
+        const int N = chunks * b + (i % 2 == 0 ? 0 : uniform_int(rng, 1, b - 1));
+        INFO(name << " case " << i << ": d_h " << cfg.head_dim() << " e " << cfg.expansion
+                  << " chunk " << b << " gates " << to_string(cfg.gates) << " B " << B
+                  << " head " << h0 << " N " << N);
+        const long long launches = tcu::fused_launches();
+        worst = std::max(worst, trace_case<T>(cfg, random_params(cfg, rng), B, h0, N, rng, bound,
+                                              false));
+        const int first = (b - h0 % b) % b, full = N > first ? (N - first) / b : 0;
+        const int per = ranks == 0 ? tcu::fused_keep_chunks : 1;
+        CHECK(tcu::fused_launches() - launches == (h0 >= b ? 1 : 0) + (full + per - 1) / per);
+    }
+    tcu::set_fused_cluster(0);
+    tcu::set_fused_memory(tcu::FusedMemory::Auto);
+    std::printf("%s: worst relative error %.3g (bound %.0e)\n", name, worst, bound);
+}
+
+TEST_CASE("cuda memory training: fused trace", "[cuda]") {
+    fused_trace_sweep<double>("cuda fused trace double", 6, 1e-12);
+    fused_trace_sweep<float>("cuda fused trace float", 3, 1e-5);
+    fused_trace_sweep<double>("cuda fused trace, clusters of 2", 2, 1e-12, 2);
 }
 
 TEST_CASE("cuda memory training: a wrong trace", "[cuda]") {

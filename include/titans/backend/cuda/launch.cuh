@@ -39,6 +39,15 @@
 #define TITANS_UNROLL
 #endif
 
+// A kernel parameter read in place from the launch's parameter space (`__grid_constant__`,
+// sm_70 and later), so that indexing an array in it at run time does not copy the whole
+// parameter to each thread's stack first; nothing under the CPU emulation.
+#if defined(__CUDACC__)
+#define TITANS_GRID_CONSTANT __grid_constant__
+#else
+#define TITANS_GRID_CONSTANT
+#endif
+
 namespace titans::backend::cuda {
 
 #if TITANS_CUDA_DEVICE_CODE

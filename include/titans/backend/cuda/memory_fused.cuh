@@ -13,7 +13,9 @@
 // the tensor cores in float, in TF32 where the caller allows it or on bfloat16 operands where
 // the caller asks for them (FusedOperands), else plain FMAs in T. The same
 // algorithm as MemoryKernels<Cuda, T>::scan's segments; the last chunk's rows of A, Delta
-// are written to the state's pending arrays as the unfused path leaves them.
+// are written to the state's pending arrays as the unfused path leaves them. For a training
+// trace (memory_training.cuh) a launch of at most fused_keep_chunks chunks also copies each
+// chunk's W and S, as the chunk end loads them, to the trace's buffers (FusedKeep).
 
 #include <atomic>
 #include <cstddef>
@@ -87,6 +89,19 @@ struct FusedLayout {
     [[nodiscard]] bool tiles() const { return b % 32 == 0 && dh % 32 == 0 && h % 32 == 0; }
 };
 
+/// Chunks of one fused launch whose start memory a training forward keeps (FusedKeep): its
+/// launches take at most this many chunks each.
+inline constexpr int fused_keep_chunks = 32;
+
+/// Where a fused launch copies each chunk's start memory, as a training trace keeps it
+/// (memory_training.cuh): for chunk c of the launch at[4 c + i], i = 0..3 for W1, W2, S1, S2,
+/// each P pairs of the state's layout; at[0] null: none kept. The pointers travel in the
+/// launch's arguments (1 KB in 64-bit), so a call graph records them as any argument.
+template <class T>
+struct FusedKeep {
+    T* at[4 * fused_keep_chunks];
+};
+
 /// What the fused kernel reads and writes. Piece arrays are pair-major with N rows a pair and
 /// point at the first fused chunk's row; W, S, A, Delta are the state's (pair strides in*out,
 /// b*width).
@@ -107,6 +122,7 @@ struct FusedArgs {
     GateParams<T> gp;
     Activation act;
     bool residual;
+    FusedKeep<T> keep;  // the chunks' start memory, for a training trace (fused_chunks_kernel)
 };
 
 #if TITANS_CUDA_DEVICE_CODE
@@ -340,10 +356,12 @@ __device__ inline void end_step(T (&accg)[MT][NT][4], T (&accs)[MT][NT][4], cons
 /// One layer's chunk end (math §4): W = beta W + c S - A^T diag(g) E, S = P S - A^T diag(s) E,
 /// A (b x in, ld lda) and E (b x out, ld lde) in shared memory, W and S (in x out, ld ldw) in
 /// device or shared memory. A warp tile holds both products' accumulators; its W and S
-/// entries are loaded together before any is stored.
+/// entries are loaded together before any is stored. W0, S0 (ld ldw, or null): W and S as
+/// they were, each entry as it is loaded (a training trace's chunk-start memory).
 template <class T, Operands P>
 __device__ void fused_end_layer(const FusedShared<T>& sh, int b, int in, int out, const T* A,
-                                int lda, const T* E, int lde, T* W, T* S, int ldw) {
+                                int lda, const T* E, int lde, T* W, T* S, int ldw,
+                                T* W0 = nullptr, T* S0 = nullptr) {
     constexpr int MT = 2, NT = 2;
     const T beta = sh.ends[0], c = sh.ends[1], pe = sh.ends[2];
     const int warp = static_cast<int>(threadIdx.x / 32), warps = static_cast<int>(blockDim.x / 32);
@@ -360,6 +378,10 @@ __device__ void fused_end_layer(const FusedShared<T>& sh, int b, int in, int out
         const int j0 = j - gl + 2 * q;
         tile_gather(w, i, j0, [&](int r, int col) { return W[r * ldw + col]; });
         tile_gather(sv, i, j0, [&](int r, int col) { return S[r * ldw + col]; });
+        if (W0 != nullptr) {
+            tile_store(w, i, j0, [&](int r, int col, T z) { W0[r * ldw + col] = z; });
+            tile_store(sv, i, j0, [&](int r, int col, T z) { S0[r * ldw + col] = z; });
+        }
         TITANS_UNROLL
         for (int mi = 0; mi < MT; ++mi) {
             TITANS_UNROLL
@@ -376,9 +398,11 @@ __device__ void fused_end_layer(const FusedShared<T>& sh, int b, int in, int out
     }
 }
 
-/// The full chunks of one pair (blockIdx.x): read, keys, gates, chunk end, chunk by chunk.
+/// The full chunks of one pair (blockIdx.x): read, keys, gates, chunk end, chunk by chunk;
+/// each chunk's start memory into f.keep where that is given.
 template <class T, Operands P>
-__global__ void __launch_bounds__(fused_threads) fused_chunks_kernel(FusedArgs<T> f) {
+__global__ void __launch_bounds__(fused_threads)
+    fused_chunks_kernel(const TITANS_GRID_CONSTANT FusedArgs<T> f) {
     const long long p = blockIdx.x;
     const FusedLayout& l = f.lay;
     const FusedShared<T> sh(dynamic_shared<T>(), l);
@@ -401,8 +425,12 @@ __global__ void __launch_bounds__(fused_threads) fused_chunks_kernel(FusedArgs<T
                             }));
         fused_keys<T, P>(f, sh, wt, f.v + row * l.dh);
         fused_gates<T>(f, sh, f.gates != nullptr ? f.gates + row * 3 : nullptr);
-        fused_end_layer<T, P>(sh, l.b, l.dh, l.h, sh.k, l.ldk(), sh.x, l.ldh(), w1, s1, l.h);
-        fused_end_layer<T, P>(sh, l.b, l.h, l.dh, sh.a1, l.ldh(), sh.q, l.ldk(), w2, s2, l.dh);
+        T* const* kp = f.keep.at[0] != nullptr ? f.keep.at + 4 * c : nullptr;
+        const auto kept = [&](int i) { return kp != nullptr ? kp[i] + p * io : nullptr; };
+        fused_end_layer<T, P>(sh, l.b, l.dh, l.h, sh.k, l.ldk(), sh.x, l.ldh(), w1, s1, l.h,
+                              kept(0), kept(2));
+        fused_end_layer<T, P>(sh, l.b, l.h, l.dh, sh.a1, l.ldh(), sh.q, l.ldk(), w2, s2, l.dh,
+                              kept(1), kept(3));
         if (c + 1 == f.chunks) {  // the last chunk's rows: the state's pending A, Delta
             const long long pb = p * l.b;
             copy_tile(f.a[0] + pb * l.dh, l.dh, sh.k, l.ldk(), l.b, l.dh);

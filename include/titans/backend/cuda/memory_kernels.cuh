@@ -945,6 +945,25 @@ struct MemoryKernels<Cuda, T> {
         });
     }
 
+    /// A training forward's chunk-start memory (memory_training.cuh): W1, W2, S1, S2 (each P
+    /// pairs, the state's layout) for each full chunk of a piece, in order; the fused launches
+    /// of forward_piece copy each chunk's into them (FusedKeep) and count it in kept.
+    struct KeepChunks {
+        std::vector<T*> at;  // 4 a chunk
+        long long kept = 0;
+        /// The next `chunks` chunks' pointers into a launch's arguments.
+        void into(cuda::FusedKeep<T>& k, int chunks) {
+            if (chunks > cuda::fused_keep_chunks ||
+                static_cast<long long>(at.size()) < 4 * (kept + chunks)) {
+                throw Error("MemoryTraining::forward: a fused launch past the trace's chunks "
+                            "(an internal error)");
+            }
+            for (int i = 0; i < 4 * chunks; ++i) {
+                k.at[i] = at[static_cast<std::size_t>(4 * kept + i)];
+            }
+            kept += chunks;
+        }
+    };
     /// What scan did: whether a chunk ended inside the piece, and whether every segment ran
     /// in the decode kernel (which, inside a deferring scope, checked its rows itself).
     struct Scanned {
@@ -954,7 +973,8 @@ struct MemoryKernels<Cuda, T> {
     /// math §3-5 over the piece: chunk segments at absolute positions, all pairs at once
     /// (`decode`: the call's decode_plan).
     static Scanned scan(const MemoryConfig& cfg, State& st, long long N, bool want_diag,
-                        DecodePlan decode, cuda::ConvTile<T> conv = {}) {
+                        DecodePlan decode, cuda::ConvTile<T> conv = {},
+                        KeepChunks* keep = nullptr) {
         const int b = st.chunk_;
         const long long P = static_cast<long long>(st.batch_) * cfg.n_heads, dh = cfg.head_dim();
         const cudaStream_t sm = ctx(st).stream();
@@ -969,10 +989,11 @@ struct MemoryKernels<Cuda, T> {
         while (t < N) {
             const int o = static_cast<int>((st.position_ + t) % b);
             if (fused.use && o == 0 && N - t >= b) {
-                const int chunks = static_cast<int>(std::min<long long>((N - t) / b, 1 << 20));
+                const int most = keep != nullptr ? cuda::fused_keep_chunks : 1 << 20;
+                const int chunks = static_cast<int>(std::min<long long>((N - t) / b, most));
                 save_rows(st, 0, b);
                 save_full(st);
-                fused_chunks(cfg, st, N, t, chunks, fused);
+                fused_chunks(cfg, st, N, t, chunks, fused, keep);
                 if (cfg.gates != GateMode::Constant) {
                     copy_rows(sm, st.gates_.data(), w.lp.data(), P, b, N,
                               t + static_cast<long long>(chunks - 1) * b, 0, b, 3);
@@ -1065,6 +1086,13 @@ struct MemoryKernels<Cuda, T> {
         return {true, ops, ranks};
     }
 
+    /// Whether forward_piece runs a piece's full chunks (from a chunk start) in the one-block
+    /// fused kernel (fused_chunks_kernel), which can keep their start memory (KeepChunks).
+    static bool training_fusable(const MemoryConfig& cfg, const State& st) {
+        const FusedPlan plan = fused_plan(cfg, st, false);
+        return plan.use && plan.ranks == 0;
+    }
+
     /// Calls pick.template operator()<O>() with O the kernel variant `ops` names: TF32 and
     /// BF16 exist for float only, so double always takes Exact.
     template <class Pick>
@@ -1086,7 +1114,7 @@ struct MemoryKernels<Cuda, T> {
     /// one launch of the fused kernel (plan: its operands, and clusters of plan.ranks blocks
     /// a pair where that is not 0); the last chunk's rows of A, Delta into the state.
     static void fused_chunks(const MemoryConfig& cfg, State& st, long long N, long long t,
-                             int chunks, const FusedPlan& plan) {
+                             int chunks, const FusedPlan& plan, KeepChunks* keep = nullptr) {
         const cuda::Operands ops = plan.operands;
         auto& w = *st.work_;
         const long long dh = cfg.head_dim(), P = static_cast<long long>(st.batch_) * cfg.n_heads;
@@ -1108,7 +1136,10 @@ struct MemoryKernels<Cuda, T> {
         f.gp = cuda::GateParams<T>::of(cfg);
         f.act = cfg.activation;
         f.residual = cfg.residual;
-        if (plan.ranks > 0) {
+        if (keep != nullptr) {  // the one-block kernel keeps them (training_fusable)
+            keep->into(f.keep, chunks);
+        }
+        if (plan.ranks > 0 && keep == nullptr) {
             fused_cluster(st, f, ops, plan.ranks, P);
             return;
         }
@@ -1214,7 +1245,8 @@ struct MemoryKernels<Cuda, T> {
     }
 
     static void forward_piece(const MemoryConfig& cfg, const Params& p, State& st,
-                              View<const T> x, View<T> y, Diagnostics<T>* diag) {
+                              View<const T> x, View<T> y, Diagnostics<T>* diag,
+                              KeepChunks* keep = nullptr) {
         const int B = st.batch_;
         const long long N = x.rows / B, P = static_cast<long long>(B) * cfg.n_heads,
                         dh = cfg.head_dim();
@@ -1238,7 +1270,7 @@ struct MemoryKernels<Cuda, T> {
         // read stay as they are until then, and which error is named depends on the slots,
         // not on the order the checks ran in.
         FlagStage checks(cx.stream(), flags, defer ? cuda::deferred_flag() : nullptr);
-        const Scanned done = scan(cfg, st, N, diag != nullptr, decode, tile);
+        const Scanned done = scan(cfg, st, N, diag != nullptr, decode, tile, keep);
         // Deferred, a call decoded whole had its rows checked by the decode kernel, and its
         // output's check is left to a later one where that covers it (cuda::OutputCovered).
         const bool rows_checked = defer && done.decoded;

@@ -4,7 +4,9 @@
 //
 // forward runs Kernels::forward a chunk at a time (from a chunk boundary; one transaction over
 // the call, so an error leaves the state as it was; the pieces' finiteness checks deferred to
-// one wait at the call's end, and run again strictly only if one failed), keeping in device
+// one wait at the call's end, and run again strictly only if one failed), or, where the
+// one-block fused kernel runs the chunks (memory_fused.cuh), every full chunk of a piece in one
+// forward whose kernel copies each chunk's start memory into the trace as it loads it, keeping in device
 // memory what the CPU's Trace keeps: the input, the incoming conv tails, the pre-conv products u = x [W_Q | W_K |
 // W_V], the gate logits (bias added) and the memory (W, S) at every chunk start, laid out as
 // the state's (per layer, pairs contiguous) so that it feeds batched GEMMs as is.
@@ -206,40 +208,83 @@ struct MemoryTraining<Cuda, T> {
     }
 
     /// forward_part's pieces: Kernels::forward_piece a chunk segment at a time, x's rows
-    /// gathered, y's scattered, the trace's rows recorded (chunk starts, products).
+    /// gathered, y's scattered, the trace's rows recorded (chunk starts, products). Where the
+    /// one-block fused kernel runs the chunks (Kernels::training_fusable; no diagnostics), a
+    /// piece from a chunk start takes every full chunk left, and the kernel keeps their start
+    /// memory as it loads it (Kernels::KeepChunks); a piece that is the whole part reads x and
+    /// writes y in place.
     static void record_pieces(const MemoryConfig& cfg, const typename Kernels::Prepared& pp,
                               typename Kernels::State& st, View<const T> x, View<T> y, Trace& t,
                               Diagnostics<T>* diag) {
         const int B = t.batch;
         const long long N = t.rows() / B, m = x.rows / B, t0 = st.position() - t.start,
                         d = cfg.d_model, b = cfg.effective_chunk();
-        const long long most = std::min(b, m);
+        const bool fusable = diag == nullptr && Kernels::training_fusable(cfg, st);
+        const auto piece_rows = [&](long long q) {  // the piece from row q of the part
+            const long long at = t.offset + q, left = t0 + m - q;
+            return fusable && at % b == 0 && left >= b ? left / b * b : std::min(b - at % b, left);
+        };
+        long long most = 0;  // the longest piece that is not the whole part
+        for (long long q = t0; q < t0 + m; q += piece_rows(q)) {
+            most = piece_rows(q) < m ? std::max(most, piece_rows(q)) : most;
+        }
         Buf xs(static_cast<std::size_t>(B * most * d)), ys(xs.size());
         Diagnostics<T> part;
         const cudaStream_t sm = Kernels::ctx(st).stream();
         for (long long q = t0; q < t0 + m;) {
             const long long at = t.offset + q;  // from the first chunk's start
-            const long long len = std::min(b - at % b, t0 + m - q);
-            if (at % b == 0) {
+            const long long len = piece_rows(q);
+            const bool whole = len == m;
+            typename Kernels::KeepChunks keep;
+            if (fusable && at % b == 0 && len >= b) {  // len: whole chunks
+                keep = keep_chunks(cfg, st, t, at / b, len / b);
+            } else if (at % b == 0) {
                 keep_chunk_start(cfg, st, t, at / b);
             }
             const ChunkRows piece{B, m, q - t0, len}, rows{B, N, q, len};
-            piece.gather(sm, x.data, x.stride, xs.data(), d);
-            rows.scatter(sm, xs.data(), d, t.x.mem.data(), d, d, nullptr);
+            const View<const T> xv = whole ? x : View<const T>{xs.data(), B * len, d, d};
+            const View<T> yv = whole ? y : View<T>{ys.data(), B * len, d, d};
+            if (!whole) {
+                piece.gather(sm, x.data, x.stride, xs.data(), d);
+            }
+            rows.scatter(sm, xv.data, xv.stride, t.x.mem.data(), d, d, nullptr);
             if (diag != nullptr) {  // forward_piece writes into a sized one
                 part.loss.setZero(B * len, cfg.n_heads);
                 part.grad_norm.setZero(B * len, cfg.n_heads);
             }
-            Kernels::forward_piece(cfg, *pp, st, View<const T>{xs.data(), B * len, d, d},
-                                   View<T>{ys.data(), B * len, d, d},
-                                   diag != nullptr ? &part : nullptr);
-            piece.scatter(sm, ys.data(), d, y.data, y.stride, d, nullptr);
+            Kernels::forward_piece(cfg, *pp, st, xv, yv, diag != nullptr ? &part : nullptr,
+                                   keep.at.empty() ? nullptr : &keep);
+            if (4 * keep.kept != static_cast<long long>(keep.at.size())) {
+                throw Error(detail::concat("MemoryTraining::forward: the fused kernel kept ",
+                                           keep.kept, " chunk starts of ", keep.at.size() / 4,
+                                           " (an internal error)"));
+            }
+            if (!whole) {
+                piece.scatter(sm, ys.data(), d, y.data, y.stride, d, nullptr);
+            }
             keep_products(cfg, pp, st, t, rows);
             if (diag != nullptr) {
                 piece.place(part, *diag);
             }
             q += len;
         }
+    }
+
+    /// The trace's memory at chunks [ch, ch + n) allocated, for the fused kernel to fill as it
+    /// runs them (depth 2: W1, W2, S1, S2 a chunk, the trace's order).
+    static typename Kernels::KeepChunks keep_chunks(const MemoryConfig& cfg,
+                                                    const typename Kernels::State& st, Trace& t,
+                                                    long long ch, long long n) {
+        typename Kernels::KeepChunks keep;
+        const long long L = cfg.depth;
+        for (long long c = ch; c < ch + n; ++c) {
+            for (long long i = 0; i < 2 * L; ++i) {
+                Buf& to = t.memory[static_cast<std::size_t>(c * 2 * L + i)];
+                to = Buf((i < L ? st.w_ : st.s_)[static_cast<std::size_t>(i % L)].size());
+                keep.at.push_back(to.data());
+            }
+        }
+        return keep;
     }
 
     // The forward's parts (public: nvcc's extended lambdas may not sit in private members).
