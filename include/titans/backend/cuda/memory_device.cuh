@@ -422,9 +422,11 @@ __global__ void pair_dots_kernel(const T* dwn, const T* dsn, const T* W, const T
 /// The chunk end's reversed row terms of the memory's training backward, a warp per row r of
 /// pair p (P x n rows of `out` entries at pair stride bw): dbar -= g_r AW, then dbar -= s_r AS,
 /// entry by entry, and v[dg + r] -= <AW_r, D_r>, v[ds + r] -= <AS_r, D_r>, with v = vec + p vs
-/// holding the gates g, s and their adjoints dg, ds at those offsets.
+/// holding the gates g, s and their adjoints dg, ds at those offsets. AW and AS are then
+/// overwritten with -diag(g) D and -diag(s) D, the left factors of the input adjoint's two
+/// products (abar += AW dW'^T + AS dS'^T, summed by cuBLAS into abar).
 template <class T>
-__global__ void end_rows_kernel(const T* AW, const T* AS, const T* D, T* dbar, T* vec,
+__global__ void end_rows_kernel(T* AW, T* AS, const T* D, T* dbar, T* vec,
                                 long long vs, long long g, long long s, long long dg,
                                 long long ds, long long P, long long n, long long out,
                                 long long bw) {
@@ -439,10 +441,13 @@ __global__ void end_rows_kernel(const T* AW, const T* AS, const T* D, T* dbar, T
     T sw = T(0), ss = T(0);
     for (long long c = lane; c < out; c += 32) {
         const long long e = o + c;
-        sw += AW[e] * D[e];
-        ss += AS[e] * D[e];
-        dbar[e] -= gk * AW[e];
-        dbar[e] -= sk * AS[e];
+        const T aw = AW[e], as = AS[e], d = D[e];
+        sw += aw * d;
+        ss += as * d;
+        dbar[e] -= gk * aw;
+        dbar[e] -= sk * as;
+        AW[e] = -gk * d;
+        AS[e] = -sk * d;
     }
     sw = warp_sum(sw);
     ss = warp_sum(ss);

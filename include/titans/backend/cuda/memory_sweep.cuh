@@ -1072,16 +1072,9 @@ struct MemoryTraining<Cuda, T>::Sweep {
                          Dl, w.tdbar[l].data(), vec, VS, vo.g(), vo.s(), vo.dg(), vo.ds(), P, n,
                          out, BW);
             cuda::check_launch("the chunk end's row terms");
-            mm(w.cx, false, true, n, in, out, T(1), Dl, out, BW, dwn, out, io, T(0), AW, in, BW, P);
-            mm(w.cx, false, true, n, in, out, T(1), Dl, out, BW, dsn, out, io, T(0), AS, in, BW, P);
             T* abar = w.tabar[l].data();
-            cuda::each(w.sm, P * n * in, [=] __device__(unsigned i) {
-                const long long p = i / cuda::u32(n * in), r = (i / cuda::u32(in)) % cuda::u32(n),
-                                rc = i % cuda::u32(n * in);
-                const T* v = vec + p * VS;
-                abar[p * BW + rc] -= v[vo.g() + r] * AW[p * BW + rc];
-                abar[p * BW + rc] -= v[vo.s() + r] * AS[p * BW + rc];
-            });
+            mm(w.cx, false, true, n, in, out, T(1), AW, out, BW, dwn, out, io, T(1), abar, in, BW, P);
+            mm(w.cx, false, true, n, in, out, T(1), AS, out, BW, dsn, out, io, T(1), abar, in, BW, P);
         }
     }
 
@@ -1127,7 +1120,7 @@ struct MemoryTraining<Cuda, T>::Sweep {
         const long long N = w.NV, dh = w.dh, BW = w.BW, P = w.P;
         const Activation act = w.act;
         const bool residual = w.residual;
-        for (std::size_t l = 0; l < w.Ls; ++l) clear(w, w.tzbar[l]);
+        // Each zbar's first write below is an assignment (no clearing memset a stage).
         for (std::size_t l = 1; l < w.Ls; ++l) {
             const long long in = w.lin[l], out = w.lout[l];  // delta[l-1] is n x in
             const T* db = w.tdbar[l - 1].data();
@@ -1139,7 +1132,7 @@ struct MemoryTraining<Cuda, T>::Sweep {
             cuda::each(w.sm, P * n * in, [=] __device__(unsigned i) {
                 const long long p = i / cuda::u32(n * in), e = p * BW + i % cuda::u32(n * in);
                 bb[e] = db[e] * d1[e];
-                zb[e] += db[e] * bk[e] * detail::activate_grad2(act, zp[e]);
+                zb[e] = db[e] * bk[e] * detail::activate_grad2(act, zp[e]);
             });
             mm(w.cx, false, false, n, out, in, T(1), bb, in, BW, w.Wl[l], out, w.lio[l], T(1),
                w.tdbar[l].data(), out, BW, P);
@@ -1152,7 +1145,7 @@ struct MemoryTraining<Cuda, T>::Sweep {
         T* dK = w.dKb.data() + c0 * dh;
         cuda::each(w.sm, P * n * dh, [=] __device__(unsigned i) {
             const long long p = i / cuda::u32(n * dh), rc = i % cuda::u32(n * dh), e = p * BW + rc;
-            zl[e] += db[e];
+            zl[e] = db[e];
             dV[p * N * dh + rc] -= db[e];
             if (residual) dK[p * N * dh + rc] += db[e];
         });

@@ -368,15 +368,13 @@ struct MemoryTraining<Cuda, T> {
     /// The memory (W, S of every layer) at chunk ch's start, from the state, into the trace.
     static void keep_chunk_start(const MemoryConfig& cfg, const typename Kernels::State& st,
                                  Trace& t, long long ch) {
+        keep_chunks(cfg, st, t, ch, 1);
         const long long L = cfg.depth;
         const cudaStream_t sm = Kernels::ctx(st).stream();
-        for (long long l = 0; l < L; ++l) {
-            const auto li = static_cast<std::size_t>(l);
-            const auto at = static_cast<std::size_t>(ch * 2 * L + l);
-            t.memory[at] = Buf(st.w_[li].size());
-            t.memory[at + static_cast<std::size_t>(L)] = Buf(st.s_[li].size());
-            Kernels::copy_into(t.memory[at], st.w_[li], sm);
-            Kernels::copy_into(t.memory[at + static_cast<std::size_t>(L)], st.s_[li], sm);
+        for (long long i = 0; i < 2 * L; ++i) {
+            const auto li = static_cast<std::size_t>(i % L);
+            Kernels::copy_into(t.memory[static_cast<std::size_t>(ch * 2 * L + i)],
+                               (i < L ? st.w_ : st.s_)[li], sm);
         }
     }
 
