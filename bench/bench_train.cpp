@@ -29,8 +29,8 @@
 // Headline: float, d = 512, H = 8, d_h = 64, L = 2, e = 4, b = 64, B = 1, N = 2048, lagged
 // retrieval, data-dependent gates, conv on (the headline of bench_memory); and in-chunk
 // retrieval. Counters: tokens_per_second (B * N per iteration) and GFLOPS, where a training
-// step counts 3x the forward's FLOP model (memory_flops.hpp: the backward of a product is two
-// products of the same size, the usual convention), so "step GFLOPS / GEMM GFLOPS" is the
+// step counts memory_training_flops, 3x the forward's FLOP model (memory_flops.hpp: the
+// backward of a product is two products of the same size, the usual convention), so "step GFLOPS / GEMM GFLOPS" is the
 // fraction of the machine's dense rate the step achieves, and "step time / forward time"
 // (from the two benchmarks' real times) is the cost of training over inference.
 //
@@ -113,7 +113,8 @@ void run(benchmark::State& state, bool train) {
         state.SkipWithError("non-finite output or gradient");
         return;
     }
-    set_counters(state, N, (train ? 3.0 : 1.0) * titans_bench::memory_forward_flops(cfg, 1, N));
+    set_counters(state, N, train ? titans_bench::memory_training_flops(cfg, 1, N)
+                                 : titans_bench::memory_forward_flops(cfg, 1, N));
 }
 
 titans::ModelConfig model_config() {

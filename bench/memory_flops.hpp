@@ -62,4 +62,16 @@ inline double memory_forward_flops(const MemoryConfig& cfg, int B, long N) {
     return per_token * static_cast<double>(B) * static_cast<double>(N);
 }
 
+/// FLOP model of one NeuralMemory training step (training forward and backward) over B
+/// sequences of N tokens: 3x the forward's model. Each product of the forward is reversed by
+/// two of its size (its input's adjoint and its weight's; the memory's own key pass, error
+/// and update products as well, math §9): 9 products of b x in x out a chunk and head forward
+/// (lagged, depth 2), 18 backward. Work an implementation recomputes (the CUDA backward runs
+/// the chunk's key pass and read again: 23 products a chunk, memory_sweep.cuh) is not counted:
+/// the model is what the algorithm needs, so its rate over the GEMM rate is the fraction of
+/// the machine the step achieves.
+inline double memory_training_flops(const MemoryConfig& cfg, int B, long N) {
+    return 3.0 * memory_forward_flops(cfg, B, N);
+}
+
 }  // namespace titans_bench

@@ -27,7 +27,9 @@
 //                             counters tokens_per_second, GFLOPS (bench/memory_flops.hpp),
 //                             frac_sgemm and frac_tf32 (GFLOPS over BM_CublasSgemm/4096's)
 //   BM_CudaMemoryTrain/B/N    the same memory's training step: training forward with its trace
-//                             and backward, device x, dy and dx, gradients to the host, TF32
+//                             and backward, device x, dy and dx, gradients to the host, TF32;
+//                             GFLOPS and the fractions count memory_training_flops (3x the
+//                             forward's)
 //   BM_CudaDecode/B/decode/rows
 //                             the same memory fed one token per sequence per call (serving);
 //                             decode 1: the read and the key pass in decode_rows_kernel
@@ -306,9 +308,12 @@ struct Setup {
     }
 };
 
-void counters(benchmark::State& state, const titans::MemoryConfig& cfg, int B, long N) {
+/// tokens/s and GFLOPS of the memory's forward (or, train, its training step's FLOP model).
+void counters(benchmark::State& state, const titans::MemoryConfig& cfg, int B, long N,
+              bool train = false) {
     const double iters = static_cast<double>(state.iterations());
-    const double flops = titans_bench::memory_forward_flops(cfg, B, N);
+    const double flops = train ? titans_bench::memory_training_flops(cfg, B, N)
+                               : titans_bench::memory_forward_flops(cfg, B, N);
     state.counters["tokens_per_second"] =
         benchmark::Counter(iters * B * static_cast<double>(N), benchmark::Counter::kIsRate);
     state.counters["GFLOPS"] = benchmark::Counter(iters * flops / 1e9, benchmark::Counter::kIsRate);
@@ -332,6 +337,14 @@ double timed_from_fresh(benchmark::State& state, const State& fresh, State& st, 
         seconds += dt;
     }
     return seconds;
+}
+
+/// frac_sgemm and frac_tf32: the rate of `flops` an iteration over `seconds` in all (the
+/// iterations' manual times), over the same run's cuBLAS GEMM rates (GFLOPS).
+void fractions(benchmark::State& state, double flops, double seconds, double sgemm, double tf32) {
+    const double gflops = static_cast<double>(state.iterations()) * flops / 1e9 / seconds;
+    state.counters["frac_sgemm"] = gflops / sgemm;
+    state.counters["frac_tf32"] = gflops / tf32;
 }
 
 void BM_CudaMemory(benchmark::State& state) {
@@ -358,10 +371,7 @@ void BM_CudaMemory(benchmark::State& state) {
     }
     const double seconds = timed_from_fresh(state, fresh, st, [&] { s.forward(st); });
     counters(state, s.cfg, B, N);
-    const double gflops = static_cast<double>(state.iterations()) *
-                          titans_bench::memory_forward_flops(s.cfg, B, N) / 1e9 / seconds;
-    state.counters["frac_sgemm"] = gflops / sgemm;
-    state.counters["frac_tf32"] = gflops / tf32_rate;
+    fractions(state, titans_bench::memory_forward_flops(s.cfg, B, N), seconds, sgemm, tf32_rate);
     tc::set_fused_memory(tc::FusedMemory::Auto);
     tc::set_fused_operands(tc::FusedOperands::Float);
     tc::set_fused_cluster(0);
@@ -371,11 +381,13 @@ void BM_CudaMemory(benchmark::State& state) {
 /// backward (dx in device memory, the parameter gradients added to a flat gradient buffer in
 /// device memory, as a block's backward adds them), from a fresh state each iteration (reset
 /// outside the timer);
-/// TF32 allowed in both passes. GFLOPS counts the forward's FLOP model only (no backward model yet).
+/// TF32 allowed in both passes. GFLOPS counts the step's FLOP model (memory_training_flops: 3x
+/// the forward's; until 2026-12-02 the forward's alone, a third of the step's rate).
 void BM_CudaMemoryTrain(benchmark::State& state) {
     using Training = titans::backend::MemoryTraining<Cuda, float>;
     const int B = static_cast<int>(state.range(0));
     const long N = state.range(1);
+    const double sgemm = sgemm_rate(4096, false), tf32_rate = sgemm_rate(4096, true);
     Setup s(B, N);
     tc::set_allow_tf32(true);  // the state's context, and the thread's (the backward's) when
                                // the warm-up below makes it (nothing earlier in bench_cuda does)
@@ -397,8 +409,9 @@ void BM_CudaMemoryTrain(benchmark::State& state) {
     Kernels::State st = fresh;
     step(st);  // warm-up: workspaces, cuBLAS heuristics
     tc::set_allow_tf32(false);
-    (void)timed_from_fresh(state, fresh, st, [&] { step(st); });
-    counters(state, s.cfg, B, N);
+    const double seconds = timed_from_fresh(state, fresh, st, [&] { step(st); });
+    counters(state, s.cfg, B, N, true);
+    fractions(state, titans_bench::memory_training_flops(s.cfg, B, N), seconds, sgemm, tf32_rate);
 }
 
 void BM_CudaDecode(benchmark::State& state) {
