@@ -550,12 +550,13 @@ TEST_CASE("cuda memory training: one wait for the checks", "[cuda]") {
 // the emulator as the difference between a trace of 6 chunks and one of 2, over 4. Per stage
 // (memory_sweep.cuh): the key tape 4 kernels and 3 products (a_1 = k, act with act', the error,
 // delta_1), the gates 1, the read 3 and 2 (h_0 and dy in, act, y out), its reverse 1 and 4
-// (the act' between its layers) and dq 1, the chunk end 7 and 8 (its coefficients, then a layer's
-// dW and dS, its sums and its row terms, which also leave -diag(g) Delta and -diag(s) Delta for
-// the two products that add the input's adjoint into abar), the coefficients reversed 1, the
-// clipping 1 when on, the key pass's second-order terms 4 and 6, the gates' logits 1 when
-// gated: 22 kernels, + 1 clipping, + 1 gated, and 23 products. Before 2026-12-02 the chunk
-// end's input adjoint was two products into scratch and a kernel a layer: 24 kernels.
+// (the act' between its layers) and dq 1, the chunk end 4 and 8 (its coefficients; dW, dS and
+// the sums of every layer in one; then a layer's row terms, which also leave -diag(g) Delta and
+// -diag(s) Delta for the two products that add the input's adjoint into abar), the
+// coefficients reversed 1, the clipping 1 when on, the key pass's second-order terms 4 and 6,
+// the gates' logits 1 when gated: 19 kernels, + 1 clipping, + 1 gated, and 23 products. Before
+// 2026-12-02 the chunk end's input adjoint was two products into scratch and a kernel a layer,
+// and its dW, dS and sums two kernels a layer: 24 kernels.
 TEST_CASE("cuda memory training: backward launches", "[cuda]") {
     Rng rng(seed_for("cuda memory training: backward launches", 0));
     for (const bool gated : {false, true}) {
@@ -585,7 +586,7 @@ TEST_CASE("cuda memory training: backward launches", "[cuda]") {
             INFO("gated " << gated << " clip " << clip << ": " << launches[0] << " and "
                           << launches[1] << " launches, " << gemms[0] << " and " << gemms[1]
                           << " products");
-            CHECK(launches[1] - launches[0] == 4 * (22 + (clip ? 1 : 0) + (gated ? 1 : 0)));
+            CHECK(launches[1] - launches[0] == 4 * (19 + (clip ? 1 : 0) + (gated ? 1 : 0)));
             CHECK(gemms[1] - gemms[0] == 4 * 23);
         }
     }

@@ -298,6 +298,26 @@ long long first_nonfinite_row(cudaStream_t stream, View<const T> y, unsigned* fl
     check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
     return host == 0xFFFFFFFFu ? -1 : static_cast<long long>(host);
 }
+
+/// The sum (Max false) or the maximum (Max true) of v over the block's threads (blockDim.x a
+/// power of two, <= 256), returned to every thread; part: 256 shared entries, free again on
+/// return.
+template <bool Max, class T>
+__device__ T block_reduce(T* part, T v) {
+    part[threadIdx.x] = v;
+    __syncthreads();
+    for (int o = blockDim.x / 2; o > 0; o /= 2) {
+        const int t = static_cast<int>(threadIdx.x);
+        if (t < o) {
+            const T a = part[t], b = part[t + o];
+            part[t] = Max ? (a < b ? b : a) : a + b;
+        }
+        __syncthreads();
+    }
+    const T r = part[0];
+    __syncthreads();
+    return r;
+}
 #endif
 
 /// x as an unsigned 32-bit divisor (each() bounds every index, so the operands fit).

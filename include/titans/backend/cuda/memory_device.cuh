@@ -389,33 +389,59 @@ __global__ void copy_rows_kernel(RowCopies<T> c) {
     }
 }
 
-/// The chunk end's reversed sums of the memory's training backward (memory_training.cuh), a
-/// warp per pair p of `pairs`: over the pair's io entries, out[p * stride] += <dW', W>,
-/// out[p * stride + 1] += <dW', S> and out[p * stride + 2] += <dS', S> (dW', dS' the adjoints
-/// of the next chunk's start; W, S the chunk-end memory, all P x io, pair-major).
+/// The chunk end's weight-shaped arrays of each of `depth` layers, pair-major (P x io[l] each):
+/// the next chunk start's adjoints dW', dS' and the chunk's start memory W, S (read), the start
+/// memory's adjoints dW, dS (added to).
 template <class T>
-__global__ void pair_dots_kernel(const T* dwn, const T* dsn, const T* W, const T* S,
-                                 long long io, long long pairs, T* out, long long stride) {
-    const long long p = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-    const int lane = static_cast<int>(threadIdx.x % 32);
-    if (p >= pairs) {
-        return;  // the whole warp
-    }
-    const long long o = p * io;
-    T a0 = T(0), a1 = T(0), a2 = T(0);
-    for (long long e = lane; e < io; e += 32) {
-        a0 += dwn[o + e] * W[o + e];
-        a1 += dwn[o + e] * S[o + e];
-        a2 += dsn[o + e] * S[o + e];
-    }
-    a0 = warp_sum(a0);
-    a1 = warp_sum(a1);
-    a2 = warp_sum(a2);
-    if (lane == 0) {
-        T* v = out + p * stride;
-        v[0] += a0;
-        v[1] += a1;
-        v[2] += a2;
+struct EndWeights {
+    const T* dwn[limits::max_depth];
+    const T* dsn[limits::max_depth];
+    const T* w[limits::max_depth];
+    const T* s[limits::max_depth];
+    T* dw[limits::max_depth];
+    T* ds[limits::max_depth];
+    long long io[limits::max_depth];
+    int depth;
+};
+
+/// The chunk end's reversed weight terms of the memory's training backward (memory_sweep.cuh),
+/// a block of 256 threads per pair p, layer by layer: dW += be dW', dS += ce dW' + pe dS' entry
+/// by entry, and v[3] += <dW', W>, v[4] += <dW', S>, v[5] += <dS', S> (block sums), v = ends +
+/// p * stride holding be, ce, pe at v[0..2]. One pass over the six arrays where a thread per
+/// entry (the update) and a warp per pair (the sums) made two, and a block per pair where 8
+/// pairs (B = 1 at the headline) had 8 warps on the GPU for their sums.
+template <class T>
+__global__ void chunk_end_weights_kernel(const TITANS_GRID_CONSTANT EndWeights<T> ew, T* ends,
+                                         long long stride) {
+    __shared__ T part[256];
+    const long long p = blockIdx.x;
+    T* v = ends + p * stride;
+    const T be = v[0], ce = v[1], pe = v[2];
+    for (int l = 0; l < ew.depth; ++l) {
+        const long long io = ew.io[l], o = p * io;
+        const T* dwn = ew.dwn[l] + o;
+        const T* dsn = ew.dsn[l] + o;
+        const T* W = ew.w[l] + o;
+        const T* S = ew.s[l] + o;
+        T* dw = ew.dw[l] + o;
+        T* ds = ew.ds[l] + o;
+        T a0 = T(0), a1 = T(0), a2 = T(0);
+        for (long long e = threadIdx.x; e < io; e += blockDim.x) {
+            const T gw = dwn[e], gs = dsn[e], s = S[e];
+            a0 += gw * W[e];
+            a1 += gw * s;
+            a2 += gs * s;
+            dw[e] += be * gw;
+            ds[e] += ce * gw + pe * gs;
+        }
+        a0 = block_reduce<false>(part, a0);
+        a1 = block_reduce<false>(part, a1);
+        a2 = block_reduce<false>(part, a2);
+        if (threadIdx.x == 0) {
+            v[3] += a0;
+            v[4] += a1;
+            v[5] += a2;
+        }
     }
 }
 

@@ -1046,21 +1046,24 @@ struct MemoryTraining<Cuda, T>::Sweep {
                                       v + vo.alpha(), v + vo.g(), v + vo.s(), v + vo.ends(),
                                       v + vo.ends() + 1, v + vo.ends() + 2);
         });
+        cuda::EndWeights<T> ew{};
+        ew.depth = static_cast<int>(w.Ls);
+        for (std::size_t l = 0; l < w.Ls; ++l) {
+            ew.dwn[l] = w.dWn[l].data();
+            ew.dsn[l] = w.dSn[l].data();
+            ew.w[l] = w.Wl[l];
+            ew.s[l] = w.Sl[l];
+            ew.dw[l] = w.dW[l].data();
+            ew.ds[l] = w.dS[l].data();
+            ew.io[l] = w.lio[l];
+        }
+        cuda::launch(cuda::chunk_end_weights_kernel<T>, static_cast<unsigned>(P), 256, w.sm, ew,
+                     vec + vo.ends(), VS);
+        cuda::check_launch("the chunk end's weight terms");
         for (std::size_t l = 0; l < w.Ls; ++l) {
             const long long in = w.lin[l], out = w.lout[l], io = w.lio[l];
             const T* dwn = w.dWn[l].data();
             const T* dsn = w.dSn[l].data();
-            T* dw = w.dW[l].data();
-            T* ds = w.dS[l].data();
-            cuda::each(w.sm, P * io, [=] __device__(unsigned i) {
-                const long long p = i / cuda::u32(io);
-                const T* v = vec + p * VS + vo.ends();
-                dw[i] += v[0] * dwn[i];
-                ds[i] += v[1] * dwn[i] + v[2] * dsn[i];
-            });
-            cuda::launch(cuda::pair_dots_kernel<T>, cuda::warp_blocks(P), 256, w.sm, dwn, dsn,
-                         w.Wl[l], w.Sl[l], io, P, vec + vo.ends() + 3, VS);
-            cuda::check_launch("the chunk end's sums");
             T* AW = w.AWb.data();
             T* AS = w.ASb.data();
             mm(w.cx, false, false, n, out, in, T(1), w.ta[l].data(), in, BW, dwn, out, io, T(0),

@@ -1,7 +1,7 @@
 #pragma once
-// titans/backend/cuda/rms_rows.cuh: the RMSNorm of a row by one thread block (math §7), and
-// the block reductions it takes: rms_rows_kernel launches it a block per row; the feed-forward
-// of few rows (feed_forward_rows.cuh) calls rms_row itself for the residual sums and norms
+// titans/backend/cuda/rms_rows.cuh: the RMSNorm of a row by one thread block (math §7), with
+// launch.cuh's block_reduce: rms_rows_kernel launches it a block per row; the feed-forward of
+// few rows (feed_forward_rows.cuh) calls rms_row itself for the residual sums and norms
 // before and after its own work, the same bits as the separate launches.
 
 #include "../../detail/norm_scale.hpp"
@@ -32,26 +32,6 @@ struct RmsRows {
 };
 
 #if TITANS_CUDA_DEVICE_CODE
-/// The sum (Max false) or the maximum (Max true) of v over the block's threads (blockDim.x a
-/// power of two, <= 256), returned to every thread; part: 256 shared entries, free again on
-/// return.
-template <bool Max, class T>
-__device__ T block_reduce(T* part, T v) {
-    part[threadIdx.x] = v;
-    __syncthreads();
-    for (int o = blockDim.x / 2; o > 0; o /= 2) {
-        const int t = static_cast<int>(threadIdx.x);
-        if (t < o) {
-            const T a = part[t], b = part[t + o];
-            part[t] = Max ? (a < b ? b : a) : a + b;
-        }
-        __syncthreads();
-    }
-    const T r = part[0];
-    __syncthreads();
-    return r;
-}
-
 /// e and Σ (x_j 2^-e)^2 of row x (length d, nonzero), e the scale exponent of its largest
 /// magnitude (detail/norm_scale.hpp); every thread gets both.
 template <class T>
