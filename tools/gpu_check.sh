@@ -383,7 +383,8 @@ do_cluster() {
 # next: what no GPU has timed yet, in one device call of about 7 minutes (a session is lent 15
 # minutes of device time, starts included): the tests of the kernels written since the last
 # GPU run (the cluster kernel, the flat checks, the decode kernel's loads in flight, the
-# few-row product, the split decode attention, the fused training trace), racecheck on the
+# few-row product, the split decode attention, the fused training trace, the backward's chunk
+# end in one kernel a chunk and its input adjoint summed by cuBLAS), racecheck on the
 # cluster kernel, then the benchmarks that decide their defaults (the headline forward with
 # one block a pair and as clusters, the training step at B 256, decode at B 1 and 1024, the
 # model's token with each opt-in, the checks; cuBLAS in the same run), each kernel's device
@@ -398,7 +399,7 @@ do_next() {
   { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv || true
     uptime; } > "${out}/device.txt" 2>&1
   TITANS_ROWS_PRODUCT=1 TITANS_SPLIT_DECODE=1 tests_to next_tests.txt 90 \
-    "cuda memory: fused*,cuda memory training: fused*,cuda memory: cluster*,cuda launch: clusters,cuda memory: the non-finite*,cuda memory: decode*,cuda layers: few-row product*,cuda attention: split*,cuda model*"
+    "cuda memory: fused*,cuda memory training: fused*,cuda memory training: double,cuda memory training: float,cuda memory: cluster*,cuda launch: clusters,cuda memory: the non-finite*,cuda memory: decode*,cuda layers: few-row product*,cuda attention: split*,cuda model*"
   grep -B3 -A12 "FAILED" "${out}/next_tests.txt" | head -n 40 || true
   TITANS_CUDA_PARITY_CASES=1 timeout 50 compute-sanitizer --tool racecheck --error-exitcode 9 \
     "${t}" "cuda memory: fused cluster" > "${out}/cluster_racecheck.txt" 2>&1 \
