@@ -391,7 +391,8 @@ __global__ void copy_rows_kernel(RowCopies<T> c) {
 
 /// The chunk end's weight-shaped arrays of each of `depth` layers, pair-major (P x io[l] each):
 /// the next chunk start's adjoints dW', dS' and the chunk's start memory W, S (read), the start
-/// memory's adjoints dW, dS (added to).
+/// memory's adjoints dW (added to) and dS (added to, or written when assign_s: the chunk end
+/// is its first writer).
 template <class T>
 struct EndWeights {
     const T* dwn[limits::max_depth];
@@ -402,11 +403,12 @@ struct EndWeights {
     T* ds[limits::max_depth];
     long long io[limits::max_depth];
     int depth;
+    bool assign_s;
 };
 
 /// The chunk end's reversed weight terms of the memory's training backward (memory_sweep.cuh),
-/// a block of 256 threads per pair p, layer by layer: dW += be dW', dS += ce dW' + pe dS' entry
-/// by entry, and v[3] += <dW', W>, v[4] += <dW', S>, v[5] += <dS', S> (block sums), v = ends +
+/// a block of 256 threads per pair p, layer by layer: dW += be dW', dS += ce dW' + pe dS' (or
+/// =, assign_s) entry by entry, and v[3] += <dW', W>, v[4] += <dW', S>, v[5] += <dS', S> (block sums), v = ends +
 /// p * stride holding be, ce, pe at v[0..2]. One pass over the six arrays where a thread per
 /// entry (the update) and a warp per pair (the sums) made two, and a block per pair where 8
 /// pairs (B = 1 at the headline) had 8 warps on the GPU for their sums.
@@ -432,7 +434,8 @@ __global__ void chunk_end_weights_kernel(const TITANS_GRID_CONSTANT EndWeights<T
             a1 += gw * s;
             a2 += gs * s;
             dw[e] += be * gw;
-            ds[e] += ce * gw + pe * gs;
+            const T add = ce * gw + pe * gs;
+            ds[e] = ew.assign_s ? add : ds[e] + add;
         }
         a0 = block_reduce<false>(part, a0);
         a1 = block_reduce<false>(part, a1);

@@ -162,6 +162,10 @@ struct MemoryTraining<Cuda, T>::Sweep {
     // the incoming pending rows' adjoints gather in da_in, dd_in (P x off x width; the
     // logits' stay in dLGb's leading rows).
     bool end_mid = false, add_out = false;
+    // A stage from a chunk's top, lagged, with no adjoint out: its start memory's adjoints are
+    // written, not added to, by their first writers (the read's dW products, beta 0; the chunk
+    // end's dS), so they are not cleared first (down).
+    bool fresh = false;
     std::vector<Buf> dW_end, dS_end, pa_out, pd_out, da_in, dd_in;
     Buf pg_out;
     std::vector<Buf> tapW;
@@ -325,18 +329,6 @@ struct MemoryTraining<Cuda, T>::Sweep {
         while (w.cur > p) {
             const long long ch = (w.cur - 1) / w.b, c0 = ch * w.b, c1 = std::min(c0 + w.b, w.NV);
             w.add_out = w.cur == w.NV && w.end_mid;
-            if (w.cur == c1) {  // a new chunk from its top: its start memory
-                load_chunk(w, ch);
-                for (std::size_t l = 0; l < w.Ls; ++l) {
-                    if (w.add_out) {  // the state after keeps this start memory
-                        copy(w, w.dW[l], w.dW_end[l]);
-                        copy(w, w.dS[l], w.dS_end[l]);
-                    } else {
-                        clear(w, w.dW[l]);
-                        clear(w, w.dS[l]);
-                    }
-                }
-            }
             bool end = w.cur == c1 && (c1 < w.NV || w.final_end);
             if (!end && w.has_tap) {  // a tap's partial end
                 for (std::size_t l = 0; l < w.Ls; ++l) {
@@ -346,9 +338,25 @@ struct MemoryTraining<Cuda, T>::Sweep {
                 end = true;
             }
             w.has_tap = false;
+            w.fresh = w.cur == c1 && !w.add_out && !w.inchunk;
+            if (w.cur == c1) {  // a new chunk from its top: its start memory
+                load_chunk(w, ch);
+                for (std::size_t l = 0; l < w.Ls; ++l) {
+                    if (w.add_out) {  // the state after keeps this start memory
+                        copy(w, w.dW[l], w.dW_end[l]);
+                        copy(w, w.dS[l], w.dS_end[l]);
+                    } else if (!w.fresh) {
+                        clear(w, w.dW[l]);
+                        clear(w, w.dS[l]);
+                    } else if (!end) {  // no chunk end to write dS (the first chunk
+                        clear(w, w.dS[l]);  // reversed, without d_out: still zero there)
+                    }
+                }
+            }
             const long long lo = std::max(c0, p), reads = std::max(lo, c0 == 0 ? w.off : 0LL);
             stage(w, c0, w.cur - c0, reads - c0, end);
             w.add_out = false;
+            w.fresh = false;
             w.cur = lo;
             if (lo == c0) {
                 std::swap(w.dW, w.dWn);
@@ -949,8 +957,8 @@ struct MemoryTraining<Cuda, T>::Sweep {
         const Activation act = w.act;
         T* tm = w.tmpb.data();
         if (!w.inchunk) {
-            mm(w.cx, true, false, in, out, m, T(1), w.hin[l].data(), in, BW, tm, out, BW, T(1),
-               w.dW[l].data(), out, w.lio[l], w.P);
+            mm(w.cx, true, false, in, out, m, T(1), w.hin[l].data(), in, BW, tm, out, BW,
+               w.fresh ? T(0) : T(1), w.dW[l].data(), out, w.lio[l], w.P);
             mm(w.cx, false, true, m, in, out, T(1), tm, out, BW, w.Wl[l], out, w.lio[l], T(0),
                w.dHb.data(), in, BW, w.P);
         } else {
@@ -1057,6 +1065,7 @@ struct MemoryTraining<Cuda, T>::Sweep {
             ew.ds[l] = w.dS[l].data();
             ew.io[l] = w.lio[l];
         }
+        ew.assign_s = w.fresh;
         cuda::launch(cuda::chunk_end_weights_kernel<T>, static_cast<unsigned>(P), 256, w.sm, ew,
                      vec + vo.ends(), VS);
         cuda::check_launch("the chunk end's weight terms");
