@@ -451,14 +451,15 @@ __global__ void chunk_end_weights_kernel(const TITANS_GRID_CONSTANT EndWeights<T
 /// The chunk end's reversed row terms of the memory's training backward, a warp per row r of
 /// pair p (P x n rows of `out` entries at pair stride bw): dbar -= g_r AW, then dbar -= s_r AS,
 /// entry by entry, and v[dg + r] -= <AW_r, D_r>, v[ds + r] -= <AS_r, D_r>, with v = vec + p vs
-/// holding the gates g, s and their adjoints dg, ds at those offsets. AW and AS are then
+/// holding the gates g, s and their adjoints dg, ds at those offsets (dbar = -g_r AW - s_r AS
+/// when assign: its first write). AW and AS are then
 /// overwritten with -diag(g) D and -diag(s) D, the left factors of the input adjoint's two
 /// products (abar += AW dW'^T + AS dS'^T, summed by cuBLAS into abar).
 template <class T>
 __global__ void end_rows_kernel(T* AW, T* AS, const T* D, T* dbar, T* vec,
                                 long long vs, long long g, long long s, long long dg,
                                 long long ds, long long P, long long n, long long out,
-                                long long bw) {
+                                long long bw, bool assign) {
     const long long w = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
     const int lane = static_cast<int>(threadIdx.x % 32);
     if (w >= P * n) {
@@ -473,8 +474,10 @@ __global__ void end_rows_kernel(T* AW, T* AS, const T* D, T* dbar, T* vec,
         const T aw = AW[e], as = AS[e], d = D[e];
         sw += aw * d;
         ss += as * d;
-        dbar[e] -= gk * aw;
-        dbar[e] -= sk * as;
+        T db = assign ? T(0) : dbar[e];
+        db -= gk * aw;
+        db -= sk * as;
+        dbar[e] = db;
         AW[e] = -gk * d;
         AS[e] = -sk * d;
     }

@@ -166,6 +166,7 @@ struct MemoryTraining<Cuda, T>::Sweep {
     // written, not added to, by their first writers (the read's dW products, beta 0; the chunk
     // end's dS), so they are not cleared first (down).
     bool fresh = false;
+    bool tape_fresh = false;  // the same for a stage's tape adjoints abar, dbar (stage)
     std::vector<Buf> dW_end, dS_end, pa_out, pd_out, da_in, dd_in;
     Buf pg_out;
     std::vector<Buf> tapW;
@@ -691,7 +692,10 @@ struct MemoryTraining<Cuda, T>::Sweep {
     static void stage(Sweep& w, long long c0, long long n, long long o, bool end) {
         const long long pre = c0 == 0 ? w.off : 0;  // the incoming pending rows in the prefix
         key_tape(w, c0, n);
-        for (std::size_t l = 0; l < w.Ls; ++l) {
+        // With a chunk end, lagged and no adjoint out, the chunk end writes the tape's
+        // adjoints first (end_rows_kernel's dbar, the first abar product's beta 0).
+        w.tape_fresh = end && !w.add_out && !w.inchunk;
+        for (std::size_t l = 0; l < w.Ls && !w.tape_fresh; ++l) {
             clear(w, w.tabar[l]);
             clear(w, w.tdbar[l]);
         }
@@ -1082,10 +1086,11 @@ struct MemoryTraining<Cuda, T>::Sweep {
             const T* Dl = w.tdelta[l].data();
             cuda::launch(cuda::end_rows_kernel<T>, cuda::warp_blocks(P * n), 256, w.sm, AW, AS,
                          Dl, w.tdbar[l].data(), vec, VS, vo.g(), vo.s(), vo.dg(), vo.ds(), P, n,
-                         out, BW);
+                         out, BW, w.tape_fresh);
             cuda::check_launch("the chunk end's row terms");
             T* abar = w.tabar[l].data();
-            mm(w.cx, false, true, n, in, out, T(1), AW, out, BW, dwn, out, io, T(1), abar, in, BW, P);
+            mm(w.cx, false, true, n, in, out, T(1), AW, out, BW, dwn, out, io,
+               w.tape_fresh ? T(0) : T(1), abar, in, BW, P);
             mm(w.cx, false, true, n, in, out, T(1), AS, out, BW, dsn, out, io, T(1), abar, in, BW, P);
         }
     }
