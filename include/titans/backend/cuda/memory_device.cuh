@@ -408,10 +408,11 @@ struct EndWeights {
 
 /// The chunk end's reversed weight terms of the memory's training backward (memory_sweep.cuh),
 /// a block of 256 threads per pair p, layer by layer: dW += be dW', dS += ce dW' + pe dS' (or
-/// =, assign_s) entry by entry, and v[3] += <dW', W>, v[4] += <dW', S>, v[5] += <dS', S> (block sums), v = ends +
-/// p * stride holding be, ce, pe at v[0..2]. One pass over the six arrays where a thread per
-/// entry (the update) and a warp per pair (the sums) made two, and a block per pair where 8
-/// pairs (B = 1 at the headline) had 8 warps on the GPU for their sums.
+/// =, assign_s) entry by entry, and the block sums v[3] += <dW', W>, v[4] += <dW', S>,
+/// v[5] += <dS', S>, v = ends + p * stride holding be, ce, pe at v[0..2]. One pass over the
+/// six arrays where a thread per entry (the update) and a warp per pair (the sums) made two,
+/// and a block per pair where 8 pairs (B = 1 at the headline) had 8 warps on the GPU for
+/// their sums.
 template <class T>
 __global__ void chunk_end_weights_kernel(const TITANS_GRID_CONSTANT EndWeights<T> ew, T* ends,
                                          long long stride) {
@@ -452,9 +453,9 @@ __global__ void chunk_end_weights_kernel(const TITANS_GRID_CONSTANT EndWeights<T
 /// pair p (P x n rows of `out` entries at pair stride bw): dbar -= g_r AW, then dbar -= s_r AS,
 /// entry by entry, and v[dg + r] -= <AW_r, D_r>, v[ds + r] -= <AS_r, D_r>, with v = vec + p vs
 /// holding the gates g, s and their adjoints dg, ds at those offsets (dbar = -g_r AW - s_r AS
-/// when assign: its first write). AW and AS are then
-/// overwritten with -diag(g) D and -diag(s) D, the left factors of the input adjoint's two
-/// products (abar += AW dW'^T + AS dS'^T, summed by cuBLAS into abar).
+/// when assign: its first write). AW and AS are then overwritten with -diag(g) D and
+/// -diag(s) D, the left factors of the input adjoint's two products (abar += AW dW'^T +
+/// AS dS'^T, summed by cuBLAS into abar).
 template <class T>
 __global__ void end_rows_kernel(T* AW, T* AS, const T* D, T* dbar, T* vec,
                                 long long vs, long long g, long long s, long long dg,
