@@ -548,15 +548,16 @@ TEST_CASE("cuda memory training: one wait for the checks", "[cuda]") {
 }
 // The backward's launches a chunk (a depth-2 memory, lagged retrieval, full chunks), counted by
 // the emulator as the difference between a trace of 6 chunks and one of 2, over 4. Per stage
-// (memory_sweep.cuh): the key tape 4 kernels and 3 products (a_1 = k, act with act', the error,
-// delta_1), the gates 1, the read 3 and 2 (h_0 and dy in, act, y out), its reverse 1 and 4
-// (the act' between its layers) and dq 1, the chunk end 4 and 8 (its coefficients; dW, dS and
+// (memory_sweep.cuh): the key tape 4 kernels and 3 products (a_1 = k with the read's q and
+// dy, act with act', the error, delta_1), the gates 1, the read 2 and 2 (act, y out), its
+// reverse 1 and 4 (the act' between its layers) and dq 1, the chunk end 4 and 8 (its
+// coefficients; dW, dS and
 // the sums of every layer in one; then a layer's row terms, which also leave -diag(g) Delta and
 // -diag(s) Delta for the two products that add the input's adjoint into abar), the
 // coefficients reversed 1, the clipping 1 when on, the key pass's second-order terms 4 and 6,
-// the gates' logits 1 when gated: 19 kernels, + 1 clipping, + 1 gated, and 23 products. Before
+// the gates' logits 1 when gated: 18 kernels, + 1 clipping, + 1 gated, and 23 products. Before
 // 2026-12-02 the chunk end's input adjoint was two products into scratch and a kernel a layer,
-// and its dW, dS and sums two kernels a layer: 24 kernels.
+// its dW, dS and sums two kernels a layer, and the read's inputs a copy of their own: 24.
 TEST_CASE("cuda memory training: backward launches", "[cuda]") {
     Rng rng(seed_for("cuda memory training: backward launches", 0));
     for (const bool gated : {false, true}) {
@@ -586,7 +587,7 @@ TEST_CASE("cuda memory training: backward launches", "[cuda]") {
             INFO("gated " << gated << " clip " << clip << ": " << launches[0] << " and "
                           << launches[1] << " launches, " << gemms[0] << " and " << gemms[1]
                           << " products");
-            CHECK(launches[1] - launches[0] == 4 * (19 + (clip ? 1 : 0) + (gated ? 1 : 0)));
+            CHECK(launches[1] - launches[0] == 4 * (18 + (clip ? 1 : 0) + (gated ? 1 : 0)));
             CHECK(gemms[1] - gemms[0] == 4 * 23);
         }
     }

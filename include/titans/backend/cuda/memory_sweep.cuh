@@ -691,7 +691,7 @@ struct MemoryTraining<Cuda, T>::Sweep {
     /// dS (the chunk start's), dq, dk, dv and dlogits.
     static void stage(Sweep& w, long long c0, long long n, long long o, bool end) {
         const long long pre = c0 == 0 ? w.off : 0;  // the incoming pending rows in the prefix
-        key_tape(w, c0, n);
+        key_tape(w, c0, n, o);
         // With a chunk end, lagged and no adjoint out, the chunk end writes the tape's
         // adjoints first (end_rows_kernel's dbar, the first abar product's beta 0).
         w.tape_fresh = end && !w.add_out && !w.inchunk;
@@ -807,17 +807,26 @@ struct MemoryTraining<Cuda, T>::Sweep {
 
     /// The key tape of rows [c0, c0 + n) from the chunk's start memory: a_l, z_l, act'(z_l),
     /// the error delta_L = M(k) - v (+ k with the residual) and the deltas back through the
-    /// layers.
-    static void key_tape(Sweep& w, long long c0, long long n) {
-        const long long N = w.NV, dh = w.dh, BW = w.BW, P = w.P;
+    /// layers. Its first pass also copies the read's inputs, q and dy of rows [o, n), for
+    /// read_forward.
+    static void key_tape(Sweep& w, long long c0, long long n, long long o) {
+        const long long N = w.NV, dh = w.dh, BW = w.BW, P = w.P, skip = o * dh;
         const Activation act = w.act;
         const bool residual = w.residual;
         const T* Kp = w.Kb.data() + c0 * dh;
         const T* V = w.Vb.data() + c0 * dh;
+        const T* Q = w.Qb.data() + c0 * dh;
+        const T* DY = w.DYb.data() + c0 * dh;
         T* a0 = w.ta[0].data();
+        T* h0 = w.hin[0].data();
+        T* tm = w.tmpb.data();
         cuda::each(w.sm, P * n * dh, [=] __device__(unsigned i) {
             const long long p = i / cuda::u32(n * dh), rc = i % cuda::u32(n * dh);
             a0[p * BW + rc] = Kp[p * N * dh + rc];
+            if (rc >= skip) {
+                h0[p * BW + rc - skip] = Q[p * N * dh + rc];
+                tm[p * BW + rc - skip] = DY[p * N * dh + rc];
+            }
         });
         for (std::size_t l = 0; l < w.Ls; ++l) {
             const long long in = w.lin[l], out = w.lout[l];
@@ -866,7 +875,8 @@ struct MemoryTraining<Cuda, T>::Sweep {
 
     /// The read of rows [o, n) of a chunk prefix of n rows recomputed (lagged: z_l = h_l W_l;
     /// dual form: z_l = diag(beta) h_l W_l + diag(c) h_l S_l - (G . h_l A_l^T) Delta_l, G
-    /// (n - o) x n), y kept; the adjoint of the last z (dy's rows) in tmp.
+    /// (n - o) x n), y kept; the adjoint of the last z (dy's rows) in tmp. h_0 = q and tmp =
+    /// dy of those rows are copied by key_tape's first pass.
     static void read_forward(Sweep& w, long long c0, long long n, long long o) {
         const long long N = w.NV, dh = w.dh, BW = w.BW, VS = w.VS, P = w.P, m = n - o;
         const Vec vo = w.vo;
@@ -874,14 +884,6 @@ struct MemoryTraining<Cuda, T>::Sweep {
         const bool residual = w.residual;
         T* vec = w.vecb.data();
         const T* Q = w.Qb.data() + (c0 + o) * dh;
-        T* h0 = w.hin[0].data();
-        T* tm = w.tmpb.data();
-        const T* DY = w.DYb.data() + (c0 + o) * dh;
-        cuda::each(w.sm, P * m * dh, [=] __device__(unsigned i) {
-            const long long p = i / cuda::u32(m * dh), rc = i % cuda::u32(m * dh);
-            h0[p * BW + rc] = Q[p * N * dh + rc];
-            tm[p * BW + rc] = DY[p * N * dh + rc];
-        });
         if (w.inchunk) {
             const int ni = static_cast<int>(n), oi = static_cast<int>(o);
             cuda::pair_local<true>(
