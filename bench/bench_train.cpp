@@ -30,9 +30,10 @@
 // retrieval, data-dependent gates, conv on (the headline of bench_memory); and in-chunk
 // retrieval. Counters: tokens_per_second (B * N per iteration) and GFLOPS, where a training
 // step counts memory_training_flops, 3x the forward's FLOP model (memory_flops.hpp: the
-// backward of a product is two products of the same size, the usual convention), so "step GFLOPS / GEMM GFLOPS" is the
-// fraction of the machine's dense rate the step achieves, and "step time / forward time"
-// (from the two benchmarks' real times) is the cost of training over inference.
+// backward of a product is two products of the same size, the usual convention), so "step
+// GFLOPS / GEMM GFLOPS" is the fraction of the machine's dense rate the step achieves, and
+// "step time / forward time" (from the two benchmarks' real times) is the cost of training
+// over inference.
 //
 // Parameters: MemoryParams<float>::random(cfg, 1), theta_max = 0.01 and the forget-gate bias
 // -8, as bench_memory (the memory stays away from subnormals); a non-finite output or gradient
