@@ -274,7 +274,7 @@ do_profile() {
     local tag="train_B${b%%/*}"
     timeout 240 ncu --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
       "${build}/bench/bench_cuda" --benchmark_min_time=0.001 --benchmark_repetitions=1 \
-      --benchmark_filter="BM_CudaMemoryTrain/B:${b}\$" > "${out}/ncu_${tag}.txt" 2>&1 \
+      --benchmark_filter="BM_CudaMemoryTrain/B:${b}/fbwd:1\$" > "${out}/ncu_${tag}.txt" 2>&1 \
       || echo "ncu ${tag}: exit $?"
     echo "${tag}: the 25 kernels of most device time (ms, launches, name)"
     awk '/\)x\(/ { name = substr($0, 1, 110) } /gpu__time_duration.sum/ { print $NF, $(NF-3), name }' \
@@ -384,13 +384,14 @@ do_cluster() {
 # minutes of device time, starts included): the tests of the kernels written since the last
 # GPU run (the cluster kernel, the flat checks, the decode kernel's loads in flight, the
 # few-row product, the split decode attention, the fused training trace, the backward's chunk
-# end in one kernel a chunk and its input adjoint summed by cuBLAS), racecheck on the
-# cluster kernel, then the benchmarks that decide their defaults (the headline forward with
-# one block a pair and as clusters, the training step at B 256, decode at B 1 and 1024, the
+# end in one kernel a chunk and its input adjoint summed by cuBLAS, the fused backward kernel),
+# racecheck on the cluster kernel and the fused backward, then the benchmarks that decide
+# their defaults (the headline forward with one block a pair and as clusters, the training
+# step at B 256 with the fused backward and with the sweep, decode at B 1 and 1024, the
 # model's token with each opt-in, the checks; cuBLAS in the same run), each kernel's device
 # time of the cluster forward and of a training step at B = 256 (never profiled), and, with
 # what is left, the whole suite:
-# next_tests.txt, cluster_racecheck.txt, next_bench.txt, ncu_cluster_{1,3}.txt,
+# next_tests.txt, cluster_racecheck.txt, fbwd_racecheck.txt, next_bench.txt, ncu_cluster_{1,3}.txt,
 # ncu_train_B256.txt, cuda_tests.txt.
 do_next() {
   local out t b t0
@@ -405,6 +406,10 @@ do_next() {
     "${t}" "cuda memory: fused cluster" > "${out}/cluster_racecheck.txt" 2>&1 \
     || echo "cluster racecheck: exit $?"
   echo "cluster racecheck: $(grep -E 'SUMMARY' "${out}/cluster_racecheck.txt" || echo 'no summary')"
+  TITANS_CUDA_PARITY_CASES=1 timeout 50 compute-sanitizer --tool racecheck --error-exitcode 9 \
+    "${t}" "cuda memory training: fused backward" > "${out}/fbwd_racecheck.txt" 2>&1 \
+    || echo "fused backward racecheck: exit $?"
+  echo "fused backward racecheck: $(grep -E 'SUMMARY' "${out}/fbwd_racecheck.txt" || echo 'no summary')"
   timeout 150 "${b}" --benchmark_counters_tabular=true --benchmark_repetitions=2 \
     --benchmark_min_time=0.2 \
     --benchmark_filter='BM_CublasSgemm|BM_CudaMemory/B:(64|256)/N:(1024|512)/tf32:1/fused:[13]|BM_CudaMemoryTrain/B:256|BM_CudaDecode/B:1(024)?/decode:1|BM_CudaModelDecode/B:1/pooled:1/graphs:[01]/ffn:0|BM_CudaChecks|BM_CudaDecodeAtt' \
@@ -416,7 +421,7 @@ do_next() {
   done
   timeout 120 ncu --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
     "${b}" --benchmark_min_time=0.001 --benchmark_repetitions=1 \
-    --benchmark_filter='BM_CudaMemoryTrain/B:256/N:512$' > "${out}/ncu_train_B256.txt" 2>&1 \
+    --benchmark_filter='BM_CudaMemoryTrain/B:256/N:512/fbwd:1$' > "${out}/ncu_train_B256.txt" 2>&1 \
     || echo "ncu train: exit $?"
   echo "training step, B 256: the 25 kernels of most device time (total, mean, launches, name)"
   ncu_totals "${out}/ncu_train_B256.txt" | head -n 25

@@ -26,8 +26,11 @@
 //                             products (0);
 //                             counters tokens_per_second, GFLOPS (bench/memory_flops.hpp),
 //                             frac_sgemm and frac_tf32 (GFLOPS over BM_CublasSgemm/4096's)
-//   BM_CudaMemoryTrain/B/N    the same memory's training step: training forward with its trace
+//   BM_CudaMemoryTrain/B/N/fbwd
+//                             the same memory's training step: training forward with its trace
 //                             and backward, device x, dy and dx, gradients to the host, TF32;
+//                             the backward's full chunks in the fused kernel (fbwd 1,
+//                             memory_fused_backward.cuh) or the sweep's stages (0);
 //                             GFLOPS and the fractions count memory_training_flops (3x the
 //                             forward's)
 //   BM_CudaDecode/B/decode/rows
@@ -388,6 +391,7 @@ void BM_CudaMemoryTrain(benchmark::State& state) {
     const int B = static_cast<int>(state.range(0));
     const long N = state.range(1);
     const double sgemm = sgemm_rate(4096, false), tf32_rate = sgemm_rate(4096, true);
+    tc::set_fused_backward(state.range(2) != 0);
     Setup s(B, N);
     tc::set_allow_tf32(true);  // the state's context, and the thread's (the backward's) when
                                // the warm-up below makes it (nothing earlier in bench_cuda does)
@@ -410,6 +414,7 @@ void BM_CudaMemoryTrain(benchmark::State& state) {
     step(st);  // warm-up: workspaces, cuBLAS heuristics
     tc::set_allow_tf32(false);
     const double seconds = timed_from_fresh(state, fresh, st, [&] { step(st); });
+    tc::set_fused_backward(true);
     counters(state, s.cfg, B, N, true);
     fractions(state, titans_bench::memory_training_flops(s.cfg, B, N), seconds, sgemm, tf32_rate);
 }
@@ -771,8 +776,8 @@ BENCHMARK(BM_CudaMemory)
     ->Args({64, 1024, 1, 3})->Args({256, 512, 1, 3})
     ->Unit(benchmark::kMillisecond)->UseManualTime();
 BENCHMARK(BM_CudaMemoryTrain)
-    ->ArgNames({"B", "N"})
-    ->Args({1, 2048})->Args({64, 1024})->Args({256, 512})
+    ->ArgNames({"B", "N", "fbwd"})
+    ->Args({1, 2048, 1})->Args({64, 1024, 1})->Args({256, 512, 1})->Args({256, 512, 0})
     ->Unit(benchmark::kMillisecond)->UseManualTime();
 BENCHMARK(BM_CudaDecode)->ArgNames({"B", "decode", "rows"})
     ->ArgsProduct({{1, 64, 1024}, {0, 1}, {0}})->Args({1, 1, 1})->Args({64, 1, 1})

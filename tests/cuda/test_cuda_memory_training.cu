@@ -10,6 +10,8 @@
 
 #include <titans/backend/cuda/cuda.cuh>
 
+#include <thread>
+
 #include "cuda_common.hpp"
 #include "staged_views_case.hpp"
 #include "training_pass.hpp"
@@ -349,13 +351,8 @@ TrainResult run_staged(const TrainCase& c, const Taps& taps) {
     return r;
 }
 
-/// Cuts of any length (empty pieces too) and a random tap at each cut.
-void staged_cuts(TrainCase& c, Taps& taps, Rng& rng) {
-    const Eigen::Index N = c.x.rows() / c.B;
-    c.cuts = {0};
-    while (c.cuts.back() < N) {
-        c.cuts.push_back(std::min<Eigen::Index>(N, c.cuts.back() + uniform_int(rng, 0, 4)));
-    }
+/// A random tap at each of c's cuts.
+void random_taps(const TrainCase& c, Taps& taps, Rng& rng) {
     taps.clear();
     for (std::size_t k = 0; k < c.cuts.size(); ++k) {
         std::vector<std::vector<Matrixd>> pairs(static_cast<std::size_t>(c.B * c.cfg.n_heads));
@@ -366,6 +363,16 @@ void staged_cuts(TrainCase& c, Taps& taps, Rng& rng) {
         }
         taps.push_back(std::move(pairs));
     }
+}
+
+/// Cuts of any length (empty pieces too) and a random tap at each cut.
+void staged_cuts(TrainCase& c, Taps& taps, Rng& rng) {
+    const Eigen::Index N = c.x.rows() / c.B;
+    c.cuts = {0};
+    while (c.cuts.back() < N) {
+        c.cuts.push_back(std::min<Eigen::Index>(N, c.cuts.back() + uniform_int(rng, 0, 4)));
+    }
+    random_taps(c, taps, rng);
 }
 
 template <class T>
@@ -450,6 +457,130 @@ TEST_CASE("cuda memory training: fused trace", "[cuda]") {
     fused_trace_sweep<double>("cuda fused trace double", 6, 1e-12);
     fused_trace_sweep<float>("cuda fused trace float", 5, 1e-5);
     fused_trace_sweep<double>("cuda fused trace, clusters of 2", 2, 1e-12, 2);
+}
+
+/// A training case of the shapes the fused backward takes (fused_config), the gate modes in
+/// turn, clipping off for every fourth: 1-4 full chunks (34,
+/// more than one launch's fused_keep_chunks, for case 1 in double), a ragged tail for odd
+/// cases, streams of stream_kind i % 5 (float: tiny for huge); one call (i % 3 == 0), pieces
+/// cut at chunk boundaries (1) or anywhere (2: the sweep takes the partial chunks).
+template <class T>
+TrainCase fused_train_case(int i, Rng& rng) {
+    namespace tcu = titans::backend::cuda;
+    TrainCase c;
+    Modes m;
+    m.gates = std::vector<GateMode>{GateMode::DataDependent, GateMode::Constant,
+                                    GateMode::PerChunk}[static_cast<std::size_t>((i + i / 3) % 3)];
+    c.cfg = fused_config<T>(random_flags(m, rng), rng);
+    if (i % 4 == 3) c.cfg.max_grad_norm = 0.0;  // no clipping
+    for (double* v : {&c.cfg.theta_max, &c.cfg.constant_theta, &c.cfg.constant_eta,
+                      &c.cfg.constant_alpha, &c.cfg.max_grad_norm}) {
+        *v = static_cast<double>(static_cast<T>(*v));
+    }
+    c.p = cast_params<double>(cast_params<T>(random_params(c.cfg, rng)));
+    c.g0 = cast_params<double>(cast_params<T>(random_params(c.cfg, rng)));
+    c.B = uniform_int(rng, 1, 2);
+    const int b = c.cfg.chunk;
+    const int chunks = i == 1 && std::is_same_v<T, double> ? tcu::fused_keep_chunks + 2
+                                                            : uniform_int(rng, 1, 4);
+    const int N = chunks * b + (i % 2 == 1 ? uniform_int(rng, 1, b - 1) : 0);
+    const int kind = std::is_same_v<T, float> && i % 5 == 3 ? 4 : i % 5;
+    c.x = round_through<T>(stream_kind(random_matrix(c.B * N, c.cfg.d_model, rng), c.B, kind));
+    c.dy = round_through<T>(random_matrix(c.B * N, c.cfg.d_model, rng));
+    c.cuts = {0};
+    while (i % 3 != 0 && c.cuts.back() < N) {
+        const int step = i % 3 == 1 ? b * uniform_int(rng, 1, 2) : uniform_int(rng, 1, 2 * b);
+        c.cuts.push_back(std::min<Eigen::Index>(N, c.cuts.back() + step));
+    }
+    if (c.cuts.back() != N) c.cuts.push_back(N);
+    return c;
+}
+
+// The backward's full chunks through the fused kernel (memory_fused_backward.cuh;
+// FusedMemory::On), its b x hidden arrays in shared memory or spilled to the scratch: dx,
+// d_state_in and every gradient against the CPU in double to rounding and in float within
+// 1e-5, every gate mode, clipping, residual, conv and normalisation drawn; the launches
+// counted for one call (one per fused_keep_chunks full chunks); in double the pieces also
+// reversed in stages with a tap at each cut (the staged Reverse, whose full chunks between
+// taps run fused).
+template <class T>
+void fused_backward_sweep(const char* name, int cases, double bound, bool spill) {
+    namespace tcu = titans::backend::cuda;
+    tcu::set_fused_memory(tcu::FusedMemory::On);
+    tcu::set_fused_backward_spill(spill);
+    double worst = 0.0;
+    for (int i = 0; i < parity_cases(cases); ++i) {
+        Rng rng(seed_for(name, static_cast<std::uint64_t>(i)));
+        const TrainCase c = fused_train_case<T>(i, rng);
+        const int b = c.cfg.chunk;
+        const long long N = c.x.rows() / c.B;
+        INFO(name << " case " << i << ": d_h " << c.cfg.head_dim() << " e " << c.cfg.expansion
+                  << " chunk " << b << " gates " << to_string(c.cfg.gates) << " clip "
+                  << c.cfg.max_grad_norm << " residual " << c.cfg.residual << " B " << c.B
+                  << " N " << N << " pieces " << c.cuts.size() - 1);
+        const TrainResult ref = run_chained<double, titans::backend::Cpu>(c);
+        const long long launches = tcu::fused_backward_launches();
+        const double e = compare_results(run_chained<T, Cuda>(c), ref, c.cfg);
+        const long long ran = tcu::fused_backward_launches() - launches;
+        INFO("error " << e << ", fused backward launches " << ran);
+        CHECK(e <= bound);
+        if (c.cuts.size() == 2) {
+            CHECK(ran == (N / b + tcu::fused_keep_chunks - 1) / tcu::fused_keep_chunks);
+        }
+        worst = std::max(worst, e);
+        if (std::is_same_v<T, double> && c.cuts.size() > 2) {  // staged, a tap at each cut
+            Taps taps;
+            random_taps(c, taps, rng);
+            const double es = compare_results(run_staged<T, Cuda>(c, taps),
+                                              run_staged<double, titans::backend::Cpu>(c, taps),
+                                              c.cfg);
+            INFO("staged with taps: error " << es);
+            CHECK(es <= bound);
+            worst = std::max(worst, es);
+        }
+    }
+    tcu::set_fused_backward_spill(false);
+    tcu::set_fused_memory(tcu::FusedMemory::Auto);
+    std::printf("%s: worst relative error %.3g (bound %.0e)\n", name, worst, bound);
+}
+
+TEST_CASE("cuda memory training: fused backward", "[cuda]") {
+    fused_backward_sweep<double>("cuda fused backward double", 6, 1e-12, false);
+    fused_backward_sweep<double>("cuda fused backward double, spilled", 3, 1e-12, true);
+    fused_backward_sweep<float>("cuda fused backward float", 5, 1e-5, false);
+}
+
+// The same on the tensor cores: TF32 allowed, FusedMemory::Auto (the forward's fused kernel and
+// the backward's both take TF32), against the CPU in double within TF32's bound (1e-2, as the
+// fused forward's). A thread's stream context takes the TF32 setting of its first use, so the
+// pass runs on a thread of its own.
+TEST_CASE("cuda memory training: fused backward, TF32", "[cuda]") {
+    namespace tcu = titans::backend::cuda;
+    const char* name = "cuda fused backward tf32";
+    double worst = 0.0;
+    for (int i = 0; i < parity_cases(3); ++i) {
+        Rng rng(seed_for(name, static_cast<std::uint64_t>(i)));
+        const TrainCase c = fused_train_case<float>(i, rng);
+        const TrainResult ref = run_chained<double, titans::backend::Cpu>(c);
+        TrainResult r;
+        long long ran = 0;
+        std::thread([&] {
+            tcu::set_allow_tf32(true);
+            const long long before = tcu::fused_backward_launches();
+            r = run_chained<float, Cuda>(c);
+            ran = tcu::fused_backward_launches() - before;
+            tcu::set_allow_tf32(false);
+        }).join();
+        const double e = compare_results(r, ref, c.cfg);
+        INFO(name << " case " << i << ": d_h " << c.cfg.head_dim() << " e " << c.cfg.expansion
+                  << " chunk " << c.cfg.chunk << " gates " << to_string(c.cfg.gates) << " N "
+                  << c.x.rows() / c.B << " pieces " << c.cuts.size() - 1 << ": error " << e
+                  << ", fused backward launches " << ran);
+        CHECK(e <= 1e-2);
+        if (i % 3 != 2) CHECK(ran >= 1);  // pieces cut anywhere may hold no full chunk
+        worst = std::max(worst, e);
+    }
+    std::printf("%s: worst relative error %.3g (bound 1e-2)\n", name, worst);
 }
 
 TEST_CASE("cuda memory training: a wrong trace", "[cuda]") {

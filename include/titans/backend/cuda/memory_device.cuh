@@ -628,6 +628,95 @@ __device__ GateValues<T> gate_row(const GateParams<T>& gp, int depth, const T* g
     return v;
 }
 
+/// What the memory's backward recomputes of a row's gates (math §1, §10): theta0 before the
+/// clip, theta after it (the forward's, bit for bit), eta, alpha, and g2 (the squared
+/// gradient norm; 0 without clipping).
+template <class T>
+struct BackwardGates {
+    T theta0, theta, eta, alpha, g2;
+};
+
+/// BackwardGates of row r of a chunk of n rows, computed by one warp (every lane returns
+/// them) with the forward's gate_logits_row, gate_grad_norm2 and gate_clip_factor. lg: the
+/// chunk's logits (rows of 3); rows(l): the row's GradRows<T> of layer l.
+template <class T, class Rows>
+__device__ BackwardGates<T> backward_gate_row(const GateParams<T>& gp, int depth, const T* lg,
+                                              int r, int n, Rows rows, int lane) {
+    const GateValues<T> g = gate_logits_row<T>(gp, lg, r, n, lane);
+    const bool clipping = gp.clip > T(0);
+    const T g2 = clipping ? gate_grad_norm2<T>(depth, rows, lane) : T(0);
+    const T theta = clipping && g2 > gp.clip * gp.clip
+                        ? g.theta * gate_clip_factor<T>(gp.clip, depth, rows, g2)
+                        : g.theta;
+    return {g.theta, theta, g.eta, g.alpha, g2};
+}
+
+/// The adjoint of gate `which`'s logit (0 theta, 1 eta, 2 alpha; scale its gate_scale) at row
+/// r of a chunk of n rows from the gate values' adjoints adj (n of them) and the chunk's
+/// logits lg (rows of 3): sigmoid's derivative at the logit (DataDependent) or at the chunk's
+/// mean logit, the adjoints summed over the chunk and spread evenly (PerChunk; summed in row
+/// order by each row's caller, so no thread stores as it walks the rows).
+template <class T>
+TITANS_HOST_DEVICE T gate_logit_adjoint(GateMode mode, T scale, const T* lg, const T* adj, int n,
+                                        int r, int which) {
+    if (mode == GateMode::PerChunk) {
+        T m = T(0), dd = T(0);
+        for (int q = 0; q < n; ++q) {
+            m += lg[q * 3 + which];
+            dd += adj[q];
+        }
+        m /= static_cast<T>(n);
+        const T sg = detail::sigmoid(m);
+        return dd * scale * (sg * (T(1) - sg)) / static_cast<T>(n);
+    }
+    const T sg = detail::sigmoid(lg[r * 3 + which]);
+    return adj[r] * scale * (sg * (T(1) - sg));
+}
+
+/// Where a row's adjoints of a_{l-1} and delta_l are added to (clip_row_backward).
+template <class T>
+struct AdjointRows {
+    T* a;
+    T* d;
+};
+
+/// theta = theta0 min(1, clip / sqrt(g2)) reversed for one row whose g2 passed clip^2, by one
+/// warp (math §9 step 5): g2's adjoint from dtheta goes into adj(l).a (x 2 |delta_l|^2 a_l)
+/// and adj(l).d (x 2 |a_l|^2 delta_l), through the scaled norm where g2 overflowed. Returns
+/// the factor f = min(1, clip / |u|): theta0's adjoint is dtheta f. The norms are the
+/// forward's warp sums; rows(l) as for gate_grad_norm2.
+template <class T, class Rows, class Adj>
+__device__ T clip_row_backward(T clip, int depth, Rows rows, Adj adj, T dtheta, T theta0, T g2,
+                               int lane) {
+    if (!(g2 <= detail::largest_finite<T>())) {  // g2 overflowed: scaled
+        const detail::GradNorm<T> g = detail::scaled_grad_norm<T>(depth, rows);
+        const T f = g.clip_factor(clip);
+        const T scale = -dtheta * theta0 * f;
+        for (int l = 0; l < depth; ++l) {
+            const detail::GradRows<T> x = rows(l);
+            const AdjointRows<T> e = adj(l);
+            const T ra = g.ratio(x.a, x.na), rd = g.ratio(x.d, x.nd);
+            for (long long c = lane; c < x.na; c += 32) e.a[c] += (scale * rd) * (rd * x.a[c]);
+            for (long long c = lane; c < x.nd; c += 32) e.d[c] += (scale * ra) * (ra * x.d[c]);
+        }
+        return f;
+    }
+    const T f = clip / sqrt(g2);
+    const T dg2 = T(-0.5) * dtheta * theta0 * f / g2;
+    for (int l = 0; l < depth; ++l) {
+        const detail::GradRows<T> x = rows(l);
+        const AdjointRows<T> e = adj(l);
+        T na = T(0), nd = T(0);
+        for (long long c = lane; c < x.na; c += 32) na += x.a[c] * x.a[c];
+        for (long long c = lane; c < x.nd; c += 32) nd += x.d[c] * x.d[c];
+        na = warp_sum(na);
+        nd = warp_sum(nd);
+        for (long long c = lane; c < x.na; c += 32) e.a[c] += (T(2) * dg2 * nd) * x.a[c];
+        for (long long c = lane; c < x.nd; c += 32) e.d[c] += (T(2) * dg2 * na) * x.d[c];
+    }
+    return f;
+}
+
 /// theta, eta, alpha of pending rows [0, n) of every pair into coef (rows 0..2, CS apart per
 /// pair), theta clipped by math §10. One warp per (pair, row).
 template <class T>

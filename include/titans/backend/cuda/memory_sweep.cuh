@@ -15,9 +15,11 @@
 // it, which does not compile, so no host pointer reaches the device).
 
 #include <algorithm>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "memory_fused_backward.cuh"
 #include "memory_training.cuh"
 
 namespace titans::backend::cuda {
@@ -32,10 +34,10 @@ __device__ auto tape_row(const PendingLayers<T>& ly, long long pair, long long r
     };
 }
 
-/// The backward's gates of a chunk's n rows (math §1, §10), a warp per (pair, row), with the
-/// forward's gate_logits_row, gate_grad_norm2 and gate_clip_factor (theta is the forward's, bit
-/// for bit): theta0 (before the clip), theta, eta, alpha and g2 (0 without clipping) into the
-/// pair's vector (offsets vo, pairs VS apart). lg: the chunk's logits, pairs N rows apart.
+/// The backward's gates of a chunk's n rows (math §1, §10), a warp per (pair, row)
+/// (backward_gate_row): theta0 (before the clip), theta, eta, alpha and g2 (0 without
+/// clipping) into the pair's vector (offsets vo, pairs VS apart). lg: the chunk's logits,
+/// pairs N rows apart.
 template <class T, class Vec>
 __global__ void sweep_gates_kernel(GateParams<T> gp, PendingLayers<T> ly, const T* lg, long long N,
                                    T* vec, Vec vo, long long VS, long long BW, long long P, int n) {
@@ -45,27 +47,22 @@ __global__ void sweep_gates_kernel(GateParams<T> gp, PendingLayers<T> ly, const 
         return;
     }
     const long long p = w / n, r = w % n;
-    const auto row = tape_row(ly, p * BW, r);
-    const GateValues<T> g = gate_logits_row<T>(gp, lg + p * N * 3, static_cast<int>(r), n, lane);
-    const bool clipping = gp.clip > T(0);
-    const T g2 = clipping ? gate_grad_norm2<T>(ly.depth, row, lane) : T(0);
-    const T theta = clipping && g2 > gp.clip * gp.clip
-                        ? g.theta * gate_clip_factor<T>(gp.clip, ly.depth, row, g2)
-                        : g.theta;
+    const BackwardGates<T> g = backward_gate_row<T>(gp, ly.depth, lg + p * N * 3,
+                                                    static_cast<int>(r), n,
+                                                    tape_row(ly, p * BW, r), lane);
     if (lane == 0) {
         T* v = vec + p * VS;
-        v[vo.theta0() + r] = g.theta;
-        v[vo.theta() + r] = theta;
+        v[vo.theta0() + r] = g.theta0;
+        v[vo.theta() + r] = g.theta;
         v[vo.eta() + r] = g.eta;
         v[vo.alpha() + r] = g.alpha;
-        v[vo.g2() + r] = g2;
+        v[vo.g2() + r] = g.g2;
     }
 }
 
 /// theta = theta0 min(1, clip / sqrt(g2)) reversed for a chunk's n rows, a warp per (pair,
-/// row) (only rows whose g2 passed clip^2 work): dtheta becomes theta0's adjoint, g2's goes
-/// into the tape's adjoints adj.a[l], adj.d[l] (scaled where g2 overflowed). The norms are
-/// the forward's warp sums.
+/// row) (clip_row_backward; only rows whose g2 passed clip^2 work): dtheta becomes theta0's
+/// adjoint, g2's goes into the tape's adjoints adj.a[l], adj.d[l].
 template <class T, class Vec, class Adj>
 __global__ void sweep_clip_backward_kernel(T clip, PendingLayers<T> ly, Adj adj, T* vec, Vec vo,
                                            long long VS, long long BW, long long P, int n) {
@@ -81,39 +78,16 @@ __global__ void sweep_clip_backward_kernel(T clip, PendingLayers<T> ly, Adj adj,
         return;
     }
     const auto row = tape_row(ly, p * BW, r);
-    const T dtheta = v[vo.dtheta() + r], theta0 = v[vo.theta0() + r];
-    T f;
-    if (!(g2 <= detail::largest_finite<T>())) {  // g2 overflowed: scaled
-        const detail::GradNorm<T> g = detail::scaled_grad_norm<T>(ly.depth, row);
-        f = g.clip_factor(clip);
-        const T scale = -dtheta * theta0 * f;
-        for (int l = 0; l < ly.depth; ++l) {
-            const detail::GradRows<T> x = row(l);
-            const T ra = g.ratio(x.a, x.na), rd = g.ratio(x.d, x.nd);
-            T* ea = adj.a[l] + p * BW + r * x.na;
-            T* ed = adj.d[l] + p * BW + r * x.nd;
-            for (long long c = lane; c < x.na; c += 32) ea[c] += (scale * rd) * (rd * x.a[c]);
-            for (long long c = lane; c < x.nd; c += 32) ed[c] += (scale * ra) * (ra * x.d[c]);
-        }
-    } else {
-        f = clip / sqrt(g2);
-        const T dg2 = T(-0.5) * dtheta * theta0 * f / g2;
-        for (int l = 0; l < ly.depth; ++l) {
-            const detail::GradRows<T> x = row(l);
-            T na = T(0), nd = T(0);
-            for (long long c = lane; c < x.na; c += 32) na += x.a[c] * x.a[c];
-            for (long long c = lane; c < x.nd; c += 32) nd += x.d[c] * x.d[c];
-            na = warp_sum(na);
-            nd = warp_sum(nd);
-            T* ea = adj.a[l] + p * BW + r * x.na;
-            T* ed = adj.d[l] + p * BW + r * x.nd;
-            for (long long c = lane; c < x.na; c += 32) ea[c] += (T(2) * dg2 * nd) * x.a[c];
-            for (long long c = lane; c < x.nd; c += 32) ed[c] += (T(2) * dg2 * na) * x.d[c];
-        }
-    }
+    const T f = clip_row_backward<T>(
+        clip, ly.depth, row,
+        [&](int l) {
+            return AdjointRows<T>{adj.a[l] + p * BW + r * ly.in[l],
+                                  adj.d[l] + p * BW + r * ly.out[l]};
+        },
+        v[vo.dtheta() + r], v[vo.theta0() + r], g2, lane);
     __syncwarp();  // every lane has read dtheta
     if (lane == 0) {
-        v[vo.dtheta() + r] = dtheta * f;
+        v[vo.dtheta() + r] *= f;
     }
 }
 
@@ -167,6 +141,11 @@ struct MemoryTraining<Cuda, T>::Sweep {
     // end's dS), so they are not cleared first (down).
     bool fresh = false;
     bool tape_fresh = false;  // the same for a stage's tape adjoints abar, dbar (stage)
+    // Full chunks reversed by the fused kernel (memory_fused_backward.cuh; fused_plan), its
+    // operands, whether its b x hidden arrays spill to fscratch.
+    bool fuse = false, fspill = false;
+    cuda::Operands fops = cuda::Operands::Exact;
+    Buf fscratch;
     std::vector<Buf> dW_end, dS_end, pa_out, pd_out, da_in, dd_in;
     Buf pg_out;
     std::vector<Buf> tapW;
@@ -208,6 +187,7 @@ struct MemoryTraining<Cuda, T>::Sweep {
         projections(w);
         pair_major(w, dyv);
         allocate(w, d_out);
+        fused_plan(w);
         if (w.given) w.dtail_out = d_out->conv_tail;
         w.cur = w.NV;
         w.final_end = w.given && !w.end_mid;
@@ -328,6 +308,10 @@ struct MemoryTraining<Cuda, T>::Sweep {
     /// trace's row 0, see off).
     static void down(Sweep& w, long long p) {
         while (w.cur > p) {
+            if (const int k = fused_count(w, p); k > 0) {
+                fused_chunks(w, k);
+                continue;
+            }
             const long long ch = (w.cur - 1) / w.b, c0 = ch * w.b, c1 = std::min(c0 + w.b, w.NV);
             w.add_out = w.cur == w.NV && w.end_mid;
             bool end = w.cur == c1 && (c1 < w.NV || w.final_end);
@@ -364,6 +348,115 @@ struct MemoryTraining<Cuda, T>::Sweep {
                 std::swap(w.dS, w.dSn);
             }
         }
+    }
+
+    /// Whether the sweep's full chunks may run in the fused backward kernel (set_fused_backward,
+    /// and as the forward's fused_plan: a depth-2 memory with lagged retrieval, chunk, d_h and hidden width
+    /// multiples of 32, its shared memory within the device's limit; FusedMemory::Auto where
+    /// its products run on the tensor cores, TF32 allowed on the sweep's stream; On always).
+    static void fused_plan(Sweep& w) {
+        const cuda::FusedMemory mode = cuda::fused_memory();
+        w.fops = std::is_same_v<T, float> && w.cx.tf32() ? cuda::Operands::TF32
+                                                          : cuda::Operands::Exact;
+        const cuda::FusedLayout lay{static_cast<int>(w.b), static_cast<int>(w.dh),
+                                    static_cast<int>(w.cfg.layer_out(1))};
+        if (!cuda::fused_backward_flag().load() || mode == cuda::FusedMemory::Off ||
+            (mode == cuda::FusedMemory::Auto && w.fops == cuda::Operands::Exact) || w.L != 2 ||
+            w.inchunk || !lay.tiles()) {
+            return;
+        }
+        const std::size_t limit = cuda::shared_memory_limit();
+        const auto bytes = [&](bool spill) {
+            return static_cast<std::size_t>(cuda::FusedBackLayout{lay, spill}.shared()) * sizeof(T);
+        };
+        w.fspill = cuda::fused_backward_spill_flag().load() || bytes(false) > limit;
+        w.fuse = bytes(w.fspill) <= limit;
+    }
+
+    /// How many full chunks from cur down (at most fused_keep_chunks) the fused kernel takes:
+    /// each from its top, at or above p, after the incoming pending rows, no tap waiting.
+    static int fused_count(const Sweep& w, long long p) {
+        int k = 0;
+        for (long long cur = w.cur; w.fuse && !w.has_tap && k < cuda::fused_keep_chunks; cur -= w.b) {
+            const long long c0 = cur - w.b;
+            if (cur % w.b != 0 || c0 < p || (c0 == 0 && w.off > 0)) {
+                break;
+            }
+            ++k;
+        }
+        return k;
+    }
+
+    /// The k full chunks below cur reversed in one launch of the fused backward kernel (the
+    /// stages' work, the start memory's adjoints carried down as down() carries them).
+    static void fused_chunks(Sweep& w, int k) {
+        cuda::FusedBackArgs<T> f{};
+        f.q = w.Qb.data();
+        f.k = w.Kb.data();
+        f.v = w.Vb.data();
+        f.dy = w.DYb.data();
+        f.lg = w.gated ? w.LGb.data() : nullptr;
+        f.y = w.Yb.data();
+        f.dq = w.dQb.data();
+        f.dk = w.dKb.data();
+        f.dv = w.dVb.data();
+        f.dlg = w.gated ? w.dLGb.data() : nullptr;
+        for (std::size_t l = 0; l < 2; ++l) {
+            f.dw[0][l] = w.dWn[l].data();
+            f.dw[1][l] = w.dW[l].data();
+            f.ds[0][l] = w.dSn[l].data();
+            f.ds[1][l] = w.dS[l].data();
+        }
+        const long long top = w.cur / w.b - 1;
+        for (int j = 0; j < k; ++j) {
+            const auto at = static_cast<std::size_t>(top - j) * 2 * w.Ls;
+            for (std::size_t i = 0; i < 4; ++i) {
+                f.mem.at[4 * j + static_cast<int>(i)] = w.tr.memory[at + i].data();
+            }
+        }
+        f.N = w.NV;
+        f.P = w.P;
+        f.top = static_cast<int>(top);
+        f.chunks = k;
+        f.end_top = w.cur < w.NV || w.final_end;
+        f.fl = {{static_cast<int>(w.b), static_cast<int>(w.dh),
+                 static_cast<int>(w.cfg.layer_out(1))}, w.fspill};
+        f.gp = cuda::GateParams<T>::of(w.cfg);
+        f.act = w.act;
+        f.residual = w.residual;
+        launch_fused(w, f);
+        for (int j = 0; j < k; ++j) {
+            std::swap(w.dW, w.dWn);
+            std::swap(w.dS, w.dSn);
+        }
+        w.cur -= k * w.b;
+    }
+
+    /// The fused backward's launch: a block per pair, or with spilled arrays a block per
+    /// multiprocessor at most, each with its scratch.
+    static void launch_fused(Sweep& w, cuda::FusedBackArgs<T>& f) {
+        long long grid = w.P;
+        if (w.fspill) {
+            int device = 0, sms = 1;
+            cuda::check(cudaGetDevice(&device), "cudaGetDevice");
+            cuda::check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
+                        "cudaDeviceGetAttribute (multiprocessors)");
+            grid = std::min<long long>(grid, sms);
+            const auto need = static_cast<std::size_t>(grid * f.fl.scratch());
+            if (w.fscratch.size() < need) w.fscratch = Buf(need);
+            f.scratch = w.fscratch.data();
+        }
+        void (*kernel)(cuda::FusedBackArgs<T>) = cuda::fused_backward_kernel<T, cuda::Operands::Exact>;
+        if constexpr (std::is_same_v<T, float>) {
+            if (w.fops == cuda::Operands::TF32) {
+                kernel = cuda::fused_backward_kernel<T, cuda::Operands::TF32>;
+            }
+        }
+        const auto bytes = static_cast<std::size_t>(f.fl.shared()) * sizeof(T);
+        cuda::raise_shared_limit(kernel, bytes);
+        cuda::launch_shared(kernel, static_cast<unsigned>(grid), cuda::fused_threads, bytes, w.sm, f);
+        cuda::check_launch("the fused memory backward");
+        ++cuda::fused_backward_launches();
     }
 
     /// Adds dW (per pair, the weights' shapes, on the host) to the adjoint of the weights after
@@ -1207,21 +1300,9 @@ struct MemoryTraining<Cuda, T>::Sweep {
             const T* v = vec + p * VS;
             const T* adj = v + (which == 0 ? vo.dtheta() : which == 1 ? vo.deta() : vo.dalpha());
             const T scale = which == 0 ? tmax : which == 1 ? se : sa;
-            const T* lg = LG + p * N * 3;
-            T* dl = dLG + p * N * 3;
-            if (gmode == GateMode::PerChunk) {
-                T m = T(0), dd = T(0);
-                for (long long q = 0; q < n; ++q) {
-                    m += lg[q * 3 + which];
-                    dd += adj[q];
-                }
-                m /= static_cast<T>(n);
-                const T sg = detail::sigmoid(m);
-                dl[r * 3 + which] += dd * scale * (sg * (T(1) - sg)) / static_cast<T>(n);
-            } else {
-                const T sg = detail::sigmoid(lg[r * 3 + which]);
-                dl[r * 3 + which] += adj[r] * scale * (sg * (T(1) - sg));
-            }
+            dLG[p * N * 3 + r * 3 + which] += cuda::gate_logit_adjoint<T>(
+                gmode, scale, LG + p * N * 3, adj, static_cast<int>(n), static_cast<int>(r),
+                static_cast<int>(which));
         });
     }
 
