@@ -391,6 +391,7 @@ void BM_CudaMemoryTrain(benchmark::State& state) {
     const int B = static_cast<int>(state.range(0));
     const long N = state.range(1);
     const double sgemm = sgemm_rate(4096, false), tf32_rate = sgemm_rate(4096, true);
+    const bool fused_backward_was = tc::fused_backward_flag().load();
     tc::set_fused_backward(state.range(2) != 0);
     Setup s(B, N);
     tc::set_allow_tf32(true);  // the state's context, and the thread's (the backward's) when
@@ -414,7 +415,7 @@ void BM_CudaMemoryTrain(benchmark::State& state) {
     step(st);  // warm-up: workspaces, cuBLAS heuristics
     tc::set_allow_tf32(false);
     const double seconds = timed_from_fresh(state, fresh, st, [&] { step(st); });
-    tc::set_fused_backward(true);
+    tc::set_fused_backward(fused_backward_was);
     counters(state, s.cfg, B, N, true);
     fractions(state, titans_bench::memory_training_flops(s.cfg, B, N), seconds, sgemm, tf32_rate);
 }

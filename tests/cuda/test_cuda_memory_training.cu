@@ -497,7 +497,7 @@ TrainCase fused_train_case(int i, Rng& rng) {
 }
 
 // The backward's full chunks through the fused kernel (memory_fused_backward.cuh;
-// FusedMemory::On), its b x hidden arrays in shared memory or spilled to the scratch: dx,
+// FusedMemory::On, set_fused_backward), its b x hidden arrays in shared memory or spilled to the scratch: dx,
 // d_state_in and every gradient against the CPU in double to rounding and in float within
 // 1e-5, every gate mode, clipping, residual, conv and normalisation drawn; the launches
 // counted for one call (one per fused_keep_chunks full chunks); in double the pieces also
@@ -507,6 +507,7 @@ template <class T>
 void fused_backward_sweep(const char* name, int cases, double bound, bool spill) {
     namespace tcu = titans::backend::cuda;
     tcu::set_fused_memory(tcu::FusedMemory::On);
+    tcu::set_fused_backward(true);
     tcu::set_fused_backward_spill(spill);
     double worst = 0.0;
     for (int i = 0; i < parity_cases(cases); ++i) {
@@ -540,6 +541,7 @@ void fused_backward_sweep(const char* name, int cases, double bound, bool spill)
         }
     }
     tcu::set_fused_backward_spill(false);
+    tcu::set_fused_backward(false);
     tcu::set_fused_memory(tcu::FusedMemory::Auto);
     std::printf("%s: worst relative error %.3g (bound %.0e)\n", name, worst, bound);
 }
@@ -550,13 +552,14 @@ TEST_CASE("cuda memory training: fused backward", "[cuda]") {
     fused_backward_sweep<float>("cuda fused backward float", 5, 1e-5, false);
 }
 
-// The same on the tensor cores: TF32 allowed, FusedMemory::Auto (the forward's fused kernel and
-// the backward's both take TF32), against the CPU in double within TF32's bound (1e-2, as the
+// The same on the tensor cores: TF32 allowed, FusedMemory::Auto and set_fused_backward (the
+// forward's fused kernel and the backward's both take TF32), against the CPU in double within TF32's bound (1e-2, as the
 // fused forward's). A thread's stream context takes the TF32 setting of its first use, so the
 // pass runs on a thread of its own.
 TEST_CASE("cuda memory training: fused backward, TF32", "[cuda]") {
     namespace tcu = titans::backend::cuda;
     const char* name = "cuda fused backward tf32";
+    tcu::set_fused_backward(true);
     double worst = 0.0;
     for (int i = 0; i < parity_cases(3); ++i) {
         Rng rng(seed_for(name, static_cast<std::uint64_t>(i)));
@@ -580,6 +583,7 @@ TEST_CASE("cuda memory training: fused backward, TF32", "[cuda]") {
         if (i % 3 != 2) CHECK(ran >= 1);  // pieces cut anywhere may hold no full chunk
         worst = std::max(worst, e);
     }
+    tcu::set_fused_backward(false);
     std::printf("%s: worst relative error %.3g (bound 1e-2)\n", name, worst);
 }
 

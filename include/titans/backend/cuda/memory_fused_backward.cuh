@@ -33,6 +33,7 @@
 #include "launch.cuh"
 #include "memory_device.cuh"
 #include "memory_fused.cuh"
+#include "runtime.cuh"
 #include "tile_product.cuh"
 
 namespace titans::backend::cuda {
@@ -43,11 +44,13 @@ inline std::atomic<long long>& fused_backward_launches() {
     return count;
 }
 
-/// Whether the memory's backward may run full chunks in the fused kernel (true by default;
-/// where the forward's fused_memory() setting allows it: the sweep's fused_plan). False: the
-/// sweep's stages always (benchmarks time both). Process-wide, read at every backward call.
+/// Whether the memory's backward runs its full chunks in the fused kernel where the forward's
+/// fused_memory() setting would run the fused forward (the sweep's fused_plan). Opt-in until
+/// a GPU has checked and timed it (off: the sweep's stages; benchmarks time both); on from
+/// the start when the environment sets TITANS_FUSED_BACKWARD=1. Process-wide, read at every
+/// backward call.
 inline std::atomic<bool>& fused_backward_flag() {
-    static std::atomic<bool> flag{true};
+    static std::atomic<bool> flag{env_switch("TITANS_FUSED_BACKWARD")};
     return flag;
 }
 inline void set_fused_backward(bool on) { fused_backward_flag().store(on); }
