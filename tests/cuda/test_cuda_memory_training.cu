@@ -961,21 +961,19 @@ TEMPLATE_TEST_CASE("cuda memory training: qk norm", "[cuda]", float, double) {
 // too), training forward and backward match the CPU, whose scaled norm
 // tests/robustness/test_training_numerics.cpp checks against the same inputs at a scale
 // without overflow.
-TEMPLATE_TEST_CASE("cuda memory: clip overflow", "[cuda]", float, double) {
-    using T = TestType;
+/// A stream of keys near the top of T's range (x 2^80 in float, 2^540 in double), clipping on:
+/// the squared gradient norms overflow and the clip factor comes from the scaled norm, in the
+/// forward, the training forward and the backward, as on the CPU. N rows, one sequence.
+template <class T>
+void clip_overflow_case(const MemoryConfig& cfg, int N) {
     Rng rng(seed_for("cuda memory: clip overflow"));
-    MemoryConfig cfg{.d_model = 8, .n_heads = 2, .depth = 2, .chunk = 4};
-    cfg.gates = GateMode::Constant;
-    cfg.constant_theta = 0.5;
-    cfg.qkv_activation = Activation::Identity;
-    cfg.max_grad_norm = 1.0;
     const auto p = MemoryParams<T>::random(cfg, rng());
     const NeuralMemory<T> cpu(cfg, p);
     const CudaMemory<T> gpu(cfg, p);
     const int k = std::is_same_v<T, float> ? 80 : 540;
-    const Matrix<T> x = random_matrix(12, cfg.d_model, rng, 0.5, 1.0).template cast<T>().unaryExpr(
+    const Matrix<T> x = random_matrix(N, cfg.d_model, rng, 0.5, 1.0).template cast<T>().unaryExpr(
         [k](T v) { return std::ldexp(v, k); });
-    const Matrix<T> dy = random_matrix(12, cfg.d_model, rng).template cast<T>();
+    const Matrix<T> dy = random_matrix(N, cfg.d_model, rng).template cast<T>();
     titans::Diagnostics<T> dc, dg;
     auto sc = cpu.make_state(1);
     auto sg = gpu.make_state(1);
@@ -997,6 +995,34 @@ TEMPLATE_TEST_CASE("cuda memory: clip overflow", "[cuda]", float, double) {
     CHECK(rel_error(gg.w_v, gc.w_v) <= tol<T>());
     CHECK(rel_error(gg.w_k, gc.w_k) <= tol<T>());
     CHECK(gc.w_k.cwiseAbs().maxCoeff() > T(0));
+}
+
+TEMPLATE_TEST_CASE("cuda memory: clip overflow", "[cuda]", float, double) {
+    MemoryConfig cfg{.d_model = 8, .n_heads = 2, .depth = 2, .chunk = 4};
+    cfg.gates = GateMode::Constant;
+    cfg.constant_theta = 0.5;
+    cfg.qkv_activation = Activation::Identity;
+    cfg.max_grad_norm = 1.0;
+    clip_overflow_case<TestType>(cfg, 12);
+}
+
+// The same through the fused kernels (forward and backward; FusedMemory::On,
+// set_fused_backward), at a shape they take: two chunks of 32.
+TEMPLATE_TEST_CASE("cuda memory: clip overflow, fused", "[cuda]", float, double) {
+    namespace tcu = titans::backend::cuda;
+    MemoryConfig cfg{.d_model = 64, .n_heads = 2, .depth = 2, .chunk = 32};
+    cfg.expansion = 2;
+    cfg.gates = GateMode::Constant;
+    cfg.constant_theta = 0.5;
+    cfg.qkv_activation = Activation::Identity;
+    cfg.max_grad_norm = 1.0;
+    tcu::set_fused_memory(tcu::FusedMemory::On);
+    tcu::set_fused_backward(true);
+    const long long launches = tcu::fused_backward_launches();
+    clip_overflow_case<TestType>(cfg, 64);
+    CHECK(tcu::fused_backward_launches() - launches == 1);
+    tcu::set_fused_backward(false);
+    tcu::set_fused_memory(tcu::FusedMemory::Auto);
 }
 
 // The memory's staged training API on device views (forward_part, read_snapshot_backward,
