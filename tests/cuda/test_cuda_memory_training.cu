@@ -497,18 +497,19 @@ TrainCase fused_train_case(int i, Rng& rng) {
 }
 
 // The backward's full chunks through the fused kernel (memory_fused_backward.cuh;
-// FusedMemory::On, set_fused_backward), its b x hidden arrays in shared memory or spilled to the scratch: dx,
+// FusedMemory::On, set_fused_backward), its b x hidden arrays in shared memory, all spilled to
+// the scratch, or two on chip (set_fused_backward_chip): dx,
 // d_state_in and every gradient against the CPU in double to rounding and in float within
 // 1e-5, every gate mode, clipping, residual, conv and normalisation drawn; the launches
 // counted for one call (one per fused_keep_chunks full chunks); in double the pieces also
 // reversed in stages with a tap at each cut (the staged Reverse, whose full chunks between
 // taps run fused).
 template <class T>
-void fused_backward_sweep(const char* name, int cases, double bound, bool spill) {
+void fused_backward_sweep(const char* name, int cases, double bound, int chip) {
     namespace tcu = titans::backend::cuda;
     tcu::set_fused_memory(tcu::FusedMemory::On);
     tcu::set_fused_backward(true);
-    tcu::set_fused_backward_spill(spill);
+    tcu::set_fused_backward_chip(chip);
     double worst = 0.0;
     for (int i = 0; i < parity_cases(cases); ++i) {
         Rng rng(seed_for(name, static_cast<std::uint64_t>(i)));
@@ -540,16 +541,17 @@ void fused_backward_sweep(const char* name, int cases, double bound, bool spill)
             worst = std::max(worst, es);
         }
     }
-    tcu::set_fused_backward_spill(false);
+    tcu::set_fused_backward_chip(-1);
     tcu::set_fused_backward(false);
     tcu::set_fused_memory(tcu::FusedMemory::Auto);
     std::printf("%s: worst relative error %.3g (bound %.0e)\n", name, worst, bound);
 }
 
 TEST_CASE("cuda memory training: fused backward", "[cuda]") {
-    fused_backward_sweep<double>("cuda fused backward double", 6, 1e-12, false);
-    fused_backward_sweep<double>("cuda fused backward double, spilled", 3, 1e-12, true);
-    fused_backward_sweep<float>("cuda fused backward float", 5, 1e-5, false);
+    fused_backward_sweep<double>("cuda fused backward double", 6, 1e-12, -1);
+    fused_backward_sweep<double>("cuda fused backward double, all spilled", 3, 1e-12, 0);
+    fused_backward_sweep<double>("cuda fused backward double, 2 on chip", 2, 1e-12, 2);
+    fused_backward_sweep<float>("cuda fused backward float", 5, 1e-5, -1);
 }
 
 // The same on the tensor cores: TF32 allowed, FusedMemory::Auto and set_fused_backward (the

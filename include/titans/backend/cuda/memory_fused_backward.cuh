@@ -55,33 +55,44 @@ inline std::atomic<bool>& fused_backward_flag() {
 }
 inline void set_fused_backward(bool on) { fused_backward_flag().store(on); }
 
-/// Whether the fused backward keeps its b x hidden arrays in a device scratch even where
-/// shared memory would hold them (tests: both placements run the same code). Process-wide.
-inline std::atomic<bool>& fused_backward_spill_flag() {
-    static std::atomic<bool> flag{false};
-    return flag;
+/// At most how many of the fused backward's six b x hidden arrays stay in shared memory
+/// (-1: as many as fit, the default; tests set 0 to 6 so that every placement runs the same
+/// code). Process-wide, read at every backward call.
+inline std::atomic<int>& fused_backward_chip_flag() {
+    static std::atomic<int> cap{-1};
+    return cap;
 }
-inline void set_fused_backward_spill(bool on) { fused_backward_spill_flag().store(on); }
+inline void set_fused_backward_chip(int cap) { fused_backward_chip_flag().store(cap); }
 
-/// The fused backward's arrays, in entries of T: six of b x (d_h + 8) in shared memory (K, Q,
-/// dy, D2 and the adjoints Ab0 of K, Db2 of D2), the pair's vector, and six of b x (h + 8)
-/// (Z, A, Bk, Dl, R then Db1, Ab1) after them or in the scratch (spill).
+/// The fused backward's arrays, in entries of T: four of b x (d_h + 8) in shared memory (K,
+/// D2, and Q then Ab0, dy then Db2: the read's inputs, dead once the read is reversed, give
+/// their place to the adjoints of K and D2 that the chunk end writes first), the pair's
+/// vector, then the first `chip` of the six b x (h + 8) arrays, hottest first (R then Db1,
+/// A, Dl, Bk then Zb, Z, Ab1); the others in a device scratch of the block's own.
 struct FusedBackLayout {
     FusedLayout lay;
-    bool spill;
+    int chip;  // b x hidden arrays in shared memory, 0 to 6
     TITANS_HOST_DEVICE long long small() const { return static_cast<long long>(lay.b) * lay.ldk(); }
     TITANS_HOST_DEVICE long long big() const { return static_cast<long long>(lay.b) * lay.ldh(); }
     /// Row partial sums of the end's row terms: b x (h + d_h) / 16 for each of dg, ds.
     TITANS_HOST_DEVICE long long parts() const {
         return static_cast<long long>(lay.b) * ((lay.h + lay.dh) / 16);
     }
-    TITANS_HOST_DEVICE long long vec() const { return 6 * small(); }
+    TITANS_HOST_DEVICE long long vec() const { return 4 * small(); }
     TITANS_HOST_DEVICE long long vec_entries() const { return 22LL * lay.b + 8 + 64 + 2 * parts(); }
     TITANS_HOST_DEVICE long long big_at() const { return vec() + vec_entries(); }
     /// Shared entries a block takes.
-    TITANS_HOST_DEVICE long long shared() const { return big_at() + (spill ? 0 : 6 * big()); }
+    TITANS_HOST_DEVICE long long shared() const { return big_at() + chip * big(); }
     /// Scratch entries a block takes.
-    TITANS_HOST_DEVICE long long scratch() const { return spill ? 6 * big() : 0; }
+    TITANS_HOST_DEVICE long long scratch() const { return (6 - chip) * big(); }
+    /// The most b x hidden arrays that fit `bytes` of shared memory with entries of `size`
+    /// bytes (-1: not even the rest does).
+    [[nodiscard]] static int fitting(const FusedLayout& l, std::size_t size, std::size_t bytes) {
+        for (int c = 6; c >= 0; --c) {
+            if (static_cast<std::size_t>(FusedBackLayout{l, c}.shared()) * size <= bytes) return c;
+        }
+        return -1;
+    }
 };
 
 /// The start memory of a fused backward launch's chunks: at[4 j + i], i = 0..3 for W1, W2,
@@ -149,27 +160,23 @@ struct FusedBackVec {
     TITANS_HOST_DEVICE int cleared_to() const { return 22 * b + 8; }
 };
 
-/// The block's arrays (FusedBackLayout).
+/// The block's arrays (FusedBackLayout): shared memory from base, the scratch from spill.
 template <class T>
 struct FusedBackShared {
-    T *k, *q, *dy, *d2, *ab0, *db2;  // b x ldk
+    T *k, *d2, *q, *dy, *ab0, *db2;  // b x ldk; ab0 over q, db2 over dy
     T* v;                            // the pair's vector (FusedBackVec)
-    T *z, *a, *bk, *dl, *r, *ab1;    // b x ldh; r: the read's, then Db1
-    __device__ FusedBackShared(T* base, T* big, const FusedBackLayout& f) {
+    T *r, *a, *dl, *bk, *z, *ab1;    // b x ldh; r: the read's, then Db1; bk: then Zb
+    __device__ FusedBackShared(T* base, T* spill, const FusedBackLayout& f) {
         const long long sm = f.small(), bg = f.big();
         k = base;
-        q = k + sm;
-        dy = q + sm;
-        d2 = dy + sm;
-        ab0 = d2 + sm;
-        db2 = ab0 + sm;
+        d2 = k + sm;
+        q = ab0 = d2 + sm;
+        dy = db2 = q + sm;
         v = base + f.vec();
-        z = big;
-        a = z + bg;
-        bk = a + bg;
-        dl = bk + bg;
-        r = dl + bg;
-        ab1 = r + bg;
+        T** big[6] = {&r, &a, &dl, &bk, &z, &ab1};
+        for (int i = 0; i < 6; ++i) {
+            *big[i] = i < f.chip ? base + f.big_at() + i * bg : spill + (i - f.chip) * bg;
+        }
     }
 };
 
@@ -626,15 +633,16 @@ __device__ void chunk(const FusedBackArgs<T>& f, const FusedBackShared<T>& sh, c
 
 /// The memory's backward over a run of full chunks of every pair (FusedBackArgs), last chunk
 /// first: a block per pair in turn (blocks stride over the pairs: a persistent grid where
-/// the b x hidden arrays spill to the scratch, each block's own).
+/// some b x hidden arrays spill to the scratch, each block's own).
 template <class T, Operands P>
 __global__ void __launch_bounds__(fused_threads)
     fused_backward_kernel(const TITANS_GRID_CONSTANT FusedBackArgs<T> f) {
     const FusedLayout& l = f.fl.lay;
     T* base = dynamic_shared<T>();
-    T* big = f.fl.spill ? f.scratch + static_cast<long long>(blockIdx.x) * f.fl.scratch()
-                        : base + f.fl.big_at();
-    const FusedBackShared<T> sh(base, big, f.fl);
+    T* spill = f.scratch != nullptr
+                   ? f.scratch + static_cast<long long>(blockIdx.x) * f.fl.scratch()
+                   : nullptr;
+    const FusedBackShared<T> sh(base, spill, f.fl);
     const long long io = static_cast<long long>(l.dh) * l.h;
     for (long long p = blockIdx.x; p < f.P; p += gridDim.x) {
         for (int j = 0; j < f.chunks; ++j) {

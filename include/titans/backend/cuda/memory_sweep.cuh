@@ -142,8 +142,9 @@ struct MemoryTraining<Cuda, T>::Sweep {
     bool fresh = false;
     bool tape_fresh = false;  // the same for a stage's tape adjoints abar, dbar (stage)
     // Full chunks reversed by the fused kernel (memory_fused_backward.cuh; fused_plan), its
-    // operands, whether its b x hidden arrays spill to fscratch.
-    bool fuse = false, fspill = false;
+    // operands, how many of its b x hidden arrays stay on chip (the rest in fscratch).
+    bool fuse = false;
+    int fchip = 6;
     cuda::Operands fops = cuda::Operands::Exact;
     Buf fscratch;
     std::vector<Buf> dW_end, dS_end, pa_out, pd_out, da_in, dd_in;
@@ -365,12 +366,10 @@ struct MemoryTraining<Cuda, T>::Sweep {
             w.inchunk || !lay.tiles()) {
             return;
         }
-        const std::size_t limit = cuda::shared_memory_limit();
-        const auto bytes = [&](bool spill) {
-            return static_cast<std::size_t>(cuda::FusedBackLayout{lay, spill}.shared()) * sizeof(T);
-        };
-        w.fspill = cuda::fused_backward_spill_flag().load() || bytes(false) > limit;
-        w.fuse = bytes(w.fspill) <= limit;
+        const int fits = cuda::FusedBackLayout::fitting(lay, sizeof(T), cuda::shared_memory_limit());
+        const int cap = cuda::fused_backward_chip_flag().load();
+        w.fchip = cap >= 0 && cap < fits ? cap : fits;
+        w.fuse = fits >= 0;
     }
 
     /// How many full chunks from cur down (at most fused_keep_chunks) the fused kernel takes:
@@ -420,7 +419,7 @@ struct MemoryTraining<Cuda, T>::Sweep {
         f.chunks = k;
         f.end_top = w.cur < w.NV || w.final_end;
         f.fl = {{static_cast<int>(w.b), static_cast<int>(w.dh),
-                 static_cast<int>(w.cfg.layer_out(1))}, w.fspill};
+                 static_cast<int>(w.cfg.layer_out(1))}, w.fchip};
         f.gp = cuda::GateParams<T>::of(w.cfg);
         f.act = w.act;
         f.residual = w.residual;
@@ -436,7 +435,7 @@ struct MemoryTraining<Cuda, T>::Sweep {
     /// multiprocessor at most, each with its scratch.
     static void launch_fused(Sweep& w, cuda::FusedBackArgs<T>& f) {
         long long grid = w.P;
-        if (w.fspill) {
+        if (w.fchip < 6) {
             int device = 0, sms = 1;
             cuda::check(cudaGetDevice(&device), "cudaGetDevice");
             cuda::check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
