@@ -778,7 +778,8 @@ BENCHMARK(BM_CudaMemory)
     ->Unit(benchmark::kMillisecond)->UseManualTime();
 BENCHMARK(BM_CudaMemoryTrain)
     ->ArgNames({"B", "N", "fbwd"})
-    ->Args({1, 2048, 1})->Args({64, 1024, 1})->Args({256, 512, 1})->Args({256, 512, 0})
+    ->Args({1, 2048, 1})->Args({1, 2048, 0})->Args({64, 1024, 1})->Args({256, 512, 1})
+    ->Args({256, 512, 0})
     ->Unit(benchmark::kMillisecond)->UseManualTime();
 BENCHMARK(BM_CudaDecode)->ArgNames({"B", "decode", "rows"})
     ->ArgsProduct({{1, 64, 1024}, {0, 1}, {0}})->Args({1, 1, 1})->Args({64, 1, 1})
