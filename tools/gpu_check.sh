@@ -274,7 +274,7 @@ do_profile() {
     local tag="train_B${b%%/*}"
     timeout 240 ncu --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
       "${build}/bench/bench_cuda" --benchmark_min_time=0.001 --benchmark_repetitions=1 \
-      --benchmark_filter="BM_CudaMemoryTrain/B:${b}/fbwd:1\$" > "${out}/ncu_${tag}.txt" 2>&1 \
+      --benchmark_filter="BM_CudaMemoryTrain/B:${b}/fbwd:1/cl:0\$" > "${out}/ncu_${tag}.txt" 2>&1 \
       || echo "ncu ${tag}: exit $?"
     echo "${tag}: the 25 kernels of most device time (ms, launches, name)"
     awk '/\)x\(/ { name = substr($0, 1, 110) } /gpu__time_duration.sum/ { print $NF, $(NF-3), name }' \
@@ -384,10 +384,12 @@ do_cluster() {
 # minutes of device time, starts included): the tests of the kernels written since the last
 # GPU run (the cluster kernel, the flat checks, the decode kernel's loads in flight, the
 # few-row product, the split decode attention, the fused training trace, the backward's chunk
-# end in one kernel a chunk and its input adjoint summed by cuBLAS, the fused backward kernel),
+# end in one kernel a chunk and its input adjoint summed by cuBLAS, the fused backward kernel
+# in TF32 and on bfloat16 operands, the training forward as clusters),
 # racecheck on the cluster kernel and the fused backward, then the benchmarks that decide
 # their defaults (the headline forward with one block a pair and as clusters, the training
-# step at B 1 and 256 with the fused backward and with the sweep, decode at B 1 and 1024, the
+# step at B 1 and 256 with the fused backward and with the sweep, its forward as clusters,
+# the fused backward on bfloat16 operands, decode at B 1 and 1024, the
 # model's token with each opt-in, the checks; cuBLAS in the same run), each kernel's device
 # time of the cluster forward and of a training step at B = 256 (never profiled), and, with
 # what is left, the whole suite:
@@ -421,7 +423,7 @@ do_next() {
   done
   timeout 120 ncu --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
     "${b}" --benchmark_min_time=0.001 --benchmark_repetitions=1 \
-    --benchmark_filter='BM_CudaMemoryTrain/B:256/N:512/fbwd:1$' > "${out}/ncu_train_B256.txt" 2>&1 \
+    --benchmark_filter='BM_CudaMemoryTrain/B:256/N:512/fbwd:1/cl:0$' > "${out}/ncu_train_B256.txt" 2>&1 \
     || echo "ncu train: exit $?"
   echo "training step, B 256: the 25 kernels of most device time (total, mean, launches, name)"
   ncu_totals "${out}/ncu_train_B256.txt" | head -n 25

@@ -26,11 +26,15 @@
 //                             products (0);
 //                             counters tokens_per_second, GFLOPS (bench/memory_flops.hpp),
 //                             frac_sgemm and frac_tf32 (GFLOPS over BM_CublasSgemm/4096's)
-//   BM_CudaMemoryTrain/B/N/fbwd
+//   BM_CudaMemoryTrain/B/N/fbwd/cl
 //                             the same memory's training step: training forward with its trace
 //                             and backward, device x, dy and dx, gradients to the host, TF32;
 //                             the backward's full chunks in the fused kernel (fbwd 1,
-//                             memory_fused_backward.cuh) or the sweep's stages (0);
+//                             memory_fused_backward.cuh; 2 with both passes' fused products
+//                             on bfloat16 operands, FusedOperands::BF16) or the sweep's
+//                             stages (0); the training forward's full chunks as clusters
+//                             (cl 1: set_fused_cluster(-1), memory_cluster.cuh) or one block
+//                             a pair (0);
 //                             GFLOPS and the fractions count memory_training_flops (3x the
 //                             forward's)
 //   BM_CudaDecode/B/decode/rows
@@ -393,6 +397,9 @@ void BM_CudaMemoryTrain(benchmark::State& state) {
     const double sgemm = sgemm_rate(4096, false), tf32_rate = sgemm_rate(4096, true);
     const bool fused_backward_was = tc::fused_backward_flag().load();
     tc::set_fused_backward(state.range(2) != 0);
+    tc::set_fused_operands(state.range(2) == 2 ? tc::FusedOperands::BF16
+                                               : tc::FusedOperands::Float);
+    tc::set_fused_cluster(state.range(3) != 0 ? -1 : 0);
     Setup s(B, N);
     tc::set_allow_tf32(true);  // the state's context, and the thread's (the backward's) when
                                // the warm-up below makes it (nothing earlier in bench_cuda does)
@@ -412,10 +419,18 @@ void BM_CudaMemoryTrain(benchmark::State& state) {
         cudaDeviceSynchronize();
     };
     Kernels::State st = fresh;
+    const long long launches = tc::fused_backward_launches(),
+                    clusters = tc::fused_cluster_launches();
     step(st);  // warm-up: workspaces, cuBLAS heuristics
     tc::set_allow_tf32(false);
+    if ((tc::fused_backward_launches() > launches) != (state.range(2) != 0) ||
+        (tc::fused_cluster_launches() > clusters) != (state.range(3) != 0)) {
+        state.SkipWithError("the fused backward or the clusters did not run as asked");
+    }
     const double seconds = timed_from_fresh(state, fresh, st, [&] { step(st); });
     tc::set_fused_backward(fused_backward_was);
+    tc::set_fused_operands(tc::FusedOperands::Float);
+    tc::set_fused_cluster(0);
     counters(state, s.cfg, B, N, true);
     fractions(state, titans_bench::memory_training_flops(s.cfg, B, N), seconds, sgemm, tf32_rate);
 }
@@ -777,9 +792,10 @@ BENCHMARK(BM_CudaMemory)
     ->Args({64, 1024, 1, 3})->Args({256, 512, 1, 3})
     ->Unit(benchmark::kMillisecond)->UseManualTime();
 BENCHMARK(BM_CudaMemoryTrain)
-    ->ArgNames({"B", "N", "fbwd"})
-    ->Args({1, 2048, 1})->Args({1, 2048, 0})->Args({64, 1024, 1})->Args({256, 512, 1})
-    ->Args({256, 512, 0})
+    ->ArgNames({"B", "N", "fbwd", "cl"})
+    ->Args({1, 2048, 1, 0})->Args({1, 2048, 0, 0})->Args({1, 2048, 1, 1})
+    ->Args({64, 1024, 1, 0})->Args({256, 512, 1, 0})->Args({256, 512, 0, 0})
+    ->Args({256, 512, 2, 0})->Args({256, 512, 1, 1})
     ->Unit(benchmark::kMillisecond)->UseManualTime();
 BENCHMARK(BM_CudaDecode)->ArgNames({"B", "decode", "rows"})
     ->ArgsProduct({{1, 64, 1024}, {0, 1}, {0}})->Args({1, 1, 1})->Args({64, 1, 1})

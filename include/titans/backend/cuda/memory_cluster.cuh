@@ -309,9 +309,11 @@ __device__ void cluster_pending(const FusedArgs<T>& f, const FusedShared<T>& sh,
 }
 
 /// The full chunks of one pair by a cluster of `ranks` blocks (blockIdx.x / ranks the pair):
-/// f.lay.h is a rank's share of the hidden width.
+/// f.lay.h is a rank's share of the hidden width; each chunk's start memory, the rank's share
+/// of it, into f.keep where that is given.
 template <class T, Operands P>
-__global__ void __launch_bounds__(fused_threads) fused_cluster_kernel(FusedArgs<T> f, int ranks) {
+__global__ void __launch_bounds__(fused_threads)
+    fused_cluster_kernel(const TITANS_GRID_CONSTANT FusedArgs<T> f, int ranks) {
     const int rank = static_cast<int>(cluster_rank());
     const long long p = blockIdx.x / static_cast<unsigned>(ranks);
     const FusedLayout& l = f.lay;
@@ -321,6 +323,8 @@ __global__ void __launch_bounds__(fused_threads) fused_cluster_kernel(FusedArgs<
     const ClusterShared<T> cs(base, cl);
     cluster_weights(f, cl, cs, p, rank, true);
     const FusedWeights<T> wt{cs.w1, cl.ldw1(), cs.w2, cl.ldw2()};
+    const long long h = static_cast<long long>(l.h) * ranks, io = l.dh * h;
+    const long long col = static_cast<long long>(rank) * l.h;  // the rank's first hidden unit
     for (int c = 0; c < f.chunks; ++c) {
         const long long row = p * f.N + static_cast<long long>(c) * l.b;  // first row, pair-major
         copy_tile(sh.q, l.ldk(), f.q + row * l.dh, l.dh, l.b, l.dh);
@@ -338,8 +342,10 @@ __global__ void __launch_bounds__(fused_threads) fused_cluster_kernel(FusedArgs<
         cluster_delta(f, sh, cs.part_d, ranks, f.v + row * l.dh);
         fused_back<T, P, 1>(f, sh, wt);
         cluster_gates<T>(f, sh, cs.norms, ranks, f.gates != nullptr ? f.gates + row * 3 : nullptr);
-        fused_end_layer<T, P>(sh, l.b, l.dh, l.h, sh.k, ldk, sh.x, l.ldh(), cs.w1, cs.s1, cl.ldw1());
-        fused_end_layer<T, P>(sh, l.b, l.h, l.dh, sh.a1, l.ldh(), sh.q, ldk, cs.w2, cs.s2, cl.ldw2());
+        fused_end_layer<T, P>(sh, l.b, l.dh, l.h, sh.k, ldk, sh.x, l.ldh(), cs.w1, cs.s1,
+                              cl.ldw1(), f.keep.layer(c, 0, p * io + col, static_cast<int>(h)));
+        fused_end_layer<T, P>(sh, l.b, l.h, l.dh, sh.a1, l.ldh(), sh.q, ldk, cs.w2, cs.s2,
+                              cl.ldw2(), f.keep.layer(c, 1, p * io + col * l.dh, l.dh));
         if (c + 1 == f.chunks) {
             cluster_pending(f, sh, p, rank, ranks);
         }

@@ -93,6 +93,15 @@ struct FusedLayout {
 /// launches take at most this many chunks each.
 inline constexpr int fused_keep_chunks = 32;
 
+/// Where one layer's chunk end copies W and S as they were (fused_end_layer): entry (r, c) to
+/// w[r ld + c] and s[r ld + c]; w null: nowhere.
+template <class T>
+struct KeptAt {
+    T* w = nullptr;
+    T* s = nullptr;
+    int ld = 0;
+};
+
 /// Where a fused launch copies each chunk's start memory, as a training trace keeps it
 /// (memory_training.cuh): for chunk c of the launch at[4 c + i], i = 0..3 for W1, W2, S1, S2,
 /// each P pairs of the state's layout; at[0] null: none kept. The pointers travel in the
@@ -100,6 +109,12 @@ inline constexpr int fused_keep_chunks = 32;
 template <class T>
 struct FusedKeep {
     T* at[4 * fused_keep_chunks];
+    /// Where chunk c's layer l (0, 1) is kept: from entry `offset` of its W's and S's copies
+    /// (a pair's, or a cluster rank's share of it), leading dimension ld; nowhere where none is.
+    __device__ KeptAt<T> layer(int c, int l, long long offset, int ld) const {
+        if (at[0] == nullptr) return {};
+        return {at[4 * c + l] + offset, at[4 * c + 2 + l] + offset, ld};
+    }
 };
 
 /// What the fused kernel reads and writes. Piece arrays are pair-major with N rows a pair and
@@ -356,12 +371,12 @@ __device__ inline void end_step(T (&accg)[MT][NT][4], T (&accs)[MT][NT][4], cons
 /// One layer's chunk end (math §4): W = beta W + c S - A^T diag(g) E, S = P S - A^T diag(s) E,
 /// A (b x in, ld lda) and E (b x out, ld lde) in shared memory, W and S (in x out, ld ldw) in
 /// device or shared memory. A warp tile holds both products' accumulators; its W and S
-/// entries are loaded together before any is stored. W0, S0 (ld ldw, or null): W and S as
-/// they were, each entry as it is loaded (a training trace's chunk-start memory).
+/// entries are loaded together before any is stored. `kept` (or nowhere): W and S as they
+/// were, each entry as it is loaded (a training trace's chunk-start memory).
 template <class T, Operands P>
 __device__ void fused_end_layer(const FusedShared<T>& sh, int b, int in, int out, const T* A,
                                 int lda, const T* E, int lde, T* W, T* S, int ldw,
-                                T* W0 = nullptr, T* S0 = nullptr) {
+                                KeptAt<T> kept = {}) {
     constexpr int MT = 2, NT = 2;
     const T beta = sh.ends[0], c = sh.ends[1], pe = sh.ends[2];
     const int warp = static_cast<int>(threadIdx.x / 32), warps = static_cast<int>(blockDim.x / 32);
@@ -378,9 +393,9 @@ __device__ void fused_end_layer(const FusedShared<T>& sh, int b, int in, int out
         const int j0 = j - gl + 2 * q;
         tile_gather(w, i, j0, [&](int r, int col) { return W[r * ldw + col]; });
         tile_gather(sv, i, j0, [&](int r, int col) { return S[r * ldw + col]; });
-        if (W0 != nullptr) {
-            tile_store(w, i, j0, [&](int r, int col, T z) { W0[r * ldw + col] = z; });
-            tile_store(sv, i, j0, [&](int r, int col, T z) { S0[r * ldw + col] = z; });
+        if (kept.w != nullptr) {
+            tile_store(w, i, j0, [&](int r, int col, T z) { kept.w[r * kept.ld + col] = z; });
+            tile_store(sv, i, j0, [&](int r, int col, T z) { kept.s[r * kept.ld + col] = z; });
         }
         TITANS_UNROLL
         for (int mi = 0; mi < MT; ++mi) {
@@ -425,12 +440,10 @@ __global__ void __launch_bounds__(fused_threads)
                             }));
         fused_keys<T, P>(f, sh, wt, f.v + row * l.dh);
         fused_gates<T>(f, sh, f.gates != nullptr ? f.gates + row * 3 : nullptr);
-        T* const* kp = f.keep.at[0] != nullptr ? f.keep.at + 4 * c : nullptr;
-        const auto kept = [&](int i) { return kp != nullptr ? kp[i] + p * io : nullptr; };
         fused_end_layer<T, P>(sh, l.b, l.dh, l.h, sh.k, l.ldk(), sh.x, l.ldh(), w1, s1, l.h,
-                              kept(0), kept(2));
+                              f.keep.layer(c, 0, p * io, l.h));
         fused_end_layer<T, P>(sh, l.b, l.h, l.dh, sh.a1, l.ldh(), sh.q, l.ldk(), w2, s2, l.dh,
-                              kept(1), kept(3));
+                              f.keep.layer(c, 1, p * io, l.dh));
         if (c + 1 == f.chunks) {  // the last chunk's rows: the state's pending A, Delta
             const long long pb = p * l.b;
             copy_tile(f.a[0] + pb * l.dh, l.dh, sh.k, l.ldk(), l.b, l.dh);

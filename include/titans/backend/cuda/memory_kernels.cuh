@@ -1086,11 +1086,10 @@ struct MemoryKernels<Cuda, T> {
         return {true, ops, ranks};
     }
 
-    /// Whether forward_piece runs a piece's full chunks (from a chunk start) in the one-block
-    /// fused kernel (fused_chunks_kernel), which can keep their start memory (KeepChunks).
+    /// Whether forward_piece runs a piece's full chunks (from a chunk start) in a fused kernel
+    /// (one block a pair or clusters), which can keep their start memory (KeepChunks).
     static bool training_fusable(const MemoryConfig& cfg, const State& st) {
-        const FusedPlan plan = fused_plan(cfg, st, false);
-        return plan.use && plan.ranks == 0;
+        return fused_plan(cfg, st, false).use;
     }
 
     /// Calls pick.template operator()<O>() with O the kernel variant `ops` names: TF32 and
@@ -1136,10 +1135,10 @@ struct MemoryKernels<Cuda, T> {
         f.gp = cuda::GateParams<T>::of(cfg);
         f.act = cfg.activation;
         f.residual = cfg.residual;
-        if (keep != nullptr) {  // the one-block kernel keeps them (training_fusable)
+        if (keep != nullptr) {  // either kernel keeps them (training_fusable)
             keep->into(f.keep, chunks);
         }
-        if (plan.ranks > 0 && keep == nullptr) {
+        if (plan.ranks > 0) {
             fused_cluster(st, f, ops, plan.ranks, P);
             return;
         }

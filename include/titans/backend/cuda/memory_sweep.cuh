@@ -354,11 +354,14 @@ struct MemoryTraining<Cuda, T>::Sweep {
     /// Whether the sweep's full chunks may run in the fused backward kernel (set_fused_backward,
     /// and as the forward's fused_plan: a depth-2 memory with lagged retrieval, chunk, d_h and hidden width
     /// multiples of 32, its shared memory within the device's limit; FusedMemory::Auto where
-    /// its products run on the tensor cores, TF32 allowed on the sweep's stream; On always).
+    /// its products run on the tensor cores, TF32 allowed on the sweep's stream or bfloat16
+    /// operands asked for (FusedOperands::BF16, float, as the forward's); On always).
     static void fused_plan(Sweep& w) {
         const cuda::FusedMemory mode = cuda::fused_memory();
-        w.fops = std::is_same_v<T, float> && w.cx.tf32() ? cuda::Operands::TF32
-                                                          : cuda::Operands::Exact;
+        w.fops = !std::is_same_v<T, float>                              ? cuda::Operands::Exact
+                 : cuda::fused_operands() == cuda::FusedOperands::BF16 ? cuda::Operands::BF16
+                 : w.cx.tf32()                                         ? cuda::Operands::TF32
+                                                                       : cuda::Operands::Exact;
         const cuda::FusedLayout lay{static_cast<int>(w.b), static_cast<int>(w.dh),
                                     static_cast<int>(w.cfg.layer_out(1))};
         if (!cuda::fused_backward_flag().load() || mode == cuda::FusedMemory::Off ||
@@ -449,6 +452,8 @@ struct MemoryTraining<Cuda, T>::Sweep {
         if constexpr (std::is_same_v<T, float>) {
             if (w.fops == cuda::Operands::TF32) {
                 kernel = cuda::fused_backward_kernel<T, cuda::Operands::TF32>;
+            } else if (w.fops == cuda::Operands::BF16) {
+                kernel = cuda::fused_backward_kernel<T, cuda::Operands::BF16>;
             }
         }
         const auto bytes = static_cast<std::size_t>(f.fl.shared()) * sizeof(T);

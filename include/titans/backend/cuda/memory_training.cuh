@@ -208,11 +208,11 @@ struct MemoryTraining<Cuda, T> {
     }
 
     /// forward_part's pieces: Kernels::forward_piece a chunk segment at a time, x's rows
-    /// gathered, y's scattered, the trace's rows recorded (chunk starts, products). Where the
-    /// one-block fused kernel runs the chunks (Kernels::training_fusable; no diagnostics), a
-    /// piece from a chunk start takes every full chunk left, and the kernel keeps their start
-    /// memory as it loads it (Kernels::KeepChunks); a piece that is the whole part reads x and
-    /// writes y in place.
+    /// gathered, y's scattered, the trace's rows recorded (chunk starts, products). Where a
+    /// fused kernel runs the chunks (one block a pair or clusters: Kernels::training_fusable;
+    /// no diagnostics), a piece from a chunk start takes every full chunk left, and the kernel
+    /// keeps their start memory as it loads it (Kernels::KeepChunks); a piece that is the
+    /// whole part reads x and writes y in place.
     static void record_pieces(const MemoryConfig& cfg, const typename Kernels::Prepared& pp,
                               typename Kernels::State& st, View<const T> x, View<T> y, Trace& t,
                               Diagnostics<T>* diag) {
