@@ -385,11 +385,13 @@ do_cluster() {
 # GPU run (the cluster kernel, the flat checks, the decode kernel's loads in flight, the
 # few-row product, the split decode attention, the fused training trace, the backward's chunk
 # end in one kernel a chunk and its input adjoint summed by cuBLAS, the fused backward kernel
-# in TF32 and on bfloat16 operands, the training forward as clusters),
+# in TF32 and on bfloat16 operands, the training forward as clusters, the warp-tiled
+# attention with P and dS in registers),
 # racecheck on the cluster kernel and the fused backward, then the benchmarks that decide
 # their defaults (the headline forward with one block a pair and as clusters, the training
 # step at B 1 and 256 with the fused backward and with the sweep, its forward as clusters,
-# the fused backward on bfloat16 operands, decode at B 1 and 1024, the
+# the fused backward on bfloat16 operands, the warp-tiled attention's forward and backward,
+# decode at B 1 and 1024, the
 # model's token with each opt-in, the checks; cuBLAS in the same run), each kernel's device
 # time of the cluster forward and of a training step at B = 256 (never profiled), and, with
 # what is left, the whole suite:
@@ -402,7 +404,7 @@ do_next() {
   { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv || true
     uptime; } > "${out}/device.txt" 2>&1
   TITANS_ROWS_PRODUCT=1 TITANS_SPLIT_DECODE=1 tests_to next_tests.txt 90 \
-    "cuda memory: fused*,cuda memory training: fused*,cuda memory training: double,cuda memory training: float,cuda memory: cluster*,cuda launch: clusters,cuda memory: the non-finite*,cuda memory: decode*,cuda layers: few-row product*,cuda attention: split*,cuda model*"
+    "cuda memory: fused*,cuda memory training: fused*,cuda memory training: double,cuda memory training: float,cuda memory: cluster*,cuda launch: clusters,cuda memory: the non-finite*,cuda memory: decode*,cuda layers: few-row product*,cuda attention: split*,cuda attention: warp tiles*,cuda attention train: warp tiles*,cuda model*"
   grep -B3 -A12 "FAILED" "${out}/next_tests.txt" | head -n 40 || true
   TITANS_CUDA_PARITY_CASES=1 timeout 50 compute-sanitizer --tool racecheck --error-exitcode 9 \
     "${t}" "cuda memory: fused cluster" > "${out}/cluster_racecheck.txt" 2>&1 \
@@ -414,7 +416,7 @@ do_next() {
   echo "fused backward racecheck: $(grep -E 'SUMMARY' "${out}/fbwd_racecheck.txt" || echo 'no summary')"
   timeout 150 "${b}" --benchmark_counters_tabular=true --benchmark_repetitions=2 \
     --benchmark_min_time=0.2 \
-    --benchmark_filter='BM_CublasSgemm|BM_CudaMemory/B:(64|256)/N:(1024|512)/tf32:1/fused:[13]|BM_CudaMemoryTrain/B:(1|256)/|BM_CudaDecode/B:1(024)?/decode:1|BM_CudaModelDecode/B:1/pooled:1/graphs:[01]/ffn:0|BM_CudaChecks|BM_CudaDecodeAtt' \
+    --benchmark_filter='BM_CublasSgemm|BM_CudaMemory/B:(64|256)/N:(1024|512)/tf32:1/fused:[13]|BM_CudaMemoryTrain/B:(1|256)/|BM_CudaDecode/B:1(024)?/decode:1|BM_CudaModelDecode/B:1/pooled:1/graphs:[01]/ffn:0|BM_CudaChecks|BM_CudaDecodeAtt|BM_CudaAttentionTiles/B:16/N:4096/path:3' \
     > "${out}/next_bench.txt" 2>&1 || echo "next bench: exit $?"
   grep "^BM_" "${out}/next_bench.txt" | grep -v "_mean\|_stddev\|_cv" || true
   local f

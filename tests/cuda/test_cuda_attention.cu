@@ -962,3 +962,103 @@ TEMPLATE_TEST_CASE("cuda attention: warp tiles backward", "[cuda]", float, doubl
     CHECK(cu::warp_backward_bytes(64, sizeof(T)) <= 116 * 1024);
     CHECK(cu::warp_backward_bytes(128, sizeof(T)) == (std::is_same_v<T, float> ? cu::WarpBackwardLayout<float, 128>::bytes : 0));
 }
+
+/// Which of the mask's edges a block of 64 queries (c.n, at c.pos0 step c.stride) meets with key
+/// tiles of tk: a full window tile whose last key is one past a warp's first row (`late`), or
+/// whose first key is one before a warp's last row's window (`early`), the rest of the tile in
+/// range. Each must keep its mask (warp_tile_unmasked); one position off, the tile would skip it.
+struct MaskEdges {
+    bool late = false, early = false;
+};
+MaskEdges mask_edges(const TiledCase& c, long long tk) {
+    MaskEdges e;
+    const long long first = c.pos0, last = c.pos0 + c.stride * (c.n - 1);
+    for (long long j0 = std::max(first - c.window + 1, 0LL); last + 1 - j0 >= tk; j0 += tk) {
+        for (int w = 0; 16 * w < c.n; ++w) {
+            const long long lo = first + c.stride * 16 * w, hi = lo + 15 * c.stride;
+            e.late = e.late || (j0 + tk - 1 == lo + 1 && j0 > hi - c.window);
+            e.early = e.early || (j0 == hi - c.window && j0 + tk - 1 <= lo);
+        }
+    }
+    return e;
+}
+
+/// The same edges for the backward's key pass: blocks of 64 keys from key 0, a warp's 16 keys
+/// against full tiles of tb queries from the first that may see the block (tiled_window_queries).
+MaskEdges key_pass_edges(const TiledCase& c, long long tb) {
+    MaskEdges e;
+    for (long long j0 = 0; j0 < c.m; j0 += 64) {
+        const long long nk = std::min(64LL, c.m - j0);
+        const long long lo = j0 - c.pos0, hi = j0 + nk - 1 + c.window - 1 - c.pos0;
+        const long long t1 = std::min(hi < 0 ? -1 : hi / c.stride, c.n - 1);
+        const long long t0 = std::min(lo <= 0 ? 0 : (lo + c.stride - 1) / c.stride, t1 + 1);
+        for (long long key0 = j0; key0 + 15 < j0 + nk; key0 += 16) {
+            for (long long t = t0; t + tb <= t1 + 1; t += tb) {
+                const long long first = c.pos0 + c.stride * t, last = first + c.stride * (tb - 1);
+                e.late = e.late || (key0 + 15 == first + 1 && key0 > last - c.window);
+                e.early = e.early || (key0 == last - c.window && key0 + 15 <= first);
+            }
+        }
+    }
+    return e;
+}
+
+// The warp tiles where a tile is one position from needing no mask (mask_edges,
+// key_pass_edges): windows of 60 to 200 and starts of 0 to 130 searched for 64 queries at
+// strides 1 and 2, and the first four shapes that meet each edge of the forward's key tiles,
+// the backward query pass's and its key pass's run, forward and backward, against the CPU (a
+// tile that wrongly skipped its mask lets a row see a key outside its window: errors near 1).
+// d_h 8 (padded to 32): key tiles of 64, the backward's tiles 64 in float and 32 in double.
+TEMPLATE_TEST_CASE("cuda attention: warp tiles at the mask's edges", "[cuda]", float, double) {
+    namespace cu = titans::backend::cuda;
+    using T = TestType;
+    const int tk = cu::WarpTileLayout<T, 32>::tk, tb = cu::WarpBackwardLayout<T, 32>::tb;
+    int hits[6] = {};  // late, early: forward, query pass, key pass
+    double worst = 0;
+    for (int stride = 1; stride <= 2; ++stride) {
+        for (int window = 60; window <= 200; ++window) {
+            for (long long pos0 = 0; pos0 <= 130; ++pos0) {
+                TiledCase c;
+                c.dh = 8, c.n = 64, c.window = window, c.pos0 = pos0, c.stride = stride;
+                c.m = pos0 + stride * 63 + 1;
+                const MaskEdges f = mask_edges(c, tk), b = mask_edges(c, tb),
+                                k = key_pass_edges(c, tb);
+                const bool want[6] = {f.late && hits[0] < 4, f.early && hits[1] < 4,
+                                      b.late && hits[2] < 4, b.early && hits[3] < 4,
+                                      k.late && hits[4] < 4, k.early && hits[5] < 4};
+                if (std::none_of(want, want + 6, [](bool x) { return x; })) {
+                    continue;
+                }
+                for (int i = 0; i < 6; ++i) {
+                    hits[i] += want[i] ? 1 : 0;
+                }
+                Rng rng(seed_for("cuda attention mask edges", static_cast<std::uint64_t>(
+                                                                  window * 1000 + pos0)));
+                c.H = 2;
+                tiled_draw<T>(rng, 0, true, c);
+                INFO(describe(c));
+                const Matrixd ref = tiled_reference(c);
+                const double e =
+                    rel_error(tiled_device<T>(c, TileKernel::Warp).template cast<double>(), ref);
+                CHECK(e <= bound<T>());
+                const Matrixd dout =
+                    round_through<T>(random_matrix(c.n, 2 * c.dh, rng, -1.0, 1.0));
+                const TiledGrads got = tiled_device_backward<T>(c, dout, {}, TileKernel::Warp);
+                const TiledGrads cpu = tiled_reference_backward(c, dout);
+                const double eb = std::max({rel_error(got.dq, cpu.dq), rel_error(got.dks, cpu.dks),
+                                            rel_error(got.dvs, cpu.dvs)});
+                CHECK(eb <= bound<T>());
+                worst = std::max({worst, e, eb});
+                if constexpr (std::is_same_v<T, float>) {
+                    const Matrix<T> tf = tiled_device<T>(c, TileKernel::Tf32);
+                    CHECK(rel_error(tf.template cast<double>(), ref) <= 1e-2);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < 6; ++i) {  // every edge was met
+        CHECK(hits[i] == 4);
+    }
+    std::printf("cuda warp-tiled attention at the mask's edges (%s): worst relative error %.3g "
+                "(bound %.0e)\n", type_name<T>(), worst, bound<T>());
+}

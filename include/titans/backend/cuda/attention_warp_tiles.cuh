@@ -10,17 +10,21 @@
 //     S = scale Q K^T (16 x TK, masked as tiled_attention's),
 //     m' = max(m, max_j S), P = exp(S - m'), l = l e^(m - m') + sum_j P,
 //     O = O e^(m - m') + P V,
-// P passing through the warp's own rows of shared memory (a product's result and an operand
-// are laid out differently across the lanes). At the end O / l. Head widths up to 128 are padded
-// with zeros to 32, 64 or 128 (WarpTileLayout); a row's four lanes share its maximum and sum
-// through shuffles. Shared rows are padded so that the fragments' loads hit distinct banks:
-// rows read along k (Q, K, P) by 4 mod 32 entries, rows read across k (V) by 8.
+// P staying in the registers S's product left it in (tile_step_held: on the tensor cores a
+// product's result is, entry for entry, the next one's A fragment when the keys are taken in
+// pairs). At the end O / l. A tile whose every key all of a warp's rows see (the window's
+// inner tiles, full prefix tiles) skips the mask. Head widths up to 128 are padded with zeros
+// to 32, 64 or 128 (WarpTileLayout); a row's four lanes share its maximum and sum through
+// shuffles. Rows are loaded 16 bytes at a time where the layout allows; shared rows are padded
+// by 4 entries, so that the fragments' loads hit distinct banks (rows read along k with k in
+// the instruction's order, or across k with k in pairs).
 //
 // The result equals tiled_attention's up to rounding (sums in another order); with TF32 the
 // operands of both products are rounded to 10-bit mantissas (docs/cuda.md has the bound).
 
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <type_traits>
 
 #include "../../config.hpp"
@@ -35,17 +39,16 @@ namespace titans::backend::cuda {
 inline constexpr int warp_tile_rows = 64;
 
 /// The shared arrays of a warp-tiled block for head width (padded) DHP in T: Q (64 x (DHP +
-/// 4)), K (TK x (DHP + 4)), V (TK x (DHP + 8)), P (64 x (TK + 4)). TK: 64 keys a tile, fewer
-/// where that would pass 116 KB (two blocks to an H100's SM).
+/// 4)), K and V (TK x (DHP + 4)). TK: 64 keys a tile, fewer for wide rows (a block within 116
+/// KB, two to an H100's SM; the score tile's registers, TK / 2 a thread).
 template <class T, int DHP>
 struct WarpTileLayout {
     static constexpr int tk = DHP * static_cast<int>(sizeof(T)) <= 256   ? 64
                               : DHP * static_cast<int>(sizeof(T)) <= 512 ? 32
                                                                          : 16;
-    static constexpr int ldq = DHP + 4, ldv = DHP + 8, ldp = tk + 4;
-    static constexpr long long entries = static_cast<long long>(warp_tile_rows) * ldq +
-                                         static_cast<long long>(tk) * (ldq + ldv) +
-                                         static_cast<long long>(warp_tile_rows) * ldp;
+    static constexpr int ld = DHP + 4;
+    static constexpr long long entries =
+        static_cast<long long>(warp_tile_rows) * ld + 2LL * static_cast<long long>(tk) * ld;
     static constexpr std::size_t bytes = static_cast<std::size_t>(entries) * sizeof(T);
 };
 
@@ -78,12 +81,12 @@ struct WarpRows {
     long long qpos[2];  // the key positions the two rows sit at
 };
 
-/// The masked, scaled scores s of one key tile (nk keys, the first at key0; -1: prefix keys)
-/// become P in the warp's rows pw of shared memory (leading dimension ldp), with the online
-/// softmax's rescaling of o, m and l.
-template <class T, bool TF32, int DHP, int NS>
-__device__ void warp_tile_softmax(WarpRows<T, DHP>& w, T (&s)[1][NS][4], T* pw, int ldp, int nk,
-                                  long long key0, int window, T scale, int g, int q) {
+/// The scaled scores s of one key tile (nk keys, the first at key0; -1: prefix keys), masked
+/// unless every key is seen by every row (Masked false), become P (rounded to TF32 for TF32
+/// products) in s's registers, with the online softmax's rescaling of o, m and l.
+template <class T, bool TF32, int DHP, int NS, bool Masked = true>
+__device__ void warp_tile_softmax(WarpRows<T, DHP>& w, T (&s)[1][NS][4], int nk, long long key0,
+                                  int window, T scale, int q) {
     const T none = -static_cast<T>(INFINITY);
     T mx[2] = {none, none};
     TITANS_UNROLL
@@ -91,8 +94,11 @@ __device__ void warp_tile_softmax(WarpRows<T, DHP>& w, T (&s)[1][NS][4], T* pw, 
         TITANS_UNROLL
         for (int e = 0; e < 4; ++e) {
             const int c = 8 * ni + 2 * q + (e & 1), r = frag_row(e);
-            const long long kp = key0 + c, qp = w.qpos[r];
-            const bool seen = c < nk && (key0 < 0 || (kp <= qp && kp > qp - window));
+            bool seen = true;
+            if constexpr (Masked) {
+                const long long kp = key0 + c, qp = w.qpos[r];
+                seen = c < nk && (key0 < 0 || (kp <= qp && kp > qp - window));
+            }
             const T v = seen ? s[0][ni][e] * scale : none;
             s[0][ni][e] = v;
             mx[r] = v > mx[r] ? v : mx[r];
@@ -114,7 +120,7 @@ __device__ void warp_tile_softmax(WarpRows<T, DHP>& w, T (&s)[1][NS][4], T* pw, 
             const int r = frag_row(e);
             const T p = s[0][ni][e] == none ? T(0) : std::exp(s[0][ni][e] - w.m[r]);
             w.l[r] += p;
-            pw[(g + 8 * r) * ldp + 8 * ni + 2 * q + (e & 1)] = tf32_stored<T, TF32>(p);
+            s[0][ni][e] = tf32_stored<T, TF32>(p);
         }
     }
     TITANS_UNROLL
@@ -126,21 +132,88 @@ __device__ void warp_tile_softmax(WarpRows<T, DHP>& w, T (&s)[1][NS][4], T* pw, 
     }
 }
 
-/// nk key and value rows (dh entries each, from k and v at row strides ks, vs) into the block's
-/// K and V tiles (rounded to TF32 for TF32 products), zeros past them (rows up to TK, columns up
-/// to DHP); barriers on both sides.
-template <class T, bool TF32, int DHP>
-__device__ void warp_tile_load_kv(T* sk, T* sv, const T* k, long long ks, const T* v, long long vs,
-                                  int nk, int dh) {
-    using L = WarpTileLayout<T, DHP>;
-    __syncthreads();  // the previous tile's reads are done
-    for (int i = threadIdx.x; i < L::tk * DHP; i += blockDim.x) {
-        const int r = i / DHP, c = i % DHP;
-        const bool in = r < nk && c < dh;
-        sk[r * L::ldq + c] = in ? tf32_stored<T, TF32>(k[r * ks + c]) : T(0);
-        sv[r * L::ldv + c] = in ? tf32_stored<T, TF32>(v[r * vs + c]) : T(0);
+/// Whether every key of a full tile of TK keys at key0 (-1: prefix keys) is seen by each of the
+/// warp's 16 rows, at positions first, first + step, ..., first + 15 step: then the tile needs
+/// no mask.
+TITANS_HOST_DEVICE bool warp_tile_unmasked(int nk, int tk, long long key0, long long first,
+                                           long long step, int window) {
+    if (nk != tk) {
+        return false;
     }
-    __syncthreads();
+    if (key0 < 0) {
+        return true;
+    }
+    const long long last = first + 15 * step;
+    const long long lo = first < last ? first : last, hi = first < last ? last : first;
+    return key0 + tk - 1 <= lo && key0 > hi - window;
+}
+
+/// The 16 bytes at p (16-byte aligned) as entries of T, in one access on the GPU.
+template <class T>
+__device__ inline void load_16_bytes(const T* p, T (&x)[16 / sizeof(T)]) {
+#if defined(__CUDA_ARCH__)
+    if constexpr (sizeof(T) == 4) {
+        const float4 v = *reinterpret_cast<const float4*>(p);
+        x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
+    } else {
+        const double2 v = *reinterpret_cast<const double2*>(p);
+        x[0] = v.x, x[1] = v.y;
+    }
+#else
+    for (std::size_t e = 0; e < 16 / sizeof(T); ++e) {
+        x[e] = p[e];
+    }
+#endif
+}
+
+/// x into the 16 bytes at p (16-byte aligned), in one access on the GPU.
+template <class T>
+__device__ inline void store_16_bytes(T* p, const T (&x)[16 / sizeof(T)]) {
+#if defined(__CUDA_ARCH__)
+    if constexpr (sizeof(T) == 4) {
+        *reinterpret_cast<float4*>(p) = make_float4(x[0], x[1], x[2], x[3]);
+    } else {
+        *reinterpret_cast<double2*>(p) = make_double2(x[0], x[1]);
+    }
+#else
+    for (std::size_t e = 0; e < 16 / sizeof(T); ++e) {
+        p[e] = x[e];
+    }
+#endif
+}
+
+/// n rows of dh entries (row stride ss) into DHP-wide shared rows (leading dimension ld; rounded
+/// to TF32 for TF32 products), zeros past them up to `rows` rows; the caller syncs. 16 bytes a
+/// load and a store where dh, both strides and both addresses allow it (a block-wide choice).
+template <class T, bool TF32, int DHP>
+__device__ void warp_rows_load(T* dst, int ld, const T* src, long long ss, int n, int rows,
+                               int dh) {
+    constexpr int V = static_cast<int>(16 / sizeof(T));
+    const bool whole = dh % V == 0 && ss % V == 0 && ld % V == 0 &&
+                       reinterpret_cast<std::uintptr_t>(src) % 16 == 0 &&
+                       reinterpret_cast<std::uintptr_t>(dst) % 16 == 0;
+    if (whole) {
+        for (int i = threadIdx.x; i < rows * (DHP / V); i += blockDim.x) {
+            const int r = i / (DHP / V), c = i % (DHP / V) * V;
+            T x[V];
+            if (r < n && c < dh) {
+                load_16_bytes(src + r * ss + c, x);
+            } else {
+                for (int e = 0; e < V; ++e) {
+                    x[e] = T(0);
+                }
+            }
+            for (int e = 0; e < V; ++e) {
+                x[e] = tf32_stored<T, TF32>(x[e]);
+            }
+            store_16_bytes(dst + r * ld + c, x);
+        }
+        return;
+    }
+    for (int i = threadIdx.x; i < rows * DHP; i += blockDim.x) {
+        const int r = i / DHP, c = i % DHP;
+        dst[r * ld + c] = r < n && c < dh ? tf32_stored<T, TF32>(src[r * ss + c]) : T(0);
+    }
 }
 
 /// The end of a warp's rows (wq of its 16 real, the first at flattened row rw, head h at
@@ -179,16 +252,11 @@ __global__ void __launch_bounds__(tiled_threads)
     const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
     const int g = lane / 4, q = lane % 4;
     T* sq = dynamic_shared<T>();
-    T* sk = sq + warp_tile_rows * L::ldq;
-    T* sv = sk + TK * L::ldq;
-    T* pw = sv + TK * L::ldv + warp * 16 * L::ldp;
+    T* sk = sq + warp_tile_rows * L::ld;
+    T* sv = sk + TK * L::ld;
     const long long col = static_cast<long long>(h) * dh;
-    for (int i = threadIdx.x; i < warp_tile_rows * DHP; i += blockDim.x) {
-        const int r = i / DHP, c = i % DHP;
-        sq[r * L::ldq + c] =
-            r < nq && c < dh ? tf32_stored<T, TF32>(a.q[(b * a.N + t0 + r) * a.q_stride + col + c])
-                             : T(0);
-    }
+    warp_rows_load<T, TF32, DHP>(sq, L::ld, a.q + (b * a.N + t0) * a.q_stride + col, a.q_stride,
+                                 nq, warp_tile_rows, dh);
     WarpRows<T, DHP> w;
     tile_zero(w.o);
     for (int r = 0; r < 2; ++r) {
@@ -196,12 +264,16 @@ __global__ void __launch_bounds__(tiled_threads)
         w.l[r] = T(0);
         w.qpos[r] = a.pos0 + a.qstride * (t0 + 16 * warp + g + 8 * r);
     }
+    const long long first = a.pos0 + a.qstride * (t0 + 16 * warp);  // the warp's first row's
     const bool active = 16 * warp < nq;  // a warp past the piece's last query only loads
     using Row = RowOperand<T, TF32>;
     constexpr Operands P = tf32_or_exact<TF32>;
-    const Row qa = operand_at<Row>(sq + warp * 16 * L::ldq, L::ldq);
+    const Row qa = operand_at<Row>(sq + warp * 16 * L::ld, L::ld);
     auto tile = [&](const T* k, long long ks, const T* v, long long vs, int nk, long long key0) {
-        warp_tile_load_kv<T, TF32, DHP>(sk, sv, k + col, ks, v + col, vs, nk, dh);
+        __syncthreads();  // the previous tile's reads are done
+        warp_rows_load<T, TF32, DHP>(sk, L::ld, k + col, ks, nk, TK, dh);
+        warp_rows_load<T, TF32, DHP>(sv, L::ld, v + col, vs, nk, TK, dh);
+        __syncthreads();
         if (!active) {
             return;
         }
@@ -209,17 +281,19 @@ __global__ void __launch_bounds__(tiled_threads)
         tile_zero(s);
         TITANS_UNROLL
         for (int k0 = 0; k0 < DHP; k0 += 8) {
-            tile_step<T, P, 1, NS>(s, qa, operand_at<TransposedOperand<T, TF32>>(sk, L::ldq), g, g,
+            tile_step<T, P, 1, NS>(s, qa, operand_at<TransposedOperand<T, TF32>>(sk, L::ld), g, g,
                                    k0, g, q);
         }
-        warp_tile_softmax<T, TF32, DHP, NS>(w, s, pw, L::ldp, nk, key0, a.window, a.scale, g, q);
-        __syncwarp();
-        TITANS_PRAGMA(unroll TITANS_TILE_K_UNROLL)
-        for (int k0 = 0; k0 < TK; k0 += 8) {
-            tile_step<T, P, 1, DHP / 8>(w.o, operand_at<Row>(pw, L::ldp),
-                                        operand_at<Row>(sv, L::ldv), g, g, k0, g, q);
+        if (warp_tile_unmasked(nk, TK, key0, first, a.qstride, a.window)) {  // warp-uniform
+            warp_tile_softmax<T, TF32, DHP, NS, false>(w, s, nk, key0, a.window, a.scale, q);
+        } else {
+            warp_tile_softmax<T, TF32, DHP, NS>(w, s, nk, key0, a.window, a.scale, q);
         }
-        __syncwarp();  // P read before the next tile writes it
+        TITANS_UNROLL
+        for (int ni = 0; ni < NS; ++ni) {
+            tile_step_held<T, P, DHP / 8>(w.o, s[0][ni], operand_at<Row>(sv, L::ld), g, 8 * ni, g,
+                                          q);
+        }
     };
     tiled_key_tiles(a, TiledShape{warp_tile_rows, TK}, b, t0, nq,
                     [&](long long kr, bool pre, int nk, long long key0) {

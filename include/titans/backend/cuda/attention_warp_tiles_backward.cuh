@@ -11,8 +11,9 @@
 //   key pass    per (64 keys, head, sequence or shared prefix): per tile of the queries that
 //               see them S^T = K Q^T, P^T, dP^T = V dout^T, dS^T, dv += P^T dout and
 //               dk += dS^T Q; writes dk and dv (0 for keys no query sees).
-// P and dS pass from a product's result to the next product's operand through the warp's own
-// rows of shared memory, as in attention_warp_tiles.cuh. No atomics: deterministic.
+// P and dS stay in the registers their products left them in, as the next products' A operands
+// (tile_step_held, as in attention_warp_tiles.cuh); a query tile whose every key all of a
+// warp's rows see skips the mask. No atomics: deterministic.
 
 #include <cmath>
 #include <cstddef>
@@ -28,22 +29,24 @@
 namespace titans::backend::cuda {
 
 /// The shared arrays of a backward block for head width (padded) DHP in T. A query-pass block:
-/// Q, dout (64 x (DHP + 4)), K, V (TB x (DHP + 4)), dS (64 x (TB + 4)); a key-pass block: K, V
-/// (64 x (DHP + 4)), Q, dout (TB x (DHP + 4)), P or dS (64 x (TB + 4)) and the query rows'
-/// statistics (3 TB). TB: 64 rows of the other side a tile, fewer where the key pass would
-/// pass 116 KB; 0 where even 16 would (double at d_h above 64).
+/// Q, dout (64 x (DHP + 4)), K, V (TB x (DHP + 4)); a key-pass block: K, V (64 x (DHP + 4)), Q,
+/// dout (TB x (DHP + 4)) and the query rows' statistics (3 TB). TB: 64 rows of the other side a
+/// tile (in double 1024 / DHP at most: a tile's P and dS stay in registers), fewer where the key
+/// pass would pass 116 KB; 0 where even 16 would (double at d_h 128).
 template <class T, int DHP>
 struct WarpBackwardLayout {
     static constexpr int ld = DHP + 4;
     static constexpr long long entries_for(int tb) {
-        return 2LL * warp_tile_rows * ld + 2LL * tb * ld +
-               static_cast<long long>(warp_tile_rows) * (tb + 4) + 3LL * tb;
+        return 2LL * warp_tile_rows * ld + 2LL * tb * ld + 3LL * tb;
     }
     static constexpr bool fits(int tb) {
         return static_cast<std::size_t>(entries_for(tb)) * sizeof(T) <= 116 * 1024;
     }
-    static constexpr int tb = fits(64) ? 64 : fits(32) ? 32 : fits(16) ? 16 : 0;
-    static constexpr int ldp = tb + 4;
+    static constexpr int most = sizeof(T) == 4 ? 64 : 1024 / DHP;  // double: P, dS in registers
+    static constexpr int tb = fits(64) && most >= 64   ? 64
+                              : fits(32) && most >= 32 ? 32
+                              : fits(16)               ? 16
+                                                       : 0;
     static constexpr std::size_t bytes = static_cast<std::size_t>(entries_for(tb)) * sizeof(T);
 };
 
@@ -94,20 +97,8 @@ __device__ void warp_rows_delta(const TiledBackwardArgs<T>& a, long long r0, int
     }
 }
 
-/// n rows of dh entries (row stride ss) into DHP-wide shared rows (leading dimension ld; rounded
-/// to TF32 for TF32 products), zeros past them up to `rows` rows; the caller syncs.
-template <class T, bool TF32, int DHP>
-__device__ void warp_rows_load(T* dst, int ld, const T* src, long long ss, int n, int rows,
-                               int dh) {
-    for (int i = threadIdx.x; i < rows * DHP; i += blockDim.x) {
-        const int r = i / DHP, c = i % DHP;
-        dst[r * ld + c] = r < n && c < dh ? tf32_stored<T, TF32>(src[r * ss + c]) : T(0);
-    }
-}
-
 /// The query pass's steps for one warp of a block: its 16 rows (wq of them real) against the
-/// key tiles, in shared memory at sq (Q), sg (dout), sk, sv (the key tile) and pw (the warp's
-/// rows of dS).
+/// key tiles, in shared memory at sq (Q), sg (dout), sk, sv (the key tile).
 template <class T, bool TF32, int DHP>
 struct WarpQueryPass {
     using L = WarpBackwardLayout<T, DHP>;
@@ -116,10 +107,16 @@ struct WarpQueryPass {
     static constexpr Operands P = tf32_or_exact<TF32>;
     using Tr = TransposedOperand<T, TF32>;
     const TiledBackwardArgs<T>& a;
-    T *sk, *sv, *pw;
+    T *sk, *sv;
     Row qa, ga;  // the warp's rows of Q and dout
     long long col;
+    long long first;  // the warp's first row's position (its rows at first + qstride i)
     int dh, wq, g, q;
+
+    /// Whether the key tile (nk keys at key0) needs no mask for the warp's rows (all 16 real).
+    __device__ bool unmasked(int nk, long long key0) const {
+        return wq >= 16 && warp_tile_unmasked(nk, TB, key0, first, a.f.qstride, a.f.window);
+    }
 
     /// The key tile's nk rows (at kr of the prefix's rows or the sequences') into K, and V when
     /// `values`; then the warp's scores S into s. Every thread of the block calls it.
@@ -157,13 +154,14 @@ struct WarpQueryPass {
             return;
         }
         const TiledShape shape{warp_tile_rows, TB};
-        T* p = pw;  // P goes here, unused
         tiled_key_tiles(a.f, shape, b, t0, nq, [&](long long kr, bool pre, int nk, long long key0) {
             T s[1][NS][4];
             scores(kr, pre, nk, false, s);
-            if (wq > 0) {
-                warp_tile_softmax<T, TF32, DHP, NS>(w, s, p, L::ldp, nk, key0, a.f.window,
-                                                    a.f.scale, g, q);
+            if (wq > 0 && unmasked(nk, key0)) {
+                warp_tile_softmax<T, TF32, DHP, NS, false>(w, s, nk, key0, a.f.window, a.f.scale,
+                                                           q);
+            } else if (wq > 0) {
+                warp_tile_softmax<T, TF32, DHP, NS>(w, s, nk, key0, a.f.window, a.f.scale, q);
             }
         });
         for (int r = 0; r < 2; ++r) {
@@ -172,14 +170,16 @@ struct WarpQueryPass {
         tile_zero(w.o);  // pass 1 rescaled it; dq starts here
     }
 
-    /// One key tile's dS = scale P (dout V^T - delta) into pw, then dq (w.o) += dS K.
+    /// One key tile's dS = scale P (dout V^T - delta), then dq (w.o) += dS K; the mask skipped
+    /// where the tile needs none (Masked false).
+    template <bool Masked>
     __device__ void adjoint(WarpRows<T, DHP>& w, const T (&s)[1][NS][4], const T (&inv)[2],
                             const T (&delta)[2], int nk, long long key0) const {
-        T dp[1][NS][4];
-        tile_zero(dp);
+        T ds[1][NS][4];
+        tile_zero(ds);
         TITANS_UNROLL
         for (int k0 = 0; k0 < DHP; k0 += 8) {
-            tile_step<T, P, 1, NS>(dp, ga, operand_at<Tr>(sv, ld), g, g, k0, g, q);
+            tile_step<T, P, 1, NS>(ds, ga, operand_at<Tr>(sv, ld), g, g, k0, g, q);
         }
         TITANS_UNROLL
         for (int ni = 0; ni < NS; ++ni) {
@@ -187,20 +187,19 @@ struct WarpQueryPass {
             for (int e = 0; e < 4; ++e) {
                 const FragPlace at = frag_place(ni, e, g, q);
                 const int r = e >> 1;
-                const bool seen = at.row < wq && at.col < nk &&
-                                  tiled_sees(key0 < 0 ? -1 : key0 + at.col, w.qpos[r], a.f.window);
+                bool seen = true;
+                if constexpr (Masked) {
+                    seen = at.row < wq && at.col < nk &&
+                           tiled_sees(key0 < 0 ? -1 : key0 + at.col, w.qpos[r], a.f.window);
+                }
                 const T p = seen ? std::exp(s[0][ni][e] * a.f.scale - w.m[r]) * inv[r] : T(0);
-                pw[at.row * L::ldp + at.col] =
-                    tf32_stored<T, TF32>(a.f.scale * p * (dp[0][ni][e] - delta[r]));
+                ds[0][ni][e] = tf32_stored<T, TF32>(a.f.scale * p * (ds[0][ni][e] - delta[r]));
             }
         }
-        __syncwarp();
-        TITANS_PRAGMA(unroll TITANS_TILE_K_UNROLL)
-        for (int k0 = 0; k0 < TB; k0 += 8) {
-            tile_step<T, P, 1, DHP / 8>(w.o, operand_at<Row>(pw, L::ldp), operand_at<Row>(sk, ld),
-                                        g, g, k0, g, q);
+        TITANS_UNROLL
+        for (int ni = 0; ni < NS; ++ni) {
+            tile_step_held<T, P, DHP / 8>(w.o, ds[0][ni], operand_at<Row>(sk, ld), g, 8 * ni, g, q);
         }
-        __syncwarp();
     }
 };
 
@@ -240,10 +239,10 @@ __global__ void __launch_bounds__(tiled_threads)
     const Pass pass{a,
                     sk,
                     sv,
-                    sv + TB * ld + warp * 16 * Pass::L::ldp,
                     operand_at<typename Pass::Row>(sq + warp * 16 * ld, ld),
                     operand_at<typename Pass::Row>(sg + warp * 16 * ld, ld),
                     col,
+                    f.pos0 + f.qstride * (t0 + 16 * warp),
                     dh,
                     wq,
                     g,
@@ -255,8 +254,10 @@ __global__ void __launch_bounds__(tiled_threads)
                     [&](long long kr, bool pre, int nk, long long key0) {
                         T s[1][NS][4];
                         pass.scores(kr, pre, nk, true, s);
-                        if (wq > 0) {
-                            pass.adjoint(w, s, inv, delta, nk, key0);
+                        if (wq > 0 && pass.unmasked(nk, key0)) {
+                            pass.template adjoint<false>(w, s, inv, delta, nk, key0);
+                        } else if (wq > 0) {
+                            pass.template adjoint<true>(w, s, inv, delta, nk, key0);
                         }
                     });
     if (wq <= 0) {
@@ -288,11 +289,12 @@ struct WarpKeyTile {
     using Tr = TransposedOperand<T, TF32>;
     const TiledAttentionArgs<T>& f;
     const T *sk, *sv, *sq, *sg, *st;
-    T* pw;
     int g, q;
 
-    __device__ void operator()(T (&dk)[1][DHP / 8][4], T (&dv)[1][DHP / 8][4], long long q0, int nq,
-                               long long key0, int nk) const {
+    /// The tile of nq query rows, the first at position qp0 (queries at qp0 + qstride i; unused
+    /// for prefix keys, key0 -1), against the warp's nk keys (16 or more: all real) from key0.
+    __device__ void operator()(T (&dk)[1][DHP / 8][4], T (&dv)[1][DHP / 8][4], long long qp0,
+                               int nq, long long key0, int nk) const {
         T s[1][NS][4], dp[1][NS][4];
         tile_zero(s);
         tile_zero(dp);
@@ -303,42 +305,43 @@ struct WarpKeyTile {
             tile_step<T, P, 1, NS>(dp, operand_at<Row>(sv, ld), operand_at<Tr>(sg, ld), g, g, k0, g,
                                    q);
         }
+        // No mask where every query of a full tile sees each of the warp's 16 keys.
+        const long long last = qp0 + f.qstride * (TB - 1);
+        if (nq == TB && nk >= 16 &&
+            (key0 < 0 || (key0 + 15 <= qp0 && key0 > last - f.window))) {  // warp-uniform
+            weights<false>(s, dp, qp0, nq, key0, nk);
+        } else {
+            weights<true>(s, dp, qp0, nq, key0, nk);
+        }
+        TITANS_UNROLL
+        for (int ni = 0; ni < NS; ++ni) {  // dv += P^T dout, dk += dS^T Q
+            tile_step_held<T, P, DHP / 8>(dv, s[0][ni], operand_at<Row>(sg, ld), g, 8 * ni, g, q);
+            tile_step_held<T, P, DHP / 8>(dk, dp[0][ni], operand_at<Row>(sq, ld), g, 8 * ni, g, q);
+        }
+    }
+
+    /// The scores s become P and dp becomes dS (both rounded to TF32 for TF32 products), each
+    /// entry tested against the window unless Masked is false.
+    template <bool Masked>
+    __device__ void weights(T (&s)[1][NS][4], T (&dp)[1][NS][4], long long qp0, int nq,
+                            long long key0, int nk) const {
         TITANS_UNROLL
         for (int ni = 0; ni < NS; ++ni) {
             TITANS_UNROLL
             for (int e = 0; e < 4; ++e) {
                 const FragPlace at = frag_place(ni, e, g, q);  // row: a key, col: a query
-                const long long qp = f.pos0 + f.qstride * ((q0 + at.col) % f.N);
-                const bool seen = at.col < nq && at.row < nk &&
-                                  tiled_sees(key0 < 0 ? -1 : key0 + at.row, qp, f.window);
+                bool seen = true;
+                if constexpr (Masked) {
+                    seen = at.col < nq && at.row < nk &&
+                           tiled_sees(key0 < 0 ? -1 : key0 + at.row, qp0 + f.qstride * at.col,
+                                      f.window);
+                }
                 const T* r = st + 3 * at.col;
                 const T p = seen ? std::exp(s[0][ni][e] * f.scale - r[0]) * r[1] : T(0);
-                dp[0][ni][e] = f.scale * p * (dp[0][ni][e] - r[2]);
-                pw[at.row * L::ldp + at.col] = tf32_stored<T, TF32>(p);
+                dp[0][ni][e] = tf32_stored<T, TF32>(f.scale * p * (dp[0][ni][e] - r[2]));
+                s[0][ni][e] = tf32_stored<T, TF32>(p);
             }
         }
-        __syncwarp();
-        product(dv, sg);
-        TITANS_UNROLL
-        for (int ni = 0; ni < NS; ++ni) {
-            TITANS_UNROLL
-            for (int e = 0; e < 4; ++e) {
-                const FragPlace at = frag_place(ni, e, g, q);
-                pw[at.row * L::ldp + at.col] = tf32_stored<T, TF32>(dp[0][ni][e]);
-            }
-        }
-        __syncwarp();
-        product(dk, sq);
-    }
-
-    /// acc += (the warp's rows in pw) x (TB rows of m), then the warp's reads are done.
-    __device__ void product(T (&acc)[1][DHP / 8][4], const T* m) const {
-        TITANS_PRAGMA(unroll TITANS_TILE_K_UNROLL)
-        for (int k0 = 0; k0 < TB; k0 += 8) {
-            tile_step<T, P, 1, DHP / 8>(acc, operand_at<Row>(pw, L::ldp), operand_at<Row>(m, ld), g,
-                                        g, k0, g, q);
-        }
-        __syncwarp();
     }
 };
 
@@ -365,7 +368,6 @@ __global__ void __launch_bounds__(tiled_threads)
     T* sq = sv + warp_tile_rows * ld;
     T* sg = sq + TB * ld;
     T* st = sg + TB * ld;
-    T* pw = st + 3 * TB + warp * 16 * L::ldp;
     const T* k = prefix ? f.k_prefix : f.k_seq;
     const T* v = prefix ? f.v_prefix : f.v_seq;
     const long long ks = prefix ? f.kp_stride : f.seq_stride,
@@ -375,7 +377,7 @@ __global__ void __launch_bounds__(tiled_threads)
     long long r0 = 0, r1 = 0;
     tiled_key_queries(f, prefix, batch, b, j0, nk, r0, r1);
     const WarpKeyTile<T, TF32, DHP> tile{
-        f, sk + warp * 16 * ld, sv + warp * 16 * ld, sq, sg, st, pw, lane / 4, lane % 4};
+        f, sk + warp * 16 * ld, sv + warp * 16 * ld, sq, sg, st, lane / 4, lane % 4};
     T dk[1][DHP / 8][4], dv[1][DHP / 8][4];
     tile_zero(dk);
     tile_zero(dv);
@@ -393,7 +395,8 @@ __global__ void __launch_bounds__(tiled_threads)
         }
         __syncthreads();
         if (wk > 0) {
-            tile(dk, dv, q0, nq, prefix ? -1 : j0 + 16 * warp, wk);
+            tile(dk, dv, prefix ? 0 : f.pos0 + f.qstride * (q0 - b * f.N), nq,
+                 prefix ? -1 : j0 + 16 * warp, wk);
         }
     }
     if (wk <= 0) {

@@ -330,6 +330,29 @@ __device__ inline void fragment_mma(float (&acc)[MT][NT][4], const std::uint32_t
 
 #endif
 
+/// The lane's B entries of row k on the FMA path: bv[ni] = b(k, j0 + 8 ni), b(k, j0 + 8 ni + 1),
+/// as products on operands P see them.
+template <class T, Operands P, int NT, class FB>
+__device__ inline void lane_b_row(T (&bv)[NT][2], const FB& b, int k, int j0) {
+    TITANS_UNROLL
+    for (int ni = 0; ni < NT; ++ni) {
+        bv[ni][0] = operand<T, P>(b(k, j0 + 8 * ni));
+        bv[ni][1] = operand<T, P>(b(k, j0 + 8 * ni + 1));
+    }
+}
+
+/// acc[ni] += (a0, a1)^T bv[ni] on the FMA path: the lane's rows g (a0) and g + 8 (a1) of one k.
+template <class T, int NT>
+__device__ inline void lane_fma(T (&acc)[NT][4], T a0, T a1, const T (&bv)[NT][2]) {
+    TITANS_UNROLL
+    for (int ni = 0; ni < NT; ++ni) {
+        acc[ni][0] += a0 * bv[ni][0];
+        acc[ni][1] += a0 * bv[ni][1];
+        acc[ni][2] += a1 * bv[ni][0];
+        acc[ni][3] += a1 * bv[ni][1];
+    }
+}
+
 /// One k-step (k_step<P>: 8, or 16 for BF16) for a warp's tile: acc[mi][ni][2h + c] +=
 /// sum_k a(r, k) b(k, col), the lane's rows r = i + 16 mi + 8 h and columns
 /// col = j + 8 ni + 2q + c (i = tile row + g, j = tile column), k in [k0, k0 + k_step<P>) (on
@@ -356,23 +379,55 @@ __device__ inline void tile_step(T (&acc)[MT][NT][4], const FA& a, const FB& b, 
     for (int kk = 0; kk < k_step<P>; ++kk) {
         const int k = k0 + kk;
         T bv[NT][2];
-        TITANS_UNROLL
-        for (int ni = 0; ni < NT; ++ni) {
-            bv[ni][0] = operand<T, P>(b(k, j0 + 8 * ni));
-            bv[ni][1] = operand<T, P>(b(k, j0 + 8 * ni + 1));
-        }
+        lane_b_row<T, P>(bv, b, k, j0);
         TITANS_UNROLL
         for (int mi = 0; mi < MT; ++mi) {
             const T a0 = operand<T, P>(a(i + 16 * mi, k));
-            const T a1 = operand<T, P>(a(i + 16 * mi + 8, k));
-            TITANS_UNROLL
-            for (int ni = 0; ni < NT; ++ni) {
-                acc[mi][ni][0] += a0 * bv[ni][0];
-                acc[mi][ni][1] += a0 * bv[ni][1];
-                acc[mi][ni][2] += a1 * bv[ni][0];
-                acc[mi][ni][3] += a1 * bv[ni][1];
-            }
+            lane_fma(acc[mi], a0, operand<T, P>(a(i + 16 * mi + 8, k)), bv);
         }
+    }
+}
+
+/// One k-step of 8 for a warp's tile whose A operand the lane holds in registers, as a
+/// product's result left it: acc[0][ni][2h + c] += sum_k A(g + 8h, k) b(k, col) over k in
+/// [k0, k0 + 8), col = j + 8 ni + 2q + c - g, where `held` is the lane's four entries of A's
+/// 16 x 8 piece at k0 in tile_step's accumulator layout (held[2h + c] = A(g + 8h, k0 + 2q + c)).
+/// So a softmax's P (or an adjoint's dS) goes from one product to the next without a trip
+/// through shared memory (flash-attention 2's way). On the tensor cores (TF32, held rounded to
+/// TF32 by the caller) the held entries are the A fragment in KOrder::Pair's order, as they
+/// are, and b is read in that order; elsewhere (FMAs, and the CPU emulation of CUDA) each k's
+/// entries come from the lane of the quad that holds them (shuffles), summed in k order as
+/// tile_step does. Every lane of the warp calls it.
+template <class T, Operands P, int NT, class FB>
+__device__ inline void tile_step_held(T (&acc)[1][NT][4], const T (&held)[4], const FB& b, int j,
+                                      int k0, int g, int q) {
+    static_assert(P != Operands::BF16, "held operands are TF32 or exact");
+    static_assert(P == Operands::Exact || sizeof(T) == 4, "tensor-core products are for float");
+#if defined(__CUDA_ARCH__)
+    if constexpr (P == Operands::TF32) {
+        const std::uint32_t af[1][1][4] = {{{__float_as_uint(held[0]), __float_as_uint(held[2]),
+                                             __float_as_uint(held[1]), __float_as_uint(held[3])}}};
+        std::uint32_t bf[1][NT][2];
+        TITANS_UNROLL
+        for (int ni = 0; ni < NT; ++ni) {
+            bf[0][ni][0] = fragment_bits<P, FB>(b(k0 + 2 * q, j + 8 * ni));
+            bf[0][ni][1] = fragment_bits<P, FB>(b(k0 + 2 * q + 1, j + 8 * ni));
+        }
+        fragment_mma<P>(acc, af, bf);
+        return;
+    }
+#endif
+    const int j0 = j - g + 2 * q;  // the lane's first column of piece 0
+    const int quad = static_cast<int>(threadIdx.x % 32) & ~3;
+    TITANS_PRAGMA(unroll 1)  // one k's operands live at a time (held entries picked, not indexed)
+    for (int kk = 0; kk < 8; ++kk) {
+        T bv[NT][2];
+        lane_b_row<T, P>(bv, b, k0 + kk, j0);
+        const bool odd = (kk & 1) != 0;
+        const int from = quad + kk / 2;
+        const T a0 = operand<T, P>(__shfl_sync(0xffffffffu, odd ? held[1] : held[0], from));
+        const T a1 = operand<T, P>(__shfl_sync(0xffffffffu, odd ? held[3] : held[2], from));
+        lane_fma(acc[0], a0, a1, bv);
     }
 }
 
