@@ -264,7 +264,7 @@ __global__ void __launch_bounds__(tiled_threads)
         w.l[r] = T(0);
         w.qpos[r] = a.pos0 + a.qstride * (t0 + 16 * warp + g + 8 * r);
     }
-    const long long first = a.pos0 + a.qstride * (t0 + 16 * warp);  // the warp's first row's
+    const long long first = a.pos0 + a.qstride * (t0 + 16 * warp);  // the warp's row 0 position
     const bool active = 16 * warp < nq;  // a warp past the piece's last query only loads
     using Row = RowOperand<T, TF32>;
     constexpr Operands P = tf32_or_exact<TF32>;
