@@ -940,6 +940,14 @@ TEMPLATE_TEST_CASE("cuda attention: warp tiles backward", "[cuda]", float, doubl
         const TiledGrads fwd =
             tiled_device_backward<T>(c, dout, {}, TileKernel::Warp, StatsFrom::Forward);
         CHECK(rel_error(fwd.stats, own.stats) <= bound<T>());
+        // In the scalar kernels' units (base e: the warp tiles' float softmax runs in base 2
+        // and converts), since the arrays are shared with them.
+        const cu::TiledShape scalar_shape = cu::tiled_backward_shape(c.dh, sizeof(T));
+        if (scalar_shape.fits()) {
+            const TiledGrads scalar = tiled_device_backward<T>(c, dout, scalar_shape);
+            CHECK(rel_error(fwd.stats, scalar.stats) <= bound<T>());
+            CHECK(rel_error(own.stats, scalar.stats) <= bound<T>());
+        }
         CHECK(error(fwd) <= bound<T>());
         worst = std::max(worst, error(fwd));
         if (c.window > 1 || c.p > 0) {  // (with one key a query, dS is 0 whatever 1 / sum is)

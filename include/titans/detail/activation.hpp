@@ -2,7 +2,9 @@
 // titans/detail/activation.hpp: scalar nonlinearities and their derivatives (math §1-2).
 //
 // Written once as TITANS_HOST_DEVICE functions so the CPU backend and a CUDA backend evaluate
-// the same formulas.
+// the same formulas. SiLU's take their sigmoid from a policy S (S::of(z)): ExactSigmoid here;
+// the CUDA kernels' float pass one built on the special function unit (backend/cuda/
+// fast_math.cuh).
 
 #include <cmath>
 
@@ -21,16 +23,24 @@ TITANS_HOST_DEVICE T sigmoid(T z) {
     return e / (T(1) + e);
 }
 
+/// The sigmoid above, as a policy for the functions below.
+struct ExactSigmoid {
+    template <class T>
+    TITANS_HOST_DEVICE static T of(T z) {
+        return sigmoid(z);
+    }
+};
+
 /// SiLU(z) = z * sigmoid(z).
-template <class T>
+template <class T, class S = ExactSigmoid>
 TITANS_HOST_DEVICE T silu(T z) {
-    return z * sigmoid(z);
+    return z * S::of(z);
 }
 
 /// d/dz SiLU(z) = s + z s (1 - s), s = sigmoid(z).
-template <class T>
+template <class T, class S = ExactSigmoid>
 TITANS_HOST_DEVICE T silu_grad(T z) {
-    const T s = sigmoid(z);
+    const T s = S::of(z);
     return s * (T(1) + z * (T(1) - s));
 }
 
@@ -57,9 +67,9 @@ TITANS_HOST_DEVICE T gelu_grad(T z) {
 }
 
 /// d²/dz² SiLU(z) = s (1 - s) (2 + z (1 - 2 s)), s = sigmoid(z).
-template <class T>
+template <class T, class S = ExactSigmoid>
 TITANS_HOST_DEVICE T silu_grad2(T z) {
-    const T s = sigmoid(z);
+    const T s = S::of(z);
     return s * (T(1) - s) * (T(2) + z * (T(1) - T(2) * s));
 }
 
@@ -70,20 +80,20 @@ TITANS_HOST_DEVICE T gelu_grad2(T z) {
     return pdf * (T(2) - z * z);
 }
 
-template <class T>
+template <class T, class S = ExactSigmoid>
 TITANS_HOST_DEVICE T activate(Activation a, T z) {
     switch (a) {
-        case Activation::SiLU: return silu(z);
+        case Activation::SiLU: return silu<T, S>(z);
         case Activation::GELU: return gelu(z);
         case Activation::Identity: break;
     }
     return z;
 }
 
-template <class T>
+template <class T, class S = ExactSigmoid>
 TITANS_HOST_DEVICE T activate_grad(Activation a, T z) {
     switch (a) {
-        case Activation::SiLU: return silu_grad(z);
+        case Activation::SiLU: return silu_grad<T, S>(z);
         case Activation::GELU: return gelu_grad(z);
         case Activation::Identity: break;
     }
@@ -100,11 +110,11 @@ struct ValueGrad {
 
 /// activate(a, z) and activate_grad(a, z) from one evaluation of the shared sigmoid or erf
 /// (the same expressions as the two calls: the same values where the compiler contracts alike).
-template <class T>
+template <class T, class S = ExactSigmoid>
 TITANS_HOST_DEVICE ValueGrad<T> activate_with_grad(Activation a, T z) {
     switch (a) {
         case Activation::SiLU: {
-            const T s = sigmoid(z);
+            const T s = S::of(z);
             return {z * s, s * (T(1) + z * (T(1) - s))};
         }
         case Activation::GELU: {
@@ -117,10 +127,10 @@ TITANS_HOST_DEVICE ValueGrad<T> activate_with_grad(Activation a, T z) {
     return {z, T(1)};
 }
 
-template <class T>
+template <class T, class S = ExactSigmoid>
 TITANS_HOST_DEVICE T activate_grad2(Activation a, T z) {
     switch (a) {
-        case Activation::SiLU: return silu_grad2(z);
+        case Activation::SiLU: return silu_grad2<T, S>(z);
         case Activation::GELU: return gelu_grad2(z);
         case Activation::Identity: break;
     }

@@ -30,6 +30,7 @@
 #include "../../config.hpp"
 #include "attention_tiled.cuh"
 #include "attention_tiled_backward.cuh"
+#include "fast_math.cuh"
 #include "launch.cuh"
 #include "tile_product.cuh"
 
@@ -72,6 +73,25 @@ __device__ inline T quad_reduce(T x, Op op) {
     return op(x, __shfl_xor_sync(0xffffffffu, x, 2));
 }
 
+/// The warp tiles' softmax exponentials. In float they run in base 2: the scores and maxima are
+/// kept in units of log2(e) (`unit`, folded into the scores' scale) and each exponential is one
+/// ex2.approx.ftz on the GPU (2 ulp; results below 2^-126, under 1e-38 of the row's largest
+/// weight, flushed to 0), where expf's accurate expansion takes nine instructions. In double
+/// they stay in base e (std::exp; unit 1). `natural` takes a maximum back to base e (the
+/// statistics' units, shared with the scalar kernels).
+template <class T>
+struct SoftmaxExp {
+    static constexpr T unit = sizeof(T) == 4 ? T(1.4426950408889634) : T(1);
+    static constexpr T natural = sizeof(T) == 4 ? T(0.6931471805599453) : T(1);
+    __device__ static T of(T x) {
+        if constexpr (sizeof(T) == 4) {
+            return ex2_ftz(x);
+        } else {
+            return std::exp(x);
+        }
+    }
+};
+
 /// One warp's running state: its output rows (16 x DHP) and each of the lane's two rows'
 /// maximum m and partial sum l (the lane's own entries; the quad's sum at the end).
 template <class T, int DHP>
@@ -81,9 +101,11 @@ struct WarpRows {
     long long qpos[2];  // the key positions the two rows sit at
 };
 
-/// The scaled scores s of one key tile (nk keys, the first at key0; -1: prefix keys), masked
-/// unless every key is seen by every row (Masked false), become P (rounded to TF32 for TF32
-/// products) in s's registers, with the online softmax's rescaling of o, m and l.
+/// The scores s of one key tile (nk keys, the first at key0; -1: prefix keys), masked unless
+/// every key is seen by every row (Masked false), become P (rounded to TF32 for TF32 products)
+/// in s's registers, with the online softmax's rescaling of o, m and l. scale (> 0: it keeps
+/// the scores' order, so a row's maximum is taken before it and scaled once) includes
+/// SoftmaxExp's unit: m is in its units, and a weight is of(s scale - m), one FMA before it.
 template <class T, bool TF32, int DHP, int NS, bool Masked = true>
 __device__ void warp_tile_softmax(WarpRows<T, DHP>& w, T (&s)[1][NS][4], int nk, long long key0,
                                   int window, T scale, int q) {
@@ -99,26 +121,27 @@ __device__ void warp_tile_softmax(WarpRows<T, DHP>& w, T (&s)[1][NS][4], int nk,
                 const long long kp = key0 + c, qp = w.qpos[r];
                 seen = c < nk && (key0 < 0 || (kp <= qp && kp > qp - window));
             }
-            const T v = seen ? s[0][ni][e] * scale : none;
+            const T v = seen ? s[0][ni][e] : none;
             s[0][ni][e] = v;
-            mx[r] = v > mx[r] ? v : mx[r];
+            mx[r] = std::fmax(v, mx[r]);  // a NaN score leaves the maximum as it was
         }
     }
     T alpha[2];
     TITANS_UNROLL
     for (int r = 0; r < 2; ++r) {
-        mx[r] = quad_reduce(mx[r], [](T a, T b) { return a > b ? a : b; });
+        mx[r] = quad_reduce(mx[r], [](T a, T b) { return a > b ? a : b; }) * scale;
         const T m = mx[r] > w.m[r] ? mx[r] : w.m[r];
-        alpha[r] = m == w.m[r] ? T(1) : std::exp(w.m[r] - m);  // -inf to finite: 0
+        alpha[r] = m == w.m[r] ? T(1) : SoftmaxExp<T>::of(w.m[r] - m);  // -inf to finite: 0
         w.m[r] = m;
         w.l[r] *= alpha[r];
+        mx[r] = m == none ? T(0) : m;  // a row that has seen no key: every weight exp(-inf) = 0
     }
     TITANS_UNROLL
     for (int ni = 0; ni < NS; ++ni) {
         TITANS_UNROLL
         for (int e = 0; e < 4; ++e) {
             const int r = frag_row(e);
-            const T p = s[0][ni][e] == none ? T(0) : std::exp(s[0][ni][e] - w.m[r]);
+            const T p = SoftmaxExp<T>::of(s[0][ni][e] * scale - mx[r]);
             w.l[r] += p;
             s[0][ni][e] = tf32_stored<T, TF32>(p);
         }
@@ -132,20 +155,25 @@ __device__ void warp_tile_softmax(WarpRows<T, DHP>& w, T (&s)[1][NS][4], int nk,
     }
 }
 
+/// Whether every one of `keys` keys from key_first (-1: prefix keys, seen by all) is seen by the
+/// queries at positions query_a, query_b and every position between (a query at t sees the
+/// window's keys (t - window, t]).
+TITANS_HOST_DEVICE bool keys_seen_by_all(long long key_first, int keys, long long query_a,
+                                         long long query_b, int window) {
+    if (key_first < 0) {
+        return true;
+    }
+    const long long lo = query_a < query_b ? query_a : query_b;
+    const long long hi = query_a < query_b ? query_b : query_a;
+    return key_first + keys - 1 <= lo && key_first > hi - window;
+}
+
 /// Whether every key of a full tile of TK keys at key0 (-1: prefix keys) is seen by each of the
 /// warp's 16 rows, at positions first, first + step, ..., first + 15 step: then the tile needs
 /// no mask.
 TITANS_HOST_DEVICE bool warp_tile_unmasked(int nk, int tk, long long key0, long long first,
                                            long long step, int window) {
-    if (nk != tk) {
-        return false;
-    }
-    if (key0 < 0) {
-        return true;
-    }
-    const long long last = first + 15 * step;
-    const long long lo = first < last ? first : last, hi = first < last ? last : first;
-    return key0 + tk - 1 <= lo && key0 > hi - window;
+    return nk == tk && keys_seen_by_all(key0, tk, first, first + 15 * step, window);
 }
 
 /// The 16 bytes at p (16-byte aligned) as entries of T, in one access on the GPU.
@@ -234,7 +262,7 @@ __device__ void warp_tile_finish(const TiledAttentionArgs<T>& a, const WarpRows<
     for (int r = 0; r < 2; ++r) {
         if (a.stat_m != nullptr && q == 0 && g + 8 * r < wq) {
             const long long at = (rw + g + 8 * r) * a.H + h;
-            a.stat_m[at] = w.m[r];
+            a.stat_m[at] = w.m[r] * SoftmaxExp<T>::natural;
             a.stat_inv[at] = inv[r];
         }
     }
@@ -266,6 +294,7 @@ __global__ void __launch_bounds__(tiled_threads)
     }
     const long long first = a.pos0 + a.qstride * (t0 + 16 * warp);  // the warp's row 0 position
     const bool active = 16 * warp < nq;  // a warp past the piece's last query only loads
+    const T scale = a.scale * SoftmaxExp<T>::unit;
     using Row = RowOperand<T, TF32>;
     constexpr Operands P = tf32_or_exact<TF32>;
     const Row qa = operand_at<Row>(sq + warp * 16 * L::ld, L::ld);
@@ -285,9 +314,9 @@ __global__ void __launch_bounds__(tiled_threads)
                                    k0, g, q);
         }
         if (warp_tile_unmasked(nk, TK, key0, first, a.qstride, a.window)) {  // warp-uniform
-            warp_tile_softmax<T, TF32, DHP, NS, false>(w, s, nk, key0, a.window, a.scale, q);
+            warp_tile_softmax<T, TF32, DHP, NS, false>(w, s, nk, key0, a.window, scale, q);
         } else {
-            warp_tile_softmax<T, TF32, DHP, NS>(w, s, nk, key0, a.window, a.scale, q);
+            warp_tile_softmax<T, TF32, DHP, NS>(w, s, nk, key0, a.window, scale, q);
         }
         TITANS_UNROLL
         for (int ni = 0; ni < NS; ++ni) {

@@ -141,14 +141,15 @@ struct WarpQueryPass {
         }
     }
 
-    /// Each row's maximum (w.m) and 1 / sum (inv): the forward's where a.stats_ready (rows at
-    /// r0 of the flattened rows, head h), else over the key tiles (pass 1, online).
+    /// Each row's maximum (w.m, in SoftmaxExp's units) and 1 / sum (inv): the forward's where
+    /// a.stats_ready (rows at r0 of the flattened rows, head h), else over the key tiles (pass
+    /// 1, online).
     __device__ void statistics(WarpRows<T, DHP>& w, T (&inv)[2], long long b, long long t0,
                                int nq, long long r0, int h) const {
         if (a.stats_ready) {  // block-uniform
             for (int r = 0; r < 2; ++r) {
                 const long long at = (r0 + g + 8 * r) * a.f.H + h;
-                w.m[r] = g + 8 * r < wq ? a.mx[at] : T(0);
+                w.m[r] = g + 8 * r < wq ? a.mx[at] * SoftmaxExp<T>::unit : T(0);
                 inv[r] = g + 8 * r < wq ? a.inv[at] : T(0);
             }
             return;
@@ -157,11 +158,11 @@ struct WarpQueryPass {
         tiled_key_tiles(a.f, shape, b, t0, nq, [&](long long kr, bool pre, int nk, long long key0) {
             T s[1][NS][4];
             scores(kr, pre, nk, false, s);
+            const T scale = a.f.scale * SoftmaxExp<T>::unit;
             if (wq > 0 && unmasked(nk, key0)) {
-                warp_tile_softmax<T, TF32, DHP, NS, false>(w, s, nk, key0, a.f.window, a.f.scale,
-                                                           q);
+                warp_tile_softmax<T, TF32, DHP, NS, false>(w, s, nk, key0, a.f.window, scale, q);
             } else if (wq > 0) {
-                warp_tile_softmax<T, TF32, DHP, NS>(w, s, nk, key0, a.f.window, a.f.scale, q);
+                warp_tile_softmax<T, TF32, DHP, NS>(w, s, nk, key0, a.f.window, scale, q);
             }
         });
         for (int r = 0; r < 2; ++r) {
@@ -177,6 +178,7 @@ struct WarpQueryPass {
                             const T (&delta)[2], int nk, long long key0) const {
         T ds[1][NS][4];
         tile_zero(ds);
+        const T scale = a.f.scale * SoftmaxExp<T>::unit;
         TITANS_UNROLL
         for (int k0 = 0; k0 < DHP; k0 += 8) {
             tile_step<T, P, 1, NS>(ds, ga, operand_at<Tr>(sv, ld), g, g, k0, g, q);
@@ -192,7 +194,7 @@ struct WarpQueryPass {
                     seen = at.row < wq && at.col < nk &&
                            tiled_sees(key0 < 0 ? -1 : key0 + at.col, w.qpos[r], a.f.window);
                 }
-                const T p = seen ? std::exp(s[0][ni][e] * a.f.scale - w.m[r]) * inv[r] : T(0);
+                const T p = seen ? SoftmaxExp<T>::of(s[0][ni][e] * scale - w.m[r]) * inv[r] : T(0);
                 ds[0][ni][e] = tf32_stored<T, TF32>(a.f.scale * p * (ds[0][ni][e] - delta[r]));
             }
         }
@@ -271,7 +273,7 @@ __global__ void __launch_bounds__(tiled_threads)
     for (int r = 0; r < 2; ++r) {
         if (q == 0 && g + 8 * r < wq) {
             const long long at = (rw + g + 8 * r) * f.H + h;
-            a.mx[at] = w.m[r];
+            a.mx[at] = w.m[r] * SoftmaxExp<T>::natural;
             a.inv[at] = inv[r];
             a.delta[at] = delta[r];
         }
@@ -306,9 +308,8 @@ struct WarpKeyTile {
                                    q);
         }
         // No mask where every query of a full tile sees each of the warp's 16 keys.
-        const long long last = qp0 + f.qstride * (TB - 1);
         if (nq == TB && nk >= 16 &&
-            (key0 < 0 || (key0 + 15 <= qp0 && key0 > last - f.window))) {  // warp-uniform
+            keys_seen_by_all(key0, 16, qp0, qp0 + f.qstride * (TB - 1), f.window)) {  // uniform
             weights<false>(s, dp, qp0, nq, key0, nk);
         } else {
             weights<true>(s, dp, qp0, nq, key0, nk);
@@ -325,6 +326,7 @@ struct WarpKeyTile {
     template <bool Masked>
     __device__ void weights(T (&s)[1][NS][4], T (&dp)[1][NS][4], long long qp0, int nq,
                             long long key0, int nk) const {
+        const T scale = f.scale * SoftmaxExp<T>::unit;
         TITANS_UNROLL
         for (int ni = 0; ni < NS; ++ni) {
             TITANS_UNROLL
@@ -337,7 +339,7 @@ struct WarpKeyTile {
                                       f.window);
                 }
                 const T* r = st + 3 * at.col;
-                const T p = seen ? std::exp(s[0][ni][e] * f.scale - r[0]) * r[1] : T(0);
+                const T p = seen ? SoftmaxExp<T>::of(s[0][ni][e] * scale - r[0]) * r[1] : T(0);
                 dp[0][ni][e] = tf32_stored<T, TF32>(f.scale * p * (dp[0][ni][e] - r[2]));
                 s[0][ni][e] = tf32_stored<T, TF32>(p);
             }
@@ -389,7 +391,7 @@ __global__ void __launch_bounds__(tiled_threads)
                                      TB, dh);
         for (int r = threadIdx.x; r < TB; r += blockDim.x) {
             const long long at = (q0 + r) * f.H + h;
-            st[3 * r] = r < nq ? a.mx[at] : T(0);
+            st[3 * r] = r < nq ? a.mx[at] * SoftmaxExp<T>::unit : T(0);
             st[3 * r + 1] = r < nq ? a.inv[at] : T(0);
             st[3 * r + 2] = r < nq ? a.delta[at] : T(0);
         }

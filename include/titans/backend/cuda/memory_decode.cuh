@@ -18,6 +18,7 @@
 #include "../../activation.hpp"
 #include "../../config.hpp"
 #include "../../detail/activation.hpp"
+#include "fast_math.cuh"
 #include "launch.cuh"
 #include "memory_device.cuh"
 
@@ -205,8 +206,8 @@ __global__ void decode_rows_kernel(DecodeRows<T> d) {
                 zq += qs[i] * w;
                 zk += ks[i] * w;
             }
-            const detail::ValueGrad<T> a = detail::activate_with_grad(d.act, zk);
-            hq[j] = detail::activate(d.act, zq);
+            const detail::ValueGrad<T> a = kernel_activate_with_grad(d.act, zk);
+            hq[j] = kernel_activate(d.act, zq);
             a1[j] = a.value;
             g1[j] = a.grad;
             put_pending(d.live.a1, d.save.a1, pending * h + j, a.value);

@@ -24,6 +24,7 @@
 #include "../../detail/activation.hpp"
 #include "../../memory/chunk_coefficients.hpp"
 #include "../../memory/config.hpp"
+#include "fast_math.cuh"
 #include "launch.cuh"
 #include "memory_device.cuh"
 #include "tile_product.cuh"
@@ -213,7 +214,7 @@ __device__ void fused_read(const FusedArgs<T>& f, const FusedShared<T>& sh,
         l.b, l.h, l.dh, RowMajor<T>{sh.q, ldk}, [&](int k, int j) { return wt.at1(k, j); },
         each_pair([&](int i, int j, T z0, T z1) { store_pair(sh.x + i * ldh + j, z0, z1); }));
     __syncthreads();
-    each_shared(l.b, l.h, ldh, [&](int e) { sh.x[e] = detail::activate(act, sh.x[e]); });
+    each_shared(l.b, l.h, ldh, [&](int e) { sh.x[e] = kernel_activate(act, sh.x[e]); });
     __syncthreads();
     block_product<T, P, 1, 2, KOrder::Pair>(l.b, l.dh, l.h, RowMajor<T>{sh.x, ldh},
                                             [&](int k, int j) { return wt.at2(k, j); }, out);
@@ -233,7 +234,7 @@ __device__ void fused_hidden(const FusedArgs<T>& f, const FusedShared<T>& sh,
         each_pair([&](int i, int j, T z0, T z1) { store_pair(sh.a1 + i * ldh + j, z0, z1); }));
     __syncthreads();
     each_shared(l.b, l.h, ldh, [&](int e) {
-        const detail::ValueGrad<T> vg = detail::activate_with_grad(act, sh.a1[e]);
+        const detail::ValueGrad<T> vg = kernel_activate_with_grad(act, sh.a1[e]);
         sh.a1[e] = vg.value;
         sh.x[e] = vg.grad;
     });

@@ -30,6 +30,7 @@
 #include "../../detail/activation.hpp"
 #include "../../memory/chunk_coefficients.hpp"
 #include "../../memory/chunk_coefficients_backward.hpp"
+#include "fast_math.cuh"
 #include "launch.cuh"
 #include "memory_device.cuh"
 #include "memory_fused.cuh"
@@ -255,7 +256,7 @@ __device__ void keys(const FusedBackArgs<T>& f, const FusedBackShared<T>& sh, co
     block_product<T, P, 2, 2>(b, h, dh, RowMajor<T>{sh.k, ldk}, RowMajor<T>{w1, h},
                               each_entry([&](int i, int j, T z) {
                                   sh.z[i * ldh + j] = z;
-                                  sh.a[i * ldh + j] = detail::activate(act, z);
+                                  sh.a[i * ldh + j] = kernel_activate(act, z);
                               }));
     __syncthreads();
     const T* v = f.v + c.row * dh;
@@ -270,7 +271,7 @@ __device__ void keys(const FusedBackArgs<T>& f, const FusedBackShared<T>& sh, co
                               each_entry([&](int i, int j, T z) {
                                   sh.bk[i * ldh + j] = z;
                                   sh.dl[i * ldh + j] =
-                                      z * detail::activate_grad(act, sh.z[i * ldh + j]);
+                                      z * kernel_activate_grad(act, sh.z[i * ldh + j]);
                               }));
     __syncthreads();
 }
@@ -368,18 +369,18 @@ __device__ void read(const FusedBackArgs<T>& f, const FusedBackShared<T>& sh, co
     T* y = f.y + c.row * dh;
     const T* q = sh.q;
     block_product<T, P, 1, 2>(
-        b, dh, h, [&](int i, int k) { return detail::activate(act, r[i * ldh + k]); },
+        b, dh, h, [&](int i, int k) { return kernel_activate(act, r[i * ldh + k]); },
         RowMajor<T>{c.w2, dh}, each_entry([&](int i, int j, T z) {
             y[i * dh + j] = z + (res ? q[i * ldk + j] : T(0));
         }));
     block_product<T, P, 2, 2>(
-        h, dh, b, [&](int i, int k) { return detail::activate(act, r[k * ldh + i]); },
+        h, dh, b, [&](int i, int k) { return kernel_activate(act, r[k * ldh + i]); },
         RowMajor<T>{sh.dy, ldk}, each_entry(add_into(c.dw2, dh)));
     __syncthreads();
     block_product<T, P, 2, 2>(b, h, dh, RowMajor<T>{sh.dy, ldk}, Transposed<T>{c.w2, dh},
                               each_entry([&](int i, int j, T z) {
                                   T& e = sh.r[i * ldh + j];
-                                  e = detail::activate_grad(act, e) * z;
+                                  e = kernel_activate_grad(act, e) * z;
                               }));
     __syncthreads();
     block_product<T, P, 2, 2>(dh, h, b, Transposed<T>{sh.q, ldk}, RowMajor<T>{r, ldh},
@@ -550,8 +551,8 @@ __device__ void tape(const FusedBackArgs<T>& f, const FusedBackShared<T>& sh, co
     const Activation act = f.act;
     each_shared(b, h, ldh, [&](int e) {  // bb (in r) and Zb (in bk)
         const T db = sh.r[e], z = sh.z[e];
-        sh.bk[e] = db * sh.bk[e] * detail::activate_grad2(act, z);
-        sh.r[e] = db * detail::activate_grad(act, z);
+        sh.bk[e] = db * sh.bk[e] * kernel_activate_grad2(act, z);
+        sh.r[e] = db * kernel_activate_grad(act, z);
     });
     __syncthreads();
     block_product<T, P, 1, 2>(b, dh, h, RowMajor<T>{sh.r, ldh}, RowMajor<T>{c.w2, dh},
@@ -564,7 +565,7 @@ __device__ void tape(const FusedBackArgs<T>& f, const FusedBackShared<T>& sh, co
                               each_entry([&](int i, int j, T z) { sh.ab1[i * ldh + j] += z; }));
     __syncthreads();
     each_shared(b, h, ldh, [&](int e) {
-        sh.bk[e] += sh.ab1[e] * detail::activate_grad(act, sh.z[e]);
+        sh.bk[e] += sh.ab1[e] * kernel_activate_grad(act, sh.z[e]);
     });
     __syncthreads();
     block_product<T, P, 2, 2>(dh, h, b, Transposed<T>{sh.k, ldk}, RowMajor<T>{sh.bk, ldh},

@@ -33,6 +33,7 @@
 #include "../backend.hpp"
 #include "blas.cuh"
 #include "call_scope.cuh"
+#include "fast_math.cuh"
 #include "launch.cuh"
 #include "memory_decode.cuh"
 #include "memory_device.cuh"
@@ -577,9 +578,9 @@ struct MemoryKernels<Cuda, T> {
             const long long p = i / cuda::u32(rows * cols), rc = i % cuda::u32(rows * cols);
             const T zz = z[p * ps + rc];
             if (grad != nullptr) {
-                grad[p * ps + rc] = detail::activate_grad(act, zz);
+                grad[p * ps + rc] = cuda::kernel_activate_grad(act, zz);
             }
-            into[p * into_ps + rc] = detail::activate(act, zz);
+            into[p * into_ps + rc] = cuda::kernel_activate(act, zz);
         });
     }
 

@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "fast_math.cuh"
 #include "memory_training.cuh"
 
 namespace titans::backend {
@@ -193,7 +194,7 @@ struct MemoryTraining<Cuda, T>::ReadBackward {
             T* hn = r.hin[l + 1].data();
             cuda::each(r.sm, P * m * out, [=] __device__(unsigned i) {
                 const long long p = i / cuda::u32(m * out), rc = i % cuda::u32(m * out);
-                hn[p * MW + rc] = detail::activate(act, z[p * MW + rc]);
+                hn[p * MW + rc] = cuda::kernel_activate(act, z[p * MW + rc]);
             });
         }
         r.yhb = Buf(static_cast<std::size_t>(r.M * D));
@@ -223,7 +224,7 @@ struct MemoryTraining<Cuda, T>::ReadBackward {
             T* tm = r.tmpb.data();
             cuda::each(r.sm, P * m * in, [=] __device__(unsigned i) {
                 const long long p = i / cuda::u32(m * in), rc = i % cuda::u32(m * in);
-                tm[p * MW + rc] = detail::activate_grad(act, zp[p * MW + rc]) * dH[p * MW + rc];
+                tm[p * MW + rc] = cuda::kernel_activate_grad(act, zp[p * MW + rc]) * dH[p * MW + rc];
             });
         }
     }

@@ -19,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "fast_math.cuh"
 #include "memory_fused_backward.cuh"
 #include "memory_training.cuh"
 
@@ -935,8 +936,8 @@ struct MemoryTraining<Cuda, T>::Sweep {
                 T* d1 = w.td1[l].data();
                 cuda::each(w.sm, P * n * out, [=] __device__(unsigned i) {
                     const long long p = i / cuda::u32(n * out), rc = i % cuda::u32(n * out);
-                    an[p * BW + rc] = detail::activate(act, z[p * BW + rc]);
-                    d1[p * BW + rc] = detail::activate_grad(act, z[p * BW + rc]);
+                    an[p * BW + rc] = cuda::kernel_activate(act, z[p * BW + rc]);
+                    d1[p * BW + rc] = cuda::kernel_activate_grad(act, z[p * BW + rc]);
                 });
             }
         }
@@ -1008,7 +1009,7 @@ struct MemoryTraining<Cuda, T>::Sweep {
                 T* hn = w.hin[l + 1].data();
                 cuda::each(w.sm, P * m * out, [=] __device__(unsigned i) {
                     const long long p = i / cuda::u32(m * out), rc = i % cuda::u32(m * out);
-                    hn[p * BW + rc] = detail::activate(act, z[p * BW + rc]);
+                    hn[p * BW + rc] = cuda::kernel_activate(act, z[p * BW + rc]);
                 });
             }
         }
@@ -1072,7 +1073,7 @@ struct MemoryTraining<Cuda, T>::Sweep {
             const T* dH = w.dHb.data();
             cuda::each(w.sm, w.P * m * in, [=] __device__(unsigned i) {
                 const long long p = i / cuda::u32(m * in), rc = i % cuda::u32(m * in);
-                tm[p * BW + rc] = detail::activate_grad(act, zp[p * BW + rc]) * dH[p * BW + rc];
+                tm[p * BW + rc] = cuda::kernel_activate_grad(act, zp[p * BW + rc]) * dH[p * BW + rc];
             });
         }
     }
@@ -1248,7 +1249,7 @@ struct MemoryTraining<Cuda, T>::Sweep {
             cuda::each(w.sm, P * n * in, [=] __device__(unsigned i) {
                 const long long p = i / cuda::u32(n * in), e = p * BW + i % cuda::u32(n * in);
                 bb[e] = db[e] * d1[e];
-                zb[e] = db[e] * bk[e] * detail::activate_grad2(act, zp[e]);
+                zb[e] = db[e] * bk[e] * cuda::kernel_activate_grad2(act, zp[e]);
             });
             mm(w.cx, false, false, n, out, in, T(1), bb, in, BW, w.Wl[l], out, w.lio[l], T(1),
                w.tdbar[l].data(), out, BW, P);
