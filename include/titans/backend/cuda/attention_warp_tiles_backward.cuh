@@ -179,6 +179,7 @@ struct WarpQueryPass {
         T ds[1][NS][4];
         tile_zero(ds);
         const T scale = a.f.scale * SoftmaxExp<T>::unit;
+        const T ps[2] = {inv[0] * a.f.scale, inv[1] * a.f.scale};  // a row's 1 / l and dS's scale
         TITANS_UNROLL
         for (int k0 = 0; k0 < DHP; k0 += 8) {
             tile_step<T, P, 1, NS>(ds, ga, operand_at<Tr>(sv, ld), g, g, k0, g, q);
@@ -194,8 +195,8 @@ struct WarpQueryPass {
                     seen = at.row < wq && at.col < nk &&
                            tiled_sees(key0 < 0 ? -1 : key0 + at.col, w.qpos[r], a.f.window);
                 }
-                const T p = seen ? SoftmaxExp<T>::of(s[0][ni][e] * scale - w.m[r]) * inv[r] : T(0);
-                ds[0][ni][e] = tf32_stored<T, TF32>(a.f.scale * p * (ds[0][ni][e] - delta[r]));
+                const T sp = seen ? SoftmaxExp<T>::of(s[0][ni][e] * scale - w.m[r]) * ps[r] : T(0);
+                ds[0][ni][e] = tf32_stored<T, TF32>(sp * (ds[0][ni][e] - delta[r]));
             }
         }
         TITANS_UNROLL
@@ -281,7 +282,8 @@ __global__ void __launch_bounds__(tiled_threads)
 }
 
 /// One query tile (rows q0 .. q0 + nq - 1, flattened b N + t) against the warp's 16 keys of a
-/// key-pass block: dv += P^T dout, dk += dS^T Q (dk in w.o's place, dv in gv).
+/// key-pass block: dv += P^T dout, dk += dS^T Q (dk in w.o's place, dv in gv; dS without its
+/// scale, which dk takes as it is stored).
 template <class T, bool TF32, int DHP>
 struct WarpKeyTile {
     using L = WarpBackwardLayout<T, DHP>;
@@ -321,8 +323,9 @@ struct WarpKeyTile {
         }
     }
 
-    /// The scores s become P and dp becomes dS (both rounded to TF32 for TF32 products), each
-    /// entry tested against the window unless Masked is false.
+    /// The scores s become P and dp becomes dS / scale (both rounded to TF32 for TF32 products;
+    /// dk takes the scale once, as it is stored), each entry tested against the window unless
+    /// Masked is false.
     template <bool Masked>
     __device__ void weights(T (&s)[1][NS][4], T (&dp)[1][NS][4], long long qp0, int nq,
                             long long key0, int nk) const {
@@ -340,7 +343,7 @@ struct WarpKeyTile {
                 }
                 const T* r = st + 3 * at.col;
                 const T p = seen ? SoftmaxExp<T>::of(s[0][ni][e] * scale - r[0]) * r[1] : T(0);
-                dp[0][ni][e] = tf32_stored<T, TF32>(f.scale * p * (dp[0][ni][e] - r[2]));
+                dp[0][ni][e] = tf32_stored<T, TF32>(p * (dp[0][ni][e] - r[2]));  // dS / scale
                 s[0][ni][e] = tf32_stored<T, TF32>(p);
             }
         }
@@ -407,7 +410,7 @@ __global__ void __launch_bounds__(tiled_threads)
     const int g = lane / 4, q = lane % 4;
     tile_store(dk, g, 2 * q, [&](int r, int c, T x) {
         if (r < wk && c < dh) {
-            out.dk[(kr + 16 * warp + r) * out.stride + col + c] = x;
+            out.dk[(kr + 16 * warp + r) * out.stride + col + c] = x * f.scale;  // dS's scale
         }
     });
     tile_store(dv, g, 2 * q, [&](int r, int c, T x) {
