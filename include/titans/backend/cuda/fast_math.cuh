@@ -23,28 +23,37 @@
 
 namespace titans::backend::cuda {
 
-/// 2^x in float, subnormal results flushed to 0 (ex2.approx.ftz.f32 on the GPU).
-TITANS_HOST_DEVICE float ex2_ftz(float x) {
+/// The special function unit's approximations fast_math takes.
+enum class Sfu { Ex2, Rcp };
+
+/// F's approximation of x in float, subnormal results flushed to 0 of their sign: on the GPU
+/// ex2.approx.ftz.f32 (2^x) or rcp.approx.ftz.f32 (1 / x); in the emulation the exact value
+/// moved by the instruction's worst error (2^x 2 ulp up, 1 / x 1 ulp down).
+template <Sfu F>
+TITANS_HOST_DEVICE float sfu_ftz(float x) {
 #if defined(__CUDA_ARCH__)
     float r;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    if constexpr (F == Sfu::Ex2) {
+        asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    } else {
+        asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    }
     return r;
 #else
-    const float r = std::exp2(x) * (1.0f + 0x1p-22f);  // + 2 ulp, the instruction's worst
-    return r < 1.17549435e-38f ? 0.0f : r;
+    const float r =
+        F == Sfu::Ex2 ? std::exp2(x) * (1.0f + 0x1p-22f) : (1.0f / x) * (1.0f - 0x1p-23f);
+    return std::fabs(r) < 1.17549435e-38f ? std::copysign(0.0f, r) : r;
 #endif
+}
+
+/// 2^x in float, subnormal results flushed to 0 (ex2.approx.ftz.f32 on the GPU).
+TITANS_HOST_DEVICE float ex2_ftz(float x) {
+    return sfu_ftz<Sfu::Ex2>(x);
 }
 
 /// 1 / x in float, subnormal results flushed to signed 0 (rcp.approx.ftz.f32 on the GPU).
 TITANS_HOST_DEVICE float rcp_ftz(float x) {
-#if defined(__CUDA_ARCH__)
-    float r;
-    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
-    return r;
-#else
-    const float r = (1.0f / x) * (1.0f - 0x1p-23f);  // - 1 ulp, the instruction's worst
-    return std::fabs(r) < 1.17549435e-38f ? std::copysign(0.0f, r) : r;
-#endif
+    return sfu_ftz<Sfu::Rcp>(x);
 }
 
 /// sigmoid(z) = 1 / (1 + e^-z): in float 1 / (1 + 2^(-z log2 e)) with ex2_ftz and rcp_ftz, no
