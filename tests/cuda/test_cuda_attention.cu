@@ -703,6 +703,52 @@ TEMPLATE_TEST_CASE("cuda attention: warp tiles", "[cuda]", float, double) {
     CHECK(cu::warp_tile_bytes(128, sizeof(T)) <= 116 * 1024);
 }
 
+// A NaN in a key, a query or a prefix value reaches exactly the (row, head) outputs the CPU's
+// reach, on each of the warp tiles' paths. The TF32 forward rounds its weights without
+// cvt.rna's guard for NaN (tf32_weight), and the emulation's ex2 returns the GPU's canonical
+// NaN, which that rounding turns into -0: a row's NaN has to come through its sum. The other
+// outputs match the CPU as in "cuda attention: warp tiles".
+TEMPLATE_TEST_CASE("cuda attention: warp tiles keep NaN", "[cuda]", float, double) {
+    using T = TestType;
+    Rng rng(seed_for(std::string("cuda warp tiles NaN ") + type_name<T>()));
+    TiledCase c;
+    c.B = 2, c.H = 2, c.dh = 64, c.window = 65, c.n = 130, c.p = 5, c.pos0 = 3;
+    c.m = c.pos0 + c.n + 2;
+    c.shared = false;
+    tiled_draw<T>(rng, 0, false, c);
+    const double nan = std::numeric_limits<double>::quiet_NaN();
+    c.ks(1 * c.m + 40, 1 * c.dh + 7) = nan;  // sequence 1's key at position 40, head 1
+    c.q(0 * c.n + 100, 0 * c.dh + 3) = nan;  // sequence 0's query 100, head 0
+    c.vp(0 * c.p + 2, 1 * c.dh + 60) = nan;  // sequence 0's prefix value 2, head 1
+    const Matrixd ref = tiled_reference(c);
+    std::vector<TileKernel> kinds{TileKernel::Warp};
+    if constexpr (std::is_same_v<T, float>) {
+        kinds.push_back(TileKernel::Tf32);
+    }
+    for (const TileKernel kind : kinds) {
+        const Matrix<T> got = tiled_device<T>(c, kind);
+        REQUIRE(got.rows() == ref.rows());
+        Matrixd finite_got = got.template cast<double>(), finite_ref = ref;
+        int nan_blocks = 0;
+        for (Eigen::Index r = 0; r < ref.rows(); ++r) {
+            for (int h = 0; h < c.H; ++h) {
+                const bool want = ref.block(r, h * c.dh, 1, c.dh).hasNaN();
+                INFO("row " << r << " head " << h << (kind == TileKernel::Tf32 ? " TF32" : ""));
+                CHECK(got.block(r, h * c.dh, 1, c.dh).hasNaN() == want);
+                if (want) {
+                    ++nan_blocks;
+                    finite_got.block(r, h * c.dh, 1, c.dh).setZero();
+                    finite_ref.block(r, h * c.dh, 1, c.dh).setZero();
+                }
+            }
+        }
+        // sequence 0: query 100 in head 0 and all 130 rows in head 1; sequence 1: the 65 rows
+        // whose window holds position 40 in head 1
+        CHECK(nan_blocks == 1 + 130 + 65);
+        CHECK(rel_error(finite_got, finite_ref) <= (kind == TileKernel::Tf32 ? 1e-2 : bound<T>()));
+    }
+}
+
 // The layer with the tiles switched off (a thread per row and head), and with the scalar tiles
 // only (no warp tiles), still matches the CPU,
 // and the shapes: at the headline d_h 64, 32 x 32 tiles in float and 16 x 16 in double (48 KB);

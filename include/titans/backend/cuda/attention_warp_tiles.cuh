@@ -92,6 +92,19 @@ struct SoftmaxExp {
     }
 };
 
+/// A softmax weight p (in [0, 1], or NaN where its score was) as P V takes it: rounded to TF32
+/// for TF32 products without cvt.rna's guard for infinities and NaN (round_tf32_finite): a
+/// NaN weight may turn to -0 here, but the row's sum takes it unrounded, so the row's output
+/// is NaN still.
+template <class T, bool TF32>
+__device__ inline T tf32_weight(T p) {
+    if constexpr (TF32 && sizeof(T) == 4) {
+        return round_tf32_finite(p);
+    } else {
+        return p;
+    }
+}
+
 /// One warp's running state: its output rows (16 x DHP) and each of the lane's two rows'
 /// maximum m and partial sum l (the lane's own entries; the quad's sum at the end).
 template <class T, int DHP>
@@ -143,7 +156,7 @@ __device__ void warp_tile_softmax(WarpRows<T, DHP>& w, T (&s)[1][NS][4], int nk,
             const int r = frag_row(e);
             const T p = SoftmaxExp<T>::of(s[0][ni][e] * scale - mx[r]);
             w.l[r] += p;
-            s[0][ni][e] = tf32_stored<T, TF32>(p);
+            s[0][ni][e] = tf32_weight<T, TF32>(p);
         }
     }
     TITANS_UNROLL

@@ -15,6 +15,7 @@
 //   const float s = fast_sigmoid(z);                        // 1 / (1 + 2^(-z log2 e))
 //   const float a = kernel_activate(Activation::SiLU, z);   // z s
 
+#include <bit>
 #include <cmath>
 
 #include "../../activation.hpp"
@@ -28,7 +29,8 @@ enum class Sfu { Ex2, Rcp };
 
 /// F's approximation of x in float, subnormal results flushed to 0 of their sign: on the GPU
 /// ex2.approx.ftz.f32 (2^x) or rcp.approx.ftz.f32 (1 / x); in the emulation the exact value
-/// moved by the instruction's worst error (2^x 2 ulp up, 1 / x 1 ulp down).
+/// moved by the instruction's worst error (2^x 2 ulp up, 1 / x 1 ulp down), and NaN as the
+/// GPU's canonical NaN (bits 0x7fffffff).
 template <Sfu F>
 TITANS_HOST_DEVICE float sfu_ftz(float x) {
 #if defined(__CUDA_ARCH__)
@@ -40,6 +42,9 @@ TITANS_HOST_DEVICE float sfu_ftz(float x) {
     }
     return r;
 #else
+    if (std::isnan(x)) {
+        return std::bit_cast<float>(0x7fffffffu);
+    }
     const float r =
         F == Sfu::Ex2 ? std::exp2(x) * (1.0f + 0x1p-22f) : (1.0f / x) * (1.0f - 0x1p-23f);
     return std::fabs(r) < 1.17549435e-38f ? std::copysign(0.0f, r) : r;

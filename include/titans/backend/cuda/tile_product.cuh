@@ -22,6 +22,7 @@
 // TransposedOperand) were rounded to TF32 when their tile was stored (tf32_stored): their
 // fragments skip the conversion and see the same values.
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -40,6 +41,18 @@ namespace titans::backend::cuda {
 
 #if TITANS_CUDA_DEVICE_CODE
 
+/// x rounded to TF32 as cvt.rna.tf32.f32 does, for x neither infinite nor NaN: two integer
+/// instructions, where cvt.rna's guard of those two cases makes three. A NaN's bits may carry
+/// into the sign (the GPU's canonical NaN, 0x7fffffff, becomes -0), so a caller keeps NaN
+/// some other way (the softmax's weights: their row's sum takes them unrounded).
+__device__ inline float round_tf32_finite(float x) {
+    std::uint32_t u;
+    std::memcpy(&u, &x, sizeof u);
+    u = (u + 0x1000u) & ~0x1fffu;
+    std::memcpy(&x, &u, sizeof x);
+    return x;
+}
+
 /// x rounded to TF32 as cvt.rna.tf32.f32 does (the low 13 mantissa bits cleared, to nearest,
 /// ties away from zero; infinities and NaN unchanged).
 __device__ inline float round_tf32(float x) {
@@ -48,13 +61,7 @@ __device__ inline float round_tf32(float x) {
     asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
     return __uint_as_float(r);
 #else
-    std::uint32_t u;
-    std::memcpy(&u, &x, sizeof u);
-    if ((u & 0x7f800000u) != 0x7f800000u) {
-        u = (u + 0x1000u) & ~0x1fffu;
-    }
-    std::memcpy(&x, &u, sizeof x);
-    return x;
+    return std::isfinite(x) ? round_tf32_finite(x) : x;
 #endif
 }
 
