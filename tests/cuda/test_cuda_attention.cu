@@ -7,8 +7,11 @@
 
 #include <titans/backend/cuda/cuda.cuh>
 
+#include <algorithm>
+#include <numeric>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "block_cases.hpp"
 #include "cuda_common.hpp"
@@ -701,6 +704,42 @@ TEMPLATE_TEST_CASE("cuda attention: warp tiles", "[cuda]", float, double) {
     CHECK_FALSE(cu::warp_tiles_fit(1, 1000, 1, 129, sizeof(T)));
     CHECK_FALSE(cu::warp_tiles_fit(70000, 1000, 1, 64, sizeof(T)));
     CHECK(cu::warp_tile_bytes(128, sizeof(T)) <= 116 * 1024);
+}
+
+// PairFragmentRows (the warp tiles' Q on the tensor cores): at() places a 16-row tile's entries
+// one to one, and quad(g, k) holds m(g, k), m(g + 8, k), m(g, k + 1), m(g + 8, k + 1): what
+// KOrder::Pair's A fragment takes in slots 0-3, which the GPU loads as 16 consecutive bytes
+// (the emulation's products read m(r, k) entry by entry instead, so this is where the order is
+// pinned); lane (g, q)'s quads at a k-step follow each other in lane order.
+TEST_CASE("cuda attention: fragment-ordered rows", "[cuda]") {
+    namespace cu = titans::backend::cuda;
+    using F = cu::PairFragmentRows<float>;
+    for (const int width : {32, 64, 128}) {
+        std::vector<float> at(static_cast<std::size_t>(16 * width));
+        std::iota(at.begin(), at.end(), 0.0f);  // m(r, k) = the place it is stored at
+        std::vector<int> hits(at.size(), 0);
+        for (int r = 0; r < 16; ++r) {
+            for (int k = 0; k < width; ++k) {
+                const int place = F::at(r, k);
+                REQUIRE((place >= 0 && place < 16 * width));
+                ++hits[static_cast<std::size_t>(place)];
+            }
+        }
+        CHECK(std::all_of(hits.begin(), hits.end(), [](int h) { return h == 1; }));
+        const F m{at.data()};
+        for (int k0 = 0; k0 < width; k0 += 8) {
+            for (int lane = 0; lane < 32; ++lane) {
+                const int g = lane / 4, q = lane % 4, k = k0 + 2 * q;
+                const cu::EntryQuad<float> v = m.quad(g, k);
+                INFO("width " << width << " k0 " << k0 << " lane " << lane);
+                CHECK(v.x[0] == m(g, k));
+                CHECK(v.x[1] == m(g + 8, k));
+                CHECK(v.x[2] == m(g, k + 1));
+                CHECK(v.x[3] == m(g + 8, k + 1));
+                CHECK(F::at(g, k) == 4 * (k0 / 8 * 32 + lane));
+            }
+        }
+    }
 }
 
 // A NaN in a key, a query or a prefix value reaches exactly the (row, head) outputs the CPU's

@@ -16,8 +16,10 @@
 // inner tiles, full prefix tiles) skips the mask. Head widths up to 128 are padded with zeros
 // to 32, 64 or 128 (WarpTileLayout); a row's four lanes share its maximum and sum through
 // shuffles. Rows are loaded 16 bytes at a time where the layout allows; shared rows are padded
-// by 4 entries, so that the fragments' loads hit distinct banks (rows read along k with k in
-// the instruction's order, or across k with k in pairs).
+// so that the fragments' loads hit distinct banks: V's by 4 entries (read across k with k in
+// pairs), Q's and K's by 4 (read along k in the instruction's order). On the tensor cores S's
+// k runs in pairs (KOrder::Pair): K's rows are padded by 8 and read two entries a load, and Q
+// is stored in its fragments' order (PairFragmentRows), a lane's four entries a load.
 //
 // The result equals tiled_attention's up to rounding (sums in another order); with TF32 the
 // operands of both products are rounded to 10-bit mantissas (docs/cuda.md has the bound).
@@ -39,17 +41,23 @@ namespace titans::backend::cuda {
 /// Queries of a warp-tiled block (16 per warp, tiled_threads / 32 warps).
 inline constexpr int warp_tile_rows = 64;
 
-/// The shared arrays of a warp-tiled block for head width (padded) DHP in T: Q (64 x (DHP +
-/// 4)), K and V (TK x (DHP + 4)). TK: 64 keys a tile, fewer for wide rows (a block within 116
-/// KB, two to an H100's SM; the score tile's registers, TK / 2 a thread).
-template <class T, int DHP>
+/// The shared arrays of a warp-tiled block for head width (padded) DHP in T: Q (64 x ldq), K
+/// (TK x ldk) and V (TK x ld). TK: 64 keys a tile, fewer for wide rows (a block within 116
+/// KB, two to an H100's SM; the score tile's registers, TK / 2 a thread). ld = DHP + 4, and
+/// ldq = ldk = ld, unless S's k runs in pairs (Pairs: TF32): then Q's rows are each warp's
+/// PairFragmentRows (DHP entries a row, no padding) and K's rows DHP + 8 entries, which keeps
+/// 8-byte reads free of bank conflicts (a half-warp's 16 lanes read from 4 rows: 8 g + 2 q
+/// covers the 32 banks once).
+template <class T, int DHP, bool Pairs = false>
 struct WarpTileLayout {
     static constexpr int tk = DHP * static_cast<int>(sizeof(T)) <= 256   ? 64
                               : DHP * static_cast<int>(sizeof(T)) <= 512 ? 32
                                                                          : 16;
     static constexpr int ld = DHP + 4;
-    static constexpr long long entries =
-        static_cast<long long>(warp_tile_rows) * ld + 2LL * static_cast<long long>(tk) * ld;
+    static constexpr int ldq = Pairs ? DHP : ld;
+    static constexpr int ldk = Pairs ? DHP + 8 : ld;
+    static constexpr long long entries = static_cast<long long>(warp_tile_rows) * ldq +
+                                         static_cast<long long>(tk) * (ldk + ld);
     static constexpr std::size_t bytes = static_cast<std::size_t>(entries) * sizeof(T);
 };
 
@@ -257,6 +265,19 @@ __device__ void warp_rows_load(T* dst, int ld, const T* src, long long ss, int n
     }
 }
 
+/// 64 query rows of dh entries (row stride ss; n real, zeros past them and past dh up to DHP)
+/// rounded to TF32 into dst as each warp's 16 rows' PairFragmentRows (16 DHP entries a warp);
+/// the caller syncs. Once a block: each entry a load and a store.
+template <int DHP>
+__device__ void warp_fragment_rows_load(float* dst, const float* src, long long ss, int n,
+                                        int dh) {
+    for (int i = threadIdx.x; i < warp_tile_rows * DHP; i += blockDim.x) {
+        const int r = i / DHP, c = i % DHP;
+        const float x = r < n && c < dh ? round_tf32(src[r * ss + c]) : 0.0f;
+        dst[(r / 16) * 16 * DHP + PairFragmentRows<float>::at(r % 16, c)] = x;
+    }
+}
+
 /// The end of a warp's rows (wq of its 16 real, the first at flattened row rw, head h at
 /// columns col): the output rows O / l and, where a.stat_m is set, each row's maximum and
 /// 1 / l.
@@ -285,19 +306,24 @@ __device__ void warp_tile_finish(const TiledAttentionArgs<T>& a, const WarpRows<
 template <class T, bool TF32, int DHP>
 __global__ void __launch_bounds__(tiled_threads)
     warp_tiled_attention_kernel(TiledAttentionArgs<T> a) {
-    using L = WarpTileLayout<T, DHP>;
+    using L = WarpTileLayout<T, DHP, TF32>;
     constexpr int TK = L::tk, NS = TK / 8;
+    constexpr KOrder O = TF32 ? KOrder::Pair : KOrder::Split;  // S's k order
     const long long b = blockIdx.z, t0 = static_cast<long long>(blockIdx.x) * warp_tile_rows;
     const int h = static_cast<int>(blockIdx.y), dh = a.d_head;
     const int nq = static_cast<int>(a.N - t0 < warp_tile_rows ? a.N - t0 : warp_tile_rows);
     const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
     const int g = lane / 4, q = lane % 4;
     T* sq = dynamic_shared<T>();
-    T* sk = sq + warp_tile_rows * L::ld;
-    T* sv = sk + TK * L::ld;
+    T* sk = sq + warp_tile_rows * L::ldq;
+    T* sv = sk + TK * L::ldk;
     const long long col = static_cast<long long>(h) * dh;
-    warp_rows_load<T, TF32, DHP>(sq, L::ld, a.q + (b * a.N + t0) * a.q_stride + col, a.q_stride,
-                                 nq, warp_tile_rows, dh);
+    const T* q_rows = a.q + (b * a.N + t0) * a.q_stride + col;
+    if constexpr (TF32) {
+        warp_fragment_rows_load<DHP>(sq, q_rows, a.q_stride, nq, dh);
+    } else {
+        warp_rows_load<T, TF32, DHP>(sq, L::ld, q_rows, a.q_stride, nq, warp_tile_rows, dh);
+    }
     WarpRows<T, DHP> w;
     tile_zero(w.o);
     for (int r = 0; r < 2; ++r) {
@@ -310,10 +336,17 @@ __global__ void __launch_bounds__(tiled_threads)
     const T scale = a.scale * SoftmaxExp<T>::unit;
     using Row = RowOperand<T, TF32>;
     constexpr Operands P = tf32_or_exact<TF32>;
-    const Row qa = operand_at<Row>(sq + warp * 16 * L::ld, L::ld);
+    using QA = std::conditional_t<TF32, PairFragmentRows<T>, Row>;
+    const QA qa = [&] {
+        if constexpr (TF32) {
+            return QA{sq + warp * 16 * DHP};
+        } else {
+            return operand_at<Row>(sq + warp * 16 * L::ld, L::ld);
+        }
+    }();
     auto tile = [&](const T* k, long long ks, const T* v, long long vs, int nk, long long key0) {
         __syncthreads();  // the previous tile's reads are done
-        warp_rows_load<T, TF32, DHP>(sk, L::ld, k + col, ks, nk, TK, dh);
+        warp_rows_load<T, TF32, DHP>(sk, L::ldk, k + col, ks, nk, TK, dh);
         warp_rows_load<T, TF32, DHP>(sv, L::ld, v + col, vs, nk, TK, dh);
         __syncthreads();
         if (!active) {
@@ -323,8 +356,8 @@ __global__ void __launch_bounds__(tiled_threads)
         tile_zero(s);
         TITANS_UNROLL
         for (int k0 = 0; k0 < DHP; k0 += 8) {
-            tile_step<T, P, 1, NS>(s, qa, operand_at<TransposedOperand<T, TF32>>(sk, L::ld), g, g,
-                                   k0, g, q);
+            tile_step<T, P, 1, NS, O>(s, qa, operand_at<TransposedOperand<T, TF32>>(sk, L::ldk),
+                                      g, g, k0, g, q);
         }
         if (warp_tile_unmasked(nk, TK, key0, first, a.qstride, a.window)) {  // warp-uniform
             warp_tile_softmax<T, TF32, DHP, NS, false>(w, s, nk, key0, a.window, scale, q);
@@ -352,7 +385,7 @@ __global__ void __launch_bounds__(tiled_threads)
 /// Launches warp_tiled_attention_kernel over B sequences (the caller checks warp_tiles_fit).
 template <class T, bool TF32, int DHP>
 void warp_tiled_attention_launch(cudaStream_t stream, const TiledAttentionArgs<T>& a, long long B) {
-    using L = WarpTileLayout<T, DHP>;
+    using L = WarpTileLayout<T, DHP, TF32>;
     void (*kernel)(TiledAttentionArgs<T>) = warp_tiled_attention_kernel<T, TF32, DHP>;
     raise_shared_limit(kernel, L::bytes);
     const dim3 grid(static_cast<unsigned>((a.N + warp_tile_rows - 1) / warp_tile_rows),
@@ -386,15 +419,17 @@ void warp_tiled_attention(cudaStream_t stream, const TiledAttentionArgs<T>& a, l
 #endif
 
 /// The shared memory a warp-tiled block takes for head width dh in entries of entry_bytes (0:
-/// none, d_h above 128).
+/// none, d_h above 128; in float the tensor cores' layout, the larger).
 inline std::size_t warp_tile_bytes(int dh, std::size_t entry_bytes) {
     const int dhp = warp_tile_width(dh);
     const bool f = entry_bytes == 4;
-    return dhp == 32   ? (f ? WarpTileLayout<float, 32>::bytes : WarpTileLayout<double, 32>::bytes)
-           : dhp == 64 ? (f ? WarpTileLayout<float, 64>::bytes : WarpTileLayout<double, 64>::bytes)
-           : dhp == 128
-               ? (f ? WarpTileLayout<float, 128>::bytes : WarpTileLayout<double, 128>::bytes)
-               : 0;
+    using F32 = WarpTileLayout<float, 32, true>;
+    using F64 = WarpTileLayout<float, 64, true>;
+    using F128 = WarpTileLayout<float, 128, true>;
+    return dhp == 32    ? (f ? F32::bytes : WarpTileLayout<double, 32>::bytes)
+           : dhp == 64  ? (f ? F64::bytes : WarpTileLayout<double, 64>::bytes)
+           : dhp == 128 ? (f ? F128::bytes : WarpTileLayout<double, 128>::bytes)
+                        : 0;
 }
 
 #if TITANS_CUDA_DEVICE_CODE

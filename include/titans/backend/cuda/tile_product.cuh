@@ -183,6 +183,40 @@ struct RoundedTransposed : Transposed<T> {
     static constexpr bool rounded = true;
 };
 
+/// Four entries of an operand, in a lane's fragment slot order.
+template <class T>
+struct EntryQuad {
+    T x[4];
+};
+
+/// A 16-row A operand, its entries already TF32, stored in the order KOrder::Pair's fragments
+/// take them: for each k-step of 8, lane (g, q)'s four entries (rows g and g + 8 at k 2q and
+/// 2q + 1: slots 0-3) in 16 consecutive bytes, the warp's 32 lanes one after another. So a
+/// lane's A fragment is one 16-byte load (quad), a warp's 512 consecutive bytes, where a
+/// row-major tile takes two 8-byte loads whose halves the instruction wants interleaved (four
+/// register moves). m(r, k) for r in [0, 16); at(r, k) its entry's place.
+template <class T>
+struct PairFragmentRows {
+    static constexpr bool rounded = true;
+    const T* p;
+    TITANS_HOST_DEVICE static constexpr int at(int r, int k) {
+        return ((k >> 3) * 32 + (r & 7) * 4 + ((k & 7) >> 1)) * 4 + (r >> 3) + 2 * (k & 1);
+    }
+    __device__ T operator()(int r, int k) const { return p[at(r, k)]; }
+    /// Slots 0-3 of the fragment of row r (< 8) at k (even): m(r, k), m(r + 8, k), m(r, k + 1),
+    /// m(r + 8, k + 1), in one 16-byte access on the GPU.
+    __device__ EntryQuad<T> quad(int r, int k) const {
+        const T* e = p + at(r, k);
+#if defined(__CUDA_ARCH__)
+        if constexpr (sizeof(T) == 4) {
+            const float4 v = *reinterpret_cast<const float4*>(e);
+            return {{v.x, v.y, v.z, v.w}};
+        }
+#endif
+        return {{e[0], e[1], e[2], e[3]}};
+    }
+};
+
 /// Whether operand functor F's entries are already TF32 (F::rounded).
 template <class F>
 inline constexpr bool pre_rounded = requires { F::rounded; };
@@ -232,7 +266,14 @@ __device__ inline std::uint32_t fragment_bits(float x) {
 template <KOrder O, Operands P, int MT, class FA>
 __device__ inline void fragment_a(std::uint32_t (&af)[MT][4], const FA& a, int i, int k0, int q) {
     const int k = slot_k<O>(k0, q, 0), kh = slot_k<O>(k0, q, 1);
-    if constexpr (O == KOrder::Pair && requires(const FA& x) { x.pair(0, 0); }) {
+    if constexpr (O == KOrder::Pair && requires(const FA& x) { x.quad(0, 0); }) {
+        static_assert(MT == 1, "a PairFragmentRows operand holds one 16-row piece");
+        const EntryQuad<float> v = a.quad(i, k);
+        TITANS_UNROLL
+        for (int s = 0; s < 4; ++s) {
+            af[0][s] = fragment_bits<P, FA>(v.x[s]);
+        }
+    } else if constexpr (O == KOrder::Pair && requires(const FA& x) { x.pair(0, 0); }) {
         TITANS_UNROLL
         for (int mi = 0; mi < MT; ++mi) {
             const EntryPair<float> lo = a.pair(i + 16 * mi, k), hi = a.pair(i + 16 * mi + 8, k);
