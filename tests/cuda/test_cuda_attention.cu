@@ -706,39 +706,52 @@ TEMPLATE_TEST_CASE("cuda attention: warp tiles", "[cuda]", float, double) {
     CHECK(cu::warp_tile_bytes(128, sizeof(T)) <= 116 * 1024);
 }
 
-// PairFragmentRows (the warp tiles' Q on the tensor cores): at() places a 16-row tile's entries
-// one to one, and quad(g, k) holds m(g, k), m(g + 8, k), m(g, k + 1), m(g + 8, k + 1): what
-// KOrder::Pair's A fragment takes in slots 0-3, which the GPU loads as 16 consecutive bytes
-// (the emulation's products read m(r, k) entry by entry instead, so this is where the order is
-// pinned); lane (g, q)'s quads at a k-step follow each other in lane order.
-TEST_CASE("cuda attention: fragment-ordered rows", "[cuda]") {
+// FragmentRows (the warp tiles' A operands on the tensor cores: the forward's Q, in KOrder
+// Pair; the backward's Q and dout, K and V): at() places a 16-row tile's entries one to one,
+// and quad(g, k) at a lane's first k slot holds m(g, k), m(g + 8, k), m(g, kh), m(g + 8, kh)
+// (kh its second slot): what the A fragment takes in slots 0-3, which the GPU loads as 16
+// consecutive bytes (the emulation's products read m(r, k) entry by entry instead, so this is
+// where the order is pinned); the lanes' quads at a k-step follow each other in lane order.
+namespace {
+
+template <titans::backend::cuda::KOrder O>
+void check_fragment_rows(int width) {
     namespace cu = titans::backend::cuda;
-    using F = cu::PairFragmentRows<float>;
+    using F = cu::FragmentRows<float, O>;
+    std::vector<float> at(static_cast<std::size_t>(16 * width));
+    std::iota(at.begin(), at.end(), 0.0f);  // m(r, k) = the place it is stored at
+    std::vector<int> hits(at.size(), 0);
+    for (int r = 0; r < 16; ++r) {
+        for (int k = 0; k < width; ++k) {
+            const int place = F::at(r, k);
+            REQUIRE((place >= 0 && place < 16 * width));
+            ++hits[static_cast<std::size_t>(place)];
+        }
+    }
+    CHECK(std::all_of(hits.begin(), hits.end(), [](int h) { return h == 1; }));
+    const F m{at.data()};
+    for (int k0 = 0; k0 < width; k0 += 8) {
+        for (int lane = 0; lane < 32; ++lane) {
+            const int g = lane / 4, q = lane % 4;
+            const int k = cu::slot_k<O>(k0, q, 0), kh = cu::slot_k<O>(k0, q, 1);
+            const cu::EntryQuad<float> v = m.quad(g, k);
+            INFO("width " << width << " pairs " << (O == cu::KOrder::Pair) << " k0 " << k0
+                          << " lane " << lane);
+            CHECK(v.x[0] == m(g, k));
+            CHECK(v.x[1] == m(g + 8, k));
+            CHECK(v.x[2] == m(g, kh));
+            CHECK(v.x[3] == m(g + 8, kh));
+            CHECK(F::at(g, k) == 4 * (k0 / 8 * 32 + lane));
+        }
+    }
+}
+
+}  // namespace
+
+TEST_CASE("cuda attention: fragment-ordered rows", "[cuda]") {
     for (const int width : {32, 64, 128}) {
-        std::vector<float> at(static_cast<std::size_t>(16 * width));
-        std::iota(at.begin(), at.end(), 0.0f);  // m(r, k) = the place it is stored at
-        std::vector<int> hits(at.size(), 0);
-        for (int r = 0; r < 16; ++r) {
-            for (int k = 0; k < width; ++k) {
-                const int place = F::at(r, k);
-                REQUIRE((place >= 0 && place < 16 * width));
-                ++hits[static_cast<std::size_t>(place)];
-            }
-        }
-        CHECK(std::all_of(hits.begin(), hits.end(), [](int h) { return h == 1; }));
-        const F m{at.data()};
-        for (int k0 = 0; k0 < width; k0 += 8) {
-            for (int lane = 0; lane < 32; ++lane) {
-                const int g = lane / 4, q = lane % 4, k = k0 + 2 * q;
-                const cu::EntryQuad<float> v = m.quad(g, k);
-                INFO("width " << width << " k0 " << k0 << " lane " << lane);
-                CHECK(v.x[0] == m(g, k));
-                CHECK(v.x[1] == m(g + 8, k));
-                CHECK(v.x[2] == m(g, k + 1));
-                CHECK(v.x[3] == m(g + 8, k + 1));
-                CHECK(F::at(g, k) == 4 * (k0 / 8 * 32 + lane));
-            }
-        }
+        check_fragment_rows<titans::backend::cuda::KOrder::Pair>(width);
+        check_fragment_rows<titans::backend::cuda::KOrder::Split>(width);
     }
 }
 

@@ -19,7 +19,7 @@
 // so that the fragments' loads hit distinct banks: V's by 4 entries (read across k with k in
 // pairs), Q's and K's by 4 (read along k in the instruction's order). On the tensor cores S's
 // k runs in pairs (KOrder::Pair): K's rows are padded by 8 and read two entries a load, and Q
-// is stored in its fragments' order (PairFragmentRows), a lane's four entries a load.
+// is stored in its fragments' order (FragmentRows), a lane's four entries a load.
 //
 // The result equals tiled_attention's up to rounding (sums in another order); with TF32 the
 // operands of both products are rounded to 10-bit mantissas (docs/cuda.md has the bound).
@@ -45,7 +45,7 @@ inline constexpr int warp_tile_rows = 64;
 /// (TK x ldk) and V (TK x ld). TK: 64 keys a tile, fewer for wide rows (a block within 116
 /// KB, two to an H100's SM; the score tile's registers, TK / 2 a thread). ld = DHP + 4, and
 /// ldq = ldk = ld, unless S's k runs in pairs (Pairs: TF32): then Q's rows are each warp's
-/// PairFragmentRows (DHP entries a row, no padding) and K's rows DHP + 8 entries, which keeps
+/// FragmentRows (DHP entries a row, no padding) and K's rows DHP + 8 entries, which keeps
 /// 8-byte reads free of bank conflicts (a half-warp's 16 lanes read from 4 rows: 8 g + 2 q
 /// covers the 32 banks once).
 template <class T, int DHP, bool Pairs = false>
@@ -265,16 +265,42 @@ __device__ void warp_rows_load(T* dst, int ld, const T* src, long long ss, int n
     }
 }
 
-/// 64 query rows of dh entries (row stride ss; n real, zeros past them and past dh up to DHP)
-/// rounded to TF32 into dst as each warp's 16 rows' PairFragmentRows (16 DHP entries a warp);
+/// 64 rows of dh entries (row stride ss; n real, zeros past them and past dh up to DHP) rounded
+/// to TF32 into dst as each warp's 16 rows' FragmentRows in order O (16 DHP entries a warp);
 /// the caller syncs. Once a block: each entry a load and a store.
-template <int DHP>
+template <int DHP, KOrder O>
 __device__ void warp_fragment_rows_load(float* dst, const float* src, long long ss, int n,
                                         int dh) {
     for (int i = threadIdx.x; i < warp_tile_rows * DHP; i += blockDim.x) {
         const int r = i / DHP, c = i % DHP;
         const float x = r < n && c < dh ? round_tf32(src[r * ss + c]) : 0.0f;
-        dst[(r / 16) * 16 * DHP + PairFragmentRows<float>::at(r % 16, c)] = x;
+        dst[(r / 16) * 16 * DHP + FragmentRows<float, O>::at(r % 16, c)] = x;
+    }
+}
+
+/// How a block's 64 rows that only ever are A operands (each warp's 16 rows, read along k in
+/// order O) sit in shared memory: row-major with leading dimension ld, or on the tensor cores
+/// (TF32) in their fragments' order (FragmentRows: one 16-byte load a lane and k-step).
+template <class T, bool TF32, KOrder O>
+using WarpAOperand = std::conditional_t<TF32, FragmentRows<T, O>, RowOperand<T, TF32>>;
+
+/// Warp `warp`'s WarpAOperand of the rows at base.
+template <class T, bool TF32, KOrder O, int DHP>
+__device__ inline WarpAOperand<T, TF32, O> warp_a_operand(const T* base, int warp, int ld) {
+    if constexpr (TF32) {
+        return {base + warp * 16 * DHP};
+    } else {
+        return operand_at<RowOperand<T, TF32>>(base + warp * 16 * ld, ld);
+    }
+}
+
+/// 64 rows (row stride ss, n real) into dst as warp_a_operand reads them; the caller syncs.
+template <class T, bool TF32, KOrder O, int DHP>
+__device__ void warp_a_rows_load(T* dst, int ld, const T* src, long long ss, int n, int dh) {
+    if constexpr (TF32) {
+        warp_fragment_rows_load<DHP, O>(dst, src, ss, n, dh);
+    } else {
+        warp_rows_load<T, TF32, DHP>(dst, ld, src, ss, n, warp_tile_rows, dh);
     }
 }
 
@@ -318,12 +344,8 @@ __global__ void __launch_bounds__(tiled_threads)
     T* sk = sq + warp_tile_rows * L::ldq;
     T* sv = sk + TK * L::ldk;
     const long long col = static_cast<long long>(h) * dh;
-    const T* q_rows = a.q + (b * a.N + t0) * a.q_stride + col;
-    if constexpr (TF32) {
-        warp_fragment_rows_load<DHP>(sq, q_rows, a.q_stride, nq, dh);
-    } else {
-        warp_rows_load<T, TF32, DHP>(sq, L::ld, q_rows, a.q_stride, nq, warp_tile_rows, dh);
-    }
+    warp_a_rows_load<T, TF32, O, DHP>(sq, L::ld, a.q + (b * a.N + t0) * a.q_stride + col,
+                                      a.q_stride, nq, dh);
     WarpRows<T, DHP> w;
     tile_zero(w.o);
     for (int r = 0; r < 2; ++r) {
@@ -336,14 +358,7 @@ __global__ void __launch_bounds__(tiled_threads)
     const T scale = a.scale * SoftmaxExp<T>::unit;
     using Row = RowOperand<T, TF32>;
     constexpr Operands P = tf32_or_exact<TF32>;
-    using QA = std::conditional_t<TF32, PairFragmentRows<T>, Row>;
-    const QA qa = [&] {
-        if constexpr (TF32) {
-            return QA{sq + warp * 16 * DHP};
-        } else {
-            return operand_at<Row>(sq + warp * 16 * L::ld, L::ld);
-        }
-    }();
+    const auto qa = warp_a_operand<T, TF32, O, DHP>(sq, warp, L::ld);
     auto tile = [&](const T* k, long long ks, const T* v, long long vs, int nk, long long key0) {
         __syncthreads();  // the previous tile's reads are done
         warp_rows_load<T, TF32, DHP>(sk, L::ldk, k + col, ks, nk, TK, dh);

@@ -29,15 +29,21 @@
 namespace titans::backend::cuda {
 
 /// The shared arrays of a backward block for head width (padded) DHP in T. A query-pass block:
-/// Q, dout (64 x (DHP + 4)), K, V (TB x (DHP + 4)); a key-pass block: K, V (64 x (DHP + 4)), Q,
-/// dout (TB x (DHP + 4)) and the query rows' statistics (3 TB). TB: 64 rows of the other side a
-/// tile (in double 1024 / DHP at most: a tile's P and dS stay in registers), fewer where the key
-/// pass would pass 116 KB; 0 where even 16 would (double at d_h 128).
+/// Q, dout (64 x (DHP + 4)), K, V (TB x (DHP + 4)), except on the tensor cores, where Q and
+/// dout are each warp's FragmentRows (Q's in the region of 64 x (DHP + 4), dout's 64 x DHP)
+/// and dP = dout V^T takes its k in pairs, V's rows DHP + 8 entries (ldv). A key-pass block:
+/// K, V (64 x (DHP + 4); on the tensor cores FragmentRows in those regions), Q, dout (TB x (DHP
+/// + 4)) and the query rows' statistics (3 TB). TB: 64 rows of the other side a tile (in double
+/// 1024 / DHP at most: a tile's P and dS stay in registers), fewer where the key pass would pass
+/// 116 KB; 0 where even 16 would (double at d_h 128). The key pass's block is the larger.
 template <class T, int DHP>
 struct WarpBackwardLayout {
     static constexpr int ld = DHP + 4;
     static constexpr long long entries_for(int tb) {
         return 2LL * warp_tile_rows * ld + 2LL * tb * ld + 3LL * tb;
+    }
+    static constexpr long long query_entries_for(int tb) {
+        return static_cast<long long>(warp_tile_rows) * (ld + DHP) + tb * (ld + DHP + 8LL);
     }
     static constexpr bool fits(int tb) {
         return static_cast<std::size_t>(entries_for(tb)) * sizeof(T) <= 116 * 1024;
@@ -48,6 +54,7 @@ struct WarpBackwardLayout {
                               : fits(16)               ? 16
                                                        : 0;
     static constexpr std::size_t bytes = static_cast<std::size_t>(entries_for(tb)) * sizeof(T);
+    static_assert(query_entries_for(tb) <= entries_for(tb), "the query pass fits the key pass's");
 };
 
 /// The shared memory a backward block takes for head width dh in entries of entry_bytes (0:
@@ -103,12 +110,15 @@ template <class T, bool TF32, int DHP>
 struct WarpQueryPass {
     using L = WarpBackwardLayout<T, DHP>;
     static constexpr int TB = L::tb, NS = TB / 8, ld = L::ld;
+    static constexpr int ldv = TF32 ? DHP + 8 : ld;  // V's rows (dP's k in pairs on TF32)
+    static constexpr KOrder O = TF32 ? KOrder::Pair : KOrder::Split;  // dP's k order
     using Row = RowOperand<T, TF32>;
     static constexpr Operands P = tf32_or_exact<TF32>;
     using Tr = TransposedOperand<T, TF32>;
     const TiledBackwardArgs<T>& a;
     T *sk, *sv;
-    Row qa, ga;  // the warp's rows of Q and dout
+    WarpAOperand<T, TF32, KOrder::Split> qa;  // the warp's rows of Q (S's k in the MMA's order)
+    WarpAOperand<T, TF32, O> ga;              // and of dout
     long long col;
     long long first;  // the warp's first row's position (its rows at first + qstride i)
     int dh, wq, g, q;
@@ -128,8 +138,8 @@ struct WarpQueryPass {
         warp_rows_load<T, TF32, DHP>(sk, ld, (pre ? f.k_prefix : f.k_seq) + kr * ks + col, ks, nk,
                                      TB, dh);
         if (values) {
-            warp_rows_load<T, TF32, DHP>(sv, ld, (pre ? f.v_prefix : f.v_seq) + kr * vs + col, vs,
-                                         nk, TB, dh);
+            warp_rows_load<T, TF32, DHP>(sv, ldv, (pre ? f.v_prefix : f.v_seq) + kr * vs + col,
+                                         vs, nk, TB, dh);
         }
         __syncthreads();
         tile_zero(s);
@@ -182,7 +192,7 @@ struct WarpQueryPass {
         const T ps[2] = {inv[0] * a.f.scale, inv[1] * a.f.scale};  // a row's 1 / l and dS's scale
         TITANS_UNROLL
         for (int k0 = 0; k0 < DHP; k0 += 8) {
-            tile_step<T, P, 1, NS>(ds, ga, operand_at<Tr>(sv, ld), g, g, k0, g, q);
+            tile_step<T, P, 1, NS, O>(ds, ga, operand_at<Tr>(sv, ldv), g, g, k0, g, q);
         }
         TITANS_UNROLL
         for (int ni = 0; ni < NS; ++ni) {
@@ -220,14 +230,15 @@ __global__ void __launch_bounds__(tiled_threads)
     const int g = lane / 4, q = lane % 4, wq = nq - 16 * warp;  // the warp's rows (<= 0: none)
     const long long col = static_cast<long long>(h) * dh, r0 = b * f.N + t0;
     const long long rw = r0 + 16 * warp;  // the warp's first row
+    constexpr int ldg = TF32 ? DHP : ld;  // dout's rows (TF32: each warp's FragmentRows)
     T* sq = dynamic_shared<T>();
     T* sg = sq + warp_tile_rows * ld;
-    T* sk = sg + warp_tile_rows * ld;
+    T* sk = sg + warp_tile_rows * ldg;
     T* sv = sk + TB * ld;
-    warp_rows_load<T, TF32, DHP>(sq, ld, f.q + r0 * f.q_stride + col, f.q_stride, nq,
-                                 warp_tile_rows, dh);
-    warp_rows_load<T, TF32, DHP>(sg, ld, a.dout + r0 * a.dout_stride + col, a.dout_stride, nq,
-                                 warp_tile_rows, dh);
+    warp_a_rows_load<T, TF32, KOrder::Split, DHP>(sq, ld, f.q + r0 * f.q_stride + col,
+                                                  f.q_stride, nq, dh);
+    warp_a_rows_load<T, TF32, Pass::O, DHP>(sg, ld, a.dout + r0 * a.dout_stride + col,
+                                            a.dout_stride, nq, dh);
     T delta[2] = {T(0), T(0)};
     if (wq > 0) {
         warp_rows_delta(a, rw, wq, col, dh, g, q, delta);
@@ -242,8 +253,8 @@ __global__ void __launch_bounds__(tiled_threads)
     const Pass pass{a,
                     sk,
                     sv,
-                    operand_at<typename Pass::Row>(sq + warp * 16 * ld, ld),
-                    operand_at<typename Pass::Row>(sg + warp * 16 * ld, ld),
+                    warp_a_operand<T, TF32, KOrder::Split, DHP>(sq, warp, ld),
+                    warp_a_operand<T, TF32, Pass::O, DHP>(sg, warp, ld),
                     col,
                     f.pos0 + f.qstride * (t0 + 16 * warp),
                     dh,
@@ -292,7 +303,8 @@ struct WarpKeyTile {
     static constexpr Operands P = tf32_or_exact<TF32>;
     using Tr = TransposedOperand<T, TF32>;
     const TiledAttentionArgs<T>& f;
-    const T *sk, *sv, *sq, *sg, *st;
+    WarpAOperand<T, TF32, KOrder::Split> ka, va;  // the warp's rows of K and V
+    const T *sq, *sg, *st;
     int g, q;
 
     /// The tile of nq query rows, the first at position qp0 (queries at qp0 + qstride i; unused
@@ -304,10 +316,8 @@ struct WarpKeyTile {
         tile_zero(dp);
         TITANS_UNROLL
         for (int k0 = 0; k0 < DHP; k0 += 8) {
-            tile_step<T, P, 1, NS>(s, operand_at<Row>(sk, ld), operand_at<Tr>(sq, ld), g, g, k0, g,
-                                   q);
-            tile_step<T, P, 1, NS>(dp, operand_at<Row>(sv, ld), operand_at<Tr>(sg, ld), g, g, k0, g,
-                                   q);
+            tile_step<T, P, 1, NS>(s, ka, operand_at<Tr>(sq, ld), g, g, k0, g, q);
+            tile_step<T, P, 1, NS>(dp, va, operand_at<Tr>(sg, ld), g, g, k0, g, q);
         }
         // No mask where every query of a full tile sees each of the warp's 16 keys.
         if (nq == TB && nk >= 16 &&
@@ -377,12 +387,18 @@ __global__ void __launch_bounds__(tiled_threads)
     const T* v = prefix ? f.v_prefix : f.v_seq;
     const long long ks = prefix ? f.kp_stride : f.seq_stride,
                     vs = prefix ? f.vp_stride : f.seq_stride;
-    warp_rows_load<T, TF32, DHP>(sk, ld, k + kr * ks + col, ks, nk, warp_tile_rows, dh);
-    warp_rows_load<T, TF32, DHP>(sv, ld, v + kr * vs + col, vs, nk, warp_tile_rows, dh);
+    warp_a_rows_load<T, TF32, KOrder::Split, DHP>(sk, ld, k + kr * ks + col, ks, nk, dh);
+    warp_a_rows_load<T, TF32, KOrder::Split, DHP>(sv, ld, v + kr * vs + col, vs, nk, dh);
     long long r0 = 0, r1 = 0;
     tiled_key_queries(f, prefix, batch, b, j0, nk, r0, r1);
-    const WarpKeyTile<T, TF32, DHP> tile{
-        f, sk + warp * 16 * ld, sv + warp * 16 * ld, sq, sg, st, lane / 4, lane % 4};
+    const WarpKeyTile<T, TF32, DHP> tile{f,
+                                         warp_a_operand<T, TF32, KOrder::Split, DHP>(sk, warp, ld),
+                                         warp_a_operand<T, TF32, KOrder::Split, DHP>(sv, warp, ld),
+                                         sq,
+                                         sg,
+                                         st,
+                                         lane / 4,
+                                         lane % 4};
     T dk[1][DHP / 8][4], dv[1][DHP / 8][4];
     tile_zero(dk);
     tile_zero(dv);

@@ -189,22 +189,26 @@ struct EntryQuad {
     T x[4];
 };
 
-/// A 16-row A operand, its entries already TF32, stored in the order KOrder::Pair's fragments
-/// take them: for each k-step of 8, lane (g, q)'s four entries (rows g and g + 8 at k 2q and
-/// 2q + 1: slots 0-3) in 16 consecutive bytes, the warp's 32 lanes one after another. So a
-/// lane's A fragment is one 16-byte load (quad), a warp's 512 consecutive bytes, where a
-/// row-major tile takes two 8-byte loads whose halves the instruction wants interleaved (four
-/// register moves). m(r, k) for r in [0, 16); at(r, k) its entry's place.
-template <class T>
-struct PairFragmentRows {
+/// A 16-row A operand, its entries already TF32, stored in the order fragments in KOrder O
+/// take them: for each k-step of 8, lane (g, q)'s four entries (rows g and g + 8 at the lane's
+/// two k slots, slot_k<O>(k0, q, 0) and (.., 1): fragment slots 0-3) in 16 consecutive bytes,
+/// the warp's 32 lanes one after another. So a lane's A fragment is one 16-byte load (quad), a
+/// warp's 512 consecutive bytes, where a row-major tile takes four 4-byte loads (Split) or two
+/// 8-byte loads whose halves the instruction wants interleaved (Pair: four register moves).
+/// m(r, k) for r in [0, 16); at(r, k) its entry's place.
+template <class T, KOrder O>
+struct FragmentRows {
     static constexpr bool rounded = true;
+    static constexpr KOrder order = O;
     const T* p;
     TITANS_HOST_DEVICE static constexpr int at(int r, int k) {
-        return ((k >> 3) * 32 + (r & 7) * 4 + ((k & 7) >> 1)) * 4 + (r >> 3) + 2 * (k & 1);
+        const int q = O == KOrder::Pair ? (k & 7) >> 1 : k & 3;  // the lane's q, its slot half
+        const int half = O == KOrder::Pair ? k & 1 : (k >> 2) & 1;
+        return ((k >> 3) * 32 + (r & 7) * 4 + q) * 4 + (r >> 3) + 2 * half;
     }
     __device__ T operator()(int r, int k) const { return p[at(r, k)]; }
-    /// Slots 0-3 of the fragment of row r (< 8) at k (even): m(r, k), m(r + 8, k), m(r, k + 1),
-    /// m(r + 8, k + 1), in one 16-byte access on the GPU.
+    /// Slots 0-3 of the fragment of row r (< 8) at its first k slot k: m(r, k), m(r + 8, k),
+    /// m(r, kh), m(r + 8, kh), kh the second slot; one 16-byte access on the GPU.
     __device__ EntryQuad<T> quad(int r, int k) const {
         const T* e = p + at(r, k);
 #if defined(__CUDA_ARCH__)
@@ -266,8 +270,8 @@ __device__ inline std::uint32_t fragment_bits(float x) {
 template <KOrder O, Operands P, int MT, class FA>
 __device__ inline void fragment_a(std::uint32_t (&af)[MT][4], const FA& a, int i, int k0, int q) {
     const int k = slot_k<O>(k0, q, 0), kh = slot_k<O>(k0, q, 1);
-    if constexpr (O == KOrder::Pair && requires(const FA& x) { x.quad(0, 0); }) {
-        static_assert(MT == 1, "a PairFragmentRows operand holds one 16-row piece");
+    if constexpr (requires(const FA& x) { x.quad(0, 0); }) {
+        static_assert(MT == 1 && FA::order == O, "a FragmentRows operand: one piece, its order");
         const EntryQuad<float> v = a.quad(i, k);
         TITANS_UNROLL
         for (int s = 0; s < 4; ++s) {
