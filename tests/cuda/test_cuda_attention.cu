@@ -757,7 +757,7 @@ TEST_CASE("cuda attention: fragment-ordered rows", "[cuda]") {
 
 // A NaN in a key, a query or a prefix value reaches exactly the (row, head) outputs the CPU's
 // reach, on each of the warp tiles' paths. The TF32 forward rounds its weights without
-// cvt.rna's guard for NaN (tf32_weight), and the emulation's ex2 returns the GPU's canonical
+// cvt.rna's guard for NaN (tf32_stored<T, TF32, true>), and the emulation's ex2 returns the GPU's canonical
 // NaN, which that rounding turns into -0: a row's NaN has to come through its sum. The other
 // outputs match the CPU as in "cuda attention: warp tiles".
 TEMPLATE_TEST_CASE("cuda attention: warp tiles keep NaN", "[cuda]", float, double) {

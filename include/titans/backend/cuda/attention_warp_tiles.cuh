@@ -100,19 +100,6 @@ struct SoftmaxExp {
     }
 };
 
-/// A softmax weight p (in [0, 1], or NaN where its score was) as P V takes it: rounded to TF32
-/// for TF32 products without cvt.rna's guard for infinities and NaN (round_tf32_finite): a
-/// NaN weight may turn to -0 here, but the row's sum takes it unrounded, so the row's output
-/// is NaN still.
-template <class T, bool TF32>
-__device__ inline T tf32_weight(T p) {
-    if constexpr (TF32 && sizeof(T) == 4) {
-        return round_tf32_finite(p);
-    } else {
-        return p;
-    }
-}
-
 /// One warp's running state: its output rows (16 x DHP) and each of the lane's two rows'
 /// maximum m and partial sum l (the lane's own entries; the quad's sum at the end).
 template <class T, int DHP>
@@ -164,7 +151,9 @@ __device__ void warp_tile_softmax(WarpRows<T, DHP>& w, T (&s)[1][NS][4], int nk,
             const int r = frag_row(e);
             const T p = SoftmaxExp<T>::of(s[0][ni][e] * scale - mx[r]);
             w.l[r] += p;
-            s[0][ni][e] = tf32_weight<T, TF32>(p);
+            // p is in [0, 1] or NaN (a NaN score): rounded without cvt.rna's NaN guard, which
+            // may turn a NaN into -0, but the row's sum above took it unrounded.
+            s[0][ni][e] = tf32_stored<T, TF32, true>(p);
         }
     }
     TITANS_UNROLL
@@ -195,40 +184,6 @@ TITANS_HOST_DEVICE bool keys_seen_by_all(long long key_first, int keys, long lon
 TITANS_HOST_DEVICE bool warp_tile_unmasked(int nk, int tk, long long key0, long long first,
                                            long long step, int window) {
     return nk == tk && keys_seen_by_all(key0, tk, first, first + 15 * step, window);
-}
-
-/// The 16 bytes at p (16-byte aligned) as entries of T, in one access on the GPU.
-template <class T>
-__device__ inline void load_16_bytes(const T* p, T (&x)[16 / sizeof(T)]) {
-#if defined(__CUDA_ARCH__)
-    if constexpr (sizeof(T) == 4) {
-        const float4 v = *reinterpret_cast<const float4*>(p);
-        x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
-    } else {
-        const double2 v = *reinterpret_cast<const double2*>(p);
-        x[0] = v.x, x[1] = v.y;
-    }
-#else
-    for (std::size_t e = 0; e < 16 / sizeof(T); ++e) {
-        x[e] = p[e];
-    }
-#endif
-}
-
-/// x into the 16 bytes at p (16-byte aligned), in one access on the GPU.
-template <class T>
-__device__ inline void store_16_bytes(T* p, const T (&x)[16 / sizeof(T)]) {
-#if defined(__CUDA_ARCH__)
-    if constexpr (sizeof(T) == 4) {
-        *reinterpret_cast<float4*>(p) = make_float4(x[0], x[1], x[2], x[3]);
-    } else {
-        *reinterpret_cast<double2*>(p) = make_double2(x[0], x[1]);
-    }
-#else
-    for (std::size_t e = 0; e < 16 / sizeof(T); ++e) {
-        p[e] = x[e];
-    }
-#endif
 }
 
 /// n rows of dh entries (row stride ss) into DHP-wide shared rows (leading dimension ld; rounded

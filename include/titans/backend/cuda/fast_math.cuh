@@ -17,6 +17,7 @@
 
 #include <bit>
 #include <cmath>
+#include <limits>
 
 #include "../../activation.hpp"
 #include "../../config.hpp"
@@ -47,7 +48,7 @@ TITANS_HOST_DEVICE float sfu_ftz(float x) {
     }
     const float r =
         F == Sfu::Ex2 ? std::exp2(x) * (1.0f + 0x1p-22f) : (1.0f / x) * (1.0f - 0x1p-23f);
-    return std::fabs(r) < 1.17549435e-38f ? std::copysign(0.0f, r) : r;
+    return std::fabs(r) < std::numeric_limits<float>::min() ? std::copysign(0.0f, r) : r;
 #endif
 }
 

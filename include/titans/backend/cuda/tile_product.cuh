@@ -23,6 +23,7 @@
 // fragments skip the conversion and see the same values.
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -151,6 +152,40 @@ __device__ inline void store_pair(T* p, T x, T y) {
 #endif
 }
 
+/// The 16 bytes at p (16-byte aligned) as entries of T, in one access on the GPU.
+template <class T>
+__device__ inline void load_16_bytes(const T* p, T (&x)[16 / sizeof(T)]) {
+#if defined(__CUDA_ARCH__)
+    if constexpr (sizeof(T) == 4) {
+        const float4 v = *reinterpret_cast<const float4*>(p);
+        x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
+    } else {
+        const double2 v = *reinterpret_cast<const double2*>(p);
+        x[0] = v.x, x[1] = v.y;
+    }
+#else
+    for (std::size_t e = 0; e < 16 / sizeof(T); ++e) {
+        x[e] = p[e];
+    }
+#endif
+}
+
+/// x into the 16 bytes at p (16-byte aligned), in one access on the GPU.
+template <class T>
+__device__ inline void store_16_bytes(T* p, const T (&x)[16 / sizeof(T)]) {
+#if defined(__CUDA_ARCH__)
+    if constexpr (sizeof(T) == 4) {
+        *reinterpret_cast<float4*>(p) = make_float4(x[0], x[1], x[2], x[3]);
+    } else {
+        *reinterpret_cast<double2*>(p) = make_double2(x[0], x[1]);
+    }
+#else
+    for (std::size_t e = 0; e < 16 / sizeof(T); ++e) {
+        p[e] = x[e];
+    }
+#endif
+}
+
 /// An operand m(r, k) = p[r ld + k] (row-major), whose pairs (r, k), (r, k + 1) are one access
 /// in the KOrder::Pair fragments (ld and k even).
 template <class T>
@@ -210,14 +245,10 @@ struct FragmentRows {
     /// Slots 0-3 of the fragment of row r (< 8) at its first k slot k: m(r, k), m(r + 8, k),
     /// m(r, kh), m(r + 8, kh), kh the second slot; one 16-byte access on the GPU.
     __device__ EntryQuad<T> quad(int r, int k) const {
-        const T* e = p + at(r, k);
-#if defined(__CUDA_ARCH__)
-        if constexpr (sizeof(T) == 4) {
-            const float4 v = *reinterpret_cast<const float4*>(e);
-            return {{v.x, v.y, v.z, v.w}};
-        }
-#endif
-        return {{e[0], e[1], e[2], e[3]}};
+        static_assert(sizeof(T) == 4, "TF32 operands: four entries in 16 bytes");
+        EntryQuad<T> v;
+        load_16_bytes(p + at(r, k), v.x);
+        return v;
     }
 };
 
@@ -243,11 +274,13 @@ __device__ inline Op operand_at(const T* p, int ld) {
     }
 }
 
-/// x as a tile of TF32 products stores it: rounded to TF32 (float with TF32), else x.
-template <class T, bool TF32>
+/// x as a tile of TF32 products stores it: rounded to TF32 (float with TF32), else x. Finite:
+/// x is known to be neither infinite nor NaN, or its NaN is kept some other way
+/// (round_tf32_finite).
+template <class T, bool TF32, bool Finite = false>
 __device__ inline T tf32_stored(T x) {
     if constexpr (TF32 && sizeof(T) == 4) {
-        return round_tf32(x);
+        return Finite ? round_tf32_finite(x) : round_tf32(x);
     } else {
         return x;
     }
