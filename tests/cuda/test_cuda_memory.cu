@@ -11,6 +11,9 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <set>
+#include <string>
+#include <utility>
 
 namespace {
 
@@ -314,6 +317,173 @@ TEST_CASE("cuda memory: fused errors keep state", "[cuda]") {
     }
     tcu::set_fused_cluster(0);
     tcu::set_fused_memory(tcu::FusedMemory::Auto);
+}
+
+namespace {
+
+/// gpu.forward(st, x) with the fused kernel `mode`: the NonFiniteError's message ("" if none)
+/// or, in a CallScope, "flagged" where the scope's flag was raised; a thrown call must leave
+/// the state as it was.
+std::string fused_outcome(const CudaMemory<double>& gpu, CudaMemory<double>::State& st,
+                          const Matrixd& x, tcu::FusedMemory mode, bool scoped) {
+    tcu::set_fused_memory(mode);
+    const auto before = state_tensors(st);
+    std::string what;
+    if (scoped) {
+        tcu::CallScope scope;
+        (void)gpu.forward(st, x);
+        what = scope.flagged() ? "flagged" : "";
+    } else {
+        try {
+            (void)gpu.forward(st, x);
+        } catch (const titans::NonFiniteError& e) {
+            what = e.what();
+            CHECK(same_tensors(state_tensors(st), before));
+        }
+    }
+    tcu::set_fused_memory(tcu::FusedMemory::Auto);
+    return what;
+}
+
+}  // namespace
+
+namespace {
+
+/// The check kernel's entries (flag_check_entries) after fused calls of whole chunks from a
+/// chunk start (the output alone), of 3 rows (decoded whole: q, k, v, the gate logits, the
+/// reads, the pending rows), of whole chunks from inside one (the reads and the pending rows;
+/// W and S still the fused launch's, q, k, v and the logits the projection's), of 5 rows.
+void fused_check_counts(const MemoryConfig& cfg, const titans::MemoryParamsd& p, Rng& rng) {
+    const int B = 2, b = cfg.chunk, d = cfg.d_model;
+    const long long P = static_cast<long long>(B) * cfg.n_heads, dh = cfg.head_dim(),
+                    h = cfg.layer_out(1);
+    const CudaMemory<double> gpu(cfg, p);
+    auto st = gpu.make_state(B);
+    const auto checked = [&](int N) {
+        const long long launches = tcu::fused_launches(), before = tcu::flag_check_entries();
+        (void)fused_outcome(gpu, st, random_matrix(B * N, d, rng), tcu::FusedMemory::On, false);
+        return std::pair{tcu::fused_launches() - launches, tcu::flag_check_entries() - before};
+    };
+    const auto output = [&](long long N) { return B * N * d; };
+    const long long pending = P * 3 * 2 * (dh + h);  // 3 rows of A and Delta, both layers
+    CHECK(checked(2 * b) == std::pair{1LL, output(2 * b)});
+    // 3 rows a sequence: decoded whole, the conv in the decode kernel (q, k, v and the gate
+    // logits checked after it)
+    CHECK(checked(3) == std::pair{0LL, output(3) + P * 3 * (4 * dh + 3) + pending});
+    // From position 3: b - 3 rows unfused (a chunk end), a fused chunk, 3 pending rows.
+    CHECK(checked(2 * b) == std::pair{1LL, output(2 * b) + P * 2 * b * dh + pending});
+    // 2 b + 5 rows from position 3: no fused launch, the projection's kernels check.
+    CHECK(checked(5) == std::pair{0LL, output(5) + P * 5 * dh + P * 8 * 2 * (dh + h)});
+}
+
+/// Hostile pieces (W_V x 1e100 to 1e308; W_V, W_Q or w_theta x 1e300 and x's rows from N / 3
+/// on x 1e10): the outcome
+/// (fused_outcome) with the fused kernel on equals the one with it off and, where the error is
+/// the projections', the CPU's; the CPU throws where they do. For pieces of whole chunks and
+/// from inside one, in a CallScope and outside, the first sequence's stream tiny or not. Each
+/// kind of outcome must come up.
+void fused_check_outcomes(const MemoryConfig& cfg, const titans::MemoryParamsd& p, Rng& rng) {
+    const int B = 2, b = cfg.chunk, d = cfg.d_model;
+    std::set<std::string> seen;
+    bool second = false;  // an error named at sequence 1 (the first one's stream kept tiny)
+    struct Hostile {
+        double v, q, theta, gain;  // W_V's, W_Q's and w_theta's factors, x's
+    };
+    for (const Hostile k :
+         {Hostile{1e100, 1, 1, 1}, Hostile{1e200, 1, 1, 1}, Hostile{1e300, 1, 1, 1},
+          Hostile{1e305, 1, 1, 1}, Hostile{1e308, 1, 1, 1}, Hostile{1e300, 1, 1, 1e10},
+          Hostile{1, 1e300, 1, 1e10}, Hostile{1, 1, 1e300, 1e10}}) {
+        auto big = p;
+        big.w_v *= k.v;
+        big.w_q *= k.q;
+        big.w_theta *= k.theta;
+        const CudaMemory<double> gpu(cfg, big);
+        for (const int prefix : {0, 5}) {
+            for (const int N : {b, 3 * b}) {
+                for (const int shape : {0, 1, 2, 3}) {  // bit 0: in a CallScope; bit 1: tiny first
+                    Matrixd head = random_matrix(B * prefix, d, rng, 0.5, 1.0);
+                    Matrixd x = random_matrix(B * N, d, rng, 0.5, 1.0);
+                    for (int sq = 0; sq < B; ++sq) {  // the gain from a third of the way on
+                        x.middleRows(sq * N + N / 3, N - N / 3) *= k.gain;
+                    }
+                    if ((shape & 2) != 0) {
+                        head.topRows(prefix) *= 1e-200;
+                        x.topRows(N) *= 1e-200;
+                    }
+                    std::string named[2], cpu_named;
+                    {  // the CPU's own checks
+                        NeuralMemory<double> cpu(cfg, big);
+                        auto cs = cpu.make_state(B);
+                        try {
+                            if (prefix > 0) (void)cpu.forward(cs, head);
+                        } catch (const titans::NonFiniteError&) {
+                        }
+                        try {
+                            (void)cpu.forward(cs, x);
+                        } catch (const titans::NonFiniteError& e) {
+                            cpu_named = (shape & 1) != 0 ? "flagged" : e.what();
+                        }
+                    }
+                    for (const int fused : {0, 1}) {
+                        auto st = gpu.make_state(B);
+                        if (prefix > 0) {
+                            (void)fused_outcome(gpu, st, head, tcu::FusedMemory::Off, false);
+                        }
+                        named[fused] = fused_outcome(
+                            gpu, st, x, fused ? tcu::FusedMemory::On : tcu::FusedMemory::Off,
+                            (shape & 1) != 0);
+                    }
+                    INFO("W_V x " << k.v << ", W_Q x " << k.q << ", w_theta x " << k.theta
+                                  << ", x x " << k.gain << ", prefix " << prefix << ", N " << N << ", shape "
+                                  << shape << ": " << named[0]);
+                    CHECK(named[1] == named[0]);
+                    // The CPU checks at each chunk end, so it may name an earlier error of
+                    // the memory's; it throws where the GPU does, and names projections alike.
+                    CHECK(named[1].empty() == cpu_named.empty());
+                    if (cpu_named.find("projections") != std::string::npos) {
+                        CHECK(named[1] == cpu_named);
+                    }
+                    seen.insert(named[0].substr(0, named[0].find(" at ")));
+                    second = second || named[0].find("at sequence 1") != std::string::npos;
+                }
+            }
+        }
+    }
+    CHECK(seen.count("NeuralMemory::forward: a non-finite memory read") == 1);
+    CHECK(seen.count("NeuralMemory::forward: non-finite memory weights, momentum or key errors "
+                     "(surprise)") == 1);
+    CHECK(seen.count("NeuralMemory::forward: the projections of x (q, k, v or gate logits) "
+                     "overflow") == 1);
+    CHECK(seen.count("flagged") == 1);
+    CHECK(seen.count("") == 1);
+    CHECK(second);
+}
+
+}  // namespace
+
+// The fused launches check what they write: each chunk's reads, and W and S where a launch
+// ends the call's last chunk; the check kernel reads only the rest (fused_check_counts). The
+// errors they name are the check kernel's (fused_check_outcomes; clipping off, theta_max 1e3:
+// a chunk end can overflow W before a read does). One block a pair with q and k normalised,
+// and clusters of 2 without.
+TEST_CASE("cuda memory: fused launches check what they write", "[cuda]") {
+    for (const int ranks : {0, 2}) {
+        Rng rng(seed_for("cuda fused checks", static_cast<std::uint64_t>(ranks)));
+        MemoryConfig cfg = fused_config<double>(Modes{}, rng, ranks);
+        cfg.gates = GateMode::DataDependent;
+        cfg.max_grad_norm = 0;
+        cfg.theta_max = 1e3;
+        cfg.normalize_qk = ranks == 0;  // q's check in the L2 norm's kernel, or in the conv's
+        const auto p = random_params(cfg, rng);
+        INFO("ranks " << ranks << ", d_h " << cfg.head_dim() << ", hidden " << cfg.layer_out(1)
+                      << ", chunk " << cfg.chunk << ", heads " << cfg.n_heads);
+        tcu::set_fused_cluster(ranks);
+        const long long clusters = tcu::fused_cluster_launches();
+        fused_check_counts(cfg, p, rng);
+        fused_check_outcomes(cfg, p, rng);
+        CHECK((tcu::fused_cluster_launches() > clusters) == (ranks != 0));
+        tcu::set_fused_cluster(0);
+    }
 }
 
 namespace {

@@ -236,19 +236,23 @@ __device__ void cluster_gates(const FusedArgs<T>& f, const FusedShared<T>& sh, T
 }
 
 /// The read's partial sums of the ranks, added in rank order (+ Q): rows [r b/R, (r+1) b/R)
-/// of y by rank r.
+/// of y by rank r. Returns the first row this thread stored a non-finite entry of (b: none).
 template <class T>
-__device__ void cluster_read_rows(const FusedArgs<T>& f, const FusedShared<T>& sh,
-                                  T* part_y, int rank, int ranks, T* y) {
+__device__ int cluster_read_rows(const FusedArgs<T>& f, const FusedShared<T>& sh,
+                                 T* part_y, int rank, int ranks, T* y) {
     const FusedLayout& l = f.lay;
     const int rows = l.b / ranks, ldk = l.ldk();
     const int warp = static_cast<int>(threadIdx.x / 32), warps = static_cast<int>(blockDim.x / 32);
+    int bad_row = l.b;
     for (int i = rank * rows + warp; i < (rank + 1) * rows; i += warps) {
         for (int j = static_cast<int>(threadIdx.x % 32); j < l.dh; j += 32) {
             const T z = cluster_sum(part_y + i * ldk + j, ranks);
-            y[i * l.dh + j] = f.residual ? z + sh.q[i * ldk + j] : z;
+            const T yz = f.residual ? z + sh.q[i * ldk + j] : z;
+            y[i * l.dh + j] = yz;
+            bad_row = not_finite(yz) && i < bad_row ? i : bad_row;
         }
     }
+    return bad_row;
 }
 
 /// D2 = sum_r part_d_r (+ K) - V into sh.q, all rows, by every rank.
@@ -333,7 +337,7 @@ __global__ void __launch_bounds__(fused_threads)
         const int ldk = l.ldk();
         fused_read<T, P, 1>(f, sh, wt, each_pair(PartStore<T>{cs.part_y, ldk}));
         cluster_sync();
-        cluster_read_rows(f, sh, cs.part_y, rank, ranks, f.y + row * l.dh);
+        const int bad_row = cluster_read_rows(f, sh, cs.part_y, rank, ranks, f.y + row * l.dh);
         fused_hidden<T, P, 1>(f, sh, wt);
         block_product<T, P, 1, 2, KOrder::Pair>(l.b, l.dh, l.h, RowMajor<T>{sh.a1, l.ldh()},
                                                 [&](int k, int j) { return wt.at2(k, j); },
@@ -342,10 +346,14 @@ __global__ void __launch_bounds__(fused_threads)
         cluster_delta(f, sh, cs.part_d, ranks, f.v + row * l.dh);
         fused_back<T, P, 1>(f, sh, wt);
         cluster_gates<T>(f, sh, cs.norms, ranks, f.gates != nullptr ? f.gates + row * 3 : nullptr);
-        fused_end_layer<T, P>(sh, l.b, l.dh, l.h, sh.k, ldk, sh.x, l.ldh(), cs.w1, cs.s1,
-                              cl.ldw1(), f.keep.layer(c, 0, p * io + col, static_cast<int>(h)));
-        fused_end_layer<T, P>(sh, l.b, l.h, l.dh, sh.a1, l.ldh(), sh.q, ldk, cs.w2, cs.s2,
-                              cl.ldw2(), f.keep.layer(c, 1, p * io + col * l.dh, l.dh));
+        const bool check = fused_checks_state(f, c);
+        const bool bad1 = fused_end_layer<T, P>(
+            sh, l.b, l.dh, l.h, sh.k, ldk, sh.x, l.ldh(), cs.w1, cs.s1, cl.ldw1(), check,
+            f.keep.layer(c, 0, p * io + col, static_cast<int>(h)));
+        const bool bad2 = fused_end_layer<T, P>(sh, l.b, l.h, l.dh, sh.a1, l.ldh(), sh.q, ldk,
+                                                cs.w2, cs.s2, cl.ldw2(), check,
+                                                f.keep.layer(c, 1, p * io + col * l.dh, l.dh));
+        fused_flags(f, p, c, bad_row, bad1 || bad2);
         if (c + 1 == f.chunks) {
             cluster_pending(f, sh, p, rank, ranks);
         }

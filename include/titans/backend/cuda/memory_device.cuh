@@ -3,6 +3,7 @@
 // launcher (launch.cuh) would waste the GPU: row-wise work (a block per token row, a warp per
 // head row) whose index arithmetic and reductions are per row, not per entry.
 
+#include <atomic>
 #include <cmath>
 
 #include "../../config.hpp"
@@ -25,12 +26,42 @@ struct PendingLayers {
     int depth;
 };
 
+/// Where a kernel reports a non-finite entry among those it writes (the producer doing
+/// flag_rows_kernel's check as it stores): flags[slot] = min(flags[slot], key), keys capped
+/// below cap, or *raise = 1 where raise is given (a deferred check: flags untouched). Both
+/// null: no check (flag_report does nothing).
+struct FlagSink {
+    int* flags = nullptr;
+    unsigned* raise = nullptr;
+    int cap = 0;
+    [[nodiscard]] TITANS_HOST_DEVICE bool on() const {
+        return flags != nullptr || raise != nullptr;
+    }
+};
+
+/// Entries queued for the memory forward's check kernel (flag_rows_kernel) in this process:
+/// what the checks read after the fact, beside what the producers check as they write (tests
+/// and benchmarks read it).
+inline std::atomic<long long>& flag_check_entries() {
+    static std::atomic<long long> n{0};
+    return n;
+}
+
 #if TITANS_CUDA_DEVICE_CODE
 
+/// Reports key into slot of sink (FlagSink), if the sink checks at all.
+__device__ inline void flag_report(const FlagSink& sink, int slot, long long key) {
+    if (sink.raise != nullptr) {
+        atomicMax(sink.raise, 1u);
+    } else if (sink.flags != nullptr) {
+        atomicMin(sink.flags + slot, static_cast<int>(key < sink.cap ? key : sink.cap - 1));
+    }
+}
+
 /// One row t of conv_column: x (its input) through the conv (win, the last K - 1 inputs when
-/// in_registers, advanced by one row; else input(tt) reads them), phi, into *out.
+/// in_registers, advanced by one row; else input(tt) reads them), phi, into *out (returned).
 template <class T, int held, class In>
-__device__ inline void conv_step(const T* taps, T x, T (&win)[held], int C3, int K, int c,
+__device__ inline T conv_step(const T* taps, T x, T (&win)[held], int C3, int K, int c,
                                  bool conv, bool silu, bool in_registers, const In& input,
                                  long long t, T* out) {
     T val = x;
@@ -55,6 +86,7 @@ __device__ inline void conv_step(const T* taps, T x, T (&win)[held], int C3, int
         }
     }
     *out = silu ? detail::silu(val) : val;
+    return *out;
 }
 
 /// What conv_tile_kernel reads and writes (math §1 after the input product). u: M x ld, the
@@ -64,7 +96,9 @@ __device__ inline void conv_step(const T* taps, T x, T (&win)[held], int C3, int
 /// layout [s*H + h][t][d_h] of q (and k, v). Its G columns [C, C + G) (G = 3H, or 0) are the
 /// gate logits: lp[[s*H + h][t][g]] = u + bias (g: theta, eta, alpha). Blocks of `rows` token
 /// rows, `tiles` a sequence; `advance` (one tile a sequence only): the conv tails advanced
-/// too.
+/// too. `sink` (where on): the forward's check of what the kernel writes, row t of sequence
+/// s keyed s N + t: v into slot 0, and q and k where `check_qk` (no L2 norm after it), the gate
+/// logits into slot 4.
 template <class T>
 struct ConvTile {
     const T* u;
@@ -81,6 +115,8 @@ struct ConvTile {
     const T* bias;
     T* lp;
     int G;
+    FlagSink sink;
+    bool check_qk;
 };
 
 /// Column c of u (c < C) over token rows [t0, t1) of sequence s (ConvTile). The thread walks
@@ -110,6 +146,7 @@ __device__ void conv_column(const ConvTile<T>& a, long long s, long long t0, lon
         win[i] = a.conv && in_registers && i < K - 1 ? input(t0 - (K - 1) + i) : T(0);
     }
     constexpr int batch = 8;  // rows whose inputs are loaded before any output is stored
+    bool bad = false;         // an output not finite
     for (long long tb = t0; tb < t1; tb += batch) {
         T xs[batch];
         TITANS_UNROLL
@@ -119,10 +156,16 @@ __device__ void conv_column(const ConvTile<T>& a, long long s, long long t0, lon
         TITANS_UNROLL
         for (int r = 0; r < batch; ++r) {
             if (tb + r < t1) {
-                conv_step(a.taps, xs[r], win, C3, K, c, a.conv, a.silu, in_registers, input,
-                          tb + r, out + (tb + r) * dh);
+                const T z = conv_step(a.taps, xs[r], win, C3, K, c, a.conv, a.silu,
+                                      in_registers, input, tb + r, out + (tb + r) * dh);
+                bad = bad || not_finite(z);
             }
         }
+    }
+    if (bad && (which == 2 || a.check_qk)) {  // (rare) which row: the thread's own stores again
+        long long t = t0;
+        while (t + 1 < t1 && !not_finite(out[t * dh])) ++t;
+        flag_report(a.sink, 0, s * N + t);
     }
     if (a.advance) {  // ascending: row r reads row r + N > r (advance_tail's order)
         for (int r = 0; r < K - 1; ++r) {
@@ -142,12 +185,13 @@ __device__ void conv_column(const ConvTile<T>& a, long long s, long long t0, lon
 
 /// out[3 t] = col[t ld] + bias for t < n, 8 rows' loads in flight before their stores (a
 /// store may alias col for the compiler: a plain loop waits on each row's load in turn).
-/// Not inlined: its registers stay out of the conv columns' count (conv_tile_kernel's
-/// occupancy).
+/// Returns the first t whose logit is not finite (n: none). Not inlined: its registers stay
+/// out of the conv columns' count (conv_tile_kernel's occupancy).
 template <class T>
-__device__ __noinline__ void gate_rows(const T* col, long long ld, T* out, T bias,
-                                       long long n) {
+__device__ __noinline__ long long gate_rows(const T* col, long long ld, T* out, T bias,
+                                            long long n) {
     constexpr int batch = 8;
+    long long bad = n;
     for (long long tb = 0; tb < n; tb += batch) {
         T xs[batch];
         if (tb + batch <= n) {  // a whole batch: no tests between the loads
@@ -163,9 +207,14 @@ __device__ __noinline__ void gate_rows(const T* col, long long ld, T* out, T bia
         }
         TITANS_UNROLL
         for (int r = 0; r < batch; ++r) {
-            if (tb + r < n) out[(tb + r) * 3] = xs[r] + bias;
+            if (tb + r < n) {
+                const T z = xs[r] + bias;
+                out[(tb + r) * 3] = z;
+                bad = not_finite(z) && bad == n ? tb + r : bad;
+            }
         }
     }
+    return bad;
 }
 
 /// Gate column g (< G) of u over token rows [t0, t1) of sequence s: the logits plus their
@@ -174,8 +223,12 @@ template <class T>
 __device__ void gate_column(const ConvTile<T>& a, long long s, long long t0, long long t1,
                             int g) {
     const int which = g / a.H, h = g - which * a.H;
-    gate_rows(a.u + (s * a.N + t0) * a.ld + a.C + g, a.ld,
-              a.lp + ((s * a.H + h) * a.N + t0) * 3 + which, a.bias[g], t1 - t0);
+    const long long bad = gate_rows(a.u + (s * a.N + t0) * a.ld + a.C + g, a.ld,
+                                    a.lp + ((s * a.H + h) * a.N + t0) * 3 + which, a.bias[g],
+                                    t1 - t0);
+    if (bad < t1 - t0) {
+        flag_report(a.sink, 4, s * a.N + t0 + bad);
+    }
 }
 
 /// conv_column and gate_column over tiles of `rows` token rows: blockIdx.x = s * tiles + tile,
@@ -341,11 +394,7 @@ __global__ void flag_rows_kernel(FlagSets<T> sets, int* flags, int cap, unsigned
     const long long k = w - sets.first[i];
     const int key = f.flat() ? flag_flat_warp(f, k, lane, cap) : flag_row_warp(f, k, lane, cap);
     if (key < cap && lane == 0) {
-        if (raise != nullptr) {
-            atomicMax(raise, 1u);
-        } else {
-            atomicMin(flags + f.slot, key);
-        }
+        flag_report(FlagSink{flags, raise, cap}, f.slot, key);
     }
 }
 
@@ -494,18 +543,20 @@ __global__ void end_rows_kernel(T* AW, T* AS, const T* D, T* dbar, T* vec,
 /// (every lane calls it). A row whose sum of squares overflows is divided scaled by 2^-e
 /// (detail/norm_scale.hpp), as on the CPU.
 template <class T>
-__device__ void l2_row(T* row, int dh, int lane) {
+__device__ bool l2_row(T* row, int dh, int lane) {
     T ss = T(0);
     for (int j = lane; j < dh; j += 32) {
         ss += row[j] * row[j];
     }
     ss = warp_sum(ss);
+    bool bad = false;  // an entry this lane wrote is not finite
     if (ss <= detail::largest_finite<T>()) {
         const T nrm = sqrt(ss) > T(1e-12) ? sqrt(ss) : T(1e-12);
         for (int j = lane; j < dh; j += 32) {
             row[j] /= nrm;
+            bad = bad || not_finite(row[j]);
         }
-        return;
+        return bad;
     }
     T amax = T(0);
     for (int j = lane; j < dh; j += 32) {
@@ -520,19 +571,27 @@ __device__ void l2_row(T* row, int dh, int lane) {
     const T nrm = sqrt(warp_sum(scaled));
     for (int j = lane; j < dh; j += 32) {
         row[j] = detail::scale_down(row[j], e) / nrm;
+        bad = bad || not_finite(row[j]);
     }
+    return bad;
 }
 
 /// Rows of d_h entries (`rows` of a, then `rows` of b when b is given) through l2_row, one
-/// warp per row.
+/// warp per row. `sink` (where on): the forward's check of the rows written, pair-major
+/// ([s H + h][t], N rows a pair) and keyed s N + t into slot 0.
 template <class T>
-__global__ void l2_rows_kernel(T* a, T* b, long long rows, int dh) {
+__global__ void l2_rows_kernel(T* a, T* b, long long rows, int dh, FlagSink sink, long long N,
+                               int H) {
     const long long w = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
     const int lane = static_cast<int>(threadIdx.x % 32);
     if (w >= (b != nullptr ? 2 * rows : rows)) {
         return;  // the whole warp
     }
-    l2_row((w < rows ? a : b) + (w % rows) * dh, dh, lane);
+    const long long r = w % rows;
+    const bool bad = l2_row((w < rows ? a : b) + r * dh, dh, lane);
+    if (warp_max(bad ? 1 : 0) != 0 && lane == 0) {
+        flag_report(sink, 0, r / N / H * N + r % N);
+    }
 }
 
 /// The gate settings of a MemoryConfig (math §1 gates, §10 clipping), as kernels take them:

@@ -139,6 +139,12 @@ struct FusedArgs {
     Activation act;
     bool residual;
     FusedKeep<T> keep;  // the chunks' start memory, for a training trace (fused_chunks_kernel)
+    // The forward's checks of what the launch writes (FlagSink; off: the check kernel's): the
+    // read's rows y (slot 1, key t P + p for piece row t = row0 + c b + i, P = pairs) and,
+    // where check_state (the launch ends the call's last chunk), W and S (slot 2, key p).
+    FlagSink sink;
+    long long row0, pairs;
+    bool check_state;
 };
 
 #if TITANS_CUDA_DEVICE_CODE
@@ -373,16 +379,18 @@ __device__ inline void end_step(T (&accg)[MT][NT][4], T (&accs)[MT][NT][4], cons
 /// A (b x in, ld lda) and E (b x out, ld lde) in shared memory, W and S (in x out, ld ldw) in
 /// device or shared memory. A warp tile holds both products' accumulators; its W and S
 /// entries are loaded together before any is stored. `kept` (or nowhere): W and S as they
-/// were, each entry as it is loaded (a training trace's chunk-start memory).
+/// were, each entry as it is loaded (a training trace's chunk-start memory). Returns whether
+/// an entry of W or S this thread stored is not finite, where `check` (else false).
 template <class T, Operands P>
-__device__ void fused_end_layer(const FusedShared<T>& sh, int b, int in, int out, const T* A,
-                                int lda, const T* E, int lde, T* W, T* S, int ldw,
+__device__ bool fused_end_layer(const FusedShared<T>& sh, int b, int in, int out, const T* A,
+                                int lda, const T* E, int lde, T* W, T* S, int ldw, bool check,
                                 KeptAt<T> kept = {}) {
     constexpr int MT = 2, NT = 2;
     const T beta = sh.ends[0], c = sh.ends[1], pe = sh.ends[2];
     const int warp = static_cast<int>(threadIdx.x / 32), warps = static_cast<int>(blockDim.x / 32);
     const int lane = static_cast<int>(threadIdx.x % 32), gl = lane / 4, q = lane % 4;
     const int tiles_n = out / (8 * NT), tiles = (in / (16 * MT)) * tiles_n;
+    bool bad = false;
     for (int tile = warp; tile < tiles; tile += warps) {
         const int i = tile / tiles_n * 16 * MT + gl, j = tile % tiles_n * 8 * NT + gl;
         T accg[MT][NT][4], accs[MT][NT][4], w[MT][NT][4], sv[MT][NT][4];
@@ -409,8 +417,36 @@ __device__ void fused_end_layer(const FusedShared<T>& sh, int b, int in, int out
                 }
             }
         }
+        if (check) {  // (uniform: the call's last chunk end only)
+            TITANS_UNROLL
+            for (int e = 0; e < MT * NT * 4; ++e) {
+                bad = bad | not_finite((&w[0][0][0])[e]) | not_finite((&sv[0][0][0])[e]);
+            }
+        }
         tile_store(w, i, j0, [&](int r, int col, T z) { W[r * ldw + col] = z; });
         tile_store(sv, i, j0, [&](int r, int col, T z) { S[r * ldw + col] = z; });
+    }
+    return bad;
+}
+
+/// Whether chunk c of a fused launch checks the W and S it ends with (FusedArgs::check_state).
+template <class T>
+__device__ bool fused_checks_state(const FusedArgs<T>& f, int c) {
+    return f.check_state && c + 1 == f.chunks;
+}
+
+/// The fused launch's checks of chunk c of pair p (FusedArgs::sink): y's first non-finite row
+/// `bad_row` (b: none), and whether a W or S entry a thread stored is not finite (`bad_state`,
+/// checked where fused_checks_state).
+template <class T>
+__device__ void fused_flags(const FusedArgs<T>& f, long long p, int c, int bad_row,
+                            bool bad_state) {
+    const int b = f.lay.b;
+    if (bad_row < b) {
+        flag_report(f.sink, 1, (f.row0 + static_cast<long long>(c) * b + bad_row) * f.pairs + p);
+    }
+    if (bad_state) {
+        flag_report(f.sink, 2, p);
     }
 }
 
@@ -436,15 +472,21 @@ __global__ void __launch_bounds__(fused_threads)
         T* y = f.y + row * l.dh;
         const bool res = f.residual;
         const int dh = l.dh, ldk = l.ldk();
+        int bad_row = l.b;  // the first row of y this thread stored a non-finite entry of
         fused_read<T, P, 2>(f, sh, wt, each_entry([&](int i, int j, T z) {
-                                y[i * dh + j] = res ? z + sh.q[i * ldk + j] : z;
+                                const T yz = res ? z + sh.q[i * ldk + j] : z;
+                                y[i * dh + j] = yz;
+                                bad_row = not_finite(yz) && i < bad_row ? i : bad_row;
                             }));
         fused_keys<T, P>(f, sh, wt, f.v + row * l.dh);
         fused_gates<T>(f, sh, f.gates != nullptr ? f.gates + row * 3 : nullptr);
-        fused_end_layer<T, P>(sh, l.b, l.dh, l.h, sh.k, l.ldk(), sh.x, l.ldh(), w1, s1, l.h,
-                              f.keep.layer(c, 0, p * io, l.h));
-        fused_end_layer<T, P>(sh, l.b, l.h, l.dh, sh.a1, l.ldh(), sh.q, l.ldk(), w2, s2, l.dh,
-                              f.keep.layer(c, 1, p * io, l.dh));
+        const bool check = fused_checks_state(f, c);
+        const bool bad1 = fused_end_layer<T, P>(sh, l.b, l.dh, l.h, sh.k, l.ldk(), sh.x, l.ldh(),
+                                                w1, s1, l.h, check, f.keep.layer(c, 0, p * io, l.h));
+        const bool bad2 = fused_end_layer<T, P>(sh, l.b, l.h, l.dh, sh.a1, l.ldh(), sh.q,
+                                                l.ldk(), w2, s2, l.dh, check,
+                                                f.keep.layer(c, 1, p * io, l.dh));
+        fused_flags(f, p, c, bad_row, bad1 || bad2);
         if (c + 1 == f.chunks) {  // the last chunk's rows: the state's pending A, Delta
             const long long pb = p * l.b;
             copy_tile(f.a[0] + pb * l.dh, l.dh, sh.k, l.ldk(), l.b, l.dh);

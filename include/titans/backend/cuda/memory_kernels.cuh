@@ -411,6 +411,7 @@ struct MemoryKernels<Cuda, T> {
             if (P * rows * cols == 0) {
                 return;
             }
+            cuda::flag_check_entries() += P * rows * cols;
             if (sets_.count == cuda::flag_sets_max) {
                 launch();
             }
@@ -430,6 +431,8 @@ struct MemoryKernels<Cuda, T> {
             cuda::check_launch("the non-finite check");
             sets_.count = 0;
         }
+        /// Where a kernel that checks what it writes reports (cuda::FlagSink): these slots.
+        [[nodiscard]] cuda::FlagSink sink() const { return {flags_, raise_, unflagged}; }
 
     private:
         cudaStream_t sm_;
@@ -505,11 +508,13 @@ struct MemoryKernels<Cuda, T> {
     /// continuing `tail` (when given; advanced when `advance`), phi and the gate logits' bias and
     /// layout; the L2 norm unless `norm_later` (the decode kernel normalises the rows it reads).
     /// With `later` given (a call decoded whole: norm_later too), the conv kernel's arguments go
-    /// there instead of into a launch: the decode kernel's first launch runs them.
-    static void project(const MemoryConfig& cfg, const Params& p, const cuda::StreamContext& cx,
+    /// there instead of into a launch: the decode kernel's first launch runs them. With `sink`
+    /// on, the launched kernels check what they write (cuda::ConvTile, l2_rows_kernel); returns
+    /// whether they checked all of q, k, v and the gate logits (else none of it is known).
+    static bool project(const MemoryConfig& cfg, const Params& p, const cuda::StreamContext& cx,
                         typename State::Work& w, View<const T> x, int B, long long N, bool conv,
                         T* tail, bool advance, bool queries_only, bool norm_later = false,
-                        cuda::ConvTile<T>* later = nullptr) {
+                        cuda::ConvTile<T>* later = nullptr, cuda::FlagSink sink = {}) {
         const cudaStream_t sm = cx.stream();
         const long long M = x.rows, H = cfg.n_heads, dh = cfg.head_dim(), D = cfg.inner_dim();
         const long long C = queries_only ? D : 3 * D, C3 = 3 * D;
@@ -524,20 +529,27 @@ struct MemoryKernels<Cuda, T> {
         // sequence, so it advances the tail itself: one launch fewer.
         const bool advancing = conv && advance && K > 1,
                    in_conv = advancing && tiles == 1 && C == C3;
+        // the L2 norm's kernel checks q and k where it runs here, else the conv kernel
+        const bool norm_here = cfg.normalize_qk && !norm_later;
+        bool checked = M > 0 && sink.on();
         if (M > 0) {
             const cuda::ConvTile<T> a{w.u.data(), ld,   p.taps.data(), tail, w.q.data(), w.k.data(),
                                       w.v.data(), N,    static_cast<int>(C), static_cast<int>(C3),
                                       K,          static_cast<int>(D), static_cast<int>(dh),
                                       static_cast<int>(H), conv, cfg.qkv_activation == Activation::SiLU,
                                       rows,       tiles, in_conv, p.b_gates.data(), w.lp.data(),
-                                      static_cast<int>(G)};
+                                      static_cast<int>(G), {}, false};
             const dim3 grid(static_cast<unsigned>(B * tiles),
                             static_cast<unsigned>(std::min<long long>((ld + threads - 1) / threads,
                                                                       65535)));
             if (later != nullptr && tiles == 1 && (!advancing || in_conv)) {
                 *later = a;  // one tile a sequence: the whole column in one thread's walk
+                checked = false;
             } else {
-                cuda::launch(cuda::conv_tile_kernel<T>, grid, threads, sm, a);
+                cuda::ConvTile<T> c = a;
+                c.sink = sink;
+                c.check_qk = !norm_here;
+                cuda::launch(cuda::conv_tile_kernel<T>, grid, threads, sm, c);
                 cuda::check_launch("the conv kernel");  // *later stays empty: ran here
             }
         }
@@ -545,13 +557,14 @@ struct MemoryKernels<Cuda, T> {
             advance_tail(sm, w.u.data(), ld, tail, B, N, K, C3);
         }
         const long long norm_rows = B * H * N;
-        if (cfg.normalize_qk && !norm_later && norm_rows > 0) {
+        if (norm_here && norm_rows > 0) {
             cuda::launch(cuda::l2_rows_kernel<T>,
                          cuda::warp_blocks(queries_only ? norm_rows : 2 * norm_rows), 256, sm,
                          w.q.data(), queries_only ? nullptr : w.k.data(), norm_rows,
-                         static_cast<int>(dh));
+                         static_cast<int>(dh), sink, N, static_cast<int>(H));
             cuda::check_launch("the L2 norm kernel");
         }
+        return checked && !queries_only;
     }
 
     /// The conv tails: the last K-1 pre-conv rows of [tail; u] per sequence (u's rows ld apart).
@@ -965,16 +978,21 @@ struct MemoryKernels<Cuda, T> {
             kept += chunks;
         }
     };
-    /// What scan did: whether a chunk ended inside the piece, and whether every segment ran
-    /// in the decode kernel (which, inside a deferring scope, checked its rows itself).
+    /// What scan did: whether a chunk ended inside the piece, whether every segment ran in the
+    /// decode kernel (which, inside a deferring scope, checked its rows itself), whether the
+    /// fused kernel checked the last chunk end's W and S, and how many of the piece's rows it
+    /// read (and checked).
     struct Scanned {
         bool ended = false;
         bool decoded = true;
+        bool state_checked = false;
+        long long fused_rows = 0;
     };
     /// math §3-5 over the piece: chunk segments at absolute positions, all pairs at once
-    /// (`decode`: the call's decode_plan).
+    /// (`decode`: the call's decode_plan); the fused launches check what they write into
+    /// `sink` (FusedArgs::sink).
     static Scanned scan(const MemoryConfig& cfg, State& st, long long N, bool want_diag,
-                        DecodePlan decode, cuda::ConvTile<T> conv = {},
+                        DecodePlan decode, cuda::FlagSink sink, cuda::ConvTile<T> conv = {},
                         KeepChunks* keep = nullptr) {
         const int b = st.chunk_;
         const long long P = static_cast<long long>(st.batch_) * cfg.n_heads, dh = cfg.head_dim();
@@ -994,12 +1012,14 @@ struct MemoryKernels<Cuda, T> {
                 const int chunks = static_cast<int>(std::min<long long>((N - t) / b, most));
                 save_rows(st, 0, b);
                 save_full(st);
-                fused_chunks(cfg, st, N, t, chunks, fused, keep);
+                // no chunk end after this launch: it checks the call's W and S
+                const bool last = N - (t + static_cast<long long>(chunks) * b) < b;
+                fused_chunks(cfg, st, N, t, chunks, fused, sink, last, keep);
                 if (cfg.gates != GateMode::Constant) {
                     copy_rows(sm, st.gates_.data(), w.lp.data(), P, b, N,
                               t + static_cast<long long>(chunks - 1) * b, 0, b, 3);
                 }
-                done = {true, false};
+                done = {true, false, last, done.fused_rows + static_cast<long long>(chunks) * b};
                 t += static_cast<long long>(chunks) * b;
                 continue;
             }
@@ -1031,6 +1051,7 @@ struct MemoryKernels<Cuda, T> {
                 save_full(st);
                 chunk_end(cfg, ctx(st), w, pending, st.gates_.data(), W, S, P, b, b);
                 done.ended = true;
+                done.state_checked = false;
             }
             t += m;
         }
@@ -1112,9 +1133,11 @@ struct MemoryKernels<Cuda, T> {
 
     /// math §2-5 over `chunks` full chunks of every pair from piece row t (a chunk start), in
     /// one launch of the fused kernel (plan: its operands, and clusters of plan.ranks blocks
-    /// a pair where that is not 0); the last chunk's rows of A, Delta into the state.
+    /// a pair where that is not 0); the last chunk's rows of A, Delta into the state. The
+    /// launch checks its reads into `sink`, and its last W and S where `check_state`.
     static void fused_chunks(const MemoryConfig& cfg, State& st, long long N, long long t,
-                             int chunks, const FusedPlan& plan, KeepChunks* keep = nullptr) {
+                             int chunks, const FusedPlan& plan, cuda::FlagSink sink,
+                             bool check_state, KeepChunks* keep = nullptr) {
         const cuda::Operands ops = plan.operands;
         auto& w = *st.work_;
         const long long dh = cfg.head_dim(), P = static_cast<long long>(st.batch_) * cfg.n_heads;
@@ -1136,6 +1159,10 @@ struct MemoryKernels<Cuda, T> {
         f.gp = cuda::GateParams<T>::of(cfg);
         f.act = cfg.activation;
         f.residual = cfg.residual;
+        f.sink = sink;
+        f.row0 = t;
+        f.pairs = P;
+        f.check_state = check_state;
         if (keep != nullptr) {  // either kernel keeps them (training_fusable)
             keep->into(f.keep, chunks);
         }
@@ -1180,6 +1207,7 @@ struct MemoryKernels<Cuda, T> {
 
     /// Flags the non-finite entries of a forward call: 0 projections, 1 memory read,
     /// 2 memory state (weights and momentum after a chunk end, pending rows), 3 output.
+    /// `ended`: a chunk ended whose W and S no fused launch checked (Scanned::state_checked).
     static void check_state(const MemoryConfig& cfg, const State& st, bool ended,
                             FlagStage& checks, bool rows_checked) {
         const long long P = static_cast<long long>(st.batch_) * cfg.n_heads;
@@ -1263,29 +1291,33 @@ struct MemoryKernels<Cuda, T> {
         }
         // a decode call: the L2 norm of q and k in the decode kernel, not a launch of its own
         const DecodePlan decode = decode_plan(cfg, N);
-        cuda::ConvTile<T> tile{};  // the conv's arguments, for the decode kernel (decode.whole)
-        project(cfg, p, cx, w, x, B, N, cfg.use_conv, st.tail_.data(), true, false, decode.norm,
-                decode.whole ? &tile : nullptr);
-        // Every check of the call at its end, up to 12 row sets a launch: the buffers they
-        // read stay as they are until then, and which error is named depends on the slots,
-        // not on the order the checks ran in.
+        // Every check of the call at its end, up to 12 row sets a launch, but those the kernels
+        // make of what they write (into checks.sink()): the buffers the checks read stay as
+        // they are until then, and which error is named depends on the slots, not on the
+        // order the checks ran in.
         FlagStage checks(cx.stream(), flags, defer ? cuda::deferred_flag() : nullptr);
-        const Scanned done = scan(cfg, st, N, diag != nullptr, decode, tile, keep);
+        cuda::ConvTile<T> tile{};  // the conv's arguments, for the decode kernel (decode.whole)
+        const bool projected = project(cfg, p, cx, w, x, B, N, cfg.use_conv, st.tail_.data(),
+                                       true, false, decode.norm,
+                                       decode.whole ? &tile : nullptr, checks.sink());
+        const Scanned done = scan(cfg, st, N, diag != nullptr, decode, checks.sink(), tile, keep);
         // Deferred, a call decoded whole had its rows checked by the decode kernel, and its
         // output's check is left to a later one where that covers it (cuda::OutputCovered).
         const bool rows_checked = defer && done.decoded;
-        if (!rows_checked) {
+        if (!rows_checked && !projected) {  // else the projection's kernels checked them
             for (const Buf* b : {&w.q, &w.k, &w.v}) {
                 checks.add(b->data(), P, N, dh, dh, N * dh, 0, by_row);
             }
             if (cfg.gates != GateMode::Constant) {
                 checks.add(w.lp.data(), P, N, 3, 3, N * 3, 4, by_row);
             }
+        }
+        if (!rows_checked && done.fused_rows < N) {  // else the fused kernel checked the reads
             checks.add(w.yp.data(), P, N, dh, dh, N * dh, 1, FlagKey{1, 1, P});
         }
         const std::int64_t pos0 = st.position_;
         st.position_ += N;  // rolled back with the rest if a check fails below
-        check_state(cfg, st, done.ended, checks, rows_checked);
+        check_state(cfg, st, done.ended && !done.state_checked, checks, rows_checked);
         output(cfg, p, cx, w, B, N, y);
         if (!(rows_checked && cuda::output_covered())) {
             checks.add(y.data, 1, x.rows, cfg.d_model, y.stride, 0, 3, FlagKey{1, 0, 1});
