@@ -352,21 +352,49 @@ namespace {
 /// The check kernel's entries (flag_check_entries) after fused calls of whole chunks from a
 /// chunk start (the output alone), of 3 rows (decoded whole: q, k, v, the gate logits, the
 /// reads, the pending rows), of whole chunks from inside one (the reads and the pending rows;
-/// W and S still the fused launch's, q, k, v and the logits the projection's), of 5 rows.
-void fused_check_counts(const MemoryConfig& cfg, const titans::MemoryParamsd& p, Rng& rng) {
+/// W and S still the fused launch's, q, k, v and the logits the projection's), of 5 rows; the
+/// outputs against the CPU's. The first call, whose reads the fused kernel writes in the output
+/// product's layout, makes 7 kernels (6 without the L2 norm; counted by the emulator): the
+/// conv, the tails' advance, the L2 norm, the rollback's row save, the fused kernel, the gate
+/// logits' rows and the checks (the reads' transposition made 8), and copies no W or S with
+/// cudaMemcpy: the fused kernel's first chunk copies them for the rollback as it loads them.
+void fused_check_counts(MemoryConfig cfg, const titans::MemoryParamsd& p, Rng& rng) {
+    cfg.theta_max = MemoryConfig{}.theta_max;  // a memory that stays finite over the calls
     const int B = 2, b = cfg.chunk, d = cfg.d_model;
     const long long P = static_cast<long long>(B) * cfg.n_heads, dh = cfg.head_dim(),
                     h = cfg.layer_out(1);
     const CudaMemory<double> gpu(cfg, p);
+    NeuralMemory<double> cpu(cfg, p);
     auto st = gpu.make_state(B);
+    auto cs = cpu.make_state(B);
+    long kernels = 0;
+    unsigned long long copied = 0;  // device to device, by cudaMemcpy(Async)
     const auto checked = [&](int N) {
         const long long launches = tcu::fused_launches(), before = tcu::flag_check_entries();
-        (void)fused_outcome(gpu, st, random_matrix(B * N, d, rng), tcu::FusedMemory::On, false);
+        const Matrixd x = random_matrix(B * N, d, rng);
+        tcu::set_fused_memory(tcu::FusedMemory::On);
+#if TITANS_CUDA_EMULATION
+        const long k0 = cuda_emulation::total_launches();
+        const unsigned long long c0 = cuda_emulation::device_copy_bytes();
+#endif
+        const Matrixd y = gpu.forward(st, x);
+#if TITANS_CUDA_EMULATION
+        kernels = cuda_emulation::total_launches() - k0;
+        copied = cuda_emulation::device_copy_bytes() - c0;
+#endif
+        tcu::set_fused_memory(tcu::FusedMemory::Auto);
+        CHECK(rel_error(y, cpu.forward(cs, x)) <= 1e-12);
         return std::pair{tcu::fused_launches() - launches, tcu::flag_check_entries() - before};
     };
     const auto output = [&](long long N) { return B * N * d; };
     const long long pending = P * 3 * 2 * (dh + h);  // 3 rows of A and Delta, both layers
     CHECK(checked(2 * b) == std::pair{1LL, output(2 * b)});
+#if TITANS_CUDA_EMULATION
+    CHECK(kernels == (cfg.normalize_qk ? 7 : 6));
+    // The rollback's copy of W and S made by the fused kernel: the copies move the conv tails
+    // alone, less than one layer's W.
+    CHECK(copied < static_cast<unsigned long long>(P * dh * h) * sizeof(double));
+#endif
     // 3 rows a sequence: decoded whole, the conv in the decode kernel (q, k, v and the gate
     // logits checked after it)
     CHECK(checked(3) == std::pair{0LL, output(3) + P * 3 * (4 * dh + 3) + pending});

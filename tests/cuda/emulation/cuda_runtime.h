@@ -172,6 +172,7 @@ struct Registry {
     AllocationCalls calls;
     long waits = 0;  // host waits
     unsigned long long release_threshold = 0;
+    unsigned long long device_copy_bytes = 0;  // copied device to device by cudaMemcpy(Async)
 };
 inline Registry& registry() {
     static Registry r;
@@ -183,6 +184,13 @@ inline AllocationCalls allocation_calls() {
     Registry& r = registry();
     std::lock_guard<std::mutex> lock(r.m);
     return r.calls;
+}
+
+/// Bytes copied from device memory to device memory by cudaMemcpy and cudaMemcpyAsync so far.
+inline unsigned long long device_copy_bytes() {
+    Registry& r = registry();
+    std::lock_guard<std::mutex> lock(r.m);
+    return r.device_copy_bytes;
 }
 
 /// How many calls so far would make the host wait for the device on a GPU.
@@ -349,7 +357,13 @@ inline cudaError_t copy_1d(const char* call, void* dst, const void* src, std::si
     if (d < s + n && s < d + n) {
         return misuse(call, "source and destination overlap (undefined in CUDA)");
     }
-    submit_copy(stream, d, !is_device_range(d, n), s, !is_device_range(s, n), n,
+    const bool d_dev = is_device_range(d, n), s_dev = is_device_range(s, n);
+    if (d_dev && s_dev) {
+        Registry& r = registry();
+        std::lock_guard<std::mutex> lock(r.m);
+        r.device_copy_bytes += n;
+    }
+    submit_copy(stream, d, !d_dev, s, !s_dev, n,
                 [n](char* to, const char* from) { std::memcpy(to, from, n); });
     return cudaSuccess;
 }

@@ -236,7 +236,8 @@ __device__ void cluster_gates(const FusedArgs<T>& f, const FusedShared<T>& sh, T
 }
 
 /// The read's partial sums of the ranks, added in rank order (+ Q): rows [r b/R, (r+1) b/R)
-/// of y by rank r. Returns the first row this thread stored a non-finite entry of (b: none).
+/// of y (its rows f.ld_y apart) by rank r. Returns the first row this thread stored a
+/// non-finite entry of (b: none).
 template <class T>
 __device__ int cluster_read_rows(const FusedArgs<T>& f, const FusedShared<T>& sh,
                                  T* part_y, int rank, int ranks, T* y) {
@@ -248,7 +249,7 @@ __device__ int cluster_read_rows(const FusedArgs<T>& f, const FusedShared<T>& sh
         for (int j = static_cast<int>(threadIdx.x % 32); j < l.dh; j += 32) {
             const T z = cluster_sum(part_y + i * ldk + j, ranks);
             const T yz = f.residual ? z + sh.q[i * ldk + j] : z;
-            y[i * l.dh + j] = yz;
+            y[i * f.ld_y + j] = yz;
             bad_row = not_finite(yz) && i < bad_row ? i : bad_row;
         }
     }
@@ -337,7 +338,7 @@ __global__ void __launch_bounds__(fused_threads)
         const int ldk = l.ldk();
         fused_read<T, P, 1>(f, sh, wt, each_pair(PartStore<T>{cs.part_y, ldk}));
         cluster_sync();
-        const int bad_row = cluster_read_rows(f, sh, cs.part_y, rank, ranks, f.y + row * l.dh);
+        const int bad_row = cluster_read_rows(f, sh, cs.part_y, rank, ranks, fused_y_rows(f, p, c));
         fused_hidden<T, P, 1>(f, sh, wt);
         block_product<T, P, 1, 2, KOrder::Pair>(l.b, l.dh, l.h, RowMajor<T>{sh.a1, l.ldh()},
                                                 [&](int k, int j) { return wt.at2(k, j); },

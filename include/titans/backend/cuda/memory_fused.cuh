@@ -104,23 +104,26 @@ struct KeptAt {
 };
 
 /// Where a fused launch copies each chunk's start memory, as a training trace keeps it
-/// (memory_training.cuh): for chunk c of the launch at[4 c + i], i = 0..3 for W1, W2, S1, S2,
-/// each P pairs of the state's layout; at[0] null: none kept. The pointers travel in the
-/// launch's arguments (1 KB in 64-bit), so a call graph records them as any argument.
+/// (memory_training.cuh), or its first chunk's, as a call's rollback keeps it: for chunk c of
+/// the launch at[4 c + i], i = 0..3 for W1, W2, S1, S2, each P pairs of the state's layout;
+/// at[4 c] null: chunk c's not kept. The pointers travel in the launch's arguments (1 KB in
+/// 64-bit), so a call graph records them as any argument.
 template <class T>
 struct FusedKeep {
     T* at[4 * fused_keep_chunks];
     /// Where chunk c's layer l (0, 1) is kept: from entry `offset` of its W's and S's copies
     /// (a pair's, or a cluster rank's share of it), leading dimension ld; nowhere where none is.
     __device__ KeptAt<T> layer(int c, int l, long long offset, int ld) const {
-        if (at[0] == nullptr) return {};
+        if (c >= fused_keep_chunks || at[4 * c] == nullptr) return {};
         return {at[4 * c + l] + offset, at[4 * c + 2 + l] + offset, ld};
     }
 };
 
 /// What the fused kernel reads and writes. Piece arrays are pair-major with N rows a pair and
 /// point at the first fused chunk's row; W, S, A, Delta are the state's (pair strides in*out,
-/// b*width).
+/// b*width). The reads y: rows ld_y apart, pair p = s H + h's row t at y + (s N + t) ld_y +
+/// h d_h where H = y_heads (pair-major [p][N][d_h]: y_heads 1, ld_y d_h; sequence-major
+/// (B N) x D, the output product's input: y_heads H, ld_y D).
 template <class T>
 struct FusedArgs {
     const T* q;
@@ -128,6 +131,8 @@ struct FusedArgs {
     const T* v;
     const T* gates;  // [p][N][3] logits (unused with constant gates)
     T* y;
+    long long ld_y;
+    int y_heads;
     T* w[2];
     T* s[2];
     T* a[2];
@@ -429,6 +434,13 @@ __device__ bool fused_end_layer(const FusedShared<T>& sh, int b, int in, int out
     return bad;
 }
 
+/// The first row of chunk c's reads of pair p (FusedArgs::y; its rows f.ld_y apart).
+template <class T>
+__device__ T* fused_y_rows(const FusedArgs<T>& f, long long p, int c) {
+    const long long s = p / f.y_heads, h = p % f.y_heads;
+    return f.y + (s * f.N + static_cast<long long>(c) * f.lay.b) * f.ld_y + h * f.lay.dh;
+}
+
 /// Whether chunk c of a fused launch checks the W and S it ends with (FusedArgs::check_state).
 template <class T>
 __device__ bool fused_checks_state(const FusedArgs<T>& f, int c) {
@@ -469,13 +481,14 @@ __global__ void __launch_bounds__(fused_threads)
         copy_tile(sh.q, l.ldk(), f.q + row * l.dh, l.dh, l.b, l.dh);
         copy_tile(sh.k, l.ldk(), f.k + row * l.dh, l.dh, l.b, l.dh);
         __syncthreads();
-        T* y = f.y + row * l.dh;
+        T* y = fused_y_rows(f, p, c);
         const bool res = f.residual;
-        const int dh = l.dh, ldk = l.ldk();
+        const long long ldy = f.ld_y;
+        const int ldk = l.ldk();
         int bad_row = l.b;  // the first row of y this thread stored a non-finite entry of
         fused_read<T, P, 2>(f, sh, wt, each_entry([&](int i, int j, T z) {
                                 const T yz = res ? z + sh.q[i * ldk + j] : z;
-                                y[i * dh + j] = yz;
+                                y[i * ldy + j] = yz;
                                 bad_row = not_finite(yz) && i < bad_row ? i : bad_row;
                             }));
         fused_keys<T, P>(f, sh, wt, f.v + row * l.dh);

@@ -265,16 +265,32 @@ struct MemoryKernels<Cuda, T> {
     }
     /// Before the first chunk end inside a transaction: the memory and the rows pending at
     /// begin [0, row0) are still as they were then (the rows written since were saved by
-    /// save_rows before they were).
-    static void save_full(State& st) {
-        if (!st.undo_.open || st.undo_.full) {
-            return;
+    /// save_rows before they were). With `in_kernel`, W and S are left to the fused launch
+    /// that follows (its chunk 0 copies them as it loads them): returns where (FusedKeep;
+    /// at[0] null where nothing is to be copied).
+    static cuda::FusedKeep<T> save_full(State& st, bool in_kernel = false) {
+        cuda::FusedKeep<T> undo{};
+        auto& u = st.undo_;
+        if (!u.open || u.full) {
+            return undo;
         }
-        const cudaStream_t sm = ctx(st).stream();
-        copy_all(st.undo_.w, st.w_, sm);
-        copy_all(st.undo_.s, st.s_, sm);
-        pending_rows(st, false, 0, static_cast<int>(st.undo_.position % st.chunk_));
-        st.undo_.full = true;
+        if (in_kernel) {
+            u.w.resize(st.w_.size());
+            u.s.resize(st.s_.size());
+            for (std::size_t l = 0; l < st.w_.size(); ++l) {  // W1, W2, S1, S2: FusedKeep's order
+                u.w[l].reserve(st.w_[l].size());
+                u.s[l].reserve(st.s_[l].size());
+                undo.at[l] = u.w[l].data();
+                undo.at[2 + l] = u.s[l].data();
+            }
+        } else {
+            const cudaStream_t sm = ctx(st).stream();
+            copy_all(u.w, st.w_, sm);
+            copy_all(u.s, st.s_, sm);
+        }
+        pending_rows(st, false, 0, static_cast<int>(u.position % st.chunk_));
+        u.full = true;
+        return undo;
     }
     /// Before rows [o, o+m) of the pending arrays (A, Delta, gates) are written: saves those
     /// not saved yet since begin (until the first chunk end saves the rest), so a rollback
@@ -980,13 +996,14 @@ struct MemoryKernels<Cuda, T> {
     };
     /// What scan did: whether a chunk ended inside the piece, whether every segment ran in the
     /// decode kernel (which, inside a deferring scope, checked its rows itself), whether the
-    /// fused kernel checked the last chunk end's W and S, and how many of the piece's rows it
-    /// read (and checked).
+    /// fused kernel checked the last chunk end's W and S, how many of the piece's rows it read
+    /// (and checked), and whether it wrote all of them into w.yh (sequence-major) directly.
     struct Scanned {
         bool ended = false;
         bool decoded = true;
         bool state_checked = false;
         long long fused_rows = 0;
+        bool sequence_major = false;
     };
     /// math §3-5 over the piece: chunk segments at absolute positions, all pairs at once
     /// (`decode`: the call's decode_plan); the fused launches check what they write into
@@ -1004,6 +1021,9 @@ struct MemoryKernels<Cuda, T> {
         const Layers pending = layers(cfg, st.a_, st.delta_);
         const FusedPlan fused = fused_plan(cfg, st, want_diag);
         Scanned done;
+        // Whole chunks from a chunk start: every row in the fused kernel, which then writes its
+        // reads in the output product's layout (no transposition: output()).
+        const bool direct = fused.use && st.position_ % b == 0 && N % b == 0;
         long long t = 0;
         while (t < N) {
             const int o = static_cast<int>((st.position_ + t) % b);
@@ -1011,15 +1031,17 @@ struct MemoryKernels<Cuda, T> {
                 const int most = keep != nullptr ? cuda::fused_keep_chunks : 1 << 20;
                 const int chunks = static_cast<int>(std::min<long long>((N - t) / b, most));
                 save_rows(st, 0, b);
-                save_full(st);
+                FusedExtras x{sink, false, direct, save_full(st, keep == nullptr)};
                 // no chunk end after this launch: it checks the call's W and S
                 const bool last = N - (t + static_cast<long long>(chunks) * b) < b;
-                fused_chunks(cfg, st, N, t, chunks, fused, sink, last, keep);
+                x.check_state = last;
+                fused_chunks(cfg, st, N, t, chunks, fused, x, keep);
                 if (cfg.gates != GateMode::Constant) {
                     copy_rows(sm, st.gates_.data(), w.lp.data(), P, b, N,
                               t + static_cast<long long>(chunks - 1) * b, 0, b, 3);
                 }
-                done = {true, false, last, done.fused_rows + static_cast<long long>(chunks) * b};
+                done = {true, false, last, done.fused_rows + static_cast<long long>(chunks) * b,
+                        direct};
                 t += static_cast<long long>(chunks) * b;
                 continue;
             }
@@ -1131,13 +1153,24 @@ struct MemoryKernels<Cuda, T> {
         pick.template operator()<cuda::Operands::Exact>();
     }
 
+    /// What a fused launch does besides its chunks: it checks its reads into `sink`, and its
+    /// last W and S where `check_state`; it writes the reads into w.yh ((B N) x D) where
+    /// `sequence_major`, else into w.yp; its chunk 0 copies W and S into `undo` where that is
+    /// given (save_full), unless a training trace keeps every chunk's.
+    struct FusedExtras {
+        cuda::FlagSink sink;
+        bool check_state = false;
+        bool sequence_major = false;
+        cuda::FusedKeep<T> undo{};
+    };
+
     /// math §2-5 over `chunks` full chunks of every pair from piece row t (a chunk start), in
     /// one launch of the fused kernel (plan: its operands, and clusters of plan.ranks blocks
-    /// a pair where that is not 0); the last chunk's rows of A, Delta into the state. The
-    /// launch checks its reads into `sink`, and its last W and S where `check_state`.
+    /// a pair where that is not 0), with `x` (FusedExtras); the last chunk's rows of A, Delta
+    /// into the state.
     static void fused_chunks(const MemoryConfig& cfg, State& st, long long N, long long t,
-                             int chunks, const FusedPlan& plan, cuda::FlagSink sink,
-                             bool check_state, KeepChunks* keep = nullptr) {
+                             int chunks, const FusedPlan& plan, const FusedExtras& x,
+                             KeepChunks* keep = nullptr) {
         const cuda::Operands ops = plan.operands;
         auto& w = *st.work_;
         const long long dh = cfg.head_dim(), P = static_cast<long long>(st.batch_) * cfg.n_heads;
@@ -1146,7 +1179,9 @@ struct MemoryKernels<Cuda, T> {
         f.k = w.k.data() + t * dh;
         f.v = w.v.data() + t * dh;
         f.gates = cfg.gates == GateMode::Constant ? nullptr : w.lp.data() + t * 3;
-        f.y = w.yp.data() + t * dh;
+        f.ld_y = x.sequence_major ? cfg.inner_dim() : dh;
+        f.y_heads = x.sequence_major ? cfg.n_heads : 1;
+        f.y = (x.sequence_major ? w.yh.data() : w.yp.data()) + t * f.ld_y;
         for (std::size_t l = 0; l < 2; ++l) {
             f.w[l] = st.w_[l].data();
             f.s[l] = st.s_[l].data();
@@ -1159,12 +1194,14 @@ struct MemoryKernels<Cuda, T> {
         f.gp = cuda::GateParams<T>::of(cfg);
         f.act = cfg.activation;
         f.residual = cfg.residual;
-        f.sink = sink;
+        f.sink = x.sink;
         f.row0 = t;
         f.pairs = P;
-        f.check_state = check_state;
+        f.check_state = x.check_state;
         if (keep != nullptr) {  // either kernel keeps them (training_fusable)
             keep->into(f.keep, chunks);
+        } else {
+            f.keep = x.undo;
         }
         if (plan.ranks > 0) {
             fused_cluster(st, f, ops, plan.ranks, P);
@@ -1228,13 +1265,15 @@ struct MemoryKernels<Cuda, T> {
     }
 
     /// The pair-major rows yp ([p][N][d_h]) back to (B*N) x D, then y = yh W_O. With one
-    /// token a sequence (decode) the pair-major rows are that layout already: no kernel.
+    /// token a sequence (decode) the pair-major rows are that layout already, and where the
+    /// fused kernel wrote yh itself (`sequence_major`) there is nothing to move: no kernel.
     static void output(const MemoryConfig& cfg, const Params& p, const cuda::StreamContext& cx,
-                       typename State::Work& w, int B, long long N, View<T> y) {
+                       typename State::Work& w, int B, long long N, View<T> y,
+                       bool sequence_major = false) {
         const long long H = cfg.n_heads, dh = cfg.head_dim(), D = cfg.inner_dim(), M = B * N;
         const T* yp = w.yp.data();
-        const T* rows = yp;
-        if (N != 1) {
+        const T* rows = sequence_major ? w.yh.data() : yp;
+        if (N != 1 && !sequence_major) {
             T* yh = w.yh.data();
             cuda::each(cx.stream(), M * D, [=] __device__(unsigned i) {
                 const long long r = i / cuda::u32(D), c = i % cuda::u32(D), s = cuda::u32(r) / cuda::u32(N), t = cuda::u32(r) % cuda::u32(N),
@@ -1318,7 +1357,7 @@ struct MemoryKernels<Cuda, T> {
         const std::int64_t pos0 = st.position_;
         st.position_ += N;  // rolled back with the rest if a check fails below
         check_state(cfg, st, done.ended && !done.state_checked, checks, rows_checked);
-        output(cfg, p, cx, w, B, N, y);
+        output(cfg, p, cx, w, B, N, y, done.sequence_major);
         if (!(rows_checked && cuda::output_covered())) {
             checks.add(y.data, 1, x.rows, cfg.d_model, y.stride, 0, 3, FlagKey{1, 0, 1});
         }
