@@ -267,7 +267,9 @@ struct MemoryKernels<Cuda, T> {
     /// begin [0, row0) are still as they were then (the rows written since were saved by
     /// save_rows before they were). With `in_kernel`, W and S are left to the fused launch
     /// that follows (its chunk 0 copies them as it loads them): returns where (FusedKeep;
-    /// at[0] null where nothing is to be copied).
+    /// at[0] null where nothing is to be copied), and the caller marks the save done
+    /// (undo_.full) once the launch is made, so that a launch that throws leaves a rollback
+    /// nothing of W and S to restore (they are as they were).
     static cuda::FusedKeep<T> save_full(State& st, bool in_kernel = false) {
         cuda::FusedKeep<T> undo{};
         auto& u = st.undo_;
@@ -289,7 +291,7 @@ struct MemoryKernels<Cuda, T> {
             copy_all(u.s, st.s_, sm);
         }
         pending_rows(st, false, 0, static_cast<int>(u.position % st.chunk_));
-        u.full = true;
+        u.full = !in_kernel;
         return undo;
     }
     /// Before rows [o, o+m) of the pending arrays (A, Delta, gates) are written: saves those
@@ -1036,6 +1038,7 @@ struct MemoryKernels<Cuda, T> {
                 const bool last = N - (t + static_cast<long long>(chunks) * b) < b;
                 x.check_state = last;
                 fused_chunks(cfg, st, N, t, chunks, fused, x, keep);
+                st.undo_.full = st.undo_.full || x.undo.at[0] != nullptr;  // (save_full)
                 if (cfg.gates != GateMode::Constant) {
                     copy_rows(sm, st.gates_.data(), w.lp.data(), P, b, N,
                               t + static_cast<long long>(chunks - 1) * b, 0, b, 3);
