@@ -462,8 +462,8 @@ void fused_check_outcomes(const MemoryConfig& cfg, const titans::MemoryParamsd& 
                             (shape & 1) != 0);
                     }
                     INFO("W_V x " << k.v << ", W_Q x " << k.q << ", w_theta x " << k.theta
-                                  << ", x x " << k.gain << ", prefix " << prefix << ", N " << N << ", shape "
-                                  << shape << ": " << named[0]);
+                                  << ", x x " << k.gain << ", prefix " << prefix << ", N " << N
+                                  << ", shape " << shape << ": " << named[0]);
                     CHECK(named[1] == named[0]);
                     // The CPU checks at each chunk end, so it may name an earlier error of
                     // the memory's; it throws where the GPU does, and names projections alike.

@@ -338,7 +338,8 @@ __global__ void __launch_bounds__(fused_threads)
         const int ldk = l.ldk();
         fused_read<T, P, 1>(f, sh, wt, each_pair(PartStore<T>{cs.part_y, ldk}));
         cluster_sync();
-        const int bad_row = cluster_read_rows(f, sh, cs.part_y, rank, ranks, fused_y_rows(f, p, c));
+        const int bad_row =
+            cluster_read_rows(f, sh, cs.part_y, rank, ranks, fused_y_rows(f, p, c));
         fused_hidden<T, P, 1>(f, sh, wt);
         block_product<T, P, 1, 2, KOrder::Pair>(l.b, l.dh, l.h, RowMajor<T>{sh.a1, l.ldh()},
                                                 [&](int k, int j) { return wt.at2(k, j); },

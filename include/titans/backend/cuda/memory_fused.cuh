@@ -494,8 +494,9 @@ __global__ void __launch_bounds__(fused_threads)
         fused_keys<T, P>(f, sh, wt, f.v + row * l.dh);
         fused_gates<T>(f, sh, f.gates != nullptr ? f.gates + row * 3 : nullptr);
         const bool check = fused_checks_state(f, c);
-        const bool bad1 = fused_end_layer<T, P>(sh, l.b, l.dh, l.h, sh.k, l.ldk(), sh.x, l.ldh(),
-                                                w1, s1, l.h, check, f.keep.layer(c, 0, p * io, l.h));
+        const bool bad1 =
+            fused_end_layer<T, P>(sh, l.b, l.dh, l.h, sh.k, l.ldk(), sh.x, l.ldh(), w1, s1, l.h,
+                                  check, f.keep.layer(c, 0, p * io, l.h));
         const bool bad2 = fused_end_layer<T, P>(sh, l.b, l.h, l.dh, sh.a1, l.ldh(), sh.q,
                                                 l.ldk(), w2, s2, l.dh, check,
                                                 f.keep.layer(c, 1, p * io, l.dh));
