@@ -367,8 +367,10 @@ void fused_check_counts(MemoryConfig cfg, const titans::MemoryParamsd& p, Rng& r
     NeuralMemory<double> cpu(cfg, p);
     auto st = gpu.make_state(B);
     auto cs = cpu.make_state(B);
+#if TITANS_CUDA_EMULATION
     long kernels = 0;
     unsigned long long copied = 0;  // device to device, by cudaMemcpy(Async)
+#endif
     const auto checked = [&](int N) {
         const long long launches = tcu::fused_launches(), before = tcu::flag_check_entries();
         const Matrixd x = random_matrix(B * N, d, rng);
