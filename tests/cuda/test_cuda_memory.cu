@@ -354,9 +354,10 @@ namespace {
 /// reads, the pending rows), of whole chunks from inside one (the reads and the pending rows;
 /// W and S still the fused launch's, q, k, v and the logits the projection's), of 5 rows; the
 /// outputs against the CPU's. The first call, whose reads the fused kernel writes in the output
-/// product's layout, makes 7 kernels (6 without the L2 norm; counted by the emulator): the
-/// conv, the tails' advance, the L2 norm, the rollback's row save, the fused kernel, the gate
-/// logits' rows and the checks (the reads' transposition made 8), and copies no W or S with
+/// product's layout, makes 6 kernels (counted by the emulator): the conv (with the L2 norm
+/// where its blocks cover whole heads, else 7 kernels: the L2 norm after it), the tails'
+/// advance, the rollback's row save, the fused kernel, the gate logits' rows and the checks
+/// (the reads' transposition made one more), and copies no W or S with
 /// cudaMemcpy: the fused kernel's first chunk copies them for the rollback as it loads them.
 void fused_check_counts(MemoryConfig cfg, const titans::MemoryParamsd& p, Rng& rng) {
     cfg.theta_max = MemoryConfig{}.theta_max;  // a memory that stays finite over the calls
@@ -392,7 +393,7 @@ void fused_check_counts(MemoryConfig cfg, const titans::MemoryParamsd& p, Rng& r
     const long long pending = P * 3 * 2 * (dh + h);  // 3 rows of A and Delta, both layers
     CHECK(checked(2 * b) == std::pair{1LL, output(2 * b)});
 #if TITANS_CUDA_EMULATION
-    CHECK(kernels == (cfg.normalize_qk ? 7 : 6));
+    CHECK(kernels == (cfg.normalize_qk && !tcu::conv_norms(dh) ? 7 : 6));
     // The rollback's copy of W and S made by the fused kernel: the copies move the conv tails
     // alone, less than one layer's W.
     CHECK(copied < static_cast<unsigned long long>(P * dh * h) * sizeof(double));
@@ -513,6 +514,64 @@ TEST_CASE("cuda memory: fused launches check what they write", "[cuda]") {
         fused_check_outcomes(cfg, p, rng);
         CHECK((tcu::fused_cluster_launches() > clusters) == (ranks != 0));
         tcu::set_fused_cluster(0);
+    }
+}
+
+// q and k normalised in the conv kernel (memory_conv.cuh, norm_tile) where its blocks of 128
+// columns cover whole heads (d_h 32, 64, 128), and by the L2 norm kernel after it otherwise
+// (d_h 16, 48: the emulator counts which ran), against the CPU (double to rounding, float
+// within 1e-5): one head, and 3 heads (a block holding k's and v's columns where d_h is 32),
+// tiles of 32 rows and ragged ones, pieces of every length, streams of every kind (float: but
+// x 1e3, whose drift is not the norm's), and rows
+// whose sums of squares overflow (W_Q and W_K x 1e155 in double, x 1e20 in float: the scaled
+// norm of detail/norm_scale.hpp; the norms of the keys stay finite).
+TEMPLATE_TEST_CASE("cuda memory: the L2 norm in the conv kernel", "[cuda]", float, double) {
+    using T = TestType;
+    const double bound = std::is_same_v<T, double> ? 1e-12 : 1e-5;
+    const double big = std::is_same_v<T, double> ? 1e155 : 1e20;
+    int index = 0;
+    for (const int dh : {16, 32, 48, 64, 128}) {
+        for (const int heads : {1, 3}) {
+            for (const bool huge : {false, true}) {
+                Rng rng(seed_for(std::string("cuda conv norm ") + type_name<T>(),
+                                  static_cast<std::uint64_t>(index)));
+                MemoryConfig cfg;
+                cfg.normalize_qk = true;
+                cfg.d_head = dh;
+                cfg.n_heads = heads;
+                cfg.d_model = uniform_int(rng, 8, 40);
+                cfg.depth = uniform_int(rng, 1, 2);
+                cfg.expansion = uniform_int(rng, 1, 2);
+                cfg.chunk = pick(rng, std::vector<int>{1, 8, 32});
+                cfg.conv_kernel = pick(rng, std::vector<int>{1, 4});
+                cfg.validate();
+                const int B = 2, N = uniform_int(rng, 40, 80);
+                auto p = random_params(cfg, rng);
+                if (huge) {
+                    p.w_q *= big;
+                    p.w_k *= big;
+                }
+                // float: no x 1e3 streams (kind 3), on which a float memory drifts up to 3e-5
+                // from the reference over the stream, with the L2 norm kernel too (d_h 16)
+                const int kind = std::is_same_v<T, float> && index % 5 == 3 ? 0 : index;
+                const Matrixd x = stream_kind(
+                    random_matrix(static_cast<Eigen::Index>(B) * N, cfg.d_model, rng), B, kind);
+                INFO("d_h " << dh << ", heads " << heads << ", huge " << huge << ", chunk "
+                            << cfg.chunk << ", conv " << cfg.conv_kernel << ", N " << N
+                            << ", stream kind " << kind % 5);
+#if TITANS_CUDA_EMULATION
+                const void* norm = reinterpret_cast<const void*>(&tcu::l2_rows_kernel<T>);
+                const long before = cuda_emulation::launches(norm);
+#endif
+                std::vector<int> pieces{N - N / 3};  // a ragged tile at its end
+                for (const int n : random_pieces(rng, N / 3, 32)) pieces.push_back(n);
+                (void)compare_case<T>(cfg, p, x, B, N, rng, bound, pieces);
+#if TITANS_CUDA_EMULATION
+                CHECK((cuda_emulation::launches(norm) > before) == !tcu::conv_norms(dh));
+#endif
+                ++index;
+            }
+        }
     }
 }
 

@@ -20,6 +20,7 @@
 #include "../../detail/activation.hpp"
 #include "fast_math.cuh"
 #include "launch.cuh"
+#include "memory_conv.cuh"
 #include "memory_device.cuh"
 
 namespace titans::backend::cuda {

@@ -35,6 +35,7 @@
 #include "call_scope.cuh"
 #include "fast_math.cuh"
 #include "launch.cuh"
+#include "memory_conv.cuh"
 #include "memory_decode.cuh"
 #include "memory_device.cuh"
 #include "memory_cluster.cuh"
@@ -524,7 +525,8 @@ struct MemoryKernels<Cuda, T> {
     /// x (M x d, M = B*N) into the pair-major q (and k, v, gate logits unless queries_only):
     /// one GEMM (x [W_Q | W_K | W_V | gates], Params::w_in), then one kernel for the conv
     /// continuing `tail` (when given; advanced when `advance`), phi and the gate logits' bias and
-    /// layout; the L2 norm unless `norm_later` (the decode kernel normalises the rows it reads).
+    /// layout; the L2 norm unless `norm_later` (the decode kernel normalises the rows it reads),
+    /// in the conv kernel where its blocks cover whole heads (cuda::conv_norms), else after it.
     /// With `later` given (a call decoded whole: norm_later too), the conv kernel's arguments go
     /// there instead of into a launch: the decode kernel's first launch runs them. With `sink`
     /// on, the launched kernels check what they write (cuda::ConvTile, l2_rows_kernel); returns
@@ -541,14 +543,16 @@ struct MemoryKernels<Cuda, T> {
         cuda::gemm<T>(cx.blas(), false, false, static_cast<int>(M), static_cast<int>(ld), d, T(1),
                       {x.data, static_cast<int>(x.stride)}, {p.w_in.data(), p.ld_in}, T(0),
                       w.u.data(), static_cast<int>(ld), 0, 1);
-        constexpr int rows = 32, threads = 128;
+        constexpr int rows = cuda::conv_rows, threads = cuda::conv_threads;
         const long long tiles = (N + rows - 1) / rows;
         // With one tile a sequence (N <= 32: decode) the thread of each column walks the whole
         // sequence, so it advances the tail itself: one launch fewer.
         const bool advancing = conv && advance && K > 1,
                    in_conv = advancing && tiles == 1 && C == C3;
-        // the L2 norm's kernel checks q and k where it runs here, else the conv kernel
+        // the L2 norm's kernel checks q and k where it runs here, else the conv kernel; the conv
+        // kernel normalises them itself where its blocks cover whole heads
         const bool norm_here = cfg.normalize_qk && !norm_later;
+        bool norm_done = !norm_here;
         bool checked = M > 0 && sink.on();
         if (M > 0) {
             const cuda::ConvTile<T> a{w.u.data(), ld,   p.taps.data(), tail, w.q.data(), w.k.data(),
@@ -556,7 +560,7 @@ struct MemoryKernels<Cuda, T> {
                                       K,          static_cast<int>(D), static_cast<int>(dh),
                                       static_cast<int>(H), conv, cfg.qkv_activation == Activation::SiLU,
                                       rows,       tiles, in_conv, p.b_gates.data(), w.lp.data(),
-                                      static_cast<int>(G), {}, false};
+                                      static_cast<int>(G), {}, false, false};
             const dim3 grid(static_cast<unsigned>(B * tiles),
                             static_cast<unsigned>(std::min<long long>((ld + threads - 1) / threads,
                                                                       65535)));
@@ -567,7 +571,10 @@ struct MemoryKernels<Cuda, T> {
                 cuda::ConvTile<T> c = a;
                 c.sink = sink;
                 c.check_qk = !norm_here;
-                cuda::launch(cuda::conv_tile_kernel<T>, grid, threads, sm, c);
+                c.norm = norm_here && cuda::conv_norms(dh);
+                norm_done = norm_done || c.norm;
+                cuda::launch_shared(cuda::conv_tile_kernel<T>, grid, threads,
+                                    c.norm ? cuda::conv_norm_shared<T>() : 0, sm, c);
                 cuda::check_launch("the conv kernel");  // *later stays empty: ran here
             }
         }
@@ -575,7 +582,7 @@ struct MemoryKernels<Cuda, T> {
             advance_tail(sm, w.u.data(), ld, tail, B, N, K, C3);
         }
         const long long norm_rows = B * H * N;
-        if (norm_here && norm_rows > 0) {
+        if (!norm_done && norm_rows > 0) {
             cuda::launch(cuda::l2_rows_kernel<T>,
                          cuda::warp_blocks(queries_only ? norm_rows : 2 * norm_rows), 256, sm,
                          w.q.data(), queries_only ? nullptr : w.k.data(), norm_rows,

@@ -1,0 +1,316 @@
+#pragma once
+// titans/backend/cuda/memory_conv.cuh: the projections' kernel after the input product (math
+// §1): the causal conv, phi and the gate logits' bias in the pair-major layout, and, in the
+// same kernel, q and k divided by their rows' L2 norms where a block covers whole heads.
+
+#include <cstddef>
+
+#include "../../config.hpp"
+#include "../../detail/activation.hpp"
+#include "../../detail/norm_scale.hpp"
+#include "launch.cuh"
+#include "memory_device.cuh"
+
+namespace titans::backend::cuda {
+
+/// Threads (columns) and token rows of a conv_tile_kernel block.
+inline constexpr int conv_threads = 128;
+inline constexpr int conv_rows = 32;
+
+/// Row stride of the q and k values a block stages for norm_tile (a column a thread; the one
+/// extra entry puts a warp's reads of 32 rows in distinct banks).
+inline constexpr int conv_shared_ld = conv_threads + 1;
+
+/// Whether conv_tile_kernel normalises q and k itself (ConvTile::norm) for heads of d_h: its
+/// blocks' columns then cover whole heads and each warp's lie in one (d_h = 32, 64, 128).
+TITANS_HOST_DEVICE constexpr bool conv_norms(long long dh) {
+    return dh % 32 == 0 && conv_threads % dh == 0;
+}
+
+/// The dynamic shared memory of a normalising conv_tile_kernel block: the staged values and
+/// the warps' sums of squares, a row each.
+template <class T>
+constexpr std::size_t conv_norm_shared() {
+    return sizeof(T) * conv_rows * (conv_shared_ld + conv_threads / 32);
+}
+
+#if TITANS_CUDA_DEVICE_CODE
+
+/// One row t of conv_column: x (its input) through the conv (win, the last K - 1 inputs when
+/// in_registers, advanced by one row; else input(tt) reads them), phi, into *out (returned).
+template <class T, int held, class In>
+__device__ inline T conv_step(const T* taps, T x, T (&win)[held], int C3, int K, int c,
+                                 bool conv, bool silu, bool in_registers, const In& input,
+                                 long long t, T* out) {
+    T val = x;
+    if (conv) {
+        val *= taps[static_cast<long long>(K - 1) * C3 + c];
+        if (in_registers) {
+            TITANS_UNROLL
+            for (int i = 0; i < held; ++i) {
+                if (i < K - 1) {
+                    val += taps[static_cast<long long>(i) * C3 + c] * win[i];
+                }
+            }
+            TITANS_UNROLL
+            for (int i = 0; i < held; ++i) {  // slide: the newest input last
+                win[i] = i + 1 < K - 1 ? win[i + 1 < held ? i + 1 : i]
+                                       : (i + 1 == K - 1 ? x : win[i]);
+            }
+        } else {
+            for (int i = 0; i < K - 1; ++i) {
+                val += taps[static_cast<long long>(i) * C3 + c] * input(t - K + 1 + i);
+            }
+        }
+    }
+    *out = silu ? detail::silu(val) : val;
+    return *out;
+}
+
+/// What conv_tile_kernel reads and writes (math §1 after the input product). u: M x ld, the
+/// product x [W_Q | W_K | W_V | w_theta | w_eta | w_alpha] (M = B N rows, sequence-major).
+/// Its columns [0, C) (C = D for queries only, else 3D) go through the causal conv (rows
+/// before the piece from `tail`, (K-1) x 3D per sequence), phi, and into the pair-major
+/// layout [s*H + h][t][d_h] of q (and k, v). Its G columns [C, C + G) (G = 3H, or 0) are the
+/// gate logits: lp[[s*H + h][t][g]] = u + bias (g: theta, eta, alpha). Blocks of `rows` token
+/// rows, `tiles` a sequence; `advance` (one tile a sequence only): the conv tails advanced
+/// too. `sink` (where on): the forward's check of what the kernel writes, row t of sequence
+/// s keyed s N + t: v into slot 0, and q and k where `check_qk` (no L2 norm after it), the gate
+/// logits into slot 4. `norm` (conv_norms(dh), blocks of conv_threads x conv_rows and
+/// conv_norm_shared bytes of dynamic shared memory): q and k divided by their rows' L2 norms
+/// in the kernel (norm_tile), checked into slot 0 where the sink is on.
+template <class T>
+struct ConvTile {
+    const T* u;
+    long long ld;
+    const T* taps;
+    T* tail;
+    T *q, *k, *v;
+    long long N;
+    int C, C3, K, D, dh, H;
+    bool conv, silu;
+    int rows;
+    long long tiles;
+    bool advance;
+    const T* bias;
+    T* lp;
+    int G;
+    FlagSink sink;
+    bool check_qk;
+    bool norm;
+};
+
+/// Column c of u (c < C) over token rows [t0, t1) of sequence s (ConvTile). The thread walks
+/// the column down the rows with the last K - 1 inputs in registers (K <= 8; longer kernels
+/// read them again), so each entry of u is read once, in batches of 8 rows whose loads are in
+/// flight together. With `advance` (one thread walks the whole sequence, t0 = 0 and t1 = N)
+/// the thread then writes the column's new tail, the last K - 1 inputs of [tail; u], over the
+/// old one it alone read.
+template <class T>
+__device__ void conv_column(const ConvTile<T>& a, long long s, long long t0, long long t1,
+                            int c, T* staged_rows = nullptr) {
+    constexpr int held = 7;  // inputs kept in registers: K - 1 <= held
+    const long long N = a.N;
+    const int K = a.K, C3 = a.C3, D = a.D, dh = a.dh;
+    const int which = c / D, h = (c - which * D) / dh, j = c - which * D - h * dh;
+    T* out = (which == 0 ? a.q : (which == 1 ? a.k : a.v)) + (s * a.H + h) * N * dh + j;
+    // q and k normalised in the kernel: the rows go to the block's shared memory first
+    const bool staged = staged_rows != nullptr && which < 2;
+    T* const at = staged ? staged_rows : out + t0 * dh;
+    const long long stride = staged ? conv_shared_ld : dh;
+    const T* u = a.u;
+    const T* tail = a.tail;
+    const long long ld = a.ld;
+    const auto input = [&](long long tt) {  // pre-conv row tt of the sequence (tt < 0: tail)
+        return tt >= 0 ? u[(s * N + tt) * ld + c] : tail[(s * (K - 1) + tt + K - 1) * C3 + c];
+    };
+    const bool in_registers = K - 1 <= held;
+    T win[held];  // win[i] = input(t - (K - 1) + i)
+    TITANS_UNROLL
+    for (int i = 0; i < held; ++i) {
+        win[i] = a.conv && in_registers && i < K - 1 ? input(t0 - (K - 1) + i) : T(0);
+    }
+    constexpr int batch = 8;  // rows whose inputs are loaded before any output is stored
+    bool bad = false;         // an output not finite
+    for (long long tb = t0; tb < t1; tb += batch) {
+        T xs[batch];
+        TITANS_UNROLL
+        for (int r = 0; r < batch; ++r) {
+            xs[r] = tb + r < t1 ? u[(s * N + tb + r) * ld + c] : T(0);
+        }
+        TITANS_UNROLL
+        for (int r = 0; r < batch; ++r) {
+            if (tb + r < t1) {
+                const T z = conv_step(a.taps, xs[r], win, C3, K, c, a.conv, a.silu,
+                                      in_registers, input, tb + r, at + (tb + r - t0) * stride);
+                bad = bad || not_finite(z);
+            }
+        }
+    }
+    // (rare) which row: the thread's own stores again (staged q and k: norm_tile checks them)
+    if (bad && !staged && (which == 2 || a.check_qk)) {
+        long long t = t0;
+        while (t + 1 < t1 && !not_finite(out[t * dh])) ++t;
+        flag_report(a.sink, 0, s * N + t);
+    }
+    if (a.advance) {  // ascending: row r reads row r + N > r (advance_tail's order)
+        for (int r = 0; r < K - 1; ++r) {
+            T x = T(0);
+            if (in_registers) {
+                TITANS_UNROLL
+                for (int i = 0; i < held; ++i) {
+                    x = i == r ? win[i] : x;
+                }
+            } else {
+                x = input(N - (K - 1) + r);
+            }
+            a.tail[(s * (K - 1) + r) * C3 + c] = x;
+        }
+    }
+}
+
+/// out[3 t] = col[t ld] + bias for t < n, 8 rows' loads in flight before their stores (a
+/// store may alias col for the compiler: a plain loop waits on each row's load in turn).
+/// Returns the first t whose logit is not finite (n: none). Not inlined: its registers stay
+/// out of the conv columns' count (conv_tile_kernel's occupancy).
+template <class T>
+__device__ __noinline__ long long gate_rows(const T* col, long long ld, T* out, T bias,
+                                            long long n) {
+    constexpr int batch = 8;
+    long long bad = n;
+    for (long long tb = 0; tb < n; tb += batch) {
+        T xs[batch];
+        if (tb + batch <= n) {  // a whole batch: no tests between the loads
+            TITANS_UNROLL
+            for (int r = 0; r < batch; ++r) {
+                xs[r] = col[(tb + r) * ld];
+            }
+        } else {
+            TITANS_UNROLL
+            for (int r = 0; r < batch; ++r) {
+                xs[r] = tb + r < n ? col[(tb + r) * ld] : T(0);
+            }
+        }
+        TITANS_UNROLL
+        for (int r = 0; r < batch; ++r) {
+            if (tb + r < n) {
+                const T z = xs[r] + bias;
+                out[(tb + r) * 3] = z;
+                bad = not_finite(z) && bad == n ? tb + r : bad;
+            }
+        }
+    }
+    return bad;
+}
+
+/// Gate column g (< G) of u over token rows [t0, t1) of sequence s: the logits plus their
+/// bias, pair-major (ConvTile).
+template <class T>
+__device__ void gate_column(const ConvTile<T>& a, long long s, long long t0, long long t1,
+                            int g) {
+    const int which = g / a.H, h = g - which * a.H;
+    const long long bad = gate_rows(a.u + (s * a.N + t0) * a.ld + a.C + g, a.ld,
+                                    a.lp + ((s * a.H + h) * a.N + t0) * 3 + which, a.bias[g],
+                                    t1 - t0);
+    if (bad < t1 - t0) {
+        flag_report(a.sink, 4, s * a.N + t0 + bad);
+    }
+}
+
+/// Entry j of a row of d_h entries (`row`, contiguous) over the row's L2 norm where its sum of
+/// squares overflows: every entry scaled by 2^-e first (l2_row's scaled path,
+/// detail/norm_scale.hpp). Not inlined: the rare path's registers stay out of norm_tile's.
+template <class T>
+__device__ __noinline__ T scaled_unit(const T* row, int dh, int j) {
+    T amax = T(0);
+    for (int i = 0; i < dh; ++i) {
+        amax = fabs(row[i]) > amax ? fabs(row[i]) : amax;
+    }
+    const int e = detail::scale_exponent(amax);
+    T scaled = T(0);
+    for (int i = 0; i < dh; ++i) {
+        const T z = detail::scale_down(row[i], e);
+        scaled += z * z;
+    }
+    return detail::scale_down(row[j], e) / sqrt(scaled);
+}
+
+/// The q and k columns [cb, cb + conv_threads) of one tile (n rows from t0 of sequence s)
+/// divided by their rows' L2 norms, at least 1e-12 (l2_row's math), from the values conv_column
+/// staged in `sh` (conv_rows x conv_shared_ld, a column a thread) into the pair-major q and k.
+/// Warp w sums the squares of its 32 columns, a lane a row, after the values; each thread then
+/// adds its head's d_h / 32 sums and divides its column. Columns from min(C, 2D) on (v, the
+/// gates) are left alone. The check (where a.sink is on): each thread's first non-finite row,
+/// keyed s N + t into slot 0. Every thread of the block calls it (a barrier inside).
+template <class T>
+__device__ void norm_tile(const ConvTile<T>& a, long long s, long long t0, int n, int cb,
+                          T* sh) {
+    constexpr int ld = conv_shared_ld, warps = conv_threads / 32;
+    T* const sums = sh + conv_rows * ld;
+    const int tid = static_cast<int>(threadIdx.x), lane = tid % 32, w = tid / 32;
+    const int qk = a.C < 2 * a.D ? a.C : 2 * a.D;
+    if (cb + 32 * w < qk && lane < n) {  // a warp's columns lie in one head (d_h % 32 == 0)
+        const T* row = sh + lane * ld + 32 * w;
+        T ss = T(0);
+        for (int j = 0; j < 32; ++j) {
+            ss += row[j] * row[j];
+        }
+        sums[lane * warps + w] = ss;
+    }
+    __syncthreads();
+    const int c = cb + tid, dh = a.dh;
+    if (c >= qk) {
+        return;
+    }
+    const int per = dh / 32, first = tid - tid % dh;  // the head's sums, its first column
+    const int which = c / a.D, h = (c - which * a.D) / dh;
+    T* const out = (which == 0 ? a.q : a.k) + ((s * a.H + h) * a.N + t0) * dh + c % dh;
+    int bad = n;
+    for (int r = 0; r < n; ++r) {
+        T ss = T(0);
+        for (int i = 0; i < per; ++i) {
+            ss += sums[r * warps + first / 32 + i];
+        }
+        const T nrm = sqrt(ss) > T(1e-12) ? sqrt(ss) : T(1e-12);
+        const T z = ss <= detail::largest_finite<T>()
+                        ? sh[r * ld + tid] / nrm
+                        : scaled_unit(sh + r * ld + first, dh, tid - first);
+        out[static_cast<long long>(r) * dh] = z;
+        bad = not_finite(z) && bad == n ? r : bad;
+    }
+    if (bad < n) {
+        flag_report(a.sink, 0, s * a.N + t0 + bad);
+    }
+}
+
+/// conv_column and gate_column over tiles of `rows` token rows: blockIdx.x = s * tiles + tile,
+/// the C + G columns strided over blockIdx.y in blocks of blockDim.x (a warp's 32 columns make
+/// its reads and writes coalesce). With a.norm, a block's q and k columns are staged in its
+/// dynamic shared memory and normalised by norm_tile (a block covers whole heads: d_h divides
+/// conv_threads).
+template <class T>
+__global__ void conv_tile_kernel(ConvTile<T> a) {
+    const long long s = blockIdx.x / a.tiles, t0 = blockIdx.x % a.tiles * a.rows;
+    const long long t1 = t0 + a.rows < a.N ? t0 + a.rows : a.N;
+    T* const sh = a.norm ? dynamic_shared<T>() : nullptr;
+    const int qk = a.C < 2 * a.D ? a.C : 2 * a.D, width = static_cast<int>(blockDim.x);
+    // cb is the same for the whole block (the barriers in norm_tile)
+    for (int cb = static_cast<int>(blockIdx.y) * width; cb < a.C + a.G;
+         cb += static_cast<int>(gridDim.y) * width) {
+        const int c = cb + static_cast<int>(threadIdx.x);
+        if (c < a.C) {
+            conv_column(a, s, t0, t1, c, sh == nullptr ? nullptr : sh + threadIdx.x);
+        } else if (c < a.C + a.G) {
+            gate_column(a, s, t0, t1, c - a.C);
+        }
+        if (sh != nullptr && cb < qk) {
+            __syncthreads();
+            norm_tile(a, s, t0, static_cast<int>(t1 - t0), cb, sh);
+            __syncthreads();  // the values read before the next columns' are staged
+        }
+    }
+}
+
+#endif  // TITANS_CUDA_DEVICE_CODE
+
+}  // namespace titans::backend::cuda
