@@ -404,7 +404,7 @@ do_next() {
   { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv || true
     uptime; } > "${out}/device.txt" 2>&1
   TITANS_ROWS_PRODUCT=1 TITANS_SPLIT_DECODE=1 tests_to next_tests.txt 90 \
-    "cuda memory: fused*,cuda memory training: fused*,cuda memory training: double,cuda memory training: float,cuda memory: cluster*,cuda launch: clusters,cuda memory: the non-finite*,cuda memory: decode*,cuda layers: few-row product*,cuda attention: split*,cuda attention: warp tiles*,cuda attention train: warp tiles*,cuda model*"
+    "cuda memory: fused*,cuda memory: the L2 norm*,cuda memory training: fused*,cuda memory training: double,cuda memory training: float,cuda memory: cluster*,cuda launch: clusters,cuda memory: the non-finite*,cuda memory: decode*,cuda layers: few-row product*,cuda attention: split*,cuda attention: warp tiles*,cuda attention train: warp tiles*,cuda model*"
   grep -B3 -A12 "FAILED" "${out}/next_tests.txt" | head -n 40 || true
   TITANS_CUDA_PARITY_CASES=1 timeout 50 compute-sanitizer --tool racecheck --error-exitcode 9 \
     "${t}" "cuda memory: fused cluster" > "${out}/cluster_racecheck.txt" 2>&1 \
@@ -414,6 +414,10 @@ do_next() {
     "${t}" "cuda memory training: fused backward" > "${out}/fbwd_racecheck.txt" 2>&1 \
     || echo "fused backward racecheck: exit $?"
   echo "fused backward racecheck: $(grep -E 'SUMMARY' "${out}/fbwd_racecheck.txt" || echo 'no summary')"
+  timeout 40 compute-sanitizer --tool racecheck --error-exitcode 9 \
+    "${t}" "cuda memory: the L2 norm in the conv kernel - float" > "${out}/norm_racecheck.txt" 2>&1 \
+    || echo "conv norm racecheck: exit $?"
+  echo "conv norm racecheck: $(grep -E 'SUMMARY' "${out}/norm_racecheck.txt" || echo 'no summary')"
   timeout 150 "${b}" --benchmark_counters_tabular=true --benchmark_repetitions=2 \
     --benchmark_min_time=0.2 \
     --benchmark_filter='BM_CublasSgemm|BM_CudaMemory/B:(64|256)/N:(1024|512)/tf32:1/fused:[13]|BM_CudaMemoryTrain/B:(1|256)/|BM_CudaDecode/B:1(024)?/decode:1|BM_CudaModelDecode/B:1/pooled:1/graphs:[01]/ffn:0|BM_CudaChecks|BM_CudaDecodeAtt|BM_CudaAttentionTiles/B:16/N:4096/path:3' \
