@@ -36,31 +36,40 @@ constexpr std::size_t conv_norm_shared() {
 
 #if TITANS_CUDA_DEVICE_CODE
 
-/// One row t of conv_column: x (its input) through the conv (win, the last K - 1 inputs when
-/// in_registers, advanced by one row; else input(tt) reads them), phi, into *out (returned).
+/// A column's conv taps in registers (K - 1 <= held): older[i] weighs input t - (K - 1) + i,
+/// newest input t. older[i] is 0 from i = K - 1 on, where the window holds 0 too (conv_column
+/// never slides an input there), so conv_step's sum over every i adds exact zeros and needs
+/// no test of K. Loaded once a column: read in the row loop, the taps were loaded again after
+/// every row's store (the store may alias them for the compiler), K loads a row.
+template <class T, int held>
+struct ConvTaps {
+    T older[held];
+    T newest;
+};
+
+/// One row t of conv_column: x (its input) through the conv, phi, into *out (returned). With
+/// in_registers, tp holds the taps and win the last K - 1 inputs, advanced by one row; else
+/// (K - 1 > held) the taps are read from `taps` and the inputs by input(tt).
 template <class T, int held, class In>
-__device__ inline T conv_step(const T* taps, T x, T (&win)[held], int C3, int K, int c,
-                                 bool conv, bool silu, bool in_registers, const In& input,
-                                 long long t, T* out) {
+__device__ inline T conv_step(const ConvTaps<T, held>& tp, const T* taps, T x,
+                              T (&win)[held], int C3, int K, int c, bool conv, bool silu,
+                              bool in_registers, const In& input, long long t, T* out) {
     T val = x;
-    if (conv) {
+    if (conv && in_registers) {
+        val *= tp.newest;
+        TITANS_UNROLL
+        for (int i = 0; i < held; ++i) {
+            val += tp.older[i] * win[i];
+        }
+        TITANS_UNROLL
+        for (int i = 0; i < held; ++i) {  // slide: the newest input last
+            win[i] = i + 1 < K - 1 ? win[i + 1 < held ? i + 1 : i]
+                                   : (i + 1 == K - 1 ? x : win[i]);
+        }
+    } else if (conv) {
         val *= taps[static_cast<long long>(K - 1) * C3 + c];
-        if (in_registers) {
-            TITANS_UNROLL
-            for (int i = 0; i < held; ++i) {
-                if (i < K - 1) {
-                    val += taps[static_cast<long long>(i) * C3 + c] * win[i];
-                }
-            }
-            TITANS_UNROLL
-            for (int i = 0; i < held; ++i) {  // slide: the newest input last
-                win[i] = i + 1 < K - 1 ? win[i + 1 < held ? i + 1 : i]
-                                       : (i + 1 == K - 1 ? x : win[i]);
-            }
-        } else {
-            for (int i = 0; i < K - 1; ++i) {
-                val += taps[static_cast<long long>(i) * C3 + c] * input(t - K + 1 + i);
-            }
+        for (int i = 0; i < K - 1; ++i) {
+            val += taps[static_cast<long long>(i) * C3 + c] * input(t - K + 1 + i);
         }
     }
     *out = silu ? detail::silu(val) : val;
@@ -101,8 +110,8 @@ struct ConvTile {
 };
 
 /// Column c of u (c < C) over token rows [t0, t1) of sequence s (ConvTile). The thread walks
-/// the column down the rows with the last K - 1 inputs in registers (K <= 8; longer kernels
-/// read them again), so each entry of u is read once, in batches of 8 rows whose loads are in
+/// the column down the rows with the last K - 1 inputs and the K taps in registers (K <= 8;
+/// longer kernels read them again), so each entry of u is read once, in batches of 8 rows whose loads are in
 /// flight together. With `advance` (one thread walks the whole sequence, t0 = 0 and t1 = N)
 /// the thread then writes the column's new tail, the last K - 1 inputs of [tail; u], over the
 /// old one it alone read.
@@ -126,10 +135,14 @@ __device__ void conv_column(const ConvTile<T>& a, long long s, long long t0, lon
     };
     const bool in_registers = K - 1 <= held;
     T win[held];  // win[i] = input(t - (K - 1) + i)
+    ConvTaps<T, held> tp{};
     TITANS_UNROLL
     for (int i = 0; i < held; ++i) {
-        win[i] = a.conv && in_registers && i < K - 1 ? input(t0 - (K - 1) + i) : T(0);
+        const bool used = a.conv && in_registers && i < K - 1;
+        win[i] = used ? input(t0 - (K - 1) + i) : T(0);
+        tp.older[i] = used ? a.taps[static_cast<long long>(i) * C3 + c] : T(0);
     }
+    tp.newest = a.conv && in_registers ? a.taps[static_cast<long long>(K - 1) * C3 + c] : T(0);
     constexpr int batch = 8;  // rows whose inputs are loaded before any output is stored
     bool bad = false;         // an output not finite
     for (long long tb = t0; tb < t1; tb += batch) {
@@ -141,7 +154,7 @@ __device__ void conv_column(const ConvTile<T>& a, long long s, long long t0, lon
         TITANS_UNROLL
         for (int r = 0; r < batch; ++r) {
             if (tb + r < t1) {
-                const T z = conv_step(a.taps, xs[r], win, C3, K, c, a.conv, a.silu,
+                const T z = conv_step(tp, a.taps, xs[r], win, C3, K, c, a.conv, a.silu,
                                       in_registers, input, tb + r, at + (tb + r - t0) * stride);
                 bad = bad || not_finite(z);
             }
