@@ -274,7 +274,7 @@ do_profile() {
     local tag="train_B${b%%/*}"
     timeout 240 ncu --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
       "${build}/bench/bench_cuda" --benchmark_min_time=0.001 --benchmark_repetitions=1 \
-      --benchmark_filter="BM_CudaMemoryTrain/B:${b}/fbwd:1/cl:0\$" > "${out}/ncu_${tag}.txt" 2>&1 \
+      --benchmark_filter="BM_CudaMemoryTrain/B:${b}/fbwd:1/cl:0/" > "${out}/ncu_${tag}.txt" 2>&1 \
       || echo "ncu ${tag}: exit $?"
     echo "${tag}: the 25 kernels of most device time (ms, launches, name)"
     awk '/\)x\(/ { name = substr($0, 1, 110) } /gpu__time_duration.sum/ { print $NF, $(NF-3), name }' \
@@ -345,7 +345,7 @@ do_decode() {
   # checks 1.33, 2026-11-30): bandwidth, occupancy and stall reasons, each kernel's first two.
   timeout 60 ncu --clock-control none -k 'regex:conv_tile|flag_rows|l2_rows|copy_rows' -c 8 \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-    "${b}" --benchmark_min_time=0.01 --benchmark_filter='BM_CudaMemory/B:256/N:512/tf32:1/fused:1$' \
+    "${b}" --benchmark_min_time=0.01 --benchmark_filter='BM_CudaMemory/B:256/N:512/tf32:1/fused:1/' \
     > "${out}/ncu_forward_detail.txt" 2>&1 || echo "ncu forward detail: exit $?"
   grep -E "^  [a-z_]+.*\(|Memory Throughput|Achieved Occupancy|Registers Per|Duration|Stall" \
     "${out}/ncu_forward_detail.txt" | head -n 60 || true
@@ -369,7 +369,7 @@ do_cluster() {
   grep "^BM_" "${out}/cluster_bench.txt" || true
   local f
   for f in 1 3; do
-    ncu_kernels "cluster_${f}" "BM_CudaMemory/B:256/N:512/tf32:1/fused:${f}\$" 10
+    ncu_kernels "cluster_${f}" "BM_CudaMemory/B:256/N:512/tf32:1/fused:${f}/" 10
   done
   local tool
   for tool in racecheck memcheck; do
@@ -420,16 +420,16 @@ do_next() {
   echo "conv norm racecheck: $(grep -E 'SUMMARY' "${out}/norm_racecheck.txt" || echo 'no summary')"
   timeout 150 "${b}" --benchmark_counters_tabular=true --benchmark_repetitions=2 \
     --benchmark_min_time=0.2 \
-    --benchmark_filter='BM_CublasSgemm|BM_CudaMemory/B:(64|256)/N:(1024|512)/tf32:1/fused:[13]|BM_CudaMemoryTrain/B:(1|256)/|BM_CudaDecode/B:1(024)?/decode:1|BM_CudaModelDecode/B:1/pooled:1/graphs:[01]/ffn:0|BM_CudaChecks|BM_CudaDecodeAtt|BM_CudaAttentionTiles/B:16/N:4096/path:3' \
+    --benchmark_filter='BM_CublasSgemm|BM_CudaMemory/B:(64|256)/N:(1024|512)/tf32:1/fused:[13]|BM_CudaMemoryTrain/B:(1|256)/|BM_CudaDecode/B:1(024)?/decode:1|BM_CudaModelDecode/B:1/pooled:1/graphs:[01]/ffn:0/opt:[23]/|BM_CudaChecks|BM_CudaDecodeAtt|BM_CudaAttentionTiles/B:16/N:4096/path:3' \
     > "${out}/next_bench.txt" 2>&1 || echo "next bench: exit $?"
   grep "^BM_" "${out}/next_bench.txt" | grep -v "_mean\|_stddev\|_cv" || true
   local f
   for f in 1 3; do
-    ncu_kernels "cluster_${f}" "BM_CudaMemory/B:256/N:512/tf32:1/fused:${f}\$" 8
+    ncu_kernels "cluster_${f}" "BM_CudaMemory/B:256/N:512/tf32:1/fused:${f}/" 8
   done
   timeout 120 ncu --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
     "${b}" --benchmark_min_time=0.001 --benchmark_repetitions=1 \
-    --benchmark_filter='BM_CudaMemoryTrain/B:256/N:512/fbwd:1/cl:0$' > "${out}/ncu_train_B256.txt" 2>&1 \
+    --benchmark_filter='BM_CudaMemoryTrain/B:256/N:512/fbwd:1/cl:0/' > "${out}/ncu_train_B256.txt" 2>&1 \
     || echo "ncu train: exit $?"
   echo "training step, B 256: the 25 kernels of most device time (total, mean, launches, name)"
   ncu_totals "${out}/ncu_train_B256.txt" | head -n 25

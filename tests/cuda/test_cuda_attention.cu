@@ -8,6 +8,7 @@
 #include <titans/backend/cuda/cuda.cuh>
 
 #include <algorithm>
+#include <cstdlib>
 #include <numeric>
 #include <sstream>
 #include <string>
@@ -654,6 +655,25 @@ TEMPLATE_TEST_CASE("cuda attention: split decode layer", "[cuda]", float, double
         CHECK(worst <= bound<T>());
         CHECK(window_error<T>(sc, sg) <= bound<T>());
     }
+}
+
+// The split decode attention is on by default, as the process started (the tests that switch
+// it restore it; TITANS_SPLIT_DECODE=0 starts it off), and env_switch's reading: the fallback
+// where the variable is unset, else whether it is "1".
+TEST_CASE("cuda attention: split decode by default", "[cuda]") {
+    namespace cu = titans::backend::cuda;
+    const char* env = std::getenv("TITANS_SPLIT_DECODE");
+    CHECK(cu::split_decode() == (env == nullptr || std::string(env) == "1"));
+    const char* name = "TITANS_TEST_SWITCH_NEVER_SET";
+    ::unsetenv(name);
+    CHECK(cu::env_switch(name, true));
+    CHECK_FALSE(cu::env_switch(name));
+    ::setenv(name, "0", 1);
+    CHECK_FALSE(cu::env_switch(name, true));
+    ::setenv(name, "1", 1);
+    CHECK(cu::env_switch(name));
+    CHECK(cu::env_switch(name, true));
+    ::unsetenv(name);
 }
 
 // The warp-tiled kernel alone against the CPU on the draws of "cuda attention: tiled" (those of

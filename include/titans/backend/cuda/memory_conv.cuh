@@ -145,17 +145,28 @@ __device__ void conv_column(const ConvTile<T>& a, long long s, long long t0, lon
     tp.newest = a.conv && in_registers ? a.taps[static_cast<long long>(K - 1) * C3 + c] : T(0);
     constexpr int batch = 8;  // rows whose inputs are loaded before any output is stored
     bool bad = false;         // an output not finite
+    // Row pointers advanced by a row's stride (ld and stride are below 2^31 entries: the
+    // projection's GEMM takes ld as an int), not recomputed from 64-bit products each row
+    // (about 16 integer instructions a row's load did); a pointer moves on only where the next
+    // row exists.
+    const int step = static_cast<int>(ld), ostep = static_cast<int>(stride);
+    const T* src = u + (s * N + t0) * ld + c;
+    T* dst = at;
     for (long long tb = t0; tb < t1; tb += batch) {
+        const int m = t1 - tb < batch ? static_cast<int>(t1 - tb) : batch;  // rows here
+        const bool more = tb + batch < t1;                                  // rows after
         T xs[batch];
         TITANS_UNROLL
         for (int r = 0; r < batch; ++r) {
-            xs[r] = tb + r < t1 ? u[(s * N + tb + r) * ld + c] : T(0);
+            xs[r] = r < m ? *src : T(0);
+            src = r + 1 < m || (r + 1 == batch && more) ? src + step : src;
         }
         TITANS_UNROLL
         for (int r = 0; r < batch; ++r) {
-            if (tb + r < t1) {
+            if (r < m) {
                 const T z = conv_step(tp, a.taps, xs[r], win, C3, K, c, a.conv, a.silu,
-                                      in_registers, input, tb + r, at + (tb + r - t0) * stride);
+                                      in_registers, input, tb + r, dst);
+                dst = r + 1 < m || more ? dst + ostep : dst;
                 bad = bad || not_finite(z);
             }
         }

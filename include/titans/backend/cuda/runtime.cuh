@@ -125,11 +125,12 @@ inline cudaMemPool_t current_pool() {
 
 }  // namespace pool_detail
 
-/// Whether the environment sets `name` to "1": where an opt-in switch (call graphs, the fused
-/// feed-forward) takes its default.
-inline bool env_switch(const char* name) {
+/// A process-wide switch's default from the environment: `fallback` where `name` is unset,
+/// else whether it is "1" (so "0" turns off a switch that is on by default, the split decode
+/// attention's; "1" turns on an opt-in one: call graphs, the fused feed-forward).
+inline bool env_switch(const char* name, bool fallback = false) {
     const char* v = std::getenv(name);
-    return v != nullptr && std::strcmp(v, "1") == 0;
+    return v == nullptr ? fallback : std::strcmp(v, "1") == 0;
 }
 
 namespace tape_detail {

@@ -152,9 +152,10 @@ __device__ inline void store_pair(T* p, T x, T y) {
 #endif
 }
 
-/// The 16 bytes at p (16-byte aligned) as entries of T, in one access on the GPU.
+/// The 16 bytes at p (16-byte aligned) as entries of T, in one access on the GPU (entry by
+/// entry on the host, where the tests read FragmentRows).
 template <class T>
-__device__ inline void load_16_bytes(const T* p, T (&x)[16 / sizeof(T)]) {
+TITANS_HOST_DEVICE void load_16_bytes(const T* p, T (&x)[16 / sizeof(T)]) {
 #if defined(__CUDA_ARCH__)
     if constexpr (sizeof(T) == 4) {
         const float4 v = *reinterpret_cast<const float4*>(p);
@@ -172,7 +173,7 @@ __device__ inline void load_16_bytes(const T* p, T (&x)[16 / sizeof(T)]) {
 
 /// x into the 16 bytes at p (16-byte aligned), in one access on the GPU.
 template <class T>
-__device__ inline void store_16_bytes(T* p, const T (&x)[16 / sizeof(T)]) {
+TITANS_HOST_DEVICE void store_16_bytes(T* p, const T (&x)[16 / sizeof(T)]) {
 #if defined(__CUDA_ARCH__)
     if constexpr (sizeof(T) == 4) {
         *reinterpret_cast<float4*>(p) = make_float4(x[0], x[1], x[2], x[3]);
@@ -241,10 +242,10 @@ struct FragmentRows {
         const int half = O == KOrder::Pair ? k & 1 : (k >> 2) & 1;
         return ((k >> 3) * 32 + (r & 7) * 4 + q) * 4 + (r >> 3) + 2 * half;
     }
-    __device__ T operator()(int r, int k) const { return p[at(r, k)]; }
+    TITANS_HOST_DEVICE T operator()(int r, int k) const { return p[at(r, k)]; }
     /// Slots 0-3 of the fragment of row r (< 8) at its first k slot k: m(r, k), m(r + 8, k),
     /// m(r, kh), m(r + 8, kh), kh the second slot; one 16-byte access on the GPU.
-    __device__ EntryQuad<T> quad(int r, int k) const {
+    TITANS_HOST_DEVICE EntryQuad<T> quad(int r, int k) const {
         static_assert(sizeof(T) == 4, "TF32 operands: four entries in 16 bytes");
         EntryQuad<T> v;
         load_16_bytes(p + at(r, k), v.x);
