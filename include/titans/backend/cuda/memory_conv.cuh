@@ -159,7 +159,7 @@ __device__ void conv_column(const ConvTile<T>& a, long long s, long long t0, lon
         TITANS_UNROLL
         for (int r = 0; r < batch; ++r) {
             xs[r] = r < m ? *src : T(0);
-            src = r + 1 < m || (r + 1 == batch && more) ? src + step : src;
+            src = r + 1 < m || more ? src + step : src;  // more: m is the whole batch
         }
         TITANS_UNROLL
         for (int r = 0; r < batch; ++r) {
