@@ -380,64 +380,47 @@ do_cluster() {
   done
 }
 
-# next: what no GPU has timed yet, in one device call of about 7 minutes (a session is lent 15
-# minutes of device time, starts included): the tests of the kernels written since the last
-# GPU run (the cluster kernel, the flat checks, the decode kernel's loads in flight, the
-# few-row product, the split decode attention, the fused training trace, the backward's chunk
-# end in one kernel a chunk and its input adjoint summed by cuBLAS, the fused backward kernel
-# in TF32 and on bfloat16 operands, the training forward as clusters, the warp-tiled
-# attention with P and dS in registers),
-# racecheck on the cluster kernel and the fused backward, then the benchmarks that decide
-# their defaults (the headline forward with one block a pair and as clusters, the training
-# step at B 1 and 256 with the fused backward and with the sweep, its forward as clusters,
-# the fused backward on bfloat16 operands, the warp-tiled attention's forward and backward,
-# decode at B 1 and 1024, the
-# model's token with each opt-in, the checks; cuBLAS in the same run), each kernel's device
-# time of the cluster forward and of a training step at B = 256 (never profiled), and, with
-# what is left, the whole suite:
-# next_tests.txt, cluster_racecheck.txt, fbwd_racecheck.txt, next_bench.txt, ncu_cluster_{1,3}.txt,
-# ncu_train_B256.txt, cuda_tests.txt.
+# next: what no GPU has timed yet, in one device call of about 7-9 minutes (a session is lent
+# 15): the tests of the memory, layers, blocks and model (the conv kernel's row loop compiled
+# for K = 4, its norm's reciprocal a row and head, the decode kernel at 512 threads), racecheck
+# on the conv kernel's norm, the benchmarks (the headline forward, the training step, decode at
+# B 1 and 1024, the model's token, the checks; cuBLAS in the same run), each kernel's device
+# time of the headline forward and of a decoded token at B 1 and 1024, the conv and decode kernels'
+# throughput, occupancy and warp states, then, with what is left (and .whl carried), the peers:
+# next_tests.txt, norm_racecheck.txt, next_bench.txt, ncu_forward.txt, ncu_decode.txt,
+# ncu_decode1024.txt, ncu_detail.txt, peers.txt, peers_mac.txt.
 do_next() {
-  local out t b t0
+  local out t b t0 left
   t0=$(date +%s)
   step_start "${1:-}"
   { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv || true
     uptime; } > "${out}/device.txt" 2>&1
-  TITANS_ROWS_PRODUCT=1 TITANS_SPLIT_DECODE=1 tests_to next_tests.txt 90 \
-    "cuda memory: fused*,cuda memory: the L2 norm*,cuda memory training: fused*,cuda memory training: double,cuda memory training: float,cuda memory: cluster*,cuda launch: clusters,cuda memory: the non-finite*,cuda memory: decode*,cuda layers: few-row product*,cuda attention: split*,cuda attention: warp tiles*,cuda attention train: warp tiles*,cuda model*"
+  tests_to next_tests.txt 150 \
+    "cuda memory*,cuda model*,cuda layers*,cuda attention: split*,cuda blocks*,cuda launch*"
   grep -B3 -A12 "FAILED" "${out}/next_tests.txt" | head -n 40 || true
-  TITANS_CUDA_PARITY_CASES=1 timeout 50 compute-sanitizer --tool racecheck --error-exitcode 9 \
-    "${t}" "cuda memory: fused cluster" > "${out}/cluster_racecheck.txt" 2>&1 \
-    || echo "cluster racecheck: exit $?"
-  echo "cluster racecheck: $(grep -E 'SUMMARY' "${out}/cluster_racecheck.txt" || echo 'no summary')"
-  TITANS_CUDA_PARITY_CASES=1 timeout 50 compute-sanitizer --tool racecheck --error-exitcode 9 \
-    "${t}" "cuda memory training: fused backward" > "${out}/fbwd_racecheck.txt" 2>&1 \
-    || echo "fused backward racecheck: exit $?"
-  echo "fused backward racecheck: $(grep -E 'SUMMARY' "${out}/fbwd_racecheck.txt" || echo 'no summary')"
   timeout 40 compute-sanitizer --tool racecheck --error-exitcode 9 \
     "${t}" "cuda memory: the L2 norm in the conv kernel - float" > "${out}/norm_racecheck.txt" 2>&1 \
     || echo "conv norm racecheck: exit $?"
   echo "conv norm racecheck: $(grep -E 'SUMMARY' "${out}/norm_racecheck.txt" || echo 'no summary')"
   timeout 150 "${b}" --benchmark_counters_tabular=true --benchmark_repetitions=2 \
     --benchmark_min_time=0.2 \
-    --benchmark_filter='BM_CublasSgemm|BM_CudaMemory/B:(64|256)/N:(1024|512)/tf32:1/fused:[13]|BM_CudaMemoryTrain/B:(1|256)/|BM_CudaDecode/B:1(024)?/decode:1|BM_CudaModelDecode/B:1/pooled:1/graphs:[01]/ffn:0/opt:[23]/|BM_CudaChecks|BM_CudaDecodeAtt|BM_CudaAttentionTiles/B:16/N:4096/path:3' \
+    --benchmark_filter='BM_CublasSgemm|BM_CudaMemory/B:(64|256)/N:(1024|512)/tf32:1/fused:1/|BM_CudaMemoryTrain/B:256/N:512/fbwd:0/|BM_CudaDecode/B:1(024)?/decode:1|BM_CudaModelDecode/B:1/pooled:1/graphs:[01]/ffn:0/opt:[023]/|BM_CudaChecks' \
     > "${out}/next_bench.txt" 2>&1 || echo "next bench: exit $?"
   grep "^BM_" "${out}/next_bench.txt" | grep -v "_mean\|_stddev\|_cv" || true
-  local f
-  for f in 1 3; do
-    ncu_kernels "cluster_${f}" "BM_CudaMemory/B:256/N:512/tf32:1/fused:${f}/" 8
-  done
-  timeout 120 ncu --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
-    "${b}" --benchmark_min_time=0.001 --benchmark_repetitions=1 \
-    --benchmark_filter='BM_CudaMemoryTrain/B:256/N:512/fbwd:1/cl:0/' > "${out}/ncu_train_B256.txt" 2>&1 \
-    || echo "ncu train: exit $?"
-  echo "training step, B 256: the 25 kernels of most device time (total, mean, launches, name)"
-  ncu_totals "${out}/ncu_train_B256.txt" | head -n 25
-  local left=$(( ${LEASE_SECONDS:-540} - ($(date +%s) - t0) ))
-  if (( left > 60 )); then
-    timeout "${left}" "${t}" --warn NoTests --durations yes > "${out}/cuda_tests.txt" 2>&1 \
-      || echo "suite: exit $?"
-    echo "suite: $(tail -n 2 "${out}/cuda_tests.txt" | tr '\n' ' ')"
+  ncu_kernels forward "BM_CudaMemory/B:256/N:512/tf32:1/fused:1/" 10
+  ncu_kernels decode "BM_CudaDecode/B:1/decode:1/rows:0" 12
+  ncu_kernels decode1024 "BM_CudaDecode/B:1024/decode:1/rows:0" 12
+  # the conv and decode kernels' bounds: throughput, occupancy and warp states
+  timeout 60 ncu --clock-control none -k 'regex:conv_tile|decode_rows' -c 6 \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    "${b}" --benchmark_min_time=0.01 \
+    --benchmark_filter='BM_CudaMemory/B:256/N:512/tf32:1/fused:1/|BM_CudaDecode/B:1/decode:1/rows:0' \
+    > "${out}/ncu_detail.txt" 2>&1 || echo "ncu detail: exit $?"
+  grep -E "^  [a-z_]+.*\(|Memory Throughput|Achieved Occupancy|Registers Per|Duration|Stall" \
+    "${out}/ncu_detail.txt" | head -n 60 || true
+  left=$(( ${LEASE_SECONDS:-540} - ($(date +%s) - t0) ))
+  if (( left > 90 )) && compgen -G "${repo_root}/.whl/*.whl" > /dev/null; then
+    PEERS_SECONDS=$(( left - 20 )) do_peers "${out}"
   fi
   echo "next: $(( $(date +%s) - t0 )) s"
 }
@@ -448,11 +431,17 @@ do_peers() {
   export LD_LIBRARY_PATH="${build}/bench${LD_LIBRARY_PATH:+:${LD_LIBRARY_PATH}}"
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/titans-peers \
     "${repo_root}"/.whl/*.whl
-  PYTHONPATH=/tmp/titans-peers timeout 300 python3 "${repo_root}/tools/compare_pytorch_gpu.py" \
-    --bench "${build}/bench/bench_cuda" | tee "${out}/peers.txt" || echo "peers: exit $?"
+  local s0 limit="${PEERS_SECONDS:-600}"
+  s0=$(date +%s)
+  PYTHONPATH=/tmp/titans-peers timeout $(( limit < 300 ? limit : 300 )) python3 \
+    "${repo_root}/tools/compare_pytorch_gpu.py" --bench "${build}/bench/bench_cuda" \
+    | tee "${out}/peers.txt" || echo "peers: exit $?"
   # The one-layer MAC model against titans-pytorch's MAC transformer of depth 1.
-  PYTHONPATH=/tmp/titans-peers timeout 300 python3 "${repo_root}/tools/compare_pytorch_gpu.py" \
-    --bench "${build}/bench/bench_cuda" --mac | tee "${out}/peers_mac.txt"
+  limit=$(( limit - ($(date +%s) - s0) ))
+  (( limit > 30 )) || { echo "peers MAC: no time left"; return 0; }
+  PYTHONPATH=/tmp/titans-peers timeout $(( limit < 300 ? limit : 300 )) python3 \
+    "${repo_root}/tools/compare_pytorch_gpu.py" --bench "${build}/bench/bench_cuda" --mac \
+    | tee "${out}/peers_mac.txt" || echo "peers MAC: exit $?"
 }
 
 case "${1:-all}" in

@@ -519,12 +519,12 @@ TEST_CASE("cuda memory: fused launches check what they write", "[cuda]") {
 
 // q and k normalised in the conv kernel (memory_conv.cuh, norm_tile) where its blocks of 128
 // columns cover whole heads (d_h 32, 64, 128), and by the L2 norm kernel after it otherwise
-// (d_h 16, 48: the emulator counts which ran), against the CPU (double to rounding, float
-// within 1e-5): one head, and 3 heads (a block holding k's and v's columns where d_h is 32),
-// tiles of 32 rows and ragged ones, pieces of every length, streams of every kind (float: but
-// x 1e3, whose drift is not the norm's), and rows
-// whose sums of squares overflow (W_Q and W_K x 1e155 in double, x 1e20 in float: the scaled
-// norm of detail/norm_scale.hpp; the norms of the keys stay finite).
+// (d_h 16, 48: the emulator counts which ran, and that K = 4 took its compiled row loop),
+// against the CPU (double to rounding, float within 1e-5): one head, and 3 heads (a block
+// holding k's and v's columns where d_h is 32), tiles of 32 rows and ragged ones, pieces of
+// every length, streams of every kind (float: but x 1e3, whose drift is not the norm's), and
+// rows whose sums of squares overflow (W_Q and W_K x 1e155 in double, x 1e20 in float: the
+// scaled norm of detail/norm_scale.hpp; the norms of the keys stay finite).
 TEMPLATE_TEST_CASE("cuda memory: the L2 norm in the conv kernel", "[cuda]", float, double) {
     using T = TestType;
     const double bound = std::is_same_v<T, double> ? 1e-12 : 1e-5;
@@ -561,13 +561,21 @@ TEMPLATE_TEST_CASE("cuda memory: the L2 norm in the conv kernel", "[cuda]", floa
                             << ", stream kind " << kind % 5);
 #if TITANS_CUDA_EMULATION
                 const void* norm = reinterpret_cast<const void*>(&tcu::l2_rows_kernel<T>);
-                const long before = cuda_emulation::launches(norm);
+                const void* k4 = reinterpret_cast<const void*>(&tcu::conv_tile_kernel<T, 4>);
+                const void* any_k = reinterpret_cast<const void*>(&tcu::conv_tile_kernel<T, 0>);
+                const long before = cuda_emulation::launches(norm),
+                           before_k4 = cuda_emulation::launches(k4),
+                           before_any = cuda_emulation::launches(any_k);
 #endif
                 std::vector<int> pieces{N - N / 3};  // a ragged tile at its end
                 for (const int n : random_pieces(rng, N / 3, 32)) pieces.push_back(n);
                 (void)compare_case<T>(cfg, p, x, B, N, rng, bound, pieces);
 #if TITANS_CUDA_EMULATION
                 CHECK((cuda_emulation::launches(norm) > before) == !tcu::conv_norms(dh));
+                // K = 4 (the default) on the row loop compiled for it, other K on the general one
+                const bool four = cfg.use_conv && cfg.conv_kernel == 4;
+                CHECK((cuda_emulation::launches(k4) > before_k4) == four);
+                CHECK((cuda_emulation::launches(any_k) > before_any) == !four);
 #endif
                 ++index;
             }
@@ -1097,17 +1105,22 @@ TEMPLATE_TEST_CASE("cuda memory: decode kernel", "[cuda]", float, double) {
     }
 }
 
-// The decode kernel with heads wider than the fixture's (h 16): h 36 (d_h 12, e 3) and 128 (d_h
-// 32, e 4), so that each of the 8 warps takes several rows of W2 in the error's way back (4 at
-// once, decode_rows_per_warp), some groups cut short by h, and the first layer's and second
-// layer's loops run past their unrolled 16; against the CPU over 17 tokens, chunk ends
-// included (the pending rows Delta_1 enter the updates there).
+// The decode kernel with heads wider than the fixture's (h 16): h 36 (d_h 12, e 3), 128 (d_h
+// 32, e 4) and 256 (d_h 64, e 4, the headline's), so that each warp takes several rows of W2 in
+// the error's way back (4 at once, decode_rows_per_warp), some groups cut short by h, the
+// first layer's slices of W1's rows are many, a few or one (decode_w1_slices), and the first
+// layer's and second layer's loops run past their unrolled 16; 4 pairs (512 threads a block
+// in float) and, at h 256, 130 (more than decode_wide_pairs: 256 threads); against the CPU
+// over 17 tokens, chunk ends included (the pending rows Delta_1 enter the updates there).
 TEMPLATE_TEST_CASE("cuda memory: decode kernel, wide heads", "[cuda]", float, double) {
     using T = TestType;
     const double bound = std::is_same_v<T, double> ? 1e-12 : 1e-5;
-    const std::pair<int, int> shapes[] = {{12, 3}, {32, 4}};  // (d_h, expansion)
+    struct Shape {
+        int dh, e, B;
+    };
+    const Shape shapes[] = {{12, 3, 2}, {32, 4, 2}, {64, 4, 2}, {64, 4, 65}};
     int index = 0;
-    for (const auto& [dh, e] : shapes) {
+    for (const auto& [dh, e, B] : shapes) {
         Rng rng(seed_for("cuda decode kernel, wide heads", static_cast<std::uint64_t>(index++)));
         Fixture f(rng(), Retrieval::Lagged, 5);
         f.cfg.d_model = 2 * dh;
@@ -1116,11 +1129,12 @@ TEMPLATE_TEST_CASE("cuda memory: decode kernel, wide heads", "[cuda]", float, do
         f.cfg.residual = index == 1;
         f.cfg.gates = titans::GateMode::DataDependent;
         f.p = random_params(f.cfg, rng);
-        const int B = 2, N = 17;
+        const int N = 17;
         const Matrixd x = random_matrix(B * N, f.cfg.d_model, rng);
         std::vector<int> pieces(7, 1);
         for (const int n : {2, 4, 3, 1}) pieces.push_back(n);
-        INFO("d_h " << dh << " expansion " << e);
+        INFO("d_h " << dh << " expansion " << e << " streams " << B << " threads "
+                    << tcu::decode_block_threads<T>(2LL * B));
 #if TITANS_CUDA_EMULATION
         const void* kernel = reinterpret_cast<const void*>(&tcu::decode_rows_kernel<T>);
         const long before = cuda_emulation::launches(kernel);

@@ -8,6 +8,7 @@
 #include "../../config.hpp"
 #include "../../detail/activation.hpp"
 #include "../../detail/norm_scale.hpp"
+#include "fast_math.cuh"
 #include "launch.cuh"
 #include "memory_device.cuh"
 
@@ -27,11 +28,17 @@ TITANS_HOST_DEVICE constexpr bool conv_norms(long long dh) {
     return dh % 32 == 0 && conv_threads % dh == 0;
 }
 
-/// The dynamic shared memory of a normalising conv_tile_kernel block: the staged values and
-/// the warps' sums of squares, a row each.
+/// The dynamic shared memory of a normalising conv_tile_kernel block: the staged values, the
+/// warps' sums of squares and the heads' reciprocal norms (at most one a warp), a row each.
 template <class T>
 constexpr std::size_t conv_norm_shared() {
-    return sizeof(T) * conv_rows * (conv_shared_ld + conv_threads / 32);
+    return sizeof(T) * conv_rows * (conv_shared_ld + 2 * (conv_threads / 32));
+}
+
+/// The conv kernel size conv_tile_kernel has a compiled row loop for (its template argument
+/// KT; 0: any K, read at run time): K = 4, the default (MemoryConfig::conv_kernel).
+TITANS_HOST_DEVICE constexpr int conv_compiled_k(bool conv, int K) {
+    return conv && K == 4 ? 4 : 0;
 }
 
 #if TITANS_CUDA_DEVICE_CODE
@@ -47,9 +54,11 @@ struct ConvTaps {
     T newest;
 };
 
-/// One row t of conv_column: x (its input) through the conv, phi, into *out (returned). With
-/// in_registers, tp holds the taps and win the last K - 1 inputs, advanced by one row; else
-/// (K - 1 > held) the taps are read from `taps` and the inputs by input(tt).
+/// One row t of conv_column: x (its input) through the conv, phi (SiLU on fast_sigmoid: the
+/// special function unit in float), into *out (returned). With in_registers, tp holds the taps
+/// and win the last K - 1 inputs, advanced by one row (where K is a compile-time constant the
+/// slide is register renames; at run time a select an entry); else (K - 1 > held) the taps are
+/// read from `taps` and the inputs by input(tt).
 template <class T, int held, class In>
 __device__ inline T conv_step(const ConvTaps<T, held>& tp, const T* taps, T x,
                               T (&win)[held], int C3, int K, int c, bool conv, bool silu,
@@ -72,7 +81,7 @@ __device__ inline T conv_step(const ConvTaps<T, held>& tp, const T* taps, T x,
             val += taps[static_cast<long long>(i) * C3 + c] * input(t - K + 1 + i);
         }
     }
-    *out = silu ? detail::silu(val) : val;
+    *out = silu ? val * fast_sigmoid(val) : val;
     return *out;
 }
 
@@ -111,16 +120,18 @@ struct ConvTile {
 
 /// Column c of u (c < C) over token rows [t0, t1) of sequence s (ConvTile). The thread walks
 /// the column down the rows with the last K - 1 inputs and the K taps in registers (K <= 8;
-/// longer kernels read them again), so each entry of u is read once, in batches of 8 rows whose loads are in
-/// flight together. With `advance` (one thread walks the whole sequence, t0 = 0 and t1 = N)
+/// longer kernels read them again), so each entry of u is read once, in batches of 8 rows whose
+/// loads are in flight together. KT (conv_compiled_k: a.conv and a.K == KT) makes K a
+/// compile-time constant; 0 reads it from a. With `advance` (one thread walks the whole sequence, t0 = 0 and t1 = N)
 /// the thread then writes the column's new tail, the last K - 1 inputs of [tail; u], over the
 /// old one it alone read.
-template <class T>
+template <class T, int KT = 0>
 __device__ void conv_column(const ConvTile<T>& a, long long s, long long t0, long long t1,
                             int c, T* staged_rows = nullptr) {
-    constexpr int held = 7;  // inputs kept in registers: K - 1 <= held
+    constexpr int held = KT > 1 ? KT - 1 : 7;  // inputs kept in registers: K - 1 <= held
     const long long N = a.N;
-    const int K = a.K, C3 = a.C3, D = a.D, dh = a.dh;
+    const int K = KT > 0 ? KT : a.K, C3 = a.C3, D = a.D, dh = a.dh;
+    const bool conv = KT > 0 || a.conv;
     const int which = c / D, h = (c - which * D) / dh, j = c - which * D - h * dh;
     T* out = (which == 0 ? a.q : (which == 1 ? a.k : a.v)) + (s * a.H + h) * N * dh + j;
     // q and k normalised in the kernel: the rows go to the block's shared memory first
@@ -138,11 +149,11 @@ __device__ void conv_column(const ConvTile<T>& a, long long s, long long t0, lon
     ConvTaps<T, held> tp{};
     TITANS_UNROLL
     for (int i = 0; i < held; ++i) {
-        const bool used = a.conv && in_registers && i < K - 1;
+        const bool used = conv && in_registers && i < K - 1;
         win[i] = used ? input(t0 - (K - 1) + i) : T(0);
         tp.older[i] = used ? a.taps[static_cast<long long>(i) * C3 + c] : T(0);
     }
-    tp.newest = a.conv && in_registers ? a.taps[static_cast<long long>(K - 1) * C3 + c] : T(0);
+    tp.newest = conv && in_registers ? a.taps[static_cast<long long>(K - 1) * C3 + c] : T(0);
     constexpr int batch = 8;  // rows whose inputs are loaded before any output is stored
     bool bad = false;         // an output not finite
     // Row pointers advanced by a row's stride (ld and stride are below 2^31 entries: the
@@ -164,7 +175,7 @@ __device__ void conv_column(const ConvTile<T>& a, long long s, long long t0, lon
         TITANS_UNROLL
         for (int r = 0; r < batch; ++r) {
             if (r < m) {
-                const T z = conv_step(tp, a.taps, xs[r], win, C3, K, c, a.conv, a.silu,
+                const T z = conv_step(tp, a.taps, xs[r], win, C3, K, c, conv, a.silu,
                                       in_registers, input, tb + r, dst);
                 dst = r + 1 < m || more ? dst + ostep : dst;
                 bad = bad || not_finite(z);
@@ -262,8 +273,10 @@ __device__ __noinline__ T scaled_unit(const T* row, int dh, int j) {
 /// The q and k columns [cb, cb + conv_threads) of one tile (n rows from t0 of sequence s)
 /// divided by their rows' L2 norms, at least 1e-12 (l2_row's math), from the values conv_column
 /// staged in `sh` (conv_rows x conv_shared_ld, a column a thread) into the pair-major q and k.
-/// Warp w sums the squares of its 32 columns, a lane a row, after the values; each thread then
-/// adds its head's d_h / 32 sums and divides its column. Columns from min(C, 2D) on (v, the
+/// Warp w sums the squares of its 32 columns, a lane a row, after the values; a thread a (row,
+/// head) then adds the head's d_h / 32 sums into the reciprocal of the row's norm, and each
+/// thread multiplies its column by it (one division a row and head, not an entry; -1 marks a
+/// sum that overflowed or is NaN: scaled_unit's path). Columns from min(C, 2D) on (v, the
 /// gates) are left alone. The check (where a.sink is on): each thread's first non-finite row,
 /// keyed s N + t into slot 0. Every thread of the block calls it (a barrier inside).
 template <class T>
@@ -271,8 +284,10 @@ __device__ void norm_tile(const ConvTile<T>& a, long long s, long long t0, int n
                           T* sh) {
     constexpr int ld = conv_shared_ld, warps = conv_threads / 32;
     T* const sums = sh + conv_rows * ld;
+    T* const inv = sums + conv_rows * warps;  // [row][head of the block]
     const int tid = static_cast<int>(threadIdx.x), lane = tid % 32, w = tid / 32;
-    const int qk = a.C < 2 * a.D ? a.C : 2 * a.D;
+    const int qk = a.C < 2 * a.D ? a.C : 2 * a.D, dh = a.dh;
+    const int per = dh / 32, heads = conv_threads / dh;  // a head's warps, the block's heads
     if (cb + 32 * w < qk && lane < n) {  // a warp's columns lie in one head (d_h % 32 == 0)
         const T* row = sh + lane * ld + 32 * w;
         T ss = T(0);
@@ -282,23 +297,28 @@ __device__ void norm_tile(const ConvTile<T>& a, long long s, long long t0, int n
         sums[lane * warps + w] = ss;
     }
     __syncthreads();
-    const int c = cb + tid, dh = a.dh;
+    if (tid < n * heads && cb + tid % heads * dh < qk) {  // row tid / heads, its head's norm
+        const int r = tid / heads, hb = tid % heads;
+        T ss = T(0);
+        for (int i = 0; i < per; ++i) {
+            ss += sums[r * warps + hb * per + i];
+        }
+        const T nrm = sqrt(ss) > T(1e-12) ? sqrt(ss) : T(1e-12);
+        inv[r * heads + hb] = ss <= detail::largest_finite<T>() ? T(1) / nrm : T(-1);
+    }
+    __syncthreads();
+    const int c = cb + tid;
     if (c >= qk) {
         return;
     }
-    const int per = dh / 32, first = tid - tid % dh;  // the head's sums, its first column
+    const int hb = tid / dh, first = hb * dh;  // the column's head in the block, its first
     const int which = c / a.D, h = (c - which * a.D) / dh;
     T* const out = (which == 0 ? a.q : a.k) + ((s * a.H + h) * a.N + t0) * dh + c % dh;
     int bad = n;
     for (int r = 0; r < n; ++r) {
-        T ss = T(0);
-        for (int i = 0; i < per; ++i) {
-            ss += sums[r * warps + first / 32 + i];
-        }
-        const T nrm = sqrt(ss) > T(1e-12) ? sqrt(ss) : T(1e-12);
-        const T z = ss <= detail::largest_finite<T>()
-                        ? sh[r * ld + tid] / nrm
-                        : scaled_unit(sh + r * ld + first, dh, tid - first);
+        const T iv = inv[r * heads + hb];
+        const T z = iv > T(0) ? sh[r * ld + tid] * iv
+                              : scaled_unit(sh + r * ld + first, dh, tid - first);
         out[static_cast<long long>(r) * dh] = z;
         bad = not_finite(z) && bad == n ? r : bad;
     }
@@ -311,8 +331,8 @@ __device__ void norm_tile(const ConvTile<T>& a, long long s, long long t0, int n
 /// the C + G columns strided over blockIdx.y in blocks of blockDim.x (a warp's 32 columns make
 /// its reads and writes coalesce). With a.norm, a block's q and k columns are staged in its
 /// dynamic shared memory and normalised by norm_tile (a block covers whole heads: d_h divides
-/// conv_threads).
-template <class T>
+/// conv_threads). KT: conv_compiled_k(a.conv, a.K) (conv_column).
+template <class T, int KT>
 __global__ void conv_tile_kernel(ConvTile<T> a) {
     const long long s = blockIdx.x / a.tiles, t0 = blockIdx.x % a.tiles * a.rows;
     const long long t1 = t0 + a.rows < a.N ? t0 + a.rows : a.N;
@@ -323,7 +343,7 @@ __global__ void conv_tile_kernel(ConvTile<T> a) {
          cb += static_cast<int>(gridDim.y) * width) {
         const int c = cb + static_cast<int>(threadIdx.x);
         if (c < a.C) {
-            conv_column(a, s, t0, t1, c, sh == nullptr ? nullptr : sh + threadIdx.x);
+            conv_column<T, KT>(a, s, t0, t1, c, sh == nullptr ? nullptr : sh + threadIdx.x);
         } else if (c < a.C + a.G) {
             gate_column(a, s, t0, t1, c - a.C);
         }

@@ -13,6 +13,7 @@
 //   z1 = k W1, A_1 = act(z1), Delta_2 = A_1 W2 (+ k) - v, Delta_1 = (Delta_2 W2^T) . act'(z1).
 // Sums in T by FMAs in a fixed order (no atomics): deterministic, not the order of cuBLAS.
 
+#include <algorithm>
 #include <cstddef>
 
 #include "../../activation.hpp"
@@ -60,16 +61,38 @@ struct DecodeRows {
     ConvTile<T> conv;
 };
 
+/// The slices of d_h rows of W1 decode_rows_kernel's `threads` threads split a column's
+/// products into (a thread a column and slice; 1 where h >= threads).
+TITANS_HOST_DEVICE constexpr int decode_w1_slices(int h, int threads) {
+    return h < threads ? threads / h : 1;
+}
+
 /// Shared memory decode_rows_kernel takes with `threads` threads: q, k, the error (d_h each),
-/// hq, A_1, act'(z1) (h each) and the second products' partial sums.
+/// hq, A_1, act'(z1) (h each) and the partial sums of the products through W1 (2 x slices x h)
+/// or, after them, through W2 (2 x slices x d_h), whichever is larger.
 template <class T>
 std::size_t decode_shared_bytes(int dh, int h, int threads) {
     const int slices = dh <= threads ? threads / dh : 1;
-    return static_cast<std::size_t>(3 * dh + 3 * h + 2 * slices * dh) * sizeof(T);
+    const int parts = 2 * std::max(slices * dh, decode_w1_slices(h, threads) * h);
+    return static_cast<std::size_t>(3 * dh + 3 * h + parts) * sizeof(T);
 }
 
 /// The rows of W2 a warp of decode_rows_kernel takes at once in the error's way back.
 inline constexpr int decode_rows_per_warp = 4;
+
+/// decode_rows_kernel's threads a block for P pairs (a block each): 256, or in float 512 where
+/// P <= decode_wide_pairs, 16 warps on a pair's chains of loads where the pairs leave SMs idle
+/// (at B = 1 a block an SM a head). 80 registers a thread in float (64 with spills where 512 is
+/// declared as a launch bound) allow one block of 512 an SM, three of 256: many pairs keep
+/// 256. In double 256 (124 registers a thread).
+inline constexpr long long decode_wide_pairs = 128;
+template <class T>
+constexpr int decode_block_threads(long long P) {
+    return sizeof(T) == 4 && P <= decode_wide_pairs ? 512 : 256;
+}
+/// The most threads decode_block_threads gives T (the shared memory decode_applies bounds).
+template <class T>
+inline constexpr int decode_most_threads = decode_block_threads<T>(1);
 
 #if TITANS_CUDA_DEVICE_CODE
 /// Entry i of a pending array = v, its old value into `saved` first when that is given.
@@ -158,7 +181,12 @@ __device__ void decode_conv(const DecodeRows<T>& d, long long p) {
     for (int i = static_cast<int>(threadIdx.x); i < cols + gates;
          i += static_cast<int>(blockDim.x)) {
         if (i < cols) {  // part i / dh (q, k, v) of the head's columns
-            conv_column(a, s, 0, a.N, i / a.dh * a.D + hd * a.dh + i % a.dh);
+            const int c = i / a.dh * a.D + hd * a.dh + i % a.dh;
+            if (conv_compiled_k(a.conv, a.K) == 4) {
+                conv_column<T, 4>(a, s, 0, a.N, c);
+            } else {
+                conv_column<T, 0>(a, s, 0, a.N, c);
+            }
         } else {
             gate_column(a, s, 0, a.N, (i - cols) * a.H + hd);
         }
@@ -166,19 +194,62 @@ __device__ void decode_conv(const DecodeRows<T>& d, long long p) {
     __syncthreads();  // the block's rows of q, k, v and lp written before they are read
 }
 
+/// The row's first-layer products zq = q W1 and z1 = k W1 (qs, ks in shared memory), then
+/// hq = act(zq), A_1 = act(z1) and act'(z1) into shared memory and A_1 into its pending row.
+/// Thread (s, j) sums column j over slice s of W1's rows (decode_w1_slices: at 512 threads and
+/// h 256, two slices of 32 rows, each thread's 16-load batches twice, where one thread a column
+/// waited on four) into `part`; thread j then adds the slices in order. Returns whether a value
+/// written is not finite.
+template <class T>
+__device__ bool decode_first_layer(const DecodeRows<T>& d, long long p, long long pending,
+                                   T* sh) {
+    const int dh = d.dh, h = d.h, threads = static_cast<int>(blockDim.x);
+    const int slices = decode_w1_slices(h, threads), span = (dh + slices - 1) / slices;
+    T *qs = sh, *ks = sh + dh, *hq = sh + 3 * dh, *a1 = hq + h, *g1 = a1 + h;
+    T* part = g1 + h;  // [2][slices][h]
+    const T* w1 = d.w1 + p * dh * h;
+    for (int i = static_cast<int>(threadIdx.x); i < slices * h; i += threads) {
+        const int j = i % h, s = i / h, i1 = (s + 1) * span < dh ? (s + 1) * span : dh;
+        T zq = T(0), zk = T(0);
+        TITANS_PRAGMA(unroll 16)  // 16 loads of W1 in flight before their products
+        for (int r = s * span; r < i1; ++r) {
+            const T w = w1[static_cast<long long>(r) * h + j];
+            zq += qs[r] * w;
+            zk += ks[r] * w;
+        }
+        part[s * h + j] = zq;
+        part[(slices + s) * h + j] = zk;
+    }
+    __syncthreads();
+    bool bad = false;
+    for (int j = static_cast<int>(threadIdx.x); j < h; j += threads) {
+        T zq = T(0), zk = T(0);
+        for (int s = 0; s < slices; ++s) {
+            zq += part[s * h + j];
+            zk += part[(slices + s) * h + j];
+        }
+        const detail::ValueGrad<T> a = kernel_activate_with_grad(d.act, zk);
+        hq[j] = kernel_activate(d.act, zq);
+        a1[j] = a.value;
+        g1[j] = a.grad;
+        put_pending(d.live.a1, d.save.a1, pending * h + j, a.value);
+        bad = bad || not_finite(a.value);
+    }
+    return bad;
+}
+
 /// A block per pair (blockIdx.x), its m rows one after the other: the read and the key pass
 /// of the file comment (the conv first, when d.conv.u is given). Dynamic shared memory:
-/// decode_shared_bytes.
+/// decode_shared_bytes; decode_block_threads<T>(gridDim.x) threads.
 template <class T>
 __global__ void decode_rows_kernel(DecodeRows<T> d) {
     const long long p = blockIdx.x;
     if (d.conv.u != nullptr) {
         decode_conv(d, p);
     }
-    const int dh = d.dh, h = d.h, threads = static_cast<int>(blockDim.x);
+    const int dh = d.dh, threads = static_cast<int>(blockDim.x);
     T* sh = dynamic_shared<T>();
-    T *qs = sh, *ks = sh + dh, *hq = sh + 3 * dh, *a1 = hq + h, *g1 = a1 + h;
-    const T* w1 = d.w1 + p * dh * h;
+    T *qs = sh, *ks = sh + dh;
     bool bad = false;  // a non-finite entry among those this thread read or wrote
     for (int r = 0; r < d.m; ++r) {
         const long long row = p * d.ps + static_cast<long long>(r) * dh;
@@ -199,21 +270,7 @@ __global__ void decode_rows_kernel(DecodeRows<T> d) {
             bad = bad || not_finite(g);
         }
         __syncthreads();
-        for (int j = static_cast<int>(threadIdx.x); j < h; j += threads) {
-            T zq = T(0), zk = T(0);
-            TITANS_PRAGMA(unroll 16)  // 16 loads of W1 in flight before their products
-            for (int i = 0; i < dh; ++i) {
-                const T w = w1[static_cast<long long>(i) * h + j];
-                zq += qs[i] * w;
-                zk += ks[i] * w;
-            }
-            const detail::ValueGrad<T> a = kernel_activate_with_grad(d.act, zk);
-            hq[j] = kernel_activate(d.act, zq);
-            a1[j] = a.value;
-            g1[j] = a.grad;
-            put_pending(d.live.a1, d.save.a1, pending * h + j, a.value);
-            bad = bad || not_finite(a.value);
-        }
+        bad = decode_first_layer(d, p, pending, sh) || bad;
         __syncthreads();
         bad = decode_second_layer(d, p, r, sh) || bad;
         __syncthreads();  // before the next row overwrites q, k and the vectors

@@ -573,7 +573,10 @@ struct MemoryKernels<Cuda, T> {
                 c.check_qk = !norm_here;
                 c.norm = norm_here && cuda::conv_norms(dh);
                 norm_done = norm_done || c.norm;
-                cuda::launch_shared(cuda::conv_tile_kernel<T>, grid, threads,
+                const auto kernel = cuda::conv_compiled_k(conv, K) == 4
+                                        ? cuda::conv_tile_kernel<T, 4>
+                                        : cuda::conv_tile_kernel<T, 0>;
+                cuda::launch_shared(kernel, grid, threads,
                                     c.norm ? cuda::conv_norm_shared<T>() : 0, sm, c);
                 cuda::check_launch("the conv kernel");  // *later stays empty: ran here
             }
@@ -802,7 +805,7 @@ struct MemoryKernels<Cuda, T> {
 
     /// The most rows a segment may have for decode_rows (a block per pair walks them).
     static constexpr long long decode_rows_max = 4;
-    static constexpr int decode_threads = 256;
+    static constexpr int decode_threads = cuda::decode_most_threads<T>;
 
     /// How a call's short segments run: in decode_rows_kernel (`kernel`); whether that kernel
     /// runs every segment of the call (`whole`: at most decode_rows_max rows a sequence, fewer
@@ -857,8 +860,9 @@ struct MemoryKernels<Cuda, T> {
                                     cfg.activation,      cfg.residual,
                                     plan.norm,           cuda::deferred_flag(),
                                     conv};
-        cuda::launch_shared(cuda::decode_rows_kernel<T>, static_cast<unsigned>(P), decode_threads,
-                            cuda::decode_shared_bytes<T>(dh, h, decode_threads),
+        const int threads = cuda::decode_block_threads<T>(P);
+        cuda::launch_shared(cuda::decode_rows_kernel<T>, static_cast<unsigned>(P), threads,
+                            cuda::decode_shared_bytes<T>(dh, h, threads),
                             ctx(st).stream(), d);
         cuda::check_launch("the decode kernel");
         return true;
