@@ -4,6 +4,7 @@
 // same kernel, q and k divided by their rows' L2 norms where a block covers whole heads.
 
 #include <cstddef>
+#include <type_traits>
 
 #include "../../config.hpp"
 #include "../../detail/activation.hpp"
@@ -155,7 +156,7 @@ __device__ void conv_column(const ConvTile<T>& a, long long s, long long t0, lon
     }
     tp.newest = conv && in_registers ? a.taps[static_cast<long long>(K - 1) * C3 + c] : T(0);
     constexpr int batch = 8;  // rows whose inputs are loaded before any output is stored
-    bool bad = false;         // an output not finite
+    T chk = T(0);  // the sum of z - z over the outputs: 0, or NaN where one is not finite
     // Row pointers advanced by a row's stride (ld and stride are below 2^31 entries: the
     // projection's GEMM takes ld as an int), not recomputed from 64-bit products each row
     // (about 16 integer instructions a row's load did); a pointer moves on only where the next
@@ -163,25 +164,34 @@ __device__ void conv_column(const ConvTile<T>& a, long long s, long long t0, lon
     const int step = static_cast<int>(ld), ostep = static_cast<int>(stride);
     const T* src = u + (s * N + t0) * ld + c;
     T* dst = at;
-    for (long long tb = t0; tb < t1; tb += batch) {
-        const int m = t1 - tb < batch ? static_cast<int>(t1 - tb) : batch;  // rows here
-        const bool more = tb + batch < t1;                                  // rows after
+    // m rows from tb; `whole` (m = batch, known when compiled): no test a row
+    const auto rows = [&](auto whole, long long tb, int m, bool more) {
+        constexpr bool all = decltype(whole)::value;
         T xs[batch];
         TITANS_UNROLL
         for (int r = 0; r < batch; ++r) {
-            xs[r] = r < m ? *src : T(0);
-            src = r + 1 < m || more ? src + step : src;  // more: m is the whole batch
+            xs[r] = all || r < m ? *src : T(0);
+            src = (all ? r + 1 < batch : r + 1 < m) || more ? src + step : src;
         }
         TITANS_UNROLL
         for (int r = 0; r < batch; ++r) {
-            if (r < m) {
+            if (all || r < m) {
                 const T z = conv_step(tp, a.taps, xs[r], win, C3, K, c, conv, a.silu,
                                       in_registers, input, tb + r, dst);
-                dst = r + 1 < m || more ? dst + ostep : dst;
-                bad = bad || not_finite(z);
+                dst = (all ? r + 1 < batch : r + 1 < m) || more ? dst + ostep : dst;
+                chk += z - z;
             }
         }
+    };
+    for (long long tb = t0; tb < t1; tb += batch) {
+        const bool more = tb + batch < t1;  // rows after the batch
+        if (tb + batch <= t1) {
+            rows(std::true_type{}, tb, batch, more);
+        } else {
+            rows(std::false_type{}, tb, static_cast<int>(t1 - tb), more);
+        }
     }
+    const bool bad = !(chk == T(0));  // an output not finite
     // (rare) which row: the thread's own stores again (staged q and k: norm_tile checks them)
     if (bad && !staged && (which == 2 || a.check_qk)) {
         long long t = t0;
