@@ -1146,6 +1146,63 @@ TEMPLATE_TEST_CASE("cuda memory: decode kernel, wide heads", "[cuda]", float, do
     }
 }
 
+// The decode kernel as clusters of 2, 4 and 8 blocks a pair (decode_cluster_kernel,
+// set_decode_cluster): each block on its share of the hidden columns (h 36 over 8 ranks: shares
+// of 5 and a last one of 1), the second layer's sums added across the blocks in rank order
+// through distributed shared memory, the lead block alone doing the conv and the q/k norm and
+// writing the rows the blocks share; against the CPU over 17 tokens in pieces of 1-4, chunk
+// ends included, in both precisions. Under the emulator: the cluster kernel's launches counted,
+// none where the pairs are more than decode_wide_pairs (B 65 x 2 heads: the one-block kernel
+// instead), and set_decode_cluster's refusal of other sizes, the switch as it was.
+TEMPLATE_TEST_CASE("cuda memory: decode kernel as clusters", "[cuda]", float, double) {
+    using T = TestType;
+    const double bound = std::is_same_v<T, double> ? 1e-12 : 1e-5;
+    struct Shape {
+        int dh, e, B, ranks;
+    };
+    const Shape shapes[] = {{12, 3, 2, 8}, {32, 4, 2, 2}, {64, 4, 3, 4}, {16, 2, 65, 4}};
+    int index = 0;
+    for (const auto& [dh, e, B, ranks] : shapes) {
+        Rng rng(seed_for("cuda decode clusters", static_cast<std::uint64_t>(index++)));
+        Fixture f(rng(), Retrieval::Lagged, 5);
+        f.cfg.d_model = 2 * dh;
+        f.cfg.n_heads = 2;
+        f.cfg.expansion = e;
+        f.cfg.residual = index % 2 == 0;
+        f.cfg.normalize_qk = index != 2;
+        f.cfg.gates = titans::GateMode::DataDependent;
+        f.p = random_params(f.cfg, rng);
+        const int N = 17;
+        const Matrixd x = random_matrix(B * N, f.cfg.d_model, rng);
+        std::vector<int> pieces(7, 1);
+        for (const int n : {2, 4, 3, 1}) pieces.push_back(n);
+        const bool clustered = 2LL * B <= tcu::decode_wide_pairs;
+        INFO("d_h " << dh << " expansion " << e << " streams " << B << " ranks " << ranks
+                    << (clustered ? "" : " (too many pairs: one block a pair)"));
+        tcu::set_decode_cluster(ranks);
+        CHECK(tcu::decode_cluster_ranks(2LL * B) == (clustered ? ranks : 1));
+#if TITANS_CUDA_EMULATION
+        const void* kernel = reinterpret_cast<const void*>(&tcu::decode_cluster_kernel<T>);
+        const void* single = reinterpret_cast<const void*>(&tcu::decode_rows_kernel<T>);
+        const long before = cuda_emulation::launches(kernel),
+                   before_single = cuda_emulation::launches(single);
+#endif
+        const double err = compare_case<T>(f.cfg, f.p, x, B, N, rng, bound, pieces);
+        tcu::set_decode_cluster(0);
+        CHECK(err <= bound);
+#if TITANS_CUDA_EMULATION
+        CHECK(cuda_emulation::launches(kernel) - before == (clustered ? 7 + 4 + 2 : 0));
+        CHECK(cuda_emulation::launches(single) - before_single == (clustered ? 0 : 7 + 4 + 2));
+#endif
+    }
+    tcu::set_decode_cluster(4);
+    for (const int bad : {-1, 3, 5, 16}) {
+        CHECK_THROWS_AS(tcu::set_decode_cluster(bad), titans::ConfigError);
+        CHECK(tcu::decode_cluster() == 4);
+    }
+    tcu::set_decode_cluster(0);
+}
+
 // A decode call (one token a sequence, no chunk end) of the headline kind of memory (depth 2,
 // lagged retrieval, conv, q/k norm, data-dependent gates) makes one product for the
 // projections and the gate logits, the decode kernel (first the conv, phi and the gate

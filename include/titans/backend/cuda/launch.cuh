@@ -26,6 +26,14 @@
 #include <cooperative_groups.h>
 #endif
 
+// A kernel's registers a thread at most (__maxnreg__, where a launch bound would also cap its
+// threads); nothing under the CPU emulation.
+#if defined(__CUDACC__)
+#define TITANS_MAX_REGISTERS(n) __maxnreg__(n)
+#else
+#define TITANS_MAX_REGISTERS(n)
+#endif
+
 // Full unrolling of loops whose bounds are constants (a tile's pieces, a fixed row count), so
 // that their accumulators stay in registers; nothing under the CPU emulation.
 #if defined(__CUDACC__)

@@ -13,12 +13,14 @@
 //   z1 = k W1, A_1 = act(z1), Delta_2 = A_1 W2 (+ k) - v, Delta_1 = (Delta_2 W2^T) . act'(z1).
 // Sums in T by FMAs in a fixed order (no atomics): deterministic, not the order of cuBLAS.
 
-#include <algorithm>
+#include <atomic>
 #include <cstddef>
+#include <string>
 
 #include "../../activation.hpp"
 #include "../../config.hpp"
 #include "../../detail/activation.hpp"
+#include "../../error.hpp"
 #include "fast_math.cuh"
 #include "launch.cuh"
 #include "memory_conv.cuh"
@@ -59,6 +61,7 @@ struct DecodeRows {
     bool residual, norm;
     unsigned* raise;
     ConvTile<T> conv;
+    int ranks = 1;  ///< blocks a pair (decode_cluster_kernel; 1: decode_rows_kernel)
 };
 
 /// The slices of d_h rows of W1 decode_rows_kernel's `threads` threads split a column's
@@ -67,14 +70,22 @@ TITANS_HOST_DEVICE constexpr int decode_w1_slices(int h, int threads) {
     return h < threads ? threads / h : 1;
 }
 
-/// Shared memory decode_rows_kernel takes with `threads` threads: q, k, the error (d_h each),
-/// hq, A_1, act'(z1) (h each) and the partial sums of the products through W1 (2 x slices x h)
-/// or, after them, through W2 (2 x slices x d_h), whichever is larger.
+/// Where the block's second-layer sums (2 x d_h) start in decode_rows_kernel's shared memory,
+/// in entries, with `threads` threads a block and `ranks` blocks a pair: after q, k, the error
+/// (d_h each), hq, A_1, act'(z1) (h each) and the partial sums of the products through W1 (2 x
+/// slices x the block's h / ranks columns) or, after them, through W2 (2 x slices x d_h),
+/// whichever is larger.
+TITANS_HOST_DEVICE constexpr int decode_sums_at(int dh, int h, int threads, int ranks) {
+    const int slices = dh <= threads ? threads / dh : 1, n = (h + ranks - 1) / ranks;
+    const int w1 = decode_w1_slices(n, threads) * n;
+    return 3 * dh + 3 * h + 2 * (slices * dh > w1 ? slices * dh : w1);
+}
+
+/// Shared memory decode_rows_kernel (ranks 1) or decode_cluster_kernel takes: decode_sums_at
+/// and the sums.
 template <class T>
-std::size_t decode_shared_bytes(int dh, int h, int threads) {
-    const int slices = dh <= threads ? threads / dh : 1;
-    const int parts = 2 * std::max(slices * dh, decode_w1_slices(h, threads) * h);
-    return static_cast<std::size_t>(3 * dh + 3 * h + parts) * sizeof(T);
+std::size_t decode_shared_bytes(int dh, int h, int threads, int ranks = 1) {
+    return static_cast<std::size_t>(decode_sums_at(dh, h, threads, ranks) + 2 * dh) * sizeof(T);
 }
 
 /// The rows of W2 a warp of decode_rows_kernel takes at once in the error's way back.
@@ -90,9 +101,41 @@ template <class T>
 constexpr int decode_block_threads(long long P) {
     return sizeof(T) == 4 && P <= decode_wide_pairs ? 512 : 256;
 }
+/// decode_rows_kernel's registers a thread at most: 80 in float (three blocks of 256 an SM for
+/// many pairs; the compiler's choice was 96 since the kernel serves the clusters' code too), 128
+/// in double (no spill).
+template <class T>
+inline constexpr int decode_registers = sizeof(T) == 4 ? 80 : 128;
+
 /// The most threads decode_block_threads gives T (the shared memory decode_applies bounds).
 template <class T>
 inline constexpr int decode_most_threads = decode_block_threads<T>(1);
+
+/// The blocks a pair the decode kernel takes as clusters (decode_cluster_kernel): 0 or 1 none
+/// (decode_rows_kernel, a block a pair: the default), 2, 4 or 8 that many, each on h / ranks of
+/// the hidden columns, where the pairs are few (at most decode_wide_pairs). The default is 4
+/// where the environment sets TITANS_DECODE_CLUSTER=1. Process-wide, read at every launch.
+inline std::atomic<int>& decode_cluster_flag() {
+    static std::atomic<int> flag{env_switch("TITANS_DECODE_CLUSTER") ? 4 : 0};
+    return flag;
+}
+/// Sets decode_cluster_flag; throws ConfigError (the state as it was) for ranks other than 0,
+/// 1, 2, 4 and 8.
+inline void set_decode_cluster(int ranks) {
+    if (ranks != 0 && ranks != 1 && ranks != 2 && ranks != 4 && ranks != 8) {
+        throw ConfigError("set_decode_cluster: ranks must be 0, 1, 2, 4 or 8, got " +
+                          std::to_string(ranks));
+    }
+    decode_cluster_flag().store(ranks);
+}
+[[nodiscard]] inline int decode_cluster() { return decode_cluster_flag().load(); }
+
+/// The blocks a pair a decode launch over P pairs takes: decode_cluster() where it is 2, 4 or
+/// 8 and P <= decode_wide_pairs, else 1.
+[[nodiscard]] inline int decode_cluster_ranks(long long P) {
+    const int r = decode_cluster();
+    return r > 1 && P <= decode_wide_pairs ? r : 1;
+}
 
 #if TITANS_CUDA_DEVICE_CODE
 /// Entry i of a pending array = v, its old value into `saved` first when that is given.
@@ -104,67 +147,116 @@ __device__ void put_pending(T* live, T* saved, long long i, T v) {
     live[i] = v;
 }
 
-/// Row r of pair p: the second layer's products hq W2 and A_1 W2 into y's row and Delta_2's
-/// (column c by `slices` threads over consecutive slices of the h rows of W2, then their sums
-/// in slice order), then Delta_1 = (Delta_2 W2^T) . act'(z1) (a warp per row of W2, its reads
-/// coalesced, 4 rows at once). blockDim.x: a multiple of 32.
+/// The hidden columns [j0, j1) (of W1; rows of W2) rank `rank` of a pair's `ranks` blocks takes.
+struct DecodeColumns {
+    int j0, j1;
+    __device__ DecodeColumns(int h, int rank, int ranks) {
+        const int span = (h + ranks - 1) / ranks;
+        j0 = rank * span < h ? rank * span : h;
+        j1 = j0 + span < h ? j0 + span : h;
+    }
+};
+
+/// Rows [j.j0, j.j1) of W2's part of the second layer: the sums over them of hq[j] W2[j][c] and
+/// A_1[j] W2[j][c] into sums[c] and sums[dh + c] (column c by `slices` threads over consecutive
+/// slices of the rows, then their sums in slice order). Ends with a barrier.
 template <class T>
-__device__ bool decode_second_layer(const DecodeRows<T>& d, long long p, int r, T* sh) {
+__device__ void decode_w2_sums(const DecodeRows<T>& d, long long p, T* sh, DecodeColumns j,
+                               T* sums) {
     const int dh = d.dh, h = d.h, threads = static_cast<int>(blockDim.x);
-    const int slices = dh <= threads ? threads / dh : 1, span = (h + slices - 1) / slices;
-    T *qs = sh, *ks = sh + dh, *es = sh + 2 * dh, *hq = sh + 3 * dh, *a1 = hq + h, *g1 = a1 + h;
-    T* part = g1 + h;  // [2][slices][dh]
+    const int slices = dh <= threads ? threads / dh : 1, n = j.j1 - j.j0;
+    const int span = (n + slices - 1) / slices;
+    const T *hq = sh + 3 * dh, *a1 = hq + h;
+    T* part = sh + 3 * dh + 3 * h;  // [2][slices][dh]
     const T* w2 = d.w2 + p * h * dh;
     for (int i = static_cast<int>(threadIdx.x); i < slices * dh; i += threads) {
-        const int c = i % dh, s = i / dh, j1 = (s + 1) * span < h ? (s + 1) * span : h;
+        const int c = i % dh, s = i / dh, ja = j.j0 + s * span;
+        const int jb = ja + span < j.j1 ? ja + span : j.j1;
         T sy = T(0), sz = T(0);
         TITANS_PRAGMA(unroll 16)  // 16 rows' loads in flight before their products
-        for (int j = s * span; j < j1; ++j) {
-            sy += hq[j] * w2[static_cast<long long>(j) * dh + c];
-            sz += a1[j] * w2[static_cast<long long>(j) * dh + c];
+        for (int r = ja; r < jb; ++r) {
+            sy += hq[r] * w2[static_cast<long long>(r) * dh + c];
+            sz += a1[r] * w2[static_cast<long long>(r) * dh + c];
         }
         part[s * dh + c] = sy;
         part[(slices + s) * dh + c] = sz;
     }
     __syncthreads();
-    const long long row = p * d.ps + static_cast<long long>(r) * dh;
-    bool bad = false;  // a non-finite v or y entry of this thread's
     for (int c = static_cast<int>(threadIdx.x); c < dh; c += threads) {
         T y = T(0), z = T(0);
         for (int s = 0; s < slices; ++s) {
             y += part[s * dh + c];
             z += part[(slices + s) * dh + c];
         }
-        d.y[row + c] = d.residual ? y + qs[c] : y;
-        const T e = d.residual ? (z - d.v[row + c]) + ks[c] : z - d.v[row + c];
-        bad = bad || not_finite(d.y[row + c]) || not_finite(d.v[row + c]) || not_finite(e);
-        es[c] = e;
-        put_pending(d.live.d2, d.save.d2, (p * d.b + d.o + r) * dh + c, e);
+        sums[c] = y;
+        sums[dh + c] = z;
     }
     __syncthreads();
-    // A warp per row of W2, decode_rows_per_warp rows at once (their loads in flight together):
-    // warp w takes rows w, w + warps, w + 2 warps, ...
+}
+
+/// Row r of pair p's read y (+ q with the residual) and error Delta_2 = z - v (+ k), z and y the
+/// sums of the pair's `ranks` blocks' decode_w2_sums in rank order (their `sums`, reached in
+/// distributed shared memory where ranks > 1), into the error's shared vector; `lead` (one
+/// block a pair) also writes y's row and Delta_2's pending row. Returns whether a value it
+/// wrote or read (v) is not finite.
+template <class T>
+__device__ bool decode_outputs(const DecodeRows<T>& d, long long p, int r, T* sh, T* sums,
+                               int ranks, bool lead) {
+    const int dh = d.dh, threads = static_cast<int>(blockDim.x);
+    const T *qs = sh, *ks = sh + dh;
+    T* es = sh + 2 * dh;
+    const long long row = p * d.ps + static_cast<long long>(r) * dh;
+    bool bad = false;
+    for (int c = static_cast<int>(threadIdx.x); c < dh; c += threads) {
+        T y = T(0), z = T(0);
+        for (int q = 0; q < ranks; ++q) {
+            const T* from = ranks > 1 ? cluster_shared(sums, static_cast<unsigned>(q)) : sums;
+            y += from[c];
+            z += from[dh + c];
+        }
+        const T e = d.residual ? (z - d.v[row + c]) + ks[c] : z - d.v[row + c];
+        es[c] = e;
+        if (lead) {
+            d.y[row + c] = d.residual ? y + qs[c] : y;
+            bad = bad || not_finite(d.y[row + c]) || not_finite(d.v[row + c]) || not_finite(e);
+            put_pending(d.live.d2, d.save.d2, (p * d.b + d.o + r) * dh + c, e);
+        }
+    }
+    return bad;
+}
+
+/// Delta_1 = (Delta_2 W2^T) . act'(z1) of row r at W2's rows [j.j0, j.j1) into its pending row
+/// (a warp per row of W2, its reads coalesced, decode_rows_per_warp rows at once: warp w takes
+/// rows j0 + w, j0 + w + warps, ...). blockDim.x: a multiple of 32. Returns whether a value
+/// written is not finite.
+template <class T>
+__device__ bool decode_error_back(const DecodeRows<T>& d, long long p, int r, const T* sh,
+                                  DecodeColumns j) {
+    const int dh = d.dh, h = d.h, threads = static_cast<int>(blockDim.x);
+    const T *es = sh + 2 * dh, *g1 = sh + 3 * dh + 2 * h;
+    const T* w2 = d.w2 + p * h * dh;
     constexpr int R = decode_rows_per_warp;
     const int lane = static_cast<int>(threadIdx.x % 32), warps = threads / 32;
-    for (int j0 = static_cast<int>(threadIdx.x / 32); j0 < h; j0 += R * warps) {
+    bool bad = false;
+    for (int jb = j.j0 + static_cast<int>(threadIdx.x / 32); jb < j.j1; jb += R * warps) {
         T s[R];
         TITANS_UNROLL
         for (int u = 0; u < R; ++u) s[u] = T(0);
         for (int c = lane; c < dh; c += 32) {
             TITANS_UNROLL
             for (int u = 0; u < R; ++u) {
-                const int j = j0 + u * warps;
-                if (j < h) s[u] += es[c] * w2[static_cast<long long>(j) * dh + c];
+                const int jr = jb + u * warps;
+                if (jr < j.j1) s[u] += es[c] * w2[static_cast<long long>(jr) * dh + c];
             }
         }
         TITANS_UNROLL
         for (int u = 0; u < R; ++u) {
-            const int j = j0 + u * warps;  // the same for the whole warp
-            if (j >= h) break;
+            const int jr = jb + u * warps;  // the same for the whole warp
+            if (jr >= j.j1) break;
             const T t = warp_sum(s[u]);
             if (lane == 0) {
-                put_pending(d.live.d1, d.save.d1, (p * d.b + d.o + r) * h + j, t * g1[j]);
-                bad = bad || not_finite(t * g1[j]);
+                put_pending(d.live.d1, d.save.d1, (p * d.b + d.o + r) * h + jr, t * g1[jr]);
+                bad = bad || not_finite(t * g1[jr]);
             }
         }
     }
@@ -194,22 +286,22 @@ __device__ void decode_conv(const DecodeRows<T>& d, long long p) {
     __syncthreads();  // the block's rows of q, k, v and lp written before they are read
 }
 
-/// The row's first-layer products zq = q W1 and z1 = k W1 (qs, ks in shared memory), then
-/// hq = act(zq), A_1 = act(z1) and act'(z1) into shared memory and A_1 into its pending row.
-/// Thread (s, j) sums column j over slice s of W1's rows (decode_w1_slices: at 512 threads and
-/// h 256, two slices of 32 rows, each thread's 16-load batches twice, where one thread a column
-/// waited on four) into `part`; thread j then adds the slices in order. Returns whether a value
-/// written is not finite.
+/// The row's first-layer products at the hidden columns [j.j0, j.j1): zq = q W1 and z1 = k W1
+/// (qs, ks in shared memory), then hq = act(zq), A_1 = act(z1) and act'(z1) into shared memory
+/// and A_1 into its pending row. Thread (s, j) sums column j over slice s of W1's rows
+/// (decode_w1_slices of the range: at 512 threads and 256 columns, two slices of 32 rows, each
+/// thread's 16-load batches twice, where one thread a column waited on four) into `part`;
+/// thread j then adds the slices in order. Returns whether a value written is not finite.
 template <class T>
 __device__ bool decode_first_layer(const DecodeRows<T>& d, long long p, long long pending,
-                                   T* sh) {
-    const int dh = d.dh, h = d.h, threads = static_cast<int>(blockDim.x);
-    const int slices = decode_w1_slices(h, threads), span = (dh + slices - 1) / slices;
+                                   T* sh, DecodeColumns jr) {
+    const int dh = d.dh, h = d.h, threads = static_cast<int>(blockDim.x), n = jr.j1 - jr.j0;
+    const int slices = decode_w1_slices(n, threads), span = (dh + slices - 1) / slices;
     T *qs = sh, *ks = sh + dh, *hq = sh + 3 * dh, *a1 = hq + h, *g1 = a1 + h;
-    T* part = g1 + h;  // [2][slices][h]
+    T* part = g1 + h;  // [2][slices][n]
     const T* w1 = d.w1 + p * dh * h;
-    for (int i = static_cast<int>(threadIdx.x); i < slices * h; i += threads) {
-        const int j = i % h, s = i / h, i1 = (s + 1) * span < dh ? (s + 1) * span : dh;
+    for (int i = static_cast<int>(threadIdx.x); i < slices * n; i += threads) {
+        const int j = jr.j0 + i % n, s = i / n, i1 = (s + 1) * span < dh ? (s + 1) * span : dh;
         T zq = T(0), zk = T(0);
         TITANS_PRAGMA(unroll 16)  // 16 loads of W1 in flight before their products
         for (int r = s * span; r < i1; ++r) {
@@ -217,17 +309,18 @@ __device__ bool decode_first_layer(const DecodeRows<T>& d, long long p, long lon
             zq += qs[r] * w;
             zk += ks[r] * w;
         }
-        part[s * h + j] = zq;
-        part[(slices + s) * h + j] = zk;
+        part[s * n + i % n] = zq;
+        part[(slices + s) * n + i % n] = zk;
     }
     __syncthreads();
     bool bad = false;
-    for (int j = static_cast<int>(threadIdx.x); j < h; j += threads) {
+    for (int i = static_cast<int>(threadIdx.x); i < n; i += threads) {
         T zq = T(0), zk = T(0);
         for (int s = 0; s < slices; ++s) {
-            zq += part[s * h + j];
-            zk += part[(slices + s) * h + j];
+            zq += part[s * n + i];
+            zk += part[(slices + s) * n + i];
         }
+        const int j = jr.j0 + i;
         const detail::ValueGrad<T> a = kernel_activate_with_grad(d.act, zk);
         hq[j] = kernel_activate(d.act, zq);
         a1[j] = a.value;
@@ -238,46 +331,85 @@ __device__ bool decode_first_layer(const DecodeRows<T>& d, long long p, long lon
     return bad;
 }
 
-/// A block per pair (blockIdx.x), its m rows one after the other: the read and the key pass
-/// of the file comment (the conv first, when d.conv.u is given). Dynamic shared memory:
-/// decode_shared_bytes; decode_block_threads<T>(gridDim.x) threads.
+/// The `ranks` blocks of a pair agree: a cluster barrier (ranks > 1; it also orders what the
+/// lead wrote to device memory before it), else the block's.
+__device__ inline void decode_barrier(int ranks) {
+    if (ranks > 1) {
+        cluster_sync();
+    } else {
+        __syncthreads();
+    }
+}
+
+/// Pair p's rows for block `rank` of its `ranks` (decode_rows_kernel: 1 a pair; the cluster
+/// kernel: decode_cluster_ranks): the read and the key pass of the file comment, each block on
+/// its share of the hidden columns (DecodeColumns), the second layer's sums added across the
+/// blocks in rank order. The lead (rank 0) alone does the conv first (when d.conv.u is given),
+/// the rows' L2 norm, and writes the keys', gates', y's and Delta_2's rows.
 template <class T>
-__global__ void decode_rows_kernel(DecodeRows<T> d) {
-    const long long p = blockIdx.x;
-    if (d.conv.u != nullptr) {
+__device__ void decode_pair(const DecodeRows<T>& d, long long p, int rank, int ranks) {
+    const bool lead = rank == 0;
+    if (d.conv.u != nullptr && lead) {
         decode_conv(d, p);
     }
     const int dh = d.dh, threads = static_cast<int>(blockDim.x);
+    const DecodeColumns cols(d.h, rank, ranks);
     T* sh = dynamic_shared<T>();
     T *qs = sh, *ks = sh + dh;
+    T* sums = sh + decode_sums_at(dh, d.h, threads, ranks);  // 2 x d_h
     bool bad = false;  // a non-finite entry among those this thread read or wrote
     for (int r = 0; r < d.m; ++r) {
         const long long row = p * d.ps + static_cast<long long>(r) * dh;
-        if (d.norm && threadIdx.x < 64) {  // warp 0 the query, warp 1 the key
+        if (lead && d.norm && threadIdx.x < 64) {  // warp 0 the query, warp 1 the key
             l2_row((threadIdx.x < 32 ? d.q : d.k) + row, dh, static_cast<int>(threadIdx.x % 32));
         }
-        __syncthreads();
+        decode_barrier(ranks);  // the lead's conv and norm written; the last row's reads done
         const long long pending = p * d.b + d.o + r;
         for (int c = static_cast<int>(threadIdx.x); c < dh; c += threads) {
             qs[c] = d.q[row + c];
             ks[c] = d.k[row + c];
-            put_pending(d.live.a0, d.save.a0, pending * dh + c, ks[c]);
-            bad = bad || not_finite(qs[c]) || not_finite(ks[c]);
+            if (lead) {
+                put_pending(d.live.a0, d.save.a0, pending * dh + c, ks[c]);
+                bad = bad || not_finite(qs[c]) || not_finite(ks[c]);
+            }
         }
-        if (d.live.gates != nullptr && threadIdx.x < 3) {
+        if (lead && d.live.gates != nullptr && threadIdx.x < 3) {
             const T g = d.lp[p * d.lps + 3 * r + threadIdx.x];
             put_pending(d.live.gates, d.save.gates, pending * 3 + threadIdx.x, g);
             bad = bad || not_finite(g);
         }
         __syncthreads();
-        bad = decode_first_layer(d, p, pending, sh) || bad;
+        bad = decode_first_layer(d, p, pending, sh, cols) || bad;
         __syncthreads();
-        bad = decode_second_layer(d, p, r, sh) || bad;
-        __syncthreads();  // before the next row overwrites q, k and the vectors
+        decode_w2_sums(d, p, sh, cols, sums);
+        if (ranks > 1) {
+            cluster_sync();  // every block's sums written
+        }
+        bad = decode_outputs(d, p, r, sh, sums, ranks, lead) || bad;
+        __syncthreads();
+        bad = decode_error_back(d, p, r, sh, cols) || bad;
+    }
+    if (ranks > 1) {
+        cluster_sync();  // no block leaves while another may still read its sums
     }
     if (bad && d.raise != nullptr) {
         atomicMax(d.raise, 1u);
     }
+}
+
+/// A block per pair (blockIdx.x), its m rows one after the other: decode_pair. Dynamic shared
+/// memory: decode_shared_bytes; decode_block_threads<T>(gridDim.x) threads.
+template <class T>
+__global__ void TITANS_MAX_REGISTERS(decode_registers<T>) decode_rows_kernel(DecodeRows<T> d) {
+    decode_pair(d, blockIdx.x, 0, 1);
+}
+
+/// decode_rows_kernel with d.ranks blocks a pair in a cluster (blockIdx.x = p * ranks + rank):
+/// each block on h / ranks of the hidden columns, so that a few pairs (B = 1: 8) spread over
+/// ranks times the SMs. Dynamic shared memory: decode_shared_bytes(.., d.ranks).
+template <class T>
+__global__ void decode_cluster_kernel(DecodeRows<T> d) {
+    decode_pair(d, blockIdx.x / d.ranks, static_cast<int>(cluster_rank()), d.ranks);
 }
 #endif
 

@@ -860,10 +860,18 @@ struct MemoryKernels<Cuda, T> {
                                     cfg.activation,      cfg.residual,
                                     plan.norm,           cuda::deferred_flag(),
                                     conv};
-        const int threads = cuda::decode_block_threads<T>(P);
-        cuda::launch_shared(cuda::decode_rows_kernel<T>, static_cast<unsigned>(P), threads,
-                            cuda::decode_shared_bytes<T>(dh, h, threads),
-                            ctx(st).stream(), d);
+        const int threads = cuda::decode_block_threads<T>(P), ranks = cuda::decode_cluster_ranks(P);
+        if (ranks > 1) {  // a cluster of blocks a pair, each on h / ranks hidden columns
+            cuda::DecodeRows<T> dc = d;
+            dc.ranks = ranks;
+            cuda::launch_cluster(cuda::decode_cluster_kernel<T>,
+                                 dim3(static_cast<unsigned>(P * ranks)), dim3(threads),
+                                 cuda::decode_shared_bytes<T>(dh, h, threads, ranks),
+                                 dim3(static_cast<unsigned>(ranks)), ctx(st).stream(), dc);
+        } else {
+            cuda::launch_shared(cuda::decode_rows_kernel<T>, static_cast<unsigned>(P), threads,
+                                cuda::decode_shared_bytes<T>(dh, h, threads), ctx(st).stream(), d);
+        }
         cuda::check_launch("the decode kernel");
         return true;
     }
