@@ -380,48 +380,48 @@ do_cluster() {
   done
 }
 
-# next: what no GPU has timed yet, in one device call of about 7-9 minutes (a session is lent
-# 15): the tests of the memory, layers, blocks and model (the conv kernel's row loop compiled
-# for K = 4, its norm's reciprocal a row and head, the decode kernel at 512 threads), racecheck
-# on the conv kernel's norm, the benchmarks (the headline forward, the training step, decode at
-# B 1 and 1024, the model's token, the checks; cuBLAS in the same run), each kernel's device
-# time of the headline forward and of a decoded token at B 1 and 1024, the conv and decode kernels'
-# throughput, occupancy and warp states, then, with what is left (and .whl carried), the peers:
-# next_tests.txt, norm_racecheck.txt, next_bench.txt, ncu_forward.txt, ncu_decode.txt,
-# ncu_decode1024.txt, ncu_detail.txt, peers.txt, peers_mac.txt.
+# next: what no GPU has timed yet, in one device call of about 6 minutes (a session is lent
+# 15): the decode kernel as clusters of blocks a pair (set_decode_cluster) and at 80 registers
+# a thread: the memory's, models' and blocks' tests as they are and with
+# TITANS_DECODE_CLUSTER=1 (clusters of 4 wherever a decode kernel runs over at most 128
+# pairs), racecheck on the cluster kernel's test, the decode benchmarks (B 1 with clusters of
+# 2, 4, 8 and without; B 16, 1024; the model's token with and without clusters), each kernel's
+# device time of a decoded token at B 1 as clusters and at B 1024, and the cluster kernel's
+# throughput, occupancy and warp states: next_tests.txt, cluster_tests.txt,
+# decode_racecheck.txt, next_bench.txt, cluster_bench.txt, ncu_decode_cluster.txt,
+# ncu_decode1024.txt, ncu_detail.txt.
 do_next() {
-  local out t b t0 left
+  local out t b t0
   t0=$(date +%s)
   step_start "${1:-}"
   { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv || true
     uptime; } > "${out}/device.txt" 2>&1
-  tests_to next_tests.txt 150 \
-    "cuda memory*,cuda model*,cuda layers*,cuda attention: split*,cuda blocks*,cuda launch*"
-  grep -B3 -A12 "FAILED" "${out}/next_tests.txt" | head -n 40 || true
+  tests_to next_tests.txt 60 "cuda memory: decode*,cuda model*,cuda memory: the non-finite*,cuda launch*"
+  TITANS_DECODE_CLUSTER=1 tests_to cluster_tests.txt 90 "cuda memory*,cuda model*,cuda blocks*"
+  grep -h -B3 -A12 "FAILED" "${out}/next_tests.txt" "${out}/cluster_tests.txt" | head -n 40 || true
   timeout 40 compute-sanitizer --tool racecheck --error-exitcode 9 \
-    "${t}" "cuda memory: the L2 norm in the conv kernel - float" > "${out}/norm_racecheck.txt" 2>&1 \
-    || echo "conv norm racecheck: exit $?"
-  echo "conv norm racecheck: $(grep -E 'SUMMARY' "${out}/norm_racecheck.txt" || echo 'no summary')"
-  timeout 150 "${b}" --benchmark_counters_tabular=true --benchmark_repetitions=2 \
+    "${t}" "cuda memory: decode kernel as clusters - float" > "${out}/decode_racecheck.txt" 2>&1 \
+    || echo "decode cluster racecheck: exit $?"
+  echo "decode cluster racecheck: $(grep -E 'SUMMARY' "${out}/decode_racecheck.txt" || echo 'no summary')"
+  timeout 100 "${b}" --benchmark_counters_tabular=true --benchmark_repetitions=2 \
     --benchmark_min_time=0.2 \
-    --benchmark_filter='BM_CublasSgemm|BM_CudaMemory/B:(64|256)/N:(1024|512)/tf32:1/fused:1/|BM_CudaMemoryTrain/B:256/N:512/fbwd:0/|BM_CudaDecode/B:1(024)?/decode:1|BM_CudaModelDecode/B:1/pooled:1/graphs:[01]/ffn:0/opt:[023]/|BM_CudaChecks' \
+    --benchmark_filter='BM_CudaDecode/B:(1|16|1024)/decode:1/|BM_CudaModelDecode/B:1/pooled:1/graphs:[01]/ffn:0/opt:[023]/' \
     > "${out}/next_bench.txt" 2>&1 || echo "next bench: exit $?"
   grep "^BM_" "${out}/next_bench.txt" | grep -v "_mean\|_stddev\|_cv" || true
-  ncu_kernels forward "BM_CudaMemory/B:256/N:512/tf32:1/fused:1/" 10
-  ncu_kernels decode "BM_CudaDecode/B:1/decode:1/rows:0" 12
-  ncu_kernels decode1024 "BM_CudaDecode/B:1024/decode:1/rows:0" 12
-  # the conv and decode kernels' bounds: throughput, occupancy and warp states
-  timeout 60 ncu --clock-control none -k 'regex:conv_tile|decode_rows' -c 6 \
+  TITANS_DECODE_CLUSTER=1 timeout 50 "${b}" --benchmark_counters_tabular=true \
+    --benchmark_repetitions=2 --benchmark_min_time=0.2 \
+    --benchmark_filter='BM_CudaModelDecode/B:1/pooled:1/graphs:[01]/ffn:0/opt:[23]/' \
+    > "${out}/cluster_bench.txt" 2>&1 || echo "cluster bench: exit $?"
+  grep "^BM_" "${out}/cluster_bench.txt" | grep -v "_mean\|_stddev\|_cv" || true
+  ncu_kernels decode_cluster "BM_CudaDecode/B:1/decode:1/rows:0/cluster:4/" 12
+  ncu_kernels decode1024 "BM_CudaDecode/B:1024/decode:1/rows:0/cluster:0/" 12
+  timeout 60 ncu --clock-control none -k 'regex:decode_' -c 2 \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
     "${b}" --benchmark_min_time=0.01 \
-    --benchmark_filter='BM_CudaMemory/B:256/N:512/tf32:1/fused:1/|BM_CudaDecode/B:1/decode:1/rows:0' \
+    --benchmark_filter='BM_CudaDecode/B:1/decode:1/rows:0/cluster:4/' \
     > "${out}/ncu_detail.txt" 2>&1 || echo "ncu detail: exit $?"
-  grep -E "^  [a-z_]+.*\(|Memory Throughput|Achieved Occupancy|Registers Per|Duration|Stall" \
-    "${out}/ncu_detail.txt" | head -n 60 || true
-  left=$(( ${LEASE_SECONDS:-540} - ($(date +%s) - t0) ))
-  if (( left > 90 )) && compgen -G "${repo_root}/.whl/*.whl" > /dev/null; then
-    PEERS_SECONDS=$(( left - 20 )) do_peers "${out}"
-  fi
+  grep -E "^  [a-z_]+.*\(|Memory Throughput|Achieved Occupancy|Registers Per|Duration|Warp Cycles" \
+    "${out}/ncu_detail.txt" | head -n 30 || true
   echo "next: $(( $(date +%s) - t0 )) s"
 }
 

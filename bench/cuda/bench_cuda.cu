@@ -41,7 +41,9 @@
 //                             the same memory fed one token per sequence per call (serving);
 //                             decode 1: the read and the key pass in decode_rows_kernel
 //                             (memory_decode.cuh), 0: as batched cuBLAS products; rows 1: the
-//                             products of <= 8 rows in rows_product_kernel (rows_product.cuh)
+//                             products of <= 8 rows in rows_product_kernel (rows_product.cuh);
+//                             cluster 2, 4, 8: the decode kernel as clusters of that many
+//                             blocks a pair (set_decode_cluster), 0: a block a pair
 //   BM_CudaBlock/kind/B/N     one Block<float, Cuda> of each kind, SWA (4) too (d 512, H 8,
 //                             L 2, window = segment 512, b 64, SwiGLU FFN, 4 persistent
 //                             tokens; SWA none) over B
@@ -441,6 +443,8 @@ void BM_CudaDecode(benchmark::State& state) {
     tc::set_fused_memory(state.range(1) != 0 ? tc::FusedMemory::Auto : tc::FusedMemory::Off);
     const bool rows_was = tc::rows_product();
     tc::set_rows_product(state.range(2) != 0);  // rows 1: the projections in rows_product
+    const int cluster_was = tc::decode_cluster();
+    tc::set_decode_cluster(static_cast<int>(state.range(3)));  // blocks a pair (0: one)
     Setup s(B, 1);
     Kernels::State st = Kernels::make_state(s.cfg, s.prepared, B);
     s.forward(st);
@@ -449,6 +453,7 @@ void BM_CudaDecode(benchmark::State& state) {
     }
     tc::set_fused_memory(tc::FusedMemory::Auto);
     tc::set_rows_product(rows_was);
+    tc::set_decode_cluster(cluster_was);
     counters(state, s.cfg, B, 1);
 }
 
@@ -797,8 +802,10 @@ BENCHMARK(BM_CudaMemoryTrain)
     ->Args({64, 1024, 1, 0})->Args({256, 512, 1, 0})->Args({256, 512, 0, 0})
     ->Args({256, 512, 2, 0})->Args({256, 512, 1, 1})
     ->Unit(benchmark::kMillisecond)->UseManualTime();
-BENCHMARK(BM_CudaDecode)->ArgNames({"B", "decode", "rows"})
-    ->ArgsProduct({{1, 64, 1024}, {0, 1}, {0}})->Args({1, 1, 1})->Args({64, 1, 1})
+BENCHMARK(BM_CudaDecode)->ArgNames({"B", "decode", "rows", "cluster"})
+    ->ArgsProduct({{1, 64, 1024}, {0, 1}, {0}, {0}})->Args({1, 1, 1, 0})->Args({64, 1, 1, 0})
+    ->Args({1, 1, 0, 2})->Args({1, 1, 0, 4})->Args({1, 1, 0, 8})->Args({16, 1, 0, 4})
+    ->Args({1, 1, 1, 4})
     ->Unit(benchmark::kMicrosecond)->UseRealTime();
 BENCHMARK(BM_CudaBlock)
     ->ArgNames({"kind", "B", "N"})
