@@ -264,14 +264,16 @@ __device__ bool decode_error_back(const DecodeRows<T>& d, long long p, int r, co
 }
 
 /// Pair p's columns of the conv kernel's work (d.conv, one tile a sequence): its q, k, v
-/// columns (head p % H of sequence p / H) and its 3 gate logits.
+/// columns (head p % H of sequence p / H) and its 3 gate logits, strided over the pair's
+/// `ranks` blocks (a column's thread alone reads and advances its conv tail).
 template <class T>
-__device__ void decode_conv(const DecodeRows<T>& d, long long p) {
+__device__ void decode_conv(const DecodeRows<T>& d, long long p, int rank, int ranks) {
     const ConvTile<T>& a = d.conv;
     const long long s = p / a.H;
     const int hd = static_cast<int>(p % a.H), cols = a.C / a.D * a.dh, gates = a.G / a.H;
-    for (int i = static_cast<int>(threadIdx.x); i < cols + gates;
-         i += static_cast<int>(blockDim.x)) {
+    const int threads = static_cast<int>(blockDim.x);
+    for (int i = rank * threads + static_cast<int>(threadIdx.x); i < cols + gates;
+         i += ranks * threads) {
         if (i < cols) {  // part i / dh (q, k, v) of the head's columns
             const int c = i / a.dh * a.D + hd * a.dh + i % a.dh;
             if (conv_compiled_k(a.conv, a.K) == 4) {
@@ -344,13 +346,15 @@ __device__ inline void decode_barrier(int ranks) {
 /// Pair p's rows for block `rank` of its `ranks` (decode_rows_kernel: 1 a pair; the cluster
 /// kernel: decode_cluster_ranks): the read and the key pass of the file comment, each block on
 /// its share of the hidden columns (DecodeColumns), the second layer's sums added across the
-/// blocks in rank order. The lead (rank 0) alone does the conv first (when d.conv.u is given),
-/// the rows' L2 norm, and writes the keys', gates', y's and Delta_2's rows.
+/// blocks in rank order. The conv first (when d.conv.u is given), its columns strided over the
+/// blocks. Each block divides its copy of a row's q and k by their L2 norm in shared memory;
+/// the lead (rank 0) alone writes them back, once every block has read the row, and writes
+/// the keys', gates', y's and Delta_2's rows.
 template <class T>
 __device__ void decode_pair(const DecodeRows<T>& d, long long p, int rank, int ranks) {
     const bool lead = rank == 0;
-    if (d.conv.u != nullptr && lead) {
-        decode_conv(d, p);
+    if (d.conv.u != nullptr) {
+        decode_conv(d, p, rank, ranks);
     }
     const int dh = d.dh, threads = static_cast<int>(blockDim.x);
     const DecodeColumns cols(d.h, rank, ranks);
@@ -360,18 +364,20 @@ __device__ void decode_pair(const DecodeRows<T>& d, long long p, int rank, int r
     bool bad = false;  // a non-finite entry among those this thread read or wrote
     for (int r = 0; r < d.m; ++r) {
         const long long row = p * d.ps + static_cast<long long>(r) * dh;
-        if (lead && d.norm && threadIdx.x < 64) {  // warp 0 the query, warp 1 the key
-            l2_row((threadIdx.x < 32 ? d.q : d.k) + row, dh, static_cast<int>(threadIdx.x % 32));
-        }
-        decode_barrier(ranks);  // the lead's conv and norm written; the last row's reads done
-        const long long pending = p * d.b + d.o + r;
+        decode_barrier(ranks);  // the blocks' conv written; the last row's reads done
         for (int c = static_cast<int>(threadIdx.x); c < dh; c += threads) {
             qs[c] = d.q[row + c];
             ks[c] = d.k[row + c];
-            if (lead) {
-                put_pending(d.live.a0, d.save.a0, pending * dh + c, ks[c]);
-                bad = bad || not_finite(qs[c]) || not_finite(ks[c]);
-            }
+        }
+        __syncthreads();
+        if (d.norm && threadIdx.x < 64) {  // warp 0 the query, warp 1 the key
+            l2_row(threadIdx.x < 32 ? qs : ks, dh, static_cast<int>(threadIdx.x % 32));
+        }
+        __syncthreads();
+        const long long pending = p * d.b + d.o + r;
+        for (int c = static_cast<int>(threadIdx.x); lead && c < dh; c += threads) {
+            put_pending(d.live.a0, d.save.a0, pending * dh + c, ks[c]);
+            bad = bad || not_finite(qs[c]) || not_finite(ks[c]);
         }
         if (lead && d.live.gates != nullptr && threadIdx.x < 3) {
             const T g = d.lp[p * d.lps + 3 * r + threadIdx.x];
@@ -386,6 +392,10 @@ __device__ void decode_pair(const DecodeRows<T>& d, long long p, int rank, int r
             cluster_sync();  // every block's sums written
         }
         bad = decode_outputs(d, p, r, sh, sums, ranks, lead) || bad;
+        for (int c = static_cast<int>(threadIdx.x); lead && d.norm && c < dh; c += threads) {
+            d.q[row + c] = qs[c];  // every block has read the row (the barriers above)
+            d.k[row + c] = ks[c];
+        }
         __syncthreads();
         bad = decode_error_back(d, p, r, sh, cols) || bad;
     }
