@@ -102,16 +102,18 @@ struct Context {
 inline void switch_context(Context& from, Context& to) { switch_stack(&from.sp, to.sp); }
 
 /// A context that starts entry() (which must never return) on the stack [base, base + size):
-/// the frame switch_stack pops, with the current control words and entry as the return
-/// address, placed so that entry starts with the stack aligned as after a call.
+/// the frame switch_stack pops, with the default control words (MXCSR 0x1F80: exceptions
+/// masked, round to nearest, no flush of subnormals; x87 0x037F) and entry as the return
+/// address, placed so that entry starts with the stack aligned as after a call. Not the host
+/// thread's current words: a fiber made inside a call that flushes subnormals on the host
+/// (MemoryConfig::flush_denormals) kept FTZ/DAZ for every later kernel thread it ran, as a
+/// GPU's threads never do (the host's MXCSR is not the device's).
 inline void make_context(Context& c, void* base, std::size_t size, void (*entry)()) {
     auto top = (reinterpret_cast<std::uintptr_t>(base) + size) & ~std::uintptr_t(15);
     auto* frame = reinterpret_cast<std::uint64_t*>(top - 72);  // 9 slots, 8 mod 16
     std::memset(frame, 0, 72);
-    std::uint32_t mxcsr = 0;
-    std::uint16_t fpucw = 0;
-    asm volatile("stmxcsr %0" : "=m"(mxcsr));
-    asm volatile("fnstcw %0" : "=m"(fpucw));
+    const std::uint32_t mxcsr = 0x1F80u;
+    const std::uint16_t fpucw = 0x037Fu;
     std::memcpy(frame, &mxcsr, 4);
     std::memcpy(reinterpret_cast<char*>(frame) + 4, &fpucw, 2);
     frame[7] = reinterpret_cast<std::uint64_t>(entry);  // after the control words and 6 registers

@@ -119,6 +119,26 @@ struct ConvTile {
     bool norm;
 };
 
+/// Column c's conv tail of sequence s (ConvTile::advance): the last K - 1 inputs of [tail; u],
+/// from the window in registers (in_registers) or input(t), over the old tail the column's
+/// thread alone read; ascending, row r reads row r + N > r (advance_tail's order).
+template <class T, int held, class In>
+__device__ void conv_advance_tail(const ConvTile<T>& a, long long s, int c, int K,
+                                  const T (&win)[held], bool in_registers, const In& input) {
+    for (int r = 0; r < K - 1; ++r) {
+        T x = T(0);
+        if (in_registers) {
+            TITANS_UNROLL
+            for (int i = 0; i < held; ++i) {
+                x = i == r ? win[i] : x;
+            }
+        } else {
+            x = input(a.N - (K - 1) + r);
+        }
+        a.tail[(s * (K - 1) + r) * a.C3 + c] = x;
+    }
+}
+
 /// Column c of u (c < C) over token rows [t0, t1) of sequence s (ConvTile). The thread walks
 /// the column down the rows with the last K - 1 inputs and the K taps in registers (K <= 8;
 /// longer kernels read them again), so each entry of u is read once, in batches of 8 rows whose
@@ -198,19 +218,8 @@ __device__ void conv_column(const ConvTile<T>& a, long long s, long long t0, lon
         while (t + 1 < t1 && !not_finite(out[t * dh])) ++t;
         flag_report(a.sink, 0, s * N + t);
     }
-    if (a.advance) {  // ascending: row r reads row r + N > r (advance_tail's order)
-        for (int r = 0; r < K - 1; ++r) {
-            T x = T(0);
-            if (in_registers) {
-                TITANS_UNROLL
-                for (int i = 0; i < held; ++i) {
-                    x = i == r ? win[i] : x;
-                }
-            } else {
-                x = input(N - (K - 1) + r);
-            }
-            a.tail[(s * (K - 1) + r) * C3 + c] = x;
-        }
+    if (a.advance) {
+        conv_advance_tail(a, s, c, K, win, in_registers, input);
     }
 }
 
