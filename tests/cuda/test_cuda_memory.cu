@@ -1105,6 +1105,31 @@ TEMPLATE_TEST_CASE("cuda memory: decode kernel", "[cuda]", float, double) {
     }
 }
 
+namespace {
+
+/// A decode case of 2 heads of d_h with expansion e and data-dependent gates (the fixture's
+/// other settings), B streams of 17 tokens, fed as 7 single tokens and then pieces of 2, 4, 3
+/// and 1 (13 segments: a piece crossing a chunk end at 5, 10, 15 makes two).
+struct WideDecode {
+    Fixture f;
+    Matrixd x;
+    std::vector<int> pieces;
+    static constexpr int N = 17, segments = 7 + 4 + 2;
+    WideDecode(Rng& rng, int dh, int e, int B, bool residual)
+        : f(rng(), Retrieval::Lagged, 5), pieces(7, 1) {
+        f.cfg.d_model = 2 * dh;
+        f.cfg.n_heads = 2;
+        f.cfg.expansion = e;
+        f.cfg.residual = residual;
+        f.cfg.gates = titans::GateMode::DataDependent;
+        f.p = random_params(f.cfg, rng);
+        x = random_matrix(B * N, f.cfg.d_model, rng);
+        for (const int n : {2, 4, 3, 1}) pieces.push_back(n);
+    }
+};
+
+}  // namespace
+
 // The decode kernel with heads wider than the fixture's (h 16): h 36 (d_h 12, e 3), 128 (d_h
 // 32, e 4) and 256 (d_h 64, e 4, the headline's), so that each warp takes several rows of W2 in
 // the error's way back (4 at once, decode_rows_per_warp), some groups cut short by h, the
@@ -1122,26 +1147,16 @@ TEMPLATE_TEST_CASE("cuda memory: decode kernel, wide heads", "[cuda]", float, do
     int index = 0;
     for (const auto& [dh, e, B] : shapes) {
         Rng rng(seed_for("cuda decode kernel, wide heads", static_cast<std::uint64_t>(index++)));
-        Fixture f(rng(), Retrieval::Lagged, 5);
-        f.cfg.d_model = 2 * dh;
-        f.cfg.n_heads = 2;
-        f.cfg.expansion = e;
-        f.cfg.residual = index == 1;
-        f.cfg.gates = titans::GateMode::DataDependent;
-        f.p = random_params(f.cfg, rng);
-        const int N = 17;
-        const Matrixd x = random_matrix(B * N, f.cfg.d_model, rng);
-        std::vector<int> pieces(7, 1);
-        for (const int n : {2, 4, 3, 1}) pieces.push_back(n);
+        const WideDecode w(rng, dh, e, B, index == 1);
         INFO("d_h " << dh << " expansion " << e << " streams " << B << " threads "
                     << tcu::decode_block_threads<T>(2LL * B));
 #if TITANS_CUDA_EMULATION
         const void* kernel = reinterpret_cast<const void*>(&tcu::decode_rows_kernel<T>);
         const long before = cuda_emulation::launches(kernel);
 #endif
-        CHECK(compare_case<T>(f.cfg, f.p, x, B, N, rng, bound, pieces) <= bound);
+        CHECK(compare_case<T>(w.f.cfg, w.f.p, w.x, B, w.N, rng, bound, w.pieces) <= bound);
 #if TITANS_CUDA_EMULATION
-        CHECK(cuda_emulation::launches(kernel) - before == 7 + 4 + 2);
+        CHECK(cuda_emulation::launches(kernel) - before == w.segments);
 #endif
     }
 }
@@ -1149,8 +1164,8 @@ TEMPLATE_TEST_CASE("cuda memory: decode kernel, wide heads", "[cuda]", float, do
 // The decode kernel as clusters of 2, 4 and 8 blocks a pair (decode_cluster_kernel,
 // set_decode_cluster): each block on its share of the hidden columns (h 36 over 8 ranks: shares
 // of 5 and a last one of 1), the second layer's sums added across the blocks in rank order
-// through distributed shared memory, the lead block alone doing the conv and the q/k norm and
-// writing the rows the blocks share; against the CPU over 17 tokens in pieces of 1-4, chunk
+// through distributed shared memory, the conv's columns strided over the blocks, each block's
+// own q/k norm, the lead block alone writing the rows the blocks share; against the CPU over 17 tokens in pieces of 1-4, chunk
 // ends included, in both precisions. Under the emulator: the cluster kernel's launches counted,
 // none where the pairs are more than decode_wide_pairs (B 65 x 2 heads: the one-block kernel
 // instead), and set_decode_cluster's refusal of other sizes, the switch as it was.
@@ -1164,18 +1179,8 @@ TEMPLATE_TEST_CASE("cuda memory: decode kernel as clusters", "[cuda]", float, do
     int index = 0;
     for (const auto& [dh, e, B, ranks] : shapes) {
         Rng rng(seed_for("cuda decode clusters", static_cast<std::uint64_t>(index++)));
-        Fixture f(rng(), Retrieval::Lagged, 5);
-        f.cfg.d_model = 2 * dh;
-        f.cfg.n_heads = 2;
-        f.cfg.expansion = e;
-        f.cfg.residual = index % 2 == 0;
-        f.cfg.normalize_qk = index != 2;
-        f.cfg.gates = titans::GateMode::DataDependent;
-        f.p = random_params(f.cfg, rng);
-        const int N = 17;
-        const Matrixd x = random_matrix(B * N, f.cfg.d_model, rng);
-        std::vector<int> pieces(7, 1);
-        for (const int n : {2, 4, 3, 1}) pieces.push_back(n);
+        WideDecode w(rng, dh, e, B, index % 2 == 0);
+        w.f.cfg.normalize_qk = index != 2;
         const bool clustered = 2LL * B <= tcu::decode_wide_pairs;
         INFO("d_h " << dh << " expansion " << e << " streams " << B << " ranks " << ranks
                     << (clustered ? "" : " (too many pairs: one block a pair)"));
@@ -1187,12 +1192,12 @@ TEMPLATE_TEST_CASE("cuda memory: decode kernel as clusters", "[cuda]", float, do
         const long before = cuda_emulation::launches(kernel),
                    before_single = cuda_emulation::launches(single);
 #endif
-        const double err = compare_case<T>(f.cfg, f.p, x, B, N, rng, bound, pieces);
+        const double err = compare_case<T>(w.f.cfg, w.f.p, w.x, B, w.N, rng, bound, w.pieces);
         tcu::set_decode_cluster(0);
         CHECK(err <= bound);
 #if TITANS_CUDA_EMULATION
-        CHECK(cuda_emulation::launches(kernel) - before == (clustered ? 7 + 4 + 2 : 0));
-        CHECK(cuda_emulation::launches(single) - before_single == (clustered ? 0 : 7 + 4 + 2));
+        CHECK(cuda_emulation::launches(kernel) - before == (clustered ? w.segments : 0));
+        CHECK(cuda_emulation::launches(single) - before_single == (clustered ? 0 : w.segments));
 #endif
     }
     tcu::set_decode_cluster(4);
